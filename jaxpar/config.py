@@ -1,0 +1,470 @@
+"""Configuration: frozen dataclasses, YAML presets, ``key=value`` overrides, and all validation.
+
+Everything a user can get wrong is caught here, before jax is imported or anything is compiled, and
+reported as a one-line :class:`ConfigError` naming the field and the allowed values (the CLI turns
+it into exit code 2). This module deliberately imports neither jax nor flax: the CLI must read the
+config (``host_devices``) before jax initialises its backend.
+
+The one exception is the device count, which only jax knows: :func:`validate` takes it as an
+argument, so callers resolve it once (``host_devices`` or ``jax.device_count()``) and pass it in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+MESH_AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+"""Mesh axis names, outermost first; the innermost axis should get the fastest links."""
+
+BATCH_AXES = ("data", "fsdp", "expert")
+"""Mesh axes the global batch is split over (``expert`` is extra data parallelism outside MoE)."""
+
+LOGICAL_AXES = (
+    "batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads", "head_dim",
+    "mlp", "vocab", "experts", "layers", "stage",
+)
+"""Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error (the CLI exits with code 2)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 0  # 0 = dense model
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    every: int = 1  # every n-th layer is a MoE layer
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # default d_model // n_heads
+    d_ff: int = 128
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    pipe: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8  # global sequences per optimizer step
+    seq_len: int = 64
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    microbatches: int = 1  # pipeline microbatches per micro-step
+    grad_accum: int = 1  # micro-steps summed per optimizer step
+    remat: Literal["none", "full", "dots"] = "none"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    sequence_parallel: bool = False
+    zero: Literal[1, 3] = 3
+    context_impl: Literal["ring", "allgather"] = "ring"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"
+    virtual_stages: int = 1
+    # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
+    rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # 'stdlib' or a path/glob of .txt/.md/.py/.jsonl/.parquet files
+    tokenizer: str = "byte"  # 'byte' or a path to a tokenizer.json
+    val_fraction: float = 0.01
+    max_bytes: int = 8_000_000  # cap on corpus text read (0 = no cap)
+    shuffle: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end when enabled
+    keep: int = 3
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 10  # steps between log lines / metrics.jsonl rows
+    progress: bool = True  # rich progress bar
+
+
+@dataclass(frozen=True)
+class Config:
+    host_devices: int | None = None  # N virtual CPU devices (forces the CPU platform)
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Axis sizes; only meaningful after :func:`validate` resolved any ``-1``."""
+        return self.mesh.sizes()
+
+    def batch_shards(self) -> int:
+        return math.prod(getattr(self.mesh, a) for a in BATCH_AXES)
+
+
+# --------------------------------------------------------------------------------------------
+# Building a Config from nested dicts, with types checked against the dataclass schema.
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    if _is_optional(tp):
+        return _type_name(_strip_optional(tp)) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+        tp
+    )
+
+
+def _strip_optional(tp: Any) -> Any:
+    return next(a for a in typing.get_args(tp) if a is not type(None))
+
+
+def _parse_scalar_text(text: str) -> Any:
+    """Interpret an override's right-hand side the way YAML would (``2`` -> int, ``true`` -> bool)."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the schema type ``tp``; return it converted, or raise ConfigError."""
+    if _is_optional(tp):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        tp = _strip_optional(tp)
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or isinstance(value, bool):
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: "
+                              + ", ".join(str(a) for a in allowed))
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    if origin is dict:  # parallel.rules: logical axis -> tuple of mesh axes
+        if not isinstance(value, Mapping):
+            raise bad
+        return {str(k): _coerce_axes(f"{key}.{k}", v) for k, v in value.items()}
+    raise bad
+
+
+def _coerce_axes(key: str, value: Any) -> tuple[str, ...]:
+    if value is None or value == "" or (isinstance(value, str) and value.lower() == "none"):
+        return ()
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: expected a list of mesh axes ({', '.join(MESH_AXES)}), "
+                          f"got {value!r}")
+    return tuple(value)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {prefix}{key}; allowed keys: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", tp, value)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Insert ``value`` at ``a.b.c`` in nested dicts (schema checks happen later, in _build)."""
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return [_to_dict(v) for v in obj]
+    return obj
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict of the config (what ``run_dir/config.yaml`` holds)."""
+    return _to_dict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A YAML path, or the name of a preset in ``configs/`` (``tiny`` or ``tiny.yaml``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for candidate in (PRESETS_DIR / name_or_path, PRESETS_DIR / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    presets = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")) if PRESETS_DIR.is_dir() else []
+    raise ConfigError(f"config {name_or_path!r} is neither a YAML file nor a preset; presets: "
+                      + (", ".join(presets) or "(none found)"))
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. mesh.tensor=2")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        if key.startswith("parallel.rules."):
+            value: Any = _coerce_axes(key, text)
+        else:
+            value = _parse_scalar_text(text)
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _merge(base: dict, extra: Mapping) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a preset/YAML file and apply ``key=value`` overrides; types are checked, the device
+    count is not (call :func:`validate` once it is known)."""
+    data: dict[str, Any] = {}
+    if name_or_path is not None:
+        path = resolve_config_path(name_or_path)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        data = loaded
+    data = _merge(data, parse_overrides(overrides))
+    return _build(Config, data, "")
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    return _build(Config, data, "")
+
+
+def replace(cfg: Config, **dotted: Any) -> Config:
+    """``replace(cfg, **{"mesh.tensor": 2})``: a copy with dotted fields changed (typed, unchecked)."""
+    return config_from_dict(_merge(to_dict(cfg), parse_overrides_dict(dotted)))
+
+
+def parse_overrides_dict(dotted: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in dotted.items():
+        _set_dotted(tree, key, value)
+    return tree
+
+
+# --------------------------------------------------------------------------------------------
+# Semantic validation: one function, every rule, in the order a user would fix them.
+
+
+def _resolve_mesh(mesh: MeshConfig, device_count: int) -> MeshConfig:
+    sizes = mesh.sizes()
+    for axis, size in sizes.items():
+        if size != -1 and size < 1:
+            raise ConfigError(f"mesh.{axis}={size}: axis sizes must be >= 1, or -1 for the rest")
+    wild = [a for a, s in sizes.items() if s == -1]
+    if len(wild) > 1:
+        raise ConfigError(f"mesh: more than one axis is -1 ({', '.join(wild)}); at most one may be")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    shown = " ".join(f"{a}={s}" for a, s in sizes.items() if s != 1)
+    if wild:
+        if device_count % fixed:
+            raise ConfigError(f"mesh: {shown} cannot fill {device_count} devices "
+                              f"({device_count} is not divisible by {fixed})")
+        sizes[wild[0]] = device_count // fixed
+    elif fixed != device_count:
+        raise ConfigError(f"mesh: product of axis sizes ({shown or 'all 1'}) is {fixed}, "
+                          f"but there are {device_count} devices")
+    return MeshConfig(**sizes)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, device_count: int) -> Config:
+    """Check every cross-field rule; return the config with the mesh's ``-1`` axis resolved."""
+    if cfg.host_devices is not None:
+        _require(cfg.host_devices >= 1, f"host_devices={cfg.host_devices}: must be >= 1")
+    mesh = _resolve_mesh(cfg.mesh, device_count)
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+
+    # Parallelisms that later issues add: say so plainly rather than run something wrong.
+    _require(mesh.pipe == 1, f"mesh.pipe={mesh.pipe}: pipeline parallelism is not implemented yet;"
+             " allowed: 1")
+    _require(mesh.context == 1, f"mesh.context={mesh.context}: context parallelism is not "
+             "implemented yet; allowed: 1")
+    _require(mesh.expert == 1, f"mesh.expert={mesh.expert}: expert parallelism is not "
+             "implemented yet; allowed: 1")
+    _require(m.moe.num_experts == 0, f"model.moe.num_experts={m.moe.num_experts}: mixture of "
+             "experts is not implemented yet; allowed: 0")
+    _require(t.microbatches == 1, f"train.microbatches={t.microbatches}: pipeline microbatches "
+             "need mesh.pipe > 1, which is not implemented yet; allowed: 1")
+
+    # Model shape.
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(m, name)
+        _require(value >= 1, f"model.{name}={value}: must be >= 1")
+    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of "
+             f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
+    if m.head_dim is None:
+        _require(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by "
+                 f"model.n_heads={m.n_heads} (or set model.head_dim)")
+    _require(m.resolved_head_dim % 2 == 0, f"model.head_dim={m.resolved_head_dim}: rotary "
+             "embeddings need an even head_dim")
+    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(m, name)
+        _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
+                 f"mesh.tensor={mesh.tensor}")
+
+    # Batch and sequence.
+    _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")
+    _require(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1")
+    _require(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be >= 1")
+    batch_shards = math.prod(getattr(mesh, a) for a in BATCH_AXES)
+    per_step = t.grad_accum * t.microbatches * batch_shards
+    _require(t.batch_size >= 1 and t.batch_size % per_step == 0,
+             f"train.batch_size={t.batch_size} is not divisible by grad_accum x microbatches x "
+             f"batch shards (data*fsdp*expert) = {t.grad_accum} x {t.microbatches} x "
+             f"{batch_shards} = {per_step}")
+    seq_shards = mesh.context * 2 if mesh.context > 1 else 1  # load-balanced causal: 2 chunks each
+    if p.sequence_parallel:
+        seq_shards = math.lcm(seq_shards, mesh.context * mesh.tensor)
+    _require(t.seq_len >= 2 and t.seq_len % seq_shards == 0,
+             f"train.seq_len={t.seq_len} is not divisible by {seq_shards}, which "
+             + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
+                "context parallelism (2*context)") + " needs")
+
+    # Optimiser and schedule.
+    _require(t.lr > 0, f"train.lr={t.lr}: must be > 0")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
+    _require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
+
+    # Sharding of parameters: ZeRO-3 splits the embed dim over fsdp; ZeRO-1 splits the optimizer
+    # state's embed dim over every batch axis.
+    zero_shards = mesh.fsdp if p.zero == 3 else mesh.data * mesh.fsdp
+    _require(m.d_model % zero_shards == 0, f"model.d_model={m.d_model} is not divisible by "
+             f"{zero_shards}, the " + ("fsdp axis (ZeRO-3)" if p.zero == 3 else
+                                      "data*fsdp axes that ZeRO-1 shards optimizer state over"))
+    for logical, axes in p.rules.items():
+        _require(logical in LOGICAL_AXES, f"parallel.rules.{logical}: unknown logical axis; "
+                 f"allowed: {', '.join(LOGICAL_AXES)}")
+        for axis in axes:
+            _require(axis in MESH_AXES, f"parallel.rules.{logical}: unknown mesh axis {axis!r}; "
+                     f"allowed: {', '.join(MESH_AXES)}")
+
+    # Data, checkpoints, logging.
+    _require(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must "
+             "be in [0, 1)")
+    _require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
+    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
+    return dataclasses.replace(cfg, mesh=mesh)

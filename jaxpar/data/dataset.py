@@ -1,0 +1,95 @@
+"""From `data.source` to a packed train or validation split.
+
+The split is by document and decided by a hash of each document's key (its relative path, or
+path and line), so it is deterministic, identical on every process, and a document keeps its
+split when `max_bytes` lets more or fewer documents in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxpar.data.packing import PackedDataset, pack_tokens
+from jaxpar.data.sources import read_documents
+from jaxpar.data.tokenizer import Tokenizer
+
+SPLITS = ("train", "validation")
+
+
+def build_dataset(
+    source: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    *,
+    split: str = "train",
+    val_fraction: float = 0.01,
+    max_bytes: int | None = 8_000_000,
+) -> PackedDataset:
+    """Read, split, tokenize and pack `source` into rows of `seq_len` inputs and targets."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if seq_len < 1:
+        raise ValueError(f"train.seq_len must be positive, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    docs = read_documents(source, max_bytes)
+    if not docs:
+        raise ValueError(f"data.source={source!r}: the corpus is empty (no non-empty documents)")
+    in_validation = validation_mask([d.key for d in docs], val_fraction)
+    chosen = [d for d, v in zip(docs, in_validation, strict=True) if v == (split == "validation")]
+    if not chosen:
+        raise ValueError(
+            f"data.source={source!r}: the {split} split is empty ({len(docs)} documents, "
+            f"val_fraction={val_fraction}; the split is by document, so add documents)"
+        )
+    tokens, n_tokens = pack_tokens(
+        tokenizer.encode_batch([d.text for d in chosen]), tokenizer.eos_id, seq_len
+    )
+    dataset = PackedDataset(
+        tokens=tokens,
+        n_tokens=n_tokens,
+        seq_len=seq_len,
+        source=source,
+        split=split,
+        tokenizer=tokenizer.name,
+        documents=tuple(d.key for d in chosen),
+    )
+    if len(dataset) == 0:
+        raise ValueError(
+            f"data.source={source!r}: the {split} split has {n_tokens} token(s), "
+            f"too few for one row of train.seq_len={seq_len}"
+        )
+    return dataset
+
+
+def validation_mask(keys: Sequence[str], val_fraction: float) -> np.ndarray:
+    """True for the documents in the validation split (about `val_fraction` of them).
+
+    With two or more documents neither split is left empty: if the hash puts none (or all) in
+    validation, the document with the lowest (highest) hash changes side.
+    """
+    scores = np.array([_unit_hash(k) for k in keys])
+    in_validation = scores < val_fraction
+    if len(keys) >= 2 and val_fraction > 0:
+        if not in_validation.any():
+            in_validation[np.argmin(scores)] = True
+        if in_validation.all():
+            in_validation[np.argmax(scores)] = False
+    return in_validation
+
+
+def _unit_hash(key: str) -> float:
+    """A stable pseudo-random number in [0, 1) (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def describe(ds: PackedDataset) -> str:
+    """One line for the train log: split, documents, tokens, rows."""
+    return (
+        f"data {ds.split}: {len(ds.documents):,} documents, {ds.n_tokens:,} tokens, "
+        f"{len(ds):,} rows of {ds.seq_len} (source={ds.source}, tokenizer={ds.tokenizer})"
+    )

@@ -1,0 +1,69 @@
+"""Packing: documents become one token stream, cut into fixed-length training rows.
+
+Documents are joined with the tokenizer's end-of-text id between them, so no token is wasted on
+padding except at the very end. Row `i` is the window `stream[i*L : i*L + L + 1]` (L = seq_len):
+its first L tokens are the inputs and its last L the targets. Consecutive rows share one boundary
+token, so every token after the first is a target exactly once, and the inputs of all rows laid
+end to end are the stream itself. Only the last row can run past the stream; its padded targets
+get mask 0. Rows are views computed on demand from one flat array (no copy per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def pack_tokens(docs: Sequence[np.ndarray], eos_id: int, seq_len: int) -> tuple[np.ndarray, int]:
+    """(padded stream, number of real tokens): `docs` joined by `eos_id`, padded to whole rows."""
+    separator = np.array([eos_id], dtype=np.int32)
+    pieces = []
+    for i, doc in enumerate(docs):
+        if i:
+            pieces.append(separator)
+        pieces.append(np.asarray(doc, dtype=np.int32))
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    n_tokens = len(stream)
+    padded = np.full(num_rows(n_tokens, seq_len) * seq_len + 1, eos_id, dtype=np.int32)
+    padded[:n_tokens] = stream
+    return padded, n_tokens
+
+
+def num_rows(n_tokens: int, seq_len: int) -> int:
+    """Rows needed so that every token but the first is a target once."""
+    return max(0, -(-(n_tokens - 1) // seq_len))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedDataset:
+    """A split of a corpus as packed rows: `ds[i]` -> inputs, targets, mask of length seq_len."""
+
+    tokens: np.ndarray  # int32 stream padded to len(self) * seq_len + 1
+    n_tokens: int  # real (unpadded) tokens in `tokens`
+    seq_len: int
+    source: str  # the data.source it came from, for messages
+    split: str
+    tokenizer: str  # tokenizer name, for describe()
+    documents: tuple[str, ...]  # keys of the documents in this split, in stream order
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} out of range for {len(self)} rows")
+        row = self.rows(np.array([index % len(self)]))
+        return {name: value[0] for name, value in row.items()}
+
+    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `indices` stacked: int32 inputs/targets and float32 mask, each [n, seq_len]."""
+        starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
+        window = self.tokens[starts + np.arange(self.seq_len + 1)]
+        target_positions = starts + np.arange(1, self.seq_len + 1)
+        return {
+            "inputs": np.ascontiguousarray(window[:, :-1]),
+            "targets": np.ascontiguousarray(window[:, 1:]),
+            "mask": (target_positions < self.n_tokens).astype(np.float32),
+        }

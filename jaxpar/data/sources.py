@@ -1,0 +1,158 @@
+"""Where documents come from: the interpreter's standard library, or the user's files.
+
+`read_documents` turns a `data.source` string into a deterministic list of documents, each with a
+stable key (a relative path, plus a line/row number for multi-document files). Keys, not list
+positions, decide the train/validation split, so the split of a document does not depend on how
+much of the corpus was read. Anything a user can get wrong is a one-line `ValueError` that names
+`data.source`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from typing import NamedTuple
+
+PLAIN_TEXT = (".txt", ".md", ".py")
+SUPPORTED = (*PLAIN_TEXT, ".jsonl", ".parquet")
+
+
+class Document(NamedTuple):
+    key: str  # stable identity: relative path, or "path:line" inside a .jsonl/.parquet file
+    text: str
+
+
+def read_documents(source: str, max_bytes: int | None = None) -> list[Document]:
+    """Documents of `source` in a fixed order, stopping at `max_bytes` of UTF-8 text.
+
+    The document that crosses `max_bytes` is cut to fit, so at most `max_bytes` are read even
+    from a single huge file. Empty documents are dropped.
+    """
+    if max_bytes is not None and max_bytes <= 0:
+        raise _error(source, f"max_bytes must be positive or None, got {max_bytes}")
+    # The stdlib holds a few files in legacy encodings (encoding tests); skip them, whereas a
+    # user's own file that cannot be read is an error worth reporting.
+    lenient = source == "stdlib"
+    files = _stdlib_files() if lenient else _user_files(source)
+    docs: list[Document] = []
+    total = 0
+    for path, key in files:
+        remaining = None if max_bytes is None else max_bytes - total
+        for doc in _read_file(source, path, key, remaining, lenient):
+            size = len(doc.text.encode("utf-8"))
+            if max_bytes is not None and total + size > max_bytes:
+                text = doc.text.encode("utf-8")[: max_bytes - total].decode("utf-8", "ignore")
+                doc, size = Document(doc.key, text), max_bytes - total
+            if doc.text:
+                docs.append(doc)
+                total += size
+            if max_bytes is not None and total >= max_bytes:
+                return docs
+    return docs
+
+
+def _error(source: str, message: str) -> ValueError:
+    return ValueError(f"data.source={source!r}: {message}")
+
+
+def _stdlib_files() -> list[tuple[str, str]]:
+    """The .py files of the running interpreter's standard library, without site-packages."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        found += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    return [(p, os.path.relpath(p, root)) for p in sorted(found)]
+
+
+def _user_files(source: str) -> list[tuple[str, str]]:
+    """(path, key) pairs for a file, a directory (recursively) or a glob pattern, sorted."""
+    path = os.path.expanduser(source)
+    if os.path.isfile(path):
+        if not path.endswith(SUPPORTED):
+            raise _error(source, f"unsupported file type (use one of {', '.join(SUPPORTED)})")
+        return [(path, os.path.basename(path))]
+    if os.path.isdir(path):
+        found = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            found += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".")]
+        matched = [(p, os.path.relpath(p, path)) for p in sorted(found)]
+        where = "in this directory"
+    elif any(c in path for c in "*?["):
+        matched = [(p, p) for p in sorted(glob.glob(path, recursive=True)) if os.path.isfile(p)]
+        where = "matching this pattern"
+    else:
+        raise _error(source, "no such file, directory or glob match")
+    # Inside a directory or glob, other files (READMEs without .md, licenses...) are skipped.
+    files = [(p, k) for p, k in matched if p.endswith(SUPPORTED)]
+    if not files:
+        raise _error(source, f"no {', '.join(SUPPORTED)} files {where}")
+    return files
+
+
+def _read_file(
+    source: str, path: str, key: str, limit: int | None, lenient: bool
+) -> Iterator[Document]:
+    if path.endswith(PLAIN_TEXT):
+        try:
+            yield Document(key, _read_text(path, limit))
+        except (OSError, UnicodeDecodeError) as e:
+            if not lenient:
+                raise _error(source, f"cannot read {path} as UTF-8 text ({e})") from e
+    elif path.endswith(".jsonl"):
+        yield from _read_jsonl(source, path, key)
+    else:
+        yield from _read_parquet(source, path, key)
+
+
+def _read_text(path: str, limit: int | None) -> str:
+    """A UTF-8 file, or its first `limit` bytes (never a half character)."""
+    with open(path, "rb") as f:
+        data = f.read() if limit is None else f.read(limit)
+    # When the limit cut the file, an incremental decoder holds back a trailing partial
+    # character instead of failing on it; a whole file must decode completely.
+    cut = limit is not None and len(data) == limit
+    return codecs.getincrementaldecoder("utf-8")().decode(data, final=not cut)
+
+
+def _read_jsonl(source: str, path: str, key: str) -> Iterator[Document]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise _error(source, f"{path} line {line_no}: invalid JSON ({e.msg})") from e
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise _error(source, f'{path} line {line_no}: no string field "text"')
+                yield Document(f"{key}:{line_no}", record["text"])
+    except (OSError, UnicodeDecodeError) as e:
+        raise _error(source, f"cannot read {path} as UTF-8 JSON lines ({e})") from e
+
+
+def _read_parquet(source: str, path: str, key: str) -> Iterator[Document]:
+    try:
+        import pyarrow.parquet as pq  # optional dependency, only needed for .parquet sources
+    except ImportError as e:
+        raise ImportError(
+            f"data.source={source!r}: reading .parquet files needs pyarrow: pip install pyarrow"
+        ) from e
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own error types for corrupt files
+        raise _error(source, f"cannot read {path} as Parquet ({e})") from e
+    if "text" not in parquet.schema_arrow.names:
+        raise _error(source, f'{path} has no column "text"')
+    row = 0
+    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield Document(f"{key}:{row}", text)
+            row += 1

@@ -1,0 +1,55 @@
+"""The device mesh: six named axes, virtual CPU devices, and the device count validation needs.
+
+Axis order (outermost first) is ``pipe, data, fsdp, expert, context, tensor``: ``jax.make_mesh``
+lays the innermost axis over the devices with the fastest links, which is where the chattiest
+parallelism (tensor) belongs.
+
+``host_devices=N`` must take effect before jax initialises a backend, so
+:func:`use_host_devices` is called by the CLI right after the config is read and before anything
+touches ``jax.devices()``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from jaxpar.config import MESH_AXES, Config
+
+
+def use_host_devices(count: int | None) -> None:
+    """Ask for ``count`` virtual CPU devices (and the CPU platform), before jax starts a backend."""
+    if count is None:
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax  # noqa: PLC0415  (imported late on purpose: the flags above must come first)
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def device_count(cfg: Config) -> int:
+    """Devices the mesh will span: ``host_devices`` when set, else every device jax sees."""
+    use_host_devices(cfg.host_devices)
+    import jax  # noqa: PLC0415
+
+    count = jax.device_count()
+    if cfg.host_devices is not None and count != cfg.host_devices:
+        raise RuntimeError(
+            f"host_devices={cfg.host_devices} asked for, but jax already started with {count} "
+            "devices (set host_devices before anything imports and uses jax)")
+    return count
+
+
+def make_mesh(cfg: Config):
+    """A ``jax.sharding.Mesh`` with the six named axes, all ``Auto`` (sharding by annotation).
+
+    ``cfg`` must be validated (no ``-1`` left in ``cfg.mesh``).
+    """
+    import jax  # noqa: PLC0415
+
+    shape = tuple(getattr(cfg.mesh, axis) for axis in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

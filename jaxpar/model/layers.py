@@ -1,0 +1,136 @@
+"""Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+
+Every parameter is created in float32 and carries logical axis names in its ``out_sharding``
+metadata (``("embed", "heads", "head_dim")``...); :mod:`jaxpar.parallel.rules` turns those names
+into mesh axes. Inside a layer, weights are cast to the compute dtype, while norms, softmax and
+the loss stay in float32.
+
+Shapes use: B batch, S sequence, E d_model, H query heads, K kv heads, G = H/K query heads per kv
+head, D head_dim, F d_ff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.model.annotate import constrain
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float,
+           ) -> nnx.Param:
+    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    return nnx.Param(value, out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate pairs (first half, second half) of the head dim by position-dependent angles.
+
+    x: [B, S, N, D]; positions: [B, S] (explicit, so a sequence shard knows its offsets).
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Grouped-query causal attention. q: [B, S, H, D]; k, v: [B, S, K, D] -> [B, S, H, D].
+
+    Query head h uses kv head h // G, so a contiguous block of query heads shares one kv head and
+    splitting H and K over the same mesh axis keeps each group on one device.
+    """
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d))
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+class Attention(nnx.Module):
+    """QKV projections are column-parallel (split on heads), the output projection row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        # Residual-branch output scaled down with depth (GPT-2 style) to keep early steps stable.
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), out_std)
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("bse,ekd->bskd", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("bse,ekd->bskd", x, self.wv[...].astype(dtype))
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q = rotary_embedding(q, positions, self.rope_theta)
+        k = rotary_embedding(k, positions, self.rope_theta)
+        out = causal_attention(q, k, v)
+        out = constrain(out, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
+
+
+class SwiGLU(nnx.Module):
+    """gate/up are column-parallel (split on mlp), down is row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, f = cfg.d_model, cfg.d_ff
+        self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
+        self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
+        self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        gate = jnp.einsum("bse,ef->bsf", x, self.w_gate[...].astype(dtype))
+        up = jnp.einsum("bse,ef->bsf", x, self.w_up[...].astype(dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return jnp.einsum("bsf,fe->bse", hidden, self.w_down[...].astype(dtype))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
+
+    Between blocks the residual stream is laid out as ``residual_seq`` (sharded over ``tensor`` too
+    under sequence parallelism); the matmul inputs are laid out as ``seq``. The change of layout
+    is where the compiler puts the all-gather (entering) and reduce-scatter (leaving) of
+    Megatron-SP, or, without SP, the all-reduce of the row-parallel output.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        h = constrain(self.attn_norm(x), ("batch", "seq", "act_embed"))
+        x = x + constrain(self.attn(h, positions), ("batch", "residual_seq", "act_embed"))
+        h = constrain(self.mlp_norm(x), ("batch", "seq", "act_embed"))
+        x = x + constrain(self.mlp(h), ("batch", "residual_seq", "act_embed"))
+        return x

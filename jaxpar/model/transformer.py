@@ -1,0 +1,97 @@
+"""The decoder: token embedding, a scanned stack of blocks, final norm, output projection, loss.
+
+The blocks are created with ``nnx.vmap`` so each parameter gets a leading ``layers`` dimension,
+and run with ``jax.lax.scan``: the traced (and compiled) program holds one block whatever the
+depth, so compile time does not grow with ``n_layers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.model.annotate import constrain
+from jaxpar.model.layers import Block, RMSNorm, _param
+
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,  # keep every activation
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute all
+    # keep the outputs of the weight matmuls (no batch dims), recompute the cheap elementwise
+    # ops and the attention scores/probabilities
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.layers = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                                  cfg.init_std)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, *, dtype=jnp.float32,
+                 remat: str = "none") -> jax.Array:
+        """tokens, positions: int32 [B, S] -> float32 logits [B, S, vocab]."""
+        tokens = constrain(tokens, ("batch", "seq"))
+        # A gather from a vocab-split table: each tensor shard looks up the ids it owns and the
+        # partial rows are summed (vocab-parallel embedding).
+        # The table is first gathered whole along embed (as FSDP does for every weight), so the
+        # lookup itself only has to deal with the vocab split.
+        table = constrain(self.embedding[...], ("vocab", "act_embed"))
+        x = jnp.take(table, tokens, axis=0).astype(dtype)
+        x = constrain(x, ("batch", "residual_seq", "act_embed"))
+
+        graphdef, stacked = nnx.split(self.layers)
+
+        def one_block(x: jax.Array, layer_state) -> tuple[jax.Array, None]:
+            return nnx.merge(graphdef, layer_state)(x, positions), None
+
+        if REMAT_POLICIES[remat] is not None:
+            one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat],
+                                       prevent_cse=False)
+        x, _ = jax.lax.scan(one_block, x, stacked)
+
+        x = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
+        head = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("bse,ev->bsv", x, head.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token cross entropy in float32. With logits split on vocab, the max and the sum of
+    exponentials each become a small all-reduce over the vocab shards (vocab-parallel loss)."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    # A one-hot select rather than a gather keeps the vocab dimension elementwise, so each shard
+    # picks its own target logits and only a [B, S] partial sum crosses devices.
+    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+    target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+    return log_z - target_logit
+
+
+def create_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A concrete model (call under ``jax.jit`` with ``out_shardings`` to create it sharded)."""
+    with nnx.use_eager_sharding(False):
+        return Transformer(cfg, nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """Shapes and metadata only; no memory is allocated."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0)))

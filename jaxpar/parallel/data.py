@@ -1,0 +1,71 @@
+"""Data parallelism and ZeRO: who holds which part of the parameters and optimizer state.
+
+Plain data parallelism (``data`` axis) needs no code: parameters are replicated, the batch is split,
+and because the loss is a sum over the global batch, the compiler all-reduces gradients over
+``data`` (2(N-1)/N x gradient bytes per device with a ring).
+
+ZeRO-3 / FSDP (``fsdp`` axis, ``parallel.zero=3``) also needs no code of its own: the rules table
+maps the parameters' ``embed`` dimension to ``fsdp``, so parameters, gradients and Adam moments are
+all stored 1/N per device. Each layer's weights are all-gathered just before use (forward, and
+again in the backward pass), and gradients are reduce-scattered instead of all-reduced:
+(N-1)/N x parameter bytes per gather, (N-1)/N x gradient bytes per reduce-scatter.
+
+ZeRO-1 (``parallel.zero=1``) keeps parameters and gradients whole on every device and splits only
+the optimizer state (two fp32 moments = 2x parameter bytes, the largest part of training state)
+over every data-like axis (``data`` and ``fsdp``). This module builds those optimizer-state specs:
+the update runs on each device's slice, then the new parameters are all-gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxpar.config import Config
+from jaxpar.parallel.rules import is_axes_leaf
+
+ZERO1_AXES = ("data", "fsdp")
+
+
+def _with_embed_split(spec: PartitionSpec, names: tuple[str, ...],
+                      mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """Split the ``embed`` dimension of one array's spec over the ZeRO-1 axes as well."""
+    axes = tuple(a for a in ZERO1_AXES if mesh_shape[a] > 1)
+    if not axes or "embed" not in names:
+        return spec
+    entries = list(spec) + [None] * (len(names) - len(spec))
+    dim = names.index("embed")
+    existing = entries[dim] if isinstance(entries[dim], tuple) else (
+        () if entries[dim] is None else (entries[dim],))
+    merged = existing + tuple(a for a in axes if a not in existing)
+    entries[dim] = merged[0] if len(merged) == 1 else merged
+    return PartitionSpec(*entries)
+
+
+def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params: Any,
+                          param_specs: Any, logical_axes: Any) -> Any:
+    """PartitionSpecs for the optimizer state.
+
+    Every part of the state shaped like the parameter tree (Adam's ``mu`` and ``nu``) gets the
+    parameters' specs (ZeRO-3) or those specs with ``embed`` split over ``data``/``fsdp``
+    (ZeRO-1); scalars such as the step count are replicated.
+    """
+    mesh_shape = cfg.mesh_shape
+    if cfg.parallel.zero == 1:
+        moment_specs = jax.tree.map(lambda spec, names: _with_embed_split(spec, names, mesh_shape),
+                                    param_specs, logical_axes,
+                                    is_leaf=lambda x: isinstance(x, PartitionSpec) or is_axes_leaf(x))
+    else:
+        moment_specs = param_specs
+    params_structure = jax.tree.structure(abstract_params)
+
+    def shaped_like_params(node: Any) -> bool:
+        return (not isinstance(node, jax.ShapeDtypeStruct | jax.Array)
+                and jax.tree.structure(node) == params_structure)
+
+    return jax.tree.map(
+        lambda node: moment_specs if shaped_like_params(node) else PartitionSpec(),
+        abstract_opt_state, is_leaf=shaped_like_params)

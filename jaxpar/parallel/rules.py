@@ -1,0 +1,150 @@
+"""The one table from logical axis names to mesh axes, and everything derived from it.
+
+The model names the dimensions of its parameters and activations (``embed``, ``heads``, ``seq``
+...). This table says which mesh axes split each logical dimension:
+
+====================  ========================  ============================================
+logical axis          mesh axes                 why
+====================  ========================  ============================================
+batch                 data, fsdp, expert        every batch axis gets its own rows
+seq                   context                   attention/matmul inputs; ring attention
+residual_seq          context (+ tensor if SP)  between blocks; Megatron sequence parallelism
+embed (parameters)    fsdp (ZeRO-3)             FSDP: weights gathered per layer when used
+act_embed             -                         activations keep the model dim whole
+heads, kv_heads       tensor                    column-parallel QKV, row-parallel output
+mlp                   tensor                    column-parallel gate/up, row-parallel down
+vocab                 tensor                    vocab-parallel embedding, head and loss
+experts               expert                    expert weights live on their expert shard
+layers, head_dim      -                         scanned / too small to split
+stage                 pipe                      pipeline stages
+====================  ========================  ============================================
+
+Rules are checked when resolved, never silently dropped: a logical name with no rule, a mesh axis
+the mesh does not have, one mesh axis used for two dimensions of one array, or a dimension that
+does not divide evenly, is a :class:`~jaxpar.config.ConfigError` naming the array.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import BATCH_AXES, Config, ConfigError
+
+Rules = Mapping[str, tuple[str, ...]]
+
+
+def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
+    """The default table for ``cfg`` (sequence parallelism, ZeRO level), then user overrides."""
+    sp = cfg.parallel.sequence_parallel
+    rules: dict[str, tuple[str, ...]] = {
+        "batch": BATCH_AXES,
+        "seq": ("context",),
+        "residual_seq": ("context", "tensor") if sp else ("context",),
+        # ZeRO-1 keeps parameters whole; only the optimizer state is split (parallel/data.py).
+        "embed": ("fsdp",) if cfg.parallel.zero == 3 else (),
+        "act_embed": (),
+        "heads": ("tensor",),
+        "kv_heads": ("tensor",),
+        "head_dim": (),
+        "mlp": ("tensor",),
+        "vocab": ("tensor",),
+        "experts": ("expert",),
+        "layers": (),
+        "stage": ("pipe",),
+    }
+    rules.update(cfg.parallel.rules)
+    return rules
+
+
+def resolve_spec(what: str, names: Sequence[str | None], shape: Sequence[int] | None,
+                 rules: Rules, mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """PartitionSpec for one array with logical ``names``; ``what`` names it in errors."""
+    used: dict[str, str] = {}
+    entries: list[Any] = []
+    for dim, name in enumerate(names):
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in rules:
+            raise ConfigError(f"{what}: no rule for logical axis {name!r}; rules exist for "
+                              + ", ".join(sorted(rules)))
+        axes = rules[name]
+        for axis in axes:
+            if axis not in mesh_shape:
+                raise ConfigError(f"{what}: rule {name!r} -> {axis!r} names an axis the mesh "
+                                  f"lacks; mesh axes: {', '.join(mesh_shape)}")
+            if axis in used:
+                raise ConfigError(f"{what}: mesh axis {axis!r} is used for two dimensions "
+                                  f"({used[axis]!r} and {name!r}) of one array")
+            used[axis] = name
+        # Size-1 axes split nothing; leaving them out keeps specs (and the golden file) readable.
+        axes = tuple(a for a in axes if mesh_shape[a] > 1)
+        if shape is not None:
+            parts = math.prod(mesh_shape[a] for a in axes)
+            if shape[dim] % parts:
+                raise ConfigError(f"{what}: dimension {name!r} of size {shape[dim]} does not "
+                                  f"divide over mesh axes {axes} ({parts} parts)")
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def param_logical_axes(abstract_model: nnx.Module) -> dict:
+    """Nested dict (as ``nnx.State.to_pure_dict``) of each parameter's logical axis names."""
+    _, state = nnx.split(abstract_model, nnx.Param)
+    flat = {}
+    for path, var in nnx.to_flat_state(state):
+        names = var.get_metadata().get("out_sharding")
+        if names is None or len(names) != var.value.ndim:
+            raise ConfigError(f"parameter {'/'.join(map(str, path))}: logical axis names "
+                              f"{names} do not match its shape {var.value.shape}")
+        flat[path] = tuple(names)
+    return _unflatten(flat)
+
+
+def _unflatten(flat: Mapping[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def param_name(path: Sequence[Any]) -> str:
+    """``('layers', 'attn', 'wq')`` -> ``'layers/attn/wq'`` (the name in errors, JSON, golden)."""
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def is_axes_leaf(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, str) or n is None for n in x)
+
+
+def param_specs(abstract_params: dict, logical_axes: dict, rules: Rules,
+                mesh_shape: Mapping[str, int]) -> dict:
+    """PartitionSpec for every parameter (same nesting as the params)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, names, arr: resolve_spec(param_name(path), names, arr.shape, rules,
+                                              mesh_shape),
+        logical_axes, abstract_params, is_leaf=is_axes_leaf)
+
+
+def named_shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def activation_constrainer(rules: Rules, mesh_shape: Mapping[str, int]):
+    """The function :func:`jaxpar.model.annotate.constrain` applies inside the train step."""
+
+    def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+        spec = resolve_spec(f"activation {tuple(names)}", names, x.shape, rules, mesh_shape)
+        return jax.lax.with_sharding_constraint(x, spec)
+
+    return constrain

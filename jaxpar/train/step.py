@@ -1,0 +1,187 @@
+"""One optimizer step as a pure, jitted function of (state, batch), sharded by annotations.
+
+The step never mentions a collective: parameters, optimizer state and the batch get
+``NamedSharding``s from the rules table, activations get constraints inside the model, and the
+compiler inserts the all-reduces / all-gathers / reduce-scatters each layout needs.
+
+The loss is the *sum* of per-token losses divided by the *global* count of valid tokens, taken
+over the whole global batch before it is split into gradient-accumulation micro-steps. So the
+number (and its gradient) does not depend on the mesh, on micro-stepping, or on how padding falls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import Config, TrainConfig
+from jaxpar.model.annotate import activation_sharding
+from jaxpar.model.transformer import (DTYPES, abstract_model, create_model, token_losses)
+from jaxpar.parallel.data import optimizer_state_specs
+from jaxpar.parallel.rules import (activation_constrainer, logical_rules, named_shardings,
+                                   param_logical_axes, param_name, param_specs, resolve_spec)
+
+Batch = dict[str, jax.Array]  # inputs, targets: int32 [B, S]; mask: float32 [B, S]
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: dict
+    opt_state: Any
+
+
+def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
+        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    """AdamW (no decay on norm scales), after global-norm clipping."""
+
+    def decay_mask(params: dict) -> dict:
+        return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in param_name(path),
+                                                params)
+
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+                             weight_decay=t.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)
+
+
+def split_micro_steps(batch: Batch, steps: int) -> Batch:
+    """[B, S] -> [steps, B/steps, S], micro-step j taking rows j, j+steps, j+2*steps, ...
+
+    Interleaving (rather than contiguous blocks) keeps each device's rows on that device: a
+    device holding rows [d*B/N, (d+1)*B/N) holds rows of every micro-step.
+    """
+    def split(x: jax.Array) -> jax.Array:
+        return jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def summed_token_loss(params: dict, graphdef: nnx.GraphDef, batch: Batch, *, dtype: Any,
+                      remat: str) -> jax.Array:
+    """Sum over valid tokens of the cross entropy (normalised later by the global count)."""
+    tokens = batch["inputs"]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits = nnx.merge(graphdef, params)(tokens, positions, dtype=dtype, remat=remat)
+    return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"])
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """The jitted functions of one run and the shardings they were built with."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    logical_axes: dict  # parameter path -> logical names
+    param_specs: dict  # parameter path -> PartitionSpec
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
+    init: Callable[[], TrainState]
+    step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
+    grads: Callable[[TrainState, Batch], tuple[jax.Array, dict]]  # loss, grads; for tests
+
+    def put_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
+        """This process's rows -> global arrays laid out for the step."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+                for k, v in local_batch.items()}
+
+
+def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
+    """Resolve every sharding for ``cfg`` on ``mesh`` and jit init/step. ``cfg`` is validated."""
+    mesh_shape = cfg.mesh_shape
+    rules = logical_rules(cfg)
+    model = abstract_model(cfg.model)
+    graphdef, abstract_params = nnx.split(model, nnx.Param)
+    abstract_params = abstract_params.to_pure_dict()
+    logical_axes = param_logical_axes(model)
+    specs = param_specs(abstract_params, logical_axes, rules, mesh_shape)
+
+    tx = make_optimizer(cfg.train)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_specs = optimizer_state_specs(cfg, abstract_opt, abstract_params, specs, logical_axes)
+    state_specs = TrainState(step=PartitionSpec(), params=specs, opt_state=opt_specs)
+    state_shardings = named_shardings(mesh, state_specs)
+    batch_spec = resolve_spec("batch", ("batch", "seq"), (cfg.train.batch_size,
+                                                          cfg.train.seq_len), rules, mesh_shape)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+    constrain = activation_constrainer(rules, mesh_shape)
+    dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
+
+    def init() -> TrainState:
+        params = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param)[1].to_pure_dict()
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict]:
+        valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        grad_fn = jax.value_and_grad(summed_token_loss)
+        kwargs = dict(graphdef=graphdef, dtype=dtype, remat=remat)
+        with activation_sharding(constrain):
+            if accum == 1:
+                loss_sum, grads = grad_fn(state.params, batch=batch, **kwargs)
+            else:
+                def micro_step(carry, micro_batch):
+                    loss_sum, grads = grad_fn(state.params, batch=micro_batch, **kwargs)
+                    return jax.tree.map(jnp.add, carry, (loss_sum, grads)), None
+
+                zeros = (jnp.zeros((), jnp.float32),
+                         jax.tree.map(jnp.zeros_like, state.params))
+                (loss_sum, grads), _ = jax.lax.scan(micro_step, zeros,
+                                                    split_micro_steps(batch, accum))
+        grads = jax.tree.map(lambda g: g / valid, grads)
+        # Gradients live where their parameters live: under FSDP this is what turns the
+        # gradient all-reduce into a reduce-scatter.
+        grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
+        return loss_sum / valid, grads
+
+    schedule = learning_rate_schedule(cfg.train)
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        loss, grads = loss_and_grads(state, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+                   "lr": schedule(state.step)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt),
+        state_shardings)
+    with jax.set_mesh(mesh):
+        init_jit = jax.jit(init, out_shardings=state_shardings)
+        step_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                           out_shardings=(state_shardings, None), donate_argnums=0)
+        grads_jit = jax.jit(loss_and_grads, in_shardings=(state_shardings, batch_sharding),
+                            out_shardings=(None, state_shardings.params))
+
+    def in_mesh(fn):
+        def wrapped(*args):
+            with jax.set_mesh(mesh):
+                return fn(*args)
+        wrapped.lower = lambda *args: _lower_in_mesh(fn, mesh, *args)
+        return wrapped
+
+    return Trainer(cfg=cfg, mesh=mesh, graphdef=graphdef, logical_axes=logical_axes,
+                   param_specs=specs, state_shardings=state_shardings,
+                   batch_sharding=batch_sharding, abstract_state=abstract_state,
+                   init=in_mesh(init_jit), step=in_mesh(step_jit), grads=in_mesh(grads_jit))
+
+
+def _lower_in_mesh(fn, mesh, *args):
+    with jax.set_mesh(mesh):
+        return fn.lower(*args)
