@@ -44,12 +44,14 @@ def device_count(cfg: Config) -> int:
     return count
 
 
-def make_mesh(cfg: Config):
+def make_mesh(cfg: Config, devices=None):
     """A ``jax.sharding.Mesh`` with the six named axes, all ``Auto`` (sharding by annotation).
 
-    ``cfg`` must be validated (no ``-1`` left in ``cfg.mesh``).
+    ``cfg`` must be validated (no ``-1`` left in ``cfg.mesh``). ``devices`` defaults to all of
+    them; tests pass a prefix to compare a layout with the 1-device run in one process.
     """
     import jax  # noqa: PLC0415
 
     shape = tuple(getattr(cfg.mesh, axis) for axis in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                         devices=devices)

@@ -39,10 +39,15 @@ class TrainState(NamedTuple):
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
-    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
-    return optax.warmup_cosine_decay_schedule(
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
+
+    Evaluated at the 0-based step count; optimizer step k (1-based) uses the schedule at k, so
+    the first step already moves the parameters (lr/warmup_steps) instead of wasting a step at 0.
+    """
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
         decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+    return lambda count: base(count + 1)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
@@ -81,7 +86,10 @@ def summed_token_loss(params: dict, graphdef: nnx.GraphDef, batch: Batch, *, dty
 
 @dataclass(frozen=True)
 class Trainer:
-    """The jitted functions of one run and the shardings they were built with."""
+    """The jitted functions of one run and the shardings they were built with.
+
+    Every call enters the run's mesh, so activation constraints (bare PartitionSpecs) resolve.
+    """
 
     cfg: Config
     mesh: jax.sharding.Mesh
@@ -91,9 +99,34 @@ class Trainer:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
-    init: Callable[[], TrainState]
-    step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
-    grads: Callable[[TrainState, Batch], tuple[jax.Array, dict]]  # loss, grads; for tests
+    _init: Callable
+    _step: Callable
+    _loss_and_grads: Callable
+
+    def init(self) -> TrainState:
+        with jax.set_mesh(self.mesh):
+            return self._init()
+
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        """One optimizer step; ``state`` is donated (do not use it afterwards)."""
+        with jax.set_mesh(self.mesh):
+            return self._step(state, batch)
+
+    def loss_and_grads(self, state: TrainState, batch: Batch) -> tuple[jax.Array, dict]:
+        with jax.set_mesh(self.mesh):
+            return self._loss_and_grads(state, batch)
+
+    def abstract_batch(self) -> Batch:
+        t = self.cfg.train
+        def leaf(dtype):
+            return jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype,
+                                        sharding=self.batch_sharding)
+        return {"inputs": leaf(jnp.int32), "targets": leaf(jnp.int32), "mask": leaf(jnp.float32)}
+
+    def compile_step(self) -> jax.stages.Compiled:
+        """The train step compiled from abstract arrays: no parameter memory is allocated."""
+        with jax.set_mesh(self.mesh):
+            return self._step.lower(self.abstract_state, self.abstract_batch()).compile()
 
     def put_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
         """This process's rows -> global arrays laid out for the step."""
@@ -162,26 +195,12 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt),
         state_shardings)
-    with jax.set_mesh(mesh):
-        init_jit = jax.jit(init, out_shardings=state_shardings)
-        step_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                           out_shardings=(state_shardings, None), donate_argnums=0)
-        grads_jit = jax.jit(loss_and_grads, in_shardings=(state_shardings, batch_sharding),
-                            out_shardings=(None, state_shardings.params))
-
-    def in_mesh(fn):
-        def wrapped(*args):
-            with jax.set_mesh(mesh):
-                return fn(*args)
-        wrapped.lower = lambda *args: _lower_in_mesh(fn, mesh, *args)
-        return wrapped
-
-    return Trainer(cfg=cfg, mesh=mesh, graphdef=graphdef, logical_axes=logical_axes,
-                   param_specs=specs, state_shardings=state_shardings,
-                   batch_sharding=batch_sharding, abstract_state=abstract_state,
-                   init=in_mesh(init_jit), step=in_mesh(step_jit), grads=in_mesh(grads_jit))
-
-
-def _lower_in_mesh(fn, mesh, *args):
-    with jax.set_mesh(mesh):
-        return fn.lower(*args)
+    return Trainer(
+        cfg=cfg, mesh=mesh, graphdef=graphdef, logical_axes=logical_axes, param_specs=specs,
+        state_shardings=state_shardings, batch_sharding=batch_sharding,
+        abstract_state=abstract_state,
+        _init=jax.jit(init, out_shardings=state_shardings),
+        _step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                      out_shardings=(state_shardings, None), donate_argnums=0),
+        _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(state_shardings, batch_sharding),
+                                out_shardings=(None, state_shardings.params)))
