@@ -170,9 +170,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _is_optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
-        tp
-    )
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return union and type(None) in typing.get_args(tp)
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -180,7 +179,7 @@ def _strip_optional(tp: Any) -> Any:
 
 
 def _parse_scalar_text(text: str) -> Any:
-    """Interpret an override's right-hand side the way YAML would (``2`` -> int, ``true`` -> bool)."""
+    """Read an override's right-hand side as YAML would (``2`` -> int, ``true`` -> bool)."""
     try:
         return yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
@@ -197,14 +196,14 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed or isinstance(value, bool):
+        if not any(value == a and type(value) is type(a) for a in allowed):
             raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: "
                               + ", ".join(str(a) for a in allowed))
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise bad
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -212,6 +211,11 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise bad
     if tp is str:
         if isinstance(value, str):
@@ -334,12 +338,22 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{where} "
+                              f"({str(err).splitlines()[0]})") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: cannot read the config file ({err})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         data = loaded
     data = _merge(data, parse_overrides(overrides))
-    return _build(Config, data, "")
+    cfg = _build(Config, data, "")
+    # Checked here, not in validate(): the device count that validate() needs comes from it.
+    if cfg.host_devices is not None and cfg.host_devices < 1:
+        raise ConfigError(f"host_devices={cfg.host_devices}: must be >= 1 (or null for the "
+                          "devices jax finds)")
+    return cfg
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
@@ -347,7 +361,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
 
 
 def replace(cfg: Config, **dotted: Any) -> Config:
-    """``replace(cfg, **{"mesh.tensor": 2})``: a copy with dotted fields changed (typed, unchecked)."""
+    """``replace(cfg, **{"mesh.tensor": 2})``: a copy with dotted fields changed (unvalidated)."""
     return config_from_dict(_merge(to_dict(cfg), parse_overrides_dict(dotted)))
 
 
@@ -427,22 +441,24 @@ def validate(cfg: Config, device_count: int) -> Config:
     _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")
     _require(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1")
     _require(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be >= 1")
+    _require(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")
+    _require(t.seq_len >= 2, f"train.seq_len={t.seq_len}: must be >= 2")
     batch_shards = math.prod(getattr(mesh, a) for a in BATCH_AXES)
     per_step = t.grad_accum * t.microbatches * batch_shards
-    _require(t.batch_size >= 1 and t.batch_size % per_step == 0,
+    _require(t.batch_size % per_step == 0,
              f"train.batch_size={t.batch_size} is not divisible by grad_accum x microbatches x "
              f"batch shards (data*fsdp*expert) = {t.grad_accum} x {t.microbatches} x "
              f"{batch_shards} = {per_step}")
     seq_shards = mesh.context * 2 if mesh.context > 1 else 1  # load-balanced causal: 2 chunks each
     if p.sequence_parallel:
         seq_shards = math.lcm(seq_shards, mesh.context * mesh.tensor)
-    _require(t.seq_len >= 2 and t.seq_len % seq_shards == 0,
+    _require(t.seq_len % seq_shards == 0,
              f"train.seq_len={t.seq_len} is not divisible by {seq_shards}, which "
              + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
                 "context parallelism (2*context)") + " needs")
 
     # Optimiser and schedule.
-    _require(t.lr > 0, f"train.lr={t.lr}: must be > 0")
+    _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr={t.lr}: must be a finite number > 0")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
     _require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")

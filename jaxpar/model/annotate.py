@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import jax
 
@@ -38,3 +39,31 @@ def activation_sharding(fn: Constrain | None) -> Iterator[None]:
         yield
     finally:
         _constrain.reset(token)
+
+
+def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:
+    """Move ``x`` from layout ``src`` to ``dst``, and its gradient from ``dst`` back to ``src``.
+
+    A plain :func:`constrain` to ``dst`` would also pin the *gradient* to ``dst``. Where the
+    forward gathers a sharded dimension (Megatron-SP entering a tensor-parallel region: all-gather
+    of the sequence), the backward must instead bring the partial-sum gradient straight back to
+    the sharded ``src`` layout, which the compiler does with one reduce-scatter rather than an
+    all-reduce followed by a slice.
+    """
+    return _relayout(x, tuple(src), tuple(dst))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _relayout(x: jax.Array, src: tuple, dst: tuple) -> jax.Array:
+    return constrain(x, dst)
+
+
+def _relayout_fwd(x, src, dst):
+    return constrain(x, dst), None
+
+
+def _relayout_bwd(src, dst, _, grad):  # noqa: ARG001
+    return (constrain(grad, src),)
+
+
+_relayout.defvjp(_relayout_fwd, _relayout_bwd)

@@ -16,7 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import constrain
+from jaxpar.model.annotate import constrain, relayout
+
+RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
+MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float,
@@ -103,7 +106,8 @@ class SwiGLU(nnx.Module):
         e, f = cfg.d_model, cfg.d_ff
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
-        self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
@@ -129,8 +133,8 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        h = constrain(self.attn_norm(x), ("batch", "seq", "act_embed"))
-        x = x + constrain(self.attn(h, positions), ("batch", "residual_seq", "act_embed"))
-        h = constrain(self.mlp_norm(x), ("batch", "seq", "act_embed"))
-        x = x + constrain(self.mlp(h), ("batch", "residual_seq", "act_embed"))
+        h = relayout(self.attn_norm(x), RESIDUAL, MATMUL_INPUT)
+        x = x + constrain(self.attn(h, positions), RESIDUAL)
+        h = relayout(self.mlp_norm(x), RESIDUAL, MATMUL_INPUT)
+        x = x + constrain(self.mlp(h), RESIDUAL)
         return x

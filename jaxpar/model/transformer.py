@@ -48,12 +48,14 @@ class Transformer(nnx.Module):
                  remat: str = "none") -> jax.Array:
         """tokens, positions: int32 [B, S] -> float32 logits [B, S, vocab]."""
         tokens = constrain(tokens, ("batch", "seq"))
-        # A gather from a vocab-split table: each tensor shard looks up the ids it owns and the
-        # partial rows are summed (vocab-parallel embedding).
-        # The table is first gathered whole along embed (as FSDP does for every weight), so the
-        # lookup itself only has to deal with the vocab split.
-        table = constrain(self.embedding[...], ("vocab", "act_embed"))
-        x = jnp.take(table, tokens, axis=0).astype(dtype)
+        # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
+        # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
+        # sequence under SP). A gather from a vocab-split table would instead make the compiler
+        # all-gather the whole table. The one-hot costs the flops of one [B, S, V] x [V, E]
+        # matmul and the memory of a logits-sized tensor, both split over the vocab shards.
+        one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
+        one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
+        x = jnp.einsum("bsv,ve->bse", one_hot, self.embedding[...].astype(dtype))
         x = constrain(x, ("batch", "residual_seq", "act_embed"))
 
         graphdef, stacked = nnx.split(self.layers)

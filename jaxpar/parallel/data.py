@@ -55,9 +55,9 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
     """
     mesh_shape = cfg.mesh_shape
     if cfg.parallel.zero == 1:
-        moment_specs = jax.tree.map(lambda spec, names: _with_embed_split(spec, names, mesh_shape),
-                                    param_specs, logical_axes,
-                                    is_leaf=lambda x: isinstance(x, PartitionSpec) or is_axes_leaf(x))
+        moment_specs = jax.tree.map(
+            lambda spec, names: _with_embed_split(spec, names, mesh_shape), param_specs,
+            logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec) or is_axes_leaf(x))
     else:
         moment_specs = param_specs
     params_structure = jax.tree.structure(abstract_params)

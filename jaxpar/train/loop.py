@@ -9,8 +9,14 @@ from pathlib import Path
 import jax
 import numpy as np
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from jaxpar.config import Config, ConfigError, to_yaml
 from jaxpar.data import DataIterator, build_dataset, describe, make_tokenizer

@@ -24,10 +24,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config, TrainConfig
 from jaxpar.model.annotate import activation_sharding
-from jaxpar.model.transformer import (DTYPES, abstract_model, create_model, token_losses)
+from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
 from jaxpar.parallel.data import optimizer_state_specs
-from jaxpar.parallel.rules import (activation_constrainer, logical_rules, named_shardings,
-                                   param_logical_axes, param_name, param_specs, resolve_spec)
+from jaxpar.parallel.rules import (
+    activation_constrainer,
+    logical_rules,
+    named_shardings,
+    param_logical_axes,
+    param_name,
+    param_specs,
+    resolve_spec,
+)
 
 Batch = dict[str, jax.Array]  # inputs, targets: int32 [B, S]; mask: float32 [B, S]
 
@@ -187,7 +194,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         loss, grads = loss_and_grads(state, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 

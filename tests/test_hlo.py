@@ -1,0 +1,522 @@
+"""jaxpar.inspect.hlo: collectives of compiled HLO, on hand-written snippets and real programs."""
+
+import os
+
+# Eight virtual CPU devices, before jax starts its backend (a no-op if another module did first;
+# the compiled tests then skip rather than fail).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxpar.inspect.hlo import (  # noqa: E402
+    Collective,
+    _parse_groups,
+    parse_collectives,
+    summarize_collectives,
+)
+
+MESH = {"data": 2, "tensor": 4}
+MESH_5D = {"pipe": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}
+
+
+def module(body: str, *computations: str, partitions: int = 8) -> str:
+    """An SPMD module: the entry computation `body` plus any called computations."""
+    called = "\n\n".join(computations)
+    return (
+        f"HloModule m, is_scheduled=true, num_partitions={partitions}\n\n"
+        f"%add (a: f32[], b: f32[]) -> f32[] {{\n"
+        f"  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n"
+        f"  ROOT %s = f32[] add(%a, %b)\n}}\n\n"
+        f"{called}\n\nENTRY %main {{\n{body}\n}}\n"
+    )
+
+
+def only(cs: list[Collective]) -> Collective:
+    assert len(cs) == 1, cs
+    return cs[0]
+
+
+# ------------------------------------------------------------------------------------------
+# Hand-written snippets
+# ------------------------------------------------------------------------------------------
+
+
+def test_tuple_shaped_all_to_all_counts_every_operand_once():
+    text = module(
+        "  %p = f32[4,8]{1,0} parameter(0)\n"
+        "  %s0 = f32[1,8]{1,0} slice(%p), slice={[0:1], [0:8]}\n"
+        "  %s1 = f32[1,8]{1,0} slice(%p), slice={[1:2], [0:8]}\n"
+        "  %s2 = f32[1,8]{1,0} slice(%p), slice={[2:3], [0:8]}\n"
+        "  %s3 = f32[1,8]{1,0} slice(%p), slice={[3:4], [0:8]}\n"
+        "  %all-to-all = (f32[1,8]{1,0}, f32[1,8]{1,0}, f32[1,8]{1,0}, f32[1,8]{1,0}) "
+        "all-to-all(%s0, %s1, %s2, %s3), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}\n"
+        "  ROOT %g = f32[1,8]{1,0} get-tuple-element(%all-to-all), index=0"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.lowered_as, c.dtype) == ("all-to-all", "all-to-all", "f32")
+    assert c.bytes == 4 * 8 * 4  # the operands, not the tuple twice nor one element
+    assert c.wire_bytes == c.bytes * 3 // 4
+    assert (c.group_size, c.axes) == (4, ("tensor",))
+
+
+def test_async_all_gather_start_done_is_one_collective_of_gathered_bytes():
+    layout = "{1,0:T(8,128)(2,1)S(1)}"
+    text = module(
+        f"  %p = bf16[4,128]{layout} parameter(0)\n"
+        f"  %ags = (bf16[4,128]{layout}, bf16[16,128]{layout}) "
+        f"all-gather-start(bf16[4,128]{layout} %p), channel_id=1, replica_groups=[2,4]<=[8], "
+        f"dimensions={{0}}, use_global_device_ids=true, "
+        f'metadata={{op_name="all-gather(weird) = x all-reduce("}}\n'
+        f"  ROOT %agd = bf16[16,128]{layout} all-gather-done(%ags)"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.lowered_as, c.name) == ("all-gather", "all-gather-start", "ags")
+    assert c.bytes == 16 * 128 * 2  # gathered result
+    assert c.wire_bytes == c.bytes * 3 // 4
+    assert (c.dtype, c.axes) == ("bf16", ("tensor",))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "nbytes"),
+    [
+        ("pred", 6),
+        ("s4", 3),
+        ("u4", 3),
+        ("s8", 6),
+        ("u8", 6),
+        ("f8e4m3fn", 6),
+        ("f8e5m2", 6),
+        ("bf16", 12),
+        ("f16", 12),
+        ("s16", 12),
+        ("u16", 12),
+        ("f32", 24),
+        ("s32", 24),
+        ("u32", 24),
+        ("f64", 48),
+        ("s64", 48),
+        ("u64", 48),
+        ("c64", 48),
+        ("c128", 96),
+    ],
+)
+def test_payload_bytes_follow_element_width(dtype, nbytes):
+    text = module(
+        f"  %p = {dtype}[2,3]{{1,0:T(2,128)}} parameter(0)\n"
+        f"  ROOT %ar = {dtype}[2,3]{{1,0:T(2,128)}} all-reduce(%p), channel_id=1, "
+        f"replica_groups={{{{0,4}},{{1,5}},{{2,6}},{{3,7}}}}, use_global_device_ids=true, "
+        f"to_apply=%add"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.dtype, c.bytes, c.axes) == (dtype, nbytes, ("data",))
+    assert c.wire_bytes == nbytes  # 2(N-1)/N with N=2
+
+
+def test_mixed_tuple_all_reduce_sums_operands_and_names_largest_dtype():
+    text = module(
+        "  %a = s8[7]{0} parameter(0)\n  %b = bf16[3,5]{1,0} parameter(1)\n"
+        "  %c = pred[9]{0} parameter(2)\n"
+        "  ROOT %ar = (s8[7]{0}, bf16[3,5]{1,0}, pred[9]{0}) all-reduce(%a, %b, %c), "
+        "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, "
+        "to_apply=%add"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.bytes, c.dtype) == (7 + 30 + 9, "bf16")
+
+
+@pytest.mark.parametrize(
+    ("groups", "axes", "size"),
+    [
+        ("[2,4]<=[8]", ("tensor",), 4),
+        ("[4,2]<=[2,4]T(1,0)", ("data",), 2),
+        ("[1,8]<=[8]", ("data", "tensor"), 8),
+        ("{{0,1,2,3},{4,5,6,7}}", ("tensor",), 4),
+        ("{{0,4},{1,5},{2,6},{3,7}}", ("data",), 2),
+        # jax 0.10 names the mesh of the sharding's tile assignment, not the user's mesh.
+        ("mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}", ("data",), 2),
+        ("mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_2'}", ("tensor",), 4),
+        ("mesh['axis_0'=8] {'axis_0':(2)4}", ("tensor",), 4),
+        ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}", ("data",), 2),
+    ],
+)
+def test_replica_groups_map_to_axes_of_asymmetric_mesh(groups, axes, size):
+    text = module(
+        "  %p = f32[16]{0} parameter(0)\n"
+        f"  ROOT %ar = f32[16]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups}, "
+        "use_global_device_ids=true, to_apply=%add"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.axes, c.group_size) == (axes, size)
+    assert c.wire_bytes == 64 * 2 * (size - 1) // size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # XLA's own expansions (replica_group_test.cc, tile_assignment semantics).
+        ("[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("[2,4]<=[2,2,2]T(1,0,2)", [[0, 1, 4, 5], [2, 3, 6, 7]]),
+        ("mesh['a'=8] {'a':(1)2,'a':(4)2}", [[0, 1, 4, 5], [2, 3, 6, 7]]),
+        ("mesh['a'=6,'b'=6] {'b':(1)3}", [[0, 2, 4], [1, 3, 5]]),
+        ("mesh['a'=6,'b'=6] {'a':(1)2}", [[0, 18], [1, 19]]),
+        ("mesh[x=2,y=2], device_ids=(3,1,0,2) {x}", [[3, 0], [1, 2]]),
+        ("@mesh<u=2,v=2> {u,v}", [[0, 1, 2, 3]]),
+        ("{}", None),
+    ],
+)
+def test_replica_group_forms_expand_like_xla(text, expected):
+    groups = _parse_groups(text)
+    assert groups == expected if expected is None else groups[: len(expected)] == expected
+
+
+def test_empty_replica_groups_span_every_axis_larger_than_one():
+    text = module(
+        "  %p = f32[8]{0} parameter(0)\n"
+        "  ROOT %ar = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={}, "
+        "use_global_device_ids=true, to_apply=%add"
+    )
+    c = only(parse_collectives(text, MESH_5D))
+    assert (c.axes, c.group_size) == (("data", "tensor"), 8)
+
+
+def test_collective_permute_ring_along_one_axis():
+    pairs = ",".join(f"{{{b + i},{b + (i + 1) % 4}}}" for b in (0, 4) for i in range(4))
+    text = module(
+        "  %p = f32[4,4]{1,0} parameter(0)\n"
+        f"  ROOT %cp = f32[4,4]{{1,0}} collective-permute(%p), channel_id=1, "
+        f"source_target_pairs={{{pairs}}}"
+    )
+    c = only(parse_collectives(text, MESH_5D))
+    assert (c.kind, c.axes, c.group_size) == ("collective-permute", ("tensor",), 4)
+    assert c.bytes == c.wire_bytes == 64
+
+
+def test_physical_device_ids_of_other_processes_map_through_device_ids():
+    # Ids outside range(n) cannot be logical; they are looked up in device_ids.
+    text = module(
+        "  %p = f32[8]{0} parameter(0)\n"
+        "  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,2048},{1,2049}}, "
+        "to_apply=%add",
+        partitions=4,
+    )
+    c = only(parse_collectives(text, {"data": 2, "tensor": 2}, device_ids=[0, 1, 2048, 2049]))
+    assert c.axes == ("data",)
+
+
+# The gradient-like pattern XLA:CPU emits for a reduction whose output is sharded (captured
+# from jax 0.10.2): the all-reduce feeds a fusion that only dynamic-slices it.
+_SLICE_FUSION = """%fused_slice (param_0: f32[16], param_1: u32[8], param_2: u32[]) -> f32[8] {
+  %param_0 = f32[16]{0} parameter(0)
+  %param_1 = u32[8]{0} parameter(1)
+  %param_2 = u32[] parameter(2)
+  %ds.1 = u32[1]{0} dynamic-slice(%param_1, %param_2), dynamic_slice_sizes={1}
+  %convert.2 = s32[1]{0} convert(%ds.1)
+  %constant.10 = s32[1]{0} constant({8})
+  %multiply.3 = s32[1]{0} multiply(%convert.2, %constant.10)
+  %bitcast.1 = s32[] bitcast(%multiply.3)
+  ROOT %ds.3 = f32[8]{0} dynamic-slice(%param_0, %bitcast.1), dynamic_slice_sizes={8}
+}"""
+_AR_INTO_FUSION = """  %partition-id = u32[] partition-id()
+  %p = f32[16]{0} parameter(0)
+  %table = u32[8]{0} constant({0, 0, 0, 0, 1, 1, 1, 1})
+  %all-reduce = f32[16]{0} all-reduce(%p), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %bitcast_dynamic-slice_fusion = f32[8]{0} fusion(%all-reduce, %table, %partition-id), kind=kLoop, calls=%fused_slice"""  # noqa: E501
+
+
+def test_all_reduce_cut_to_local_shard_is_a_reduce_scatter():
+    text = module(
+        _AR_INTO_FUSION + "\n  ROOT %r = f32[8]{0} copy(%bitcast_dynamic-slice_fusion)",
+        _SLICE_FUSION,
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.lowered_as) == ("reduce-scatter", "all-reduce+dynamic-slice")
+    assert (c.bytes, c.axes, c.group_size) == (64, ("data",), 2)
+    assert c.wire_bytes == 64  # it really moves an all-reduce's 2(N-1)/N, not (N-1)/N
+
+
+def test_all_reduce_sliced_through_bitcast_is_a_reduce_scatter():
+    text = module(
+        "  %pid = u32[] partition-id()\n  %p = f32[4,8]{1,0} parameter(0)\n"
+        "  %ar = f32[4,8]{1,0} all-reduce(%p), channel_id=1, replica_groups=[2,4]<=[8], "
+        "use_global_device_ids=true, to_apply=%add\n"
+        "  %bc = f32[32]{0} bitcast(%ar)\n  %off = s32[] convert(%pid)\n"
+        "  ROOT %ds = f32[8]{0} dynamic-slice(%bc, %off), dynamic_slice_sizes={8}"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.axes) == ("reduce-scatter", ("tensor",))
+
+
+def test_combined_all_reduce_sliced_per_tuple_element_is_a_reduce_scatter():
+    text = module(
+        "  %pid = s32[] parameter(2)\n"
+        "  %a = f32[8]{0} parameter(0)\n  %b = bf16[4,4]{1,0} parameter(1)\n"
+        "  %ar = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), channel_id=1, "
+        "replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add\n"
+        "  %g0 = f32[8]{0} get-tuple-element(%ar), index=0\n"
+        "  %g1 = bf16[4,4]{1,0} get-tuple-element(%ar), index=1\n"
+        "  %d0 = f32[4]{0} dynamic-slice(%g0, %pid), dynamic_slice_sizes={4}\n"
+        "  %d1 = bf16[2,4]{1,0} dynamic-slice(%g1, %pid, %pid), dynamic_slice_sizes={2,4}\n"
+        "  ROOT %t = (f32[4]{0}, bf16[2,4]{1,0}) tuple(%d0, %d1)"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.axes, c.bytes, c.dtype) == ("reduce-scatter", ("data",), 32 + 32, "f32")
+
+
+def test_all_reduce_whose_full_result_is_used_stays_an_all_reduce():
+    text = module(
+        _AR_INTO_FUSION + "\n  %twice = f32[16]{0} add(%all-reduce, %all-reduce)\n"
+        "  ROOT %t = (f32[8]{0}, f32[16]{0}) tuple(%bitcast_dynamic-slice_fusion, %twice)",
+        _SLICE_FUSION,
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.lowered_as, c.wire_bytes) == ("all-reduce", "all-reduce", 64)
+
+
+def test_all_reduce_used_inside_a_fusion_beyond_the_slice_stays_an_all_reduce():
+    fusion = _SLICE_FUSION.replace(
+        "  ROOT %ds.3 = f32[8]{0} dynamic-slice(%param_0, %bitcast.1), dynamic_slice_sizes={8}",
+        "  %ds.3 = f32[8]{0} dynamic-slice(%param_0, %bitcast.1), dynamic_slice_sizes={8}\n"
+        "  %sum = f32[] reduce(%param_0, %param_0), dimensions={0}, to_apply=%add\n"
+        "  ROOT %t = (f32[8]{0}, f32[]) tuple(%ds.3, %sum)",
+    ).replace("-> f32[8] {", "-> (f32[8], f32[]) {")
+    text = module(_AR_INTO_FUSION.replace("f32[8]{0} fusion", "(f32[8]{0}, f32[]) fusion"), fusion)
+    assert only(parse_collectives(text, MESH)).kind == "all-reduce"
+
+
+def test_slice_keeping_more_than_one_shard_stays_an_all_reduce():
+    # A 4-way reduction of which each device keeps half is not a reduce-scatter.
+    text = module(
+        "  %pid = u32[] partition-id()\n  %p = f32[16]{0} parameter(0)\n"
+        "  %ar = f32[16]{0} all-reduce(%p), channel_id=1, replica_groups=[2,4]<=[8], "
+        "use_global_device_ids=true, to_apply=%add\n"
+        "  ROOT %ds = f32[8]{0} dynamic-slice(%ar, %pid), dynamic_slice_sizes={8}"
+    )
+    assert only(parse_collectives(text, MESH)).kind == "all-reduce"
+
+
+def test_tpu_all_reduce_scatter_fusion_is_one_reduce_scatter():
+    # Trimmed from a v5e:2x4 compile (libtpu 0.0.42.1) of a data-sharded sum.
+    tiled = "{1,0:T(8,128)(2,1)}"
+    called = f"""%all-reduce-scatter (input: bf16[2048,1024]) -> bf16[1024,1024] {{
+  %input = bf16[2048,1024]{{1,0:T(8,128)(2,1)S(1)}} parameter(0)
+  %all-reduce.1 = bf16[2048,1024]{tiled} all-reduce(%input), channel_id=1, replica_groups={{{{0,4}},{{1,5}},{{2,6}},{{3,7}}}}, use_global_device_ids=true, to_apply=%add, frontend_attributes={{from-cross-replica-sharding="true"}}, backend_config={{"flag_configs":[]}}
+  %constant.shard_id_table = u32[8]{{0:T(128)}} constant({{0, 0, 0, 0, 1, 1, 1, 1}})
+  %partition-id.1 = u32[] partition-id()
+  %dynamic-slice.3 = u32[1]{{0:T(128)}} dynamic-slice(%constant.shard_id_table, %partition-id.1), dynamic_slice_sizes={{1}}
+  %bitcast.1 = u32[]{{:T(128)}} bitcast(%dynamic-slice.3)
+  %constant.12 = u32[] constant(1024)
+  %multiply.3 = u32[]{{:T(128)}} multiply(%bitcast.1, %constant.12)
+  %constant.13 = u32[] constant(0)
+  ROOT %dynamic-slice.4 = bf16[1024,1024]{tiled} dynamic-slice(%all-reduce.1, %multiply.3, %constant.13), dynamic_slice_sizes={{1024,1024}}
+}}"""  # noqa: E501
+    text = module(
+        f"  %reduce.1 = bf16[2048,1024]{{1,0:T(8,128)(2,1)S(1)}} parameter(0)\n"
+        f"  ROOT %fusion = bf16[1024,1024]{tiled} fusion(%reduce.1), kind=kCustom, "
+        f'calls=%all-reduce-scatter, backend_config={{"collective_algorithm_config":'
+        f'{{"emitter":"SingleInputAllReduceScatterFusion","debug":"\\n(x)"}}}}',
+        called,
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.lowered_as, c.name) == (
+        "reduce-scatter",
+        "all-reduce-scatter-fusion",
+        "fusion",
+    )
+    assert (c.dtype, c.bytes, c.axes, c.group_size) == ("bf16", 2048 * 1024 * 2, ("data",), 2)
+    assert c.wire_bytes == c.bytes // 2  # a real reduce-scatter: (N-1)/N
+
+
+def test_ragged_all_to_all_payload_is_its_input_buffer():
+    text = module(
+        "  %in = bf16[64,32]{1,0} parameter(0)\n  %out = bf16[64,32]{1,0} parameter(1)\n"
+        "  %io = s64[4]{0} parameter(2)\n  %ss = s64[4]{0} parameter(3)\n"
+        "  %oo = s64[4]{0} parameter(4)\n  %rs = s64[4]{0} parameter(5)\n"
+        "  ROOT %r = bf16[64,32]{1,0} ragged-all-to-all(%in, %out, %io, %ss, %oo, %rs), "
+        "channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.bytes, c.wire_bytes, c.axes) == (
+        "ragged-all-to-all",
+        64 * 32 * 2,
+        64 * 32 * 2 * 3 // 4,
+        ("tensor",),
+    )
+
+
+def test_collective_in_while_body_is_counted_once():
+    body = """%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8]{0} get-tuple-element(%t), index=1
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %out = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}"""  # noqa: E501
+    text = module(
+        "  %init = (s32[], f32[8]{0}) parameter(0)\n"
+        "  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body",
+        body,
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.axes) == ("all-reduce", ("tensor",))  # returned from the loop: not sliced
+
+
+def test_summary_has_one_row_per_kind_and_axes():
+    def c(kind, axes, nbytes, lowered_as):
+        return Collective(kind, lowered_as, "x", "f32", nbytes, nbytes // 2, 2, axes)
+
+    rows = summarize_collectives(
+        [
+            c("reduce-scatter", ("data",), 8, "reduce-scatter"),
+            c("all-reduce", ("tensor",), 4, "all-reduce"),
+            c("reduce-scatter", ("data",), 16, "all-reduce+dynamic-slice"),
+            c("all-reduce", ("data", "tensor"), 2, "all-reduce-start"),
+            c("reduce-scatter", ("data",), 8, "reduce-scatter"),
+        ]
+    )
+    assert rows == [
+        {
+            "kind": "all-reduce",
+            "count": 1,
+            "bytes": 2,
+            "wire_bytes": 1,
+            "axes": ["data", "tensor"],
+            "lowered_as": ["all-reduce-start"],
+        },
+        {
+            "kind": "all-reduce",
+            "count": 1,
+            "bytes": 4,
+            "wire_bytes": 2,
+            "axes": ["tensor"],
+            "lowered_as": ["all-reduce"],
+        },
+        {
+            "kind": "reduce-scatter",
+            "count": 3,
+            "bytes": 32,
+            "wire_bytes": 16,
+            "axes": ["data"],
+            "lowered_as": ["all-reduce+dynamic-slice", "reduce-scatter"],
+        },
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# Real programs compiled by XLA:CPU on a (data=2, tensor=4) mesh
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Mesh:
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (virtual) devices; jax was initialised before this module")
+    return jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def compiled(mesh: Mesh, f, *args) -> list[Collective]:
+    with jax.set_mesh(mesh):
+        text = jax.jit(f).lower(*args).compile().as_text()
+    return parse_collectives(text, dict(mesh.shape), [d.id for d in mesh.devices.flat])
+
+
+def put(mesh: Mesh, shape: tuple[int, ...], spec: P) -> jax.Array:
+    return jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, spec))
+
+
+def test_compiled_matmul_over_sharded_contraction_all_reduces_over_tensor(mesh):
+    x, w = put(mesh, (8, 16), P("data", "tensor")), put(mesh, (16, 32), P("tensor", None))
+    c = only(compiled(mesh, lambda x, w: x @ w, x, w))
+    assert (c.kind, c.lowered_as, c.axes, c.group_size) == (
+        "all-reduce",
+        "all-reduce",
+        ("tensor",),
+        4,
+    )
+    assert c.bytes == 4 * 32 * 4  # the per-device partial product f32[4,32]
+
+
+def test_compiled_groups_hold_mesh_positions_not_device_ids(mesh):
+    # Device ids [0,2,4,6,1,3,5,7]: were the groups device ids, `tensor` would read as `data`.
+    devices = np.array(jax.devices()[:8]).reshape(4, 2).T
+    permuted = Mesh(devices, ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x, w = put(permuted, (8, 16), P("data", "tensor")), put(permuted, (16, 32), P("tensor", None))
+    c = only(compiled(permuted, lambda x, w: x @ w, x, w))
+    assert (c.kind, c.axes) == ("all-reduce", ("tensor",))
+
+
+def test_compiled_psum_scatter_is_a_reduce_scatter_over_tensor(mesh):
+    f = jax.shard_map(
+        lambda a: lax.psum_scatter(a, "tensor", scatter_dimension=1, tiled=True),
+        in_specs=P("data", None),
+        out_specs=P("data", "tensor"),
+    )
+    c = only(compiled(mesh, f, put(mesh, (8, 16), P("data", None))))
+    assert (c.kind, c.lowered_as, c.axes) == ("reduce-scatter", "reduce-scatter", ("tensor",))
+    assert c.bytes == 4 * 16 * 4  # the unscattered input
+    assert c.wire_bytes == c.bytes * 3 // 4
+
+
+def test_compiled_sharded_reduction_is_all_reduce_plus_dynamic_slice_over_data(mesh):
+    # XLA:CPU emits all-reduce(f32[16]) over `data` and a fusion that dynamic-slices f32[8].
+    x = put(mesh, (8, 16), P("data", None))
+    with jax.set_mesh(mesh):
+        f = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P("data")))
+        text = f.lower(x).compile().as_text()
+    assert " reduce-scatter(" not in text
+    c = only(parse_collectives(text, dict(mesh.shape)))
+    assert (c.kind, c.lowered_as, c.axes) == (
+        "reduce-scatter",
+        "all-reduce+dynamic-slice",
+        ("data",),
+    )
+    assert (c.bytes, c.wire_bytes) == (16 * 4, 16 * 4)
+
+
+def test_compiled_ppermute_ring_is_a_collective_permute_over_data(mesh):
+    f = jax.shard_map(
+        lambda a: lax.ppermute(a, "data", perm=[(0, 1), (1, 0)]),
+        in_specs=P("data", "tensor"),
+        out_specs=P("data", "tensor"),
+    )
+    c = only(compiled(mesh, f, put(mesh, (8, 16), P("data", "tensor"))))
+    assert (c.kind, c.axes, c.group_size, c.bytes) == ("collective-permute", ("data",), 2, 64)
+
+
+def test_compiled_all_to_all_over_tensor(mesh):
+    f = jax.shard_map(
+        lambda a: lax.all_to_all(a, "tensor", 0, 1, tiled=True),
+        in_specs=P("data", "tensor"),
+        out_specs=P("data", "tensor"),
+    )
+    c = only(compiled(mesh, f, put(mesh, (8, 32), P("data", "tensor"))))
+    assert (c.kind, c.axes, c.group_size) == ("all-to-all", ("tensor",), 4)
+    assert c.bytes == 4 * 8 * 4  # the local f32[4,8], split into a tuple on CPU
+
+
+def test_instruction_wrapped_over_lines_is_read_whole():
+    # The layout of XLA's documentation (shapes.md), with an all-gather in place of the fusion.
+    text = module(
+        "  %fusion.32 = bf16[4,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)\n"
+        "  ROOT %ag = bf16[16,128]{1,0:T(8,128)(2,1)S(1)}\n"
+        "            all-gather(bf16[4,128]{1,0:T(8,128)(2,1)S(1)} %fusion.32),\n"
+        "            channel_id=1, replica_groups=[2,4]<=[8], dimensions={0},\n"
+        "            use_global_device_ids=true"
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.bytes, c.axes) == ("all-gather", 16 * 128 * 2, ("tensor",))
