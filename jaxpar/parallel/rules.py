@@ -100,9 +100,9 @@ def param_logical_axes(abstract_model: nnx.Module) -> dict:
     flat = {}
     for path, var in nnx.to_flat_state(state):
         names = var.get_metadata().get("out_sharding")
-        if names is None or len(names) != var.value.ndim:
+        if names is None or len(names) != var.get_value().ndim:
             raise ConfigError(f"parameter {'/'.join(map(str, path))}: logical axis names "
-                              f"{names} do not match its shape {var.value.shape}")
+                              f"{names} do not match its shape {var.get_value().shape}")
         flat[path] = tuple(names)
     return _unflatten(flat)
 

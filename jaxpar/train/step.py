@@ -147,7 +147,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     rules = logical_rules(cfg)
     model = abstract_model(cfg.model)
     graphdef, abstract_params = nnx.split(model, nnx.Param)
-    abstract_params = abstract_params.to_pure_dict()
+    abstract_params = nnx.to_pure_dict(abstract_params)
     logical_axes = param_logical_axes(model)
     specs = param_specs(abstract_params, logical_axes, rules, mesh_shape)
 
@@ -163,7 +163,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
 
     def init() -> TrainState:
-        params = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param)[1].to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(create_model(cfg.model, cfg.train.seed), nnx.Param))
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict]:
