@@ -418,6 +418,9 @@ def validate(cfg: Config, device_count: int) -> Config:
              "implemented yet; allowed: 1")
     _require(m.moe.num_experts == 0, f"model.moe.num_experts={m.moe.num_experts}: mixture of "
              "experts is not implemented yet; allowed: 0")
+    _require(not cfg.checkpoint.enabled, "checkpoint.enabled=true: checkpointing is not "
+             "implemented yet; allowed: false")
+    _require(not t.resume, "train.resume=true: resuming is not implemented yet; allowed: false")
     _require(t.microbatches == 1, f"train.microbatches={t.microbatches}: pipeline microbatches "
              "need mesh.pipe > 1, which is not implemented yet; allowed: 1")
 

@@ -130,6 +130,9 @@ ERROR_CASES = {
                                ["mesh.expert=2", "not implemented yet"]),
     "moe-not-implemented": (["model.moe.num_experts=4"],
                             ["model.moe.num_experts=4", "not implemented yet"]),
+    "checkpoint-not-implemented": (["checkpoint.enabled=true"],
+                                   ["checkpoint.enabled=true", "not implemented yet"]),
+    "resume-not-implemented": (["train.resume=true"], ["train.resume=true", "not implemented"]),
     "microbatches-not-implemented": (["train.microbatches=2"],
                                      ["train.microbatches=2", "not implemented yet"]),
     # Scalar ranges.
