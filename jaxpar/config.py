@@ -360,18 +360,6 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     return _build(Config, data, "")
 
 
-def replace(cfg: Config, **dotted: Any) -> Config:
-    """``replace(cfg, **{"mesh.tensor": 2})``: a copy with dotted fields changed (unvalidated)."""
-    return config_from_dict(_merge(to_dict(cfg), parse_overrides_dict(dotted)))
-
-
-def parse_overrides_dict(dotted: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for key, value in dotted.items():
-        _set_dotted(tree, key, value)
-    return tree
-
-
 # --------------------------------------------------------------------------------------------
 # Semantic validation: one function, every rule, in the order a user would fix them.
 

@@ -271,6 +271,26 @@ def test_combined_all_reduce_sliced_per_tuple_element_is_a_reduce_scatter():
     assert (c.kind, c.axes, c.bytes, c.dtype) == ("reduce-scatter", ("data",), 32 + 32, "f32")
 
 
+def test_combined_all_reduce_is_split_into_its_sliced_and_whole_elements():
+    # XLA's combiner merges a scalar loss all-reduce with gradients that are only sliced.
+    text = module(
+        "  %pid = s32[] parameter(2)\n"
+        "  %a = f32[8]{0} parameter(0)\n  %s = f32[] parameter(1)\n"
+        "  %ar = (f32[8]{0}, f32[]) all-reduce(%a, %s), channel_id=1, "
+        "replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add\n"
+        "  %g0 = f32[8]{0} get-tuple-element(%ar), index=0\n"
+        "  %g1 = f32[] get-tuple-element(%ar), index=1\n"
+        "  %d0 = f32[4]{0} dynamic-slice(%g0, %pid), dynamic_slice_sizes={4}\n"
+        "  %twice = f32[] add(%g1, %g1)\n"
+        "  ROOT %t = (f32[4]{0}, f32[]) tuple(%d0, %twice)"
+    )
+    cs = parse_collectives(text, MESH)
+    assert [(c.kind, c.name, c.bytes, c.axes) for c in cs] == [
+        ("reduce-scatter", "ar[0]", 32, ("data",)),
+        ("all-reduce", "ar[1]", 4, ("data",)),
+    ]
+
+
 def test_all_reduce_whose_full_result_is_used_stays_an_all_reduce():
     text = module(
         _AR_INTO_FUSION + "\n  %twice = f32[16]{0} add(%all-reduce, %all-reduce)\n"

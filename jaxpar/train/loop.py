@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -141,6 +141,3 @@ def _log_line(row: dict, total_steps: int) -> str:
             f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.4f} TFLOP/s/device | "
             f"MFU {mfu}")
 
-
-def summary_dict(summary: Summary) -> dict:
-    return asdict(summary)
