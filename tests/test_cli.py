@@ -183,3 +183,15 @@ def test_train_tiny_writes_config_and_metrics_and_prints_done(tmp_path):
 
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines and lines[-1].startswith("done"), result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("count", [2, 8])
+def test_host_devices_sets_the_device_count_without_xla_flags(tmp_path, count):
+    # The user never touches XLA_FLAGS: host_devices alone must give that many CPU devices.
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli", "config", "tiny", f"host_devices={count}"],
+        capture_output=True, text=True, timeout=ERROR_TIMEOUT_S, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["mesh"]["data"] == count  # data=-1 resolved against the devices jax found
