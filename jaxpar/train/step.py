@@ -178,8 +178,10 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
                     loss_sum, grads = grad_fn(state.params, batch=micro_batch, **kwargs)
                     return jax.tree.map(jnp.add, carry, (loss_sum, grads)), None
 
-                zeros = (jnp.zeros((), jnp.float32),
-                         jax.tree.map(jnp.zeros_like, state.params))
+                # The running gradient sum is sharded like the parameters (1/N under FSDP).
+                zero_grads = jax.lax.with_sharding_constraint(
+                    jax.tree.map(jnp.zeros_like, state.params), state_shardings.params)
+                zeros = (jnp.zeros((), jnp.float32), zero_grads)
                 (loss_sum, grads), _ = jax.lax.scan(micro_step, zeros,
                                                     split_micro_steps(batch, accum))
         grads = jax.tree.map(lambda g: g / valid, grads)
