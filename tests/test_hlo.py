@@ -372,7 +372,7 @@ def test_ragged_all_to_all_payload_is_its_input_buffer():
     )
 
 
-def test_collective_in_while_body_is_counted_once():
+def test_collective_in_while_body_runs_once_per_known_iteration():
     body = """%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
   %t = (s32[], f32[8]{0}) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
@@ -387,13 +387,41 @@ def test_collective_in_while_body_is_counted_once():
   %n = s32[] constant(3)
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }"""  # noqa: E501
+    loop = ("  %init = (s32[], f32[8]{0}) parameter(0)\n"
+            "  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body")
+    known = ', backend_config={"known_trip_count":{"n":"3"}}'
+    c = only(parse_collectives(module(loop + known, body), MESH))
+    assert (c.kind, c.axes, c.executions) == ("all-reduce", ("tensor",), 3)  # not sliced
+    (row,) = summarize_collectives([c])
+    assert (row["count"], row["instructions"], row["bytes"]) == (3, 1, 3 * 32)
+    # Without a known trip count the loop body is counted once.
+    assert only(parse_collectives(module(loop, body), MESH)).executions == 1
+
+
+def test_nested_loops_multiply_their_trip_counts():
+    inner = """%inner (t: f32[8]) -> f32[8] {
+  %t = f32[8]{0} parameter(0)
+  ROOT %ar = f32[8]{0} all-reduce(%t), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+}
+
+%outer (t: f32[8]) -> f32[8] {
+  %t = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} while(%t), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"4"}}
+}
+
+%cond (t: f32[8]) -> pred[] {
+  %t = f32[8]{0} parameter(0)
+  ROOT %c = pred[] constant(true)
+}"""  # noqa: E501
     text = module(
-        "  %init = (s32[], f32[8]{0}) parameter(0)\n"
-        "  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body",
-        body,
+        "  %x = f32[8]{0} parameter(0)\n"
+        '  ROOT %w = f32[8]{0} while(%x), condition=%cond, body=%outer, '
+        'backend_config={"known_trip_count":{"n":"2"}}',
+        inner,
     )
-    c = only(parse_collectives(text, MESH))
-    assert (c.kind, c.axes) == ("all-reduce", ("tensor",))  # returned from the loop: not sliced
+    assert only(parse_collectives(text, MESH)).executions == 8
+
+
 
 
 def test_summary_has_one_row_per_kind_and_axes():
@@ -413,6 +441,7 @@ def test_summary_has_one_row_per_kind_and_axes():
         {
             "kind": "all-reduce",
             "count": 1,
+            "instructions": 1,
             "bytes": 2,
             "wire_bytes": 1,
             "axes": ["data", "tensor"],
@@ -421,6 +450,7 @@ def test_summary_has_one_row_per_kind_and_axes():
         {
             "kind": "all-reduce",
             "count": 1,
+            "instructions": 1,
             "bytes": 4,
             "wire_bytes": 2,
             "axes": ["tensor"],
@@ -429,6 +459,7 @@ def test_summary_has_one_row_per_kind_and_axes():
         {
             "kind": "reduce-scatter",
             "count": 3,
+            "instructions": 3,
             "bytes": 32,
             "wire_bytes": 16,
             "axes": ["data"],

@@ -36,12 +36,17 @@ CPU with a mesh whose devices are permuted: the groups keep position numbers, no
 then the text holds physical device ids (a non-SPMD dump, or other processes' devices, whose ids
 start at 2048) and they are looked up in `device_ids`.
 
-Static counting: a collective in a while-loop body (e.g. `lax.scan` over layers) is counted once,
-as it appears in the text, not once per iteration; likewise for nested computations.
+Counting per step: a collective in a while-loop body (`lax.scan` over layers, gradient
+accumulation) runs once per iteration. Each `Collective` carries `executions`, how often its
+computation runs per call of the program: the product of the `known_trip_count`s of the loops
+around it (XLA records them in the while op's backend_config), summed over call sites. A loop
+whose trip count XLA does not know is counted once. `bytes` and `wire_bytes` are per execution;
+`summarize_collectives` multiplies, so its rows are per-step totals.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import defaultdict
@@ -77,6 +82,7 @@ class Collective:
     wire_bytes: int
     group_size: int  # N: devices per replica group (permute: the largest connected set)
     axes: tuple[str, ...]  # mesh axes the groups span, in mesh order; size-1 axes never appear
+    executions: int = 1  # runs per call of the program (loop trip counts around it)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,6 +145,13 @@ _HEAD_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s")
 # `[ENTRY] %name (params) -> result {`, or hand-written `add {`.
 _COMP_RE = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*)?\{\s*$")
 _STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_TRIP_COUNT_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+# Attributes naming computations that run as part of an instruction (reductions' `to_apply` runs
+# per element and holds no collectives, so it is left out).
+_CALLED_RE = re.compile(
+    r"\b(?P<key>body|condition|calls|true_computation|false_computation)=%?(?P<name>[\w.\-]+)"
+    r"|\bbranch_computations=\{(?P<branches>[^}]*)\}"
+)
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 
 
@@ -151,6 +164,7 @@ class _Instr:
     inline_types: list[tuple[_Array, ...] | None]  # operand types printed inline, if any
     attrs: str  # attribute text with string literals blanked out
     root: bool
+    trip_count: int | None = None  # while loops: XLA's known_trip_count
 
 
 @dataclass
@@ -167,6 +181,7 @@ class _Module:
     computations: dict[str, _Computation]
     replica_count: int | None
     num_partitions: int | None
+    entry: str | None = None
 
 
 def _split_balanced(text: str) -> tuple[str, str]:
@@ -217,6 +232,7 @@ def _parse_instr(line: str) -> _Instr | None:
         inline_types=inline,
         attrs=_STRING_RE.sub('""', attrs),
         root=bool(m.group("root")),
+        trip_count=int(t.group(1)) if (t := _TRIP_COUNT_RE.search(attrs)) else None,
     )
 
 
@@ -252,6 +268,7 @@ def _parse_module(text: str) -> _Module:
     computations: dict[str, _Computation] = {}
     replica_count = num_partitions = None
     current: _Computation | None = None
+    entry = None
     for line in _logical_lines(text):
         if line.startswith("HloModule"):
             if m := re.search(r"\breplica_count=(\d+)", line):
@@ -262,6 +279,8 @@ def _parse_module(text: str) -> _Module:
         if current is None:
             if " = " not in line and (m := _COMP_RE.match(line)):
                 current = computations.setdefault(m.group("name"), _Computation(m.group("name")))
+                if m.group("entry"):
+                    entry = m.group("name")
             continue
         if line == "}":
             current = None
@@ -276,7 +295,35 @@ def _parse_module(text: str) -> _Module:
             current.params[int(instr.operands[0])] = instr.name
         if instr.root:
             current.root = instr.name
-    return _Module(computations, replica_count, num_partitions)
+    return _Module(computations, replica_count, num_partitions, entry)
+
+
+def _executions(module: _Module) -> dict[str, int]:
+    """How many times each computation runs per call of the entry computation."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> (caller, times)
+    for comp in module.computations.values():
+        for instr in comp.instrs.values():
+            for m in _CALLED_RE.finditer(instr.attrs):
+                names = ([m.group("name")] if m.group("name") else
+                         [b.strip().lstrip("%") for b in m.group("branches").split(",")])
+                times = (instr.trip_count or 1) if m.group("key") in ("body", "condition") else 1
+                for name in names:
+                    calls[name].append((comp.name, times))
+    runs: dict[str, int] = {}
+
+    def count(name: str, visiting: frozenset[str] = frozenset()) -> int:
+        if name not in runs:
+            callers = calls.get(name)
+            if not callers or name == module.entry or name in visiting:
+                runs[name] = 1
+            else:
+                runs[name] = sum(count(caller, visiting | {name}) * times
+                                 for caller, times in callers)
+        return runs[name]
+
+    for name in module.computations:
+        count(name)
+    return runs
 
 
 def _attr(instr: _Instr, key: str) -> str | None:
@@ -729,10 +776,12 @@ def parse_collectives(
         if _is_tpu_reduce_scatter_fusion(module, instr)
     }
 
+    runs = _executions(module)
     found: list[Collective] = []
     for comp in module.computations.values():
         if comp.name in fused_reduce_scatters:
             continue
+        in_this_computation = len(found)
         for instr in comp.instrs.values():
             if _is_tpu_reduce_scatter_fusion(module, instr):
                 found.append(_tpu_reduce_scatter(module, comp, instr, mesh, layout))
@@ -771,11 +820,17 @@ def parse_collectives(
                     axes=axes,
                 )
             )
+        found[in_this_computation:] = [dataclasses.replace(c, executions=runs[comp.name])
+                                       for c in found[in_this_computation:]]
     return found
 
 
 def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
-    """One row per (kind, axes), sorted by kind then axes: the `collectives` of inspect --json."""
+    """One row per (kind, axes), sorted by kind then axes: the `collectives` of inspect --json.
+
+    `count`, `bytes` and `wire_bytes` are per step (each collective times its `executions`);
+    `instructions` is how many collective instructions the program text holds.
+    """
     rows: dict[tuple[str, tuple[str, ...]], dict] = {}
     for c in cs:
         row = rows.setdefault(
@@ -783,15 +838,17 @@ def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
             {
                 "kind": c.kind,
                 "count": 0,
+                "instructions": 0,
                 "bytes": 0,
                 "wire_bytes": 0,
                 "axes": list(c.axes),
                 "lowered_as": set(),
             },
         )
-        row["count"] += 1
-        row["bytes"] += c.bytes
-        row["wire_bytes"] += c.wire_bytes
+        row["count"] += c.executions
+        row["instructions"] += 1
+        row["bytes"] += c.bytes * c.executions
+        row["wire_bytes"] += c.wire_bytes * c.executions
         row["lowered_as"].add(c.lowered_as)
     for row in rows.values():
         row["lowered_as"] = sorted(row["lowered_as"])
