@@ -1,4 +1,4 @@
-"""``jaxpar`` command line: ``train`` and ``config``.
+"""``jaxpar`` command line: ``train``, ``inspect`` and ``config``.
 
 The config is read and checked before jax is imported, so ``host_devices`` can still choose the
 number of virtual CPU devices, and a bad key or value costs no compile. Exit codes: 0 done,
@@ -8,7 +8,9 @@ number of virtual CPU devices, and a bad key or value costs no compile. Exit cod
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from jaxpar.config import PRESETS_DIR, Config, ConfigError, load_config, to_yaml, validate
 
@@ -29,13 +31,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"jaxpar: error: {message} (see jaxpar --help)\n")
 
 
+class _SubParser(_Parser):
+    """A subcommand's parser; ``intermixed=True`` lets options sit between the overrides, as in
+    ``jaxpar inspect tiny --devices 64 mesh.data=8`` (argparse stops taking ``nargs='*'``
+    positionals at the first option otherwise)."""
+
+    def __init__(self, *args, intermixed: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._intermixed = intermixed
+        self._in_intermixed = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self._intermixed or self._in_intermixed:
+            return super().parse_known_args(args, namespace)
+        # parse_known_intermixed_args calls parse_known_args itself (twice): plain parsing there.
+        self._in_intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._in_intermixed = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxpar", description="Train transformer LMs with 5D parallelism in "
                      "JAX, and see what the compiler did.",
                      epilog=EPILOG.format(presets=_presets()),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                     parser_class=_Parser)
+                                     parser_class=_SubParser)
     for name, text in (("train", "train a model (writes run_dir/config.yaml, metrics.jsonl)"),
                        ("config", "print the resolved, validated config as YAML")):
         sub = commands.add_parser(name, help=text, description=text,
@@ -43,7 +66,41 @@ def build_parser() -> argparse.ArgumentParser:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    _add_inspect(commands)
     return parser
+
+
+INSPECT_HELP = ("compile one train step without running it and show, per device, parameter "
+                "shardings, memory, collectives and flops")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _add_inspect(commands) -> None:
+    sub = commands.add_parser("inspect", help=INSPECT_HELP, description=INSPECT_HELP + ".",
+                              intermixed=True,
+                              epilog=EPILOG.format(presets=_presets()) + "\nExample (a 64-device "
+                              "layout, compiled on this machine):\n  jaxpar inspect tiny "
+                              "--devices 64 mesh.data=8 mesh.fsdp=8 train.batch_size=64",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
+    # default=[]: else intermixed parsing calls the overrides required when CONFIG is missing.
+    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                     help="dotted overrides")
+    sub.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to stdout, "
+                     "instead of the tables)")
+    sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")
+    sub.add_argument("--devices", metavar="N", type=_positive_int,
+                     help="compile for N virtual CPU devices (overrides host_devices); nothing "
+                     "is allocated, so large layouts can be checked on a laptop")
 
 
 def load_validated(name: str, overrides: list[str]) -> Config:
@@ -54,13 +111,53 @@ def load_validated(name: str, overrides: list[str]) -> Config:
     return validate(cfg, device_count(cfg))
 
 
+def _check_output_dir(flag: str, path: str | None) -> None:
+    """Fail before compiling, not after, when an output file cannot be created."""
+    if path is not None and path != "-" and not Path(path).expanduser().parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {Path(path).parent} does not exist")
+
+
+def run_inspect(args: argparse.Namespace, cfg: Config) -> int:
+    from rich.console import Console  # noqa: PLC0415
+
+    from jaxpar.inspect.report import build_report, compile_step, print_report  # noqa: PLC0415
+    from jaxpar.mesh import make_mesh  # noqa: PLC0415
+
+    json_to_stdout = args.json == "-"
+    step = compile_step(cfg, make_mesh(cfg))
+    report = build_report(step)
+    # With --json - stdout carries only the JSON; anything else said goes to stderr.
+    console = Console(stderr=json_to_stdout, soft_wrap=True)
+    if not console.is_terminal:  # a file or pipe has no width: don't squeeze the tables to 80
+        console.width = max(console.width, 120)
+    if json_to_stdout:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report, console)
+    if args.json and not json_to_stdout:
+        Path(args.json).expanduser().write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote the report to {args.json}")
+    if args.hlo:
+        Path(args.hlo).expanduser().write_text(step.compiled.as_text())
+        console.print(f"wrote the optimized HLO to {args.hlo}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = load_validated(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.command == "inspect":
+            _check_output_dir("--json", args.json)
+            _check_output_dir("--hlo", args.hlo)
+            if args.devices is not None:  # last, so it wins over a host_devices override
+                overrides.append(f"host_devices={args.devices}")
+        cfg = load_validated(args.config, overrides)
         if args.command == "config":
             print(to_yaml(cfg), end="")
             return 0
+        if args.command == "inspect":
+            return run_inspect(args, cfg)
         from jaxpar.train.loop import train  # noqa: PLC0415
 
         train(cfg)

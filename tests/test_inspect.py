@@ -1,0 +1,192 @@
+"""``jaxpar inspect``: the report of one compiled (never run) train step, and its command line.
+
+Two layouts are compiled in this process (8 virtual CPU devices from conftest.py) and shared by
+the report tests; the CLI tests run subprocesses without ``XLA_FLAGS``/``JAX_PLATFORMS``, so the
+device count comes from ``host_devices`` or ``--devices`` alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from jaxpar.config import load_config, validate
+from jaxpar.inspect.report import inspect_step, print_report
+from jaxpar.mesh import make_mesh
+from jaxpar.model.flops import train_flops_per_token
+
+# The JSON contract of DESIGN.md ("jaxpar inspect ... --json writes"), plus the header's `run`.
+DESIGN_KEYS = {"devices", "mesh", "params", "memory", "collectives", "flops"}
+PARAM_KEYS = {"name", "shape", "spec", "bytes_per_device"}
+MEMORY_KEYS = {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"}
+COLLECTIVE_KEYS = {"kind", "count", "bytes", "axes"}
+FLOPS_KEYS = {"compiled", "analytic"}
+MESH_AXES = ["pipe", "data", "fsdp", "expert", "context", "tensor"]
+FLOAT32_BYTES = 4
+CLI_TIMEOUT_S = 120
+
+
+@functools.cache
+def report_for(*overrides: str) -> dict:
+    cfg = validate(load_config("tiny", list(overrides)), 8)
+    return inspect_step(cfg, make_mesh(cfg))
+
+
+def fsdp8() -> dict:
+    return report_for("mesh.data=1", "mesh.fsdp=8")
+
+
+def data2_tensor4() -> dict:
+    return report_for("mesh.data=2", "mesh.tensor=4")
+
+
+def rows(report: dict, kind: str, axes: list[str]) -> list[dict]:
+    return [r for r in report["collectives"] if r["kind"] == kind and r["axes"] == axes]
+
+
+def global_bytes(row: dict) -> int:
+    return math.prod(row["shape"]) * FLOAT32_BYTES  # parameters are stored in float32
+
+
+# --------------------------------------------------------------------------------------------
+# The report (in process)
+
+
+def test_report_keys_are_design_md_json_and_serialisable():
+    report = fsdp8()
+    assert set(report) == DESIGN_KEYS | {"run"}
+    assert list(report["mesh"]) == MESH_AXES and report["devices"] == 8
+    assert report["params"] and all(set(p) == PARAM_KEYS for p in report["params"])
+    assert all(len(p["spec"]) == len(p["shape"]) for p in report["params"])
+    assert MEMORY_KEYS <= set(report["memory"])
+    assert report["collectives"] and all(COLLECTIVE_KEYS <= set(c) for c in report["collectives"])
+    assert FLOPS_KEYS <= set(report["flops"])
+    assert json.loads(json.dumps(report)) == report  # plain JSON types only
+
+
+def test_fsdp8_holds_one_eighth_of_every_parameter_per_device():
+    report = fsdp8()
+    for param in report["params"]:
+        assert "fsdp" in param["spec"], param
+        assert param["bytes_per_device"] * 8 == global_bytes(param), param
+    per_device = sum(p["bytes_per_device"] for p in report["params"])
+    assert per_device == pytest.approx(report["run"]["param_bytes"] / 8)
+
+
+def test_fsdp8_gathers_weights_and_reduce_scatters_grads_over_fsdp():
+    report = fsdp8()
+    assert rows(report, "all-gather", ["fsdp"])
+    assert rows(report, "reduce-scatter", ["fsdp"])
+    # XLA:CPU spells reduce-scatter as all-reduce + dynamic-slice (JAX-NOTES.md).
+    lowered = {s for r in rows(report, "reduce-scatter", ["fsdp"]) for s in r["lowered_as"]}
+    assert lowered == {"all-reduce+dynamic-slice"}
+
+
+def test_memory_arguments_hold_the_per_device_train_state_and_peak_adds_up():
+    memory = fsdp8()["memory"]
+    params = sum(p["bytes_per_device"] for p in fsdp8()["params"])
+    assert memory["params_bytes"] == params
+    # AdamW keeps two float32 moments per parameter (+ scalar step counters).
+    assert memory["optimizer_bytes"] == pytest.approx(2 * params, abs=64)
+    assert memory["argument_bytes"] >= params + memory["optimizer_bytes"]
+    assert memory["temp_bytes"] > 0
+    assert memory["peak_bytes"] == (memory["argument_bytes"] + memory["output_bytes"]
+                                    - memory["alias_bytes"] + memory["temp_bytes"])
+
+
+def test_flops_are_per_device_and_xla_counts_the_layer_loop_once():
+    report = fsdp8()
+    flops, run = report["flops"], report["run"]
+    cfg = load_config("tiny")
+    tokens = run["batch_size"] * run["seq_len"]
+    assert flops["analytic"] == pytest.approx(
+        train_flops_per_token(cfg.model, run["seq_len"]) * tokens / 8)
+    # compiled is one device's share of one layer (module docstring); if XLA starts counting
+    # loop iterations, this ratio jumps to ~n_layers and the printed note must change.
+    assert 1.0 <= flops["ratio_loops_once"] < 1.6, flops
+    assert flops["compiled"] < flops["analytic"]
+
+
+def test_tensor4_splits_heads_and_mlp_and_all_reduces_over_tensor():
+    report = data2_tensor4()
+    split = {p["name"]: p for p in report["params"] if "tensor" in p["spec"]}
+    assert {"layers/attn/wq", "layers/attn/wo", "layers/mlp/w_up", "layers/mlp/w_down"} <= set(
+        split)
+    for param in split.values():
+        assert param["bytes_per_device"] * 4 == global_bytes(param), param
+    assert rows(report, "all-reduce", ["tensor"])
+    assert not rows(report, "all-gather", ["fsdp"])
+
+
+def test_print_report_shows_every_table_and_the_cpu_reduce_scatter_note():
+    console = Console(record=True, width=140)
+    print_report(fsdp8(), console)
+    text = console.export_text()
+    for needle in ("jaxpar inspect 8 x cpu", "mesh fsdp=8", "parameters", "layers/attn/wq",
+                   "memory per device", "peak", "collectives", "reduce-scatter",
+                   "all-reduce+dynamic-slice: XLA:CPU", "flops per device", "loops once"):
+        assert needle in text, needle
+
+
+# --------------------------------------------------------------------------------------------
+# The command line (subprocesses)
+
+
+def run_inspect(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    # No XLA_FLAGS/JAX_PLATFORMS: the device count must come from host_devices or --devices.
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", *args],
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)
+
+
+@pytest.fixture(scope="module")
+def json_to_stdout_4_devices(tmp_path_factory) -> subprocess.CompletedProcess:
+    return run_inspect("tiny", "--devices", "4", "mesh.data=2", "mesh.tensor=2", "--json", "-",
+                       cwd=tmp_path_factory.mktemp("inspect"))
+
+
+def test_cli_writes_json_and_hlo_files_and_prints_tables(tmp_path):
+    result = run_inspect("tiny", "mesh.tensor=2", "--json", str(tmp_path / "r.json"),
+                         "--hlo", str(tmp_path / "s.hlo"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert DESIGN_KEYS <= set(report)
+    assert report["devices"] == 8 and report["mesh"]["tensor"] == 2 and report["mesh"]["data"] == 4
+    assert "HloModule" in (tmp_path / "s.hlo").read_text()
+    for needle in ("parameters", "memory per device", "collectives", "flops per device"):
+        assert needle in result.stdout, needle
+
+
+def test_cli_json_dash_prints_only_json_on_stdout(json_to_stdout_4_devices):
+    result = json_to_stdout_4_devices
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert DESIGN_KEYS <= set(json.loads(result.stdout))  # the whole of stdout is the JSON
+
+
+def test_cli_devices_flag_compiles_for_that_many_devices(json_to_stdout_4_devices):
+    report = json.loads(json_to_stdout_4_devices.stdout)
+    assert report["devices"] == 4  # the preset says host_devices: 8; --devices wins
+    assert report["mesh"]["data"] == 2 and report["mesh"]["tensor"] == 2
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path):
+    result = run_inspect("tiny", "mesh.tensor=3", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxpar: error: mesh"), result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_missing_output_directory_is_one_line_exit_2(tmp_path):
+    result = run_inspect("tiny", "--json", str(tmp_path / "missing" / "r.json"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "--json" in lines[0] and "does not exist" in lines[0], lines
