@@ -108,6 +108,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     zero: Literal[1, 3] = 3
     context_impl: Literal["ring", "allgather"] = "ring"
+    zigzag: bool = True  # load-balanced causal layout for context parallelism
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"
     virtual_stages: int = 1
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
@@ -400,8 +401,6 @@ def validate(cfg: Config, device_count: int) -> Config:
     # Parallelisms that later issues add: say so plainly rather than run something wrong.
     _require(mesh.pipe == 1, f"mesh.pipe={mesh.pipe}: pipeline parallelism is not implemented yet;"
              " allowed: 1")
-    _require(mesh.context == 1, f"mesh.context={mesh.context}: context parallelism is not "
-             "implemented yet; allowed: 1")
     _require(mesh.expert == 1, f"mesh.expert={mesh.expert}: expert parallelism is not "
              "implemented yet; allowed: 1")
     _require(m.moe.num_experts == 0, f"model.moe.num_experts={m.moe.num_experts}: mixture of "

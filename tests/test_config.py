@@ -124,8 +124,8 @@ ERROR_CASES = {
     # Parallelisms later issues add: a plain "not implemented yet".
     "pipe-not-implemented": (["mesh.data=4", "mesh.pipe=2"],
                              ["mesh.pipe=2", "not implemented yet"]),
-    "context-not-implemented": (["mesh.data=4", "mesh.context=2"],
-                                ["mesh.context=2", "not implemented yet"]),
+    "seq-not-divisible-by-2x-context": (["mesh.data=2", "mesh.context=4", "train.seq_len=36"],
+                                        ["train.seq_len=36", "8", "2*context"]),
     "expert-not-implemented": (["mesh.data=4", "mesh.expert=2"],
                                ["mesh.expert=2", "not implemented yet"]),
     "moe-not-implemented": (["model.moe.num_experts=4"],

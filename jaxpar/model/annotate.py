@@ -1,10 +1,12 @@
-"""Logical-axis annotations for activations, without knowing anything about meshes.
+"""Hooks through which parallelism reaches the model, without the model knowing any mesh.
 
 The model calls :func:`constrain` with logical names (``("batch", "seq", "act_embed")``). By
 default that does nothing, so the model runs unsharded on one device. The train step enters
 :func:`activation_sharding` with a function, built by :mod:`jaxpar.parallel.rules`, that turns the
-names into a sharding constraint on the current mesh. This is the single piece of global state the
-model reads, and it only lives for the duration of a trace.
+names into a sharding constraint on the current mesh. Likewise, attention asks
+:func:`attention_override` whether a parallel implementation (ring attention over ``context``)
+replaces its dense one. These are the only pieces of global state the model reads, and they only
+live for the duration of a trace.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from functools import partial
 import jax
 
 Constrain = Callable[[jax.Array, Sequence[str | None]], jax.Array]
+# attention(q [B,S,H,D], k [B,S,K,D], v [B,S,K,D], positions [B,S]) -> [B,S,H,D]
+Attention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 _constrain: contextvars.ContextVar[Constrain | None] = contextvars.ContextVar(
     "jaxpar_activation_constrain", default=None)
+_attention: contextvars.ContextVar[Attention | None] = contextvars.ContextVar(
+    "jaxpar_attention", default=None)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -39,6 +45,21 @@ def activation_sharding(fn: Constrain | None) -> Iterator[None]:
         yield
     finally:
         _constrain.reset(token)
+
+
+def attention_override() -> Attention | None:
+    """The attention implementation the active parallel layout wants, if not the dense one."""
+    return _attention.get()
+
+
+@contextlib.contextmanager
+def use_attention(fn: Attention | None) -> Iterator[None]:
+    """Within this block, the model's attention layers call ``fn``."""
+    token = _attention.set(fn)
+    try:
+        yield
+    finally:
+        _attention.reset(token)
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import constrain, relayout
+from jaxpar.model.annotate import attention_override, constrain, relayout
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
@@ -53,18 +53,24 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
     return rotated.astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     positions: jax.Array | None = None) -> jax.Array:
     """Grouped-query causal attention. q: [B, S, H, D]; k, v: [B, S, K, D] -> [B, S, H, D].
 
     Query head h uses kv head h // G, so a contiguous block of query heads shares one kv head and
-    splitting H and K over the same mesh axis keeps each group on one device.
+    splitting H and K over the same mesh axis keeps each group on one device. The causal mask
+    comes from ``positions`` [B, S] when given (tokens may be stored out of order, as context
+    parallelism's load-balanced layout does), else from the storage order.
     """
     b, s, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(d))
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    if positions is None:
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    else:
+        causal = (positions[:, :, None] >= positions[:, None, :])[:, None, None]
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
@@ -94,7 +100,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         q = rotary_embedding(q, positions, self.rope_theta)
         k = rotary_embedding(k, positions, self.rope_theta)
-        out = causal_attention(q, k, v)
+        attend = attention_override() or causal_attention
+        out = attend(q, k, v, positions)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
 

@@ -23,8 +23,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config, TrainConfig
-from jaxpar.model.annotate import activation_sharding
+from jaxpar.model.annotate import activation_sharding, use_attention
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
+from jaxpar.parallel.context import context_attention, zigzag_order
 from jaxpar.parallel.data import optimizer_state_specs
 from jaxpar.parallel.rules import (
     activation_constrainer,
@@ -85,9 +86,8 @@ def split_micro_steps(batch: Batch, steps: int) -> Batch:
 def summed_token_loss(params: dict, graphdef: nnx.GraphDef, batch: Batch, *, dtype: Any,
                       remat: str) -> jax.Array:
     """Sum over valid tokens of the cross entropy (normalised later by the global count)."""
-    tokens = batch["inputs"]
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits = nnx.merge(graphdef, params)(tokens, positions, dtype=dtype, remat=remat)
+    logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], dtype=dtype,
+                                         remat=remat)
     return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"])
 
 
@@ -106,6 +106,7 @@ class Trainer:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
+    seq_order: np.ndarray  # token order within a sequence (zigzag under context parallelism)
     _init: Callable
     _step: Callable
     _loss_and_grads: Callable
@@ -136,8 +137,10 @@ class Trainer:
             return self._step.lower(self.abstract_state, self.abstract_batch()).compile()
 
     def put_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
-        """This process's rows -> global arrays laid out for the step."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+        """This process's rows -> global arrays laid out for the step (tokens reordered into
+        ``seq_order`` here, on the host, where it costs no communication)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding,
+                                                          np.asarray(v)[:, self.seq_order])
                 for k, v in local_batch.items()}
 
 
@@ -161,6 +164,11 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     batch_sharding = NamedSharding(mesh, batch_spec)
     constrain = activation_constrainer(rules, mesh_shape)
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
+    n_context, zigzag = cfg.mesh.context, cfg.parallel.zigzag
+    seq_order = (zigzag_order(cfg.train.seq_len, n_context) if n_context > 1 and zigzag
+                 else np.arange(cfg.train.seq_len))
+    attention = (context_attention(cfg.parallel.context_impl, n_context, zigzag)
+                 if n_context > 1 else None)
 
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(create_model(cfg.model, cfg.train.seed), nnx.Param))
@@ -168,9 +176,12 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        # Positions travel with the tokens: in seq_order, the same for every row.
+        positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
+        batch = dict(batch, positions=positions)
         grad_fn = jax.value_and_grad(summed_token_loss)
         kwargs = dict(graphdef=graphdef, dtype=dtype, remat=remat)
-        with activation_sharding(constrain):
+        with activation_sharding(constrain), use_attention(attention):
             if accum == 1:
                 loss_sum, grads = grad_fn(state.params, batch=batch, **kwargs)
             else:
@@ -207,7 +218,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, logical_axes=logical_axes, param_specs=specs,
         state_shardings=state_shardings, batch_sharding=batch_sharding,
-        abstract_state=abstract_state,
+        abstract_state=abstract_state, seq_order=seq_order,
         _init=jax.jit(init, out_shardings=state_shardings),
         _step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                       out_shardings=(state_shardings, None), donate_argnums=0),

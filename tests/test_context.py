@@ -1,0 +1,95 @@
+"""Context parallelism on its own: ring / all-gather attention against dense attention, the
+load-balanced schedule, and the memory it saves. Full-model equivalence and the HLO collectives
+are in test_parallel_layouts.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.config import load_config, validate
+from jaxpar.mesh import make_mesh
+from jaxpar.parallel.context import (
+    MASKED,
+    SKIP,
+    block_schedule,
+    context_attention,
+    zigzag_order,
+)
+from jaxpar.train.step import build_trainer
+
+B, S, D = 2, 32, 8
+
+
+def dense_causal_attention(q, k, v):
+    """Plain softmax(QK^T)V over the whole sequence, kv heads repeated for GQA."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(q.shape[-1])
+    scores = jnp.where(np.tril(np.ones((q.shape[1],) * 2, bool)), scores, -jnp.inf)
+    return jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("n,heads,kv_heads,zigzag", [
+    (2, 4, 4, True), (4, 4, 2, True), (8, 4, 1, True), (4, 4, 4, False), (8, 8, 2, False)],
+    ids=["n2-mha", "n4-gqa", "n8-mqa", "n4-mha-contiguous", "n8-gqa-contiguous"])
+def test_context_attention_matches_dense_causal_attention_and_gradients(impl, n, heads,
+                                                                        kv_heads, zigzag):
+    rng = np.random.default_rng(n * 10 + heads + kv_heads)
+    q = rng.normal(size=(B, S, heads, D)).astype(np.float32)
+    k = rng.normal(size=(B, S, kv_heads, D)).astype(np.float32)
+    v = rng.normal(size=(B, S, kv_heads, D)).astype(np.float32)
+    weights = rng.normal(size=(B, S, heads, D)).astype(np.float32)  # a loss that differs per token
+    order = zigzag_order(S, n) if zigzag else np.arange(S)
+    positions = np.broadcast_to(order, (B, S)).astype(np.int32)
+    mesh = jax.make_mesh((n,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:n])
+    attention = context_attention(impl, n, zigzag)
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, positions) * weights[:, order])
+
+    def dense_loss(q, k, v):
+        return jnp.sum(dense_causal_attention(q, k, v) * weights)
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(attention)(q[:, order], k[:, order], v[:, order], positions)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q[:, order], k[:, order], v[:, order])
+    np.testing.assert_allclose(out, np.asarray(dense_causal_attention(q, k, v))[:, order],
+                               atol=1e-5, rtol=0)
+    dense_grads = jax.grad(dense_loss, argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads, dense_grads, strict=True):
+        np.testing.assert_allclose(got, np.asarray(want)[:, order], atol=1e-5, rtol=0)
+
+
+def test_zigzag_gives_device_i_chunks_i_and_2n_minus_1_minus_i():
+    order = zigzag_order(16, 4).reshape(4, 2, 2)  # 8 chunks of 2 tokens
+    assert [list(chunks[:, 0] // 2) for chunks in order] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_balances_unmasked_blocks_and_contiguous_does_not(n):
+    balanced = (block_schedule(64, n, zigzag=True) != SKIP).sum(axis=(1, 2, 3))
+    assert (balanced == balanced[0]).all()  # every device: 2n + 1 half-size blocks
+    assert balanced[0] == 2 * n + 1
+    contiguous = (block_schedule(64, n, zigzag=False) != SKIP).sum(axis=(1, 2, 3))
+    assert list(contiguous) == list(range(1, n + 1))  # the last device does n x the first
+    # Only blocks on the diagonal need an elementwise mask; the rest are all-visible.
+    kinds = block_schedule(64, n, zigzag=True)
+    assert (kinds[:, 1:] != MASKED).all() and (kinds[:, 0] == MASKED).sum() == 2 * n
+
+
+def compiled_temp_bytes(*overrides: str, devices: int) -> int:
+    cfg = load_config("tiny", ["train.batch_size=1", "train.seq_len=2048", *overrides])
+    cfg = validate(cfg, devices)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
+    return trainer.compile_step().memory_analysis().temp_size_in_bytes
+
+
+def test_context_parallelism_cuts_activation_memory_of_a_long_sequence():
+    single = compiled_temp_bytes("mesh.data=1", devices=1)
+    ring = compiled_temp_bytes("mesh.data=1", "mesh.context=4", devices=4)
+    assert ring <= 0.4 * single, (ring, single)
