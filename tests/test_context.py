@@ -93,3 +93,35 @@ def test_context_parallelism_cuts_activation_memory_of_a_long_sequence():
     single = compiled_temp_bytes("mesh.data=1", devices=1)
     ring = compiled_temp_bytes("mesh.data=1", "mesh.context=4", devices=4)
     assert ring <= 0.4 * single, (ring, single)
+
+
+def one_step_loss_and_grads(*overrides: str, devices: int):
+    cfg = load_config("tiny", ["train.batch_size=4", "train.seq_len=32", *overrides])
+    cfg = validate(cfg, devices)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
+    rng = np.random.default_rng(7)
+    shape = (4, 32)
+    batch = trainer.put_batch({
+        "inputs": rng.integers(0, 256, shape, dtype=np.int32),
+        "targets": rng.integers(0, 256, shape, dtype=np.int32),
+        "mask": np.ones(shape, np.float32)})
+    loss, grads = trainer.loss_and_grads(trainer.init(), batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_ring_attention_under_remat_matches_the_single_device_run(remat):
+    ref_loss, ref_grads = one_step_loss_and_grads("mesh.data=1", devices=1)
+    loss, grads = one_step_loss_and_grads("mesh.data=1", "mesh.context=2",
+                                          f"train.remat={remat}", devices=2)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 grads, ref_grads)
+
+
+def test_ring_attention_in_bfloat16_stays_close_to_float32():
+    ref_loss, _ = one_step_loss_and_grads("mesh.data=1", devices=1)
+    loss, grads = one_step_loss_and_grads("mesh.data=1", "mesh.context=4", "train.dtype=bfloat16",
+                                          devices=4)
+    assert loss == pytest.approx(ref_loss, rel=1e-2)
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
