@@ -13,6 +13,13 @@ import sys
 from pathlib import Path
 
 from jaxpar.config import PRESETS_DIR, Config, ConfigError, load_config, to_yaml, validate
+from jaxpar.inspect.tpu import (
+    TpuTarget,
+    parse_target,
+    report_fields,
+    require_libtpu,
+    topology_devices,
+)
 
 EPILOG = """\
 CONFIG is a YAML file or a preset in configs/ ({presets}).
@@ -89,7 +96,9 @@ def _add_inspect(commands) -> None:
                               intermixed=True,
                               epilog=EPILOG.format(presets=_presets()) + "\nExample (a 64-device "
                               "layout, compiled on this machine):\n  jaxpar inspect tiny "
-                              "--devices 64 mesh.data=8 mesh.fsdp=8 train.batch_size=64",
+                              "--devices 64 mesh.data=8 mesh.fsdp=8 train.batch_size=64\n"
+                              "Example (what the TPU compiler makes of FSDP on a v5e-8 slice):\n"
+                              "  jaxpar inspect tiny mesh.data=1 mesh.fsdp=8 --target tpu-v5e:2x4",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
     # default=[]: else intermixed parsing calls the overrides required when CONFIG is missing.
@@ -98,9 +107,16 @@ def _add_inspect(commands) -> None:
     sub.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to stdout, "
                      "instead of the tables)")
     sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")
-    sub.add_argument("--devices", metavar="N", type=_positive_int,
-                     help="compile for N virtual CPU devices (overrides host_devices); nothing "
-                     "is allocated, so large layouts can be checked on a laptop")
+    devices = sub.add_mutually_exclusive_group()
+    devices.add_argument("--devices", metavar="N", type=_positive_int,
+                         help="compile for N virtual CPU devices (overrides host_devices); "
+                         "nothing is allocated, so large layouts can be checked on a laptop")
+    devices.add_argument("--target", metavar="TPU",
+                         help="compile ahead of time for a TPU slice instead, with the TPU "
+                         "compiler, on this machine (nothing runs; host_devices is ignored; "
+                         "needs pip install -e '.[tpu]'): tpu-GENERATION:TOPOLOGY, one of "
+                         "tpu-v4:2x2x1, tpu-v5e:2x4, tpu-v5p:2x2x1, tpu-v6e:4x4, tpu-v7x:2x2x1, "
+                         "...; the mesh spans the slice's devices")
 
 
 def load_validated(name: str, overrides: list[str]) -> Config:
@@ -117,15 +133,30 @@ def _check_output_dir(flag: str, path: str | None) -> None:
         raise ConfigError(f"{flag} {path}: directory {Path(path).parent} does not exist")
 
 
-def run_inspect(args: argparse.Namespace, cfg: Config) -> int:
+def load_for_target(name: str, overrides: list[str], target: TpuTarget) -> tuple[Config, list]:
+    """Read and override the config, then validate it against the TPU slice's device count.
+
+    Key and value errors come before libtpu is loaded; the ``-1`` mesh axis resolves against
+    the slice (``host_devices``, a CPU setting, plays no part).
+    """
+    cfg = load_config(name, overrides)
+    devices = topology_devices(target)
+    return validate(cfg, len(devices)), devices
+
+
+def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = None,
+                target: TpuTarget | None = None) -> int:
+    """Compile, report, write files. ``devices`` (with ``target``): the TPU slice's devices."""
     from rich.console import Console  # noqa: PLC0415
 
     from jaxpar.inspect.report import build_report, compile_step, print_report  # noqa: PLC0415
     from jaxpar.mesh import make_mesh  # noqa: PLC0415
 
     json_to_stdout = args.json == "-"
-    step = compile_step(cfg, make_mesh(cfg))
+    step = compile_step(cfg, make_mesh(cfg, devices=devices))
     report = build_report(step)
+    if target is not None:
+        report["run"].update(report_fields(target, devices))
     # With --json - stdout carries only the JSON; anything else said goes to stderr.
     console = Console(stderr=json_to_stdout, soft_wrap=True)
     if not console.is_terminal:  # a file or pipe has no width: don't squeeze the tables to 80
@@ -147,11 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         overrides = list(args.overrides)
+        target = None
         if args.command == "inspect":
             _check_output_dir("--json", args.json)
             _check_output_dir("--hlo", args.hlo)
             if args.devices is not None:  # last, so it wins over a host_devices override
                 overrides.append(f"host_devices={args.devices}")
+            if args.target is not None:  # a bad target or a missing libtpu: before the config
+                target = parse_target(args.target)
+                require_libtpu()
+        if target is not None:
+            cfg, devices = load_for_target(args.config, overrides, target)
+            return run_inspect(args, cfg, devices, target)
         cfg = load_validated(args.config, overrides)
         if args.command == "config":
             print(to_yaml(cfg), end="")

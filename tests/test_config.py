@@ -252,10 +252,11 @@ def test_infinite_lr_is_rejected():
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_every_preset_loads_and_validates_on_its_host_devices(name):
+def test_every_preset_loads_and_validates(name):
     cfg = load_config(name)
-    assert cfg.host_devices == DEVICES
-    resolved = validate(cfg, cfg.host_devices)
+    # CPU presets bring their virtual devices; the others (llama-1b) are for plan/inspect dry
+    # runs on the device counts a user names.
+    resolved = validate(cfg, cfg.host_devices or DEVICES)
     assert all(size >= 1 for size in resolved.mesh_shape.values())
 
 
@@ -268,10 +269,10 @@ def test_tiny_resolves_data_to_all_devices():
         "pipe": 1, "data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
 
 
-def test_demo_5d_mesh_is_data_fsdp_tensor_2x2x2():
+def test_demo_5d_mesh_is_fsdp_context_tensor_2x2x2():
     cfg = validate(load_config("demo-5d"), DEVICES)
     assert cfg.mesh_shape == {
-        "pipe": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+        "pipe": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
     assert cfg.parallel.sequence_parallel is True and cfg.parallel.zero == 3
 
 

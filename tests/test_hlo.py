@@ -571,3 +571,51 @@ def test_instruction_wrapped_over_lines_is_read_whole():
     )
     c = only(parse_collectives(text, MESH))
     assert (c.kind, c.bytes, c.axes) == ("all-gather", 16 * 128 * 2, ("tensor",))
+
+
+def test_loop_without_known_trip_count_reads_i_less_than_n_from_its_condition():
+    # TPU's compiler records no known_trip_count; scan's loop is `for (i = 0; i < 4; i++)`.
+    body = """%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8]{0} get-tuple-element(%t), index=1
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %out = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  %n = s32[]{:T(128)} constant(4)
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}"""  # noqa: E501
+    loop = ("  %zero = s32[] constant(0)\n  %start = s32[]{:T(128)} copy(%zero)\n"
+            "  %x = f32[8]{0} parameter(0)\n"
+            "  %init = (s32[], f32[8]{0}) tuple(%start, %x)\n"
+            "  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body")
+    assert only(parse_collectives(module(loop, body), MESH)).executions == 4
+    # A counter that does not start at 0 is not guessed at.
+    from_one = loop.replace("constant(0)", "constant(1)")
+    assert only(parse_collectives(module(from_one, body), MESH)).executions == 1
+
+
+def test_one_channel_placed_in_several_computations_is_one_collective():
+    # TPU places an async all-gather in its start fusion and in the fusions it overlaps with.
+    start = """%start_fusion (p: f32[4]) -> f32[16] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ag = f32[16]{0} all-gather(%p), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}
+
+%overlap_fusion (p: f32[4]) -> f32[16] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ag.1 = f32[16]{0} all-gather(%p), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}"""  # noqa: E501
+    text = module(
+        "  %x = f32[4]{0} parameter(0)\n"
+        "  %a = f32[16]{0} fusion(%x), kind=kCustom, calls=%start_fusion\n"
+        "  %b = f32[16]{0} fusion(%x), kind=kCustom, calls=%overlap_fusion\n"
+        "  ROOT %t = (f32[16]{0}, f32[16]{0}) tuple(%a, %b)",
+        start,
+    )
+    c = only(parse_collectives(text, MESH))
+    assert (c.kind, c.bytes, c.axes) == ("all-gather", 64, ("tensor",))

@@ -39,8 +39,14 @@ start at 2048) and they are looked up in `device_ids`.
 Counting per step: a collective in a while-loop body (`lax.scan` over layers, gradient
 accumulation) runs once per iteration. Each `Collective` carries `executions`, how often its
 computation runs per call of the program: the product of the `known_trip_count`s of the loops
-around it (XLA records them in the while op's backend_config), summed over call sites. A loop
-whose trip count XLA does not know is counted once. `bytes` and `wire_bytes` are per execution;
+around it, summed over call sites. XLA:CPU records a loop's trip count in the while op's
+backend_config (`known_trip_count`); TPU's compiler does not, so there it is read off the loop
+itself: a condition `i < N` on a counter that starts at the constant 0 (the form `lax.scan` and
+`fori_loop` lower to) runs N times. A loop whose trip count is found neither way counts once.
+
+Async copies on TPU: the TPU compiler places one async all-gather in several computations (the
+start fusion, the fusions it overlaps with, the done fusion), all with the same `channel_id`; a
+channel is one collective, so each is counted once. `bytes` and `wire_bytes` are per execution;
 `summarize_collectives` multiplies, so its rows are per-step totals.
 """
 
@@ -298,6 +304,41 @@ def _parse_module(text: str) -> _Module:
     return _Module(computations, replica_count, num_partitions, entry)
 
 
+def _value_through_copies(comp: _Computation, name: str) -> _Instr | None:
+    """The instruction `name` is a copy, bitcast or convert of, followed to its source."""
+    instr = comp.instrs.get(name)
+    while instr is not None and instr.opcode in ("copy", "bitcast", "convert") and instr.operands:
+        instr = comp.instrs.get(instr.operands[0])
+    return instr
+
+
+def _constant_int(comp: _Computation, name: str) -> int | None:
+    instr = _value_through_copies(comp, name)
+    if instr is None or instr.opcode != "constant" or not instr.operands:
+        return None
+    try:
+        return int(instr.operands[0])
+    except ValueError:
+        return None
+
+
+def _inferred_trip_count(module: _Module, comp: _Computation, loop: _Instr) -> int | None:
+    """N for a loop `for (i = 0; i < N; i++)`, read from its condition and initial tuple."""
+    cond = module.computations.get((_attr(loop, "condition") or "").lstrip("%"))
+    root = cond.instrs.get(cond.root) if cond and cond.root else None
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
+        return None
+    counter = cond.instrs.get(root.operands[0])
+    bound = _constant_int(cond, root.operands[1])
+    if counter is None or counter.opcode != "get-tuple-element" or bound is None:
+        return None
+    init = _value_through_copies(comp, loop.operands[0]) if loop.operands else None
+    index = int(_attr(counter, "index") or 0)
+    if init is None or init.opcode != "tuple" or index >= len(init.operands):
+        return None
+    return bound if _constant_int(comp, init.operands[index]) == 0 else None
+
+
 def _executions(module: _Module) -> dict[str, int]:
     """How many times each computation runs per call of the entry computation."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> (caller, times)
@@ -306,7 +347,10 @@ def _executions(module: _Module) -> dict[str, int]:
             for m in _CALLED_RE.finditer(instr.attrs):
                 names = ([m.group("name")] if m.group("name") else
                          [b.strip().lstrip("%") for b in m.group("branches").split(",")])
-                times = (instr.trip_count or 1) if m.group("key") in ("body", "condition") else 1
+                times = 1
+                if m.group("key") in ("body", "condition"):
+                    times = (instr.trip_count or _inferred_trip_count(module, comp, instr)
+                             or 1)
                 for name in names:
                     calls[name].append((comp.name, times))
     runs: dict[str, int] = {}
@@ -777,6 +821,7 @@ def parse_collectives(
     }
 
     runs = _executions(module)
+    counted_channels: set[tuple[str, str]] = set()
     found: list[Collective] = []
     for comp in module.computations.values():
         if comp.name in fused_reduce_scatters:
@@ -789,6 +834,11 @@ def parse_collectives(
             base = instr.opcode.removesuffix("-start")
             if base not in KINDS or instr.opcode.endswith("-done"):
                 continue
+            channel = _attr(instr, "channel_id")
+            if channel is not None:
+                if (base, channel) in counted_channels:
+                    continue  # another placement of a collective already counted (TPU async)
+                counted_channels.add((base, channel))
             payload, dtype = _payload_bytes(comp, instr, base)
             if base == "collective-permute":
                 pairs = _permute_pairs(instr, layout, mesh)

@@ -1,0 +1,197 @@
+"""Compile the train step for a real TPU topology on a machine without TPUs (``--target``).
+
+``jaxpar inspect CONFIG --target tpu-v5e:2x4`` asks libtpu (the TPU runtime and compiler, from the
+``tpu`` extra: ``pip install -e '.[tpu]'``) for a *compile-only* description of that slice:
+devices with their chip coordinates, but no hardware behind them. The mesh is laid over
+those devices, and the train step is lowered and compiled for them ahead of time (AOT) by the
+TPU compiler itself, on this CPU machine. So the report shows what the TPU compiler makes of the
+layout, which XLA:CPU cannot: collectives run asynchronously and overlapped with matmuls, FSDP
+weights all-gathered in bf16 when the matmul only reads bf16 of them (default matmul precision),
+gradient all-reduce + slice fused into one ``all-reduce-scatter``, and memory as the TPU
+compiler's buffer assignment plans it, per device, with TPU tile padding.
+
+Limits, because nothing runs:
+
+- No step time, no measured memory: the figures are the compiler's plan (``memory_analysis``);
+  the runtime adds its own reservations on top. The report's peak is an upper bound built from
+  two TPU figures that disagree (see :func:`jaxpar.inspect.report.memory_report`).
+- The compiler is the installed libtpu's (``pip install -e '.[tpu]'`` pins the one released
+  with this jax); a TPU VM running another libtpu may compile differently.
+- One slice only: the devices are linked by ICI; multi-slice (DCN) layouts are not modelled.
+- One device per chip (v4 and v5p as "megacore"), except v7x, whose two TensorCores per chip
+  are two devices, as on a v7x VM: there the mesh spans 2 x chips devices.
+- Torus wraparound is libtpu's default for the slice (checked for tpu-v5e:16x16: passing
+  ``wrap`` explicitly compiles the identical program).
+
+libtpu is loaded in-process but never opens a TPU: ``JAX_PLATFORMS=cpu`` keeps jax's default
+backend on the CPU, and :func:`quiet_libtpu_env` tells libtpu what it would otherwise probe the
+host (and a cloud metadata server) for, before it initialises.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from jaxpar.config import ConfigError
+
+INSTALL_HINT = "pip install -e '.[tpu]'"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A TPU generation as libtpu names it, and the shape of its slices' topology names."""
+
+    libtpu_name: str  # the prefix libtpu's topology names use ("v5e" in "v5e:2x4")
+    dims: int  # 2 for the 2D tori of v5e/v6e, 3 for the 3D tori of v4/v5p/v7x
+    example: str  # a valid slice, for the error message
+    # "megacore": the chip's two TensorCores run as one device, as jax runs v4 and v5p (libtpu's
+    # compile-only v4 topology otherwise has one device per core, which jax.make_mesh rejects).
+    chip_config: str | None = None
+
+
+# User-facing names (``tpu-<generation>:<topology>``) -> libtpu's. Checked against libtpu
+# 0.0.42.1: v7x is "tpu7x" there ("v7x" is rejected); v2/v3 also work but are left out as retired.
+GENERATIONS: dict[str, Generation] = {
+    "v4": Generation("v4", 3, "2x2x1", chip_config="megacore"),
+    "v5e": Generation("v5e", 2, "2x4"),
+    "v5p": Generation("v5p", 3, "2x2x1", chip_config="megacore"),
+    "v6e": Generation("v6e", 2, "2x4"),
+    "v7x": Generation("tpu7x", 3, "2x2x1"),
+}
+
+# libtpu assumes hosts of 2x2x1 chips and rejects a smaller slice unless told its host is smaller.
+_DEFAULT_CHIPS_PER_HOST = (2, 2, 1)
+
+_TARGET_RE = re.compile(r"tpu-(?P<generation>[a-z0-9]+):(?P<topology>\d+(?:x\d+)*)")
+
+
+def accepted_forms() -> str:
+    return ", ".join(f"tpu-{name}:{g.example}" for name, g in GENERATIONS.items())
+
+
+@dataclass(frozen=True)
+class TpuTarget:
+    """A parsed ``--target``: a TPU generation and the chip grid of one slice."""
+
+    generation: str  # user-facing, e.g. "v5e"
+    dims: tuple[int, ...]  # chips along each torus axis, e.g. (2, 4)
+
+    @property
+    def name(self) -> str:
+        return f"tpu-{self.generation}:{'x'.join(map(str, self.dims))}"
+
+    @property
+    def topology_name(self) -> str:
+        """What ``jax.experimental.topologies.get_topology_desc`` accepts, e.g. ``v5e:2x4``."""
+        return f"{GENERATIONS[self.generation].libtpu_name}:{'x'.join(map(str, self.dims))}"
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.dims)
+
+
+def parse_target(text: str) -> TpuTarget:
+    """``tpu-v5e:2x4`` -> TpuTarget; anything else is a one-line ConfigError listing the forms."""
+    m = _TARGET_RE.fullmatch(text.strip().lower())
+    generation = GENERATIONS.get(m.group("generation")) if m else None
+    dims = tuple(int(d) for d in m.group("topology").split("x")) if m else ()
+    if generation is None or len(dims) != generation.dims or min(dims) < 1:
+        raise ConfigError(
+            f"--target {text}: expected tpu-GENERATION:TOPOLOGY, chips per torus axis (2 axes for "
+            f"v5e/v6e, 3 for v4/v5p/v7x); accepted: {accepted_forms()}, ...")
+    return TpuTarget(m.group("generation"), dims)
+
+
+def libtpu_installed() -> bool:
+    """Is libtpu importable (or pointed to by TPU_LIBRARY_PATH, which jax also honours)?
+
+    Checked without importing jax or libtpu, so the error costs nothing.
+    """
+    if os.environ.get("TPU_LIBRARY_PATH"):
+        return True
+    try:
+        return importlib.util.find_spec("libtpu") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_libtpu() -> None:
+    if not libtpu_installed():
+        raise ConfigError(f"--target needs the TPU compiler (libtpu), which is not installed: "
+                          f"{INSTALL_HINT}")
+
+
+def libtpu_version() -> str | None:
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:  # TPU_LIBRARY_PATH build, or a nightly package name
+        return None
+
+
+def quiet_libtpu_env() -> None:
+    """Environment for a compile-only libtpu; must run before libtpu initialises.
+
+    Without it libtpu probes this machine as if it were a TPU VM and prints a warning per guess:
+    the accelerator type and worker hostnames (which it cannot find here), and the cloud
+    metadata server (which it cannot reach). The values only describe the absent *attached*
+    hardware; the topology compiled for comes from ``--target`` alone (checked: a v4 topology
+    compiles the same under this v5e accelerator type). User settings win, except the platform.
+    """
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu takes /tmp/libtpu_lockfile so two processes don't drive one TPU; a compile-only
+    # process drives none, and must not fail because another process (a parallel test, a second
+    # inspect) holds the lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # nothing may try to run on a TPU
+
+
+def topology_devices(target: TpuTarget) -> list[Any]:
+    """The compile-only devices of ``target``'s slice, from libtpu (one per TensorCore).
+
+    libtpu's own rejection of a topology (say ``tpu-v5e:3x3``, which does not tile into hosts) is
+    a ConfigError carrying its message.
+    """
+    require_libtpu()
+    quiet_libtpu_env()
+    import jax  # noqa: PLC0415  (after the environment above)
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    jax.config.update("jax_platforms", "cpu")  # in case jax was imported before the env was set
+    generation = GENERATIONS[target.generation]
+    dims3 = (*target.dims, 1, 1)[:3]
+    kwargs: dict[str, Any] = {}
+    if generation.chip_config:
+        kwargs["chip_config_name"] = generation.chip_config
+    if any(d < h for d, h in zip(dims3, _DEFAULT_CHIPS_PER_HOST, strict=True)):
+        # A slice smaller than a 2x2 host (tpu-v5e:1x1): libtpu needs the smaller host spelled
+        # out, else it rejects the layout as "not divisible by chips_per_host_bounds".
+        kwargs["chips_per_host_bounds"] = tuple(
+            min(d, h) for d, h in zip(dims3, _DEFAULT_CHIPS_PER_HOST, strict=True))
+    try:
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name=target.topology_name, **kwargs)
+    except (RuntimeError, ValueError) as err:  # JaxRuntimeError is a RuntimeError
+        message = " ".join(str(err).split())  # libtpu's messages span lines
+        raise ConfigError(f"--target {target.name}: libtpu rejects topology "
+                          f"{target.topology_name!r}: {message}") from err
+    return list(topology.devices)
+
+
+def report_fields(target: TpuTarget, devices: list[Any]) -> dict[str, Any]:
+    """What the report's ``run`` header adds for a target (JSON-able)."""
+    version = libtpu_version()
+    return {
+        "target": target.name,
+        "topology": target.topology_name,
+        "chips": target.chips,
+        "compiler": f"libtpu {version}" if version else "libtpu",
+        "cores_per_chip": len(devices) // target.chips,
+    }

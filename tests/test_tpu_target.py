@@ -1,0 +1,204 @@
+"""``jaxpar inspect --target tpu-...``: the train step compiled by the TPU compiler, on this CPU.
+
+The TPU compiles run in subprocesses through the CLI (``--json -``), not in the pytest process:
+libtpu must see its environment (``jaxpar.inspect.tpu.quiet_libtpu_env``) before it initialises,
+and once loaded its plugin and that environment stay for the life of the process, where the
+other tests' CPU backend (8 virtual devices, conftest.py) lives. A subprocess keeps them apart,
+keeps a native libtpu abort from taking the test worker down, and tests the real CLI path. One
+compile (tiny, fsdp=8, tpu-v5e:2x4: ~10 s) is shared by a module-scoped fixture.
+
+Without libtpu the compile tests skip, saying how to install it; in CI (``CI`` set) on a platform
+that libtpu wheels exist for, they fail instead, so CI cannot pass without running them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from jaxpar.config import ConfigError
+from jaxpar.inspect.report import print_report
+from jaxpar.inspect.tpu import GENERATIONS, INSTALL_HINT, libtpu_installed, parse_target
+
+CLI_TIMEOUT_S = 300
+TARGET = "tpu-v5e:2x4"
+LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+def needs_libtpu() -> None:
+    if libtpu_installed():
+        return
+    if os.environ.get("CI") and LIBTPU_PLATFORM:
+        pytest.fail(f"libtpu is not installed, but it can be on this platform: {INSTALL_HINT}")
+    pytest.skip(f"libtpu (the TPU compiler) is not installed: {INSTALL_HINT}"
+                + ("" if LIBTPU_PLATFORM else " (no libtpu wheel for this platform)"))
+
+
+def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False) -> subprocess.CompletedProcess:
+    """``jaxpar inspect ARGS`` in a fresh interpreter, without the test process's CPU and TPU
+    settings: ``--target`` must keep jax off any TPU and quiet libtpu by itself. (jax exports
+    TPU_LIBRARY_PATH and TPU_SKIP_MDS_QUERY into os.environ once it has found libtpu.)
+
+    ``hide_libtpu``: run as an interpreter without libtpu would (it may be installed here).
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+           and (not k.startswith("TPU_") or (k == "TPU_LIBRARY_PATH" and not hide_libtpu))}
+    preamble = "sys.modules['libtpu'] = None\n" if hide_libtpu else ""
+    code = f"import sys\n{preamble}from jaxpar.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "inspect", *args], capture_output=True,
+                          text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxpar: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert result.stdout == ""
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp8_on_v5e(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """tiny, fsdp=8, compiled for tpu-v5e:2x4: (process, --json - report, --hlo text)."""
+    needs_libtpu()
+    tmp = tmp_path_factory.mktemp("tpu")
+    result = run_inspect("tiny", "mesh.data=1", "mesh.fsdp=8", "--target", TARGET,
+                         "--json", "-", "--hlo", str(tmp / "step.hlo"), cwd=tmp)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result, json.loads(result.stdout), (tmp / "step.hlo").read_text()
+
+
+def rows(report: dict, kind: str, axes: list[str]) -> list[dict]:
+    return [r for r in report["collectives"] if r["kind"] == kind and r["axes"] == axes]
+
+
+# --------------------------------------------------------------------------------------------
+# One compile for a TPU v5e slice of 8 chips
+
+
+def test_compiles_for_the_eight_chips_of_the_slice(fsdp8_on_v5e):
+    _, report, hlo = fsdp8_on_v5e
+    run = report["run"]
+    assert report["devices"] == 8 and report["mesh"]["fsdp"] == 8
+    assert run["device_kind"].startswith("TPU v5"), run["device_kind"]
+    assert run["target"] == TARGET and run["topology"] == "v5e:2x4" and run["chips"] == 8
+    assert run["cores_per_chip"] == 1 and run["compiler"].startswith("libtpu")
+    assert "HloModule" in hlo and "num_partitions=8" in hlo
+
+
+def test_fsdp_gathers_weights_and_reduce_scatters_grads_over_fsdp(fsdp8_on_v5e):
+    _, report, _ = fsdp8_on_v5e
+    assert rows(report, "all-gather", ["fsdp"])
+    scatters = rows(report, "reduce-scatter", ["fsdp"])
+    assert scatters
+    # TPU fuses all-reduce + slice into one op, which XLA:CPU never emits (JAX-NOTES.md).
+    assert "all-reduce-scatter-fusion" in {s for r in scatters for s in r["lowered_as"]}
+
+
+def test_tpu_compiler_gathers_weights_in_bf16_asynchronously(fsdp8_on_v5e):
+    # The parameters are float32, but the matmuls read them at default (bf16) precision, so the
+    # TPU compiler converts before gathering: half the bytes of the CPU program's f32 gathers.
+    _, _, hlo = fsdp8_on_v5e
+    gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert gathers and any("= bf16[" in line for line in gathers)
+    assert "AsyncCollectiveStart" in hlo  # overlapped with compute, not a blocking op
+
+
+def test_memory_is_the_tpu_compilers_per_chip_hbm_plan(fsdp8_on_v5e):
+    _, report, _ = fsdp8_on_v5e
+    memory = report["memory"]
+    buffers = (memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+               + memory["temp_bytes"])
+    # On TPU neither the buffer sum nor XLA's peak covers the other: the larger is reported.
+    assert memory["xla_peak_bytes"] > 0
+    assert memory["peak_bytes"] == max(buffers, memory["xla_peak_bytes"])
+    assert memory["peak_source"] == ("xla" if memory["xla_peak_bytes"] > buffers else "buffers")
+    # Live through the whole step: the train state (tile-padded on TPU, so >= the logical sum).
+    assert memory["argument_bytes"] >= memory["params_bytes"] + memory["optimizer_bytes"]
+    assert memory["peak_bytes"] >= memory["argument_bytes"]
+
+
+def test_libtpu_is_quiet_and_stdout_is_only_the_json(fsdp8_on_v5e):
+    result, _, _ = fsdp8_on_v5e
+    # json.loads(stdout) in the fixture already proved stdout is the JSON alone; stderr holds
+    # jaxpar's own line about the --hlo file and no libtpu host-probing warnings.
+    assert [line for line in result.stderr.splitlines() if not line.startswith("wrote")] == []
+
+
+def test_printed_report_names_the_target_and_the_tpu_memory(fsdp8_on_v5e):
+    _, report, _ = fsdp8_on_v5e
+    console = Console(record=True, width=160)
+    print_report(report, console)
+    text = console.export_text()
+    for needle in ("jaxpar inspect 8 x TPU v5 lite", f"target {TARGET}: 8 chips",
+                   "compiled ahead of time by libtpu", "TPU compiler's peak", "an upper bound",
+                   "TPU memory is laid out in tiles", "all-reduce-scatter-fusion"):
+        assert needle in text, needle
+    assert "XLA:CPU never emits" not in text
+
+
+# --------------------------------------------------------------------------------------------
+# Errors: one line, exit 2, before any compile
+
+
+@pytest.mark.parametrize("target", ["tpu-v5e:2x2x2", "v5e:2x4", "tpu-v9:2x2", "tpu-v4:2x2",
+                                    "tpu-v5e", "tpu-v5e:0x4"])
+def test_bad_target_string_is_one_line_exit_2(tmp_path, target):
+    result = run_inspect("tiny", "--target", target, cwd=tmp_path)
+    assert_one_line_error(result, f"--target {target}", "tpu-v5e:2x4", "tpu-v4:2x2x1")
+
+
+def test_target_with_devices_is_a_usage_error(tmp_path):
+    result = run_inspect("tiny", "--target", TARGET, "--devices", "8", cwd=tmp_path)
+    assert_one_line_error(result, "--devices", "--target", "not allowed")
+
+
+def test_missing_libtpu_says_how_to_install_it(tmp_path):
+    result = run_inspect("tiny", "--target", TARGET, cwd=tmp_path, hide_libtpu=True)
+    assert_one_line_error(result, "libtpu", INSTALL_HINT)
+
+
+def test_topology_libtpu_rejects_is_one_line_exit_2(tmp_path):
+    needs_libtpu()
+    result = run_inspect("tiny", "--target", "tpu-v5e:3x3", cwd=tmp_path)
+    assert_one_line_error(result, "tpu-v5e:3x3", "libtpu rejects")
+
+
+def test_mesh_minus_one_resolves_against_the_slice(tmp_path):
+    # data=-1 becomes 16 on a 16-chip slice, which the preset's batch of 8 cannot be split over:
+    # a config error naming 16, from validation, before any compile.
+    needs_libtpu()
+    result = run_inspect("tiny", "--target", "tpu-v5e:4x4", cwd=tmp_path)
+    assert_one_line_error(result, "train.batch_size=8", "16")
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing (no libtpu needed)
+
+
+@pytest.mark.parametrize(("text", "topology", "chips"), [
+    ("tpu-v5e:2x4", "v5e:2x4", 8), ("tpu-v4:2x2x1", "v4:2x2x1", 4),
+    ("tpu-v5p:2x2x1", "v5p:2x2x1", 4), ("tpu-v6e:4x4", "v6e:4x4", 16),
+    ("tpu-v7x:2x2x1", "tpu7x:2x2x1", 4), ("TPU-V5E:1x1", "v5e:1x1", 1),
+])
+def test_parse_target_maps_to_libtpu_topology_names(text, topology, chips):
+    target = parse_target(text)
+    assert target.topology_name == topology and target.chips == chips
+    assert target.name == text.lower()
+
+
+def test_every_generation_example_parses():
+    for name, generation in GENERATIONS.items():
+        assert parse_target(f"tpu-{name}:{generation.example}").generation == name
+    with pytest.raises(ConfigError, match="accepted: tpu-v4:2x2x1"):
+        parse_target("tpu-v5e:2x4x1")
