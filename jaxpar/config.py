@@ -109,7 +109,7 @@ class ParallelConfig:
     zero: Literal[1, 3] = 3
     context_impl: Literal["ring", "allgather"] = "ring"
     zigzag: bool = True  # load-balanced causal layout for context parallelism
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "gpipe"
     virtual_stages: int = 1
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)

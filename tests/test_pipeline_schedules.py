@@ -1,0 +1,188 @@
+"""Pipeline schedule tables (pure Python): each schedule is a valid table, its bubble is the
+textbook formula exactly, its memory is what it promises, and the validator catches broken
+tables. The executor that runs these tables over the ``pipe`` axis is tested elsewhere."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from jaxpar.parallel.pipeline import (
+    SCHEDULES,
+    Action,
+    Table,
+    as_soon_as_possible,
+    bubble_fraction,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    peak_in_flight,
+    render,
+    schedule_table,
+    validate,
+    zero_bubble,
+)
+
+SIZES = [(2, 4), (2, 8), (4, 4), (4, 8)]  # (p stages, m microbatches)
+V = 2  # chunks per stage for the interleaved schedule
+
+
+def with_stage(table: Table, stage: int, column: list[Action | None]) -> Table:
+    """``table`` with one stage's column replaced (padded with idle ticks at the end)."""
+    column = column + [None] * (len(table) - len(column))
+    return [tick[:stage] + (column[t],) + tick[stage + 1:] for t, tick in enumerate(table)]
+
+
+def column(table: Table, stage: int) -> list[Action | None]:
+    return [tick[stage] for tick in table]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("p,m", SIZES)
+def test_every_schedule_builds_a_valid_table(name, p, m):
+    v = V if name == "interleaved" else 1
+    validate(schedule_table(name, p, m, v), p, m, v)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 9])
+def test_tables_stay_valid_for_odd_sizes_including_fewer_microbatches_than_stages(p, m):
+    for table, v in [(gpipe(p, m), 1), (one_f_one_b(p, m), 1), (zero_bubble(p, m), 1)]:
+        validate(table, p, m, v)
+    if m % p == 0:
+        for v in (1, 3):
+            validate(interleaved(p, m, v), p, m, v)
+    assert bubble_fraction(zero_bubble(p, m)) <= bubble_fraction(one_f_one_b(p, m))
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_and_1f1b_idle_fraction_is_exactly_p_minus_1_over_m_plus_p_minus_1(p, m):
+    assert bubble_fraction(gpipe(p, m)) == Fraction(p - 1, m + p - 1)
+    assert bubble_fraction(one_f_one_b(p, m)) == Fraction(p - 1, m + p - 1)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_interleaved_idle_fraction_is_exactly_p_minus_1_over_vm_plus_p_minus_1(p, m):
+    assert bubble_fraction(interleaved(p, m, V)) == Fraction(p - 1, V * m + p - 1)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zero_bubble_idles_strictly_less_than_1f1b_under_the_same_cost_model(p, m):
+    zb, base = bubble_fraction(zero_bubble(p, m)), bubble_fraction(one_f_one_b(p, m))
+    assert zb < base
+    # ZB-H1's p-1 idle ticks per stage against 1F1B's 3(p-1), with F = I = W = 1 tick, B = 2.
+    assert zb == Fraction(p - 1, 3 * m + p - 1)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_1f1b_holds_at_most_p_microbatches_while_gpipe_holds_all_m(p, m):
+    assert peak_in_flight(one_f_one_b(p, m)) == tuple(p - s for s in range(p))
+    assert peak_in_flight(gpipe(p, m)) == (m,) * p
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zero_bubble_keeps_the_peak_in_flight_of_1f1b(p, m):
+    assert max(peak_in_flight(zero_bubble(p, m))) == max(peak_in_flight(one_f_one_b(p, m))) == p
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_interleaved_holds_more_chunks_than_1f1b_as_megatron_warns(p, m):
+    first_stage = min(2 * (p - 1) + (V - 1) * p + 1, V * m)
+    assert peak_in_flight(interleaved(p, m, V))[0] == first_stage
+
+
+def test_interleaved_rejects_microbatches_not_divisible_by_stages_in_one_line():
+    with pytest.raises(ValueError, match=r"^interleaved schedule needs microbatches divisible by "
+                       r"stages: m=6 is not divisible by p=4$"):
+        interleaved(4, 6, 2)
+
+
+def test_schedules_are_named_by_the_config_values_and_only_interleaved_takes_chunks():
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
+    assert schedule_table("1f1b", 2, 4) == one_f_one_b(2, 4)
+    with pytest.raises(ValueError, match="runs one chunk per stage; v=2"):
+        schedule_table("1f1b", 2, 4, v=2)
+    with pytest.raises(ValueError, match="'dualpipe' is not one of gpipe, 1f1b"):
+        schedule_table("dualpipe", 2, 4)
+
+
+def test_validate_catches_a_backward_before_its_forward():
+    table = one_f_one_b(2, 2)
+    late = column(table, 1)
+    assert late[1:4] == [Action("F", 0, 1), Action("B", 0, 1), Action("B", 0, 1)]
+    late[1:4] = [Action("B", 0, 1), Action("B", 0, 1), Action("F", 0, 1)]
+    with pytest.raises(ValueError, match=r"^B\(mb=0, chunk=1\) on stage 1 starts at tick 1 but "
+                       r"needs its own forward F\(mb=0, chunk=1\) on stage 1, done only at tick 4"):
+        validate(with_stage(table, 1, late), 2, 2)
+
+
+def test_validate_catches_a_stage_running_ahead_of_its_upstream():
+    table = gpipe(2, 4)
+    early = column(table, 1)[1:]  # stage 1 starts every action one tick sooner
+    with pytest.raises(ValueError, match=r"^F\(mb=0, chunk=1\) on stage 1 starts at tick 0 but "
+                       r"needs its input from F\(mb=0, chunk=0\) on stage 0, done only at tick 1"):
+        validate(with_stage(table, 1, early), 2, 4)
+
+
+def test_validate_catches_a_missing_microbatch():
+    table = [tuple(None if a is not None and a.mb == 3 else a for a in tick)
+             for tick in one_f_one_b(4, 4)]
+    with pytest.raises(ValueError, match=r"^F\(mb=3, chunk=0\) never runs \(stage 0\)$"):
+        validate(table, 4, 4)
+
+
+def test_validate_catches_a_gradient_sent_upstream_before_it_exists():
+    # Stage 0's backward moved earlier, to before stage 1's backward of the same microbatch.
+    table = gpipe(2, 1)
+    assert render(table) == "stage 0: F0 .  .  .  B0 B0\nstage 1: .  F0 B0 B0 .  ."
+    moved = with_stage(table, 0, [Action("F", 0, 0), None, None, Action("B", 0, 0),
+                                  Action("B", 0, 0)])
+    with pytest.raises(ValueError, match=r"B\(mb=0, chunk=0\) on stage 0 starts at tick 3 but "
+                       r"needs its output gradient from B\(mb=0, chunk=1\) on stage 1, done only"
+                       r" at tick 4"):
+        validate(moved, 2, 1)
+
+
+@pytest.mark.parametrize("broken,message", [
+    (lambda t: [tick + (None,) for tick in t], r"^tick 0 has 3 entries, expected one per stage"),
+    (lambda t: t[:2] + [t[2] + (None,)] + t[3:], r"^tick 2 has 3 entries, tick 0 has 2$"),
+    (lambda t: [tuple(None if (i, s) == (3, 1) else a for s, a in enumerate(tick))
+                for i, tick in enumerate(t)],
+     r"^B\(mb=0, chunk=1\) on stage 1 at tick 2 lasts 1 tick\(s\); a B takes 2$"),
+    (lambda t: [(tick[1], tick[0]) for tick in t],
+     r"^F\(mb=0, chunk=0\) on stage 1 at tick 0: chunk 0 lives on stage 0$"),
+    (lambda t: t + [(Action("F", 0, 0), None)], r"^F\(mb=0, chunk=0\) runs twice"),
+    (lambda t: [tuple(None if a is not None and a.kind == "W" and a.mb == 1 else a
+                      for a in tick) for tick in zero_bubble(2, 2)],
+     r"^I\(mb=1, chunk=0\) has no matching W\(mb=1, chunk=0\) \(stage 0\)$"),
+    (lambda t: [tuple(None if a is not None and a.kind == "B" else a for a in tick)
+                for tick in t], r"^microbatch 0, chunk 0 has no backward"),
+], ids=["wider-than-p", "ragged-tick", "B-in-one-tick", "wrong-stage", "forward-twice",
+        "I-without-W", "no-backward"])
+def test_validate_names_each_kind_of_broken_table(broken, message):
+    with pytest.raises(ValueError, match=message):
+        validate(broken(one_f_one_b(2, 2)), 2, 2)
+
+
+def test_orders_that_wait_on_each_other_are_reported_as_a_deadlock():
+    orders = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 0, 1), Action("B", 0, 1)]]
+    with pytest.raises(ValueError, match=r"deadlock: stage 0 at B\(mb=0, chunk=0\), stage 1 at "
+                       r"F\(mb=0, chunk=1\) wait forever"):
+        as_soon_as_possible(orders)
+
+
+def test_render_shows_one_row_per_stage_and_a_backward_in_both_its_ticks():
+    assert render(one_f_one_b(2, 2)) == (
+        "stage 0: F0 F1 .  .  B0 B0 .  B1 B1\n"
+        "stage 1: .  F0 B0 B0 F1 B1 B1 .  .")
+    assert render(zero_bubble(2, 2)) == (
+        "stage 0: F0 F1 .  I0 W0 I1 W1\n"
+        "stage 1: .  F0 I0 F1 I1 W0 W1")
+
+
+def test_render_names_the_chunk_of_an_interleaved_table_by_letter():
+    # Stage 0 holds chunks 0 (a) and 2 (b); stage 1 holds chunks 1 (a) and 3 (b).
+    assert render(interleaved(2, 2, 2)) == (
+        "stage 0: F0a F1a F0b F1b .   .   B0b B0b .   B1b B1b B0a B0a B1a B1a\n"
+        "stage 1: .   F0a F1a F0b B0b B0b F1b B1b B1b B0a B0a B1a B1a .   .")
