@@ -107,6 +107,9 @@ def _add_inspect(commands) -> None:
     sub.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to stdout, "
                      "instead of the tables)")
     sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")
+    sub.add_argument("--png", metavar="FILE", help="draw the mesh, how each parameter group is "
+                     "split over it, and the collectives per axis (needs matplotlib: "
+                     "pip install -e '.[plot]')")
     devices = sub.add_mutually_exclusive_group()
     devices.add_argument("--devices", metavar="N", type=_positive_int,
                          help="compile for N virtual CPU devices (overrides host_devices); "
@@ -125,6 +128,14 @@ def load_validated(name: str, overrides: list[str]) -> Config:
 
     cfg = load_config(name, overrides)
     return validate(cfg, device_count(cfg))
+
+
+def _require_matplotlib() -> None:
+    """--png needs matplotlib: say so before compiling, not after."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--png needs matplotlib: pip install -e '.[plot]'")
 
 
 def _check_output_dir(flag: str, path: str | None) -> None:
@@ -171,6 +182,11 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     if args.hlo:
         Path(args.hlo).expanduser().write_text(step.compiled.as_text())
         console.print(f"wrote the optimized HLO to {args.hlo}")
+    if args.png:
+        from jaxpar.inspect.picture import draw_report  # noqa: PLC0415
+
+        draw_report(report, Path(args.png).expanduser())
+        console.print(f"drew the report to {args.png}")
     return 0
 
 
@@ -182,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             _check_output_dir("--json", args.json)
             _check_output_dir("--hlo", args.hlo)
+            _check_output_dir("--png", args.png)
+            if args.png:
+                _require_matplotlib()
             if args.devices is not None:  # last, so it wins over a host_devices override
                 overrides.append(f"host_devices={args.devices}")
             if args.target is not None:  # a bad target or a missing libtpu: before the config

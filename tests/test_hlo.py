@@ -619,3 +619,14 @@ def test_one_channel_placed_in_several_computations_is_one_collective():
     )
     c = only(parse_collectives(text, MESH))
     assert (c.kind, c.bytes, c.axes) == ("all-gather", 64, ("tensor",))
+
+
+def test_unfused_collectives_sharing_a_channel_id_are_all_counted():
+    # XLA:CPU gives every ppermute of a shard_map channel_id=1.
+    pairs = "source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}"
+    text = module(
+        "  %x = f32[4]{0} parameter(0)\n"
+        f"  %a = f32[4]{{0}} collective-permute(%x), channel_id=1, {pairs}\n"
+        f"  ROOT %b = f32[4]{{0}} collective-permute(%a), channel_id=1, {pairs}"
+    )
+    assert len(parse_collectives(text, MESH)) == 2

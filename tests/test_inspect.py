@@ -190,3 +190,13 @@ def test_cli_missing_output_directory_is_one_line_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "--json" in lines[0] and "does not exist" in lines[0], lines
+
+
+def test_png_flag_draws_the_report(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli", "inspect", "tiny", "mesh.tensor=2",
+         "--png", str(tmp_path / "mesh.png")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "mesh.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -43,11 +43,13 @@ around it, summed over call sites. XLA:CPU records a loop's trip count in the wh
 backend_config (`known_trip_count`); TPU's compiler does not, so there it is read off the loop
 itself: a condition `i < N` on a counter that starts at the constant 0 (the form `lax.scan` and
 `fori_loop` lower to) runs N times. A loop whose trip count is found neither way counts once.
+`bytes` and `wire_bytes` are per execution; `summarize_collectives` multiplies, so its rows are
+per-step totals.
 
-Async copies on TPU: the TPU compiler places one async all-gather in several computations (the
-start fusion, the fusions it overlaps with, the done fusion), all with the same `channel_id`; a
-channel is one collective, so each is counted once. `bytes` and `wire_bytes` are per execution;
-`summarize_collectives` multiplies, so its rows are per-step totals.
+Async copies on TPU: the TPU compiler places one async all-gather inside several fusions (the
+start fusion, the fusions it overlaps with, the done fusion), all with the same `channel_id`;
+inside fused computations a channel is one collective, counted once. (Outside fusions channel
+ids are not unique: XLA:CPU gives every ppermute of a shard_map `channel_id=1`.)
 """
 
 from __future__ import annotations
@@ -821,6 +823,8 @@ def parse_collectives(
     }
 
     runs = _executions(module)
+    fused = {(_attr(i, "calls") or "").lstrip("%") for c in module.computations.values()
+             for i in c.instrs.values() if i.opcode == "fusion"}
     counted_channels: set[tuple[str, str]] = set()
     found: list[Collective] = []
     for comp in module.computations.values():
@@ -835,7 +839,7 @@ def parse_collectives(
             if base not in KINDS or instr.opcode.endswith("-done"):
                 continue
             channel = _attr(instr, "channel_id")
-            if channel is not None:
+            if channel is not None and comp.name in fused:
                 if (base, channel) in counted_channels:
                     continue  # another placement of a collective already counted (TPU async)
                 counted_channels.add((base, channel))

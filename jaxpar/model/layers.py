@@ -20,12 +20,27 @@ from jaxpar.model.annotate import attention_override, constrain, relayout
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
+Q_WEIGHT = ("act_embed", "heads", "head_dim")
+KV_WEIGHT = ("act_embed", "kv_heads", "head_dim")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float,
            ) -> nnx.Param:
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
     return nnx.Param(value, out_sharding=names)
+
+
+def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
+    """A weight as a layer multiplies with it: in the compute dtype, laid out as ``names``.
+
+    Layers name the model dimension of their weights ``act_embed`` here (whole, as activations
+    keep it), where the stored parameter says ``embed`` (split over ``fsdp`` under ZeRO-3). The
+    change of layout is FSDP's per-layer all-gather, done in the compute dtype (half the bytes in
+    bf16) and written down explicitly, so the compiler never chooses to move activations instead.
+    Its gradient goes straight back to the stored layout: a reduce-scatter over ``fsdp``.
+    """
+    stored = tuple("embed" if name == "act_embed" else name for name in names)
+    return relayout(param[...].astype(dtype), stored, names)
 
 
 class RMSNorm(nnx.Module):
@@ -92,9 +107,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         dtype = x.dtype
-        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("bse,ekd->bskd", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("bse,ekd->bskd", x, self.wv[...].astype(dtype))
+        q = jnp.einsum("bse,ehd->bshd", x, weight(self.wq, Q_WEIGHT, dtype))
+        k = jnp.einsum("bse,ekd->bskd", x, weight(self.wk, KV_WEIGHT, dtype))
+        v = jnp.einsum("bse,ekd->bskd", x, weight(self.wv, KV_WEIGHT, dtype))
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -103,7 +118,8 @@ class Attention(nnx.Module):
         attend = attention_override() or causal_attention
         out = attend(q, k, v, positions)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
+        return jnp.einsum("bshd,hde->bse", out,
+                          weight(self.wo, ("heads", "head_dim", "act_embed"), dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -118,10 +134,10 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
-        gate = jnp.einsum("bse,ef->bsf", x, self.w_gate[...].astype(dtype))
-        up = jnp.einsum("bse,ef->bsf", x, self.w_up[...].astype(dtype))
+        gate = jnp.einsum("bse,ef->bsf", x, weight(self.w_gate, ("act_embed", "mlp"), dtype))
+        up = jnp.einsum("bse,ef->bsf", x, weight(self.w_up, ("act_embed", "mlp"), dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return jnp.einsum("bsf,fe->bse", hidden, self.w_down[...].astype(dtype))
+        return jnp.einsum("bsf,fe->bse", hidden, weight(self.w_down, ("mlp", "act_embed"), dtype))
 
 
 class Block(nnx.Module):

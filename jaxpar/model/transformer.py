@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import constrain
-from jaxpar.model.layers import Block, RMSNorm, _param
+from jaxpar.model.layers import Block, RMSNorm, _param, weight
 
 REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,  # keep every activation
@@ -55,7 +55,8 @@ class Transformer(nnx.Module):
         # matmul and the memory of a logits-sized tensor, both split over the vocab shards.
         one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
         one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
-        x = jnp.einsum("bsv,ve->bse", one_hot, self.embedding[...].astype(dtype))
+        table = weight(self.embedding, ("vocab", "act_embed"), dtype)
+        x = jnp.einsum("bsv,ve->bse", one_hot, table)
         x = constrain(x, ("batch", "residual_seq", "act_embed"))
 
         graphdef, stacked = nnx.split(self.layers)
@@ -69,8 +70,9 @@ class Transformer(nnx.Module):
         x, _ = jax.lax.scan(one_block, x, stacked)
 
         x = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
-        head = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("bse,ev->bsv", x, head.astype(dtype),
+        head = (weight(self.embedding, ("vocab", "act_embed"), dtype).T if self.cfg.tie_embeddings
+                else weight(self.lm_head, ("act_embed", "vocab"), dtype))
+        logits = jnp.einsum("bse,ev->bsv", x, head,
                             preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
 
