@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     _add_inspect(commands)
+    _add_plan(commands)
     return parser
 
 
@@ -89,6 +90,30 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
+
+
+PLAN_HELP = ("predict, from the config alone (no compile), memory, collective bytes per mesh axis, "
+             "flops and step time per device on a hardware profile; --search ranks every layout")
+
+
+def _add_plan(commands) -> None:
+    from jaxpar.inspect.hardware import PROFILES  # noqa: PLC0415  (plain data, no jax)
+
+    sub = commands.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP + ".",
+                              intermixed=True,
+                              epilog=EPILOG.format(presets=_presets()) + "\nExample:\n  jaxpar "
+                              "plan llama-1b --search --devices 64 --hardware h100",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
+    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                     help="dotted overrides")
+    sub.add_argument("--hardware", default="h100", choices=sorted(PROFILES),
+                     help="hardware profile: peak flops, HBM and link bandwidths (default h100)")
+    sub.add_argument("--search", action="store_true",
+                     help="rank every mesh layout of the device count by estimated step time, "
+                     "with the reason each rejected layout fails")
+    sub.add_argument("--devices", metavar="N", type=_positive_int,
+                     help="device count (default: host_devices, else the mesh's product)")
 
 
 def _add_inspect(commands) -> None:
@@ -107,6 +132,8 @@ def _add_inspect(commands) -> None:
     sub.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to stdout, "
                      "instead of the tables)")
     sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")
+    sub.add_argument("--compare", action="store_true", help="print `jaxpar plan`'s predicted "
+                     "memory and collective bytes beside the compiled ones, with their ratio")
     sub.add_argument("--png", metavar="FILE", help="draw the mesh, how each parameter group is "
                      "split over it, and the collectives per axis (needs matplotlib: "
                      "pip install -e '.[plot]')")
@@ -160,7 +187,13 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     """Compile, report, write files. ``devices`` (with ``target``): the TPU slice's devices."""
     from rich.console import Console  # noqa: PLC0415
 
-    from jaxpar.inspect.report import build_report, compile_step, print_report  # noqa: PLC0415
+    from jaxpar.inspect.report import (  # noqa: PLC0415
+        build_report,
+        compare_with_plan,
+        compile_step,
+        print_comparison,
+        print_report,
+    )
     from jaxpar.mesh import make_mesh  # noqa: PLC0415
 
     json_to_stdout = args.json == "-"
@@ -168,6 +201,8 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     report = build_report(step)
     if target is not None:
         report["run"].update(report_fields(target, devices))
+    if args.compare:
+        report["compare"] = compare_with_plan(report, cfg)
     # With --json - stdout carries only the JSON; anything else said goes to stderr.
     console = Console(stderr=json_to_stdout, soft_wrap=True)
     if not console.is_terminal:  # a file or pipe has no width: don't squeeze the tables to 80
@@ -176,6 +211,8 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
         print(json.dumps(report, indent=2))
     else:
         print_report(report, console)
+        if args.compare:
+            print_comparison(report["compare"], console)
     if args.json and not json_to_stdout:
         Path(args.json).expanduser().write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote the report to {args.json}")
@@ -209,6 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         if target is not None:
             cfg, devices = load_for_target(args.config, overrides, target)
             return run_inspect(args, cfg, devices, target)
+        if args.command == "plan":  # no compile and no devices needed: jax's backend stays off
+            from rich.console import Console  # noqa: PLC0415
+
+            from jaxpar.inspect.plan import plan_main  # noqa: PLC0415
+
+            console = Console(soft_wrap=True)
+            if not console.is_terminal:  # a file or pipe has no width: don't squeeze tables
+                console.width = max(console.width, 140)
+            return plan_main(load_config(args.config, overrides), hardware=args.hardware,
+                             search=args.search, device_count=args.devices, console=console)
         cfg = load_validated(args.config, overrides)
         if args.command == "config":
             print(to_yaml(cfg), end="")

@@ -200,3 +200,28 @@ def test_png_flag_draws_the_report(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "mesh.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def run_jaxpar(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_compare_puts_the_plan_beside_the_compiled_step_and_they_agree():
+    result = run_jaxpar("inspect", "tiny", "mesh.data=2", "mesh.tensor=4", "--compare",
+                        "--json", "-")
+    assert result.returncode == 0, result.stderr[-2000:]
+    compare = json.loads(result.stdout)["compare"]
+    assert compare["memory"]["ratio"] == pytest.approx(1.0, abs=0.05)
+    big = [row for row in compare["collectives"] if (row["compiled_bytes"] or 0) > 10_000]
+    assert {(row["kind"], tuple(row["axes"])) for row in big} == {
+        ("all-reduce", ("data",)), ("all-reduce", ("tensor",))}
+    assert all(0.9 <= row["ratio"] <= 1.1 for row in big), big
+
+
+def test_plan_search_ranks_layouts_and_rejects_bad_hardware_in_one_line():
+    result = run_jaxpar("plan", "tiny", "--search", "--devices", "8", "--hardware", "h100")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "fastest first" in result.stdout and "layouts fit" in result.stdout
+    bad = run_jaxpar("plan", "tiny", "--hardware", "x100")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -393,3 +393,71 @@ def _print_flops(flops: Mapping[str, Any], run: Mapping[str, Any], console: Cons
     console.print("XLA counts a loop body once, not per iteration, so compare compiled with "
                   "'loops once'; above 1 is elementwise work, the one-hot embedding and remat "
                   "recomputation, which the analytic (useful) flops leave out.")
+
+
+# --------------------------------------------------------------------------------------------
+# Predicted vs compiled (`jaxpar inspect --compare`)
+
+
+def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
+    """The analytic plan's numbers beside the compiled ones, row by row, with their ratio.
+
+    Collectives are matched by (kind, mesh axes); a row only one side has shows a missing
+    number, which is exactly what a user should look at: a collective XLA inserted that the plan
+    does not expect, or one the plan expects that XLA optimised away or lowered differently.
+    The plan predicts XLA:CPU's program for CPU devices and the accelerator compilers' (bf16
+    wires, combined reductions) otherwise.
+    """
+    from jaxpar.inspect.cost import estimate  # noqa: PLC0415
+
+    kind = str(report.get("run", {}).get("device_kind", "cpu")).lower()
+    plan = estimate(cfg, None if kind == "cpu" else "h100")
+    predicted = {(r["kind"], tuple(r["axes"])): r for r in plan.collective_rows()}
+    compiled = {(r["kind"], tuple(r["axes"])): r for r in report["collectives"]}
+    rows = []
+    for key in sorted(set(predicted) | set(compiled)):
+        got, want = compiled.get(key, {}), predicted.get(key, {})
+        rows.append({"kind": key[0], "axes": list(key[1]),
+                     "compiled_bytes": got.get("bytes"), "predicted_bytes": want.get("bytes"),
+                     "ratio": _ratio(got.get("bytes"), want.get("bytes"))})
+    state = report["memory"]["params_bytes"] + report["memory"]["optimizer_bytes"]
+    memory = {"compiled_state_bytes": state, "predicted_state_bytes": plan.memory.state,
+              "ratio": _ratio(state, plan.memory.state),
+              "compiled_peak_bytes": report["memory"]["peak_bytes"],
+              "predicted_peak_bytes": plan.memory.peak,
+              "peak_ratio": _ratio(report["memory"]["peak_bytes"], plan.memory.peak)}
+    return {"collectives": rows, "memory": memory}
+
+
+def _ratio(compiled: float | None, predicted: float | None) -> float | None:
+    return round(compiled / predicted, 4) if compiled and predicted else None
+
+
+def print_comparison(comparison: Mapping[str, Any], console: Console) -> None:
+    table = Table(title="compiled vs predicted by `jaxpar plan` (per device, one step)",
+                  title_justify="left")
+    for name, justify in (("what", "left"), ("axes", "left"), ("compiled", "right"),
+                          ("predicted", "right"), ("compiled / predicted", "right")):
+        table.add_column(name, justify=justify)
+    memory = comparison["memory"]
+    table.add_row("train state (params + optimizer)", "-",
+                  human_bytes(memory["compiled_state_bytes"]),
+                  human_bytes(memory["predicted_state_bytes"]), _ratio_text(memory["ratio"]))
+    table.add_row("peak memory", "-", human_bytes(memory["compiled_peak_bytes"]),
+                  human_bytes(memory["predicted_peak_bytes"]), _ratio_text(memory["peak_ratio"]))
+    for row in comparison["collectives"]:
+        table.add_row(row["kind"], ",".join(row["axes"]) or "-",
+                      human_bytes(row["compiled_bytes"]) if row["compiled_bytes"] else "none",
+                      human_bytes(row["predicted_bytes"]) if row["predicted_bytes"] else "none",
+                      _ratio_text(row["ratio"]))
+    console.print(table)
+    console.print("Far from 1, or 'none' on one side: XLA did something the plan does not model "
+                  "(an extra collective, a different lowering, a memory blow-up). Small rows "
+                  "(scalars, norm gradients) are often combined differently.")
+
+
+def _ratio_text(ratio: float | None) -> str:
+    if ratio is None:
+        return "-"
+    flag = "" if 0.9 <= ratio <= 1.1 else "  <-"
+    return f"{ratio:.2f}{flag}"

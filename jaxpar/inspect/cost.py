@@ -1,0 +1,697 @@
+"""The analytic cost of one train step, per device: memory, collectives, flops and time.
+
+:func:`estimate` reads a validated :class:`~jaxpar.config.Config` and predicts, without compiling
+anything, what ``jaxpar inspect`` would measure from the compiled step, plus how long the step
+would take on a :mod:`~jaxpar.inspect.hardware` profile. It is plain arithmetic; the only jaxpar
+code it runs is the rules table (:func:`jaxpar.parallel.rules.resolve_spec`), so each parameter is
+split exactly as training splits it. (That module imports jax, but no backend is started and
+nothing is traced or compiled.)
+
+Which compiler: the collectives differ a little between XLA:CPU and the accelerators' compilers,
+so the estimate follows the platform asked about. Without a hardware profile (or with ``cpu``)
+it predicts XLA:CPU's program, what ``jaxpar inspect`` compiles on this machine; the tests check
+it against that. With a GPU or TPU profile it predicts the accelerator compiler's, checked by
+hand against the TPU compiler (``jaxpar inspect --target tpu-v5e:2x4``, libtpu 0.0.42.1) and
+assumed for GPUs. Where XLA does something other than the textbook schedule, the formulas follow
+XLA and say so.
+
+Notation (all per device unless "global"): B global batch (sequences per optimizer step), S
+``seq_len``, E ``d_model``, H/K query/kv heads, D ``head_dim``, F ``d_ff``, V vocab, L layers;
+d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes; g ``grad_accum``; a the
+bytes of the compute dtype (4 float32, 2 bfloat16). Each device runs g micro-batches of
+``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens. One activation of the residual
+stream is ``A = b * S/c * E * a`` bytes.
+
+Memory
+------
+Parameters are float32 and split by the rules table: ``embed`` over ``fsdp`` (ZeRO-3), ``heads``,
+``kv_heads``, ``mlp``, ``vocab`` over ``tensor``. Gradients are float32 and live where their
+parameters live (one more copy, the accumulator, when g > 1). AdamW keeps two float32 moments
+per parameter, split like the parameters (ZeRO-3) or with ``embed`` also split over ``data`` and
+``fsdp`` (ZeRO-1). Saved activations per layer and micro-batch, with ``r = A/t`` under sequence
+parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
+
+- ``remat=none``: what autodiff keeps. Per RMSNorm (2) its input (r), its float32 normalised
+  values (r x 4/a) and its output gathered to the full sequence (A); q, k, v after rotary
+  (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a); gate, sigmoid(gate), silu(gate), up
+  and their product (5 b S/c F/t a); and two float32 score-sized tensors per head,
+  b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax output; S_k is
+  S, the keys each query sees), plus a compute-dtype copy of the probabilities under bfloat16.
+- ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
+  the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
+  projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
+  norms and the SwiGLU product are recomputed.
+- ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
+- Weights: ``remat=none`` also keeps each layer's weights as its matmuls read them (cast to the
+  compute dtype and, under FSDP, gathered whole) for the backward pass: one more copy of all
+  layer weights per device, which FSDP does not split. The remat policies recompute them.
+- Ring attention (``context > 1``) never holds scores: its custom VJP keeps the float32 output
+  and log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of
+  (S/c/2)^2 scores (zigzag) at a time.
+
+During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
+gradients); the head adds float32 logits and their gradient and the one-hot input (b S/c V/t
+each). Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and
+the embedding and lm_head stay gathered for the whole step. Peak = parameters + optimizer state +
+gradients + batch + max(activations + that working set, the optimizer update's temporaries).
+
+Collectives
+-----------
+Per step (= per micro-step x g, as :func:`jaxpar.inspect.hlo.summarize_collectives` counts them);
+``bytes`` is the logical payload per device (all-gather: the gathered result, reduce-scatter: the
+unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: all-reduce
+2(N-1)/N, all-gather and reduce-scatter (N-1)/N of it, collective-permute all of it.
+
+- ``data`` and ``context``: parameters are replicated over both, so each device's gradient shard
+  is all-reduced over both together, every micro-step (XLA reduces inside the accumulation loop
+  rather than once after it; XLA:CPU sometimes splits the reduction into one all-reduce per
+  axis, which doubles these bytes, while the TPU compiler keeps one).
+- ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and with remat
+  (``dots``, ``full``) again in the backward pass (L g or 2 L g gathers per weight; the
+  embedding, lm_head and final norm once per step), reduce-scatter of the gradients every
+  micro-step.
+- ZeRO-1 (``zero=1``): all-reduce of the whole (tensor-split) gradient over ``data`` x ``fsdp``
+  (x ``context``) every micro-step, then one float32 all-gather of the updated parameters over
+  ``data`` x ``fsdp``.
+- ``context`` attention: ring attention passes K and V blocks (b S/c K/t D a each) around the
+  ring: 2(c-1) collective-permutes per layer forward, 2(c-1) backward plus 2c dK/dV blocks
+  travelling home (float32, but the last hop: XLA casts to the compute dtype before sending);
+  ``context_impl=allgather`` instead all-gathers K and V (2 per layer, b S K/t D a gathered) and
+  reduce-scatters their gradients.
+- ``tensor`` without sequence parallelism: all-reduce (payload A) of the attention and MLP outputs
+  (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output), and of
+  the input gradients of the column-parallel matmuls in the backward pass: 5 per layer on
+  XLA:CPU (q, k, v, gate and up each reduced before they are summed), 2 on the TPU compiler
+  (q+k+v and gate+up, as Megatron); plus the vocab-parallel embedding (forward, A) and the
+  lm_head input gradient (backward, float32 like the logits), and two tiny all-reduces of b S/c
+  floats for the vocab-parallel loss (max, sum of exponentials).
+- ``tensor`` with sequence parallelism: each forward all-reduce becomes reduce-scatter (leaving a
+  block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
+  forward, 2 all-gathers + 5 (XLA:CPU) or 2 reduce-scatters backward; ``remat=dots`` and ``full``
+  gather the inputs again (+2 all-gathers), ``full`` also redoes the attention reduce-scatter;
+  embedding and head add 2 of each; the norm scales' gradients are all-reduced over ``tensor``
+  (tiny).
+- ``pipe``, ``expert``: not implemented in jaxpar yet (validation rejects them), so not modelled.
+  For later: pipeline stages exchange activations (A per microbatch per stage boundary, each way)
+  by collective-permute; MoE adds two all-to-alls of the routed tokens per MoE layer forward and
+  two backward.
+
+Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
+layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
+(``jaxpar.model.layers.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
+gradient before casting it back to float32 (seen in the TPU compiler's HLO via ``jaxpar inspect
+--target``; GPU is expected to match, not checked). Norm scales stay float32, as do lm_head's
+gradient (its matmul returns float32 logits) and ZeRO-1's gather of the updated parameters.
+XLA:CPU computes bfloat16 dots in float32 and so moves float32 everywhere, which the estimate
+for XLA:CPU does too. Scalars (loss, token counts, gradient-norm partial sums) are left out: a
+few bytes each.
+
+Flops and time
+--------------
+Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
+counts; attention as the full S x S square). Executed flops add the one-hot embedding matmul
+(2VE forward + 2VE weight gradient per token), the recomputation (``dots`` redoes attention's
+forward, 4 L H D S per token; ``full`` also each layer's matmuls, 2 x their parameters) and, under
+ring attention, the difference between the blocks the busiest device computes -- (2c+1)/(4c) of
+the square with the zigzag layout, all of it without -- with a flash-style backward (5 block
+matmuls against dense attention's 4; ring attention is never recomputed) and the dense count.
+
+Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
+as no kernel reaches it and memory-bound work and latency are ignored); each collective takes
+``wire_bytes / bandwidth`` of the link its axes use. Overlap rule: collectives over ``data``,
+``fsdp`` and ``context`` (weight gathers, gradient reductions, ring steps sent while the previous
+block is computed) hide behind compute; ``tensor`` collectives and allgather attention sit between
+dependent ops, and ZeRO-1's parameter gather comes after all compute, so those add to the step::
+
+    step = compute + blocking + max(0, overlappable - compute)
+    MFU  = useful flops / (step * peak)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
+from jaxpar.inspect.hardware import HardwareProfile, get_profile
+from jaxpar.model.flops import matmul_params, train_flops_per_token
+from jaxpar.parallel.data import ZERO1_AXES
+from jaxpar.parallel.rules import logical_rules, resolve_spec
+
+PARAM_BYTES = 4  # parameters, gradients and Adam moments are float32
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+COLUMN_PARALLEL_MATMULS = 5  # q, k, v, gate, up: each input gradient is reduced on its own
+ROW_PARALLEL_MATMULS = 2  # attention output, down projection
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters: the model's shapes and logical names, split by the rules table.
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter as :mod:`jaxpar.model` creates it (``layers/...`` are stacked over L)."""
+
+    name: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]  # logical axis names, one per dimension
+
+    @property
+    def stacked(self) -> bool:
+        return self.name.startswith("layers/")
+
+
+def model_params(m: ModelConfig) -> list[ParamShape]:
+    """Every parameter of the Transformer in ``jaxpar/model`` (tested against the real model)."""
+    e, h, k, d, f, v, n = (m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim, m.d_ff,
+                           m.vocab_size, m.n_layers)
+    params = [
+        ParamShape("embedding", (v, e), ("vocab", "embed")),
+        ParamShape("final_norm/scale", (e,), ("embed",)),
+        ParamShape("layers/attn/wk", (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        ParamShape("layers/attn/wo", (n, h, d, e), ("layers", "heads", "head_dim", "embed")),
+        ParamShape("layers/attn/wq", (n, e, h, d), ("layers", "embed", "heads", "head_dim")),
+        ParamShape("layers/attn/wv", (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        ParamShape("layers/attn_norm/scale", (n, e), ("layers", "embed")),
+        ParamShape("layers/mlp/w_down", (n, f, e), ("layers", "mlp", "embed")),
+        ParamShape("layers/mlp/w_gate", (n, e, f), ("layers", "embed", "mlp")),
+        ParamShape("layers/mlp/w_up", (n, e, f), ("layers", "embed", "mlp")),
+        ParamShape("layers/mlp_norm/scale", (n, e), ("layers", "embed")),
+    ]
+    if not m.tie_embeddings:
+        params.append(ParamShape("lm_head", (e, v), ("embed", "vocab")))
+    return sorted(params, key=lambda p: p.name)
+
+
+SpecEntry = str | tuple[str, ...] | None
+
+
+def _entry_axes(entry: SpecEntry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _parts(spec: Sequence[SpecEntry], mesh: Mapping[str, int]) -> int:
+    """How many pieces a spec cuts an array into."""
+    return math.prod(mesh[a] for entry in spec for a in _entry_axes(entry))
+
+
+@dataclass(frozen=True)
+class ParamCost:
+    """One parameter's split: global shape, PartitionSpec entries, bytes per device."""
+
+    name: str
+    shape: tuple[int, ...]
+    spec: tuple[SpecEntry, ...]
+    bytes_per_device: int  # the parameter (and its gradient) shard
+    moment_bytes_per_device: int  # one Adam moment's shard
+    gathered_bytes: int  # what an FSDP all-gather of it produces (the shard times fsdp)
+    stacked: bool  # has a leading layers dimension
+
+    @property
+    def matmul(self) -> bool:
+        """A weight the model casts to the compute dtype (everything but the norm scales)."""
+        return not self.name.endswith("/scale")
+
+
+def param_costs(cfg: Config) -> list[ParamCost]:
+    """Split every parameter with the config's rules (a ConfigError names a bad rule)."""
+    mesh = cfg.mesh_shape
+    rules = logical_rules(cfg)
+    out = []
+    for p in model_params(cfg.model):
+        spec = tuple(resolve_spec(p.name, p.names, p.shape, rules, mesh))
+        spec = spec + (None,) * (len(p.shape) - len(spec))
+        size = math.prod(p.shape) * PARAM_BYTES
+        moment_spec = _zero1_spec(spec, p.names, mesh) if cfg.parallel.zero == 1 else spec
+        fsdp_parts = math.prod(mesh[a] for e in spec for a in _entry_axes(e) if a == "fsdp")
+        out.append(ParamCost(
+            name=p.name, shape=p.shape, spec=spec,
+            bytes_per_device=size // _parts(spec, mesh),
+            moment_bytes_per_device=size // _parts(moment_spec, mesh),
+            gathered_bytes=size // _parts(spec, mesh) * fsdp_parts,
+            stacked=p.stacked))
+    return out
+
+
+def _zero1_spec(spec: tuple[SpecEntry, ...], names: tuple[str, ...],
+                mesh: Mapping[str, int]) -> tuple[SpecEntry, ...]:
+    """ZeRO-1's moment spec: the ``embed`` dim also split over data and fsdp (parallel/data.py)."""
+    extra = tuple(a for a in ZERO1_AXES if mesh[a] > 1)
+    if not extra or "embed" not in names:
+        return spec
+    dim = names.index("embed")
+    existing = _entry_axes(spec[dim])
+    merged = existing + tuple(a for a in extra if a not in existing)
+    return spec[:dim] + (merged,) + spec[dim + 1:]
+
+
+# --------------------------------------------------------------------------------------------
+# Report types
+
+
+@dataclass(frozen=True)
+class MemoryCost:
+    """Bytes per device. ``state``: what the step takes and returns (donated)."""
+
+    params: int
+    optimizer: int  # two Adam moments + two int32 counts
+    gradients: int  # including the accumulator when grad_accum > 1
+    batch: int  # inputs, targets (int32) and mask (float32) rows of this device
+    activations: int  # saved for the backward pass, all layers, one micro-batch
+    working: int  # one layer's backward, the head's logits, FSDP-gathered weights
+    update: int  # the optimizer update's temporaries (after activations are freed)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer + 4  # + the int32 step of TrainState
+
+    @property
+    def peak(self) -> int:
+        return (self.state + self.gradients + self.batch
+                + max(self.activations + self.working, self.update))
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """One logical communication of the step, per device, summed over the step."""
+
+    kind: str  # all-reduce, all-gather, reduce-scatter (as jaxpar.inspect.hlo.KINDS)
+    axes: tuple[str, ...]  # mesh axes its groups span
+    count: int  # executions per step
+    bytes: int  # payload per device per step
+    wire_bytes: int  # ring bytes sent per device per step
+    what: str  # which tensors, and why
+    overlapped: bool  # hidden behind compute by the overlap rule (module docstring)
+
+
+@dataclass(frozen=True)
+class FlopsCost:
+    """FLOPs per device per step."""
+
+    model: float  # useful work (what MFU counts): flops.train_flops_per_token x tokens
+    embedding_one_hot: float  # the one-hot embedding matmul, forward + weight gradient
+    recompute: float  # remat's extra forward work
+    context_attention: float = 0.0  # ring attention's executed minus dense attention's flops
+
+    @property
+    def executed(self) -> float:
+        return self.model + self.embedding_one_hot + self.recompute + self.context_attention
+
+
+@dataclass(frozen=True)
+class TimeCost:
+    """Seconds per step on one hardware profile (see the overlap rule in the docstring)."""
+
+    hardware: str
+    compute: float
+    comm_by_axis: dict[str, float]  # "tensor (NVLink)" -> seconds
+    blocking_comm: float
+    overlapped_comm: float
+    exposed_comm: float  # the part of overlapped_comm that compute does not hide
+    step: float
+    tokens_per_s: float
+    mfu: float
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """Everything :func:`estimate` predicts for one config; ``time`` needs a hardware profile."""
+
+    cfg: Config  # validated
+    devices: int
+    mesh: dict[str, int]
+    params: list[ParamCost]
+    memory: MemoryCost
+    collectives: list[CollectiveCost]
+    flops: FlopsCost
+    time: TimeCost | None
+    notes: list[str] = field(default_factory=list)
+    micro_batch: int = 0  # sequences per device per micro-step
+    tokens_per_step: int = 0  # global
+
+    def collective_rows(self) -> list[dict[str, Any]]:
+        """One row per (kind, axes) like ``summarize_collectives`` (per step totals)."""
+        return summarize(self.collectives)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts and lists, for ``json.dumps``."""
+        out = asdict(self)
+        out["memory"].update(state=self.memory.state, peak=self.memory.peak)
+        out["flops"]["executed"] = self.flops.executed
+        out["collective_rows"] = self.collective_rows()
+        return out
+
+
+def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
+    rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+    for c in collectives:
+        row = rows.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": list(c.axes),
+                                                 "count": 0, "bytes": 0, "wire_bytes": 0})
+        row["count"] += c.count
+        row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
+    return [rows[key] for key in sorted(rows)]
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate
+
+
+def wire_bytes(kind: str, payload: int, group: int) -> int:
+    """Ring bytes each device sends (the definitions of jaxpar.inspect.hlo)."""
+    if group <= 1:
+        return 0
+    if kind == "all-reduce":
+        return payload * 2 * (group - 1) // group
+    if kind == "collective-permute":
+        return payload
+    return payload * (group - 1) // group
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The sizes every formula below uses."""
+
+    cfg: Config
+    b: int  # micro-batch per device
+    s: int  # global sequence length
+    a: int  # compute dtype bytes
+    accum: int
+    mesh: dict[str, int]
+    sp: bool  # sequence parallelism in effect (tensor > 1)
+    xla_cpu: bool  # predict XLA:CPU's program rather than the GPU/TPU compilers'
+
+    @property
+    def wire(self) -> int:
+        """Bytes per compute-dtype element on the wire: XLA:CPU computes bf16 dots in float32."""
+        return PARAM_BYTES if self.xla_cpu else self.a
+
+    @property
+    def column_parallel_reductions(self) -> int:
+        """Backward input-gradient reductions per layer over tensor: XLA:CPU reduces q, k, v,
+        gate and up one by one; the TPU compiler sums q/k/v and gate/up first, as Megatron."""
+        return 5 if self.xla_cpu else 2
+
+    @property
+    def t(self) -> int:
+        return self.mesh["tensor"]
+
+    @property
+    def c(self) -> int:
+        return self.mesh["context"]
+
+    @property
+    def sl(self) -> int:
+        """Tokens of a sequence on this device (split over context)."""
+        return self.s // self.c
+
+    @property
+    def ring(self) -> bool:
+        return self.c > 1 and self.cfg.parallel.context_impl == "ring"
+
+    @property
+    def act(self) -> int:
+        """A: one residual-stream activation, b x S/c x E in the compute dtype."""
+        return self.b * self.sl * self.cfg.model.d_model * self.a
+
+    def tokens_x_embed(self, element_bytes: int) -> int:
+        """b x S/c x E elements of ``element_bytes`` each (an activation on the wire)."""
+        return self.b * self.sl * self.cfg.model.d_model * element_bytes
+
+    @property
+    def kv_block(self) -> int:
+        """Elements of this device's K (or V): b x S/c x K/t x D."""
+        m = self.cfg.model
+        return self.b * self.sl * (m.n_kv_heads // self.t) * m.resolved_head_dim
+
+
+def _step(cfg: Config, xla_cpu: bool) -> _Step:
+    mesh = dict(cfg.mesh_shape)
+    shards = math.prod(mesh[a] for a in BATCH_AXES)
+    b = cfg.train.batch_size // (cfg.train.grad_accum * shards)
+    return _Step(cfg=cfg, b=b, s=cfg.train.seq_len, a=DTYPE_BYTES[cfg.train.dtype],
+                 accum=cfg.train.grad_accum, mesh=mesh,
+                 sp=cfg.parallel.sequence_parallel and mesh["tensor"] > 1, xla_cpu=xla_cpu)
+
+
+def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> CostReport:
+    """The cost of one step of ``cfg`` (validated: mesh resolved), per device.
+
+    With ``hardware`` (a profile or its name in :data:`jaxpar.inspect.hardware.PROFILES`) the
+    report also has step time and MFU, and its collectives are those of that platform's
+    compiler: without one (or with ``cpu``) they are XLA:CPU's, i.e. what ``jaxpar inspect``
+    compiles on this machine (module docstring). Raises ConfigError if the mesh still has a -1
+    axis or a rule does not divide a parameter.
+    """
+    if any(size < 1 for size in cfg.mesh_shape.values()):
+        raise ConfigError("estimate: the config must be validated first (mesh has a -1 axis)")
+    hw = get_profile(hardware) if hardware is not None else None
+    st = _step(cfg, xla_cpu=hw is None or hw.name == "cpu")
+    params = param_costs(cfg)
+    collectives = _collectives(st, params)
+    flops = _flops(st)
+    memory = _memory(st, params)
+    time = _time(st, collectives, flops, hw) if hw is not None else None
+    return CostReport(cfg=cfg, devices=math.prod(st.mesh.values()), mesh=st.mesh, params=params,
+                      memory=memory, collectives=collectives, flops=flops, time=time,
+                      notes=_notes(st), micro_batch=st.b,
+                      tokens_per_step=cfg.train.batch_size * cfg.train.seq_len)
+
+
+def _notes(st: _Step) -> list[str]:
+    notes = []
+    if st.cfg.parallel.rules:
+        notes.append("parallel.rules overrides: parameter bytes follow them, collectives assume "
+                     "the default table")
+    if st.cfg.train.dtype == "float32":
+        notes.append("train.dtype=float32: compute timed at the dense bf16 peak (optimistic)")
+    if st.accum > 1:
+        notes.append(f"grad_accum={st.accum}: gradients are reduced every micro-step, as the "
+                     "compiled step does")
+    if st.ring:
+        notes.append("ring attention skips the causal half of the S x S square that model flops "
+                     "(jaxpar.model.flops) count as useful, so the MFU bound can pass 100%")
+    return notes
+
+
+def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
+    out: list[CollectiveCost] = []
+    mesh, cfg, n_layers, g = st.mesh, st.cfg, st.cfg.model.n_layers, st.accum
+
+    def add(kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
+            overlapped: bool) -> None:
+        """``count`` executions per step moving ``total`` payload bytes in all."""
+        axes = tuple(a for a in axes if mesh[a] > 1)
+        group = math.prod(mesh[a] for a in axes)
+        if count and total and group > 1:
+            out.append(CollectiveCost(kind, axes, count, total, wire_bytes(kind, total, group),
+                                      what, overlapped))
+
+    layer = [p for p in params if p.stacked]
+    other = [p for p in params if not p.stacked]
+
+    def moved(p: ParamCost, nbytes: int) -> int:
+        return _in_compute_dtype(p, nbytes, st.wire)
+
+    def grad(p: ParamCost, nbytes: int) -> int:
+        """Gradients travel like their weights, but lm_head's: its matmul yields float32."""
+        return nbytes if p.name == "lm_head" else moved(p, nbytes)
+
+    grad_shards = sum(grad(p, p.bytes_per_device) for p in params)
+    # Parameters are replicated over data and context (and fsdp under ZeRO-1): one all-reduce
+    # over all of them sums the gradient shards.
+    replicas = ("data", "context") if cfg.parallel.zero == 3 else (*ZERO1_AXES, "context")
+
+    # ZeRO-3 / FSDP: weights gathered where used, gradients reduce-scattered to their shards.
+    if cfg.parallel.zero == 3 and mesh["fsdp"] > 1:
+        fsdp_layer = [p for p in layer if p.gathered_bytes != p.bytes_per_device]
+        fsdp_other = [p for p in other if p.gathered_bytes != p.bytes_per_device]
+        # remat=none keeps each layer's gathered weights for the backward pass; remat gathers
+        # them again there.
+        passes = 1 if cfg.train.remat == "none" else 2
+        add("all-gather", ("fsdp",), passes * n_layers * g * len(fsdp_layer),
+            passes * g * sum(moved(p, p.gathered_bytes) for p in fsdp_layer),
+            "layer weights gathered before use" + (", and again backward" if passes == 2
+                                                   else " (kept for the backward pass)"), True)
+        add("all-gather", ("fsdp",), len(fsdp_other),
+            sum(moved(p, p.gathered_bytes) for p in fsdp_other),
+            "embedding, lm_head and final norm gathered once per step", True)
+        add("reduce-scatter", ("fsdp",), (n_layers + 1) * g,
+            g * sum(grad(p, p.gathered_bytes) for p in fsdp_layer + fsdp_other),
+            "gradients reduce-scattered to their shards, every micro-step", True)
+
+    # Data (and context) parallelism: gradients summed over the replicas, every micro-step;
+    # ZeRO-1 then gathers the parameters each device updated for its slice of the moments.
+    add("all-reduce", replicas, (n_layers + 1) * g, g * grad_shards,
+        ("gradient shards" if cfg.parallel.zero == 3 else "ZeRO-1: whole gradients")
+        + " all-reduced, every micro-step", True)
+    if cfg.parallel.zero == 1:
+        add("all-gather", ZERO1_AXES, len(params), sum(p.bytes_per_device for p in params),
+            "ZeRO-1: updated parameters gathered from the optimizer shards", False)
+
+    # Context parallelism: attention's keys and values.
+    if st.ring:
+        c, blk, per_layer = st.c, st.kv_block, n_layers * g
+        add("collective-permute", ("context",), per_layer * 2 * (c - 1),
+            per_layer * 2 * (c - 1) * blk * st.wire, "ring attention: K, V blocks forward",
+            True)
+        add("collective-permute", ("context",), per_layer * 2 * (c - 1),
+            per_layer * 2 * (c - 1) * blk * st.wire, "ring attention: K, V blocks backward",
+            True)
+        add("collective-permute", ("context",), per_layer * 2 * c,
+            per_layer * 2 * ((c - 1) * blk * 4 + blk * st.wire),
+            "ring attention: dK, dV travelling home backward (float32, the last hop cast)", True)
+    elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
+        per_layer, gathered = n_layers * g, st.kv_block * st.c * st.wire
+        add("all-gather", ("context",), 2 * per_layer, 2 * per_layer * gathered,
+            "context allgather attention: K, V of the whole sequence forward", False)
+        add("reduce-scatter", ("context",), 2 * per_layer, 2 * per_layer * gathered,
+            "context allgather attention: dK, dV backward", False)
+
+    # Tensor (and sequence) parallelism: activations, blocking. lm_head's input gradient is
+    # float32 (the logits are); everything else moves in the compute dtype.
+    if st.t > 1:
+        act, head_grad, per_layer = st.tokens_x_embed(st.wire), st.tokens_x_embed(4), n_layers * g
+        remat, column = cfg.train.remat, st.column_parallel_reductions
+
+        def add_act(kind: str, count: int, what: str, payload: int = act) -> None:
+            add(kind, ("tensor",), count, count * payload, what, False)
+
+        if not st.sp:
+            add_act("all-reduce", per_layer * (ROW_PARALLEL_MATMULS + (remat == "full")),
+                    "row-parallel outputs (attention, MLP) forward"
+                    + (", attention again in remat" if remat == "full" else ""))
+            add_act("all-reduce", per_layer * column,
+                    "column-parallel input gradients backward (" + ("q, k, v, gate, up" if
+                    column == 5 else "q+k+v, gate+up") + ")")
+            add_act("all-reduce", g, "vocab-parallel embedding forward")
+            add_act("all-reduce", g, "lm_head input gradient backward", payload=head_grad)
+        else:
+            gathers = 2 + 2 + (2 if remat in ("dots", "full") else 0)
+            add_act("all-gather", per_layer * gathers,
+                    "sequence gathered entering attention/MLP (forward; output gradients "
+                    "backward" + ("; again in remat" if remat != "none" else "") + ")")
+            add_act("reduce-scatter", per_layer * (ROW_PARALLEL_MATMULS + (remat == "full")),
+                    "sequence scattered leaving attention/MLP forward")
+            add_act("reduce-scatter", per_layer * column,
+                    "column-parallel input gradients backward (" + ("q, k, v, gate, up" if
+                    column == 5 else "q+k+v, gate+up") + ")")
+            add_act("all-gather", 2 * g,
+                    "lm_head input forward, embedding output gradient backward")
+            add_act("reduce-scatter", g, "vocab-parallel embedding forward")
+            add_act("reduce-scatter", g, "lm_head input gradient backward", payload=head_grad)
+            add("all-reduce", ("tensor",), (n_layers + 1) * g,
+                g * (2 * n_layers + 1) * cfg.model.d_model * PARAM_BYTES,
+                "norm-scale gradients of the sequence shards", False)
+        add_act("all-reduce", 2 * g, "vocab-parallel loss: max and sum of exponentials",
+                payload=st.b * st.sl * 4)
+    return out
+
+
+def _flops(st: _Step) -> FlopsCost:
+    m, cfg = st.cfg.model, st.cfg
+    per_device = cfg.train.batch_size * cfg.train.seq_len / math.prod(st.mesh.values())
+    attention_forward = 4 * m.n_layers * m.n_heads * m.resolved_head_dim * st.s  # per token
+    layer_matmuls = matmul_params(m) - m.d_model * m.vocab_size
+    # Ring attention runs inside a custom VJP whose outputs are kept, so remat never redoes it.
+    recomputed_attention = 0 if st.ring else attention_forward
+    recompute = {"none": 0, "dots": recomputed_attention,
+                 "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
+    ring_delta = 0.0
+    if st.ring:
+        # Blocks computed by the busiest device, as a fraction of the full S x S square: the
+        # zigzag layout balances the causal half (2c+1 of 4c chunk pairs each); a contiguous
+        # split leaves the last device all of its blocks. Flash-style backward: 5 matmuls per
+        # block (scores recomputed) against dense attention's 4, forward 2 as dense.
+        c = st.c
+        done = (2 * c + 1) / (4 * c) if cfg.parallel.zigzag else 1.0
+        ring_delta = done * attention_forward * (1 + 10 / 4) - 3 * attention_forward
+    return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
+                     embedding_one_hot=4 * m.vocab_size * m.d_model * per_device,
+                     recompute=recompute * per_device,
+                     context_attention=ring_delta * per_device)
+
+
+def _layer_activations(st: _Step, remat: str) -> int:
+    """Bytes one layer saves for the backward pass, one micro-batch (module docstring)."""
+    m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
+    d = m.resolved_head_dim
+    full = b * s * m.d_model * a  # A
+    residual = full // t if st.sp else full
+    q = b * s * (m.n_heads // t) * d * a
+    kv = 2 * b * s * (m.n_kv_heads // t) * d * a
+    mlp = b * s * (m.d_ff // t) * a
+    # Ring attention's custom VJP keeps its float32 output and log-sum-exp whatever the policy.
+    ring = b * s * (m.n_heads // t) * (d + 1) * 4 if st.ring else 0
+    if remat == "full":
+        return residual + ring
+    if remat == "dots":
+        return residual + q + kv + full + 2 * mlp + ring
+    # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
+    # values and the (gathered) output; rotated q, k and v; the attention output; gate, its
+    # sigmoid, silu(gate), up and their product; two float32 S x S tensors per head (XLA keeps
+    # the masked scores alive next to the softmax output), plus a compute-dtype copy of the
+    # probabilities for the weighted sum when that dtype is narrower.
+    norm = residual + residual * 4 // a + full
+    keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
+    probs = 0 if st.ring else b * (m.n_heads // t) * s * keys * (2 * 4 + (a if a < 4 else 0))
+    return 2 * norm + q + kv + q + 5 * mlp + probs + ring
+
+
+def _in_compute_dtype(p: ParamCost, nbytes: int, a: int) -> int:
+    """Bytes of a weight (or its gradient) as it travels: cast to the compute dtype, except
+    the norm scales, which stay float32."""
+    return nbytes * a // PARAM_BYTES if p.matmul else nbytes
+
+
+def _memory(st: _Step, params: list[ParamCost]) -> MemoryCost:
+    cfg, m = st.cfg, st.cfg.model
+    param_bytes = sum(p.bytes_per_device for p in params)
+    moments = sum(p.moment_bytes_per_device for p in params)
+    head = st.b * st.sl * (m.vocab_size // st.t) * (4 + 4 + st.a) + 2 * st.act
+    # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
+    # fsdp. remat=none keeps them for the backward pass, in every layer.
+    layer_weights = sum(_in_compute_dtype(p, p.gathered_bytes, st.a)
+                        for p in params if p.stacked) // m.n_layers
+    kept_weights = layer_weights if cfg.train.remat == "none" else 0
+    gathered = 0
+    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1:  # one layer's weights and gradient
+        gathered = 2 * layer_weights + sum(_in_compute_dtype(p, p.gathered_bytes, st.a)
+                                           for p in params if not p.stacked)
+    if st.ring:  # one block's float32 scores, probabilities and their gradients
+        chunk = st.sl // (2 if cfg.parallel.zigzag else 1)
+        head += 4 * st.b * (m.n_heads // st.t) * chunk * chunk * 4
+    rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
+    return MemoryCost(
+        params=param_bytes,
+        optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
+        gradients=param_bytes * (2 if st.accum > 1 else 1),
+        batch=rows * st.sl * 12,
+        activations=m.n_layers * (_layer_activations(st, cfg.train.remat) + kept_weights),
+        working=_layer_activations(st, "none") + head + gathered,
+        update=moments)
+
+
+def _time(st: _Step, collectives: list[CollectiveCost], flops: FlopsCost,
+          hw: HardwareProfile) -> TimeCost:
+    compute = flops.executed / hw.peak_flops
+    by_axis: dict[str, float] = {}
+    blocking = overlapped = 0.0
+    for c in collectives:
+        link, bandwidth = hw.axis_link(st.mesh, c.axes)
+        seconds = c.wire_bytes / bandwidth
+        label = f"{'+'.join(c.axes)} ({link})"
+        by_axis[label] = by_axis.get(label, 0.0) + seconds
+        if c.overlapped:
+            overlapped += seconds
+        else:
+            blocking += seconds
+    exposed = max(0.0, overlapped - compute)
+    step = compute + blocking + exposed
+    tokens = st.cfg.train.batch_size * st.s
+    return TimeCost(hardware=hw.name, compute=compute, comm_by_axis=by_axis,
+                    blocking_comm=blocking, overlapped_comm=overlapped, exposed_comm=exposed,
+                    step=step, tokens_per_s=tokens / step,
+                    mfu=flops.model / (step * hw.peak_flops))
