@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxpar.inspect.units import human_bytes
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -158,14 +160,8 @@ def _split_axes(mesh: Mapping[str, int]) -> list[tuple[str, int]]:
 
 
 def _bytes(n: float | None) -> str:
-    """Short binary-unit label: ``1536`` -> ``'1.5 KiB'`` (the text tables print more digits)."""
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """Short label for the picture: ``1536`` -> ``'1.5 KiB'``."""
+    return human_bytes(n, ".3g")
 
 
 def _width_in(text: Text) -> float:

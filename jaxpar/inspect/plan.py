@@ -29,6 +29,7 @@ from rich.text import Text
 from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig, validate
 from jaxpar.inspect.cost import CostReport, estimate
 from jaxpar.inspect.hardware import HardwareProfile, get_profile
+from jaxpar.inspect.units import human_bytes
 from jaxpar.model.flops import param_count
 
 HBM_USABLE = 0.9  # headroom for the runtime, XLA's scratch and allocator fragmentation
@@ -131,11 +132,8 @@ _search = search  # plan_main's ``search`` flag shadows the function's name
 # Formatting
 
 
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:,.0f} B"
+def _bytes(n: float) -> str:
+    return human_bytes(n, ",.1f")
 
 
 def human_seconds(s: float) -> str:
@@ -194,11 +192,11 @@ def format_plan(report: CostReport) -> Group:
         ("working", m.working, "one layer's backward, logits, gathered weights"),
         ("batch", m.batch, "inputs, targets, mask"),
     ):
-        memory.add_row(name, human_bytes(value), what)
+        memory.add_row(name, _bytes(value), what)
     fits = m.peak <= usable
-    memory.add_row("[bold]peak[/bold]", f"[bold]{human_bytes(m.peak)}[/bold]",
-                   f"{'fits' if fits else '[red]does not fit[/red]'}: {human_bytes(usable)} "
-                   f"usable of {human_bytes(hw.hbm_bytes)} HBM")
+    memory.add_row("[bold]peak[/bold]", f"[bold]{_bytes(m.peak)}[/bold]",
+                   f"{'fits' if fits else '[red]does not fit[/red]'}: {_bytes(usable)} "
+                   f"usable of {_bytes(hw.hbm_bytes)} HBM")
 
     comms = Table(title="collectives per device, one step", title_justify="left")
     for column, justify in (("kind", "left"), ("axes", "left"), ("count", "right"),
@@ -208,8 +206,8 @@ def format_plan(report: CostReport) -> Group:
     for c in report.collectives:
         link, bandwidth = hw.axis_link(report.mesh, c.axes)
         overlap = "" if c.overlapped else " [yellow](blocking)[/yellow]"
-        comms.add_row(c.kind, ",".join(c.axes), f"{c.count:,}", human_bytes(c.bytes),
-                      human_bytes(c.wire_bytes), link,
+        comms.add_row(c.kind, ",".join(c.axes), f"{c.count:,}", _bytes(c.bytes),
+                      _bytes(c.wire_bytes), link,
                       human_seconds(c.wire_bytes / bandwidth), c.what + overlap)
     if not report.collectives:
         comms.add_row("none", "", "", "", "", "", "", "one device, or nothing split")
@@ -257,10 +255,10 @@ def format_search(candidates: Sequence[Candidate]) -> Table:
             busiest = max(t.comm_by_axis.items(), key=lambda kv: kv[1], default=None)
             busy = f"{busiest[0]} {human_seconds(busiest[1])}" if busiest else "-"
             table.add_row(str(c.rank), c.layout, human_seconds(t.step), f"{t.mfu:.1%}",
-                          f"{t.tokens_per_s:,.0f}", human_bytes(m.peak),
+                          f"{t.tokens_per_s:,.0f}", _bytes(m.peak),
                           human_seconds(t.blocking_comm + t.exposed_comm), busy)
         else:
-            peak = human_bytes(c.report.memory.peak) if c.report is not None else "-"
+            peak = _bytes(c.report.memory.peak) if c.report is not None else "-"
             table.add_row("-", f"[dim]{c.layout}[/dim]", "", "", "", peak, "",
                           f"[red]rejected[/red]: {c.reason}")
     return table

@@ -47,6 +47,7 @@ from rich.table import Table
 
 from jaxpar.config import Config
 from jaxpar.inspect.hlo import parse_collectives, summarize_collectives
+from jaxpar.inspect.units import human_bytes
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.rules import param_name
 from jaxpar.train.step import Trainer, build_trainer
@@ -225,17 +226,6 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
 
 # --------------------------------------------------------------------------------------------
 # Printing
-
-
-def human_bytes(n: float | None) -> str:
-    """``1536`` -> ``'1.50 KiB'`` (binary units, as memory is allocated)."""
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_flops(n: float | None) -> str:
