@@ -125,3 +125,24 @@ def test_ring_attention_in_bfloat16_stays_close_to_float32():
                                           devices=4)
     assert loss == pytest.approx(ref_loss, rel=1e-2)
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("impl,kinds", [
+    ("ring", {"collective-permute"}), ("allgather", {"all-gather", "reduce-scatter"})])
+def test_plan_predicts_the_context_traffic_that_inspect_compiles(impl, kinds):
+    """`jaxpar inspect --compare`: the K/V traffic over `context` agrees with `jaxpar plan`."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli", "inspect", "tiny", "mesh.data=2", "mesh.context=4",
+         f"parallel.context_impl={impl}", "--compare", "--json", "-"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {row["kind"]: row for row in json.loads(result.stdout)["compare"]["collectives"]
+            if row["axes"] == ["context"] and row["kind"] in kinds}
+    assert set(rows) == kinds
+    assert all(0.9 <= row["ratio"] <= 1.1 for row in rows.values()), rows
+    # The gradient reduction over data x context is one all-reduce in the plan; XLA:CPU splits it
+    # into one over context and one over data, which --compare shows as rows on one side only.

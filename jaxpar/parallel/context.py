@@ -152,9 +152,10 @@ def _rotate(tree, n: int):
                         tree)
 
 
-def _varying_zeros(shape):
-    """float32 zeros typed as differing per device, as the ring's accumulators will."""
-    return lax.pcast(jnp.zeros(shape, jnp.float32), (AXIS,), to="varying")
+def _varying_zeros(shape, manual: tuple[str, ...]):
+    """float32 zeros typed as differing per device along the manual axes, as the ring's
+    accumulators will once they hold per-device sums."""
+    return lax.pcast(jnp.zeros(shape, jnp.float32), manual, to="varying")
 
 
 def _group(q, kv_heads):
@@ -166,13 +167,13 @@ def _group(q, kv_heads):
 # Ring attention (runs per device, inside shard_map over `context`)
 
 
-def _ring_forward(q, k, v, q_pos, k_pos, n: int, chunks: int):
+def _ring_forward(q, k, v, q_pos, k_pos, n: int, chunks: int, manual: tuple[str, ...]):
     """q: [B, s, K, G, D] local; k, v: [B, s, K, D] local. Returns (out [B,s,K,G,D], lse)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     q_chunks, qpos_chunks = _split(q, chunks), _split(q_pos, chunks)
 
-    accs = [(_varying_zeros(qc.shape), _varying_zeros(qc.shape[:-1]) + _NEG,
-             _varying_zeros(qc.shape[:-1])) for qc in q_chunks]
+    accs = [(_varying_zeros(qc.shape, manual), _varying_zeros(qc.shape[:-1], manual) + _NEG,
+             _varying_zeros(qc.shape[:-1], manual)) for qc in q_chunks]
     block = (k, v, k_pos)
     for step in range(n):
         # Start sending this block on before computing with it, so the transfer can overlap.
@@ -193,15 +194,16 @@ def _ring_forward(q, k, v, q_pos, k_pos, n: int, chunks: int):
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
-def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, chunks: int):
+def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, chunks: int,
+                   manual: tuple[str, ...]):
     scale = 1.0 / math.sqrt(q.shape[-1])
     delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)  # rowsum(dO * O)
     q_chunks, qpos_chunks = _split(q, chunks), _split(q_pos, chunks)
     do_chunks, lse_chunks, delta_chunks = _split(do, chunks), _split(lse, chunks), _split(
         delta, chunks)
-    dq = [_varying_zeros(qc.shape) for qc in q_chunks]
+    dq = [_varying_zeros(qc.shape, manual) for qc in q_chunks]
     # dK/dV travel with their K/V block; after n hops they are back on the block's owner.
-    block = (k, v, k_pos, _varying_zeros(k.shape), _varying_zeros(v.shape))
+    block = (k, v, k_pos, _varying_zeros(k.shape, manual), _varying_zeros(v.shape, manual))
     for _ in range(n):
         kb, vb, kposb, dkb, dvb = block
         k_chunks, v_chunks, kpos_chunks = _split(kb, chunks), _split(vb, chunks), _split(
@@ -227,20 +229,20 @@ def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, chunks: int):
     return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ring_attention_local(q, k, v, q_pos, k_pos, n, chunks):
-    return _ring_forward(q, k, v, q_pos, k_pos, n, chunks)[0].astype(q.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring_attention_local(q, k, v, q_pos, k_pos, n, chunks, manual):
+    return _ring_forward(q, k, v, q_pos, k_pos, n, chunks, manual)[0].astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, q_pos, k_pos, n, chunks):
-    out, lse = _ring_forward(q, k, v, q_pos, k_pos, n, chunks)
+def _ring_fwd(q, k, v, q_pos, k_pos, n, chunks, manual):
+    out, lse = _ring_forward(q, k, v, q_pos, k_pos, n, chunks, manual)
     # Residuals are this device's blocks only: O(S/N) per device.
     return out.astype(q.dtype), (q, k, v, q_pos, k_pos, out, lse)
 
 
-def _ring_bwd(n, chunks, residuals, do):
+def _ring_bwd(n, chunks, manual, residuals, do):
     q, k, v, q_pos, k_pos, out, lse = residuals
-    dq, dk, dv = _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n, chunks)
+    dq, dk, dv = _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n, chunks, manual)
     return dq, dk, dv, None, None
 
 
@@ -270,21 +272,26 @@ def _allgather_attention_local(q, k, v, q_pos, k_pos):
 # Entry point used by the model's attention
 
 
-def context_attention(impl: str, n: int, zigzag: bool) -> Callable:
+def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ...] = ()
+                      ) -> Callable:
     """``attention(q, k, v, positions)`` for the model: q [B,S,H,D], k/v [B,S,K,D] -> [B,S,H,D],
-    with S split over ``context`` (manual) and every other axis left to the compiler."""
+    with S split over ``context`` and B over ``batch_axes`` (both manual: each device attends
+    its own rows, which keeps the compiler from gathering the batch around the K/V collectives),
+    and the heads left to the compiler (tensor parallelism)."""
     chunks = 2 if zigzag else 1
+    manual = (AXIS, *batch_axes)
 
     def local(q, k, v, positions):
         kv_heads = k.shape[2]
         qg = _group(q, kv_heads)
         if impl == "ring":
-            out = _ring_attention_local(qg, k, v, positions, positions, n, chunks)
+            out = _ring_attention_local(qg, k, v, positions, positions, n, chunks, manual)
         else:
             out = _allgather_attention_local(qg, k, v, positions, positions)
         return out.reshape(q.shape)
 
-    seq = P(None, AXIS)
-    seq4 = P(None, AXIS, None, None)
+    rows = batch_axes or None
+    seq = P(rows, AXIS)
+    seq4 = P(rows, AXIS, None, None)
     return jax.shard_map(local, in_specs=(seq4, seq4, seq4, seq), out_specs=seq4,
-                         axis_names=frozenset({AXIS}))
+                         axis_names=frozenset(manual))

@@ -167,7 +167,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     n_context, zigzag = cfg.mesh.context, cfg.parallel.zigzag
     seq_order = (zigzag_order(cfg.train.seq_len, n_context) if n_context > 1 and zigzag
                  else np.arange(cfg.train.seq_len))
-    attention = (context_attention(cfg.parallel.context_impl, n_context, zigzag)
+    batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
+    attention = (context_attention(cfg.parallel.context_impl, n_context, zigzag, batch_axes)
                  if n_context > 1 else None)
 
     def init() -> TrainState:
