@@ -372,8 +372,8 @@ def test_ragged_all_to_all_payload_is_its_input_buffer():
     )
 
 
-def test_collective_in_while_body_runs_once_per_known_iteration():
-    body = """%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+# A scanned loop: an all-reduce in the body, `i < N` in the condition.
+_LOOP_BODY_AND_CONDITION = """%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
   %t = (s32[], f32[8]{0}) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
   %x = f32[8]{0} get-tuple-element(%t), index=1
@@ -382,11 +382,15 @@ def test_collective_in_while_body_runs_once_per_known_iteration():
 }
 
 %cond (t: (s32[], f32[8])) -> pred[] {
+  %n = s32[]{:T(128)} constant(N)
   %t = (s32[], f32[8]{0}) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
-  %n = s32[] constant(3)
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }"""  # noqa: E501
+
+
+def test_collective_in_while_body_runs_once_per_known_iteration():
+    body = _LOOP_BODY_AND_CONDITION.replace("constant(N)", "constant(3)")
     loop = ("  %init = (s32[], f32[8]{0}) parameter(0)\n"
             "  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body")
     known = ', backend_config={"known_trip_count":{"n":"3"}}'
@@ -575,20 +579,7 @@ def test_instruction_wrapped_over_lines_is_read_whole():
 
 def test_loop_without_known_trip_count_reads_i_less_than_n_from_its_condition():
     # TPU's compiler records no known_trip_count; scan's loop is `for (i = 0; i < 4; i++)`.
-    body = """%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %t = (s32[], f32[8]{0}) parameter(0)
-  %i = s32[] get-tuple-element(%t), index=0
-  %x = f32[8]{0} get-tuple-element(%t), index=1
-  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
-  ROOT %out = (s32[], f32[8]{0}) tuple(%i, %ar)
-}
-
-%cond (t: (s32[], f32[8])) -> pred[] {
-  %n = s32[]{:T(128)} constant(4)
-  %t = (s32[], f32[8]{0}) parameter(0)
-  %i = s32[] get-tuple-element(%t), index=0
-  ROOT %lt = pred[] compare(%i, %n), direction=LT
-}"""  # noqa: E501
+    body = _LOOP_BODY_AND_CONDITION.replace("constant(N)", "constant(4)")
     loop = ("  %zero = s32[] constant(0)\n  %start = s32[]{:T(128)} copy(%zero)\n"
             "  %x = f32[8]{0} parameter(0)\n"
             "  %init = (s32[], f32[8]{0}) tuple(%start, %x)\n"
