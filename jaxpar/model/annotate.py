@@ -38,13 +38,17 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 @contextlib.contextmanager
-def activation_sharding(fn: Constrain | None) -> Iterator[None]:
-    """Within this block, :func:`constrain` applies ``fn``."""
-    token = _constrain.set(fn)
+def _setting(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _constrain.reset(token)
+        var.reset(token)
+
+
+def activation_sharding(fn: Constrain | None) -> contextlib.AbstractContextManager[None]:
+    """Within this block, :func:`constrain` applies ``fn``."""
+    return _setting(_constrain, fn)
 
 
 def attention_override() -> Attention | None:
@@ -52,14 +56,9 @@ def attention_override() -> Attention | None:
     return _attention.get()
 
 
-@contextlib.contextmanager
-def use_attention(fn: Attention | None) -> Iterator[None]:
+def use_attention(fn: Attention | None) -> contextlib.AbstractContextManager[None]:
     """Within this block, the model's attention layers call ``fn``."""
-    token = _attention.set(fn)
-    try:
-        yield
-    finally:
-        _attention.reset(token)
+    return _setting(_attention, fn)
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:
