@@ -47,6 +47,16 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, dtype=jnp.float32,
                  remat: str = "none") -> jax.Array:
         """tokens, positions: int32 [B, S] -> float32 logits [B, S, vocab]."""
+        x = self.embed(tokens, dtype=dtype)
+        x = self.run_layers(x, positions, remat=remat)
+        return self.logits(x, dtype=dtype)
+
+    # The three pieces below are also what a pipeline stage runs: the first stage embeds, every
+    # stage runs its slice of ``layers`` (a model merged with fewer stacked layers runs just
+    # those), the last computes the logits.
+
+    def embed(self, tokens: jax.Array, *, dtype=jnp.float32) -> jax.Array:
+        """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``."""
         tokens = constrain(tokens, ("batch", "seq"))
         # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
         # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
@@ -57,8 +67,11 @@ class Transformer(nnx.Module):
         one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
         table = weight(self.embedding, ("vocab", "act_embed"), dtype)
         x = jnp.einsum("bsv,ve->bse", one_hot, table)
-        x = constrain(x, ("batch", "residual_seq", "act_embed"))
+        return constrain(x, ("batch", "residual_seq", "act_embed"))
 
+    def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
+                   ) -> jax.Array:
+        """Every block of ``self.layers`` in order, as one ``lax.scan``."""
         graphdef, stacked = nnx.split(self.layers)
 
         def one_block(x: jax.Array, layer_state) -> tuple[jax.Array, None]:
@@ -68,7 +81,10 @@ class Transformer(nnx.Module):
             one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat],
                                        prevent_cse=False)
         x, _ = jax.lax.scan(one_block, x, stacked)
+        return x
 
+    def logits(self, x: jax.Array, *, dtype=jnp.float32) -> jax.Array:
+        """The residual stream -> float32 logits [B, S, vocab] (final norm, output head)."""
         x = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
         head = (weight(self.embedding, ("vocab", "act_embed"), dtype).T if self.cfg.tie_embeddings
                 else weight(self.lm_head, ("act_embed", "vocab"), dtype))
