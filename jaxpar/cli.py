@@ -1,4 +1,4 @@
-"""``jaxpar`` command line: ``train``, ``inspect`` and ``config``.
+"""``jaxpar`` command line: ``train``, ``inspect``, ``plan``, ``schedule`` and ``config``.
 
 The config is read and checked before jax is imported, so ``host_devices`` can still choose the
 number of virtual CPU devices, and a bad key or value costs no compile. Exit codes: 0 done,
@@ -75,7 +75,52 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     _add_inspect(commands)
     _add_plan(commands)
+    _add_schedule(commands)
     return parser
+
+
+SCHEDULE_HELP = ("print (and with --png draw) the config's pipeline schedule: which stage does "
+                 "what at every tick, its bubble and what each stage holds")
+
+
+def _add_schedule(commands) -> None:
+    sub = commands.add_parser("schedule", help=SCHEDULE_HELP, description=SCHEDULE_HELP + ".",
+                              intermixed=True,
+                              epilog=EPILOG.format(presets=_presets()) + "\nExample:\n  jaxpar "
+                              "schedule tiny mesh.pipe=4 mesh.data=2 model.n_layers=8 "
+                              "train.microbatches=8 train.batch_size=16 "
+                              "parallel.pipeline_schedule=interleaved "
+                              "parallel.virtual_stages=2 --png schedule.png",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
+    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                     help="dotted overrides")
+    sub.add_argument("--png", metavar="FILE", help="draw the timeline (stages x ticks, "
+                     "forward/backward/idle coloured) to FILE (needs matplotlib)")
+
+
+def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
+    """Print the schedule table of ``cfg`` (validated), its bubble and stash; draw it."""
+    from jaxpar.parallel.pipeline import describe, render, schedule_table  # noqa: PLC0415
+
+    p, m, v = cfg.mesh.pipe, cfg.train.microbatches, cfg.parallel.virtual_stages
+    if p == 1:
+        raise ConfigError("mesh.pipe=1: no pipeline to schedule; set mesh.pipe > 1 (and "
+                          "train.microbatches)")
+    name = cfg.parallel.pipeline_schedule
+    table, info = schedule_table(name, p, m, v), describe(name, p, m, v)
+    title = (f"{name}: {p} stages" + (f" x {v} chunks" if v > 1 else "") + f", {m} "
+             f"microbatches, {info['ticks']} ticks, bubble {info['bubble']:.1%}")
+    print(title)
+    print(render(table))
+    print(f"each device holds at most {info['activation_slots']} stage inputs and "
+          f"{info['gradient_slots']} output gradients between forward and backward")
+    if args.png:
+        from jaxpar.inspect.picture import draw_schedule  # noqa: PLC0415
+
+        draw_schedule(table, Path(args.png).expanduser(), title)
+        print(f"drew the schedule to {args.png}")
+    return 0
 
 
 INSPECT_HELP = ("compile one train step without running it and show, per device, parameter "
@@ -232,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = list(args.overrides)
         target = None
+        if args.command == "schedule":
+            _check_output_dir("--png", args.png)
+            if args.png:
+                _require_matplotlib()
+            return run_schedule(args, load_validated(args.config, overrides))
         if args.command == "inspect":
             _check_output_dir("--json", args.json)
             _check_output_dir("--hlo", args.hlo)

@@ -399,8 +399,6 @@ def validate(cfg: Config, device_count: int) -> Config:
     m, t, p = cfg.model, cfg.train, cfg.parallel
 
     # Parallelisms that later issues add: say so plainly rather than run something wrong.
-    _require(mesh.pipe == 1, f"mesh.pipe={mesh.pipe}: pipeline parallelism is not implemented yet;"
-             " allowed: 1")
     _require(mesh.expert == 1, f"mesh.expert={mesh.expert}: expert parallelism is not "
              "implemented yet; allowed: 1")
     _require(m.moe.num_experts == 0, f"model.moe.num_experts={m.moe.num_experts}: mixture of "
@@ -408,8 +406,6 @@ def validate(cfg: Config, device_count: int) -> Config:
     _require(not cfg.checkpoint.enabled, "checkpoint.enabled=true: checkpointing is not "
              "implemented yet; allowed: false")
     _require(not t.resume, "train.resume=true: resuming is not implemented yet; allowed: false")
-    _require(t.microbatches == 1, f"train.microbatches={t.microbatches}: pipeline microbatches "
-             "need mesh.pipe > 1, which is not implemented yet; allowed: 1")
 
     # Model shape.
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -426,6 +422,25 @@ def validate(cfg: Config, device_count: int) -> Config:
         value = getattr(m, name)
         _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
                  f"mesh.tensor={mesh.tensor}")
+
+    # Pipeline.
+    v, schedule = p.virtual_stages, p.pipeline_schedule
+    _require(v >= 1, f"parallel.virtual_stages={v}: must be >= 1")
+    _require(v == 1 or schedule == "interleaved", f"parallel.virtual_stages={v} needs "
+             f"parallel.pipeline_schedule=interleaved (got {schedule})")
+    _require(m.n_layers % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers} is not divisible "
+             f"by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} (layers per chunk)")
+    _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
+             "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
+    if schedule == "interleaved" and mesh.pipe > 1:
+        _require(t.microbatches % mesh.pipe == 0, f"train.microbatches={t.microbatches} is not "
+                 f"divisible by mesh.pipe={mesh.pipe}, which the interleaved schedule needs")
+    # A stage's code runs inside a branch only that stage takes, and the ring's
+    # collective-permutes would need every device to take part (XLA:CPU crashes, others may
+    # hang); all-gather attention's collectives stay within one stage's context group.
+    _require(not (mesh.pipe > 1 and mesh.context > 1 and p.context_impl == "ring"),
+             f"parallel.context_impl=ring cannot run inside pipeline stages (mesh.pipe="
+             f"{mesh.pipe}, mesh.context={mesh.context}); allowed with a pipeline: allgather")
 
     # Batch and sequence.
     _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")

@@ -122,8 +122,10 @@ ERROR_CASES = {
     "rules-unknown-mesh-axis": (["parallel.rules.mlp=tensr"],
                                 ["parallel.rules.mlp", "tensr", "pipe, data, fsdp"]),
     # Parallelisms later issues add: a plain "not implemented yet".
-    "pipe-not-implemented": (["mesh.data=4", "mesh.pipe=2"],
-                             ["mesh.pipe=2", "not implemented yet"]),
+    "pipe-layers-divide": (["mesh.data=4", "mesh.pipe=2", "model.n_layers=3"],
+                           ["model.n_layers=3", "mesh.pipe x parallel.virtual_stages"]),
+    "pipe-ring-attention": (["mesh.data=2", "mesh.pipe=2", "mesh.context=2"],
+                            ["parallel.context_impl=ring", "allowed with a pipeline: allgather"]),
     "seq-not-divisible-by-2x-context": (["mesh.data=2", "mesh.context=4", "train.seq_len=36"],
                                         ["train.seq_len=36", "8", "2*context"]),
     "expert-not-implemented": (["mesh.data=4", "mesh.expert=2"],
@@ -133,8 +135,8 @@ ERROR_CASES = {
     "checkpoint-not-implemented": (["checkpoint.enabled=true"],
                                    ["checkpoint.enabled=true", "not implemented yet"]),
     "resume-not-implemented": (["train.resume=true"], ["train.resume=true", "not implemented"]),
-    "microbatches-not-implemented": (["train.microbatches=2"],
-                                     ["train.microbatches=2", "not implemented yet"]),
+    "microbatches-need-pipe": (["train.microbatches=2"],
+                               ["train.microbatches=2", "needs mesh.pipe > 1"]),
     # Scalar ranges.
     "steps-zero": (["train.steps=0"], ["train.steps", ">= 1"]),
     "lr-zero": (["train.lr=0.0"], ["train.lr", "> 0"]),

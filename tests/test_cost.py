@@ -49,6 +49,25 @@ LAYOUTS = {
         {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-reduce", ("context",)),
          ("collective-permute", ("context",)), ("all-gather", ("tensor",)),
          ("reduce-scatter", ("tensor",))}),
+    # Pipelines: the sends of every tick, the shared gradients' sum over stages, and the other
+    # axes' collectives repeated per microbatch and recomputation inside the stages.
+    "pipe=2,tensor=2,data=2,1f1b": (
+        ["mesh.pipe=2", "mesh.tensor=2", "mesh.data=2", "train.microbatches=4",
+         "parallel.pipeline_schedule=1f1b"],
+        {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
+         ("all-reduce", ("tensor",)), ("all-reduce", ("data",))}),
+    "pipe=4,fsdp=2,zero_bubble": (
+        ["mesh.pipe=4", "mesh.data=1", "mesh.fsdp=2", "model.n_layers=4",
+         "train.microbatches=4", "parallel.pipeline_schedule=zero_bubble"],
+        {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
+         ("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",))}),
+    "pipe=2,data=4,interleaved": (
+        ["mesh.pipe=2", "mesh.data=4", "model.n_layers=4", "train.microbatches=2",
+         "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"],
+        {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
+         ("all-reduce", ("data",))}),
+    "pipe=8,gpipe": (["mesh.pipe=8", "mesh.data=1", "model.n_layers=8", "train.microbatches=8"],
+                     {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",))}),
 }
 
 
@@ -61,11 +80,16 @@ def compiled(name: str) -> dict:
     """Compile the layout's train step once: its per-step collective rows and memory."""
     from jaxpar.inspect.hlo import parse_collectives, summarize_collectives
     from jaxpar.mesh import make_mesh
+    from jaxpar.parallel.pipeline import BRANCHES
     from jaxpar.train.step import build_trainer
 
     cfg = tiny(*LAYOUTS[name][0])
-    step = build_trainer(cfg, make_mesh(cfg)).compile_step()
-    rows = summarize_collectives(parse_collectives(step.as_text(), cfg.mesh_shape))
+    trainer = build_trainer(cfg, make_mesh(cfg))
+    step = trainer.compile_step()
+    # As inspect does: a stage's collectives count on the ticks its table entry runs them.
+    branch_runs = ({BRANCHES: trainer.pipeline.branch_shares()} if trainer.pipeline else None)
+    rows = summarize_collectives(parse_collectives(step.as_text(), cfg.mesh_shape,
+                                                   branch_runs=branch_runs))
     return {"cfg": cfg, "rows": rows, "memory": step.memory_analysis()}
 
 

@@ -91,10 +91,21 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   gather the inputs again (+2 all-gathers), ``full`` also redoes the attention reduce-scatter;
   embedding and head add 2 of each; the norm scales' gradients are all-reduced over ``tensor``
   (tiny).
-- ``pipe``, ``expert``: not implemented in jaxpar yet (validation rejects them), so not modelled.
-  For later: pipeline stages exchange activations (A per microbatch per stage boundary, each way)
-  by collective-permute; MoE adds two all-to-alls of the routed tokens per MoE layer forward and
-  two backward.
+- ``pipe`` (``parallel/pipeline.py``): the executor's loop issues two collective-permutes per
+  tick of the schedule table (activation forward, gradient backward, b/m x S/c x E each, /t
+  under sequence parallelism, zeros when a stage has nothing to send): 2 T g of them for a
+  T-tick table. The shared parameters' gradients (embedding, final norm, head: replicated over
+  ``pipe``) are all-reduced over ``pipe`` once per micro-step. Inside the stages, every formula
+  above runs on the stage's L/p layers once per microbatch (b is then the microbatch), with the
+  forward-side collectives repeated by the executor's recomputation (x2 with B, x3 with a split
+  I + W), the backward ones once (twice split), and the gradient reductions over ``data`` /
+  ``fsdp`` after every microbatch's backward (its chunk's layers; the shared parameters on the
+  first and last stage only, 1/p of the runs on average, since the compiled counts are averaged
+  over stages by :mod:`jaxpar.inspect.report`). Checked against XLA:CPU on tiny with pipe=2 and
+  tensor=2, data=2 or fsdp=2: within 2% (tests/test_cost.py). Stash memory: the table's slots
+  (``describe``) x one message. Time: compute / (1 - bubble).
+- ``expert``: not implemented in jaxpar yet (validation rejects it), so not modelled. MoE adds
+  two all-to-alls of the routed tokens per MoE layer forward and two backward.
 
 Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
 layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
@@ -130,7 +141,7 @@ dependent ops, and ZeRO-1's parameter gather comes after all compute, so those a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -138,6 +149,7 @@ from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
 from jaxpar.inspect.hardware import HardwareProfile, get_profile
 from jaxpar.model.flops import matmul_params, train_flops_per_token
 from jaxpar.parallel.data import ZERO1_AXES
+from jaxpar.parallel.pipeline import describe
 from jaxpar.parallel.rules import logical_rules, resolve_spec
 
 PARAM_BYTES = 4  # parameters, gradients and Adam moments are float32
@@ -262,6 +274,7 @@ class MemoryCost:
     activations: int  # saved for the backward pass, all layers, one micro-batch
     working: int  # one layer's backward, the head's logits, FSDP-gathered weights
     update: int  # the optimizer update's temporaries (after activations are freed)
+    stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
 
     @property
     def state(self) -> int:
@@ -270,7 +283,7 @@ class MemoryCost:
     @property
     def peak(self) -> int:
         return (self.state + self.gradients + self.batch
-                + max(self.activations + self.working, self.update))
+                + max(self.activations + self.stash + self.working, self.update))
 
 
 @dataclass(frozen=True)
@@ -328,8 +341,9 @@ class CostReport:
     flops: FlopsCost
     time: TimeCost | None
     notes: list[str] = field(default_factory=list)
-    micro_batch: int = 0  # sequences per device per micro-step
+    micro_batch: int = 0  # sequences per device per micro-step (per microbatch with pipe)
     tokens_per_step: int = 0  # global
+    pipeline: dict | None = None  # parallel.pipeline.describe(): schedule, ticks, bubble, slots
 
     def collective_rows(self) -> list[dict[str, Any]]:
         """One row per (kind, axes) like ``summarize_collectives`` (per step totals)."""
@@ -382,6 +396,40 @@ class _Step:
     mesh: dict[str, int]
     sp: bool  # sequence parallelism in effect (tensor > 1)
     xla_cpu: bool  # predict XLA:CPU's program rather than the GPU/TPU compilers'
+    pipeline: dict | None = None  # parallel.pipeline.describe() when pipe > 1
+
+    @property
+    def p(self) -> int:
+        return self.mesh["pipe"]
+
+    @property
+    def m(self) -> int:
+        """Pipeline microbatches per micro-step (1 without a pipeline)."""
+        return self.cfg.train.microbatches
+
+    @property
+    def layers(self) -> int:
+        """Layers this device runs: its stage's share of the stack."""
+        return self.cfg.model.n_layers // self.p
+
+    @property
+    def runs(self) -> int:
+        """How often a device runs its layers forward per step: micro-steps x microbatches."""
+        return self.accum * self.m
+
+    @property
+    def recomputes(self) -> int:
+        """Extra forwards the pipeline executor runs per microbatch and chunk: one inside each
+        B, two for a split backward (I and W each recompute)."""
+        if self.pipeline is None:
+            return 0
+        return 2 if self.pipeline["schedule"] == "zero_bubble" else 1
+
+    @property
+    def sent(self) -> int:
+        """Bytes of one stage-to-stage message: a microbatch's residual stream shard (split
+        over tensor too under sequence parallelism), as it travels."""
+        return self.tokens_x_embed(self.wire) // (self.t if self.sp else 1)
 
     @property
     def wire(self) -> int:
@@ -430,10 +478,13 @@ class _Step:
 def _step(cfg: Config, xla_cpu: bool) -> _Step:
     mesh = dict(cfg.mesh_shape)
     shards = math.prod(mesh[a] for a in BATCH_AXES)
-    b = cfg.train.batch_size // (cfg.train.grad_accum * shards)
-    return _Step(cfg=cfg, b=b, s=cfg.train.seq_len, a=DTYPE_BYTES[cfg.train.dtype],
-                 accum=cfg.train.grad_accum, mesh=mesh,
-                 sp=cfg.parallel.sequence_parallel and mesh["tensor"] > 1, xla_cpu=xla_cpu)
+    t, par = cfg.train, cfg.parallel
+    b = t.batch_size // (t.grad_accum * t.microbatches * shards)
+    pipeline = (describe(par.pipeline_schedule, mesh["pipe"], t.microbatches, par.virtual_stages)
+                if mesh["pipe"] > 1 else None)
+    return _Step(cfg=cfg, b=b, s=t.seq_len, a=DTYPE_BYTES[t.dtype], accum=t.grad_accum,
+                 mesh=mesh, sp=par.sequence_parallel and mesh["tensor"] > 1, xla_cpu=xla_cpu,
+                 pipeline=pipeline)
 
 
 def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> CostReport:
@@ -457,7 +508,8 @@ def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> Cost
     return CostReport(cfg=cfg, devices=math.prod(st.mesh.values()), mesh=st.mesh, params=params,
                       memory=memory, collectives=collectives, flops=flops, time=time,
                       notes=_notes(st), micro_batch=st.b,
-                      tokens_per_step=cfg.train.batch_size * cfg.train.seq_len)
+                      tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+                      pipeline=st.pipeline)
 
 
 def _notes(st: _Step) -> list[str]:
@@ -470,6 +522,10 @@ def _notes(st: _Step) -> list[str]:
     if st.accum > 1:
         notes.append(f"grad_accum={st.accum}: gradients are reduced every micro-step, as the "
                      "compiled step does")
+    if st.pipeline is not None:
+        notes.append(f"pipeline {st.pipeline['schedule']}: bubble {st.pipeline['bubble']:.1%} "
+                     "of the ticks idle (compute time divided by 1 - bubble); the executor "
+                     f"recomputes each chunk's forward {st.recomputes}x in the backward")
     if st.ring:
         notes.append("ring attention skips the causal half of the S x S square that model flops "
                      "(jaxpar.model.flops) count as useful, so the MFU bound can pass 100%")
@@ -478,7 +534,12 @@ def _notes(st: _Step) -> list[str]:
 
 def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
     out: list[CollectiveCost] = []
-    mesh, cfg, n_layers, g = st.mesh, st.cfg, st.cfg.model.n_layers, st.accum
+    mesh, cfg, n_layers, g = st.mesh, st.cfg, st.layers, st.accum
+    # Under a pipeline a device runs its stage's layers once per microbatch, forward once plus
+    # once per recomputation (``_Step.recomputes``), backward once (twice split into I and W),
+    # and reduces weight gradients after every microbatch's backward. ``runs`` = g without one.
+    runs, fw, bw = st.runs, 1 + st.recomputes, max(1, st.recomputes)
+    grad_runs = g if st.pipeline is None else runs
 
     def add(kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
             overlapped: bool) -> None:
@@ -499,7 +560,16 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         """Gradients travel like their weights, but lm_head's: its matmul yields float32."""
         return nbytes if p.name == "lm_head" else moved(p, nbytes)
 
-    grad_shards = sum(grad(p, p.bytes_per_device) for p in params)
+    def reduced(size: Callable[[ParamCost], int]) -> int:
+        """Gradient bytes reduced per step. Under a pipeline each backward reduces what it
+        produced: its chunk's layers every microbatch, the shared parameters (embedding, final
+        norm, head) on the first and last stage only, so 1/p of the runs on average."""
+        layers = sum(grad(p, size(p)) for p in layer)
+        shared = sum(grad(p, size(p)) for p in other)
+        if st.pipeline is None:
+            return g * (layers + shared)
+        return runs * layers + runs // st.p * shared
+
     # Parameters are replicated over data and context (and fsdp under ZeRO-1): one all-reduce
     # over all of them sums the gradient shards.
     replicas = ("data", "context") if cfg.parallel.zero == 3 else (*ZERO1_AXES, "context")
@@ -510,30 +580,32 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         fsdp_other = [p for p in other if p.gathered_bytes != p.bytes_per_device]
         # remat=none keeps each layer's gathered weights for the backward pass; remat gathers
         # them again there.
-        passes = 1 if cfg.train.remat == "none" else 2
-        add("all-gather", ("fsdp",), passes * n_layers * g * len(fsdp_layer),
-            passes * g * sum(moved(p, p.gathered_bytes) for p in fsdp_layer),
+        passes = (1 if cfg.train.remat == "none" else 2) * fw
+        add("all-gather", ("fsdp",), passes * n_layers * runs * len(fsdp_layer),
+            passes * runs * sum(moved(p, p.gathered_bytes) for p in fsdp_layer),
             "layer weights gathered before use" + (", and again backward" if passes == 2
                                                    else " (kept for the backward pass)"), True)
         add("all-gather", ("fsdp",), len(fsdp_other),
             sum(moved(p, p.gathered_bytes) for p in fsdp_other),
             "embedding, lm_head and final norm gathered once per step", True)
-        add("reduce-scatter", ("fsdp",), (n_layers + 1) * g,
-            g * sum(grad(p, p.gathered_bytes) for p in fsdp_layer + fsdp_other),
+        add("reduce-scatter", ("fsdp",), (n_layers + 1) * grad_runs,
+            reduced(lambda p: p.gathered_bytes if p.gathered_bytes != p.bytes_per_device
+                    else 0),
             "gradients reduce-scattered to their shards, every micro-step", True)
 
     # Data (and context) parallelism: gradients summed over the replicas, every micro-step;
     # ZeRO-1 then gathers the parameters each device updated for its slice of the moments.
-    add("all-reduce", replicas, (n_layers + 1) * g, g * grad_shards,
+    add("all-reduce", replicas, (n_layers + 1) * grad_runs, reduced(lambda p: p.bytes_per_device),
         ("gradient shards" if cfg.parallel.zero == 3 else "ZeRO-1: whole gradients")
-        + " all-reduced, every micro-step", True)
+        + " all-reduced, every " + ("micro-step" if st.pipeline is None else "microbatch"),
+        True)
     if cfg.parallel.zero == 1:
         add("all-gather", ZERO1_AXES, len(params), sum(p.bytes_per_device for p in params),
             "ZeRO-1: updated parameters gathered from the optimizer shards", False)
 
     # Context parallelism: attention's keys and values.
     if st.ring:
-        c, blk, per_layer = st.c, st.kv_block, n_layers * g
+        c, blk, per_layer = st.c, st.kv_block, n_layers * runs
         add("collective-permute", ("context",), per_layer * 2 * (c - 1),
             per_layer * 2 * (c - 1) * blk * st.wire, "ring attention: K, V blocks forward",
             True)
@@ -544,49 +616,67 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
             per_layer * 2 * ((c - 1) * blk * 4 + blk * st.wire),
             "ring attention: dK, dV travelling home backward (float32, the last hop cast)", True)
     elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
-        per_layer, gathered = n_layers * g, st.kv_block * st.c * st.wire
-        add("all-gather", ("context",), 2 * per_layer, 2 * per_layer * gathered,
+        per_layer, gathered = n_layers * runs, st.kv_block * st.c * st.wire
+        add("all-gather", ("context",), 2 * per_layer * fw, 2 * per_layer * fw * gathered,
             "context allgather attention: K, V of the whole sequence forward", False)
-        add("reduce-scatter", ("context",), 2 * per_layer, 2 * per_layer * gathered,
+        add("reduce-scatter", ("context",), 2 * per_layer * bw, 2 * per_layer * bw * gathered,
             "context allgather attention: dK, dV backward", False)
 
     # Tensor (and sequence) parallelism: activations, blocking. lm_head's input gradient is
     # float32 (the logits are); everything else moves in the compute dtype.
     if st.t > 1:
-        act, head_grad, per_layer = st.tokens_x_embed(st.wire), st.tokens_x_embed(4), n_layers * g
+        act, head_grad = st.tokens_x_embed(st.wire), st.tokens_x_embed(4)
+        per_layer = n_layers * runs  # activation traffic: per microbatch
+        # the embedding and head run on the first and last stage only: averaged over stages
+        ends = max(1, runs // st.p)
         remat, column = cfg.train.remat, st.column_parallel_reductions
 
-        def add_act(kind: str, count: int, what: str, payload: int = act) -> None:
+        def add_act(kind: str, count: int, what: str, payload: int = act,
+                    times: int = 1) -> None:
+            """``times``: the forward (fw) or backward (bw) multiplicity under a pipeline."""
+            count *= times
             add(kind, ("tensor",), count, count * payload, what, False)
 
         if not st.sp:
             add_act("all-reduce", per_layer * (ROW_PARALLEL_MATMULS + (remat == "full")),
                     "row-parallel outputs (attention, MLP) forward"
-                    + (", attention again in remat" if remat == "full" else ""))
+                    + (", attention again in remat" if remat == "full" else ""), times=fw)
             add_act("all-reduce", per_layer * column,
                     "column-parallel input gradients backward (" + ("q, k, v, gate, up" if
-                    column == 5 else "q+k+v, gate+up") + ")")
-            add_act("all-reduce", g, "vocab-parallel embedding forward")
-            add_act("all-reduce", g, "lm_head input gradient backward", payload=head_grad)
+                    column == 5 else "q+k+v, gate+up") + ")", times=bw)
+            add_act("all-reduce", ends, "vocab-parallel embedding forward", times=fw)
+            add_act("all-reduce", ends, "lm_head input gradient backward", payload=head_grad,
+                    times=bw)
         else:
             gathers = 2 + 2 + (2 if remat in ("dots", "full") else 0)
             add_act("all-gather", per_layer * gathers,
                     "sequence gathered entering attention/MLP (forward; output gradients "
-                    "backward" + ("; again in remat" if remat != "none" else "") + ")")
+                    "backward" + ("; again in remat" if remat != "none" else "") + ")", times=fw)
             add_act("reduce-scatter", per_layer * (ROW_PARALLEL_MATMULS + (remat == "full")),
-                    "sequence scattered leaving attention/MLP forward")
+                    "sequence scattered leaving attention/MLP forward", times=fw)
             add_act("reduce-scatter", per_layer * column,
                     "column-parallel input gradients backward (" + ("q, k, v, gate, up" if
-                    column == 5 else "q+k+v, gate+up") + ")")
-            add_act("all-gather", 2 * g,
-                    "lm_head input forward, embedding output gradient backward")
-            add_act("reduce-scatter", g, "vocab-parallel embedding forward")
-            add_act("reduce-scatter", g, "lm_head input gradient backward", payload=head_grad)
-            add("all-reduce", ("tensor",), (n_layers + 1) * g,
-                g * (2 * n_layers + 1) * cfg.model.d_model * PARAM_BYTES,
+                    column == 5 else "q+k+v, gate+up") + ")", times=bw)
+            add_act("all-gather", 2 * ends,
+                    "lm_head input forward, embedding output gradient backward", times=fw)
+            add_act("reduce-scatter", ends, "vocab-parallel embedding forward", times=fw)
+            add_act("reduce-scatter", ends, "lm_head input gradient backward", payload=head_grad,
+                    times=bw)
+            add("all-reduce", ("tensor",), (n_layers + 1) * grad_runs,
+                grad_runs * (2 * n_layers + 1) * cfg.model.d_model * PARAM_BYTES,
                 "norm-scale gradients of the sequence shards", False)
-        add_act("all-reduce", 2 * g, "vocab-parallel loss: max and sum of exponentials",
-                payload=st.b * st.sl * 4)
+        add_act("all-reduce", 2 * ends, "vocab-parallel loss: max and sum of exponentials",
+                payload=st.b * st.sl * 4, times=fw)
+
+    # Pipeline: every tick of the table each device sends one activation forward and one
+    # gradient backward (zeros when its entry sends nothing); the replicated shared parameters'
+    # gradients are summed over the stages once per micro-step.
+    if st.pipeline is not None:
+        ticks = st.pipeline["ticks"]
+        add("collective-permute", ("pipe",), 2 * ticks * g, 2 * ticks * g * st.sent,
+            f"pipeline: activation forward + gradient backward, each of {ticks} ticks", False)
+        add("all-reduce", ("pipe",), g, g * sum(p.bytes_per_device for p in other),
+            "pipeline: embedding, final norm and head gradients summed over stages", True)
     return out
 
 
@@ -599,6 +689,9 @@ def _flops(st: _Step) -> FlopsCost:
     recomputed_attention = 0 if st.ring else attention_forward
     recompute = {"none": 0, "dots": recomputed_attention,
                  "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
+    # The pipeline executor's backward recomputes the chunk's forward (once per B, twice for
+    # a split I + W), on top of what remat recomputes inside that backward.
+    recompute += st.recomputes * (2 * layer_matmuls + attention_forward)
     ring_delta = 0.0
     if st.ring:
         # Blocks computed by the busiest device, as a fraction of the full S x S square: the
@@ -664,19 +757,29 @@ def _memory(st: _Step, params: list[ParamCost]) -> MemoryCost:
         chunk = st.sl // (2 if cfg.parallel.zigzag else 1)
         head += 4 * st.b * (m.n_heads // st.t) * chunk * chunk * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
+    saved_layers, stash = m.n_layers, 0
+    if st.pipeline is not None:
+        # Between a chunk's F and its backward only its input is kept (a stash slot); the
+        # backward recomputes one chunk at a time, saving what remat lets it for those layers.
+        saved_layers = st.layers // cfg.parallel.virtual_stages
+        slots = st.pipeline["activation_slots"] + st.pipeline["gradient_slots"]
+        stash = slots * st.act // (st.t if st.sp else 1)
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
         gradients=param_bytes * (2 if st.accum > 1 else 1),
         batch=rows * st.sl * 12,
-        activations=m.n_layers * (_layer_activations(st, cfg.train.remat) + kept_weights),
+        activations=saved_layers * (_layer_activations(st, cfg.train.remat) + kept_weights),
         working=_layer_activations(st, "none") + head + gathered,
-        update=moments)
+        update=moments,
+        stash=stash)
 
 
 def _time(st: _Step, collectives: list[CollectiveCost], flops: FlopsCost,
           hw: HardwareProfile) -> TimeCost:
     compute = flops.executed / hw.peak_flops
+    if st.pipeline is not None:  # idle ticks: the same work spread over more time
+        compute /= 1 - st.pipeline["bubble"]
     by_axis: dict[str, float] = {}
     blocking = overlapped = 0.0
     for c in collectives:

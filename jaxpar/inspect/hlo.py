@@ -90,7 +90,9 @@ class Collective:
     wire_bytes: int
     group_size: int  # N: devices per replica group (permute: the largest connected set)
     axes: tuple[str, ...]  # mesh axes the groups span, in mesh order; size-1 axes never appear
-    executions: int = 1  # runs per call of the program (loop trip counts around it)
+    # Runs per call of the program (loop trip counts around it); a fraction when averaged
+    # over devices that run different branches (pipeline stages).
+    executions: float = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,23 +343,30 @@ def _inferred_trip_count(module: _Module, comp: _Computation, loop: _Instr) -> i
     return bound if _constant_int(comp, init.operands[index]) == 0 else None
 
 
-def _executions(module: _Module) -> dict[str, int]:
-    """How many times each computation runs per call of the entry computation."""
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> (caller, times)
+def _executions(module: _Module, branch_runs: Mapping[int, Sequence[float]] | None = None,
+                ) -> dict[str, float]:
+    """How many times each computation runs per call of the entry computation.
+
+    A conditional runs one of its branches; which one the text cannot say, so each counts as
+    running every time unless ``branch_runs[n]`` gives, for conditionals of ``n`` branches, each
+    branch's share of the calls (what the pipeline executor's table says, averaged over stages).
+    """
+    calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # callee -> (caller, times)
     for comp in module.computations.values():
         for instr in comp.instrs.values():
             for m in _CALLED_RE.finditer(instr.attrs):
                 names = ([m.group("name")] if m.group("name") else
                          [b.strip().lstrip("%") for b in m.group("branches").split(",")])
-                times = 1
+                times: float = 1
                 if m.group("key") in ("body", "condition"):
                     times = (instr.trip_count or _inferred_trip_count(module, comp, instr)
                              or 1)
-                for name in names:
-                    calls[name].append((comp.name, times))
-    runs: dict[str, int] = {}
+                shares = (branch_runs or {}).get(len(names)) if m.group("branches") else None
+                for i, name in enumerate(names):
+                    calls[name].append((comp.name, shares[i] if shares else times))
+    runs: dict[str, float] = {}
 
-    def count(name: str, visiting: frozenset[str] = frozenset()) -> int:
+    def count(name: str, visiting: frozenset[str] = frozenset()) -> float:
         if name not in runs:
             callers = calls.get(name)
             if not callers or name == module.entry or name in visiting:
@@ -796,12 +805,15 @@ def parse_collectives(
     hlo_text: str,
     mesh_shape: Mapping[str, int] | Sequence[tuple[str, int]],
     device_ids: Sequence[int] | None = None,
+    branch_runs: Mapping[int, Sequence[float]] | None = None,
 ) -> list[Collective]:
     """The collectives of a compiled HLO module, in text order, mapped onto `mesh_shape`.
 
     `mesh_shape` is the ordered mesh (`dict(mesh.shape)`); `device_ids` is
     `[d.id for d in mesh.devices.flat]` (default `range(n)`), needed only when the text names
-    physical device ids rather than logical ones (see the module docstring).
+    physical device ids rather than logical ones (see the module docstring). `branch_runs`:
+    per number of branches, each branch's share of a conditional's calls (else every branch
+    counts as running on every call).
     """
     mesh = _as_mesh(mesh_shape, device_ids)
     module = _parse_module(hlo_text)
@@ -822,7 +834,7 @@ def parse_collectives(
         if _is_tpu_reduce_scatter_fusion(module, instr)
     }
 
-    runs = _executions(module)
+    runs = _executions(module, branch_runs)
     fused = {(_attr(i, "calls") or "").lstrip("%") for c in module.computations.values()
              for i in c.instrs.values() if i.opcode == "fusion"}
     counted_channels: set[tuple[str, str]] = set()
@@ -906,4 +918,7 @@ def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
         row["lowered_as"].add(c.lowered_as)
     for row in rows.values():
         row["lowered_as"] = sorted(row["lowered_as"])
+        # Averages over pipeline stages can be fractional; JSON keeps whole numbers.
+        for key in ("count", "bytes", "wire_bytes"):
+            row[key] = round(row[key])
     return [rows[key] for key in sorted(rows)]

@@ -190,6 +190,9 @@ def format_plan(report: CostReport) -> Group:
          f"micro-batch {report.micro_batch}"
          + (" (and each layer's weights)" if cfg.train.remat == "none" else "")),
         ("working", m.working, "one layer's backward, logits, gathered weights"),
+        *([("pipeline stash", m.stash, f"{report.pipeline['activation_slots']} stage inputs + "
+            f"{report.pipeline['gradient_slots']} output gradients held "
+            f"({report.pipeline['schedule']})")] if report.pipeline else []),
         ("batch", m.batch, "inputs, targets, mask"),
     ):
         memory.add_row(name, _bytes(value), what)
@@ -224,7 +227,9 @@ def format_plan(report: CostReport) -> Group:
         sign = "+" if f.context_attention > 0 else "-"
         extra += f", ring attention {sign}{human_flops(abs(f.context_attention))} (causal skips)"
     timing.add_row("executed flops", human_flops(f.executed), extra)
-    timing.add_row("compute", human_seconds(time.compute), "executed flops at peak")
+    timing.add_row("compute", human_seconds(time.compute), "executed flops at peak"
+                   + (f", / (1 - bubble {report.pipeline['bubble']:.1%})" if report.pipeline
+                      else ""))
     for label, seconds in time.comm_by_axis.items():
         timing.add_row(f"comm {label}", human_seconds(seconds), "")
     timing.add_row("exposed comm", human_seconds(time.blocking_comm + time.exposed_comm),

@@ -44,7 +44,7 @@ with ``fractions.Fraction``).
 A table is a list of ticks, each a tuple with one entry per stage: an :class:`Action` or
 ``None`` (idle). A ``B`` appears in both of its ticks. The builders write down each stage's
 *order* of actions (that is all a schedule is) and :func:`as_soon_as_possible` times them. The
-executor (a later part of this module) will run any valid table inside ``shard_map`` over
+executor (the last part of this module) runs any valid table inside ``shard_map`` over
 ``pipe``: at every tick each device looks up its own action and does it.
 """
 
@@ -53,7 +53,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
 
 Kind = Literal["F", "B", "I", "W"]
 
@@ -457,3 +463,309 @@ def validate(table: Sequence[Tick], p: int, m: int, v: int = 1) -> None:
                 raise ValueError(f"{r.action} on stage {r.stage} starts at tick {r.start} but "
                                  f"needs {why} {source.action} on stage {source.stage}, "
                                  f"done only at tick {source.end}")
+
+
+# --------------------------------------------------------------------------------------------
+# The executor: one compiled loop that runs any valid table inside shard_map over `pipe`.
+#
+# How the compiled program realizes a table. :func:`compile_table` turns the table into integer
+# arrays indexed by (tick, stage): which branch to run, on which microbatch and local chunk,
+# reading which stash slots, and where to store what arrives. One ``lax.scan`` runs the ticks.
+# In its body each device reads the entry for its own stage (``axis_index('pipe')``) and
+# ``lax.switch`` runs that branch alone, so an idle entry costs no compute. Then two
+# ``ppermute``s over ``pipe`` pass on what was produced: the forward output one stage on, the
+# input gradient one stage back (both rings, so chunk p-1 on the last device feeds chunk p on
+# the first). Every device joins both on every tick, because a collective needs all of them; a
+# stage with nothing to send sends zeros, which the receiver's table entry says to drop. Each
+# device's program is the same; only its row of the table differs.
+#
+# What a device keeps. The *input* of each (microbatch, chunk) from when it arrives until its
+# backward is done (a slot of the activation stash), and each gradient that arrived from the
+# next stage until it is used (a slot of the gradient stash). Slots are handed out when the
+# table is compiled, lowest free first, so their number is the table's peak in flight: m for
+# GPipe, at most p for 1F1B. The backward recomputes the chunk's forward from its stashed input
+# under ``jax.vjp`` (activation recomputation at chunk granularity; ``train.remat`` still
+# decides what that recomputed forward keeps for its own backward). This is what makes the
+# memory depend on the schedule: GPipe stashes m inputs, 1F1B at most p.
+#
+# Compute per (microbatch, chunk): F, then B = recompute + input and weight gradients (about
+# four forwards in all, like full activation recomputation); a B takes two ticks in the table,
+# the executor runs it on the first and idles on the second. A split backward recomputes
+# twice: I = recompute + input gradient (sent upstream at once), W = recompute + weight
+# gradient, about five forwards in all, the price ZB-H1 pays here for its smaller bubble.
+#
+# Parameters. A device's slice of the stacked layers, ``[v * layers_per_chunk, ...]``, holds its
+# chunks s, s+p, ... in that order (for ``v > 1`` the trainer stores the layers permuted so;
+# :func:`stage_layer_order`). Embedding, final norm and head are replicated over ``pipe``; only
+# the first and last chunks use them, and their gradients are summed over ``pipe`` at the end:
+# the one reduction over ``pipe``, of those parameters' bytes.
+
+AXIS = "pipe"
+IDLE = 0
+POSITIONS = ("first", "middle", "last")
+BRANCHES = 1 + 4 * len(POSITIONS)  # idle + (F, B, I, W) x positions
+FIELDS = ("branch", "mb", "local_chunk", "act_slot", "grad_slot", "recv_act", "recv_grad")
+
+
+def branch_index(kind: Kind, position: str) -> int:
+    """Branch of the executor's ``lax.switch`` that runs ``kind`` on a chunk at ``position``."""
+    return 1 + "FBIW".index(kind) * len(POSITIONS) + POSITIONS.index(position)
+
+
+def position_of(chunk: int, n_chunks: int) -> str:
+    return "first" if chunk == 0 else "last" if chunk == n_chunks - 1 else "middle"
+
+
+def stage_layer_order(n_layers: int, p: int, v: int) -> list[int]:
+    """Which model layer each stored layer is, when device ``s``'s contiguous ``n_layers / p``
+    stored layers must be its chunks ``s, s+p, ..., s+(v-1)p`` in that order.
+
+    The identity for ``v = 1``. For ``v > 1`` a contiguous split of the stacked layers over
+    ``pipe`` would hand device 0 chunks 0 and 1; storing the layers in this order instead lets
+    each device read its chunks without any parameter crossing ``pipe``.
+    """
+    per_chunk = n_layers // (p * v)
+    return [(j * p + s) * per_chunk + k
+            for s in range(p) for j in range(v) for k in range(per_chunk)]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A table compiled for the executor: ``fields[name][tick, stage]`` (int32) and slot counts.
+
+    ``branch``: :func:`branch_index` or ``IDLE``; ``mb``, ``local_chunk`` (chunk // p): what to
+    run; ``act_slot``, ``grad_slot``: the stash slots it reads; ``recv_act``, ``recv_grad``: the
+    slot where what arrives at the end of the tick goes (-1: nothing arrives for this stage).
+    """
+
+    fields: dict
+    act_slots: int
+    grad_slots: int
+
+    @property
+    def ticks(self) -> int:
+        return int(self.fields["branch"].shape[0])
+
+    def branch_shares(self) -> list[float]:
+        """Each branch's share of the ticks, averaged over stages: how often a device runs the
+        collectives inside it (``jaxpar.inspect.hlo.parse_collectives``'s ``branch_runs``)."""
+        counts = np.bincount(self.fields["branch"].ravel(), minlength=BRANCHES)
+        return [float(c) / self.fields["branch"].size for c in counts]
+
+
+def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
+    """What ``jaxpar inspect`` and ``metrics.jsonl`` report about a run's schedule."""
+    table = schedule_table(name, p, m, v)
+    program = compile_table(table, p, m, v)
+    return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
+            "ticks": program.ticks, "bubble": float(bubble_fraction(table)),
+            "activation_slots": program.act_slots, "gradient_slots": program.grad_slots}
+
+
+class _Slots:
+    """Per-stage free lists: the lowest free slot is handed out first."""
+
+    def __init__(self, p: int):
+        self.held: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]
+        self.peak = 0
+
+    def take(self, stage: int, key: tuple[int, int]) -> int:
+        used = set(self.held[stage].values())
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        self.held[stage][key] = slot
+        self.peak = max(self.peak, slot + 1)
+        return slot
+
+    def find(self, stage: int, key: tuple[int, int]) -> int:
+        return self.held[stage][key]
+
+    def free(self, stage: int, key: tuple[int, int]) -> None:
+        del self.held[stage][key]
+
+
+def compile_table(table: Sequence[Tick], p: int, m: int, v: int = 1) -> Program:
+    """The arrays the executor indexes; raises ValueError if ``table`` is not a valid schedule.
+
+    Walks the ticks in order. An action reads its slots; at the end of the tick, a finished
+    backward frees its slots first, then what was sent takes a slot on its receiver (so a slot
+    freed and refilled on one tick is read before it is overwritten).
+    """
+    validate(table, p, m, v)
+    n_chunks = v * p
+    fields = {name: np.zeros((len(table), p), np.int32) for name in FIELDS}
+    fields["recv_act"][:] = -1
+    fields["recv_grad"][:] = -1
+    acts, grads = _Slots(p), _Slots(p)
+    started: set[tuple[int, Action]] = set()
+    for t, row in enumerate(table):
+        frees, arrivals = [], []
+        for s, a in enumerate(row):
+            if a is None or (s, a) in started:  # idle, or the second tick of a B
+                continue
+            started.add((s, a))
+            position = position_of(a.chunk, n_chunks)
+            key = (a.mb, a.chunk)
+            fields["mb"][t, s], fields["local_chunk"][t, s] = a.mb, a.chunk // p
+            if position != "first":
+                fields["act_slot"][t, s] = acts.find(s, key)
+            if a.kind != "F" and position != "last":
+                fields["grad_slot"][t, s] = grads.find(s, key)
+            # The first chunk's input is the tokens: its I has no gradient to compute.
+            idle = a.kind == "I" and position == "first"
+            fields["branch"][t, s] = IDLE if idle else branch_index(a.kind, position)
+            if a.kind in ("B", "W"):
+                frees.append((s, key, position))
+            if a.kind == "F" and position != "last":
+                arrivals.append((acts, "recv_act", a.mb, a.chunk + 1))
+            if a.kind in ("B", "I") and position != "first":
+                arrivals.append((grads, "recv_grad", a.mb, a.chunk - 1))
+        for s, key, position in frees:
+            if position != "first":
+                acts.free(s, key)
+            if position != "last":
+                grads.free(s, key)
+        for slots, name, mb, chunk in arrivals:
+            receiver = stage_of(chunk, p)
+            fields[name][t, receiver] = slots.take(receiver, (mb, chunk))
+    return Program(fields, acts.peak, grads.peak)
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What a chunk computes, by its position in the model (``mb``: one microbatch's arrays).
+
+    ``first(shared, layers, mb) -> x``: embed the tokens, run the chunk's layers;
+    ``middle(shared, layers, x, mb) -> x``: run the chunk's layers;
+    ``last(shared, layers, x, mb) -> loss``: run the layers, then the head: summed token loss.
+    ``shared`` are the parameters outside the layer stack; ``layers`` the chunk's slice of it.
+    """
+
+    first: Callable
+    middle: Callable
+    last: Callable
+
+
+class _Carry(NamedTuple):
+    stash: jax.Array  # [act_slots, *activation]: chunk inputs awaiting their backward
+    grad_stash: jax.Array  # [grad_slots, *activation]: output gradients awaiting use
+    layer_grads: Any  # like the local layers, [v, layers_per_chunk, ...], float32
+    shared_grads: Any  # like the shared parameters, float32
+    loss: jax.Array  # float32 scalar: summed token loss of the microbatches finished here
+
+
+def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """``buffer[slot] = value`` in place, or no change when ``slot < 0``."""
+    index = jnp.maximum(slot, 0)
+    value = jnp.where(slot >= 0, value, buffer[index])
+    return lax.dynamic_update_index_in_dim(buffer, value, index, 0)
+
+
+def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
+                            stash_spec: PartitionSpec, layer_grad_specs: Any,
+                            shared_grad_specs: Any) -> Callable:
+    """``(shared, layers, micro) -> (loss_sum, shared_grads, layer_grads)`` running ``program``.
+
+    ``layers``: the stacked layer parameters ``[n_layers, ...]``, sharded over ``pipe`` on their
+    first dimension; ``shared``: the other parameters (replicated over ``pipe``); ``micro``:
+    ``[m, B/m, ...]`` arrays of the microbatches. Call under the mesh. ``stash_spec`` lays out
+    the stashes ``[slot, batch, seq, embed]``; the grad specs lay out the gradient sums (as the
+    parameters, without ``pipe``), all on the automatic axes.
+    """
+    fields = {name: jnp.asarray(array) for name, array in program.fields.items()}
+    forward_ring = [(s, (s + 1) % p) for s in range(p)]
+    backward_ring = [(s, (s - 1) % p) for s in range(p)]
+
+    def per_device(shared: Any, layers: Any, micro: Any) -> tuple:
+        stage = lax.axis_index(AXIS)
+        chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
+
+        def chunk(j: jax.Array) -> Any:
+            return jax.tree.map(lambda a: a[j], chunks)
+
+        def microbatch(i: jax.Array) -> Any:
+            return jax.tree.map(lambda a: a[i], micro)
+
+        act = jax.eval_shape(stages.first, shared, chunk(0), microbatch(0))
+        no_act = jnp.zeros(act.shape, act.dtype)
+
+        def run(position: str, shared: Any, layers: Any, x: jax.Array, mb: Any) -> jax.Array:
+            if position == "first":
+                return stages.first(shared, layers, mb)
+            if position == "middle":
+                return stages.middle(shared, layers, x, mb)
+            return stages.last(shared, layers, x, mb)
+
+        def idle(carry: _Carry, row: dict) -> tuple:
+            return carry, no_act, no_act
+
+        def forward(position: str) -> Callable:
+            def branch(carry: _Carry, row: dict) -> tuple:
+                x = carry.stash[row["act_slot"]]
+                y = run(position, shared, chunk(row["local_chunk"]), x, microbatch(row["mb"]))
+                if position == "last":
+                    return carry._replace(loss=carry.loss + y), no_act, no_act
+                return carry, y, no_act
+            return branch
+
+        def backward(kind: str, position: str) -> Callable:
+            send_dx = kind in ("B", "I") and position != "first"
+            add_dw = kind in ("B", "W")
+
+            def branch(carry: _Carry, row: dict) -> tuple:
+                j, mb = row["local_chunk"], microbatch(row["mb"])
+                x = carry.stash[row["act_slot"]]
+                dy = (jnp.ones((), jnp.float32) if position == "last"
+                      else carry.grad_stash[row["grad_slot"]])
+                _, vjp = jax.vjp(lambda sh, ly, x: run(position, sh, ly, x, mb),
+                                 shared, chunk(j), x)
+                d_shared, d_layers, dx = vjp(dy)  # XLA drops the halves a branch does not use
+                if add_dw:
+                    layer_grads = jax.tree.map(lambda acc, g: acc.at[j].add(g),
+                                               carry.layer_grads, d_layers)
+                    carry = carry._replace(layer_grads=layer_grads)
+                    if position != "middle":  # middle chunks use no shared parameter
+                        carry = carry._replace(shared_grads=jax.tree.map(
+                            jnp.add, carry.shared_grads, d_shared))
+                return carry, no_act, dx if send_dx else no_act
+            return branch
+
+        branches = [idle] * BRANCHES
+        for kind in "FBIW":
+            for position in POSITIONS:
+                branches[branch_index(kind, position)] = (
+                    forward(position) if kind == "F" else backward(kind, position))
+
+        def tick(carry: _Carry, row: dict) -> tuple[_Carry, None]:
+            row = {name: value[stage] for name, value in row.items()}
+            carry, send_fwd, send_bwd = lax.switch(row["branch"], branches, carry, row)
+            arrived = lax.ppermute(send_fwd, AXIS, forward_ring)
+            arrived_grad = lax.ppermute(send_bwd, AXIS, backward_ring)
+            return carry._replace(stash=_store(carry.stash, row["recv_act"], arrived),
+                                  grad_stash=_store(carry.grad_stash, row["recv_grad"],
+                                                    arrived_grad)), None
+
+        def zeros(tree: Any, specs: Any) -> Any:
+            return jax.lax.with_sharding_constraint(
+                jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree), specs)
+
+        def stash(slots: int) -> jax.Array:
+            return jax.lax.with_sharding_constraint(
+                jnp.zeros((slots, *act.shape), act.dtype), stash_spec)
+
+        carry = _Carry(stash(program.act_slots), stash(program.grad_slots),
+                       zeros(chunks, layer_grad_specs), zeros(shared, shared_grad_specs),
+                       jnp.zeros((), jnp.float32))
+        carry, _ = lax.scan(tick, carry, fields)
+        layer_grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry.layer_grads)
+        # Only the first and last chunks touch the shared parameters and only the last has a
+        # loss; summing over pipe hands every stage the totals.
+        return (lax.psum(carry.loss, AXIS), lax.psum(carry.shared_grads, AXIS), layer_grads)
+
+    def run_pipeline(shared: Any, layers: Any, micro: Any) -> tuple:
+        layer_spec = jax.tree.map(lambda _: PartitionSpec(AXIS), layers)
+        return jax.shard_map(
+            per_device, in_specs=(PartitionSpec(), layer_spec, PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec(), layer_spec),
+            axis_names=frozenset({AXIS}), check_vma=False)(shared, layers, micro)
+
+    return run_pipeline

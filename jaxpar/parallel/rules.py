@@ -15,7 +15,8 @@ heads, kv_heads       tensor                    column-parallel QKV, row-paralle
 mlp                   tensor                    column-parallel gate/up, row-parallel down
 vocab                 tensor                    vocab-parallel embedding, head and loss
 experts               expert                    expert weights live on their expert shard
-layers, head_dim      -                         scanned / too small to split
+layers                pipe                      the stacked layers: one run of them per stage
+head_dim              -                         too small to split
 stage                 pipe                      pipeline stages
 ====================  ========================  ============================================
 
@@ -55,7 +56,7 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         "mlp": ("tensor",),
         "vocab": ("tensor",),
         "experts": ("expert",),
-        "layers": (),
+        "layers": ("pipe",),  # the stacked layers are split into pipeline stages
         "stage": ("pipe",),
     }
     rules.update(cfg.parallel.rules)

@@ -20,8 +20,10 @@ from rich.progress import (
 
 from jaxpar.config import Config, ConfigError, to_yaml
 from jaxpar.data import DataIterator, build_dataset, describe, make_tokenizer
+from jaxpar.inspect.report import pipeline_line
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
+from jaxpar.parallel.pipeline import describe as describe_schedule
 from jaxpar.train.metrics import MetricsFile, peak_flops
 from jaxpar.train.step import build_trainer
 
@@ -81,6 +83,10 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                   f"{t.dtype}, remat={t.remat}, zero={cfg.parallel.zero}, "
                   f"sequence_parallel={cfg.parallel.sequence_parallel}")
     console.print(data_line)
+    pipeline = (describe_schedule(cfg.parallel.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
+                                  cfg.parallel.virtual_stages) if cfg.mesh.pipe > 1 else None)
+    if pipeline is not None:
+        console.print(pipeline_line(pipeline))
     console.print("peak " + (f"{peak / 1e12:.0f} TFLOP/s per device (bf16 dense)" if peak else
                              f"unknown for {device.device_kind!r}: MFU shown as n/a"))
 
@@ -111,6 +117,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                        "lr": values["lr"], "tokens_per_s": tokens_per_step / step_time,
                        "step_time_s": step_time, "tflops_per_device": achieved / 1e12,
                        "mfu": achieved / peak if peak else None}
+                if pipeline is not None:  # the table's idle share: constant, said every line
+                    row["pipeline_bubble"] = pipeline["bubble"]
                 if not np.isfinite(row["loss"]):
                     raise FloatingPointError(f"loss is {row['loss']} at step {step}; "
                                              "lower train.lr or check the data")

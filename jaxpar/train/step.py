@@ -27,6 +27,14 @@ from jaxpar.model.annotate import activation_sharding, use_attention
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
 from jaxpar.parallel.context import context_attention, zigzag_order
 from jaxpar.parallel.data import optimizer_state_specs
+from jaxpar.parallel.pipeline import (
+    Program,
+    Stages,
+    compile_table,
+    pipeline_loss_and_grads,
+    schedule_table,
+    stage_layer_order,
+)
 from jaxpar.parallel.rules import (
     activation_constrainer,
     logical_rules,
@@ -91,6 +99,27 @@ def summed_token_loss(params: dict, graphdef: nnx.GraphDef, batch: Batch, *, dty
     return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"])
 
 
+def model_stages(graphdef: nnx.GraphDef, *, dtype: Any, remat: str) -> Stages:
+    """The model cut where pipeline chunks meet: embedding + layers, layers, layers + loss."""
+
+    def model(shared: dict, layers: dict) -> nnx.Module:
+        return nnx.merge(graphdef, {**shared, "layers": layers})
+
+    def first(shared: dict, layers: dict, mb: Batch) -> jax.Array:
+        net = model(shared, layers)
+        return net.run_layers(net.embed(mb["inputs"], dtype=dtype), mb["positions"], remat=remat)
+
+    def middle(shared: dict, layers: dict, x: jax.Array, mb: Batch) -> jax.Array:
+        return model(shared, layers).run_layers(x, mb["positions"], remat=remat)
+
+    def last(shared: dict, layers: dict, x: jax.Array, mb: Batch) -> jax.Array:
+        net = model(shared, layers)
+        logits = net.logits(net.run_layers(x, mb["positions"], remat=remat), dtype=dtype)
+        return jnp.sum(token_losses(logits, mb["targets"]) * mb["mask"])
+
+    return Stages(first, middle, last)
+
+
 @dataclass(frozen=True)
 class Trainer:
     """The jitted functions of one run and the shardings they were built with.
@@ -107,6 +136,10 @@ class Trainer:
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
     seq_order: np.ndarray  # token order within a sequence (zigzag under context parallelism)
+    # Model layer of each stored layer (interleaved pipelines store a device's chunks together;
+    # pipeline.stage_layer_order); None when stored in model order.
+    layer_order: np.ndarray | None
+    pipeline: Program | None  # the compiled schedule table when mesh.pipe > 1
     _init: Callable
     _step: Callable
     _loss_and_grads: Callable
@@ -170,24 +203,35 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
     attention = (context_attention(cfg.parallel.context_impl, n_context, zigzag, batch_axes)
                  if n_context > 1 else None)
+    run_pipeline, layer_order, program = _pipeline(cfg, graphdef, specs, rules, dtype, remat)
 
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(create_model(cfg.model, cfg.train.seed), nnx.Param))
+        if layer_order is not None:
+            params["layers"] = jax.tree.map(lambda a: a[layer_order], params["layers"])
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    def summed_loss_and_grads(params: dict, batch: Batch) -> tuple[jax.Array, dict]:
+        """Summed token loss of ``batch`` and its gradient (one micro-step)."""
+        if run_pipeline is None:
+            return jax.value_and_grad(summed_token_loss)(params, graphdef=graphdef,
+                                                         batch=batch, dtype=dtype, remat=remat)
+        shared = {k: v for k, v in params.items() if k != "layers"}
+        micro = split_micro_steps(batch, cfg.train.microbatches)
+        loss_sum, shared_grads, layer_grads = run_pipeline(shared, params["layers"], micro)
+        return loss_sum, {**shared_grads, "layers": layer_grads}
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         # Positions travel with the tokens: in seq_order, the same for every row.
         positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
         batch = dict(batch, positions=positions)
-        grad_fn = jax.value_and_grad(summed_token_loss)
-        kwargs = dict(graphdef=graphdef, dtype=dtype, remat=remat)
         with activation_sharding(constrain), use_attention(attention):
             if accum == 1:
-                loss_sum, grads = grad_fn(state.params, batch=batch, **kwargs)
+                loss_sum, grads = summed_loss_and_grads(state.params, batch)
             else:
                 def micro_step(carry, micro_batch):
-                    loss_sum, grads = grad_fn(state.params, batch=micro_batch, **kwargs)
+                    loss_sum, grads = summed_loss_and_grads(state.params, micro_batch)
                     return jax.tree.map(jnp.add, carry, (loss_sum, grads)), None
 
                 # The running gradient sum is sharded like the parameters (1/N under FSDP).
@@ -219,9 +263,38 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, logical_axes=logical_axes, param_specs=specs,
         state_shardings=state_shardings, batch_sharding=batch_sharding,
-        abstract_state=abstract_state, seq_order=seq_order,
+        abstract_state=abstract_state, seq_order=seq_order, layer_order=layer_order,
+        pipeline=program,
         _init=jax.jit(init, out_shardings=state_shardings),
         _step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                       out_shardings=(state_shardings, None), donate_argnums=0),
         _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(state_shardings, batch_sharding),
                                 out_shardings=(None, state_shardings.params)))
+
+
+def _pipeline(cfg: Config, graphdef: nnx.GraphDef, specs: dict, rules: dict, dtype: Any,
+              remat: str) -> tuple[Callable | None, np.ndarray | None, Program | None]:
+    """The pipeline executor for ``cfg``, the stored layer order (None when it is the model's)
+    and the compiled table; all None without ``pipe``."""
+    p, v, m = cfg.mesh.pipe, cfg.parallel.virtual_stages, cfg.train.microbatches
+    if p == 1:
+        return None, None, None
+    program = compile_table(schedule_table(cfg.parallel.pipeline_schedule, p, m, v), p, m, v)
+    mesh_shape = cfg.mesh_shape
+    micro_rows = cfg.train.batch_size // (cfg.train.grad_accum * m)
+    stash_spec = resolve_spec("pipeline stash", (None, "batch", "residual_seq", "act_embed"),
+                              (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
+                              mesh_shape)
+
+    def without_pipe(spec: PartitionSpec) -> PartitionSpec:
+        return PartitionSpec(*(None if entry == "pipe" else entry for entry in spec))
+
+    layer_grad_specs = jax.tree.map(lambda spec: PartitionSpec(None, *without_pipe(spec)),
+                                    specs["layers"],
+                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shared_grad_specs = {k: v for k, v in specs.items() if k != "layers"}
+    run = pipeline_loss_and_grads(program, model_stages(graphdef, dtype=dtype, remat=remat), p=p,
+                                  v=v, stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
+                                  shared_grad_specs=shared_grad_specs)
+    order = stage_layer_order(cfg.model.n_layers, p, v)
+    return run, (None if order == sorted(order) else np.asarray(order)), program
