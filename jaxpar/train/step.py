@@ -208,8 +208,16 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         loss, grads = loss_and_grads(state, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state.step)}
+        grad_norm = optax.tree.norm(grads)
+        # A non-finite loss or gradient drops the whole update on device (no host sync): params
+        # and optimizer state (whose count drives Adam's bias correction and the lr schedule)
+        # stay as they were; `step` still counts the batch consumed. The loop reads `nonfinite`
+        # to skip or stop (train.on_nonfinite).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "nonfinite": ~finite}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     abstract_state = jax.tree.map(
