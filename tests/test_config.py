@@ -130,9 +130,11 @@ ERROR_CASES = {
                                ["mesh.expert=2", "not implemented yet"]),
     "moe-not-implemented": (["model.moe.num_experts=4"],
                             ["model.moe.num_experts=4", "not implemented yet"]),
-    "checkpoint-not-implemented": (["checkpoint.enabled=true"],
-                                   ["checkpoint.enabled=true", "not implemented yet"]),
-    "resume-not-implemented": (["train.resume=true"], ["train.resume=true", "not implemented"]),
+    # train.resume: auto, never, a step number or a path (checked when the run starts).
+    "resume-bool": (["train.resume=true"], ["train.resume", "auto, never, a step number"]),
+    "resume-empty": (["train.resume="], ["train.resume", "auto, never"]),
+    "on-nonfinite-choice": (["train.on_nonfinite=ignore"],
+                            ["train.on_nonfinite", "skip, stop"]),
     "microbatches-not-implemented": (["train.microbatches=2"],
                                      ["train.microbatches=2", "not implemented yet"]),
     # Scalar ranges.

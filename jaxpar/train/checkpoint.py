@@ -28,9 +28,11 @@ reading only its own shards.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,12 +137,12 @@ def _open() -> ocp.Checkpointer:
 def _read_json_items(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
     checkpointer = _open()
     try:
-        restored = checkpointer.restore(
-            path.absolute(), args=ocp.args.Composite(**{n: ocp.args.JsonRestore() for n in names}))
+        with _quiet_failed_reads():
+            restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
+                **{n: ocp.args.JsonRestore() for n in names}))
         return {n: restored[n] for n in names}
     except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
-        raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: "
-                              f"{_first_line(err)}") from None
+        raise _corrupt(path, err) from None
     finally:
         checkpointer.close()
 
@@ -153,6 +155,28 @@ def read_meta(path: Path) -> dict[str, Any]:
 def read_config(path: Path) -> dict[str, Any]:
     """The resolved config (as a dict) of the run that saved ``path``."""
     return _read_json_items(path, ("config",))["config"]
+
+
+def _corrupt(path: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_first_line(err)}")
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads() -> Iterator[None]:
+    """Around an orbax read: if it fails, its other reads are still in flight; as they finish they
+    report to the event loop orbax already closed, and Python prints each "Event loop is closed"
+    as an unraisable exception, burying the one-line error. Those, and only those, are silenced
+    (for good once a read failed: the stragglers keep coming after the error is raised)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    yield
+    sys.unraisablehook = previous  # reached only when the read succeeded
 
 
 def _first_line(err: BaseException) -> str:
@@ -217,19 +241,19 @@ def restore(path: Path, abstract_state: Any) -> Restored:
     checkpointer = _open()
     try:
         try:
-            metadata = checkpointer.metadata(path.absolute()).item_metadata
+            with _quiet_failed_reads():
+                metadata = checkpointer.metadata(path.absolute()).item_metadata
             saved = _flat_shapes(metadata["state"])
         except Exception as err:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: "
-                                  f"{_first_line(err)}") from None
+            raise _corrupt(path, err) from None
         check_compatible(saved, _flat_shapes(abstract_state), path)
         try:
-            restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore()))
+            with _quiet_failed_reads():
+                restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
         except Exception as err:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: "
-                                  f"{_first_line(err)}") from None
+            raise _corrupt(path, err) from None
     finally:
         checkpointer.close()
     return Restored(state=restored["state"], data=restored["data"], meta=restored["meta"],
@@ -300,17 +324,19 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
     handlers = dict(_handlers(), state=ocp.PyTreeCheckpointHandler())
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
     try:
-        params_metadata = checkpointer.metadata(path.absolute()).item_metadata["state"]["params"]
+        with _quiet_failed_reads():
+            params_metadata = checkpointer.metadata(
+                path.absolute()).item_metadata["state"]["params"]
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
                                 params_metadata)
         only_params = ocp.args.PyTreeRestore(item={"params": params_metadata},
                                              restore_args={"params": as_numpy},
                                              partial_restore=True)
-        restored = checkpointer.restore(path.absolute(),
-                                        args=ocp.args.Composite(state=only_params))
+        with _quiet_failed_reads():
+            restored = checkpointer.restore(path.absolute(),
+                                            args=ocp.args.Composite(state=only_params))
     except Exception as err:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: "
-                              f"{_first_line(err)}") from None
+        raise _corrupt(path, err) from None
     finally:
         checkpointer.close()
     leaves = jax.tree_util.tree_flatten_with_path(restored["state"]["params"])[0]

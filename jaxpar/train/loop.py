@@ -258,10 +258,11 @@ def _fetch(pending: list[tuple[int, dict]], on_nonfinite: str) -> tuple[dict, in
         if values["nonfinite"]:
             if on_nonfinite == "stop":
                 raise NonFiniteError(
-                    f"step {step}: loss {float(values['loss'])}, grad_norm "
-                    f"{float(values['grad_norm'])} is not finite; train.on_nonfinite=stop: "
-                    "stopped, saving nothing from this step on (lower train.lr or check the "
-                    "data; train.on_nonfinite=skip drops such updates)")
+                    f"non-finite loss or gradient at step {step} (loss "
+                    f"{float(values['loss']):.6g}, grad_norm {float(values['grad_norm']):.6g}); "
+                    "train.on_nonfinite=stop: stopped without saving this step or any after it "
+                    "(lower train.lr or check the data; train.on_nonfinite=skip drops such "
+                    "updates)")
             bad += 1
     return {k: float(v) for k, v in fetched[-1].items()}, bad
 
