@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -73,6 +75,19 @@ class _StopSignals:
         if self.received is not None:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
+
+    def stop_agreed(self, synced_step: bool) -> bool:
+        """Whether to stop after this step. Processes of one run must stop at the same step (a
+        save and every step are collective), so with several they agree, at steps that wait for
+        the device anyway (``synced_step``: log or save steps); one process stops at once."""
+        if jax.process_count() == 1:
+            return self.received is not None
+        if not synced_step:
+            return False
+        flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+        if self.received is None and np.any(flags):
+            self.received = "a signal to another process"
+        return bool(np.any(flags))
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
@@ -189,7 +204,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                 interval_steps += 1
                 log_now = step % log_every == 0 or step == t.steps or step == start_step + 1
                 save_now = saver is not None and every > 0 and step % every == 0
-                stop_now = signals.received is not None
+                stop_now = signals.stop_agreed(log_now or save_now)
                 if log_now or save_now or stop_now:
                     # Reading metrics waits for the device, so it happens only here, and
                     # every step's non-finite flag is seen before anything is saved.
@@ -235,7 +250,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                       tokens_per_s=tokens_per_step * run_steps / train_seconds,
                       train_seconds=train_seconds, compile_seconds=compile_seconds,
                       run_dir=str(run_dir), start_step=start_step, skipped_steps=skipped,
-                      stopped_by=signals.received, checkpoint=newest)
+                      stopped_by=signals.received if step < t.steps else None,
+                      checkpoint=newest)
     skipped_text = f" | {skipped} updates skipped (non-finite)" if skipped else ""
     if summary.stopped_by is not None:
         console.print(f"[bold]stopped[/bold] by {summary.stopped_by} at step {step}/{t.steps}"
