@@ -1,4 +1,5 @@
-"""``jaxpar`` command line: ``train``, ``inspect``, ``plan``, ``schedule`` and ``config``.
+"""``jaxpar`` command line: ``train``, ``config``, ``inspect``, ``plan``, ``schedule`` and
+``export``.
 
 The config is read and checked before jax is imported, so ``host_devices`` can still choose the
 number of virtual CPU devices, and a bad key or value costs no compile. Exit codes: 0 done,
@@ -25,6 +26,8 @@ EPILOG = """\
 CONFIG is a YAML file or a preset in configs/ ({presets}).
 Overrides are dotted key=value pairs typed by the schema, e.g.
   jaxpar train tiny mesh.fsdp=2 mesh.tensor=2 parallel.sequence_parallel=true train.steps=20
+Checkpoints go to run_dir/checkpoints (checkpoint.every, checkpoint.keep); a rerun continues
+from the newest one (train.resume=auto|never|STEP|PATH); SIGTERM/SIGINT save and exit 0.
 Exit codes: 0 done, 2 bad usage/config/input, 1 failure while running."""
 
 
@@ -76,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(commands)
     _add_plan(commands)
     _add_schedule(commands)
+    _add_export(commands)
     return parser
 
 
@@ -121,6 +125,22 @@ def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
         draw_schedule(table, Path(args.png).expanduser(), title)
         print(f"drew the schedule to {args.png}")
     return 0
+
+
+EXPORT_HELP = ("write a checkpoint's parameters as plain safetensors (model.safetensors) with a "
+               "JSON of the model config (config.json), for use outside jaxpar")
+
+
+def _add_export(commands) -> None:
+    sub = commands.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP + ".",
+                              epilog="CKPT is a step directory (runs/tiny/checkpoints/200), or a "
+                              "run or checkpoints directory (its newest complete checkpoint).\n"
+                              "Example:\n  jaxpar export runs/tiny --to exported/tiny\n"
+                              "Exit codes: 0 done, 2 bad usage/config/input, 1 failure while "
+                              "running.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_argument("checkpoint", metavar="CKPT", help="checkpoint step, run or checkpoints "
+                     "directory")
+    sub.add_argument("--to", metavar="DIR", required=True, help="output directory (created)")
 
 
 INSPECT_HELP = ("compile one train step without running it and show, per device, parameter "
@@ -272,9 +292,19 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     return 0
 
 
+def run_export(args: argparse.Namespace) -> int:
+    from jaxpar.train.checkpoint import export  # noqa: PLC0415  (imports jax and orbax)
+
+    weights, config_json, step = export(Path(args.checkpoint), Path(args.to).expanduser())
+    print(f"exported step {step}: {weights} and {config_json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "export":
+            return run_export(args)
         overrides = list(args.overrides)
         target = None
         if args.command == "schedule":
@@ -312,9 +342,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "inspect":
             return run_inspect(args, cfg)
-        from jaxpar.train.loop import train  # noqa: PLC0415
+        from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
 
-        train(cfg)
+        try:
+            train(cfg)
+        except NonFiniteError as err:
+            print(f"jaxpar: error: {err}", file=sys.stderr)
+            return 1
         return 0
     except ConfigError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)

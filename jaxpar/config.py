@@ -100,7 +100,13 @@ class TrainConfig:
     grad_accum: int = 1  # micro-steps summed per optimizer step
     remat: Literal["none", "full", "dots"] = "none"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    resume: bool = False
+    # auto: continue from the newest complete checkpoint in run_dir/checkpoints, if any;
+    # never: start fresh; N: run_dir/checkpoints/N; else a path (a step directory, or a
+    # checkpoints/ or run directory whose newest checkpoint is taken). See train/checkpoint.py.
+    resume: str = "auto"
+    # A non-finite loss or gradient norm: skip drops that update (counted as skipped_steps in
+    # metrics.jsonl); stop exits 1 naming the step, saving nothing after it.
+    on_nonfinite: Literal["skip", "stop"] = "stop"
 
 
 @dataclass(frozen=True)
@@ -126,9 +132,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 = only at the end when enabled
-    keep: int = 3
-    enabled: bool = False
+    every: int = 100  # steps between checkpoints; 0 = only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # newest checkpoints kept in run_dir/checkpoints
+    enabled: bool = True  # false: save nothing (train.resume still reads existing checkpoints)
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# Plain-text fields whose allowed forms are worth naming in a type error.
+_FORMS = {"train.resume": "auto, never, a step number or a checkpoint path"}
+
+
 def _is_optional(tp: Any) -> bool:
     union = typing.get_origin(tp) in (typing.Union, types.UnionType)
     return union and type(None) in typing.get_args(tp)
@@ -194,7 +204,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             return None
         tp = _strip_optional(tp)
     origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    bad = ConfigError(f"{key}: expected {_FORMS.get(key, _type_name(tp))}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if not any(value == a and type(value) is type(a) for a in allowed):
@@ -403,9 +413,6 @@ def validate(cfg: Config, device_count: int) -> Config:
              "implemented yet; allowed: 1")
     _require(m.moe.num_experts == 0, f"model.moe.num_experts={m.moe.num_experts}: mixture of "
              "experts is not implemented yet; allowed: 0")
-    _require(not cfg.checkpoint.enabled, "checkpoint.enabled=true: checkpointing is not "
-             "implemented yet; allowed: false")
-    _require(not t.resume, "train.resume=true: resuming is not implemented yet; allowed: false")
 
     # Model shape.
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -487,5 +494,7 @@ def validate(cfg: Config, device_count: int) -> Config:
     _require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
+             "or a checkpoint path")
     _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
     return dataclasses.replace(cfg, mesh=mesh)

@@ -132,9 +132,11 @@ ERROR_CASES = {
                                ["mesh.expert=2", "not implemented yet"]),
     "moe-not-implemented": (["model.moe.num_experts=4"],
                             ["model.moe.num_experts=4", "not implemented yet"]),
-    "checkpoint-not-implemented": (["checkpoint.enabled=true"],
-                                   ["checkpoint.enabled=true", "not implemented yet"]),
-    "resume-not-implemented": (["train.resume=true"], ["train.resume=true", "not implemented"]),
+    # train.resume: auto, never, a step number or a path (checked when the run starts).
+    "resume-bool": (["train.resume=true"], ["train.resume", "auto, never, a step number"]),
+    "resume-empty": (["train.resume="], ["train.resume", "auto, never"]),
+    "on-nonfinite-choice": (["train.on_nonfinite=ignore"],
+                            ["train.on_nonfinite", "skip, stop"]),
     "microbatches-need-pipe": (["train.microbatches=2"],
                                ["train.microbatches=2", "needs mesh.pipe > 1"]),
     # Scalar ranges.
@@ -319,6 +321,11 @@ def test_validate_does_not_mutate_and_is_idempotent():
     ("data.source=/data/corpus.jsonl", ("data", "source"), "/data/corpus.jsonl"),
     ("run_dir=runs/x=y", ("run_dir",), "runs/x=y"),
     ("host_devices=4", ("host_devices",), 4),
+    # train.resume is text: a step number stays a string, a path too.
+    ("train.resume=200", ("train", "resume"), "200"),
+    ("train.resume=never", ("train", "resume"), "never"),
+    ("train.resume=runs/a/checkpoints/6", ("train", "resume"), "runs/a/checkpoints/6"),
+    ("train.on_nonfinite=skip", ("train", "on_nonfinite"), "skip"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_overrides_are_typed_by_the_schema(override, path, expected):
     value = load_config("tiny", [override])
@@ -326,6 +333,12 @@ def test_overrides_are_typed_by_the_schema(override, path, expected):
         value = getattr(value, part)
     assert value == expected
     assert type(value) is type(expected)
+
+
+def test_checkpoint_defaults_save_and_resume():
+    cfg = load_config("tiny", [])
+    assert cfg.checkpoint.enabled and cfg.checkpoint.every > 0 and cfg.checkpoint.keep >= 1
+    assert cfg.train.resume == "auto" and cfg.train.on_nonfinite == "stop"
 
 
 def test_overrides_merge_into_the_preset_and_later_ones_win():

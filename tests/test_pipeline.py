@@ -80,6 +80,18 @@ def test_interleaved_stores_each_devices_chunks_together():
     assert run_layout(LAYOUTS["1f1b,pipe=2,m=4"])["trainer"].layer_order is None
 
 
+def test_interleaved_state_in_model_order_is_the_one_device_init():
+    # What checkpoints store: the layers in model order, whatever order the run keeps them in.
+    trainer = run_layout(LAYOUTS["interleaved,pipe=2,m=4"])["trainer"]
+    reference = run_layout(REFERENCE)["trainer"]
+    state = trainer.init()
+    as_model = jax.device_get(trainer.to_model_order(state))
+    jax.tree.map(np.testing.assert_array_equal, as_model.params,
+                 jax.device_get(reference.init().params))
+    back = jax.device_get(trainer.from_model_order(trainer.to_model_order(state)))
+    jax.tree.map(np.testing.assert_array_equal, back, jax.device_get(state))
+
+
 def collectives(name: str, kind: str, axes: tuple[str, ...]):
     return [c for c in run_layout(LAYOUTS[name])["collectives"]
             if c.kind == kind and c.axes == axes]

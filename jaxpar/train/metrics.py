@@ -41,6 +41,21 @@ class MetricsFile:
         if not append:
             path.write_text("")
 
+    def keep_through(self, step: int) -> None:
+        """Drop rows after ``step``: a resumed run logs them again (the killed run may have logged
+        steps past its last checkpoint)."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                kept.append(line + "\n")
+        self.path.write_text("".join(kept))
+
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -143,6 +143,22 @@ class Trainer:
     _init: Callable
     _step: Callable
     _loss_and_grads: Callable
+    _reorder: Callable  # (state, order) -> state with the stacked layers in that order
+
+    def to_model_order(self, state: TrainState) -> TrainState:
+        """``state`` with the stacked layers (and their optimizer moments) in model order, as
+        checkpoints store them; the same object when the run stores them so already."""
+        if self.layer_order is None:
+            return state
+        with jax.set_mesh(self.mesh):
+            return self._reorder(state, np.argsort(self.layer_order))
+
+    def from_model_order(self, state: TrainState) -> TrainState:
+        """The inverse of :meth:`to_model_order`: a checkpoint's state in this run's order."""
+        if self.layer_order is None:
+            return state
+        with jax.set_mesh(self.mesh):
+            return self._reorder(state, self.layer_order)
 
     def init(self) -> TrainState:
         with jax.set_mesh(self.mesh):
@@ -252,8 +268,16 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         loss, grads = loss_and_grads(state, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state.step)}
+        grad_norm = optax.tree.norm(grads)
+        # A non-finite loss or gradient drops the whole update on device (no host sync): params
+        # and optimizer state (whose count drives Adam's bias correction and the lr schedule)
+        # stay as they were; `step` still counts the batch consumed. The loop reads `nonfinite`
+        # to skip or stop (train.on_nonfinite).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "nonfinite": ~finite}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     abstract_state = jax.tree.map(
@@ -269,7 +293,19 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         _step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                       out_shardings=(state_shardings, None), donate_argnums=0),
         _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(state_shardings, batch_sharding),
-                                out_shardings=(None, state_shardings.params)))
+                                out_shardings=(None, state_shardings.params)),
+        _reorder=jax.jit(reorder_layers, in_shardings=(state_shardings, None),
+                         out_shardings=state_shardings))
+
+
+def reorder_layers(tree: Any, order: jax.Array) -> Any:
+    """Every array under a ``layers`` key (parameters, gradients, Adam moments) permuted along
+    its stacked first dimension: ``out[i] = tree[order[i]]``."""
+    def leaf(path: tuple, a: jax.Array) -> jax.Array:
+        under_layers = any(getattr(key, "key", None) == "layers" for key in path)
+        return a[order] if under_layers and a.ndim > 0 else a
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def _pipeline(cfg: Config, graphdef: nnx.GraphDef, specs: dict, rules: dict, dtype: Any,

@@ -1,0 +1,370 @@
+"""Checkpoints: orbax saves of a run, resume, restore onto another mesh, and export.
+
+A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, with four items:
+
+``state``
+    the :class:`~jaxpar.train.step.TrainState` (step, parameters, optimizer state), each array
+    written by the devices that hold its shards, the stacked layers always in model order (an
+    interleaved pipeline stores them in stage order: ``Trainer.to_model_order``);
+``data``
+    the data iterator's position (:meth:`jaxpar.data.DataIterator.get_state`), as JSON;
+``config``
+    the resolved config of the run that saved it, as JSON;
+``meta``
+    step, seed, skipped (non-finite) updates so far, and the mesh it was saved under, as JSON.
+
+The run consumes no randomness after initialisation (no dropout): the seed fixes the initial
+parameters and the data order, and the data item fixes the position in that order, so these
+items are the whole random state of a run.
+
+Orbax does the hard parts. Saves are asynchronous: :meth:`Saver.save` returns once the arrays are
+copied to host memory, and a background thread writes them. Each save goes to
+``<step>.orbax-checkpoint-tmp`` and is renamed to ``<step>`` only when complete, so a process
+killed mid-save leaves the previous checkpoint intact and a temporary directory that every reader
+here ignores (and the next :class:`Saver` deletes). Restores read each array straight into the
+shardings of the target :class:`~jaxpar.train.step.TrainState` (``Trainer.abstract_state``), so
+a checkpoint saved under one mesh loads under any other mesh of the same model, each device
+reading only its own shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxpar.config import Config, ConfigError, to_dict
+
+CHECKPOINTS = "checkpoints"  # under run_dir
+ITEMS = ("state", "data", "config", "meta")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used here (missing, corrupt, or of another model): exit 2."""
+
+
+def _handlers(saving: bool = False) -> dict[str, ocp.CheckpointHandler]:
+    # Named handlers let a fresh process read items back without orbax guessing (and warning).
+    state = ocp.StandardCheckpointHandler()
+    if saving:
+        # Orbax's default splits each replicated shard between its replicas so that several hosts
+        # share the writing. In one process that only adds a slicing op per shard and shape
+        # (the tiny preset under data=8: 3.5 s at the first save, ~90 ms per save after, against
+        # ~15 ms without), so it is kept for multi-process runs only. Same format on disk.
+        arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
+        state = ocp.PyTreeCheckpointHandler(
+            type_handler_registry=ocp.type_handlers.create_type_handler_registry(
+                (jax.Array, arrays)))
+    return {"state": state, "data": ocp.JsonCheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+
+
+def checkpoints_dir(cfg: Config) -> Path:
+    return Path(cfg.run_dir) / CHECKPOINTS
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of the complete (finalized) checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(ocp.path.step.checkpoint_steps(root))
+
+
+def _is_step_dir(path: Path) -> bool:
+    return path.name.isdigit() and (path / "state").is_dir()
+
+
+def find_checkpoint(cfg: Config) -> Path | None:
+    """The step directory ``train.resume`` asks for, or None to start fresh.
+
+    ``auto``: the newest complete checkpoint in ``run_dir/checkpoints`` (None if there is none);
+    ``never``: None; ``N``: ``run_dir/checkpoints/N``; anything else is a path: a step directory,
+    or a ``checkpoints`` directory or run directory whose newest complete checkpoint is taken.
+    """
+    resume, root = cfg.train.resume.strip(), checkpoints_dir(cfg)
+    if resume == "never":
+        return None
+    if resume == "auto":
+        steps = complete_steps(root)
+        return root / str(steps[-1]) if steps else None
+    if resume.isdigit():
+        path = root / str(int(resume))
+        if path.is_dir() and ocp.path.step.is_path_finalized(path) and _is_step_dir(path):
+            return path
+        steps = complete_steps(root)
+        raise CheckpointError(f"train.resume={resume}: no complete checkpoint for step "
+                              f"{int(resume)} in {root} (complete: "
+                              f"{', '.join(map(str, steps)) or 'none'})")
+    path = Path(resume).expanduser()
+    if _is_step_dir(path) and ocp.path.step.is_path_finalized(path):
+        return path
+    for candidate in (path / CHECKPOINTS, path):
+        steps = complete_steps(candidate)
+        if steps:
+            return candidate / str(steps[-1])
+    raise CheckpointError(f"train.resume={resume}: no complete checkpoint there; allowed: auto, "
+                          "never, a step number, or a path to a step directory (run/checkpoints/"
+                          "200) or to a directory holding them")
+
+
+def check_run_dir_free(cfg: Config, restored_step: int | None) -> None:
+    """Refuse to start a run whose saves would overwrite newer checkpoints in run_dir."""
+    root = checkpoints_dir(cfg)
+    steps = complete_steps(root)
+    if restored_step is None and steps:
+        raise CheckpointError(f"train.resume={cfg.train.resume}: {root} already holds "
+                              f"checkpoints (newest: step {steps[-1]}) that this fresh run would "
+                              "overwrite; use another run_dir or remove them")
+    later = [s for s in steps if restored_step is not None and s > restored_step]
+    if later:
+        raise CheckpointError(f"train.resume={cfg.train.resume}: restoring step {restored_step}, "
+                              f"but {root} holds later checkpoints ({', '.join(map(str, later))}) "
+                              "that this run would overwrite; use another run_dir or remove them")
+
+
+def _open() -> ocp.Checkpointer:
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers()))
+
+
+def _read_json_items(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    checkpointer = _open()
+    try:
+        with _quiet_failed_reads():
+            restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
+                **{n: ocp.args.JsonRestore() for n in names}))
+        return {n: restored[n] for n in names}
+    except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
+        raise _corrupt(path, err) from None
+    finally:
+        checkpointer.close()
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The ``meta`` item (step, seed, ...) without touching any array."""
+    return _read_json_items(path, ("meta",))["meta"]
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The resolved config (as a dict) of the run that saved ``path``."""
+    return _read_json_items(path, ("config",))["config"]
+
+
+def _corrupt(path: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_first_line(err)}")
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads() -> Iterator[None]:
+    """Around an orbax read: if it fails, its other reads are still in flight; as they finish they
+    report to the event loop orbax already closed, and Python prints each "Event loop is closed"
+    as an unraisable exception, burying the one-line error. Those, and only those, are silenced
+    (for good once a read failed: the stragglers keep coming after the error is raised)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    yield
+    sys.unraisablehook = previous  # reached only when the read succeeded
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0][:300]
+
+
+def _leaf_name(path: tuple) -> str:
+    """A key path as a slash name, the same for the live tree and orbax's metadata tree (which
+    stores named tuples as dicts and tuples as lists): ``params/layers/attn/wq``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_leaf_name(path): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
+            for path, leaf in leaves}
+
+
+def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], path: Path) -> None:
+    """One line naming the first array that differs (missing, extra, shape or dtype)."""
+    hint = "model.* (and train.grad_clip) must match the run that saved it"
+    for name, (shape, dtype) in wanted.items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {path} does not fit this model: it has no array "
+                                  f"{name}; {hint}")
+        saved_shape, saved_dtype = saved[name]
+        if saved_shape != shape or saved_dtype != dtype:
+            raise CheckpointError(f"checkpoint {path} does not fit this model: {name} is "
+                                  f"{saved_dtype}{list(saved_shape)} there but {dtype}"
+                                  f"{list(shape)} here; {hint}")
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: it has an array "
+                              f"{extra[0]} this model lacks; {hint}")
+
+
+@dataclass(frozen=True)
+class Restored:
+    state: Any  # TrainState, laid out as the abstract state asked
+    data: dict[str, Any]  # data iterator state
+    meta: dict[str, Any]
+    seconds: float
+
+
+def restore(path: Path, abstract_state: Any) -> Restored:
+    """Read checkpoint ``path`` into ``abstract_state``'s shapes and shardings.
+
+    ``abstract_state`` is ``build_trainer(cfg, mesh).abstract_state`` for the mesh of *this*
+    run, whatever mesh saved the checkpoint: orbax reads each array's slices straight onto the
+    devices that hold them in the new layout, so no host ever holds a whole array.
+    """
+    start = time.perf_counter()
+    checkpointer = _open()
+    try:
+        try:
+            with _quiet_failed_reads():
+                metadata = checkpointer.metadata(path.absolute()).item_metadata
+            saved = _flat_shapes(metadata["state"])
+        except Exception as err:  # noqa: BLE001
+            raise _corrupt(path, err) from None
+        check_compatible(saved, _flat_shapes(abstract_state), path)
+        try:
+            with _quiet_failed_reads():
+                restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        except Exception as err:  # noqa: BLE001
+            raise _corrupt(path, err) from None
+    finally:
+        checkpointer.close()
+    return Restored(state=restored["state"], data=restored["data"], meta=restored["meta"],
+                    seconds=time.perf_counter() - start)
+
+
+class Saver:
+    """Asynchronous saves into ``run_dir/checkpoints``, keeping the newest ``checkpoint.keep``."""
+
+    def __init__(self, cfg: Config):
+        self.root = checkpoints_dir(cfg)
+        self._cfg = to_dict(cfg)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.checkpoint.keep, enable_async_checkpointing=True,
+            # Temporary directories of saves killed part-way are garbage: drop them.
+            cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.root.absolute(), options=options,
+                                              item_handlers=_handlers(saving=True))
+        self.last_step: int | None = None
+
+    def save(self, step: int, state: Any, data_state: dict[str, Any],
+             meta: dict[str, Any]) -> float:
+        """Start saving ``state`` as ``step``; returns the seconds the caller was blocked.
+
+        Blocks only while the arrays are copied to host memory (and while a previous save of
+        this Saver is still being written); ``state`` may be donated to the next step as soon as
+        this returns.
+        """
+        start = time.perf_counter()
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(self._cfg), meta=ocp.args.JsonSave(meta)))
+        self.last_step = step
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for the save in flight to be complete on disk, then release orbax's threads."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Export: plain safetensors weights for use outside jaxpar.
+
+
+def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
+    """Write ``model.safetensors`` (float32 parameters, slash names such as
+    ``layers/attn/wq``) and ``config.json`` (the model config, each parameter's shape and
+    logical axes, and the step) into ``out_dir``. Returns both paths and the step.
+
+    ``source`` is a step directory, or a ``checkpoints`` or run directory (newest checkpoint).
+    Only the parameters are read, as host numpy arrays; no mesh or optimizer state is needed.
+    Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415  (only export needs it)
+
+    from jaxpar.config import config_from_dict  # noqa: PLC0415
+    from jaxpar.model.transformer import abstract_model  # noqa: PLC0415
+    from jaxpar.parallel.rules import param_logical_axes  # noqa: PLC0415
+
+    path = _resolve_export_source(source)
+    cfg = config_from_dict(read_config(path))
+    meta = read_meta(path)
+    # PyTreeCheckpointHandler (not Standard) can restore a part of the tree as numpy arrays.
+    handlers = dict(_handlers(), state=ocp.PyTreeCheckpointHandler())
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        with _quiet_failed_reads():
+            params_metadata = checkpointer.metadata(
+                path.absolute()).item_metadata["state"]["params"]
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                params_metadata)
+        only_params = ocp.args.PyTreeRestore(item={"params": params_metadata},
+                                             restore_args={"params": as_numpy},
+                                             partial_restore=True)
+        with _quiet_failed_reads():
+            restored = checkpointer.restore(path.absolute(),
+                                            args=ocp.args.Composite(state=only_params))
+    except Exception as err:  # noqa: BLE001
+        raise _corrupt(path, err) from None
+    finally:
+        checkpointer.close()
+    leaves = jax.tree_util.tree_flatten_with_path(restored["state"]["params"])[0]
+    tensors = {_leaf_name(p): np.ascontiguousarray(v) for p, v in leaves}
+    axes = jax.tree_util.tree_flatten_with_path(
+        param_logical_axes(abstract_model(cfg.model)),
+        is_leaf=lambda x: isinstance(x, tuple))[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights, config_json = out_dir / "model.safetensors", out_dir / "config.json"
+    save_file(tensors, str(weights), metadata={"format": "np", "step": str(meta["step"])})
+    info = {"model": to_dict(cfg)["model"], "step": meta["step"], "source": str(path),
+            "dtype": "float32",
+            "params": {name: {"shape": list(tensors[name].shape)} for name in tensors}}
+    for p, names in axes:
+        if _leaf_name(p) in info["params"]:
+            info["params"][_leaf_name(p)]["axes"] = list(names)
+    config_json.write_text(json.dumps(info, indent=2) + "\n")
+    return weights, config_json, int(meta["step"])
+
+
+def _resolve_export_source(source: Path) -> Path:
+    source = source.expanduser()
+    if _is_step_dir(source) and ocp.path.step.is_path_finalized(source):
+        return source
+    for candidate in (source / CHECKPOINTS, source):
+        steps = complete_steps(candidate)
+        if steps:
+            return candidate / str(steps[-1])
+    raise CheckpointError(f"{source}: no complete checkpoint there (expected a step directory "
+                          "such as run/checkpoints/200, or a directory holding them)")
