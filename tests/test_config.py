@@ -273,11 +273,14 @@ def test_tiny_resolves_data_to_all_devices():
         "pipe": 1, "data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
 
 
-def test_demo_5d_mesh_is_fsdp_context_tensor_2x2x2():
-    cfg = validate(load_config("demo-5d"), DEVICES)
+def test_demo_5d_mesh_is_pipe_fsdp_context_tensor_2x2x2x2():
+    cfg = load_config("demo-5d")
+    cfg = validate(cfg, cfg.host_devices)
+    assert cfg.host_devices == 16
     assert cfg.mesh_shape == {
-        "pipe": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
+        "pipe": 2, "data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
     assert cfg.parallel.sequence_parallel is True and cfg.parallel.zero == 3
+    assert cfg.train.microbatches > 1
 
 
 def test_preset_name_with_yaml_suffix_and_path_load_the_same():
@@ -368,7 +371,8 @@ def test_rules_from_yaml_lists_are_tuples(tmp_path):
               "parallel.rules.mlp=none", "parallel.rules.batch=data,fsdp", "train.lr=0.01"]),
 ], ids=["tiny", "demo-5d", "tiny-with-rules"])
 def test_to_yaml_round_trips_to_an_equal_config(name, overrides):
-    cfg = validate(load_config(name, overrides), DEVICES)
+    cfg = load_config(name, overrides)
+    cfg = validate(cfg, cfg.host_devices or DEVICES)
     text = to_yaml(cfg)
     assert config_from_dict(yaml.safe_load(text)) == cfg
     assert yaml.safe_load(text) == to_dict(cfg)

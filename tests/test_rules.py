@@ -68,7 +68,7 @@ def test_golden_file_shows_the_expected_splits():
     assert golden["tiny data=2 tensor=4"]["layers/attn/wo"] == [None, "tensor", None, None]
     assert golden["tiny data=2 tensor=4"]["layers/mlp/w_up"] == [None, None, "tensor"]
     assert golden["tiny data=2 tensor=4"]["embedding"] == ["tensor", None]
-    assert golden["demo-5d"]["layers/mlp/w_down"] == [None, "tensor", "fsdp"]
+    assert golden["demo-5d"]["layers/mlp/w_down"] == ["pipe", "tensor", "fsdp"]
     assert golden["tiny data=4 zero=1"]["layers/mlp/w_gate"] == [None, None, "tensor"]
 
 
