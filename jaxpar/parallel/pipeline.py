@@ -10,9 +10,12 @@ microbatches. At each stage boundary a microbatch's activation goes forward and,
 gradient comes back: one ``ppermute`` over ``pipe`` each way, ``B/m x S x d_model`` elements per
 microbatch per boundary. There are ``v*p - 1`` boundaries, so interleaving multiplies this traffic
 by ``v`` (the boundary from chunk ``p-1`` back to chunk ``p`` goes from the last device to the
-first: the ppermute is a ring). Little else crosses ``pipe``: each stage's gradients belong to its
-own layers (their data-parallel reductions run over the other axes); only weights two stages share,
-such as tied input and output embeddings, need a reduction over ``pipe``.
+first: the ppermute is a ring). The executor below sends on every tick of the table (zeros when
+a stage has nothing to send), so the bytes are ``2 x ticks`` messages per device. Little else
+crosses ``pipe``: each stage's gradients belong to its own layers (their data-parallel
+reductions run over the other axes); the parameters outside the layer stack (embedding, final
+norm, head) are replicated over ``pipe``, used by the first or last chunk only, and their
+gradients summed over ``pipe`` once per step.
 
 Why a bubble. Microbatch 0 reaches stage ``s`` only after ``s`` stages have run it, and its
 gradient returns only after all later stages have, so at the start and the end of a step some
