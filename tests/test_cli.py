@@ -67,8 +67,8 @@ CLI_ERROR_CASES = {
         ["train.seq_len", "context*tensor"]),
     "unknown-rules-mesh-axis": (["parallel.rules.mlp=tensr"], ["parallel.rules.mlp", "tensor"]),
     "pipe-not-implemented": (["mesh.data=4", "mesh.pipe=2"], ["mesh.pipe", "not implemented"]),
-    "moe-not-implemented": (["model.moe.num_experts=4"],
-                            ["model.moe.num_experts", "not implemented"]),
+    "moe-top-k-over-experts": (["model.moe.num_experts=4", "model.moe.top_k=8"],
+                               ["model.moe.top_k=8", "model.moe.num_experts=4"]),
     "missing-equals": (["mesh.tensor"], ["mesh.tensor", "key=value"]),
 }
 

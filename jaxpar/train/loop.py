@@ -103,7 +103,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             state, metrics = step_fn(state, trainer.put_batch(next(data)))
             interval_steps += 1
             if step % log_every == 0 or step == t.steps or step == 1:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                values = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
                 step_time = (now - interval_start) / interval_steps
                 achieved = flops_per_step / step_time / jax.device_count()
@@ -111,6 +111,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                        "lr": values["lr"], "tokens_per_s": tokens_per_step / step_time,
                        "step_time_s": step_time, "tflops_per_device": achieved / 1e12,
                        "mfu": achieved / peak if peak else None}
+                # Mixture of experts: aux losses, expert load, dropped slots, all-to-all padding.
+                row.update({k: v for k, v in values.items() if k not in row})
                 if not np.isfinite(row["loss"]):
                     raise FloatingPointError(f"loss is {row['loss']} at step {step}; "
                                              "lower train.lr or check the data")
@@ -136,8 +138,12 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
 
 def _log_line(row: dict, total_steps: int) -> str:
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+    moe = ""
+    if "moe_aux_loss" in row:
+        moe = (f" | moe aux {row['moe_aux_loss']:.3f} z {row['moe_z_loss']:.2f} | load min/max "
+               f"{row['expert_load_min_max']:.2f} | dropped {row['dropped_fraction']:.1%}")
     return (f"step {row['step']:>{len(str(total_steps))}}/{total_steps} | loss {row['loss']:.4f} | "
             f"grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | "
             f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.4f} TFLOP/s/device | "
-            f"MFU {mfu}")
+            f"MFU {mfu}{moe}")
 
