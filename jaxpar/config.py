@@ -61,6 +61,16 @@ class MoEConfig:
     def enabled(self) -> bool:
         return self.num_experts > 0
 
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert in dropping mode for a group of ``tokens`` tokens:
+        ceil(capacity_factor x tokens x top_k / num_experts), within [1, tokens].
+
+        An expert can never receive more than ``tokens`` slots (a token picks top_k *distinct*
+        experts), so a larger buffer would only hold padding.
+        """
+        wanted = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        return max(1, min(tokens, wanted))
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -69,8 +69,10 @@ from jaxpar.model.layers import SwiGLU, _param, weight
 Weights = tuple[jax.Array, jax.Array, jax.Array]  # w_gate [X,E,F], w_up [X,E,F], w_down [X,F,E]
 Exchange = Callable[[jax.Array], jax.Array]  # [groups, ...] -> [groups, ...] (an all-to-all)
 
-EXPERT_IN = ("experts", "act_embed", "mlp")  # gate/up as the experts multiply with them
-EXPERT_OUT = ("experts", "mlp", "act_embed")
+# Logical names of the expert weights as stored (and as handed to the experts function: the
+# expert-parallel hook gathers the ``embed`` split itself, see jaxpar.parallel.expert).
+EXPERT_IN = ("experts", "embed", "mlp")  # w_gate, w_up [X, E, F]
+EXPERT_OUT = ("experts", "mlp", "embed")  # w_down [X, F, E]
 
 # Keys of a layer's aux dict. All add up over micro-steps and over layers, except
 # LAYER_STACKED, which :meth:`jaxpar.model.transformer.Transformer.run_layers` keeps per layer.
@@ -92,15 +94,6 @@ def _f32(x) -> jax.Array:
 
 # --------------------------------------------------------------------------------------------
 # Building blocks (used here on one device and by jaxpar.parallel.expert on each device)
-
-
-def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Slots per expert in dropping mode: ceil(factor x tokens x top_k / experts), in [1, tokens].
-
-    An expert can never receive more than ``tokens`` slots (a token picks k *distinct* experts),
-    so a larger buffer would only hold padding.
-    """
-    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
 
 
 def slot_positions(groups: jax.Array, num_groups: int) -> jax.Array:
@@ -174,18 +167,20 @@ def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     """Capacity-limited experts: tokens [T, E], expert_ids/gates [T, k] -> [T, E].
 
     Dispatch writes slot (t, j) into row ``pos`` of expert ``expert_ids[t, j]`` of an
-    [X, C, E] buffer (slots with ``pos >= C`` are dropped: the scatter skips them). Then, with
-    ``weights`` holding the X/G experts of this device, the buffer is viewed as [G, X/G, C, E]
-    and ``exchange`` (an all-to-all over G devices; none on one device) swaps the G blocks, so
-    each device holds the rows of its own experts from every device: [G sources, X/G, C, E].
-    The experts run as one batched matmul over their G*C rows, the reverse exchange brings the
-    results home, and each slot reads its row back (dropped slots read zero).
+    [X, C, E] buffer (C: :meth:`jaxpar.config.MoEConfig.capacity` of T tokens); slots with
+    ``pos >= C`` are dropped (the scatter skips them). Then, with ``weights`` holding the X/G
+    experts of this device, the buffer is viewed as [G, X/G, C, E] and ``exchange`` (an
+    all-to-all over G devices; none on one device) swaps the G blocks, so each device holds the
+    rows of its own experts from every device: [G sources, X/G, C, E]. The experts run as one
+    batched matmul over their G*C rows, the reverse exchange brings the results home, and each
+    slot reads its row back (dropped slots read zero).
     """
     t, k = expert_ids.shape
     e = tokens.shape[-1]
     local = weights[0].shape[0]
     groups = num_experts // local
-    cap = capacity(t, k, num_experts, capacity_factor)
+    cap = MoEConfig(num_experts=num_experts, top_k=k, capacity_factor=capacity_factor
+                    ).capacity(t)
     pos = choice_major_positions(expert_ids, num_experts)
     keep = pos < cap
     slots = jnp.broadcast_to(tokens[:, None, :], (t, k, e))
@@ -228,15 +223,25 @@ def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights
 # The layer
 
 
+def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k`` over the last axis (values, indices; ties to the lower index), as a sort.
+
+    ``lax.top_k`` becomes a TopK custom call that XLA's partitioner cannot split over the batch,
+    so it would all-gather every device's scores; a sort along the expert axis stays per device.
+    """
+    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
+    return jnp.take_along_axis(scores, order, axis=-1), order
+
+
 def route(logits: jax.Array, moe: MoEConfig, bias: jax.Array | None
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """float32 logits [..., X] -> (expert_ids [..., k], gates [..., k], balance probs [..., X])."""
     if moe.router == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
-        gates, expert_ids = lax.top_k(probs, moe.top_k)
+        gates, expert_ids = top_k(probs, moe.top_k)
         return expert_ids, gates, probs
     scores = jax.nn.sigmoid(logits)
-    _, expert_ids = lax.top_k(scores + lax.stop_gradient(bias), moe.top_k)
+    _, expert_ids = top_k(scores + lax.stop_gradient(bias), moe.top_k)
     picked = jnp.take_along_axis(scores, expert_ids, axis=-1)
     gates = picked / jnp.sum(picked, axis=-1, keepdims=True)
     return expert_ids, gates, scores / jnp.sum(scores, axis=-1, keepdims=True)
@@ -282,8 +287,13 @@ class MoE(nnx.Module):
         balance = moe.num_experts * jnp.sum(counts / slots * jnp.mean(probs, axis=(0, 1)))
         z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
-        weights = (weight(self.w_gate, EXPERT_IN, dtype), weight(self.w_up, EXPERT_IN, dtype),
-                   weight(self.w_down, EXPERT_OUT, dtype))
+        # In the compute dtype, but still laid out as stored: on one device that is all there
+        # is; the expert-parallel hook all-gathers the fsdp split of ``embed`` per device, so that
+        # autodiff turns it into a reduce-scatter of the gradient (as `weight` does for the
+        # other layers, outside shard_map).
+        weights = (constrain(self.w_gate[...].astype(dtype), EXPERT_IN),
+                   constrain(self.w_up[...].astype(dtype), EXPERT_IN),
+                   constrain(self.w_down[...].astype(dtype), EXPERT_OUT))
         experts = experts_override() or local_experts
         y, stats = experts(x, expert_ids, gates, weights, dispatch=moe.dispatch,
                            capacity_factor=moe.capacity_factor)

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import BATCH_AXES
+from jaxpar.config import BATCH_AXES, ConfigError
 from jaxpar.model.annotate import Experts
 from jaxpar.model.moe import (
     Weights,
@@ -159,26 +159,59 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 # Entry point used by the model's MoE layers
 
 
-def expert_parallel(mesh_shape: Mapping[str, int], *, platform: str = "cpu",
-                    ragged: bool | None = None) -> Experts:
+def _split_axes(rules: Mapping[str, tuple[str, ...]], mesh_shape: Mapping[str, int],
+                logical: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that split one logical dimension of the expert weights."""
+    axes = tuple(a for a in rules[logical] if mesh_shape[a] > 1)
+    if not set(axes) <= set(allowed):
+        raise ConfigError(f"parallel.rules.{logical}={','.join(rules[logical])}: expert "
+                          f"parallelism supports only mesh axes {', '.join(allowed)} here")
+    return axes
+
+
+def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
+                    platform: str = "cpu", ragged: bool | None = None) -> Experts:
     """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a
     mesh: per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
     all-to-alls over ``expert`` when it has more than one device.
 
-    ``ragged`` picks the dropless exchange: ``ragged_all_to_all`` (default off the platforms in
-    :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded ``all_to_all``.
+    ``weights`` arrive as stored (rules table: ``experts`` over ``expert``, ``embed`` over
+    ``fsdp``, ``mlp`` over ``tensor``); each device all-gathers its experts' ``embed`` split,
+    whose transpose in the backward pass is the reduce-scatter of their gradient, as FSDP does
+    for every other weight. ``ragged`` picks the dropless exchange: ``ragged_all_to_all``
+    (default off the platforms in :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded
+    ``all_to_all``.
     """
     groups = mesh_shape[AXIS]
     batch = tuple(a for a in BATCH_AXES if mesh_shape[a] > 1)
     context = "context" if mesh_shape["context"] > 1 else None
-    tensor = "tensor" if mesh_shape["tensor"] > 1 else None
     token_axes = batch + ((context,) if context else ())
+    expert_dim = _split_axes(rules, mesh_shape, "experts", (AXIS,))
+    embed = _split_axes(rules, mesh_shape, "embed", token_axes)
+    hidden = _split_axes(rules, mesh_shape, "mlp", ("tensor",))
+    # Only when the experts' hidden units are split does tensor need manual handling; otherwise
+    # it stays automatic and every tensor shard computes the same (replicated) result.
+    tensor = "tensor" if hidden else None
     manual = token_axes + ((tensor,) if tensor else ())
+    if groups > 1 and not expert_dim:
+        raise ConfigError("parallel.rules.experts: mesh.expert > 1 needs the experts dimension "
+                          "split over expert")
     if ragged is None:
         ragged = platform not in PADDED_ALL_TO_ALL_PLATFORMS
     tokens_spec = P(batch or None, context, None)
-    expert_dim = AXIS if groups > 1 else None
-    w_in, w_out = P(expert_dim, None, tensor), P(expert_dim, tensor, None)
+    x_dim, e_dim = expert_dim or None, embed or None
+    w_in, w_out = P(x_dim, e_dim, tensor), P(x_dim, tensor, e_dim)
+
+    # Token axes over which the weights are replicated (data, context, ...): their gradients
+    # are summed over these. Marking the weights as varying over them *before* the fsdp gather
+    # puts that sum after the reduce-scatter in the backward pass, on the 1/fsdp shard.
+    replicated = tuple(a for a in token_axes if a not in embed + expert_dim)
+
+    def gathered(w: jax.Array, axis: int) -> jax.Array:
+        """This device's experts with the whole model dimension (FSDP's gather)."""
+        if replicated:
+            w = lax.pcast(w, replicated, to="varying")
+        return lax.all_gather(w, embed, axis=axis, tiled=True) if embed else w
 
     def experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                 dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
@@ -191,7 +224,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], *, platform: str = "cpu",
             ids, g = expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
             if tensor:  # backward: one all-reduce of d(tokens) over tensor, not one per slot
                 tokens = lax.pcast(tokens, tensor, to="varying")
-            w = (w_gate, w_up, w_down)
+            w = (gathered(w_gate, 1), gathered(w_up, 1), gathered(w_down, 2))
             if dispatch == "dropping":
                 y, stats = dropping_experts(tokens, ids, g, w, capacity_factor,
                                             num_experts=num_experts,

@@ -208,7 +208,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     # MoE layers route each device's own tokens (and exchange them over `expert`): without the
     # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
-    experts = (expert_parallel(mesh_shape, platform=mesh.devices.flat[0].platform)
+    experts = (expert_parallel(mesh_shape, rules, platform=mesh.devices.flat[0].platform)
                if moe.enabled and split_axes else None)
 
     def init() -> TrainState:
