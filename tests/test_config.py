@@ -295,11 +295,12 @@ def test_tiny_resolves_data_to_all_devices():
         "pipe": 1, "data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
 
 
-def test_demo_5d_mesh_is_fsdp_context_tensor_2x2x2():
+def test_demo_5d_mesh_is_expert_context_tensor_2x2x2_with_moe_layers():
     cfg = validate(load_config("demo-5d"), DEVICES)
     assert cfg.mesh_shape == {
-        "pipe": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
+        "pipe": 1, "data": 1, "fsdp": 1, "expert": 2, "context": 2, "tensor": 2}
     assert cfg.parallel.sequence_parallel is True and cfg.parallel.zero == 3
+    assert cfg.model.moe.num_experts == 4 and cfg.model.n_moe_layers == 2
 
 
 def test_preset_name_with_yaml_suffix_and_path_load_the_same():

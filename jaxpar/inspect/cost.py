@@ -17,8 +17,9 @@ XLA and say so.
 
 Notation (all per device unless "global"): B global batch (sequences per optimizer step), S
 ``seq_len``, E ``d_model``, H/K query/kv heads, D ``head_dim``, F ``d_ff``, V vocab, L layers;
-d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes; g ``grad_accum``; a the
-bytes of the compute dtype (4 float32, 2 bfloat16). Each device runs g micro-batches of
+d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes, G ``expert``; X experts,
+k ``top_k``; g ``grad_accum``; a the bytes of the compute dtype (4 float32, 2 bfloat16). Each
+device runs g micro-batches of
 ``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens. One activation of the residual
 stream is ``A = b * S/c * E * a`` bytes.
 
@@ -48,6 +49,12 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 - Ring attention (``context > 1``) never holds scores: its custom VJP keeps the float32 output
   and log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of
   (S/c/2)^2 scores (zigzag) at a time.
+- A MoE layer keeps, instead of the SwiGLU's tensors, the router's float32 logits, probabilities
+  and choices, the k copies of each token and their outputs, the rows sent, received and
+  returned by its all-to-alls and the experts' five hidden-sized tensors per row (see
+  ``_moe_activations``); with ``every = n`` a "layer" in these sums is a group of n blocks.
+- Parameters include every expert of every MoE layer (1/G of them per device); the router
+  biases of ``router=sigmoid_bias`` are float32 buffers outside the optimizer.
 
 During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
 gradients); the head adds float32 logits and their gradient and the one-hot input (b S/c V/t
@@ -91,10 +98,23 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   gather the inputs again (+2 all-gathers), ``full`` also redoes the attention reduce-scatter;
   embedding and head add 2 of each; the norm scales' gradients are all-reduced over ``tensor``
   (tiny).
-- ``pipe``, ``expert``: not implemented in jaxpar yet (validation rejects them), so not modelled.
-  For later: pipeline stages exchange activations (A per microbatch per stage boundary, each way)
-  by collective-permute; MoE adds two all-to-alls of the routed tokens per MoE layer forward and
-  two backward.
+- ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
+  are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
+  ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
+  data parallelism outside the experts). Each MoE layer moves its slots with all-to-alls over
+  ``expert``: dispatch and combine forward, the same two backward, and under remat the forward
+  pair again. A device routes T = b S/c tokens, k slots each; the ideal payload per all-to-all is
+  T k E a (the textbook ``tokens x top_k x d_model x 2 passes x 2 directions``, of which
+  (G-1)/G crosses the wire for G = ``mesh.expert``). What travels has static shapes: with
+  ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
+  ``dropless`` on XLA:CPU a worst-case block of T min(k, X/G) rows per destination (G T min(k,
+  X/G) rows, plus an int32 expert id per row forward); with ``dropless`` on GPU/TPU a
+  ``ragged-all-to-all`` of the T k real rows. Blocking: the experts wait for their rows. Under
+  ``tensor`` a MoE layer reduces its summed expert outputs forward and its tokens' gradient
+  backward once each ([T, E]), plus the shared experts' like a SwiGLU.
+- ``pipe``: not implemented in jaxpar yet (validation rejects it), so not modelled. For later:
+  pipeline stages exchange activations (A per microbatch per stage boundary, each way) by
+  collective-permute.
 
 Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
 layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
@@ -554,6 +574,13 @@ def _notes(st: _Step) -> list[str]:
     if st.ring:
         notes.append("ring attention skips the causal half of the S x S square that model flops "
                      "(jaxpar.model.flops) count as useful, so the MFU bound can pass 100%")
+    if st.moe_exchange is not None:
+        moe, slots = st.cfg.model.moe, st.tokens * st.cfg.model.moe.top_k
+        notes.append(f"MoE all-to-alls carry {st.expert_rows:,} rows per layer and device, "
+                     f"{slots:,} of them tokens ({1 - slots / st.expert_rows:.0%} padding; "
+                     + ("dropping: unused capacity" if moe.dispatch == "dropping" else
+                        "padded all-to-all: worst-case blocks" if st.moe_exchange == "padded"
+                        else "ragged: load imbalance not modelled") + ")")
     return notes
 
 
