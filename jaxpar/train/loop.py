@@ -80,6 +80,11 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                   f"mesh {mesh_line} | {param_count(cfg.model) / 1e6:.2f}M params | "
                   f"{t.dtype}, remat={t.remat}, zero={cfg.parallel.zero}, "
                   f"sequence_parallel={cfg.parallel.sequence_parallel}")
+    moe = cfg.model.moe
+    if moe.enabled:
+        console.print(f"mixture of experts: {cfg.model.n_moe_layers} of {cfg.model.n_layers} "
+                      f"blocks, {moe.num_experts} experts (top-{moe.top_k}, {moe.router} "
+                      f"router, {moe.dispatch} dispatch), {cfg.mesh.expert}-way expert parallel")
     console.print(data_line)
     console.print("peak " + (f"{peak / 1e12:.0f} TFLOP/s per device (bf16 dense)" if peak else
                              f"unknown for {device.device_kind!r}: MFU shown as n/a"))
