@@ -109,7 +109,9 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
   ``dropless`` on XLA:CPU a worst-case block of T min(k, X/G) rows per destination (G T min(k,
   X/G) rows, plus an int32 expert id per row forward); with ``dropless`` on GPU/TPU a
-  ``ragged-all-to-all`` of the T k real rows. Blocking: the experts wait for their rows. Under
+  ``ragged-all-to-all`` of the T k real rows (``jaxpar inspect`` counts a ragged op's whole
+  input buffer, some of which is sized for the worst case, so it reports more; not checked
+  beyond compiling for TPU). Blocking: the experts wait for their rows. Under
   ``tensor`` a MoE layer reduces its summed expert outputs forward and its tokens' gradient
   backward once each ([T, E]), plus the shared experts' like a SwiGLU.
 - ``pipe``: not implemented in jaxpar yet (validation rejects it), so not modelled. For later:

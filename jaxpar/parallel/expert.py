@@ -120,8 +120,9 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
     The slots are sorted by destination device; ``sizes[s, d]`` (all-gathered: G x G int32) is
     how many rows device s sends device d. Device d stores the rows from source s after those of
-    sources 0..s-1, which fixes every offset both ways. Not compiled on XLA:CPU (see module
-    docstring); tests check the offsets on CPU against an emulation of the collective.
+    sources 0..s-1, which fixes every offset both ways. XLA:CPU cannot compile it (module
+    docstring): tests check the offsets on CPU against an emulation of the collective, and
+    compile (but cannot run) this path with the TPU compiler (``jaxpar inspect --target``).
     """
     t, k = expert_ids.shape
     local = num_experts // groups
