@@ -1,6 +1,6 @@
 """Mixture of experts and expert parallelism.
 
-Layer level (small jitted functions): the MoE layer against a naive per-token loop, dropping
+Layer level (small jitted functions): the MoE layer against the per-token definition, dropping
 against a hand count, degenerate routings, the aux-loss-free bias, the ragged exchange against an
 emulation of ``ragged_all_to_all``. Trainer level (each layout compiled once, shared): every
 expert-parallel layout against the single-device run, the all-to-alls in the compiled step, and
@@ -23,7 +23,7 @@ from flax import nnx
 from jax import lax
 
 import jaxpar.parallel.expert as expert_module
-from jaxpar.config import load_config, validate
+from jaxpar.config import MoEConfig, load_config, validate
 from jaxpar.inspect.cost import estimate, model_buffers, model_params
 from jaxpar.inspect.report import CompiledStep, build_report, compare_with_plan
 from jaxpar.mesh import make_mesh
@@ -40,7 +40,7 @@ from jaxpar.train.step import build_trainer
 B, S = 4, 8  # 32 tokens: divisible over 4 expert-parallel devices
 
 
-def make_layer(*overrides: str, seed: int = 0) -> tuple[MoE, object]:
+def make_layer(*overrides: str, seed: int = 0) -> tuple[MoE, MoEConfig]:
     """A MoE layer of moe-tiny (4 experts, top-2, d_model 64, d_ff_expert 64), with weights
     large enough (init_std 0.3) that outputs and gradients are O(1)."""
     cfg = load_config("moe-tiny", ["model.init_std=0.3", *overrides]).model
@@ -57,13 +57,12 @@ def tokens(seed: int = 1, batch: int = B) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(batch, S, 64)).astype(np.float32)
 
 
-def ep_mesh(groups: int, **axes: int):
-    """A mesh with ``expert=groups`` (and other axes), and the expert-parallel hook for it."""
-    overrides = [f"mesh.expert={groups}", "mesh.data=1",
-                 *(f"mesh.{a}={n}" for a, n in axes.items())]
-    devices = groups * math.prod(axes.values())
-    cfg = validate(load_config("moe-tiny", overrides), devices)
-    return make_mesh(cfg, devices=jax.devices()[:devices]), cfg
+def expert_mesh(groups: int, ragged: bool = False):
+    """A mesh of ``groups`` devices on the ``expert`` axis, and the expert-parallel hook for it
+    (as the train step builds it; ``ragged`` picks the ragged_all_to_all exchange)."""
+    cfg = validate(load_config("moe-tiny", [f"mesh.expert={groups}", "mesh.data=1"]), groups)
+    hook = expert_parallel(cfg.mesh_shape, logical_rules(cfg), ragged=ragged)
+    return make_mesh(cfg, devices=jax.devices()[:groups]), hook
 
 
 def run_layer(layer: MoE, x: np.ndarray, weights: np.ndarray | None = None, *, mesh=None,
@@ -228,8 +227,7 @@ def test_dropping_reports_the_hand_counted_drops_and_dropped_tokens_pass_through
     if groups == 1:
         y, aux, grads = run_layer(layer, x)
     else:
-        mesh, cfg = ep_mesh(groups)
-        hook = expert_parallel(cfg.mesh_shape, logical_rules(cfg))
+        mesh, hook = expert_mesh(groups)
         y, aux, grads = run_layer(layer, x, mesh=mesh, hook=hook)
     assert aux["dropped"] == (~keep).sum()
     assert_close(y, naive_moe(params, x, chosen, moe, keep))
@@ -278,10 +276,9 @@ def test_expert_parallel_dropless_layer_matches_the_reference(exchange, monkeypa
     _, params, _ = split(layer)
     x = tokens(5)
     w = np.random.default_rng(6).normal(size=x.shape).astype(np.float32)
-    mesh, cfg = ep_mesh(2)
+    mesh, hook = expert_mesh(2, ragged=exchange == "ragged")
     if exchange == "ragged":
         monkeypatch.setattr(expert_module, "ragged_all_to_all", emulated_ragged_all_to_all(2))
-    hook = expert_parallel(cfg.mesh_shape, logical_rules(cfg), ragged=exchange == "ragged")
     y, aux, grads = run_layer(layer, x, w, mesh=mesh, hook=hook)
     chosen = choose(params, x, moe)
     assert_close(y, naive_moe(params, x, chosen, moe))
@@ -317,9 +314,8 @@ def test_every_token_on_one_expert_and_idle_experts(dispatch, factor, placement)
     if groups == 1:
         y, aux, grads = run_layer(layer, x)
     else:
-        mesh, cfg = ep_mesh(groups)
-        y, aux, grads = run_layer(layer, x, mesh=mesh,
-                                  hook=expert_parallel(cfg.mesh_shape, logical_rules(cfg)))
+        mesh, hook = expert_mesh(groups)
+        y, aux, grads = run_layer(layer, x, mesh=mesh, hook=hook)
     np.testing.assert_array_equal(aux["layer_expert_tokens"], [0, 0, B * S, 0])
     assert aux["dropped"] == (~keep).sum()
     assert_close(y, naive_moe(params, x, chosen, moe, keep))
