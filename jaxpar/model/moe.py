@@ -19,7 +19,8 @@ per-expert bias that only steers the *choice*; it is not a gradient-trained para
 over-loaded ones without any loss term (DeepSeek-V3's aux-loss-free balancing).
 
 Two auxiliary losses (computed per MoE layer over the *global* micro-batch, so their value does
-not depend on how the batch is split over devices; :func:`moe_loss` weights and adds them)::
+not depend on how the batch is split over devices; :func:`moe_loss` weights and adds them; the
+router sees every position, padding included, so padding counts in the load too)::
 
     load balance (Switch/GShard):  X * sum_i f_i * P_i,   f_i = share of the T*k slots routed to
                                    expert i, P_i = mean router probability of expert i
