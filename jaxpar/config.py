@@ -43,10 +43,33 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MoEConfig:
+    """Mixture of experts (``jaxpar/model/moe.py``); ``num_experts: 0`` is a dense model."""
+
     num_experts: int = 0  # 0 = dense model
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    every: int = 1  # every n-th layer is a MoE layer
+    top_k: int = 2  # experts each token is sent to
+    every: int = 1  # the last block of every group of `every` blocks is a MoE block
+    d_ff_expert: int | None = None  # hidden size of one expert; default model.d_ff
+    num_shared_experts: int = 0  # experts every token always uses (DeepSeek), d_ff_expert each
+    router: Literal["softmax", "sigmoid_bias"] = "softmax"
+    dispatch: Literal["dropless", "dropping"] = "dropless"
+    capacity_factor: float = 1.25  # dropping: slots per expert = factor x tokens x top_k / experts
+    aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss
+    z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+    bias_update_rate: float = 0.001  # sigmoid_bias: step of the aux-loss-free bias update
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert in dropping mode for a group of ``tokens`` tokens:
+        ceil(capacity_factor x tokens x top_k / num_experts), within [1, tokens].
+
+        An expert can never receive more than ``tokens`` slots (a token picks top_k *distinct*
+        experts), so a larger buffer would only hold padding.
+        """
+        wanted = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        return max(1, min(tokens, wanted))
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,15 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def resolved_d_ff_expert(self) -> int:
+        return self.moe.d_ff_expert if self.moe.d_ff_expert is not None else self.d_ff
+
+    @property
+    def n_moe_layers(self) -> int:
+        """MoE blocks in the stack: one per group of ``moe.every`` blocks (0 for a dense model)."""
+        return self.n_layers // self.moe.every if self.moe.enabled else 0
 
 
 @dataclass(frozen=True)
@@ -408,12 +440,6 @@ def validate(cfg: Config, device_count: int) -> Config:
     mesh = _resolve_mesh(cfg.mesh, device_count)
     m, t, p = cfg.model, cfg.train, cfg.parallel
 
-    # Parallelisms that later issues add: say so plainly rather than run something wrong.
-    _require(mesh.expert == 1, f"mesh.expert={mesh.expert}: expert parallelism is not "
-             "implemented yet; allowed: 1")
-    _require(m.moe.num_experts == 0, f"model.moe.num_experts={m.moe.num_experts}: mixture of "
-             "experts is not implemented yet; allowed: 0")
-
     # Model shape.
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         value = getattr(m, name)
@@ -448,6 +474,36 @@ def validate(cfg: Config, device_count: int) -> Config:
     _require(not (mesh.pipe > 1 and mesh.context > 1 and p.context_impl == "ring"),
              f"parallel.context_impl=ring cannot run inside pipeline stages (mesh.pipe="
              f"{mesh.pipe}, mesh.context={mesh.context}); allowed with a pipeline: allgather")
+    # Mixture of experts.
+    moe = m.moe
+    _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 "
+             "(0 = dense)")
+    if moe.enabled:
+        _require(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be in "
+                 f"[1, model.moe.num_experts={moe.num_experts}]")
+        _require(moe.every >= 1, f"model.moe.every={moe.every}: must be >= 1")
+        _require(m.n_layers % moe.every == 0, f"model.n_layers={m.n_layers} is not divisible "
+                 f"by model.moe.every={moe.every} (the layer stack is scanned in groups of "
+                 "`every` blocks, the last of each a MoE block)")
+        _require(m.resolved_d_ff_expert >= 1, f"model.moe.d_ff_expert={moe.d_ff_expert}: must "
+                 "be >= 1 (or null for model.d_ff)")
+        _require(moe.num_shared_experts >= 0, f"model.moe.num_shared_experts="
+                 f"{moe.num_shared_experts}: must be >= 0")
+        _require(math.isfinite(moe.capacity_factor) and moe.capacity_factor > 0,
+                 f"model.moe.capacity_factor={moe.capacity_factor}: must be a finite number > 0")
+        for name in ("aux_loss_weight", "z_loss_weight", "bias_update_rate"):
+            value = getattr(moe, name)
+            _require(math.isfinite(value) and value >= 0, f"model.moe.{name}={value}: must be a "
+                     "finite number >= 0")
+        _require(moe.num_experts % mesh.expert == 0, f"model.moe.num_experts={moe.num_experts} "
+                 f"is not divisible by mesh.expert={mesh.expert}")
+        _require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
+                 f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
+        # The executor's stages are dense-only for now: a MoE block's aux losses and load
+        # statistics are not yet carried from stage to stage.
+        _require(mesh.pipe == 1, f"mesh.pipe={mesh.pipe} with model.moe.num_experts="
+                 f"{moe.num_experts}: MoE layers inside pipeline stages are not implemented "
+                 "yet; allowed with MoE: mesh.pipe=1")
 
     # Batch and sequence.
     _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")

@@ -68,8 +68,8 @@ CLI_ERROR_CASES = {
     "unknown-rules-mesh-axis": (["parallel.rules.mlp=tensr"], ["parallel.rules.mlp", "tensor"]),
     "pipe-virtual-stages": (["mesh.data=4", "mesh.pipe=2", "parallel.virtual_stages=2"],
                             ["parallel.virtual_stages=2", "interleaved"]),
-    "moe-not-implemented": (["model.moe.num_experts=4"],
-                            ["model.moe.num_experts", "not implemented"]),
+    "moe-top-k-over-experts": (["model.moe.num_experts=4", "model.moe.top_k=8"],
+                               ["model.moe.top_k=8", "model.moe.num_experts=4"]),
     "missing-equals": (["mesh.tensor"], ["mesh.tensor", "key=value"]),
 }
 

@@ -41,7 +41,7 @@ LAYOUTS = {
                             ("reduce-scatter", ("tensor",))}),
     "data=4,fsdp=2,zero=1": (["mesh.data=4", "mesh.fsdp=2", "parallel.zero=1"],
                              {("all-reduce", ("data", "fsdp")), ("all-gather", ("data", "fsdp"))}),
-    # demo-5d's layout: FSDP x ring attention x tensor with SP, remat=dots. (No data axis:
+    # FSDP x ring attention x tensor with SP, remat=dots (the dense demo). (No data axis:
     # XLA:CPU sometimes splits a data x context gradient all-reduce in two.)
     "fsdp=2,context=2,tensor=2,sp,dots": (
         ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2",

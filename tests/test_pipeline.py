@@ -1,4 +1,4 @@
-"""The pipeline executor against the single-device run, its collectives and its memory.
+"""The pipeline executor against the single-device run, and the collectives it compiles to.
 
 Every schedule runs the same model (tiny with 8 layers, so 4 stages x 2 chunks divide it) on
 the same batches as the 1-device reference: losses, gradients and parameters after 3 AdamW steps

@@ -22,6 +22,11 @@ CASES = {
     "tiny fsdp=8": ("tiny", ["mesh.data=1", "mesh.fsdp=8"]),
     "tiny data=2 tensor=4": ("tiny", ["mesh.data=2", "mesh.tensor=4"]),
     "tiny data=4 zero=1": ("tiny", ["mesh.data=4", "mesh.tensor=2", "parallel.zero=1"]),
+    "moe-tiny data=2 fsdp=2 expert=2": ("moe-tiny", ["mesh.data=2", "mesh.fsdp=2",
+                                                     "mesh.expert=2"]),
+    "moe-tiny expert=4 tensor=2 every=2": ("moe-tiny", ["mesh.data=1", "mesh.expert=4",
+                                                        "mesh.tensor=2", "model.n_layers=4",
+                                                        "model.moe.every=2"]),
 }
 
 
@@ -69,6 +74,9 @@ def test_golden_file_shows_the_expected_splits():
     assert golden["tiny data=2 tensor=4"]["layers/mlp/w_up"] == [None, None, "tensor"]
     assert golden["tiny data=2 tensor=4"]["embedding"] == ["tensor", None]
     assert golden["demo-5d"]["layers/mlp/w_down"] == ["pipe", "tensor", "fsdp"]
+    moe = golden["moe-tiny data=2 fsdp=2 expert=2"]
+    assert moe["layers/moe/w_down"] == [None, "expert", None, "fsdp"]
+    assert moe["layers/moe/router"] == [None, "fsdp", None]  # routers are not split by expert
     assert golden["tiny data=4 zero=1"]["layers/mlp/w_gate"] == [None, None, "tensor"]
 
 

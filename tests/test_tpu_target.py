@@ -182,6 +182,19 @@ def test_mesh_minus_one_resolves_against_the_slice(tmp_path):
     assert_one_line_error(result, "train.batch_size=8", "16")
 
 
+def test_moe_dropless_exchange_compiles_to_ragged_all_to_all_for_tpu(tmp_path):
+    """The dropless expert-parallel path that XLA:CPU cannot compile (jaxpar/parallel/expert.py
+    picks ragged_all_to_all off CPU): the TPU compiler takes it. Compiled, never run."""
+    needs_libtpu()
+    result = run_inspect("moe-tiny", "mesh.data=2", "mesh.expert=4", "--target", TARGET,
+                         "--json", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {(r["kind"], tuple(r["axes"])): r for r in json.loads(result.stdout)["collectives"]}
+    ragged = rows["ragged-all-to-all", ("expert",)]
+    # Rows there and back, expert ids, and the two transposes, in each of the 2 MoE layers.
+    assert ragged["count"] >= 2 * 4
+
+
 # --------------------------------------------------------------------------------------------
 # Parsing (no libtpu needed)
 

@@ -17,8 +17,9 @@ XLA and say so.
 
 Notation (all per device unless "global"): B global batch (sequences per optimizer step), S
 ``seq_len``, E ``d_model``, H/K query/kv heads, D ``head_dim``, F ``d_ff``, V vocab, L layers;
-d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes; g ``grad_accum``; a the
-bytes of the compute dtype (4 float32, 2 bfloat16). Each device runs g micro-batches of
+d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes, G ``expert``; X experts,
+k ``top_k``; g ``grad_accum``; a the bytes of the compute dtype (4 float32, 2 bfloat16). Each
+device runs g micro-batches of
 ``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens. One activation of the residual
 stream is ``A = b * S/c * E * a`` bytes.
 
@@ -48,6 +49,12 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 - Ring attention (``context > 1``) never holds scores: its custom VJP keeps the float32 output
   and log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of
   (S/c/2)^2 scores (zigzag) at a time.
+- A MoE layer keeps, instead of the SwiGLU's tensors, the router's float32 logits, probabilities
+  and choices, the k copies of each token and their outputs, the rows sent, received and
+  returned by its all-to-alls and the experts' five hidden-sized tensors per row (see
+  ``_moe_activations``); with ``every = n`` a "layer" in these sums is a group of n blocks.
+- Parameters include every expert of every MoE layer (1/G of them per device); the router
+  biases of ``router=sigmoid_bias`` are float32 buffers outside the optimizer.
 
 During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
 gradients); the head adds float32 logits and their gradient and the one-hot input (b S/c V/t
@@ -104,8 +111,22 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   over stages by :mod:`jaxpar.inspect.report`). Checked against XLA:CPU on tiny with pipe=2 and
   tensor=2, data=2 or fsdp=2: within 2% (tests/test_cost.py). Stash memory: the table's slots
   (``describe``) x one message. Time: compute / (1 - bubble).
-- ``expert``: not implemented in jaxpar yet (validation rejects it), so not modelled. MoE adds
-  two all-to-alls of the routed tokens per MoE layer forward and two backward.
+- ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
+  are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
+  ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
+  data parallelism outside the experts). Each MoE layer moves its slots with all-to-alls over
+  ``expert``: dispatch and combine forward, the same two backward, and under remat the forward
+  pair again. A device routes T = b S/c tokens, k slots each; the ideal payload per all-to-all is
+  T k E a (the textbook ``tokens x top_k x d_model x 2 passes x 2 directions``, of which
+  (G-1)/G crosses the wire for G = ``mesh.expert``). What travels has static shapes: with
+  ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
+  ``dropless`` on XLA:CPU a worst-case block of T min(k, X/G) rows per destination (G T min(k,
+  X/G) rows, plus an int32 expert id per row forward); with ``dropless`` on GPU/TPU a
+  ``ragged-all-to-all`` of the T k real rows (``jaxpar inspect`` counts a ragged op's whole
+  input buffer, some of which is sized for the worst case, so it reports more; not checked
+  beyond compiling for TPU). Blocking: the experts wait for their rows. Under
+  ``tensor`` a MoE layer reduces its summed expert outputs forward and its tokens' gradient
+  backward once each ([T, E]), plus the shared experts' like a SwiGLU.
 
 Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
 layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
@@ -141,7 +162,7 @@ dependent ops, and ZeRO-1's parameter gather comes after all compute, so those a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -175,26 +196,69 @@ class ParamShape:
         return self.name.startswith("layers/")
 
 
+def _block_params(prefix: str, m: ModelConfig, n: int, moe: bool) -> list[ParamShape]:
+    """One (stacked) block's parameters: ``n`` copies on the leading ``layers`` dimension."""
+    e, h, k, d, f = m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim, m.d_ff
+    params = [
+        ParamShape(f"{prefix}attn/wk", (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        ParamShape(f"{prefix}attn/wo", (n, h, d, e), ("layers", "heads", "head_dim", "embed")),
+        ParamShape(f"{prefix}attn/wq", (n, e, h, d), ("layers", "embed", "heads", "head_dim")),
+        ParamShape(f"{prefix}attn/wv", (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        ParamShape(f"{prefix}attn_norm/scale", (n, e), ("layers", "embed")),
+        ParamShape(f"{prefix}mlp_norm/scale", (n, e), ("layers", "embed")),
+    ]
+
+    def swiglu(name: str, hidden: int) -> list[ParamShape]:
+        return [ParamShape(f"{name}/w_down", (n, hidden, e), ("layers", "mlp", "embed")),
+                ParamShape(f"{name}/w_gate", (n, e, hidden), ("layers", "embed", "mlp")),
+                ParamShape(f"{name}/w_up", (n, e, hidden), ("layers", "embed", "mlp"))]
+
+    if not moe:
+        return params + swiglu(f"{prefix}mlp", f)
+    x, fe = m.moe.num_experts, m.resolved_d_ff_expert
+    params += [
+        ParamShape(f"{prefix}moe/router", (n, e, x), ("layers", "embed", None)),
+        ParamShape(f"{prefix}moe/w_down", (n, x, fe, e), ("layers", "experts", "mlp", "embed")),
+        ParamShape(f"{prefix}moe/w_gate", (n, x, e, fe), ("layers", "experts", "embed", "mlp")),
+        ParamShape(f"{prefix}moe/w_up", (n, x, e, fe), ("layers", "experts", "embed", "mlp")),
+    ]
+    if m.moe.num_shared_experts:
+        params += swiglu(f"{prefix}moe/shared", m.moe.num_shared_experts * fe)
+    return params
+
+
+def _unit_prefixes(m: ModelConfig) -> list[tuple[str, bool]]:
+    """(name prefix, is a MoE block) of each block in the scanned unit (transformer.py)."""
+    if not m.moe.enabled:
+        return [("layers/", False)]
+    if m.moe.every == 1:
+        return [("layers/", True)]
+    return [(f"layers/block_{i}/", i == m.moe.every - 1) for i in range(m.moe.every)]
+
+
 def model_params(m: ModelConfig) -> list[ParamShape]:
     """Every parameter of the Transformer in ``jaxpar/model`` (tested against the real model)."""
-    e, h, k, d, f, v, n = (m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim, m.d_ff,
-                           m.vocab_size, m.n_layers)
+    e, v = m.d_model, m.vocab_size
+    units = m.n_layers // m.moe.every if m.moe.enabled else m.n_layers
     params = [
         ParamShape("embedding", (v, e), ("vocab", "embed")),
         ParamShape("final_norm/scale", (e,), ("embed",)),
-        ParamShape("layers/attn/wk", (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
-        ParamShape("layers/attn/wo", (n, h, d, e), ("layers", "heads", "head_dim", "embed")),
-        ParamShape("layers/attn/wq", (n, e, h, d), ("layers", "embed", "heads", "head_dim")),
-        ParamShape("layers/attn/wv", (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
-        ParamShape("layers/attn_norm/scale", (n, e), ("layers", "embed")),
-        ParamShape("layers/mlp/w_down", (n, f, e), ("layers", "mlp", "embed")),
-        ParamShape("layers/mlp/w_gate", (n, e, f), ("layers", "embed", "mlp")),
-        ParamShape("layers/mlp/w_up", (n, e, f), ("layers", "embed", "mlp")),
-        ParamShape("layers/mlp_norm/scale", (n, e), ("layers", "embed")),
     ]
+    for prefix, moe in _unit_prefixes(m):
+        params += _block_params(prefix, m, units, moe)
     if not m.tie_embeddings:
         params.append(ParamShape("lm_head", (e, v), ("embed", "vocab")))
     return sorted(params, key=lambda p: p.name)
+
+
+def model_buffers(m: ModelConfig) -> list[ParamShape]:
+    """Non-trainable variables (``TrainState.buffers``): the router biases of aux-loss-free
+    balancing, float32 and replicated."""
+    if not m.moe.enabled or m.moe.router != "sigmoid_bias":
+        return []
+    units = m.n_layers // m.moe.every
+    return [ParamShape(f"{prefix}moe/router_bias", (units, m.moe.num_experts), ("layers", None))
+            for prefix, moe in _unit_prefixes(m) if moe]
 
 
 SpecEntry = str | tuple[str, ...] | None
@@ -223,8 +287,14 @@ class ParamCost:
 
     @property
     def matmul(self) -> bool:
-        """A weight the model casts to the compute dtype (everything but the norm scales)."""
-        return not self.name.endswith("/scale")
+        """A weight the model casts to the compute dtype (everything but the norm scales and the
+        MoE router, which routes in float32)."""
+        return not self.name.endswith(("/scale", "/router"))
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight (split over ``expert``, used inside the expert shard_map)."""
+        return "/moe/w_" in self.name
 
 
 def param_costs(cfg: Config) -> list[ParamCost]:
@@ -275,10 +345,11 @@ class MemoryCost:
     working: int  # one layer's backward, the head's logits, FSDP-gathered weights
     update: int  # the optimizer update's temporaries (after activations are freed)
     stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
+    buffers: int = 0  # non-trainable model state (MoE router biases)
 
     @property
     def state(self) -> int:
-        return self.params + self.optimizer + 4  # + the int32 step of TrainState
+        return self.params + self.optimizer + self.buffers + 4  # + the int32 step of TrainState
 
     @property
     def peak(self) -> int:
@@ -307,10 +378,12 @@ class FlopsCost:
     embedding_one_hot: float  # the one-hot embedding matmul, forward + weight gradient
     recompute: float  # remat's extra forward work
     context_attention: float = 0.0  # ring attention's executed minus dense attention's flops
+    expert_padding: float = 0.0  # MoE rows computed that carry no token (and XLA:CPU's ragged_dot)
 
     @property
     def executed(self) -> float:
-        return self.model + self.embedding_one_hot + self.recompute + self.context_attention
+        return (self.model + self.embedding_one_hot + self.recompute + self.context_attention
+                + self.expert_padding)
 
 
 @dataclass(frozen=True)
@@ -468,6 +541,35 @@ class _Step:
         """b x S/c x E elements of ``element_bytes`` each (an activation on the wire)."""
         return self.b * self.sl * self.cfg.model.d_model * element_bytes
 
+    # Mixture of experts: per device and micro-step, per MoE layer.
+
+    @property
+    def tokens(self) -> int:
+        """T: tokens one device routes per micro-step (its b rows x S/c positions)."""
+        return self.b * self.sl
+
+    @property
+    def moe_exchange(self) -> str | None:
+        """How slots cross the expert axis: ``capacity`` (dropping), ``padded`` (dropless on
+        XLA:CPU), ``ragged`` (dropless elsewhere), or None (no expert axis, or a dense model)."""
+        moe = self.cfg.model.moe
+        if not moe.enabled or self.mesh["expert"] == 1:
+            return None
+        if moe.dispatch == "dropping":
+            return "capacity"
+        return "padded" if self.xla_cpu else "ragged"
+
+    @property
+    def expert_rows(self) -> int:
+        """Rows one device's experts compute per MoE layer (= rows of each all-to-all): the
+        capacity buffer, the worst-case blocks of the padded exchange, or the T x k real slots."""
+        moe, g = self.cfg.model.moe, self.mesh["expert"]
+        if moe.dispatch == "dropping":
+            return moe.num_experts * moe.capacity(self.tokens)
+        if self.moe_exchange == "padded":
+            return g * self.tokens * min(moe.top_k, moe.num_experts // g)
+        return self.tokens * moe.top_k
+
     @property
     def kv_block(self) -> int:
         """Elements of this device's K (or V): b x S/c x K/t x D."""
@@ -529,6 +631,13 @@ def _notes(st: _Step) -> list[str]:
     if st.ring:
         notes.append("ring attention skips the causal half of the S x S square that model flops "
                      "(jaxpar.model.flops) count as useful, so the MFU bound can pass 100%")
+    if st.moe_exchange is not None:
+        moe, slots = st.cfg.model.moe, st.tokens * st.cfg.model.moe.top_k
+        notes.append(f"MoE all-to-alls carry {st.expert_rows:,} rows per layer and device, "
+                     f"{slots:,} of them tokens ({1 - slots / st.expert_rows:.0%} padding; "
+                     + ("dropping: unused capacity" if moe.dispatch == "dropping" else
+                        "padded all-to-all: worst-case blocks" if st.moe_exchange == "padded"
+                        else "ragged: load imbalance not modelled") + ")")
     return notes
 
 
@@ -560,19 +669,27 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         """Gradients travel like their weights, but lm_head's: its matmul yields float32."""
         return nbytes if p.name == "lm_head" else moved(p, nbytes)
 
-    def reduced(size: Callable[[ParamCost], int]) -> int:
-        """Gradient bytes reduced per step. Under a pipeline each backward reduces what it
-        produced: its chunk's layers every microbatch, the shared parameters (embedding, final
-        norm, head) on the first and last stage only, so 1/p of the runs on average."""
-        layers = sum(grad(p, size(p)) for p in layer)
-        shared = sum(grad(p, size(p)) for p in other)
+    def reduced(group: list[ParamCost]) -> int:
+        """Gradient bytes of ``group`` reduced per step. Under a pipeline each backward reduces
+        what it produced: its chunk's layers every microbatch, the shared parameters
+        (embedding, final norm, head) on the first and last stage only, 1/p of the runs on
+        average."""
+        layers = sum(grad(p, p.bytes_per_device) for p in group if p.stacked)
+        shared = sum(grad(p, p.bytes_per_device) for p in group if not p.stacked)
         if st.pipeline is None:
             return g * (layers + shared)
         return runs * layers + runs // st.p * shared
 
-    # Parameters are replicated over data and context (and fsdp under ZeRO-1): one all-reduce
-    # over all of them sums the gradient shards.
-    replicas = ("data", "context") if cfg.parallel.zero == 3 else (*ZERO1_AXES, "context")
+    # Parameters are replicated over data, expert and context (and fsdp under ZeRO-1), except
+    # the routed experts' weights, which are split over expert: one all-reduce per set of axes
+    # sums the gradient shards.
+    replicas = (("data", "expert", "context") if cfg.parallel.zero == 3 else
+                (*ZERO1_AXES, "expert", "context"))
+    by_replicas: dict[tuple[str, ...], list[ParamCost]] = {}
+    for p in params:
+        split = {a for entry in p.spec for a in _entry_axes(entry)}
+        by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
+    units = n_layers // cfg.model.moe.every if cfg.model.moe.enabled else n_layers
 
     # ZeRO-3 / FSDP: weights gathered where used, gradients reduce-scattered to their shards.
     if cfg.parallel.zero == 3 and mesh["fsdp"] > 1:
@@ -595,10 +712,16 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
 
     # Data (and context) parallelism: gradients summed over the replicas, every micro-step;
     # ZeRO-1 then gathers the parameters each device updated for its slice of the moments.
-    add("all-reduce", replicas, (n_layers + 1) * grad_runs, reduced(lambda p: p.bytes_per_device),
-        ("gradient shards" if cfg.parallel.zero == 3 else "ZeRO-1: whole gradients")
-        + " all-reduced, every " + ("micro-step" if st.pipeline is None else "microbatch"),
-        True)
+    for axes, group in by_replicas.items():
+        experts = all(p.expert for p in group)
+        add("all-reduce", axes,
+            grad_runs * (units * any(p.stacked for p in group)
+                         + any(not p.stacked for p in group)),
+            reduced(group),
+            ("routed experts' " if experts else "")
+            + ("gradient shards" if cfg.parallel.zero == 3 else "ZeRO-1: whole gradients")
+            + " all-reduced, every " + ("micro-step" if st.pipeline is None else "microbatch"),
+            True)
     if cfg.parallel.zero == 1:
         add("all-gather", ZERO1_AXES, len(params), sum(p.bytes_per_device for p in params),
             "ZeRO-1: updated parameters gathered from the optimizer shards", False)
@@ -622,14 +745,48 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         add("reduce-scatter", ("context",), 2 * per_layer * bw, 2 * per_layer * bw * gathered,
             "context allgather attention: dK, dV backward", False)
 
+    # Expert parallelism: each MoE layer's slots travel to their experts' devices and back
+    # (dispatch, combine), and again in the backward pass; remat recomputes the forward pair.
+    moe = cfg.model.moe
+    if st.moe_exchange is not None:
+        per_layer, rows = cfg.model.n_moe_layers * g, st.expert_rows
+        payload = rows * cfg.model.d_model * st.wire
+        kind = "ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all"
+        forward = 2 if cfg.train.remat == "none" else 4
+        real = {"capacity": f"capacity buffer of {rows} rows per layer",
+                "padded": f"worst-case blocks, {rows} rows per layer, "
+                          f"{st.tokens * moe.top_k} of them tokens",
+                "ragged": f"{rows} token rows per layer"}[st.moe_exchange]
+        add(kind, ("expert",), per_layer * forward, per_layer * forward * payload,
+            f"MoE dispatch + combine forward{', again in remat' if forward == 4 else ''} "
+            f"({real})", False)
+        add(kind, ("expert",), per_layer * 2, per_layer * 2 * payload,
+            "MoE dispatch + combine backward", False)
+        if st.moe_exchange == "padded":  # each row's int32 expert id travels with it
+            ids = forward // 2
+            add("all-to-all", ("expert",), per_layer * ids, per_layer * ids * rows * 4,
+                "MoE expert ids of the padded rows (forward)", False)
+
     # Tensor (and sequence) parallelism: activations, blocking. lm_head's input gradient is
     # float32 (the logits are); everything else moves in the compute dtype.
     if st.t > 1:
         act, head_grad = st.tokens_x_embed(st.wire), st.tokens_x_embed(4)
+        remat = cfg.train.remat
+        # Per step, over all layers: row-parallel outputs forward (attention and MLP, or the
+        # experts' summed outputs and the shared experts'), column-parallel input gradients
+        # backward (a MoE layer's tokens enter its experts once: one reduction, see
+        # jaxpar.parallel.expert).
+        n_moe = cfg.model.n_moe_layers
+        shared = 1 if moe.num_shared_experts else 0
+        rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
+        column = st.column_parallel_reductions
+        moe_column = (3 + 1 + 2 * shared) if st.xla_cpu else (1 + 1 + shared)
+        columns = (n_layers - n_moe) * column + n_moe * moe_column
+        row_outputs = runs * (rows_per_layer + n_layers * (remat == "full"))
+        column_grads = runs * columns
         per_layer = n_layers * runs  # activation traffic: per microbatch
         # the embedding and head run on the first and last stage only: averaged over stages
         ends = max(1, runs // st.p)
-        remat, column = cfg.train.remat, st.column_parallel_reductions
 
         def add_act(kind: str, count: int, what: str, payload: int = act,
                     times: int = 1) -> None:
@@ -638,10 +795,10 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
             add(kind, ("tensor",), count, count * payload, what, False)
 
         if not st.sp:
-            add_act("all-reduce", per_layer * (ROW_PARALLEL_MATMULS + (remat == "full")),
+            add_act("all-reduce", row_outputs,
                     "row-parallel outputs (attention, MLP) forward"
                     + (", attention again in remat" if remat == "full" else ""), times=fw)
-            add_act("all-reduce", per_layer * column,
+            add_act("all-reduce", column_grads,
                     "column-parallel input gradients backward (" + ("q, k, v, gate, up" if
                     column == 5 else "q+k+v, gate+up") + ")", times=bw)
             add_act("all-reduce", ends, "vocab-parallel embedding forward", times=fw)
@@ -652,9 +809,9 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
             add_act("all-gather", per_layer * gathers,
                     "sequence gathered entering attention/MLP (forward; output gradients "
                     "backward" + ("; again in remat" if remat != "none" else "") + ")", times=fw)
-            add_act("reduce-scatter", per_layer * (ROW_PARALLEL_MATMULS + (remat == "full")),
+            add_act("reduce-scatter", row_outputs,
                     "sequence scattered leaving attention/MLP forward", times=fw)
-            add_act("reduce-scatter", per_layer * column,
+            add_act("reduce-scatter", column_grads,
                     "column-parallel input gradients backward (" + ("q, k, v, gate, up" if
                     column == 5 else "q+k+v, gate+up") + ")", times=bw)
             add_act("all-gather", 2 * ends,
@@ -687,11 +844,22 @@ def _flops(st: _Step) -> FlopsCost:
     layer_matmuls = matmul_params(m) - m.d_model * m.vocab_size
     # Ring attention runs inside a custom VJP whose outputs are kept, so remat never redoes it.
     recomputed_attention = 0 if st.ring else attention_forward
-    recompute = {"none": 0, "dots": recomputed_attention,
+    # The routed experts' matmuls (ragged or batched dots) are not what `dots` saves.
+    expert = 3 * m.d_model * m.resolved_d_ff_expert if m.moe.enabled else 0
+    recomputed_experts = 2 * m.n_moe_layers * m.moe.top_k * expert
+    recompute = {"none": 0, "dots": recomputed_attention + recomputed_experts,
                  "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
     # The pipeline executor's backward recomputes the chunk's forward (once per B, twice for
     # a split I + W), on top of what remat recomputes inside that backward.
     recompute += st.recomputes * (2 * layer_matmuls + attention_forward)
+    padding = 0.0
+    if m.moe.enabled:
+        # Rows the experts compute beyond the T x k slots: capacity slack, padded blocks, and
+        # on XLA:CPU ragged_dot's lowering, a dense matmul masked per expert (all local ones).
+        local = m.moe.num_experts // st.mesh["expert"]
+        rows = st.expert_rows * (local if st.xla_cpu and m.moe.dispatch == "dropless" else 1)
+        padding = (m.n_moe_layers * st.accum * (rows - st.tokens * m.moe.top_k) * 6 * expert
+                   / st.t)
     ring_delta = 0.0
     if st.ring:
         # Blocks computed by the busiest device, as a fraction of the full S x S square: the
@@ -704,10 +872,28 @@ def _flops(st: _Step) -> FlopsCost:
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
                      embedding_one_hot=4 * m.vocab_size * m.d_model * per_device,
                      recompute=recompute * per_device,
-                     context_attention=ring_delta * per_device)
+                     context_attention=ring_delta * per_device,
+                     expert_padding=padding)
 
 
-def _layer_activations(st: _Step, remat: str) -> int:
+def _moe_activations(st: _Step, remat: str) -> int:
+    """Bytes a MoE layer's feed-forward part saves, one micro-batch (in place of the SwiGLU's):
+    router logits, probabilities and one-hot choices (float32); the k copies of each token and
+    their outputs; the rows sent, received and returned ([expert_rows, E]); the experts' five
+    hidden-sized tensors per row; the shared experts like a SwiGLU. ``dots`` keeps only the
+    router logits and the shared experts' matmul outputs: the routed experts' ragged or batched
+    dots are recomputed, with their all-to-alls."""
+    m, moe, a, t = st.cfg.model, st.cfg.model.moe, st.a, st.t
+    tokens, e = st.tokens, m.d_model
+    shared = tokens * moe.num_shared_experts * m.resolved_d_ff_expert // t * a
+    if remat == "dots":
+        return tokens * moe.num_experts * 4 + 2 * shared
+    rows = st.expert_rows
+    return (3 * tokens * moe.num_experts * 4 + 2 * tokens * moe.top_k * e * a
+            + 3 * rows * e * a + 5 * rows * m.resolved_d_ff_expert // t * a + 5 * shared)
+
+
+def _layer_activations(st: _Step, remat: str, moe: bool = False) -> int:
     """Bytes one layer saves for the backward pass, one micro-batch (module docstring)."""
     m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
     d = m.resolved_head_dim
@@ -720,8 +906,9 @@ def _layer_activations(st: _Step, remat: str) -> int:
     ring = b * s * (m.n_heads // t) * (d + 1) * 4 if st.ring else 0
     if remat == "full":
         return residual + ring
+    ffn = _moe_activations(st, remat) if moe else (5 if remat == "none" else 2) * mlp
     if remat == "dots":
-        return residual + q + kv + full + 2 * mlp + ring
+        return residual + q + kv + full + ffn + ring
     # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
     # values and the (gathered) output; rotated q, k and v; the attention output; gate, its
     # sigmoid, silu(gate), up and their product; two float32 S x S tensors per head (XLA keeps
@@ -730,7 +917,7 @@ def _layer_activations(st: _Step, remat: str) -> int:
     norm = residual + residual * 4 // a + full
     keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
     probs = 0 if st.ring else b * (m.n_heads // t) * s * keys * (2 * 4 + (a if a < 4 else 0))
-    return 2 * norm + q + kv + q + 5 * mlp + probs + ring
+    return 2 * norm + q + kv + q + ffn + probs + ring
 
 
 def _in_compute_dtype(p: ParamCost, nbytes: int, a: int) -> int:
@@ -746,8 +933,11 @@ def _memory(st: _Step, params: list[ParamCost]) -> MemoryCost:
     head = st.b * st.sl * (m.vocab_size // st.t) * (4 + 4 + st.a) + 2 * st.act
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
     # fsdp. remat=none keeps them for the backward pass, in every layer.
+    # (With MoE every=k > 1, a "layer" here is one scanned group of k blocks.)
+    blocks = [moe for _, moe in _unit_prefixes(m)]
+    units = m.n_layers // len(blocks)
     layer_weights = sum(_in_compute_dtype(p, p.gathered_bytes, st.a)
-                        for p in params if p.stacked) // m.n_layers
+                        for p in params if p.stacked) // units
     kept_weights = layer_weights if cfg.train.remat == "none" else 0
     gathered = 0
     if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1:  # one layer's weights and gradient
@@ -769,10 +959,12 @@ def _memory(st: _Step, params: list[ParamCost]) -> MemoryCost:
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
         gradients=param_bytes * (2 if st.accum > 1 else 1),
         batch=rows * st.sl * 12,
-        activations=saved_layers * (_layer_activations(st, cfg.train.remat) + kept_weights),
-        working=_layer_activations(st, "none") + head + gathered,
+        activations=(saved_layers if st.pipeline is not None else units)
+        * (sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) + kept_weights),
+        working=max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered,
         update=moments,
-        stash=stash)
+        stash=stash,
+        buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))
 
 
 def _time(st: _Step, collectives: list[CollectiveCost], flops: FlopsCost,

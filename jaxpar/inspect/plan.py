@@ -5,14 +5,15 @@
 device's HBM, every collective with its bytes and link time, flops, step time and MFU.
 
 ``--search`` instead tries every layout of N devices that jaxpar can run today -- each ordered
-factorisation ``data x fsdp x context x tensor = N``, with sequence parallelism off and on where
-``tensor > 1``, with ZeRO-3 and (where data x fsdp > 1) ZeRO-1 -- keeping everything else in the
-config (context parallelism uses its ``context_impl``; ``pipe`` and ``expert`` stay 1, as they
-are not implemented yet). A layout is rejected when :func:`jaxpar.config.validate` refuses it
-(the reason is its error message) or when its peak memory does not fit in ``HBM_USABLE`` of the
-device's HBM ("needs X GiB > Y GiB HBM"); the rest are ranked by estimated step time, then by
-memory. Nothing is compiled and jax never starts a backend, so planning 512 GPUs takes about a
-second on a laptop.
+factorisation ``data x fsdp x context x tensor = N`` (``data x fsdp x expert x context x tensor``
+for a mixture-of-experts model; for a dense one ``expert`` would only be data parallelism under
+another name), with sequence parallelism off and on where ``tensor > 1``, with ZeRO-3 and (where
+data x fsdp > 1) ZeRO-1 -- keeping everything else in the config (context parallelism uses its
+``context_impl``; ``pipe`` stays 1, as it is not implemented yet). A layout is rejected when
+:func:`jaxpar.config.validate` refuses it (the reason is its error message) or when its peak
+memory does not fit in ``HBM_USABLE`` of the device's HBM ("needs X GiB > Y GiB HBM"); the rest
+are ranked by estimated step time, then by memory. Nothing is compiled and jax never starts a
+backend, so planning 512 GPUs takes about a second on a laptop.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Candidate:
     report: CostReport | None  # None when validation rejected the layout
     reason: str | None  # why it was rejected; None when it fits
     rank: int | None = None  # 1 = fastest; None when rejected
+    expert: int = 1
 
     @property
     def fits(self) -> bool:
@@ -61,7 +63,8 @@ class Candidate:
     @property
     def layout(self) -> str:
         parts = [f"{a}={n}" for a, n in (("data", self.data), ("fsdp", self.fsdp),
-                                          ("context", self.context), ("tensor", self.tensor))
+                                          ("expert", self.expert), ("context", self.context),
+                                          ("tensor", self.tensor))
                  if n > 1] or ["data=1"]
         if self.sequence_parallel:
             parts.append("sp")
@@ -71,6 +74,7 @@ class Candidate:
     def overrides(self) -> list[str]:
         """The ``key=value`` overrides that select this layout (for ``jaxpar train``)."""
         return [f"mesh.data={self.data}", f"mesh.fsdp={self.fsdp}",
+                *([f"mesh.expert={self.expert}"] if self.expert > 1 else []),
                 f"mesh.context={self.context}", f"mesh.tensor={self.tensor}",
                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
                 f"parallel.zero={self.zero}"]
@@ -87,13 +91,16 @@ def _factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (first, *rest)
 
 
-def layouts(device_count: int) -> Iterator[tuple[int, int, int, int, bool, int]]:
-    """(data, fsdp, context, tensor, sequence_parallel, zero) for every layout of the devices."""
-    for data, fsdp, context, tensor in _factorisations(device_count, 4):
+def layouts(device_count: int, moe: bool = False
+            ) -> Iterator[tuple[int, int, int, int, int, bool, int]]:
+    """(data, fsdp, expert, context, tensor, sequence_parallel, zero) for every layout of the
+    devices; ``expert`` is 1 unless ``moe``."""
+    for sizes in _factorisations(device_count, 5 if moe else 4):
+        data, fsdp, expert, context, tensor = sizes if moe else (*sizes[:2], 1, *sizes[2:])
         for sp in (False, True) if tensor > 1 else (False,):
             # ZeRO-1 splits over data and fsdp: without either it is ZeRO-3 again.
             for zero in (3, 1) if data * fsdp > 1 else (3,):
-                yield data, fsdp, context, tensor, sp, zero
+                yield data, fsdp, expert, context, tensor, sp, zero
 
 
 def search(cfg: Config, device_count: int, hardware: str | HardwareProfile
@@ -102,8 +109,10 @@ def search(cfg: Config, device_count: int, hardware: str | HardwareProfile
     hw = get_profile(hardware)
     usable = HBM_USABLE * hw.hbm_bytes
     tried: list[Candidate] = []
-    for data, fsdp, context, tensor, sp, zero in layouts(device_count):
-        mesh = MeshConfig(pipe=1, data=data, fsdp=fsdp, expert=1, context=context, tensor=tensor)
+    for data, fsdp, expert, context, tensor, sp, zero in layouts(device_count,
+                                                                 cfg.model.moe.enabled):
+        mesh = MeshConfig(pipe=1, data=data, fsdp=fsdp, expert=expert, context=context,
+                          tensor=tensor)
         parallel = dataclasses.replace(cfg.parallel, sequence_parallel=sp, zero=zero)
         variant = dataclasses.replace(cfg, mesh=mesh, parallel=parallel)
         report, reason = None, None
@@ -114,7 +123,8 @@ def search(cfg: Config, device_count: int, hardware: str | HardwareProfile
         if report is not None and report.memory.peak > usable:
             reason = (f"needs {report.memory.peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB HBM "
                       f"({HBM_USABLE:.0%} of {hw.hbm_bytes / GIB:.0f} GiB usable)")
-        tried.append(Candidate(data, fsdp, context, tensor, sp, zero, report, reason))
+        tried.append(Candidate(data, fsdp, context, tensor, sp, zero, report, reason,
+                               expert=expert))
 
     def order(c: Candidate) -> tuple:
         if c.fits:
@@ -226,6 +236,8 @@ def format_plan(report: CostReport) -> Group:
     if f.context_attention:
         sign = "+" if f.context_attention > 0 else "-"
         extra += f", ring attention {sign}{human_flops(abs(f.context_attention))} (causal skips)"
+    if f.expert_padding:
+        extra += f", MoE rows without a token {human_flops(f.expert_padding)}"
     timing.add_row("executed flops", human_flops(f.executed), extra)
     timing.add_row("compute", human_seconds(time.compute), "executed flops at peak"
                    + (f", / (1 - bubble {report.pipeline['bubble']:.1%})" if report.pipeline
@@ -240,7 +252,8 @@ def format_plan(report: CostReport) -> Group:
     timing.add_row("[bold]MFU bound[/bold]", f"[bold]{time.mfu:.1%}[/bold]",
                    "model flops / (step x peak); real steps are slower")
 
-    notes = [Text("step = compute + blocking comm (tensor, ZeRO-1 gather, allgather attention) + "
+    notes = [Text("step = compute + blocking comm (tensor, MoE all-to-all, ZeRO-1 gather, "
+                  "allgather attention) + "
                   "max(0, data/fsdp/context comm - compute), at peak flops and link bandwidth "
                   "with no latency: a lower bound on the real step.", style="dim")]
     notes += [Text(f"note: {n}", style="dim") for n in report.notes]

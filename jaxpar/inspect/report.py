@@ -110,6 +110,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
             "zero": p.zero,
             "sequence_parallel": p.sequence_parallel,
             "compile_seconds": round(step.compile_seconds, 3),
+            "moe": _moe_summary(cfg),
         },
         "params": params,
         "memory": memory,
@@ -120,6 +121,16 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
         report["pipeline"] = describe(p.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
                                       p.virtual_stages)
     return report
+
+
+def _moe_summary(cfg: Config) -> dict[str, Any] | None:
+    """The mixture-of-experts settings behind the expert weights and all-to-alls (None: dense)."""
+    moe = cfg.model.moe
+    if not moe.enabled:
+        return None
+    return {"num_experts": moe.num_experts, "top_k": moe.top_k, "every": moe.every,
+            "moe_layers": cfg.model.n_moe_layers, "dispatch": moe.dispatch,
+            "router": moe.router, "capacity_factor": moe.capacity_factor}
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,6 +284,11 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
         f"[bold]jaxpar inspect[/bold] {report['devices']} x {run['device_kind']} | mesh "
         f"{_mesh_text(mesh)} | {run['param_count'] / 1e6:.2f}M params | {run['dtype']}, "
         f"remat={run['remat']}, zero={run['zero']}, sequence_parallel={run['sequence_parallel']}")
+    if run.get("moe"):
+        moe = run["moe"]
+        console.print(f"mixture of experts: {moe['moe_layers']} MoE layers of {moe['num_experts']} "
+                      f"experts, top-{moe['top_k']}, {moe['dispatch']} dispatch, "
+                      f"{moe['router']} router")
     accum = f", grad_accum={run['grad_accum']}" if run["grad_accum"] > 1 else ""
     console.print(f"batch {run['batch_size']} x {run['seq_len']} tokens{accum} | compiled the "
                   f"train step in {run['compile_seconds']:.1f} s (not run: no arrays allocated)")

@@ -5,8 +5,9 @@ default that does nothing, so the model runs unsharded on one device. The train 
 :func:`activation_sharding` with a function, built by :mod:`jaxpar.parallel.rules`, that turns the
 names into a sharding constraint on the current mesh. Likewise, attention asks
 :func:`attention_override` whether a parallel implementation (ring attention over ``context``)
-replaces its dense one. These are the only pieces of global state the model reads, and they only
-live for the duration of a trace.
+replaces its dense one, and the mixture-of-experts layer asks :func:`experts_override` whether
+its tokens are dispatched to experts on other devices (all-to-all over ``expert``). These are the
+only pieces of global state the model reads, and they only live for the duration of a trace.
 """
 
 from __future__ import annotations
@@ -22,10 +23,16 @@ Constrain = Callable[[jax.Array, Sequence[str | None]], jax.Array]
 # attention(q [B,S,H,D], k [B,S,K,D], v [B,S,K,D], positions [B,S]) -> [B,S,H,D]
 Attention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
+# experts(x [B,S,E], expert_ids [B,S,k], gates [B,S,k], (w_gate, w_up, w_down), *, dispatch,
+#         capacity_factor) -> (y [B,S,E], stats); see jaxpar.model.moe.local_experts
+Experts = Callable[..., tuple[jax.Array, dict]]
+
 _constrain: contextvars.ContextVar[Constrain | None] = contextvars.ContextVar(
     "jaxpar_activation_constrain", default=None)
 _attention: contextvars.ContextVar[Attention | None] = contextvars.ContextVar(
     "jaxpar_attention", default=None)
+_experts: contextvars.ContextVar[Experts | None] = contextvars.ContextVar(
+    "jaxpar_experts", default=None)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -59,6 +66,16 @@ def attention_override() -> Attention | None:
 def use_attention(fn: Attention | None) -> contextlib.AbstractContextManager[None]:
     """Within this block, the model's attention layers call ``fn``."""
     return _setting(_attention, fn)
+
+
+def experts_override() -> Experts | None:
+    """The expert dispatch the active parallel layout wants, if not the single-device one."""
+    return _experts.get()
+
+
+def use_experts(fn: Experts | None) -> contextlib.AbstractContextManager[None]:
+    """Within this block, the model's MoE layers send their tokens to experts through ``fn``."""
+    return _setting(_experts, fn)
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:

@@ -4,6 +4,10 @@ Per token, a matmul with a weight of P parameters costs 2P flops forward and 4P 
 in all; attention adds 2 x 2 x S x H x D per layer forward (scores and weighted sum over the full
 S x S square that the model computes) and twice that backward. Recomputation under remat is
 deliberately not counted: MFU measures useful work.
+
+In a mixture-of-experts layer a token multiplies with the router (E x X), its ``top_k`` experts
+and the shared experts (3 x E x d_ff_expert each): the *active* parameters, which is what
+:func:`matmul_params` counts. :func:`param_count` counts every expert.
 """
 
 from __future__ import annotations
@@ -11,19 +15,41 @@ from __future__ import annotations
 from jaxpar.config import ModelConfig
 
 
+def _attention_params(cfg: ModelConfig) -> int:
+    e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    return e * h * d + 2 * e * k * d + h * d * e
+
+
+def _moe_params(cfg: ModelConfig, experts: int) -> int:
+    """Router + ``experts`` routed experts + the shared experts of one MoE layer."""
+    moe, e = cfg.moe, cfg.d_model
+    expert = 3 * e * cfg.resolved_d_ff_expert
+    return e * moe.num_experts + (experts + moe.num_shared_experts) * expert
+
+
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters used in matmuls (everything but norms and the embedding lookup)."""
-    e, h, k, d, f = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff)
-    per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f
-    return cfg.n_layers * per_layer + e * cfg.vocab_size  # + output projection (tied or not)
+    """Parameters one token's forward pass multiplies with (everything but norms and the
+    embedding lookup; in MoE layers only the router, the top_k experts and shared experts)."""
+    n_moe = cfg.n_moe_layers
+    dense_ffn = 3 * cfg.d_model * cfg.d_ff
+    ffn = (cfg.n_layers - n_moe) * dense_ffn
+    if n_moe:
+        ffn += n_moe * _moe_params(cfg, cfg.moe.top_k)
+    # + output projection (tied or not)
+    return cfg.n_layers * _attention_params(cfg) + ffn + cfg.d_model * cfg.vocab_size
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """All parameters, including the embedding table and norm scales."""
+    """All parameters, including every expert, the embedding table and norm scales."""
+    n_moe = cfg.n_moe_layers
+    layers = (cfg.n_layers * _attention_params(cfg)
+              + (cfg.n_layers - n_moe) * 3 * cfg.d_model * cfg.d_ff)
+    if n_moe:
+        layers += n_moe * _moe_params(cfg, cfg.moe.num_experts)
     embedding = cfg.vocab_size * cfg.d_model
     head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
     norms = (2 * cfg.n_layers + 1) * cfg.d_model
-    return matmul_params(cfg) - cfg.d_model * cfg.vocab_size + embedding + head + norms
+    return layers + embedding + head + norms
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

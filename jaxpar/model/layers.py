@@ -1,5 +1,8 @@
 """Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
 
+(The decoder block that puts them together, and the mixture of experts that can replace its
+SwiGLU, are in :mod:`jaxpar.model.transformer` and :mod:`jaxpar.model.moe`.)
+
 Every parameter is created in float32 and carries logical axis names in its ``out_sharding``
 metadata (``("embed", "heads", "head_dim")``...); :mod:`jaxpar.parallel.rules` turns those names
 into mesh axes. Inside a layer, weights are cast to the compute dtype, while norms, softmax and
@@ -123,10 +126,11 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """gate/up are column-parallel (split on mlp), down is row-parallel."""
+    """gate/up are column-parallel (split on mlp), down is row-parallel. ``d_ff`` defaults to
+    ``cfg.d_ff`` (MoE shared experts pass their own)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        e, f = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
+        e, f = cfg.d_model, d_ff if d_ff is not None else cfg.d_ff
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
@@ -138,26 +142,3 @@ class SwiGLU(nnx.Module):
         up = jnp.einsum("bse,ef->bsf", x, weight(self.w_up, ("act_embed", "mlp"), dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return jnp.einsum("bsf,fe->bse", hidden, weight(self.w_down, ("mlp", "act_embed"), dtype))
-
-
-class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
-
-    Between blocks the residual stream is laid out as ``residual_seq`` (sharded over ``tensor`` too
-    under sequence parallelism); the matmul inputs are laid out as ``seq``. The change of layout
-    is where the compiler puts the all-gather (entering) and reduce-scatter (leaving) of
-    Megatron-SP, or, without SP, the all-reduce of the row-parallel output.
-    """
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, rngs)
-
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        h = relayout(self.attn_norm(x), RESIDUAL, MATMUL_INPUT)
-        x = x + constrain(self.attn(h, positions), RESIDUAL)
-        h = relayout(self.mlp_norm(x), RESIDUAL, MATMUL_INPUT)
-        x = x + constrain(self.mlp(h), RESIDUAL)
-        return x

@@ -3,6 +3,14 @@
 The blocks are created with ``nnx.vmap`` so each parameter gets a leading ``layers`` dimension,
 and run with ``jax.lax.scan``: the traced (and compiled) program holds one block whatever the
 depth, so compile time does not grow with ``n_layers``.
+
+With a mixture of experts (``model.moe.num_experts > 0``) the scanned unit must still be one
+homogeneous module, so it is a *group* of ``moe.every`` consecutive blocks whose last block has
+a MoE layer instead of the SwiGLU MLP: ``every=1`` stacks MoE blocks (parameters
+``layers/moe/...``), ``every=2`` stacks (dense, MoE) pairs (``layers/block_0/mlp/...``,
+``layers/block_1/moe/...``). The leading ``layers`` dimension then counts groups,
+``n_layers / every`` of them (validation requires it to divide); a pipeline stage takes whole
+groups.
 """
 
 from __future__ import annotations
@@ -14,8 +22,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import constrain
-from jaxpar.model.layers import Block, RMSNorm, _param, weight
+from jaxpar.model.annotate import constrain, relayout
+from jaxpar.model.layers import (
+    MATMUL_INPUT,
+    RESIDUAL,
+    Attention,
+    RMSNorm,
+    SwiGLU,
+    _param,
+    weight,
+)
+from jaxpar.model.moe import LAYER_STACKED, MoE
+
+Aux = dict[str, jax.Array]  # float32 statistics and losses of the MoE layers ({} when dense)
 
 REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,  # keep every activation
@@ -28,15 +47,71 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + ffn(norm(x)), where ffn is the SwiGLU
+    MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`).
+
+    Between blocks the residual stream is laid out as ``residual_seq`` (sharded over ``tensor`` too
+    under sequence parallelism); the matmul inputs are laid out as ``seq``. The change of layout
+    is where the compiler puts the all-gather (entering) and reduce-scatter (leaving) of
+    Megatron-SP, or, without SP, the all-reduce of the row-parallel output.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if moe:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Aux]:
+        h = relayout(self.attn_norm(x), RESIDUAL, MATMUL_INPUT)
+        x = x + constrain(self.attn(h, positions), RESIDUAL)
+        h = relayout(self.mlp_norm(x), RESIDUAL, MATMUL_INPUT)
+        if hasattr(self, "moe"):
+            out, aux = self.moe(h)
+        else:
+            out, aux = self.mlp(h), {}
+        return x + constrain(out, RESIDUAL), aux
+
+
+class BlockGroup(nnx.Module):
+    """``moe.every`` consecutive blocks, the scanned unit of a MoE model with ``every > 1``:
+    ``block_0`` .. ``block_{every-2}`` dense, ``block_{every-1}`` with the MoE layer."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.size = cfg.moe.every
+        for i in range(self.size):
+            setattr(self, f"block_{i}", Block(cfg, rngs, moe=i == self.size - 1))
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Aux]:
+        for i in range(self.size):
+            x, aux = getattr(self, f"block_{i}")(x, positions)
+        return x, aux  # the MoE block's: the dense ones have none
+
+
+def layer_units(cfg: ModelConfig) -> int:
+    """Length of the stacked ``layers`` dimension: blocks, or groups of ``moe.every`` blocks."""
+    return cfg.n_layers // cfg.moe.every if cfg.moe.enabled else cfg.n_layers
+
+
+def _make_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    if not cfg.moe.enabled:
+        return Block(cfg, rngs)
+    return Block(cfg, rngs, moe=True) if cfg.moe.every == 1 else BlockGroup(cfg, rngs)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.split_rngs(splits=layer_units(cfg))
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        def make_blocks(rngs: nnx.Rngs) -> nnx.Module:
+            return _make_unit(cfg, rngs)
 
         self.layers = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -45,11 +120,12 @@ class Transformer(nnx.Module):
                                   cfg.init_std)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, dtype=jnp.float32,
-                 remat: str = "none") -> jax.Array:
-        """tokens, positions: int32 [B, S] -> float32 logits [B, S, vocab]."""
+                 remat: str = "none") -> tuple[jax.Array, Aux]:
+        """tokens, positions: int32 [B, S] -> (float32 logits [B, S, vocab], aux of
+        :meth:`run_layers`)."""
         x = self.embed(tokens, dtype=dtype)
-        x = self.run_layers(x, positions, remat=remat)
-        return self.logits(x, dtype=dtype)
+        x, aux = self.run_layers(x, positions, remat=remat)
+        return self.logits(x, dtype=dtype), aux
 
     # The three pieces below are also what a pipeline stage runs: the first stage embeds, every
     # stage runs its slice of ``layers`` (a model merged with fewer stacked layers runs just
@@ -70,18 +146,27 @@ class Transformer(nnx.Module):
         return constrain(x, ("batch", "residual_seq", "act_embed"))
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
-                   ) -> jax.Array:
-        """Every block of ``self.layers`` in order, as one ``lax.scan``."""
+                   ) -> tuple[jax.Array, Aux]:
+        """Every unit of ``self.layers`` in order, as one ``lax.scan``.
+
+        Returns the residual stream and ``aux``, the MoE layers' float32 losses and statistics
+        (``{}`` for a dense model): each entry summed over the units, except those in
+        :data:`jaxpar.model.moe.LAYER_STACKED` (``layer_expert_tokens`` [units, experts]),
+        which keep one row per unit, in stack order, because the router-bias update needs each
+        layer's own load. (A model merged with a slice of ``layers`` returns that slice's rows:
+        concatenate them over pipeline stages; add everything else.)
+        """
         graphdef, stacked = nnx.split(self.layers)
 
-        def one_block(x: jax.Array, layer_state) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, layer_state)(x, positions), None
+        def one_unit(x: jax.Array, layer_state) -> tuple[jax.Array, Aux]:
+            return nnx.merge(graphdef, layer_state)(x, positions)
 
         if REMAT_POLICIES[remat] is not None:
-            one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat],
-                                       prevent_cse=False)
-        x, _ = jax.lax.scan(one_block, x, stacked)
-        return x
+            one_unit = jax.checkpoint(one_unit, policy=REMAT_POLICIES[remat],
+                                      prevent_cse=False)
+        x, per_unit = jax.lax.scan(one_unit, x, stacked)
+        aux = {k: v if k in LAYER_STACKED else jnp.sum(v, axis=0) for k, v in per_unit.items()}
+        return x, aux
 
     def logits(self, x: jax.Array, *, dtype=jnp.float32) -> jax.Array:
         """The residual stream -> float32 logits [B, S, vocab] (final norm, output head)."""

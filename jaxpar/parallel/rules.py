@@ -95,14 +95,15 @@ def resolve_spec(what: str, names: Sequence[str | None], shape: Sequence[int] | 
     return PartitionSpec(*entries)
 
 
-def param_logical_axes(abstract_model: nnx.Module) -> dict:
-    """Nested dict (as ``nnx.State.to_pure_dict``) of each parameter's logical axis names."""
-    _, state = nnx.split(abstract_model, nnx.Param)
+def param_logical_axes(abstract_model: nnx.Module, *, buffers: bool = False) -> dict:
+    """Nested dict (as ``nnx.State.to_pure_dict``) of each parameter's logical axis names; with
+    ``buffers=True``, of every other variable's (non-trainable state: MoE router biases)."""
+    _, params, others = nnx.split(abstract_model, nnx.Param, ...)
     flat = {}
-    for path, var in nnx.to_flat_state(state):
+    for path, var in nnx.to_flat_state(others if buffers else params):
         names = var.get_metadata().get("out_sharding")
         if names is None or len(names) != var.get_value().ndim:
-            raise ConfigError(f"parameter {'/'.join(map(str, path))}: logical axis names "
+            raise ConfigError(f"variable {'/'.join(map(str, path))}: logical axis names "
                               f"{names} do not match its shape {var.get_value().shape}")
         flat[path] = tuple(names)
     return _unflatten(flat)

@@ -166,6 +166,11 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                   f"mesh {mesh_line} | {param_count(cfg.model) / 1e6:.2f}M params | "
                   f"{t.dtype}, remat={t.remat}, zero={cfg.parallel.zero}, "
                   f"sequence_parallel={cfg.parallel.sequence_parallel}")
+    moe = cfg.model.moe
+    if moe.enabled:
+        console.print(f"mixture of experts: {cfg.model.n_moe_layers} of {cfg.model.n_layers} "
+                      f"blocks, {moe.num_experts} experts (top-{moe.top_k}, {moe.router} "
+                      f"router, {moe.dispatch} dispatch), {cfg.mesh.expert}-way expert parallel")
     console.print(data_line)
     pipeline = (describe_schedule(cfg.parallel.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
                                   cfg.parallel.virtual_stages) if cfg.mesh.pipe > 1 else None)
@@ -231,6 +236,9 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                            "mfu": achieved / peak if peak else None, "skipped_steps": skipped}
                     if pipeline is not None:  # the table's idle share: constant, every line
                         row["pipeline_bubble"] = pipeline["bubble"]
+                    # Mixture of experts: aux losses, expert load, dropped slots, a2a padding.
+                    row.update({k: v for k, v in values.items()
+                                if k not in row and k != "nonfinite"})
                     metrics_file.write(row)
                     if row["loss"] is not None:
                         losses.append(row["loss"])
@@ -291,7 +299,8 @@ def _fetch(pending: list[tuple[int, dict]], on_nonfinite: str) -> tuple[dict, in
                     "(lower train.lr or check the data; train.on_nonfinite=skip drops such "
                     "updates)")
             bad += 1
-    return {k: float(v) for k, v in fetched[-1].items()}, bad
+    # Scalars as floats; MoE's per-expert token counts stay lists.
+    return {k: np.asarray(v).tolist() for k, v in fetched[-1].items()}, bad
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -306,8 +315,12 @@ def _log_line(row: dict, total_steps: int) -> str:
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
     grad_norm = "n/a" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
     skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+    moe = ""
+    if "moe_aux_loss" in row:
+        moe = (f" | moe aux {row['moe_aux_loss']:.3f} z {row['moe_z_loss']:.2f} | load min/max "
+               f"{row['expert_load_min_max']:.2f} | dropped {row['dropped_fraction']:.1%}")
     return (f"step {row['step']:>{len(str(total_steps))}}/{total_steps} | loss "
             f"{_fmt(row['loss'])} | grad_norm {grad_norm} | lr {row['lr']:.2e}{skipped} | "
             f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.4f} TFLOP/s/device | "
-            f"MFU {mfu}")
+            f"MFU {mfu}{moe}")
 

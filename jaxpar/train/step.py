@@ -7,12 +7,29 @@ compiler inserts the all-reduces / all-gathers / reduce-scatters each layout nee
 The loss is the *sum* of per-token losses divided by the *global* count of valid tokens, taken
 over the whole global batch before it is split into gradient-accumulation micro-steps. So the
 number (and its gradient) does not depend on the mesh, on micro-stepping, or on how padding falls.
+
+A mixture-of-experts model adds its auxiliary losses (load balance, router z-loss) to the
+objective that is differentiated: each MoE layer computes them over the global batch of one
+micro-step, and the objective adds their weighted sum over layers, averaged over micro-steps::
+
+    objective = sum(token losses) / valid tokens
+                + (aux_loss_weight * aux_loss + z_loss_weight * z_loss) / grad_accum
+
+The first term does not depend on the mesh or on micro-stepping; the second does not depend on
+the mesh (statistics over the global micro-batch) but does on ``grad_accum``, since load
+statistics over smaller batches are different numbers. The ``loss`` metric stays the
+cross-entropy (comparable with dense runs); the auxiliary terms are logged beside it.
+
+Non-trainable model state (``TrainState.buffers``: the MoE router biases of aux-loss-free
+balancing) is split from the parameters, so the optimizer, weight decay and gradient clipping
+never see it; the step updates it from the measured expert load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -22,11 +39,13 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import Config, TrainConfig
-from jaxpar.model.annotate import activation_sharding, use_attention
+from jaxpar.config import BATCH_AXES, Config, TrainConfig
+from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
+from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
 from jaxpar.parallel.context import context_attention, zigzag_order
 from jaxpar.parallel.data import optimizer_state_specs
+from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.pipeline import (
     Program,
     Stages,
@@ -52,6 +71,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: dict
     opt_state: Any
+    buffers: dict  # non-trainable model variables (MoE router biases); {} for a dense model
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
@@ -91,30 +111,39 @@ def split_micro_steps(batch: Batch, steps: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def summed_token_loss(params: dict, graphdef: nnx.GraphDef, batch: Batch, *, dtype: Any,
-                      remat: str) -> jax.Array:
-    """Sum over valid tokens of the cross entropy (normalised later by the global count)."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], dtype=dtype,
-                                         remat=remat)
-    return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"])
+def summed_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
+                      dtype: Any, remat: str) -> tuple[jax.Array, dict]:
+    """Sum over valid tokens of the cross entropy (normalised later by the global count), and
+    the MoE layers' aux dict (``{}`` for a dense model)."""
+    logits, aux = nnx.merge(graphdef, params, buffers)(batch["inputs"], batch["positions"],
+                                                       dtype=dtype, remat=remat)
+    return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"]), aux
 
 
 def model_stages(graphdef: nnx.GraphDef, *, dtype: Any, remat: str) -> Stages:
-    """The model cut where pipeline chunks meet: embedding + layers, layers, layers + loss."""
+    """The model cut where pipeline chunks meet: embedding + layers, layers, layers + loss.
+
+    Dense models only (validation keeps MoE layers out of pipeline stages): the aux dict that
+    ``run_layers`` returns is empty and dropped.
+    """
 
     def model(shared: dict, layers: dict) -> nnx.Module:
-        return nnx.merge(graphdef, {**shared, "layers": layers})
+        return nnx.merge(graphdef, {**shared, "layers": layers}, {})
 
     def first(shared: dict, layers: dict, mb: Batch) -> jax.Array:
         net = model(shared, layers)
-        return net.run_layers(net.embed(mb["inputs"], dtype=dtype), mb["positions"], remat=remat)
+        x, _ = net.run_layers(net.embed(mb["inputs"], dtype=dtype), mb["positions"],
+                              remat=remat)
+        return x
 
     def middle(shared: dict, layers: dict, x: jax.Array, mb: Batch) -> jax.Array:
-        return model(shared, layers).run_layers(x, mb["positions"], remat=remat)
+        x, _ = model(shared, layers).run_layers(x, mb["positions"], remat=remat)
+        return x
 
     def last(shared: dict, layers: dict, x: jax.Array, mb: Batch) -> jax.Array:
         net = model(shared, layers)
-        logits = net.logits(net.run_layers(x, mb["positions"], remat=remat), dtype=dtype)
+        x, _ = net.run_layers(x, mb["positions"], remat=remat)
+        logits = net.logits(x, dtype=dtype)
         return jnp.sum(token_losses(logits, mb["targets"]) * mb["mask"])
 
     return Stages(first, middle, last)
@@ -170,6 +199,14 @@ class Trainer:
             return self._step(state, batch)
 
     def loss_and_grads(self, state: TrainState, batch: Batch) -> tuple[jax.Array, dict]:
+        """The cross-entropy and the gradient of the whole objective (with MoE aux losses)."""
+        with jax.set_mesh(self.mesh):
+            loss, grads, _ = self._loss_and_grads(state, batch)
+            return loss, grads
+
+    def loss_grads_and_aux(self, state: TrainState, batch: Batch
+                           ) -> tuple[jax.Array, dict, dict]:
+        """As :meth:`loss_and_grads`, plus the MoE aux dict summed over micro-steps."""
         with jax.set_mesh(self.mesh):
             return self._loss_and_grads(state, batch)
 
@@ -198,15 +235,20 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     mesh_shape = cfg.mesh_shape
     rules = logical_rules(cfg)
     model = abstract_model(cfg.model)
-    graphdef, abstract_params = nnx.split(model, nnx.Param)
+    # Parameters (trained) and buffers: every other variable (MoE router biases).
+    graphdef, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, ...)
     abstract_params = nnx.to_pure_dict(abstract_params)
+    abstract_buffers = nnx.to_pure_dict(abstract_buffers)
     logical_axes = param_logical_axes(model)
     specs = param_specs(abstract_params, logical_axes, rules, mesh_shape)
+    buffer_specs = param_specs(abstract_buffers, param_logical_axes(model, buffers=True), rules,
+                               mesh_shape)
 
     tx = make_optimizer(cfg.train)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_specs = optimizer_state_specs(cfg, abstract_opt, abstract_params, specs, logical_axes)
-    state_specs = TrainState(step=PartitionSpec(), params=specs, opt_state=opt_specs)
+    state_specs = TrainState(step=PartitionSpec(), params=specs, opt_state=opt_specs,
+                             buffers=buffer_specs)
     state_shardings = named_shardings(mesh, state_specs)
     batch_spec = resolve_spec("batch", ("batch", "seq"), (cfg.train.batch_size,
                                                           cfg.train.seq_len), rules, mesh_shape)
@@ -219,53 +261,74 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
     attention = (context_attention(cfg.parallel.context_impl, n_context, zigzag, batch_axes)
                  if n_context > 1 else None)
+    moe = cfg.model.moe
+    # MoE layers route each device's own tokens (and exchange them over `expert`): without the
+    # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
+    split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
+    experts = (expert_parallel(mesh_shape, rules, platform=mesh.devices.flat[0].platform)
+               if moe.enabled and split_axes else None)
+
     run_pipeline, layer_order, program = _pipeline(cfg, graphdef, specs, rules, dtype, remat)
 
     def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(create_model(cfg.model, cfg.train.seed), nnx.Param))
+        _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
         if layer_order is not None:
             params["layers"] = jax.tree.map(lambda a: a[layer_order], params["layers"])
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                          nnx.to_pure_dict(buffers))
 
-    def summed_loss_and_grads(params: dict, batch: Batch) -> tuple[jax.Array, dict]:
-        """Summed token loss of ``batch`` and its gradient (one micro-step)."""
-        if run_pipeline is None:
-            return jax.value_and_grad(summed_token_loss)(params, graphdef=graphdef,
-                                                         batch=batch, dtype=dtype, remat=remat)
-        shared = {k: v for k, v in params.items() if k != "layers"}
-        micro = split_micro_steps(batch, cfg.train.microbatches)
-        loss_sum, shared_grads, layer_grads = run_pipeline(shared, params["layers"], micro)
-        return loss_sum, {**shared_grads, "layers": layer_grads}
+    def objective(params: dict, buffers: dict, batch: Batch, valid: jax.Array
+                  ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+        """What one micro-step differentiates (module docstring); returns the summed token
+        loss and the aux dict beside it."""
+        loss_sum, aux = summed_token_loss(params, buffers, graphdef, batch, dtype=dtype,
+                                          remat=remat)
+        return loss_sum / valid + moe_loss(aux, moe) / accum, (loss_sum, aux)
 
-    def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict]:
+    def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         # Positions travel with the tokens: in seq_order, the same for every row.
         positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
         batch = dict(batch, positions=positions)
-        with activation_sharding(constrain), use_attention(attention):
+        grad_fn = jax.grad(objective, has_aux=True)
+        if run_pipeline is not None:  # a dense model (validation): no aux
+            def grad_fn(params, buffers, batch, valid):  # noqa: ARG001
+                shared = {k: v for k, v in params.items() if k != "layers"}
+                micro = split_micro_steps(batch, cfg.train.microbatches)
+                loss_sum, shared_grads, layer_grads = run_pipeline(shared, params["layers"],
+                                                                   micro)
+                grads = jax.tree.map(lambda g: g / valid,
+                                     {**shared_grads, "layers": layer_grads})
+                return grads, (loss_sum, {})
+        with activation_sharding(constrain), use_attention(attention), use_experts(experts):
             if accum == 1:
-                loss_sum, grads = summed_loss_and_grads(state.params, batch)
+                grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
             else:
                 def micro_step(carry, micro_batch):
-                    loss_sum, grads = summed_loss_and_grads(state.params, micro_batch)
-                    return jax.tree.map(jnp.add, carry, (loss_sum, grads)), None
+                    grads, summed = grad_fn(state.params, state.buffers, micro_batch, valid)
+                    return jax.tree.map(jnp.add, carry, (grads, summed)), None
 
                 # The running gradient sum is sharded like the parameters (1/N under FSDP).
                 zero_grads = jax.lax.with_sharding_constraint(
                     jax.tree.map(jnp.zeros_like, state.params), state_shardings.params)
-                zeros = (jnp.zeros((), jnp.float32), zero_grads)
-                (loss_sum, grads), _ = jax.lax.scan(micro_step, zeros,
-                                                    split_micro_steps(batch, accum))
-        grads = jax.tree.map(lambda g: g / valid, grads)
+                micro_batches = split_micro_steps(batch, accum)
+                # The aux dict's shapes, for a zero carry (traced, never run).
+                _, zero_summed = jax.eval_shape(
+                    partial(objective, state.params, state.buffers, valid=valid),
+                    jax.tree.map(lambda x: x[0], micro_batches))
+                zeros = (zero_grads, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                                  zero_summed))
+                (grads, (loss_sum, aux)), _ = jax.lax.scan(micro_step, zeros, micro_batches)
         # Gradients live where their parameters live: under FSDP this is what turns the
         # gradient all-reduce into a reduce-scatter.
         grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
-        return loss_sum / valid, grads
+        return loss_sum / valid, grads, aux
 
     schedule = learning_rate_schedule(cfg.train)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        loss, grads = loss_and_grads(state, batch)
+        loss, grads, aux = loss_and_grads(state, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
@@ -278,11 +341,20 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "nonfinite": ~finite}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        buffers = state.buffers
+        if moe.enabled:
+            metrics.update(moe_metrics(aux, cfg.model, accum))
+            if moe.router == "sigmoid_bias":
+                # The only buffers are the stacked router biases, one row per MoE layer.
+                buffers = jax.tree.map(
+                    lambda bias: update_router_bias(bias, aux["layer_expert_tokens"],
+                                                    moe.bias_update_rate), buffers)
+        return TrainState(state.step + 1, params, opt_state, buffers), metrics
 
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt),
+        TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt,
+                   abstract_buffers),
         state_shardings)
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, logical_axes=logical_axes, param_specs=specs,
@@ -293,7 +365,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         _step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                       out_shardings=(state_shardings, None), donate_argnums=0),
         _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(state_shardings, batch_sharding),
-                                out_shardings=(None, state_shardings.params)),
+                                out_shardings=(None, state_shardings.params, None)),
         _reorder=jax.jit(reorder_layers, in_shardings=(state_shardings, None),
                          out_shardings=state_shardings))
 
@@ -306,6 +378,7 @@ def reorder_layers(tree: Any, order: jax.Array) -> Any:
         return a[order] if under_layers and a.ndim > 0 else a
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
+
 
 
 def _pipeline(cfg: Config, graphdef: nnx.GraphDef, specs: dict, rules: dict, dtype: Any,

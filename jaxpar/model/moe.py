@@ -1,0 +1,348 @@
+"""Mixture of experts: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token.
+
+Shapes: T tokens (B x S flattened), E d_model, X experts, k top_k, F d_ff_expert, C capacity.
+
+Router (always float32, whatever the compute dtype: top-k choices must not flip with rounding)::
+
+    logits = x @ W_router                              [T, X]
+    softmax:      p = softmax(logits);  experts = top_k(p);              gate_j = p[expert_j]
+    sigmoid_bias: s = sigmoid(logits);  experts = top_k(s + b) (DeepSeek-V3)
+                                                       gate_j = s[expert_j] / sum_j s[expert_j]
+
+    y[t] = sum_j gate[t, j] * SwiGLU_{expert[t, j]}(x[t])   (+ shared experts, applied to all)
+
+The softmax gates are the router probabilities themselves (Switch/GShard style, not
+renormalised over the k chosen), so gradients reach the router through them. ``b`` is a
+per-expert bias that only steers the *choice*; it is not a gradient-trained parameter
+(:class:`RouterBias`, outside ``nnx.Param``): after each step the train step nudges it,
+``b_i += rate * sign(mean_load - load_i)``, which raises under-loaded experts and lowers
+over-loaded ones without any loss term (DeepSeek-V3's aux-loss-free balancing).
+
+Two auxiliary losses (computed per MoE layer over the *global* micro-batch, so their value does
+not depend on how the batch is split over devices; :func:`moe_loss` weights and adds them; the
+router sees every position, padding included, so padding counts in the load too)::
+
+    load balance (Switch/GShard):  X * sum_i f_i * P_i,   f_i = share of the T*k slots routed to
+                                   expert i, P_i = mean router probability of expert i
+                                   (1.0 when perfectly balanced; with sigmoid_bias, P uses the
+                                   scores normalised per token)
+    router z-loss (ST-MoE):        mean_t logsumexp(logits[t])^2  (keeps logits small)
+
+Dispatch (``moe.dispatch``), i.e. how the T*k (token, expert) *slots* reach their experts:
+
+- ``dropless``: sort the slots by expert and run each expert on its contiguous rows with one
+  grouped matmul (``jax.lax.ragged_dot``); nothing is dropped. (XLA:CPU lowers ``ragged_dot`` to
+  a masked dense matmul over all local experts: exact, but X times the flops of the grouped
+  matmul that GPU and TPU run.)
+- ``dropping``: each expert takes at most ``C = ceil(capacity_factor * T * k / X)`` slots (at most
+  T) in a fixed [X, C, E] buffer, and the experts run as one batched matmul. Slots over capacity
+  are dropped: they contribute nothing, so a token whose every slot is dropped leaves the layer
+  unchanged (the residual connection carries it). Priority is by choice rank, then token order:
+  every token's first choice is placed before any second choice. T is the tokens of one
+  *device* (its batch rows and sequence chunk), so which slots drop depends on the layout; with
+  a capacity high enough that nothing drops, every layout computes the same function.
+
+On one device all of this runs here (:func:`local_experts`). Under expert parallelism the MoE
+layer calls the hook :func:`jaxpar.model.annotate.experts_override` instead, which runs the same
+building blocks per device inside ``shard_map`` and moves the slots to the devices that own their
+experts with all-to-alls (:mod:`jaxpar.parallel.expert`).
+
+Statistics each MoE layer reports (``aux`` of :meth:`MoE.__call__`), all float32:
+``aux_loss``, ``z_loss``, ``expert_tokens`` [X] (slots routed to each expert), ``dropped``
+(slots dropped), ``routed`` (T*k), and ``a2a_rows`` / ``a2a_padding`` (rows of the all-to-all
+buffers, and how many of them carry no token: the price of static shapes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxpar.config import ModelConfig, MoEConfig
+from jaxpar.model.annotate import constrain, experts_override
+from jaxpar.model.layers import SwiGLU, _param, weight
+
+Weights = tuple[jax.Array, jax.Array, jax.Array]  # w_gate [X,E,F], w_up [X,E,F], w_down [X,F,E]
+Exchange = Callable[[jax.Array], jax.Array]  # [groups, ...] -> [groups, ...] (an all-to-all)
+
+# Logical names of the expert weights as stored (and as handed to the experts function: the
+# expert-parallel hook gathers the ``embed`` split itself, see jaxpar.parallel.expert).
+EXPERT_IN = ("experts", "embed", "mlp")  # w_gate, w_up [X, E, F]
+EXPERT_OUT = ("experts", "mlp", "embed")  # w_down [X, F, E]
+
+# Keys of a layer's aux dict. All add up over micro-steps and over layers, except
+# LAYER_STACKED, which :meth:`jaxpar.model.transformer.Transformer.run_layers` keeps per layer.
+LAYER_STACKED = ("layer_expert_tokens",)
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert bias added to the router scores before top-k (``router: sigmoid_bias``).
+
+    Not an ``nnx.Param``: it gets no gradient and the optimizer never sees it. The train step
+    keeps it in ``TrainState.buffers`` and updates it from the measured load
+    (:func:`update_router_bias`).
+    """
+
+
+def _f32(x) -> jax.Array:
+    return jnp.asarray(x, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (used here on one device and by jaxpar.parallel.expert on each device)
+
+
+def slot_positions(groups: jax.Array, num_groups: int) -> jax.Array:
+    """For slots [N] labelled with a group in [0, num_groups), each slot's rank among the
+    earlier slots of the same group (an exclusive running count, one column per group)."""
+    one_hot = jax.nn.one_hot(groups, num_groups, dtype=jnp.int32)
+    return jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
+
+
+def choice_major_positions(expert_ids: jax.Array, num_experts: int) -> jax.Array:
+    """[T, k] -> each slot's place in its expert's queue, all first choices before any second
+    choice (so capacity drops a token's lower-ranked choices first)."""
+    t, k = expert_ids.shape
+    return slot_positions(expert_ids.T.reshape(t * k), num_experts).reshape(k, t).T
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+           matmul: Callable) -> jax.Array:
+    """SwiGLU with the three matmuls done by ``matmul(x, w)`` (grouped or batched)."""
+    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+
+
+def grouped_swiglu(rows: jax.Array, row_expert: jax.Array, weights: Weights) -> jax.Array:
+    """Run rows [N, E] through their experts: ``row_expert`` [N] in [0, X_local]; the value
+    X_local marks a padding row, whose output is zero.
+
+    Rows are sorted by expert, each expert multiplies its contiguous block (``ragged_dot``: one
+    grouped matmul, no capacity, no padding), and the results are put back in the input order.
+    """
+    num_local = weights[0].shape[0]
+    order = jnp.argsort(row_expert, stable=True)  # padding (id X_local) sorts last
+    group_sizes = jnp.bincount(row_expert, length=num_local).astype(jnp.int32)  # drops padding
+
+    def grouped(x, w):
+        return lax.ragged_dot(x, w, group_sizes)
+
+    out = swiglu(rows[order], *weights, matmul=grouped)  # rows past sum(group_sizes) are zero
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+
+
+def batched_swiglu(buffer: jax.Array, weights: Weights) -> jax.Array:
+    """[X_local, C, E] capacity buffer through expert x's weights, as one batched matmul."""
+
+    def batched(x, w):
+        return jnp.einsum("xce,xef->xcf", x, w)
+
+    return swiglu(buffer, *weights, matmul=batched)
+
+
+def combine(slot_out: jax.Array, gates: jax.Array, dtype) -> jax.Array:
+    """[T, k, E] expert outputs weighted by their gates [T, k] and summed over k (in float32)."""
+    return jnp.einsum("tke,tk->te", slot_out.astype(jnp.float32), gates).astype(dtype)
+
+
+def no_stats() -> dict[str, jax.Array]:
+    return {"dropped": _f32(0), "a2a_rows": _f32(0), "a2a_padding": _f32(0)}
+
+
+def dropless_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                     weights: Weights) -> tuple[jax.Array, dict]:
+    """Every slot computed: tokens [T, E], expert_ids/gates [T, k] -> [T, E]."""
+    t, k = expert_ids.shape
+    slots = jnp.repeat(tokens, k, axis=0)  # slot (t, j) is row t*k + j
+    out = grouped_swiglu(slots, expert_ids.reshape(t * k), weights)
+    return combine(out.reshape(t, k, -1), gates, tokens.dtype), no_stats()
+
+
+def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                     weights: Weights, capacity_factor: float, *, num_experts: int,
+                     exchange: Exchange | None = None) -> tuple[jax.Array, dict]:
+    """Capacity-limited experts: tokens [T, E], expert_ids/gates [T, k] -> [T, E].
+
+    Dispatch writes slot (t, j) into row ``pos`` of expert ``expert_ids[t, j]`` of an
+    [X, C, E] buffer (C: :meth:`jaxpar.config.MoEConfig.capacity` of T tokens); slots with
+    ``pos >= C`` are dropped (the scatter skips them). Then, with ``weights`` holding the X/G
+    experts of this device, the buffer is viewed as [G, X/G, C, E] and ``exchange`` (an
+    all-to-all over G devices; none on one device) swaps the G blocks, so each device holds the
+    rows of its own experts from every device: [G sources, X/G, C, E]. The experts run as one
+    batched matmul over their G*C rows, the reverse exchange brings the results home, and each
+    slot reads its row back (dropped slots read zero).
+    """
+    t, k = expert_ids.shape
+    e = tokens.shape[-1]
+    local = weights[0].shape[0]
+    groups = num_experts // local
+    cap = MoEConfig(num_experts=num_experts, top_k=k, capacity_factor=capacity_factor
+                    ).capacity(t)
+    pos = choice_major_positions(expert_ids, num_experts)
+    keep = pos < cap
+    slots = jnp.broadcast_to(tokens[:, None, :], (t, k, e))
+    buffer = jnp.zeros((num_experts, cap, e), tokens.dtype).at[expert_ids, pos].set(
+        slots, mode="drop")
+    blocks = buffer.reshape(groups, local, cap, e)
+    if exchange is not None:
+        blocks = exchange(blocks)  # [G sources, X/G, C, E]: this device's experts' rows
+    rows = blocks.transpose(1, 0, 2, 3).reshape(local, groups * cap, e)
+    out = batched_swiglu(rows, weights).reshape(local, groups, cap, e).transpose(1, 0, 2, 3)
+    if exchange is not None:
+        out = exchange(out)  # back to the owners of the tokens: [G owners of experts, X/G, C, E]
+    slot_out = out.reshape(num_experts, cap, e).at[expert_ids, pos].get(mode="fill",
+                                                                          fill_value=0)
+    kept = jnp.sum(keep.astype(jnp.float32))
+    stats = {"dropped": _f32(t * k) - kept, "a2a_rows": _f32(0), "a2a_padding": _f32(0)}
+    if exchange is not None:  # every buffer row crosses the all-to-all, used or not
+        stats.update(a2a_rows=_f32(num_experts * cap), a2a_padding=num_experts * cap - kept)
+    return combine(slot_out, gates, tokens.dtype), stats
+
+
+def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
+                  dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
+    """The experts on one device: x [B, S, E], expert_ids/gates [B, S, k] -> ([B, S, E], stats).
+
+    This is the signature of the :func:`~jaxpar.model.annotate.experts_override` hook too.
+    """
+    b, s, e = x.shape
+    k = expert_ids.shape[-1]
+    tokens, ids, g = x.reshape(b * s, e), expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
+    if dispatch == "dropless":
+        y, stats = dropless_experts(tokens, ids, g, weights)
+    else:
+        y, stats = dropping_experts(tokens, ids, g, weights, capacity_factor,
+                                    num_experts=weights[0].shape[0])
+    return y.reshape(b, s, e), stats
+
+
+# --------------------------------------------------------------------------------------------
+# The layer
+
+
+def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k`` over the last axis (values, indices; ties to the lower index), as a sort.
+
+    ``lax.top_k`` becomes a TopK custom call that XLA's partitioner cannot split over the batch,
+    so it would all-gather every device's scores; a sort along the expert axis stays per device.
+    """
+    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
+    return jnp.take_along_axis(scores, order, axis=-1), order
+
+
+def route(logits: jax.Array, moe: MoEConfig, bias: jax.Array | None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 logits [..., X] -> (expert_ids [..., k], gates [..., k], balance probs [..., X])."""
+    if moe.router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        gates, expert_ids = top_k(probs, moe.top_k)
+        return expert_ids, gates, probs
+    scores = jax.nn.sigmoid(logits)
+    _, expert_ids = top_k(scores + lax.stop_gradient(bias), moe.top_k)
+    picked = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    gates = picked / jnp.sum(picked, axis=-1, keepdims=True)
+    return expert_ids, gates, scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+class MoE(nnx.Module):
+    """Router + ``num_experts`` SwiGLU experts (+ optional shared experts), see module docstring.
+
+    Expert weights are stacked on a leading ``experts`` dimension (split over the ``expert`` mesh
+    axis), their hidden dimension is ``mlp`` (split over ``tensor``) and the model dimension
+    ``embed`` (split over ``fsdp`` under ZeRO-3), as in the dense SwiGLU.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        moe = cfg.moe
+        e, x, f = cfg.d_model, moe.num_experts, cfg.resolved_d_ff_expert
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        # The router's expert dimension is not split: every device routes its own tokens.
+        self.router = _param(rngs, (e, x), ("embed", None), cfg.init_std)
+        self.w_gate = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), cfg.init_std)
+        self.w_up = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), cfg.init_std)
+        self.w_down = _param(rngs, (x, f, e), ("experts", "mlp", "embed"), out_std)
+        if moe.router == "sigmoid_bias":
+            self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), out_sharding=(None,))
+        if moe.num_shared_experts:
+            self.shared = SwiGLU(cfg, rngs, d_ff=moe.num_shared_experts * f)
+        self.config = moe
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, S, E] (laid out as a matmul input) -> (y [B, S, E], this layer's aux dict)."""
+        moe, dtype = self.config, x.dtype
+        logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32),
+                            weight(self.router, ("act_embed", None), jnp.float32))
+        logits = constrain(logits, ("batch", "seq", None))
+        bias = self.router_bias[...] if moe.router == "sigmoid_bias" else None
+        expert_ids, gates, probs = route(logits, moe, bias)
+
+        # Statistics over the whole micro-batch: plain sums over sharded dimensions, which the
+        # compiler turns into all-reduces of X floats, so no layout changes the numbers.
+        slots = math.prod(expert_ids.shape)
+        counts = jnp.sum(jax.nn.one_hot(expert_ids, moe.num_experts, dtype=jnp.float32),
+                         axis=(0, 1, 2))
+        balance = moe.num_experts * jnp.sum(counts / slots * jnp.mean(probs, axis=(0, 1)))
+        z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+        # In the compute dtype, but still laid out as stored: on one device that is all there
+        # is; the expert-parallel hook all-gathers the fsdp split of ``embed`` per device, so that
+        # autodiff turns it into a reduce-scatter of the gradient (as `weight` does for the
+        # other layers, outside shard_map).
+        weights = (constrain(self.w_gate[...].astype(dtype), EXPERT_IN),
+                   constrain(self.w_up[...].astype(dtype), EXPERT_IN),
+                   constrain(self.w_down[...].astype(dtype), EXPERT_OUT))
+        experts = experts_override() or local_experts
+        y, stats = experts(x, expert_ids, gates, weights, dispatch=moe.dispatch,
+                           capacity_factor=moe.capacity_factor)
+        if moe.num_shared_experts:
+            y = y + self.shared(x)
+        aux = {"aux_loss": balance, "z_loss": z_loss, "layer_expert_tokens": counts,
+               "routed": _f32(slots), **stats}
+        return y, aux
+
+
+# --------------------------------------------------------------------------------------------
+# What the train step does with the aux dict
+
+
+def moe_loss(aux: Mapping[str, jax.Array], moe: MoEConfig) -> jax.Array:
+    """The weighted auxiliary losses to add to the training objective (0 for a dense model).
+
+    ``aux`` holds sums over the MoE layers of one micro-step; the train step divides by the
+    number of micro-steps, so the added term is a per-micro-step average, summed over layers.
+    """
+    if not aux:
+        return _f32(0)
+    return moe.aux_loss_weight * aux["aux_loss"] + moe.z_loss_weight * aux["z_loss"]
+
+
+def update_router_bias(bias: jax.Array, layer_tokens: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing: ``b_i += rate * sign(mean load - load_i)`` for each layer.
+
+    bias, layer_tokens: [MoE layers, X] (the stacked RouterBias and the slots each expert got
+    this step). An expert above the mean load becomes less attractive to the top-k, one below
+    more; the gates (computed without the bias) are unaffected.
+    """
+    if bias.shape != layer_tokens.shape:
+        raise ValueError(f"router bias {bias.shape} and expert load {layer_tokens.shape} differ")
+    mean = jnp.mean(layer_tokens, axis=-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - layer_tokens)
+
+
+def moe_metrics(aux: Mapping[str, jax.Array], cfg: ModelConfig, micro_steps: int
+                ) -> dict[str, jax.Array]:
+    """Per-step numbers for ``metrics.jsonl``, from the aux dict summed over micro-steps."""
+    layers = cfg.n_moe_layers * micro_steps
+    tokens = jnp.sum(aux["layer_expert_tokens"], axis=0)  # [X], all MoE layers
+    return {
+        "moe_aux_loss": aux["aux_loss"] / layers,  # per layer and micro-step; 1.0 = balanced
+        "moe_z_loss": aux["z_loss"] / layers,
+        "expert_tokens": tokens,
+        "expert_load_min_max": jnp.min(tokens) / jnp.maximum(jnp.max(tokens), 1.0),
+        "dropped_fraction": aux["dropped"] / jnp.maximum(aux["routed"], 1.0),
+        "a2a_padding_fraction": aux["a2a_padding"] / jnp.maximum(aux["a2a_rows"], 1.0),
+    }

@@ -1,0 +1,254 @@
+"""Expert parallelism: the experts of every MoE layer split over the ``expert`` mesh axis.
+
+What is split. Each MoE layer's expert weights ``w_gate, w_up`` [X, E, F] and ``w_down``
+[X, F, E] are split on their ``experts`` dimension over ``expert`` (device g of G holds experts
+g*X/G .. (g+1)*X/G - 1), on ``mlp`` (F) over ``tensor`` and on ``embed`` over ``fsdp`` like any
+weight: per device 3 x X/G x E x F/t floats, 1/G of what data parallelism would replicate.
+Everything else (attention, router, norms, embeddings) is replicated over ``expert``, and the
+batch is split over it: outside the experts, ``expert`` is one more data-parallel axis, so those
+gradients are all-reduced over ``expert`` with ``data``.
+
+What is communicated. A device's tokens want experts that live elsewhere. The MoE layer calls
+:func:`expert_parallel`'s function through the ``experts_override`` hook; it runs per device in
+``shard_map``, manual over the axes that split the tokens (``data``, ``fsdp``, ``expert``,
+``context``) and over ``tensor``, so every device routes its own T = b x s tokens (b batch rows,
+s sequence positions; k slots each):
+
+1. dispatch: an all-to-all over ``expert`` sends each slot to the device owning its expert;
+2. the local experts run on everything they received;
+3. combine: the reverse all-to-all brings the results back, where they are weighted by the
+   gates and summed over the k choices.
+
+Autodiff turns each all-to-all into another all-to-all in the backward pass, so a MoE layer
+costs 4 all-to-alls per micro-step (2 with only the forward). Per all-to-all a device sends
+about T x k x E elements of the compute dtype, of which the 1/G addressed to itself never leaves
+it: wire bytes are (G-1)/G of the payload. Static shapes add padding, which depends on the
+dispatch mode (``moe.dispatch``):
+
+- ``dropping``: the [X, C, E] capacity buffer is the payload, ``C = ceil(capacity_factor x T x k
+  / X)``: about capacity_factor x T x k x E elements, unused capacity sent as padding.
+- ``dropless`` with ``lax.ragged_all_to_all`` (GPU, TPU): only the real T x k rows are sent, the
+  per-destination counts travel first in a tiny all-gather. The receive buffer must still be
+  sized for the worst case (every slot of every device to this one): G x T x min(k, X/G) rows.
+- ``dropless`` with a padded ``all_to_all`` (XLA:CPU, which cannot compile
+  ``ragged_all_to_all``): each destination gets a block of the worst-case size T x min(k, X/G)
+  rows, so G x T x min(k, X/G) x E elements travel per all-to-all, G x min(k, X/G) / k times the
+  ragged payload; the padding is reported (``a2a_padding_fraction`` in ``metrics.jsonl``). The
+  int32 expert id of each row travels with it (forward only).
+
+Tensor parallelism inside: each device holds F/t of every local expert's hidden units, so its
+expert outputs are partial sums; they are combined over the k choices first and then all-reduced
+over ``tensor`` ([T, E], like the dense MLP's row-parallel all-reduce). The tokens are marked as
+varying over ``tensor`` on entry, which makes the backward pass all-reduce their gradient once,
+also [T, E], rather than per slot.
+
+Statistics (dropped slots, all-to-all rows and padding) are summed over the token axes, so each
+device returns the global count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import BATCH_AXES, ConfigError
+from jaxpar.model.annotate import Experts
+from jaxpar.model.moe import (
+    Weights,
+    combine,
+    dropless_experts,
+    dropping_experts,
+    grouped_swiglu,
+    slot_positions,
+)
+
+AXIS = "expert"
+# XLA:CPU has no ragged-all-to-all ("UNIMPLEMENTED"): backends listed here use the padded one.
+PADDED_ALL_TO_ALL_PLATFORMS = ("cpu",)
+# The collective itself, looked up at call time (a test substitutes an emulation of its
+# documented semantics to check the offsets on CPU).
+ragged_all_to_all = lax.ragged_all_to_all
+
+
+def _exchange(blocks: jax.Array) -> jax.Array:
+    """[G, ...] -> [G, ...]: block g goes to device g; block g of the result came from g."""
+    return lax.all_to_all(blocks, AXIS, 0, 0, tiled=True)
+
+
+def _f32(x) -> jax.Array:
+    return jnp.asarray(x, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Dropless dispatch across devices
+
+
+def padded_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                    weights: Weights, num_experts: int, groups: int
+                    ) -> tuple[jax.Array, dict]:
+    """Dropless over G = ``groups`` devices with fixed-size all-to-all blocks.
+
+    Each token's k distinct experts put at most min(k, X/G) of its slots on one device, so a
+    block of ``cap = T x min(k, X/G)`` rows per destination can never overflow. Slot (t, j) goes
+    to device ``expert // (X/G)`` at the next free row of that block, with its local expert id;
+    unused rows carry the id X/G, which the grouped matmul treats as padding (zero output).
+    """
+    t, k = expert_ids.shape
+    local = num_experts // groups
+    cap = t * min(k, local)
+    flat = expert_ids.reshape(t * k)
+    dest, row = flat // local, slot_positions(flat // local, groups)
+    send = jnp.zeros((groups, cap, tokens.shape[-1]), tokens.dtype).at[dest, row].set(
+        jnp.repeat(tokens, k, axis=0), unique_indices=True)
+    send_ids = jnp.full((groups, cap), local, jnp.int32).at[dest, row].set(flat % local)
+    received, received_ids = _exchange(send), _exchange(send_ids)  # [G sources, cap, ...]
+    out = grouped_swiglu(received.reshape(groups * cap, -1), received_ids.reshape(-1), weights)
+    back = _exchange(out.reshape(groups, cap, -1))  # [G experts' owners, cap, E]
+    y = combine(back[dest, row].reshape(t, k, -1), gates, tokens.dtype)
+    return y, {"dropped": _f32(0), "a2a_rows": _f32(groups * cap),
+               "a2a_padding": _f32(groups * cap - t * k)}
+
+
+def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                    weights: Weights, num_experts: int, groups: int
+                    ) -> tuple[jax.Array, dict]:
+    """Dropless over G devices with ``lax.ragged_all_to_all``: only real rows travel.
+
+    The slots are sorted by destination device; ``sizes[s, d]`` (all-gathered: G x G int32) is
+    how many rows device s sends device d. Device d stores the rows from source s after those of
+    sources 0..s-1, which fixes every offset both ways. XLA:CPU cannot compile it (module
+    docstring): tests check the offsets on CPU against an emulation of the collective, and
+    compile (but cannot run) this path with the TPU compiler (``jaxpar inspect --target``).
+    """
+    t, k = expert_ids.shape
+    local = num_experts // groups
+    flat = expert_ids.reshape(t * k)
+    dest = flat // local
+    order = jnp.argsort(dest, stable=True)
+    rows, row_ids = jnp.repeat(tokens, k, axis=0)[order], (flat % local)[order]
+    send_sizes = jnp.bincount(dest, length=groups).astype(jnp.int32)
+    sizes = lax.all_gather(send_sizes, AXIS)  # [source, destination]
+    me = lax.axis_index(AXIS)
+    send_offsets = jnp.cumsum(send_sizes) - send_sizes
+    recv_sizes = sizes[:, me]
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+    # Where my block lands on each destination d: after the blocks of sources before me.
+    landing = (jnp.cumsum(sizes, axis=0) - sizes)[me]
+    # Where each source s kept the block it sent me: after its blocks for devices before me.
+    origin = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]
+    worst = groups * t * min(k, local)  # static: every slot of every device could come here
+
+    def there(x, fill):
+        out = jnp.full((worst, *x.shape[1:]), fill, x.dtype)
+        return ragged_all_to_all(x, out, send_offsets, send_sizes, landing, recv_sizes,
+                                 axis_name=AXIS)
+
+    received, received_ids = there(rows, 0), there(row_ids, local)
+    out = grouped_swiglu(received, received_ids, weights)
+    back = ragged_all_to_all(out, jnp.zeros_like(rows), recv_offsets, recv_sizes, origin,
+                             send_sizes, axis_name=AXIS)
+    slot_out = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
+    y = combine(slot_out.reshape(t, k, -1), gates, tokens.dtype)
+    return y, {"dropped": _f32(0), "a2a_rows": _f32(t * k), "a2a_padding": _f32(0)}
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point used by the model's MoE layers
+
+
+def _split_axes(rules: Mapping[str, tuple[str, ...]], mesh_shape: Mapping[str, int],
+                logical: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that split one logical dimension of the expert weights."""
+    axes = tuple(a for a in rules[logical] if mesh_shape[a] > 1)
+    if not set(axes) <= set(allowed):
+        raise ConfigError(f"parallel.rules.{logical}={','.join(rules[logical])}: expert "
+                          f"parallelism supports only mesh axes {', '.join(allowed)} here")
+    return axes
+
+
+def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
+                    platform: str = "cpu", ragged: bool | None = None) -> Experts:
+    """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a
+    mesh: per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
+    all-to-alls over ``expert`` when it has more than one device.
+
+    ``weights`` arrive as stored (rules table: ``experts`` over ``expert``, ``embed`` over
+    ``fsdp``, ``mlp`` over ``tensor``); each device all-gathers its experts' ``embed`` split,
+    whose transpose in the backward pass is the reduce-scatter of their gradient, as FSDP does
+    for every other weight. ``ragged`` picks the dropless exchange: ``ragged_all_to_all``
+    (default off the platforms in :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded
+    ``all_to_all``.
+    """
+    groups = mesh_shape[AXIS]
+    batch = tuple(a for a in BATCH_AXES if mesh_shape[a] > 1)
+    context = "context" if mesh_shape["context"] > 1 else None
+    token_axes = batch + ((context,) if context else ())
+    expert_dim = _split_axes(rules, mesh_shape, "experts", (AXIS,))
+    embed = _split_axes(rules, mesh_shape, "embed", token_axes)
+    hidden = _split_axes(rules, mesh_shape, "mlp", ("tensor",))
+    # Only when the experts' hidden units are split does tensor need manual handling; otherwise
+    # it stays automatic and every tensor shard computes the same (replicated) result.
+    tensor = "tensor" if hidden else None
+    manual = token_axes + ((tensor,) if tensor else ())
+    if groups > 1 and not expert_dim:
+        raise ConfigError("parallel.rules.experts: mesh.expert > 1 needs the experts dimension "
+                          "split over expert")
+    if ragged is None:
+        ragged = platform not in PADDED_ALL_TO_ALL_PLATFORMS
+    tokens_spec = P(batch or None, context, None)
+    x_dim, e_dim = expert_dim or None, embed or None
+    w_in, w_out = P(x_dim, e_dim, tensor), P(x_dim, tensor, e_dim)
+
+    # Token axes over which the weights are replicated (data, context, ...): their gradients
+    # are summed over these. Marking the weights as varying over them *before* the fsdp gather
+    # puts that sum after the reduce-scatter in the backward pass, on the 1/fsdp shard.
+    replicated = tuple(a for a in token_axes if a not in embed + expert_dim)
+
+    def gathered(w: jax.Array, axis: int) -> jax.Array:
+        """This device's experts with the whole model dimension (FSDP's gather)."""
+        if replicated:
+            w = lax.pcast(w, replicated, to="varying")
+        return lax.all_gather(w, embed, axis=axis, tiled=True) if embed else w
+
+    def experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
+                dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
+        num_experts = weights[0].shape[0]
+
+        def local(x, expert_ids, gates, w_gate, w_up, w_down):
+            b, s, e = x.shape
+            k = expert_ids.shape[-1]
+            tokens = x.reshape(b * s, e)
+            ids, g = expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
+            if tensor:  # backward: one all-reduce of d(tokens) over tensor, not one per slot
+                tokens = lax.pcast(tokens, tensor, to="varying")
+            w = (gathered(w_gate, 1), gathered(w_up, 1), gathered(w_down, 2))
+            if dispatch == "dropping":
+                y, stats = dropping_experts(tokens, ids, g, w, capacity_factor,
+                                            num_experts=num_experts,
+                                            exchange=_exchange if groups > 1 else None)
+            elif groups == 1:
+                y, stats = dropless_experts(tokens, ids, g, w)
+            elif ragged:
+                y, stats = ragged_dropless(tokens, ids, g, w, num_experts, groups)
+            else:
+                y, stats = padded_dropless(tokens, ids, g, w, num_experts, groups)
+            if tensor:  # the experts' hidden units were split: sum the partial outputs
+                y = lax.psum(y, tensor)
+            if token_axes:  # global counts: every device reports the same numbers. (A count
+                # that is the same on every device, such as a buffer size, is multiplied by the
+                # number of devices: psum of a value invariant over an axis.)
+                stats = {name: lax.psum(v, token_axes) for name, v in stats.items()}
+            return y.reshape(b, s, e), stats
+
+        stats_specs = {"dropped": P(), "a2a_rows": P(), "a2a_padding": P()}
+        return jax.shard_map(
+            local, in_specs=(tokens_spec, tokens_spec, tokens_spec, w_in, w_in, w_out),
+            out_specs=(tokens_spec, stats_specs), axis_names=frozenset(manual),
+        )(x, expert_ids, gates, *weights)
+
+    return experts
+
