@@ -499,11 +499,10 @@ def validate(cfg: Config, device_count: int) -> Config:
                  f"is not divisible by mesh.expert={mesh.expert}")
         _require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
                  f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
-        # The executor's stages are dense-only for now: a MoE block's aux losses and load
-        # statistics are not yet carried from stage to stage.
-        _require(mesh.pipe == 1, f"mesh.pipe={mesh.pipe} with model.moe.num_experts="
-                 f"{moe.num_experts}: MoE layers inside pipeline stages are not implemented "
-                 "yet; allowed with MoE: mesh.pipe=1")
+        units, chunks = m.n_layers // moe.every, mesh.pipe * p.virtual_stages
+        _require(units % chunks == 0, f"model.n_layers / model.moe.every = {units} groups is "
+                 f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
+                 "stages take whole groups)")
 
     # Batch and sequence.
     _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")

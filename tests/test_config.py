@@ -165,8 +165,9 @@ ERROR_CASES = {
     "moe-d-ff-expert-not-divisible-by-tensor": (
         ["mesh.data=4", "mesh.tensor=2", "model.moe.num_experts=4", "model.moe.d_ff_expert=33"],
         ["model.moe.d_ff_expert=33", "mesh.tensor=2"]),
-    "moe-inside-pipeline": (["mesh.data=4", "mesh.pipe=2", "model.moe.num_experts=4"],
-                            ["mesh.pipe=2", "MoE layers inside pipeline stages"]),
+    "moe-groups-over-stages": (["mesh.data=4", "mesh.pipe=2", "model.moe.num_experts=4",
+                                "model.moe.every=2"],
+                               ["model.n_layers / model.moe.every = 1", "mesh.pipe"]),
     # Scalar ranges.
     "steps-zero": (["train.steps=0"], ["train.steps", ">= 1"]),
     "lr-zero": (["train.lr=0.0"], ["train.lr", "> 0"]),

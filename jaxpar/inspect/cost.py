@@ -669,13 +669,16 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         """Gradients travel like their weights, but lm_head's: its matmul yields float32."""
         return nbytes if p.name == "lm_head" else moved(p, nbytes)
 
-    def reduced(group: list[ParamCost]) -> int:
-        """Gradient bytes of ``group`` reduced per step. Under a pipeline each backward reduces
-        what it produced: its chunk's layers every microbatch, the shared parameters
-        (embedding, final norm, head) on the first and last stage only, 1/p of the runs on
-        average."""
-        layers = sum(grad(p, p.bytes_per_device) for p in group if p.stacked)
-        shared = sum(grad(p, p.bytes_per_device) for p in group if not p.stacked)
+    def reduced(group: list[ParamCost], gathered: bool = False) -> int:
+        """Gradient bytes of ``group`` reduced per step (``gathered``: the unscattered size).
+        Under a pipeline each backward reduces what it produced: its chunk's layers every
+        microbatch, the shared parameters (embedding, final norm, head) on the first and last
+        stage only, 1/p of the runs on average."""
+        def size(p: ParamCost) -> int:
+            return grad(p, p.gathered_bytes if gathered else p.bytes_per_device)
+
+        layers = sum(size(p) for p in group if p.stacked)
+        shared = sum(size(p) for p in group if not p.stacked)
         if st.pipeline is None:
             return g * (layers + shared)
         return runs * layers + runs // st.p * shared
@@ -706,8 +709,7 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
             sum(moved(p, p.gathered_bytes) for p in fsdp_other),
             "embedding, lm_head and final norm gathered once per step", True)
         add("reduce-scatter", ("fsdp",), (n_layers + 1) * grad_runs,
-            reduced(lambda p: p.gathered_bytes if p.gathered_bytes != p.bytes_per_device
-                    else 0),
+            reduced(fsdp_layer + fsdp_other, gathered=True),
             "gradients reduce-scattered to their shards, every micro-step", True)
 
     # Data (and context) parallelism: gradients summed over the replicas, every micro-step;

@@ -637,15 +637,21 @@ def compile_table(table: Sequence[Tick], p: int, m: int, v: int = 1) -> Program:
 class Stages:
     """What a chunk computes, by its position in the model (``mb``: one microbatch's arrays).
 
-    ``first(shared, layers, mb) -> x``: embed the tokens, run the chunk's layers;
-    ``middle(shared, layers, x, mb) -> x``: run the chunk's layers;
-    ``last(shared, layers, x, mb) -> loss``: run the layers, then the head: summed token loss.
-    ``shared`` are the parameters outside the layer stack; ``layers`` the chunk's slice of it.
+    ``first(shared, layers, consts, mb) -> (x, aux)``: embed the tokens, run the chunk's layers;
+    ``middle(shared, layers, consts, x, mb) -> (x, aux)``: run the chunk's layers;
+    ``last(shared, layers, consts, x, mb) -> (loss, aux)``: the layers, then the head: summed
+    token loss. ``shared`` are the parameters outside the layer stack; ``layers`` the chunk's
+    slice of it; ``consts`` the chunk's slice of non-trained per-layer state (MoE router
+    biases). ``aux`` (``{}`` for a dense model) holds the chunk's MoE statistics, summed over its
+    layers except the ``layer_stacked`` keys, which keep one row per layer; ``aux_loss(aux)`` is
+    the term it adds to the objective.
     """
 
     first: Callable
     middle: Callable
     last: Callable
+    aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
+    layer_stacked: tuple[str, ...] = ()
 
 
 class _Carry(NamedTuple):
@@ -654,6 +660,7 @@ class _Carry(NamedTuple):
     layer_grads: Any  # like the local layers, [v, layers_per_chunk, ...], float32
     shared_grads: Any  # like the shared parameters, float32
     loss: jax.Array  # float32 scalar: summed token loss of the microbatches finished here
+    aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
 
 
 def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -666,45 +673,65 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
                             stash_spec: PartitionSpec, layer_grad_specs: Any,
                             shared_grad_specs: Any) -> Callable:
-    """``(shared, layers, micro) -> (loss_sum, shared_grads, layer_grads)`` running ``program``.
+    """``(shared, layers, consts, micro, loss_scale, aux_scale) -> (loss_sum, shared_grads,
+    layer_grads, aux)`` running ``program``.
 
     ``layers``: the stacked layer parameters ``[n_layers, ...]``, sharded over ``pipe`` on their
-    first dimension; ``shared``: the other parameters (replicated over ``pipe``); ``micro``:
-    ``[m, B/m, ...]`` arrays of the microbatches. Call under the mesh. ``stash_spec`` lays out
-    the stashes ``[slot, batch, seq, embed]``; the grad specs lay out the gradient sums (as the
-    parameters, without ``pipe``), all on the automatic axes.
+    first dimension, and ``consts`` the stacked non-trained state beside them; ``shared``: the
+    other parameters (replicated over ``pipe``); ``micro``: ``[m, B/m, ...]`` arrays of the
+    microbatches. The gradients are those of ``loss_scale * sum(token losses) + aux_scale *
+    sum over chunks and microbatches of aux_loss``; ``loss_sum`` is the unscaled token-loss sum
+    and ``aux`` the aux sums (layer-stacked keys over all layers, in stored order). Call under
+    the mesh. ``stash_spec`` lays out the stashes ``[slot, batch, seq, embed]``; the grad specs
+    lay out the gradient sums (as the parameters, without ``pipe``), on the automatic axes.
     """
     fields = {name: jnp.asarray(array) for name, array in program.fields.items()}
     forward_ring = [(s, (s + 1) % p) for s in range(p)]
     backward_ring = [(s, (s - 1) % p) for s in range(p)]
 
-    def per_device(shared: Any, layers: Any, micro: Any) -> tuple:
+    def per_device(shared: Any, layers: Any, consts: Any, micro: Any, loss_scale: jax.Array,
+                   aux_scale: jax.Array) -> tuple:
         stage = lax.axis_index(AXIS)
-        chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
+
+        def by_chunk(tree: Any) -> Any:
+            return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
+
+        chunks, const_chunks = by_chunk(layers), by_chunk(consts)
 
         def chunk(j: jax.Array) -> Any:
             return jax.tree.map(lambda a: a[j], chunks)
 
+        def const_chunk(j: jax.Array) -> Any:
+            return jax.tree.map(lambda a: a[j], const_chunks)
+
         def microbatch(i: jax.Array) -> Any:
             return jax.tree.map(lambda a: a[i], micro)
 
-        act = jax.eval_shape(stages.first, shared, chunk(0), microbatch(0))
+        act, aux_shapes = jax.eval_shape(stages.first, shared, chunk(0), const_chunk(0),
+                                         microbatch(0))
         no_act = jnp.zeros(act.shape, act.dtype)
 
-        def run(position: str, shared: Any, layers: Any, x: jax.Array, mb: Any) -> jax.Array:
+        def run(position: str, shared: Any, layers: Any, consts: Any, x: jax.Array, mb: Any,
+                ) -> tuple[jax.Array, Any]:
             if position == "first":
-                return stages.first(shared, layers, mb)
+                return stages.first(shared, layers, consts, mb)
             if position == "middle":
-                return stages.middle(shared, layers, x, mb)
-            return stages.last(shared, layers, x, mb)
+                return stages.middle(shared, layers, consts, x, mb)
+            return stages.last(shared, layers, consts, x, mb)
+
+        def add_aux(total: Any, aux: Any, j: jax.Array) -> Any:
+            return {k: total[k].at[j].add(a) if k in stages.layer_stacked else total[k] + a
+                    for k, a in aux.items()}
 
         def idle(carry: _Carry, row: dict) -> tuple:
             return carry, no_act, no_act
 
         def forward(position: str) -> Callable:
             def branch(carry: _Carry, row: dict) -> tuple:
-                x = carry.stash[row["act_slot"]]
-                y = run(position, shared, chunk(row["local_chunk"]), x, microbatch(row["mb"]))
+                j, x = row["local_chunk"], carry.stash[row["act_slot"]]
+                y, aux = run(position, shared, chunk(j), const_chunk(j), x,
+                             microbatch(row["mb"]))
+                carry = carry._replace(aux=add_aux(carry.aux, aux, j))
                 if position == "last":
                     return carry._replace(loss=carry.loss + y), no_act, no_act
                 return carry, y, no_act
@@ -717,11 +744,19 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
             def branch(carry: _Carry, row: dict) -> tuple:
                 j, mb = row["local_chunk"], microbatch(row["mb"])
                 x = carry.stash[row["act_slot"]]
-                dy = (jnp.ones((), jnp.float32) if position == "last"
-                      else carry.grad_stash[row["grad_slot"]])
-                _, vjp = jax.vjp(lambda sh, ly, x: run(position, sh, ly, x, mb),
-                                 shared, chunk(j), x)
-                d_shared, d_layers, dx = vjp(dy)  # XLA drops the halves a branch does not use
+                # The chunk's output gradient: the scaled loss's on the last chunk, else what the
+                # next stage sent (already scaled); its aux losses enter here too.
+                dy = (loss_scale if position == "last" else carry.grad_stash[row["grad_slot"]])
+                consts = const_chunk(j)
+
+                def objective_parts(sh: Any, ly: Any, x: jax.Array) -> tuple:
+                    out, aux = run(position, sh, ly, consts, x, mb)
+                    return out, stages.aux_loss(aux)
+
+                _, vjp = jax.vjp(objective_parts, shared, chunk(j), x)
+                # XLA drops the halves a branch does not use.
+                d_shared, d_layers, dx = vjp((dy.astype(act.dtype) if position != "last"
+                                              else dy, aux_scale))
                 if add_dw:
                     layer_grads = jax.tree.map(lambda acc, g: acc.at[j].add(g),
                                                carry.layer_grads, d_layers)
@@ -755,20 +790,41 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
             return jax.lax.with_sharding_constraint(
                 jnp.zeros((slots, *act.shape), act.dtype), stash_spec)
 
+        aux0 = {k: jnp.zeros((v, *a.shape) if k in stages.layer_stacked else a.shape, a.dtype)
+                for k, a in aux_shapes.items()}
         carry = _Carry(stash(program.act_slots), stash(program.grad_slots),
                        zeros(chunks, layer_grad_specs), zeros(shared, shared_grad_specs),
-                       jnp.zeros((), jnp.float32))
+                       jnp.zeros((), jnp.float32), aux0)
         carry, _ = lax.scan(tick, carry, fields)
-        layer_grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry.layer_grads)
-        # Only the first and last chunks touch the shared parameters and only the last has a
-        # loss; summing over pipe hands every stage the totals.
-        return (lax.psum(carry.loss, AXIS), lax.psum(carry.shared_grads, AXIS), layer_grads)
 
-    def run_pipeline(shared: Any, layers: Any, micro: Any) -> tuple:
-        layer_spec = jax.tree.map(lambda _: PartitionSpec(AXIS), layers)
-        return jax.shard_map(
-            per_device, in_specs=(PartitionSpec(), layer_spec, PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(), layer_spec),
-            axis_names=frozenset({AXIS}), check_vma=False)(shared, layers, micro)
+        def stacked(a: jax.Array) -> jax.Array:
+            return a.reshape(-1, *a.shape[2:])
+
+        layer_grads = jax.tree.map(stacked, carry.layer_grads)
+        # Only the first and last chunks touch the shared parameters and only the last has a
+        # loss; summing over pipe hands every stage the totals. Per-layer statistics stay with
+        # their stage, like the layers.
+        aux_sums = {k: lax.psum(a, AXIS) for k, a in carry.aux.items()
+                    if k not in stages.layer_stacked}
+        aux_layers = {k: stacked(a) for k, a in carry.aux.items() if k in stages.layer_stacked}
+        return (lax.psum(carry.loss, AXIS), lax.psum(carry.shared_grads, AXIS), layer_grads,
+                aux_sums, aux_layers)
+
+    def run_pipeline(shared: Any, layers: Any, consts: Any, micro: Any, loss_scale: jax.Array,
+                     aux_scale: jax.Array) -> tuple:
+        def split(tree: Any) -> Any:
+            return jax.tree.map(lambda _: PartitionSpec(AXIS), tree)
+
+        layer_spec = split(layers)
+        stacked_keys = {k: PartitionSpec(AXIS) for k in stages.layer_stacked}
+        loss, shared_grads, layer_grads, aux_sums, aux_layers = jax.shard_map(
+            per_device,
+            in_specs=(PartitionSpec(), layer_spec, split(consts), PartitionSpec(),
+                      PartitionSpec(), PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec(), layer_spec, PartitionSpec(),
+                       stacked_keys),
+            axis_names=frozenset({AXIS}), check_vma=False,
+        )(shared, layers, consts, micro, loss_scale, aux_scale)
+        return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}
 
     return run_pipeline

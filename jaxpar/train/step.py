@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import BATCH_AXES, Config, TrainConfig
 from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
-from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
+from jaxpar.model.moe import LAYER_STACKED, moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
 from jaxpar.parallel.context import context_attention, zigzag_order
 from jaxpar.parallel.data import optimizer_state_specs
@@ -120,33 +120,34 @@ def summed_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch
     return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"]), aux
 
 
-def model_stages(graphdef: nnx.GraphDef, *, dtype: Any, remat: str) -> Stages:
+def model_stages(graphdef: nnx.GraphDef, cfg: Config, *, dtype: Any, remat: str) -> Stages:
     """The model cut where pipeline chunks meet: embedding + layers, layers, layers + loss.
 
-    Dense models only (validation keeps MoE layers out of pipeline stages): the aux dict that
-    ``run_layers`` returns is empty and dropped.
+    Each piece returns the chunk's MoE aux dict beside its output (``{}`` for a dense model);
+    the executor adds ``moe_loss`` of it to the objective.
     """
 
-    def model(shared: dict, layers: dict) -> nnx.Module:
-        return nnx.merge(graphdef, {**shared, "layers": layers}, {})
+    def model(shared: dict, layers: dict, consts: dict) -> nnx.Module:
+        return nnx.merge(graphdef, {**shared, "layers": layers},
+                         {"layers": consts} if consts else {})
 
-    def first(shared: dict, layers: dict, mb: Batch) -> jax.Array:
-        net = model(shared, layers)
-        x, _ = net.run_layers(net.embed(mb["inputs"], dtype=dtype), mb["positions"],
+    def first(shared: dict, layers: dict, consts: dict, mb: Batch) -> tuple:
+        net = model(shared, layers, consts)
+        return net.run_layers(net.embed(mb["inputs"], dtype=dtype), mb["positions"],
                               remat=remat)
-        return x
 
-    def middle(shared: dict, layers: dict, x: jax.Array, mb: Batch) -> jax.Array:
-        x, _ = model(shared, layers).run_layers(x, mb["positions"], remat=remat)
-        return x
+    def middle(shared: dict, layers: dict, consts: dict, x: jax.Array, mb: Batch) -> tuple:
+        return model(shared, layers, consts).run_layers(x, mb["positions"], remat=remat)
 
-    def last(shared: dict, layers: dict, x: jax.Array, mb: Batch) -> jax.Array:
-        net = model(shared, layers)
-        x, _ = net.run_layers(x, mb["positions"], remat=remat)
+    def last(shared: dict, layers: dict, consts: dict, x: jax.Array, mb: Batch) -> tuple:
+        net = model(shared, layers, consts)
+        x, aux = net.run_layers(x, mb["positions"], remat=remat)
         logits = net.logits(x, dtype=dtype)
-        return jnp.sum(token_losses(logits, mb["targets"]) * mb["mask"])
+        return jnp.sum(token_losses(logits, mb["targets"]) * mb["mask"]), aux
 
-    return Stages(first, middle, last)
+    moe = cfg.model.moe
+    return Stages(first, middle, last, aux_loss=lambda aux: moe_loss(aux, moe),
+                  layer_stacked=LAYER_STACKED if moe.enabled else ())
 
 
 @dataclass(frozen=True)
@@ -292,15 +293,17 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
         batch = dict(batch, positions=positions)
         grad_fn = jax.grad(objective, has_aux=True)
-        if run_pipeline is not None:  # a dense model (validation): no aux
-            def grad_fn(params, buffers, batch, valid):  # noqa: ARG001
+        if run_pipeline is not None:
+            def grad_fn(params, buffers, batch, valid):
+                # The objective above, with each microbatch's MoE aux losses averaged over
+                # every microbatch of every micro-step (as grad_accum = accum x microbatches).
                 shared = {k: v for k, v in params.items() if k != "layers"}
                 micro = split_micro_steps(batch, cfg.train.microbatches)
-                loss_sum, shared_grads, layer_grads = run_pipeline(shared, params["layers"],
-                                                                   micro)
-                grads = jax.tree.map(lambda g: g / valid,
-                                     {**shared_grads, "layers": layer_grads})
-                return grads, (loss_sum, {})
+                aux_scale = jnp.asarray(1.0 / (accum * cfg.train.microbatches), jnp.float32)
+                loss_sum, shared_grads, layer_grads, aux = run_pipeline(
+                    shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid,
+                    aux_scale)
+                return {**shared_grads, "layers": layer_grads}, (loss_sum, aux)
         with activation_sharding(constrain), use_attention(attention), use_experts(experts):
             if accum == 1:
                 grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
@@ -343,7 +346,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
                    "nonfinite": ~finite}
         buffers = state.buffers
         if moe.enabled:
-            metrics.update(moe_metrics(aux, cfg.model, accum))
+            metrics.update(moe_metrics(aux, cfg.model, accum * cfg.train.microbatches))
             if moe.router == "sigmoid_bias":
                 # The only buffers are the stacked router biases, one row per MoE layer.
                 buffers = jax.tree.map(
@@ -402,7 +405,8 @@ def _pipeline(cfg: Config, graphdef: nnx.GraphDef, specs: dict, rules: dict, dty
                                     specs["layers"],
                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
     shared_grad_specs = {k: v for k, v in specs.items() if k != "layers"}
-    run = pipeline_loss_and_grads(program, model_stages(graphdef, dtype=dtype, remat=remat), p=p,
+    run = pipeline_loss_and_grads(program, model_stages(graphdef, cfg, dtype=dtype, remat=remat),
+                                  p=p,
                                   v=v, stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs)
     order = stage_layer_order(cfg.model.n_layers, p, v)
