@@ -302,14 +302,14 @@ def test_tiny_resolves_data_to_all_devices():
         "pipe": 1, "data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
 
 
-def test_demo_5d_mesh_is_pipe_fsdp_context_tensor_2x2x2x2():
+def test_demo_5d_runs_all_five_axes_pipe_expert_context_tensor_with_moe_layers():
     cfg = load_config("demo-5d")
     cfg = validate(cfg, cfg.host_devices)
     assert cfg.host_devices == 16
     assert cfg.mesh_shape == {
-        "pipe": 2, "data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
-    assert cfg.parallel.sequence_parallel is True and cfg.parallel.zero == 3
-    assert cfg.train.microbatches > 1
+        "pipe": 2, "data": 1, "fsdp": 1, "expert": 2, "context": 2, "tensor": 2}
+    assert cfg.parallel.sequence_parallel is True and cfg.train.microbatches > 1
+    assert cfg.model.moe.num_experts == 4 and cfg.model.n_moe_layers == 2
 
 
 def test_preset_name_with_yaml_suffix_and_path_load_the_same():

@@ -73,7 +73,8 @@ def test_golden_file_shows_the_expected_splits():
     assert golden["tiny data=2 tensor=4"]["layers/attn/wo"] == [None, "tensor", None, None]
     assert golden["tiny data=2 tensor=4"]["layers/mlp/w_up"] == [None, None, "tensor"]
     assert golden["tiny data=2 tensor=4"]["embedding"] == ["tensor", None]
-    assert golden["demo-5d"]["layers/mlp/w_down"] == ["pipe", "tensor", "fsdp"]
+    assert golden["demo-5d"]["layers/block_0/mlp/w_down"] == ["pipe", "tensor", None]
+    assert golden["demo-5d"]["layers/block_1/moe/w_gate"] == ["pipe", "expert", None, "tensor"]
     moe = golden["moe-tiny data=2 fsdp=2 expert=2"]
     assert moe["layers/moe/w_down"] == [None, "expert", None, "fsdp"]
     assert moe["layers/moe/router"] == [None, "fsdp", None]  # routers are not split by expert
