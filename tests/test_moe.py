@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
+from test_parallel_layouts import make_batches, max_relative_error
 
 import jaxpar.parallel.expert as expert_module
 from jaxpar.config import MoEConfig, load_config, validate
@@ -359,7 +360,6 @@ def test_aux_loss_free_bias_update_balances_a_skewed_router():
 # every layout also update (and route with) the router biases, which must agree across layouts.
 BASE = ["train.steps=3", "train.warmup_steps=1", "train.batch_size=8", "train.seq_len=32",
         "train.eps=1e-6", "model.moe.router=sigmoid_bias", "model.moe.bias_update_rate=0.01"]
-STEPS = 3
 REFERENCE = ("mesh.data=1",)
 LAYOUTS = {
     "expert=4": ("mesh.data=1", "mesh.expert=4"),
@@ -372,20 +372,6 @@ LAYOUTS = {
         "parallel.sequence_parallel=true", "model.moe.dispatch=dropping",
         "model.moe.capacity_factor=2.0"),
 }
-
-
-def make_batches(cfg) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(1234)
-    b, s = cfg.train.batch_size, cfg.train.seq_len
-    batches = []
-    for _ in range(STEPS):
-        mask = np.ones((b, s), np.float32)
-        mask[0, -7:] = 0.0
-        mask[5, :3] = 0.0
-        batches.append({"inputs": rng.integers(0, 256, (b, s), dtype=np.int32),
-                        "targets": rng.integers(0, 256, (b, s), dtype=np.int32),
-                        "mask": mask})
-    return batches
 
 
 @functools.cache
@@ -407,13 +393,6 @@ def run_layout(overrides: tuple[str, ...]) -> dict:
             "loss": float(loss), "grads": jax.tree.map(np.asarray, grads),
             "aux": jax.tree.map(np.asarray, aux), "metrics": history, "buffers": buffers,
             "params": jax.tree.map(np.asarray, state.params)}
-
-
-def max_relative_error(actual: dict, expected: dict) -> dict[str, float]:
-    errors = jax.tree.map(
-        lambda a, e: float(np.max(np.abs(a - e)) / max(np.max(np.abs(e)), 1e-30)),
-        actual, expected)
-    return {jax.tree_util.keystr(p): e for p, e in jax.tree_util.tree_leaves_with_path(errors)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -104,13 +104,9 @@ def find_checkpoint(cfg: Config) -> Path | None:
         raise CheckpointError(f"train.resume={resume}: no complete checkpoint for step "
                               f"{int(resume)} in {root} (complete: "
                               f"{', '.join(map(str, steps)) or 'none'})")
-    path = Path(resume).expanduser()
-    if _is_step_dir(path) and ocp.path.step.is_path_finalized(path):
+    path = _newest_at(Path(resume).expanduser())
+    if path is not None:
         return path
-    for candidate in (path / CHECKPOINTS, path):
-        steps = complete_steps(candidate)
-        if steps:
-            return candidate / str(steps[-1])
     raise CheckpointError(f"train.resume={resume}: no complete checkpoint there; allowed: auto, "
                           "never, a step number, or a path to a step directory (run/checkpoints/"
                           "200) or to a directory holding them")
@@ -358,13 +354,21 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
     return weights, config_json, int(meta["step"])
 
 
-def _resolve_export_source(source: Path) -> Path:
-    source = source.expanduser()
-    if _is_step_dir(source) and ocp.path.step.is_path_finalized(source):
-        return source
-    for candidate in (source / CHECKPOINTS, source):
+def _newest_at(path: Path) -> Path | None:
+    """``path`` if it is a complete step directory, else the newest complete checkpoint in
+    ``path/checkpoints`` or ``path`` (a run or checkpoints directory); None if there is none."""
+    if _is_step_dir(path) and ocp.path.step.is_path_finalized(path):
+        return path
+    for candidate in (path / CHECKPOINTS, path):
         steps = complete_steps(candidate)
         if steps:
             return candidate / str(steps[-1])
+    return None
+
+
+def _resolve_export_source(source: Path) -> Path:
+    found = _newest_at(source.expanduser())
+    if found is not None:
+        return found
     raise CheckpointError(f"{source}: no complete checkpoint there (expected a step directory "
                           "such as run/checkpoints/200, or a directory holding them)")
