@@ -468,12 +468,11 @@ def validate(cfg: Config, device_count: int) -> Config:
     if schedule == "interleaved" and mesh.pipe > 1:
         _require(t.microbatches % mesh.pipe == 0, f"train.microbatches={t.microbatches} is not "
                  f"divisible by mesh.pipe={mesh.pipe}, which the interleaved schedule needs")
-    # A stage's code runs inside a branch only that stage takes, and the ring's
-    # collective-permutes would need every device to take part (XLA:CPU crashes, others may
-    # hang); all-gather attention's collectives stay within one stage's context group.
-    _require(not (mesh.pipe > 1 and mesh.context > 1 and p.context_impl == "ring"),
-             f"parallel.context_impl=ring cannot run inside pipeline stages (mesh.pipe="
-             f"{mesh.pipe}, mesh.context={mesh.context}); allowed with a pipeline: allgather")
+    # The pipeline splits the vocabulary (embedding, head, loss) into one piece per stage,
+    # each split again over tensor.
+    _require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
+             f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
+             f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
     # Mixture of experts.
     moe = m.moe
     _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 "

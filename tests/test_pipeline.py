@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_parallel_layouts import max_relative_error, per_step_bytes, run_layout
 
-from jaxpar.parallel.pipeline import (
+from jaxpar.parallel.pipeline_schedules import (
     schedule_table,
     stage_layer_order,
 )

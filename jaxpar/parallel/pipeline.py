@@ -1,572 +1,100 @@
-"""Pipeline parallelism: the schedule tables that say which stage does what at every tick.
+"""The pipeline executor: one SPMD program that runs any schedule inside ``shard_map`` over ``pipe``.
 
-What it splits. The layer stack is cut into ``p`` consecutive *stages*, one per device along the
-``pipe`` mesh axis; each device stores and updates only its stage's layers. Interleaved schedules
-cut finer, into ``v * p`` *chunks* (virtual stages): device ``s`` holds chunks ``s, s+p, s+2p,
-...``, so a microbatch laps the ring of devices ``v`` times.
+The schedules (:mod:`jaxpar.parallel.pipeline_schedules`) say which stage does what at each
+*step*. This module turns them into integer arrays (:func:`compile_program`) and runs them.
 
-What it communicates. The global batch of one pipeline (``B`` sequences) is split into ``m``
-microbatches. At each stage boundary a microbatch's activation goes forward and, later, its
-gradient comes back: one ``ppermute`` over ``pipe`` each way, ``B/m x S x d_model`` elements per
-microbatch per boundary. There are ``v*p - 1`` boundaries, so interleaving multiplies this traffic
-by ``v`` (the boundary from chunk ``p-1`` back to chunk ``p`` goes from the last device to the
-first: the ppermute is a ring). The executor below sends on every tick of the table (zeros when
-a stage has nothing to send), so the bytes are ``2 x ticks`` messages per device. Little else
-crosses ``pipe``: each stage's gradients belong to its own layers (their data-parallel
-reductions run over the other axes); the parameters outside the layer stack (embedding, final
-norm, head) are replicated over ``pipe``, used by the first or last chunk only, and their
-gradients summed over ``pipe`` once per step.
+One program on every stage. Every device runs the same operations at every step; the arrays
+choose only data: which microbatch, which of the device's chunks, which stash slot to read and
+write, and masks for slots a stage has no work in. The steps of one kind (forward only, forward
+and backward, backward only, ...) form a *stretch*, run as one ``lax.scan`` whose body holds
+exactly that kind's slots. No collective sits inside a conditional, so every collective the
+compiler inserts inside a stage (tensor all-reduces, context rings, expert all-to-alls, FSDP
+gathers) is reached by all its participants, on every backend.
 
-Why a bubble. Microbatch 0 reaches stage ``s`` only after ``s`` stages have run it, and its
-gradient returns only after all later stages have, so at the start and the end of a step some
-devices wait. Measured as the idle share of the (ticks x stages) table:
+A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
 
-    schedule      idle (bubble) fraction        activations held by the busiest stage
-    gpipe         (p-1) / (m+p-1)               m microbatches
-    1f1b          (p-1) / (m+p-1)               p microbatches (stage s: p-s)
-    interleaved   (p-1) / (v*m+p-1)             2(p-1)+(v-1)p+1 chunks = p + (p-1)/v stages
-    zero_bubble   (p-1) / (3m+p-1), m >= p      p microbatches (every stage)
+1. *Embed* (steps with a forward slot). The vocabulary is cut into ``p`` pieces, one per
+   stage (and each piece split over the axes that split ``vocab``). Each stage multiplies the
+   one-hot tokens of the microbatch entering chunk 0 with its piece of the table and a ``psum``
+   over ``pipe`` adds the pieces: one all-reduce of one activation. Stage 0 uses the sum.
+2. *Forward slot*. Run the chunk's layers on the input (the embedding, or an activation that
+   arrived earlier) under ``jax.vjp``; keep the VJP's residuals in a stash slot. Nothing is
+   recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
+   each layer's input).
+3. *Head and loss* (steps with a forward slot). A ``psum`` hands the last stage's output to
+   every stage; each computes the logits of its vocabulary piece, the log-sum-exp and target
+   logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage derives its
+   piece's logit gradients by hand; the gradient w.r.t. the last chunk's output is a ``psum`` of
+   the pieces' contributions. The head's weights and work are split ``p`` ways, not repeated.
+4. *Backward slot* (``B``, or ``I`` then ``W``). Rebuild the VJP from the stash and the
+   chunk's weights and pull the output gradient through it: the input gradient goes to the
+   previous stage, the weight gradient is added to the stage's local sum. Chunk 0's input
+   gradient is handed to all stages (``psum``) for the embedding pieces' gradients.
+5. *Send*: one ``ppermute`` forward (activations) and one backward (input gradients), each
+   only in steps that have that slot.
 
-GPipe shrinks the bubble only by raising ``m`` (and holds all ``m`` activations). 1F1B
-alternates: once a stage has warmed up it runs one backward after each forward, so it never holds
-more than ``p`` microbatches' activations; the bubble is unchanged. Interleaving makes each tick
-``v`` times shorter while the pipeline fills in the same number of ticks, dividing the bubble by
-about ``v`` for ``v``-fold communication and a little more memory. Zero bubble (ZB-H1) splits the
-backward into ``I`` (gradient w.r.t. the stage's input, which the previous stage waits for) and
-``W`` (gradient w.r.t. the stage's weights, which nobody waits for), and moves ``W``s into the
-ticks where 1F1B idles.
+Bytes over ``pipe`` per step: one activation per ``ppermute``, two all-reduced activations with
+a forward slot (embedding, last output) and one more for the head gradient, one with a backward
+slot (chunk 0's input gradient), and ``[B/m, S]`` scalars for the loss. At the end the stages'
+embedding/head gradients are summed over ``pipe`` (those parameters' bytes).
 
-Cost model (the same for every table, so their bubbles compare). One *tick* is the time of one
-forward through one chunk (a whole stage when ``v = 1``). A backward costs two forwards (each
-matmul of the forward has two in the backward: one for the input gradient, one for the weight
-gradient), so ``B`` occupies two consecutive ticks of its stage and ``I`` and ``W`` one each.
-Sending a result to the next stage is free, but the receiver starts at the earliest on the tick
-after the sender finished. With this model the formulas above are exact (the tests check them
-with ``fractions.Fraction``).
+Memory per stage: the stashes (arrived inputs, residuals, output gradients; each slot one
+microbatch of one chunk, and one spare slot that masked writes go to), and the gradient sums.
+Slots are handed out lowest free first when the program is compiled, so their number is the
+schedule's peak in flight: ``m`` for GPipe, ``2(p-1)+1`` on the first stage for 1F1B.
 
-A table is a list of ticks, each a tuple with one entry per stage: an :class:`Action` or
-``None`` (idle). A ``B`` appears in both of its ticks. The builders write down each stage's
-*order* of actions (that is all a schedule is) and :func:`as_soon_as_possible` times them. The
-executor (the last part of this module) runs any valid table inside ``shard_map`` over
-``pipe``: at every tick each device looks up its own action and does it.
+Parameters. A device's slice of the stacked layers, ``[v * layers_per_chunk, ...]``, holds its
+chunks s, s+p, ... in that order (for ``v > 1`` the trainer stores the layers permuted so;
+:func:`jaxpar.parallel.pipeline_schedules.stage_layer_order`). Embedding, final norm and head
+are stored replicated over ``pipe``; each stage reads its vocabulary piece of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
-Kind = Literal["F", "B", "I", "W"]
-
-# Ticks each kind of action occupies (see "Cost model" above).
-TICKS: dict[str, int] = {"F": 1, "B": 2, "I": 1, "W": 1}
-
-
-@dataclass(frozen=True)
-class Action:
-    """One unit of work: forward ``F``, full backward ``B``, or its halves ``I`` (input gradient)
-    and ``W`` (weight gradient), of microbatch ``mb`` through model chunk ``chunk``."""
-
-    kind: Kind
-    mb: int
-    chunk: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in TICKS:
-            raise ValueError(f"Action kind {self.kind!r} is not one of {', '.join(TICKS)}")
-
-    @property
-    def ticks(self) -> int:
-        return TICKS[self.kind]
-
-    def __str__(self) -> str:
-        return f"{self.kind}(mb={self.mb}, chunk={self.chunk})"
-
-
-Tick = tuple[Action | None, ...]
-Table = list[Tick]
-
-
-def stage_of(chunk: int, p: int) -> int:
-    """The device along ``pipe`` that holds ``chunk``: chunks go round the ring, s, s+p, ..."""
-    return chunk % p
-
-
-# --------------------------------------------------------------------------------------------
-# Dependencies: what an action needs before it can start.
-#
-# Results are named by keys (role, mb, chunk). "out" is a chunk's forward output, "dx" the
-# gradient w.r.t. a chunk's input (made by B or by I), "I" the input-gradient half alone (W
-# reuses what I computed).
-
-
-def _provides(a: Action) -> list[tuple[str, int, int]]:
-    roles = {"F": ["out"], "B": ["dx"], "I": ["dx", "I"], "W": []}[a.kind]
-    return [(role, a.mb, a.chunk) for role in roles]
-
-
-def _needs(a: Action, n_chunks: int) -> list[tuple[str, tuple[str, int, int]]]:
-    """(why, key) pairs: the results ``a`` must wait for."""
-    if a.kind == "F":
-        # The first chunk reads the microbatch itself; the others the previous chunk's output.
-        return [("its input from", ("out", a.mb, a.chunk - 1))] if a.chunk > 0 else []
-    if a.kind in ("B", "I"):
-        # A backward needs its own forward's activations and, except on the last chunk (whose
-        # forward ends in the loss), the gradient w.r.t. its output = the next chunk's dx.
-        needs = [("its own forward", ("out", a.mb, a.chunk))]
-        if a.chunk < n_chunks - 1:
-            needs.append(("its output gradient from", ("dx", a.mb, a.chunk + 1)))
-        return needs
-    return [("the input-gradient half", ("I", a.mb, a.chunk))]
-
-
-# --------------------------------------------------------------------------------------------
-# Timing: from each stage's order of actions to a table.
-
-
-def as_soon_as_possible(orders: Sequence[Sequence[Action]], v: int = 1) -> Table:
-    """Time per-stage orders: each stage runs its list in order, each action starting at the
-    first tick when its stage is free and everything it needs has finished.
-
-    ``orders[s]`` is stage ``s``'s list; ``v`` is the number of chunks per stage. This is what
-    devices running those lists would do on their own, so the table is the schedule's timing.
-    Raises ValueError if the orders deadlock (some stage waits for a result that never comes).
-    """
-    p = len(orders)
-    n_chunks = v * p
-    ready: dict[tuple[str, int, int], int] = {}  # result -> first tick it can be used
-    start: dict[tuple[int, Action], int] = {}
-    next_index = [0] * p
-    free_at = [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while next_index[s] < len(orders[s]):
-                a = orders[s][next_index[s]]
-                if (s, a) in start:
-                    raise ValueError(f"stage {s} lists {a} twice")
-                keys = [key for _, key in _needs(a, n_chunks)]
-                if any(key not in ready for key in keys):
-                    break  # this stage waits; another stage's progress may unblock it
-                t = max([free_at[s], *(ready[key] for key in keys)])
-                start[(s, a)] = t
-                free_at[s] = t + a.ticks
-                for key in _provides(a):
-                    ready[key] = free_at[s]
-                next_index[s] += 1
-                progress = True
-    stuck = [f"stage {s} at {orders[s][i]}" for s, i in enumerate(next_index) if i < len(orders[s])]
-    if stuck:
-        raise ValueError(f"the stage orders deadlock: {', '.join(stuck)} wait forever")
-
-    table: list[list[Action | None]] = [[None] * p for _ in range(max(free_at, default=0))]
-    for (s, a), t in start.items():
-        for tick in range(t, t + a.ticks):
-            table[tick][s] = a
-    return [tuple(row) for row in table]
-
-
-def _check_sizes(p: int, m: int, v: int = 1) -> None:
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"pipeline schedule needs p, m, v >= 1; got p={p} m={m} v={v}")
-
-
-# --------------------------------------------------------------------------------------------
-# The schedules
-
-
-def gpipe(p: int, m: int) -> Table:
-    """GPipe: every stage runs all ``m`` forwards, then all ``m`` backwards.
-
-    Stage ``s`` runs F(j) at tick ``s + j``. The last backward on stage 0 ends after the forward
-    wave (``m + p - 1`` ticks) and the backward wave (``2(m + p - 1)`` ticks), so the table is
-    ``3(m+p-1)`` ticks long, each stage busy ``3m`` of them:
-    bubble = 3(p-1) / 3(m+p-1) = (p-1)/(m+p-1). Every stage holds all ``m`` microbatches'
-    activations at the turn.
-    """
-    _check_sizes(p, m)
-    orders = [[Action("F", j, s) for j in range(m)] + [Action("B", j, s) for j in range(m)]
-              for s in range(p)]
-    return as_soon_as_possible(orders)
-
-
-def _one_f_one_b_orders(p: int, m: int, split_backward: bool) -> list[list[Action]]:
-    """Per-stage orders of 1F1B and ZB-H1, written as one loop over steps x = 0 .. m+p-2.
-
-    At step x stage s runs F(x), then the backward of microbatch x-(p-1-s): the last stage
-    turns each microbatch around at once, stage s runs p-1-s forwards ahead (warm-up), and the
-    steps past m are the cool-down. With ``split_backward`` that backward is I only, and W runs
-    for microbatch x-(p-1): W lags I by s steps on stage s. Stage s thus passes its first s
-    gradients upstream without stopping for their W's and runs those W's at the end, where in
-    1F1B it would sit idle while the earlier stages finish; F(x) still comes after W(x-p), so at
-    most p microbatches are in flight.
-    """
-    orders = []
-    for s in range(p):
-        order = []
-        for x in range(m + p - 1):
-            if x < m:
-                order.append(Action("F", x, s))
-            if 0 <= (back := x - (p - 1 - s)) < m:
-                order.append(Action("I" if split_backward else "B", back, s))
-            if split_backward and 0 <= (weight := x - (p - 1)) < m:
-                order.append(Action("W", weight, s))
-        orders.append(order)
-    return orders
-
-
-def one_f_one_b(p: int, m: int) -> Table:
-    """1F1B (PipeDream-flush, Megatron's default): warm up with ``p-1-s`` forwards on stage
-    ``s``, then alternate one forward and one backward, then cool down with the last backwards.
-
-    Each backward starts as early as dependencies allow, which frees a microbatch's activations
-    early: stage ``s`` never holds more than ``p - s`` of them (GPipe: ``m``). The critical path
-    is the same as GPipe's (``3(m+p-1)`` ticks), so the bubble is too: (p-1)/(m+p-1).
-    """
-    _check_sizes(p, m)
-    return as_soon_as_possible(_one_f_one_b_orders(p, m, split_backward=False))
-
-
-def interleaved(p: int, m: int, v: int) -> Table:
-    """Megatron's interleaved 1F1B: ``v`` chunks per stage, stage ``s`` holding chunks
-    ``s, s+p, ..., s+(v-1)p``; ``m`` must be divisible by ``p``.
-
-    Microbatches go in groups of ``p``: stage ``s`` runs the group through its first chunk, then
-    its second, ... (microbatch 0's output from chunk ``p-1`` on the last stage arrives back at
-    stage 0 exactly when stage 0 has finished the group, hence ``m % p == 0``). Its k-th forward
-    is group ``k // (p v)``, chunk lap ``(k // p) % v``; backwards run the laps in reverse.
-    Stage ``s`` warms up with ``2(p-1-s) + (v-1)p`` forwards (the other laps of the first group,
-    plus the round trip to the last stage and back), then alternates, then cools down.
-
-    Ticks are chunk-forwards (one chunk is 1/v of a stage), so a stage is busy ``3vm`` ticks and
-    the fill/drain costs ``3(p-1)`` of them: bubble = (p-1)/(v m + p-1). The busiest stage holds
-    ``min(2(p-1) + (v-1)p + 1, v m)`` chunks' activations: p + (p-1)/v stages' worth when m is
-    large enough (1F1B: p).
-    """
-    _check_sizes(p, m, v)
-    if m % p:
-        raise ValueError(f"interleaved schedule needs microbatches divisible by stages: "
-                         f"m={m} is not divisible by p={p}")
-    total = v * m
-
-    def nth(s: int, k: int, kind: Kind) -> Action:
-        group, position = divmod(k, p * v)
-        lap = position // p if kind == "F" else v - 1 - position // p
-        return Action(kind, group * p + position % p, s + p * lap)
-
-    orders = []
-    for s in range(p):
-        warmup = min(2 * (p - 1 - s) + (v - 1) * p, total)
-        order = [nth(s, k, "F") for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [nth(s, warmup + k, "F"), nth(s, k, "B")]
-        order += [nth(s, k, "B") for k in range(total - warmup, total)]
-        orders.append(order)
-    return as_soon_as_possible(orders, v)
-
-
-def zero_bubble(p: int, m: int) -> Table:
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B with each backward
-    split into ``I`` and ``W``; I keeps B's place, W is delayed to fill the cool-down.
-
-    Only I is on the critical path back to stage 0, and it costs one tick instead of two, so
-    the gradient wave returns faster. With F = I = W = 1 tick, for ``m >= p`` the table is
-    ``3m + p - 1`` ticks: bubble = (p-1)/(3m+p-1), a third of 1F1B's 3(p-1) idle ticks per
-    stage. Every stage holds at most ``p`` microbatches (counted until their W), the same peak
-    as 1F1B's stage 0; between I and W only the weight-gradient inputs are kept, so this count
-    is an upper bound.
-    """
-    _check_sizes(p, m)
-    return as_soon_as_possible(_one_f_one_b_orders(p, m, split_backward=True))
-
-
-SCHEDULES: dict[str, Callable[..., Table]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "zero_bubble": zero_bubble,
-}
-
-
-def schedule_table(name: str, p: int, m: int, v: int = 1) -> Table:
-    """The table for ``parallel.pipeline_schedule=name`` (``v``: ``parallel.virtual_stages``)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
-    if name == "interleaved":
-        return interleaved(p, m, v)
-    if v != 1:
-        raise ValueError(f"pipeline schedule {name!r} runs one chunk per stage; v={v} needs "
-                         "'interleaved'")
-    return SCHEDULES[name](p, m)
-
-
-# --------------------------------------------------------------------------------------------
-# Reading tables
-
-
-@dataclass(frozen=True)
-class _Run:
-    """An action placed in a table: stage, first tick, tick after the last."""
-
-    action: Action
-    stage: int
-    start: int
-    end: int
-
-
-def _width(table: Sequence[Tick]) -> int:
-    """The number of stages; every tick must have that many entries."""
-    if not table:
-        raise ValueError("the schedule table is empty")
-    p = len(table[0])
-    for t, tick in enumerate(table):
-        if len(tick) != p:
-            raise ValueError(f"tick {t} has {len(tick)} entries, tick 0 has {p}")
-        for s, cell in enumerate(tick):
-            if cell is not None and not isinstance(cell, Action):
-                raise ValueError(f"tick {t}, stage {s}: {cell!r} is neither an Action nor None")
-    return p
-
-
-def _runs(table: Sequence[Tick]) -> list[_Run]:
-    """Each stage's consecutive equal entries merged into one run, all sorted by start tick."""
-    p = _width(table)
-    runs = []
-    for s in range(p):
-        t = 0
-        while t < len(table):
-            a = table[t][s]
-            end = t + 1
-            while end < len(table) and table[end][s] == a:
-                end += 1
-            if a is not None:
-                runs.append(_Run(a, s, t, end))
-            t = end
-    return sorted(runs, key=lambda r: (r.start, r.stage))
-
-
-def bubble_fraction(table: Sequence[Tick]) -> Fraction:
-    """Idle entries / all entries (ticks x stages), exactly."""
-    p = _width(table)
-    idle = sum(cell is None for tick in table for cell in tick)
-    return Fraction(idle, len(table) * p)
-
-
-def peak_in_flight(table: Sequence[Tick]) -> tuple[int, ...]:
-    """Per stage, the most (microbatch, chunk) pairs whose forward has started but whose
-    backward (B, or W for a split backward) has not finished: the activations it must hold."""
-    p = _width(table)
-    held = [0] * p
-    peak = [0] * p
-    for run in _runs(table):
-        if run.action.kind == "F":
-            held[run.stage] += 1
-            peak[run.stage] = max(peak[run.stage], held[run.stage])
-        elif run.action.kind in ("B", "W"):
-            held[run.stage] -= 1
-    return tuple(peak)
-
-
-def render(table: Sequence[Tick]) -> str:
-    """One text row per stage, one column per tick: ``F3`` = forward of microbatch 3, ``.`` =
-    idle; a B shows in both its ticks. When stages hold several chunks a letter names which
-    (``F3a`` on stage s = chunk s, ``F3b`` = chunk s+p, ...)."""
-    p = _width(table)
-    several = any(cell is not None and cell.chunk >= p for tick in table for cell in tick)
-
-    def label(cell: Action | None) -> str:
-        if cell is None:
-            return "."
-        lap = chr(ord("a") + cell.chunk // p) if several else ""
-        return f"{cell.kind}{cell.mb}{lap}"
-
-    labels = [[label(cell) for cell in tick] for tick in table]
-    width = max(len(text) for row in labels for text in row)
-    name = len(str(p - 1))
-    rows = []
-    for s in range(p):
-        cells = " ".join(row[s].ljust(width) for row in labels)
-        rows.append(f"stage {s:>{name}}: {cells}".rstrip())
-    return "\n".join(rows)
-
-
-# --------------------------------------------------------------------------------------------
-# Validation
-
-
-def validate(table: Sequence[Tick], p: int, m: int, v: int = 1) -> None:
-    """Raise ValueError naming the first thing that makes ``table`` an impossible schedule.
-
-    Checked in this order, each in tick order: the shape (``p`` entries per tick, one action or
-    None each, so no stage does two things at once); each run of an action lasts its ticks, on
-    the stage that holds its chunk, with ``mb`` and ``chunk`` in range; every (mb, chunk) has
-    exactly one F and exactly one backward (a B, or an I and a W); and nothing starts before
-    what it needs has finished on an earlier tick (F after the previous chunk's F, B/I after
-    their own F and the next chunk's B/I, W after its I).
-    """
-    if table and len(table[0]) != p:
-        raise ValueError(f"tick 0 has {len(table[0])} entries, expected one per stage (p={p})")
-    runs = _runs(table)
-    n_chunks = v * p
-
-    for r in runs:
-        a = r.action
-        where = f"{a} on stage {r.stage} at tick {r.start}"
-        if r.end - r.start != a.ticks:
-            raise ValueError(f"{where} lasts {r.end - r.start} tick(s); a {a.kind} takes "
-                             f"{a.ticks}")
-        if not 0 <= a.mb < m:
-            raise ValueError(f"{where}: microbatch out of range 0..{m - 1}")
-        if not 0 <= a.chunk < n_chunks:
-            raise ValueError(f"{where}: chunk out of range 0..{n_chunks - 1}")
-        if stage_of(a.chunk, p) != r.stage:
-            raise ValueError(f"{where}: chunk {a.chunk} lives on stage {stage_of(a.chunk, p)}")
-
-    placed: dict[Action, _Run] = {}
-    for r in runs:
-        if r.action in placed:
-            first = placed[r.action]
-            raise ValueError(f"{r.action} runs twice, on stage {first.stage} at tick "
-                             f"{first.start} and on stage {r.stage} at tick {r.start}")
-        placed[r.action] = r
-    for mb in range(m):
-        for chunk in range(n_chunks):
-            has = {kind: Action(kind, mb, chunk) in placed for kind in TICKS}
-            home = f"(stage {stage_of(chunk, p)})"
-            if not has["F"]:
-                raise ValueError(f"{Action('F', mb, chunk)} never runs {home}")
-            if has["B"] and (has["I"] or has["W"]):
-                raise ValueError(f"microbatch {mb}, chunk {chunk} has both a B and an I/W "
-                                 f"backward {home}")
-            if not (has["B"] or has["I"] or has["W"]):
-                raise ValueError(f"microbatch {mb}, chunk {chunk} has no backward (B, or I "
-                                 f"and W) {home}")
-            if has["I"] != has["W"]:
-                present, missing = ("I", "W") if has["I"] else ("W", "I")
-                raise ValueError(f"{Action(present, mb, chunk)} has no matching "
-                                 f"{Action(missing, mb, chunk)} {home}")
-
-    ready: dict[tuple[str, int, int], _Run] = {}
-    for r in runs:
-        for key in _provides(r.action):
-            ready[key] = r
-    for r in runs:
-        for why, key in _needs(r.action, n_chunks):
-            source = ready[key]  # present: the exactly-once checks above passed
-            if source.end > r.start:
-                raise ValueError(f"{r.action} on stage {r.stage} starts at tick {r.start} but "
-                                 f"needs {why} {source.action} on stage {source.stage}, "
-                                 f"done only at tick {source.end}")
-
-
-# --------------------------------------------------------------------------------------------
-# The executor: one compiled loop that runs any valid table inside shard_map over `pipe`.
-#
-# How the compiled program realizes a table. :func:`compile_table` turns the table into integer
-# arrays indexed by (tick, stage): which branch to run, on which microbatch and local chunk,
-# reading which stash slots, and where to store what arrives. One ``lax.scan`` runs the ticks.
-# In its body each device reads the entry for its own stage (``axis_index('pipe')``) and
-# ``lax.switch`` runs that branch alone, so an idle entry costs no compute. Then two
-# ``ppermute``s over ``pipe`` pass on what was produced: the forward output one stage on, the
-# input gradient one stage back (both rings, so chunk p-1 on the last device feeds chunk p on
-# the first). Every device joins both on every tick, because a collective needs all of them; a
-# stage with nothing to send sends zeros, which the receiver's table entry says to drop. Each
-# device's program is the same; only its row of the table differs.
-#
-# What a device keeps. The *input* of each (microbatch, chunk) from when it arrives until its
-# backward is done (a slot of the activation stash), and each gradient that arrived from the
-# next stage until it is used (a slot of the gradient stash). Slots are handed out when the
-# table is compiled, lowest free first, so their number is the table's peak in flight: m for
-# GPipe, at most p for 1F1B. The backward recomputes the chunk's forward from its stashed input
-# under ``jax.vjp`` (activation recomputation at chunk granularity; ``train.remat`` still
-# decides what that recomputed forward keeps for its own backward). This is what makes the
-# memory depend on the schedule: GPipe stashes m inputs, 1F1B at most p.
-#
-# Compute per (microbatch, chunk): F, then B = recompute + input and weight gradients (about
-# four forwards in all, like full activation recomputation); a B takes two ticks in the table,
-# the executor runs it on the first and idles on the second. A split backward recomputes
-# twice: I = recompute + input gradient (sent upstream at once), W = recompute + weight
-# gradient, about five forwards in all, the price ZB-H1 pays here for its smaller bubble.
-#
-# Parameters. A device's slice of the stacked layers, ``[v * layers_per_chunk, ...]``, holds its
-# chunks s, s+p, ... in that order (for ``v > 1`` the trainer stores the layers permuted so;
-# :func:`stage_layer_order`). Embedding, final norm and head are replicated over ``pipe``; only
-# the first and last chunks use them, and their gradients are summed over ``pipe`` at the end:
-# the one reduction over ``pipe``, of those parameters' bytes.
+from jaxpar.config import Config
+from jaxpar.model.layers import RMSNorm
+from jaxpar.model.moe import LAYER_STACKED, moe_loss
+from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.pipeline_schedules import (
+    Step,
+    bubble_fraction,
+    schedule_steps,
+    stage_layer_order,
+    stage_of,
+    table_of,
+)
+from jaxpar.parallel.rules import activation_constrainer, logical_rules, resolve_spec
 
 AXIS = "pipe"
-IDLE = 0
-POSITIONS = ("first", "middle", "last")
-BRANCHES = 1 + 4 * len(POSITIONS)  # idle + (F, B, I, W) x positions
-FIELDS = ("branch", "mb", "local_chunk", "act_slot", "grad_slot", "recv_act", "recv_grad")
+
+# Per (step, stage) integers the executor reads; "trash" slot indices where there is no work.
+FIELDS = (
+    "f_on", "f_mb", "f_chunk", "f_first", "f_in", "f_res",  # forward slot
+    "b_on", "b_chunk", "b_first", "b_res", "b_grad",  # backward slot (B or I)
+    "w_on", "w_chunk", "w_res", "w_grad",  # weight-gradient slot (W)
+    "embed_mb", "head_on", "head_mb", "head_last", "head_dy",  # shared work of the step
+    "eback_on", "eback_mb",
+    "recv_act", "recv_grad",  # where what arrives at the end of the step is stored
+)
 
 
-def branch_index(kind: Kind, position: str) -> int:
-    """Branch of the executor's ``lax.switch`` that runs ``kind`` on a chunk at ``position``."""
-    return 1 + "FBIW".index(kind) * len(POSITIONS) + POSITIONS.index(position)
-
-
-def position_of(chunk: int, n_chunks: int) -> str:
-    return "first" if chunk == 0 else "last" if chunk == n_chunks - 1 else "middle"
-
-
-def stage_layer_order(n_layers: int, p: int, v: int) -> list[int]:
-    """Which model layer each stored layer is, when device ``s``'s contiguous ``n_layers / p``
-    stored layers must be its chunks ``s, s+p, ..., s+(v-1)p`` in that order.
-
-    The identity for ``v = 1``. For ``v > 1`` a contiguous split of the stacked layers over
-    ``pipe`` would hand device 0 chunks 0 and 1; storing the layers in this order instead lets
-    each device read its chunks without any parameter crossing ``pipe``.
-    """
-    per_chunk = n_layers // (p * v)
-    return [(j * p + s) * per_chunk + k
-            for s in range(p) for j in range(v) for k in range(per_chunk)]
-
-
-@dataclass(frozen=True)
-class Program:
-    """A table compiled for the executor: ``fields[name][tick, stage]`` (int32) and slot counts.
-
-    ``branch``: :func:`branch_index` or ``IDLE``; ``mb``, ``local_chunk`` (chunk // p): what to
-    run; ``act_slot``, ``grad_slot``: the stash slots it reads; ``recv_act``, ``recv_grad``: the
-    slot where what arrives at the end of the tick goes (-1: nothing arrives for this stage).
-    """
-
-    fields: dict
-    act_slots: int
-    grad_slots: int
-
-    @property
-    def ticks(self) -> int:
-        return int(self.fields["branch"].shape[0])
-
-    def branch_shares(self) -> list[float]:
-        """Each branch's share of the ticks, averaged over stages: how often a device runs the
-        collectives inside it (``jaxpar.inspect.hlo.parse_collectives``'s ``branch_runs``)."""
-        counts = np.bincount(self.fields["branch"].ravel(), minlength=BRANCHES)
-        return [float(c) / self.fields["branch"].size for c in counts]
-
-
-def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
-    """What ``jaxpar inspect`` and ``metrics.jsonl`` report about a run's schedule."""
-    table = schedule_table(name, p, m, v)
-    program = compile_table(table, p, m, v)
-    return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
-            "ticks": program.ticks, "bubble": float(bubble_fraction(table)),
-            "activation_slots": program.act_slots, "gradient_slots": program.grad_slots}
+# --------------------------------------------------------------------------------------------
+# From steps to arrays
 
 
 class _Slots:
-    """Per-stage free lists: the lowest free slot is handed out first."""
+    """Per-stage free lists of one stash: the lowest free slot is handed out first."""
 
     def __init__(self, p: int):
         self.held: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]
@@ -586,92 +114,276 @@ class _Slots:
         del self.held[stage][key]
 
 
-def compile_table(table: Sequence[Tick], p: int, m: int, v: int = 1) -> Program:
-    """The arrays the executor indexes; raises ValueError if ``table`` is not a valid schedule.
+@dataclass(frozen=True)
+class Stretch:
+    """Consecutive steps of one kind: ``fields[name]`` is int32 ``[steps, stages]``."""
 
-    Walks the ticks in order. An action reads its slots; at the end of the tick, a finished
-    backward frees its slots first, then what was sent takes a slot on its receiver (so a slot
-    freed and refilled on one tick is read before it is overwritten).
-    """
-    validate(table, p, m, v)
-    n_chunks = v * p
-    fields = {name: np.zeros((len(table), p), np.int32) for name in FIELDS}
-    fields["recv_act"][:] = -1
-    fields["recv_grad"][:] = -1
-    acts, grads = _Slots(p), _Slots(p)
-    started: set[tuple[int, Action]] = set()
-    for t, row in enumerate(table):
-        frees, arrivals = [], []
-        for s, a in enumerate(row):
-            if a is None or (s, a) in started:  # idle, or the second tick of a B
+    kinds: tuple[str, ...]
+    fields: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A schedule compiled for the executor: its stretches and the size of each stash (the
+    spare slot that masked writes go to is index ``size``)."""
+
+    stretches: tuple[Stretch, ...]
+    act_slots: int  # activations that arrived and wait for their forward
+    res_slots: int  # forward residuals that wait for their backward
+    grad_slots: int  # output gradients that wait for their backward
+
+    @property
+    def steps(self) -> int:
+        return sum(len(s.fields["f_on"]) for s in self.stretches)
+
+
+def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
+                ) -> tuple[list, list]:
+    """Fill row ``t`` of ``f`` for ``step``; return the slots it frees and what it sends."""
+    acts, res, grads = pools["act"], pools["res"], pools["grad"]
+    frees, sends = [], []
+    p = len(step.actions)
+    for s, slots in enumerate(step.actions):
+        if (a := slots.get("F")) is not None:
+            key, first, last = (a.mb, a.chunk), a.chunk == 0, a.chunk == n_chunks - 1
+            f["f_on"][t, s], f["f_mb"][t, s], f["f_chunk"][t, s] = 1, a.mb, a.chunk // p
+            f["f_first"][t, s] = first
+            if not first:
+                f["f_in"][t, s] = acts.find(s, key)
+                frees.append((acts, s, key))
+            f["f_res"][t, s] = res.take(s, key)
+            if first:
+                f["embed_mb"][t, :] = a.mb
+            if last:  # the head runs on every stage; its output gradient is kept here
+                f["head_on"][t, :], f["head_mb"][t, :], f["head_last"][t, s] = 1, a.mb, 1
+                f["head_dy"][t, s] = grads.take(s, key)
+            else:
+                sends.append((acts, "recv_act", a.mb, a.chunk + 1))
+        for kind, prefix in (("B", "b"), ("I", "b"), ("W", "w")):
+            if (a := slots.get(kind)) is None:
                 continue
-            started.add((s, a))
-            position = position_of(a.chunk, n_chunks)
             key = (a.mb, a.chunk)
-            fields["mb"][t, s], fields["local_chunk"][t, s] = a.mb, a.chunk // p
-            if position != "first":
-                fields["act_slot"][t, s] = acts.find(s, key)
-            if a.kind != "F" and position != "last":
-                fields["grad_slot"][t, s] = grads.find(s, key)
-            # The first chunk's input is the tokens: its I has no gradient to compute.
-            idle = a.kind == "I" and position == "first"
-            fields["branch"][t, s] = IDLE if idle else branch_index(a.kind, position)
-            if a.kind in ("B", "W"):
-                frees.append((s, key, position))
-            if a.kind == "F" and position != "last":
-                arrivals.append((acts, "recv_act", a.mb, a.chunk + 1))
-            if a.kind in ("B", "I") and position != "first":
-                arrivals.append((grads, "recv_grad", a.mb, a.chunk - 1))
-        for s, key, position in frees:
-            if position != "first":
-                acts.free(s, key)
-            if position != "last":
-                grads.free(s, key)
-        for slots, name, mb, chunk in arrivals:
+            f[f"{prefix}_on"][t, s], f[f"{prefix}_chunk"][t, s] = 1, a.chunk // p
+            f[f"{prefix}_res"][t, s], f[f"{prefix}_grad"][t, s] = (res.find(s, key),
+                                                                   grads.find(s, key))
+            if kind in ("B", "I"):
+                f["b_first"][t, s] = a.chunk == 0
+                if a.chunk == 0:  # every stage adds to the embedding's gradient
+                    f["eback_on"][t, :], f["eback_mb"][t, :] = 1, a.mb
+                else:
+                    sends.append((grads, "recv_grad", a.mb, a.chunk - 1))
+            if kind in ("B", "W"):
+                frees += [(res, s, key), (grads, s, key)]
+    return frees, sends
+
+
+def compile_program(steps: Sequence[Step], p: int, v: int = 1) -> Program:
+    """The arrays the executor indexes, step by step, grouped into stretches.
+
+    A slot read in a step is freed at its end; what arrives at the end of a step then takes
+    the lowest free slot on its receiver. Residual slots are taken by the forward slot, which
+    runs before the step's backward slot frees any, so a slot is never overwritten while read.
+    """
+    n_chunks = v * p
+    f = {name: np.full((len(steps), p), -1, np.int32) for name in FIELDS}
+    for name in ("f_on", "f_first", "b_on", "b_first", "w_on", "head_on", "head_last",
+                 "f_mb", "f_chunk", "b_chunk", "w_chunk", "embed_mb", "head_mb", "eback_on",
+                 "eback_mb"):
+        f[name][:] = 0
+    pools = {"act": _Slots(p), "res": _Slots(p), "grad": _Slots(p)}
+    for t, step in enumerate(steps):
+        frees, sends = _place_step(t, step, n_chunks, f, pools)
+        for pool, s, key in frees:
+            pool.free(s, key)
+        for pool, name, mb, chunk in sends:
             receiver = stage_of(chunk, p)
-            fields[name][t, receiver] = slots.take(receiver, (mb, chunk))
-    return Program(fields, acts.peak, grads.peak)
+            f[name][t, receiver] = pool.take(receiver, (mb, chunk))
+    sizes = {name: pool.peak for name, pool in pools.items()}
+    # -1 (no slot) reads and writes the spare slot at the end of each stash.
+    spare = {"f_in": "act", "recv_act": "act", "f_res": "res", "b_res": "res", "w_res": "res",
+             "b_grad": "grad", "w_grad": "grad", "head_dy": "grad", "recv_grad": "grad"}
+    for name, pool in spare.items():
+        f[name][f[name] < 0] = sizes[pool]
+    stretches, start = [], 0
+    for t in range(1, len(steps) + 1):
+        if t == len(steps) or steps[t].kinds != steps[start].kinds:
+            stretches.append(Stretch(steps[start].kinds,
+                                     {k: a[start:t] for k, a in f.items()}))
+            start = t
+    return Program(tuple(stretches), sizes["act"], sizes["res"], sizes["grad"])
+
+
+def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
+    """What ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report about a run's
+    schedule: the executed timeline's ticks and bubble (masked slots count as idle), the
+    executed-work factor (ticks a stage runs / ticks of useful work = 1 / (1 - bubble)), and the
+    stash sizes of the busiest stage (spare slot not counted)."""
+    steps = schedule_steps(name, p, m, v)
+    table = table_of(steps)
+    program = compile_program(steps, p, v)
+    bubble = bubble_fraction(table)
+    return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
+            "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
+            "executed_work_factor": float(1 / (1 - bubble)),
+            "stretches": ["+".join(s.kinds) for s in program.stretches],
+            "activation_slots": program.act_slots, "residual_slots": program.res_slots,
+            "gradient_slots": program.grad_slots}
+
+
+# --------------------------------------------------------------------------------------------
+# What a stage computes
 
 
 @dataclass(frozen=True)
 class Stages:
-    """What a chunk computes, by its position in the model (``mb``: one microbatch's arrays).
+    """The model, cut for the executor (``mb``: one microbatch's arrays).
 
-    ``first(shared, layers, consts, mb) -> (x, aux)``: embed the tokens, run the chunk's layers;
-    ``middle(shared, layers, consts, x, mb) -> (x, aux)``: run the chunk's layers;
-    ``last(shared, layers, consts, x, mb) -> (loss, aux)``: the layers, then the head: summed
-    token loss. ``shared`` are the parameters outside the layer stack; ``layers`` the chunk's
-    slice of it; ``consts`` the chunk's slice of non-trained per-layer state (MoE router
-    biases). ``aux`` (``{}`` for a dense model) holds the chunk's MoE statistics, summed over its
-    layers except the ``layer_stacked`` keys, which keep one row per layer; ``aux_loss(aux)`` is
-    the term it adds to the objective.
+    ``layers(shared, layers, consts, x, mb) -> (y, aux)`` runs one chunk's layers (``shared``:
+    the parameters outside the stack; ``consts``: the chunk's slice of non-trained per-layer
+    state, the MoE router biases); ``final_norm(shared, x)``
+    the norm before the head. ``aux`` (``{}`` for a dense model) holds the chunk's MoE
+    statistics, summed over its layers except the ``layer_stacked`` keys, one row per layer;
+    ``aux_loss(aux)`` is the term it adds to the objective. ``vocab_shards``: how many ways the
+    axes of ``vocab`` other than ``pipe`` split the vocabulary.
     """
 
-    first: Callable
-    middle: Callable
-    last: Callable
+    layers: Callable
+    final_norm: Callable
+    dtype: Any
+    tied_embeddings: bool
+    vocab_shards: int
+    constrain: Callable  # (x, logical names) -> x laid out on the mesh
     aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
     layer_stacked: tuple[str, ...] = ()
 
 
+class VocabPiece(NamedTuple):
+    """Stage ``s``'s piece of the vocabulary: ``ids`` [V/p] (global token ids, in the order
+    of the piece) and ``rows``, how to cut a ``[V, ...]`` array into pieces."""
+
+    ids: jax.Array
+    stage: jax.Array
+    shards: int
+    p: int
+
+    def cut(self, table: jax.Array) -> jax.Array:
+        """``table`` [V, ...] -> this stage's rows [V/p, ...]. Each of the ``shards`` blocks that
+        already split V (over ``tensor``) gives its own sub-block, so no row leaves its device."""
+        v = table.shape[0]
+        blocks = table.reshape(self.shards, self.p, v // (self.shards * self.p),
+                               *table.shape[1:])
+        piece = lax.dynamic_index_in_dim(blocks, self.stage, axis=1, keepdims=False)
+        return piece.reshape(v // self.p, *table.shape[1:])
+
+    def uncut(self, piece: jax.Array, v: int) -> jax.Array:
+        """The inverse of :meth:`cut`, zeros elsewhere: [V/p, ...] -> [V, ...]."""
+        blocks = jnp.zeros((self.shards, self.p, v // (self.shards * self.p),
+                            *piece.shape[1:]), piece.dtype)
+        blocks = lax.dynamic_update_index_in_dim(
+            blocks, piece.reshape(self.shards, 1, -1, *piece.shape[1:]), self.stage, axis=1)
+        return blocks.reshape(v, *piece.shape[1:])
+
+
+def vocab_piece(vocab_size: int, shards: int, p: int, stage: jax.Array) -> VocabPiece:
+    block = vocab_size // (shards * p)
+    ids = (jnp.arange(shards)[:, None] * (vocab_size // shards) + stage * block
+           + jnp.arange(block)[None, :]).reshape(-1)
+    return VocabPiece(ids.astype(jnp.int32), stage, shards, p)
+
+
+def _embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: jax.Array,
+                   ) -> jax.Array:
+    """This stage's share of the embeddings of ``tokens``: one-hot over its vocab piece times
+    its rows of the table (the stages' shares add up over ``pipe``)."""
+    one_hot = (tokens[..., None] == piece.ids).astype(stages.dtype)
+    one_hot = stages.constrain(one_hot, ("batch", "seq", "vocab"))
+    return jnp.einsum("bsv,ve->bse", one_hot, table)
+
+
+def _head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
+                   y: jax.Array, mb: dict, loss_scale: jax.Array) -> tuple:
+    """Summed token loss of output ``y`` (the same on every stage), its gradient w.r.t. ``y``,
+    and this stage's head-piece and final-norm gradients, with ``loss_scale`` per token.
+
+    Cross entropy over a vocabulary split ``p`` ways: log-sum-exp from the pieces' maxima and
+    sums (``pmax``/``psum`` of ``[B, S]``), the target logit from the piece holding it. Its
+    gradient w.r.t. the piece's logits is ``softmax - one_hot``, local to each piece.
+    """
+    h, norm_vjp = jax.vjp(stages.final_norm, shared, y)
+    logits, logits_vjp = jax.vjp(
+        lambda w, h: jnp.einsum("bse,ev->bsv", h, w, preferred_element_type=jnp.float32),
+        head, h)
+    logits = stages.constrain(logits, ("batch", "seq", "vocab"))
+    top = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), AXIS)
+    exp_sum = lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), AXIS)
+    log_z = top + jnp.log(exp_sum)
+    is_target = piece.ids == mb["targets"][..., None]
+    target = lax.psum(jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), AXIS)
+    loss = jnp.sum((log_z - target) * mb["mask"])
+    d_logits = (jnp.exp(logits - log_z[..., None]) - is_target) * (mb["mask"] * loss_scale
+                                                                  )[..., None]
+    d_head, d_h = logits_vjp(d_logits)
+    d_shared, d_y = norm_vjp(lax.psum(d_h, AXIS).astype(h.dtype))
+    return loss, d_y, d_head, d_shared
+
+
+# --------------------------------------------------------------------------------------------
+# The executor
+
+
 class _Carry(NamedTuple):
-    stash: jax.Array  # [act_slots, *activation]: chunk inputs awaiting their backward
-    grad_stash: jax.Array  # [grad_slots, *activation]: output gradients awaiting use
+    acts: jax.Array  # [act_slots + 1, *activation]: inputs that arrived for a forward
+    res: list  # per residual leaf [res_slots + 1, ...]: what a backward needs
+    grads: jax.Array  # [grad_slots + 1, *activation]: output gradients for a backward
     layer_grads: Any  # like the local layers, [v, layers_per_chunk, ...], float32
-    shared_grads: Any  # like the shared parameters, float32
-    loss: jax.Array  # float32 scalar: summed token loss of the microbatches finished here
+    shared_grads: Any  # embedding/head (pieces, summed over pipe at the end) and final norm
+    loss: jax.Array  # float32: summed token loss (the same on every stage)
     aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
 
 
-def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    """``buffer[slot] = value`` in place, or no change when ``slot < 0``."""
-    index = jnp.maximum(slot, 0)
-    value = jnp.where(slot >= 0, value, buffer[index])
-    return lax.dynamic_update_index_in_dim(buffer, value, index, 0)
+def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)
+
+
+def _masked_add(on: jax.Array, total: Any, new: Any) -> Any:
+    return jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)).astype(a.dtype),
+                        total, new)
+
+
+class _Residuals:
+    """The forward's VJP as data: which of its leaves are the chunk's own weights (taken from
+    the weights again at the backward) and which must wait in the stash.
+
+    ``jax.vjp`` returns a pytree whose leaves are the saved residuals; a weight used as it is
+    appears among them as the very array passed in. Keeping those out of the stash means a
+    stashed microbatch costs its activations only, not a copy of the stage's weights.
+    """
+
+    def __init__(self):
+        self.layout: tuple | None = None  # (treedef, [leaf -> weight index or None])
+
+    def split(self, vjp_fn: Callable, weights: list) -> list:
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        which = tuple(next((i for i, w in enumerate(weights) if leaf is w), None)
+                      for leaf in leaves)
+        shapes = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+        if self.layout is None:
+            # The first trace's pullback serves every later one: its function is a jaxpr of
+            # the residuals alone, and every trace of the same chunk saves the same leaves.
+            self.layout = (treedef, which, shapes)
+        elif self.layout[1:] != (which, shapes):
+            raise AssertionError("the forward's residuals changed between traces")
+        return [leaf for leaf, w in zip(leaves, which, strict=True) if w is None]
+
+    def join(self, stashed: list, weights: list) -> Callable:
+        treedef, which, _ = self.layout
+        stashed = iter(stashed)
+        return jax.tree.unflatten(treedef, [next(stashed) if w is None else weights[w]
+                                            for w in which])
 
 
 def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
-                            stash_spec: PartitionSpec, layer_grad_specs: Any,
+                            vocab_size: int, stash_spec: PartitionSpec, layer_grad_specs: Any,
                             shared_grad_specs: Any) -> Callable:
     """``(shared, layers, consts, micro, loss_scale, aux_scale) -> (loss_sum, shared_grads,
     layer_grads, aux)`` running ``program``.
@@ -682,136 +394,23 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
     microbatches. The gradients are those of ``loss_scale * sum(token losses) + aux_scale *
     sum over chunks and microbatches of aux_loss``; ``loss_sum`` is the unscaled token-loss sum
     and ``aux`` the aux sums (layer-stacked keys over all layers, in stored order). Call under
-    the mesh. ``stash_spec`` lays out the stashes ``[slot, batch, seq, embed]``; the grad specs
-    lay out the gradient sums (as the parameters, without ``pipe``), on the automatic axes.
+    the mesh. ``stash_spec`` lays out the activation stashes ``[slot, batch, seq, embed]``; the
+    grad specs lay out the gradient sums (as the parameters, without ``pipe``).
     """
-    fields = {name: jnp.asarray(array) for name, array in program.fields.items()}
-    forward_ring = [(s, (s + 1) % p) for s in range(p)]
-    backward_ring = [(s, (s - 1) % p) for s in range(p)]
+    run_stretch = _stretch_runner(stages, p=p, v=v, vocab_size=vocab_size)
 
-    def per_device(shared: Any, layers: Any, consts: Any, micro: Any, loss_scale: jax.Array,
-                   aux_scale: jax.Array) -> tuple:
-        stage = lax.axis_index(AXIS)
+    def per_device(shared, layers, consts, micro, loss_scale, aux_scale):
+        env = _Env.make(stages, shared, layers, consts, micro, loss_scale, aux_scale, p=p, v=v,
+                        vocab_size=vocab_size)
+        carry = _initial_carry(env, program, stash_spec, layer_grad_specs, shared_grad_specs)
+        for stretch in program.stretches:
+            fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
+            carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (run_stretch(env, kinds, c,
+                                                                                 row), None),
+                                carry, fields)
+        return _finish(env, carry)
 
-        def by_chunk(tree: Any) -> Any:
-            return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
-
-        chunks, const_chunks = by_chunk(layers), by_chunk(consts)
-
-        def chunk(j: jax.Array) -> Any:
-            return jax.tree.map(lambda a: a[j], chunks)
-
-        def const_chunk(j: jax.Array) -> Any:
-            return jax.tree.map(lambda a: a[j], const_chunks)
-
-        def microbatch(i: jax.Array) -> Any:
-            return jax.tree.map(lambda a: a[i], micro)
-
-        act, aux_shapes = jax.eval_shape(stages.first, shared, chunk(0), const_chunk(0),
-                                         microbatch(0))
-        no_act = jnp.zeros(act.shape, act.dtype)
-
-        def run(position: str, shared: Any, layers: Any, consts: Any, x: jax.Array, mb: Any,
-                ) -> tuple[jax.Array, Any]:
-            if position == "first":
-                return stages.first(shared, layers, consts, mb)
-            if position == "middle":
-                return stages.middle(shared, layers, consts, x, mb)
-            return stages.last(shared, layers, consts, x, mb)
-
-        def add_aux(total: Any, aux: Any, j: jax.Array) -> Any:
-            return {k: total[k].at[j].add(a) if k in stages.layer_stacked else total[k] + a
-                    for k, a in aux.items()}
-
-        def idle(carry: _Carry, row: dict) -> tuple:
-            return carry, no_act, no_act
-
-        def forward(position: str) -> Callable:
-            def branch(carry: _Carry, row: dict) -> tuple:
-                j, x = row["local_chunk"], carry.stash[row["act_slot"]]
-                y, aux = run(position, shared, chunk(j), const_chunk(j), x,
-                             microbatch(row["mb"]))
-                carry = carry._replace(aux=add_aux(carry.aux, aux, j))
-                if position == "last":
-                    return carry._replace(loss=carry.loss + y), no_act, no_act
-                return carry, y, no_act
-            return branch
-
-        def backward(kind: str, position: str) -> Callable:
-            send_dx = kind in ("B", "I") and position != "first"
-            add_dw = kind in ("B", "W")
-
-            def branch(carry: _Carry, row: dict) -> tuple:
-                j, mb = row["local_chunk"], microbatch(row["mb"])
-                x = carry.stash[row["act_slot"]]
-                # The chunk's output gradient: the scaled loss's on the last chunk, else what the
-                # next stage sent (already scaled); its aux losses enter here too.
-                dy = (loss_scale if position == "last" else carry.grad_stash[row["grad_slot"]])
-                consts = const_chunk(j)
-
-                def objective_parts(sh: Any, ly: Any, x: jax.Array) -> tuple:
-                    out, aux = run(position, sh, ly, consts, x, mb)
-                    return out, stages.aux_loss(aux)
-
-                _, vjp = jax.vjp(objective_parts, shared, chunk(j), x)
-                # XLA drops the halves a branch does not use.
-                d_shared, d_layers, dx = vjp((dy.astype(act.dtype) if position != "last"
-                                              else dy, aux_scale))
-                if add_dw:
-                    layer_grads = jax.tree.map(lambda acc, g: acc.at[j].add(g),
-                                               carry.layer_grads, d_layers)
-                    carry = carry._replace(layer_grads=layer_grads)
-                    if position != "middle":  # middle chunks use no shared parameter
-                        carry = carry._replace(shared_grads=jax.tree.map(
-                            jnp.add, carry.shared_grads, d_shared))
-                return carry, no_act, dx if send_dx else no_act
-            return branch
-
-        branches = [idle] * BRANCHES
-        for kind in "FBIW":
-            for position in POSITIONS:
-                branches[branch_index(kind, position)] = (
-                    forward(position) if kind == "F" else backward(kind, position))
-
-        def tick(carry: _Carry, row: dict) -> tuple[_Carry, None]:
-            row = {name: value[stage] for name, value in row.items()}
-            carry, send_fwd, send_bwd = lax.switch(row["branch"], branches, carry, row)
-            arrived = lax.ppermute(send_fwd, AXIS, forward_ring)
-            arrived_grad = lax.ppermute(send_bwd, AXIS, backward_ring)
-            return carry._replace(stash=_store(carry.stash, row["recv_act"], arrived),
-                                  grad_stash=_store(carry.grad_stash, row["recv_grad"],
-                                                    arrived_grad)), None
-
-        def zeros(tree: Any, specs: Any) -> Any:
-            return jax.lax.with_sharding_constraint(
-                jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree), specs)
-
-        def stash(slots: int) -> jax.Array:
-            return jax.lax.with_sharding_constraint(
-                jnp.zeros((slots, *act.shape), act.dtype), stash_spec)
-
-        aux0 = {k: jnp.zeros((v, *a.shape) if k in stages.layer_stacked else a.shape, a.dtype)
-                for k, a in aux_shapes.items()}
-        carry = _Carry(stash(program.act_slots), stash(program.grad_slots),
-                       zeros(chunks, layer_grad_specs), zeros(shared, shared_grad_specs),
-                       jnp.zeros((), jnp.float32), aux0)
-        carry, _ = lax.scan(tick, carry, fields)
-
-        def stacked(a: jax.Array) -> jax.Array:
-            return a.reshape(-1, *a.shape[2:])
-
-        layer_grads = jax.tree.map(stacked, carry.layer_grads)
-        # Only the first and last chunks touch the shared parameters and only the last has a
-        # loss; summing over pipe hands every stage the totals. Per-layer statistics stay with
-        # their stage, like the layers.
-        aux_sums = {k: lax.psum(a, AXIS) for k, a in carry.aux.items()
-                    if k not in stages.layer_stacked}
-        aux_layers = {k: stacked(a) for k, a in carry.aux.items() if k in stages.layer_stacked}
-        return (lax.psum(carry.loss, AXIS), lax.psum(carry.shared_grads, AXIS), layer_grads,
-                aux_sums, aux_layers)
-
-    def run_pipeline(shared: Any, layers: Any, consts: Any, micro: Any, loss_scale: jax.Array,
-                     aux_scale: jax.Array) -> tuple:
+    def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
         def split(tree: Any) -> Any:
             return jax.tree.map(lambda _: PartitionSpec(AXIS), tree)
 
@@ -828,3 +427,278 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
         return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}
 
     return run_pipeline
+
+
+@dataclass
+class _Env:
+    """What every step of one device reads: its stage, weights by chunk, the microbatches, the
+    vocabulary piece, the scales, and the residual layout (filled by the first trace)."""
+
+    stages: Stages
+    stage: jax.Array
+    shared: dict
+    chunks: Any  # layers as [v, layers_per_chunk, ...]
+    const_chunks: Any
+    micro: Any
+    piece: VocabPiece
+    loss_scale: jax.Array
+    aux_scale: jax.Array
+    residuals: _Residuals
+    act: jax.ShapeDtypeStruct  # one microbatch's activation
+    aux_shapes: Any
+    res_shapes: list
+
+    @staticmethod
+    def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
+             vocab_size) -> _Env:
+        def by_chunk(tree):
+            return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
+
+        stage = lax.axis_index(AXIS)
+        env = _Env(stages, stage, shared, by_chunk(layers), by_chunk(consts), micro,
+                   vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
+                   aux_scale, _Residuals(), None, None, None)
+        first = env.microbatch(jnp.int32(0))
+        table = env.piece.cut(env.table())
+        env.act = jax.eval_shape(lambda: _embed_partial(stages, table, env.piece,
+                                                        first["inputs"]))
+        x = jnp.zeros(env.act.shape, env.act.dtype)
+        # Traced with a traced chunk index, as the steps will be, so the residuals match.
+        (_, aux), res = jax.eval_shape(lambda j: env.forward(j, x, first), jnp.int32(0))
+        env.aux_shapes, env.res_shapes = aux, res
+        return env
+
+    def microbatch(self, i: jax.Array) -> dict:
+        return jax.tree.map(lambda a: a[i], self.micro)
+
+    def weights(self, j: jax.Array) -> tuple[Any, Any]:
+        return (jax.tree.map(lambda a: a[j], self.chunks),
+                jax.tree.map(lambda a: a[j], self.const_chunks))
+
+    def table(self) -> jax.Array:
+        return self.shared["embedding"].astype(self.stages.dtype)
+
+    def head(self) -> jax.Array:
+        if self.stages.tied_embeddings:
+            return self.piece.cut(self.table()).T
+        return self.piece.cut(self.shared["lm_head"].astype(self.stages.dtype).T).T
+
+    def forward(self, j: jax.Array, x: jax.Array, mb: dict) -> tuple:
+        """Chunk ``j``'s layers on ``x`` under ``jax.vjp``: ((y, aux), stashable residuals)."""
+        layers, consts = self.weights(j)
+        stages = self.stages
+
+        def objective_parts(layers, x):
+            y, aux = stages.layers(self.shared, layers, consts, x, mb)
+            return (y, stages.aux_loss(aux)), aux
+
+        (y, _), vjp_fn, aux = jax.vjp(objective_parts, layers, x, has_aux=True)
+        weights = jax.tree.leaves((layers, consts))
+        return (y, aux), self.residuals.split(vjp_fn, weights)
+
+    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
+        """(weight gradients, input gradient) of chunk ``j`` from its stashed residuals."""
+        layers, consts = self.weights(j)
+        vjp_fn = self.residuals.join(stashed, jax.tree.leaves((layers, consts)))
+        return vjp_fn((dy, jnp.where(aux_on, self.aux_scale, 0.0)))
+
+
+def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
+                   layer_grad_specs: Any, shared_grad_specs: Any) -> _Carry:
+    def zeros(tree: Any, specs: Any) -> Any:
+        return lax.with_sharding_constraint(
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree), specs)
+
+    def stash(slots: int) -> jax.Array:
+        return lax.with_sharding_constraint(
+            jnp.zeros((slots + 1, *env.act.shape), env.act.dtype), stash_spec)
+
+    v = jax.tree.leaves(env.chunks)[0].shape[0]
+    aux0 = {k: jnp.zeros((v, *a.shape) if k in env.stages.layer_stacked else a.shape, a.dtype)
+            for k, a in env.aux_shapes.items()}
+    res0 = [jnp.zeros((program.res_slots + 1, *r.shape), r.dtype) for r in env.res_shapes]
+    return _Carry(stash(program.act_slots), res0, stash(program.grad_slots),
+                  zeros(env.chunks, layer_grad_specs), zeros(env.shared, shared_grad_specs),
+                  jnp.zeros((), jnp.float32), aux0)
+
+
+def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Callable:
+    """``(env, kinds, carry, row) -> carry``: one step of a stretch of ``kinds`` (the scan
+    body). ``row`` holds every field for every stage; each device reads its own column."""
+    forward_ring = [(s, (s + 1) % p) for s in range(p)]
+    backward_ring = [(s, (s - 1) % p) for s in range(p)]
+
+    def add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
+        out = {}
+        for k, a in aux.items():
+            a = jnp.where(on, a, jnp.zeros_like(a))
+            out[k] = total[k].at[j].add(a) if k in stages.layer_stacked else total[k] + a
+        return out
+
+    def forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array]:
+        table = env.piece.cut(env.table())
+        entering = env.microbatch(r["embed_mb"])
+        x0 = lax.psum(_embed_partial(stages, table, env.piece, entering["inputs"]), AXIS)
+        x0 = stages.constrain(x0, ("batch", "residual_seq", "act_embed"))
+        x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
+        on = r["f_on"] == 1
+        (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
+        c = c._replace(res=[_put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
+                                                                               strict=True)],
+                       aux=add_aux(env, c.aux, aux, r["f_chunk"], on))
+        return c, y
+
+    def head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
+        on = r["head_on"] == 1
+        y_last = lax.psum(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)), AXIS)
+        norm_params = {k: a for k, a in env.shared.items() if k not in ("embedding", "lm_head")}
+        loss, dy, d_head, d_norm = _head_and_loss(stages, norm_params, env.head(), env.piece,
+                                                  y_last, env.microbatch(r["head_mb"]),
+                                                  env.loss_scale)
+        grads = dict(d_norm)
+        if stages.tied_embeddings:
+            grads["embedding"] = env.piece.uncut(d_head.T, vocab_size)
+        else:
+            grads["lm_head"] = env.piece.uncut(d_head.T, vocab_size).T
+        shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, grads))
+        return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
+                          grads=_put(c.grads, r["head_dy"], dy),
+                          shared_grads=shared_grads)
+
+    def backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool
+                      ) -> tuple[_Carry, jax.Array]:
+        on, j = r[f"{prefix}_on"] == 1, r[f"{prefix}_chunk"]
+        stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
+        d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
+        if weights:
+            layer_grads = jax.tree.map(
+                lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))
+                                             .astype(acc.dtype)),
+                c.layer_grads, d_layers)
+            c = c._replace(layer_grads=layer_grads)
+        return c, dx
+
+    def embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
+        into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
+        dx0 = lax.psum(jnp.where(into_first, dx, jnp.zeros_like(dx)), AXIS)
+        tokens = env.microbatch(r["eback_mb"])["inputs"]
+        one_hot = (tokens[..., None] == env.piece.ids).astype(dx0.dtype)
+        one_hot = stages.constrain(one_hot, ("batch", "seq", "vocab"))
+        d_table = jnp.einsum("bsv,bse->ve", one_hot, dx0, preferred_element_type=jnp.float32)
+        grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table, vocab_size)})
+        return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
+
+    def step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry:
+        r = {k: a[env.stage] for k, a in row.items()}
+        send_fwd = send_bwd = None
+        if "F" in kinds:
+            c, y = forward_slot(env, c, r)
+            c = head_slot(env, c, r, y)
+            send_fwd = y
+        for kind in ("B", "I"):
+            if kind in kinds:
+                c, send_bwd = backward_slot(env, c, r, "b", weights=kind == "B")
+                c = embedding_backward(env, c, r, send_bwd)
+        if "W" in kinds:
+            c, _ = backward_slot(env, c, r, "w", weights=True)
+        if send_fwd is not None:
+            arrived = lax.ppermute(send_fwd, AXIS, forward_ring)
+            c = c._replace(acts=_put(c.acts, r["recv_act"], arrived))
+        if send_bwd is not None:
+            arrived = lax.ppermute(send_bwd, AXIS, backward_ring)
+            c = c._replace(grads=_put(c.grads, r["recv_grad"], arrived))
+        return c
+
+    return step
+
+
+def _fill(like: dict, some: dict) -> dict:
+    """``some`` completed with zeros for the keys of ``like`` it lacks."""
+    return {k: some[k] if k in some else jax.tree.map(jnp.zeros_like, a)
+            for k, a in like.items()}
+
+
+def _finish(env: _Env, c: _Carry) -> tuple:
+    def stacked(a: jax.Array) -> jax.Array:
+        return a.reshape(-1, *a.shape[2:])
+
+    stages = env.stages
+    layer_grads = jax.tree.map(stacked, c.layer_grads)
+    # Each stage holds its vocabulary piece of the embedding/head gradients: the sum over pipe
+    # assembles them. The final norm's gradient and the loss are the same on every stage.
+    shared_grads = {k: lax.psum(a, AXIS) if k in ("embedding", "lm_head") else a
+                    for k, a in c.shared_grads.items()}
+    aux_sums = {k: lax.psum(a, AXIS) for k, a in c.aux.items() if k not in stages.layer_stacked}
+    aux_layers = {k: stacked(a) for k, a in c.aux.items() if k in stages.layer_stacked}
+    return c.loss, shared_grads, layer_grads, aux_sums, aux_layers
+
+
+# --------------------------------------------------------------------------------------------
+# The model cut into stages, and the pipelined objective
+
+
+def model_stages(graphdef: Any, cfg: Config, *, dtype: Any, remat: str) -> Stages:
+    """The model's pieces as the executor calls them (see :class:`Stages`)."""
+
+    def layers(shared: dict, layer_params: dict, consts: dict, x: jax.Array, mb: dict,
+               ) -> tuple:
+        net = nnx.merge(graphdef, {**shared, "layers": layer_params},
+                        {"layers": consts} if consts else {})
+        return net.run_layers(x, mb["positions"], remat=remat)
+
+    def final_norm(norm_params: dict, x: jax.Array) -> jax.Array:
+        return nnx.merge(norm_graph, norm_params["final_norm"])(x)
+
+    with nnx.use_eager_sharding(False):
+        norm_graph = nnx.graphdef(nnx.eval_shape(
+            lambda: RMSNorm(cfg.model.d_model, cfg.model.norm_eps)))
+    rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
+    moe = cfg.model.moe
+    shards = int(np.prod([mesh_shape[a] for a in rules["vocab"] if a != AXIS]))
+    return Stages(layers, final_norm, dtype, cfg.model.tie_embeddings, shards,
+                  constrain=activation_constrainer(rules, mesh_shape),
+                  aux_loss=lambda aux: moe_loss(aux, moe),
+                  layer_stacked=LAYER_STACKED if moe.enabled else ())
+
+
+def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, *, dtype: Any, remat: str,
+                        ) -> tuple[Callable, np.ndarray | None, Program]:
+    """The pipelined ``(params, buffers, batch, valid) -> (grads, (loss_sum, aux))`` (what
+    ``jax.grad(objective, has_aux=True)`` returns without a pipeline), the stored layer order
+    (None when it is the model's) and the compiled program.
+
+    The objective is the plain one: summed token loss / ``valid``, plus each microbatch's MoE
+    aux losses averaged over every microbatch of every micro-step (as ``grad_accum`` =
+    accum x microbatches would).
+    """
+    p, v, m = cfg.mesh.pipe, cfg.parallel.virtual_stages, cfg.train.microbatches
+    accum = cfg.train.grad_accum
+    program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
+    rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
+    micro_rows = cfg.train.batch_size // (accum * m)
+    stash_spec = resolve_spec("pipeline stash", (None, "batch", "residual_seq", "act_embed"),
+                              (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
+                              mesh_shape)
+
+    def without_pipe(spec: PartitionSpec) -> PartitionSpec:
+        return PartitionSpec(*(None if entry == AXIS else entry for entry in spec))
+
+    layer_grad_specs = jax.tree.map(lambda spec: PartitionSpec(None, *without_pipe(spec)),
+                                    specs["layers"],
+                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shared_grad_specs = {k: s for k, s in specs.items() if k != "layers"}
+    run = pipeline_loss_and_grads(program, model_stages(graphdef, cfg, dtype=dtype, remat=remat),
+                                  p=p, v=v, vocab_size=cfg.model.vocab_size,
+                                  stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
+                                  shared_grad_specs=shared_grad_specs)
+
+    def grad_fn(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
+        shared = {k: a for k, a in params.items() if k != "layers"}
+        aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
+        loss_sum, shared_grads, layer_grads, aux = run(
+            shared, params["layers"], buffers.get("layers", {}), split_micro_steps(batch, m),
+            1.0 / valid, aux_scale)
+        return {**shared_grads, "layers": layer_grads}, (loss_sum, aux)
+
+    order = stage_layer_order(cfg.model.n_layers, p, v)
+    return grad_fn, (None if order == sorted(order) else np.asarray(order)), program

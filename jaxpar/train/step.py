@@ -46,14 +46,8 @@ from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token
 from jaxpar.parallel.context import context_attention, zigzag_order
 from jaxpar.parallel.data import optimizer_state_specs
 from jaxpar.parallel.expert import expert_parallel
-from jaxpar.parallel.pipeline import (
-    Program,
-    Stages,
-    compile_table,
-    pipeline_loss_and_grads,
-    schedule_table,
-    stage_layer_order,
-)
+from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.pipeline import Program, pipelined_gradients
 from jaxpar.parallel.rules import (
     activation_constrainer,
     logical_rules,
@@ -99,18 +93,6 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-def split_micro_steps(batch: Batch, steps: int) -> Batch:
-    """[B, S] -> [steps, B/steps, S], micro-step j taking rows j, j+steps, j+2*steps, ...
-
-    Interleaving (rather than contiguous blocks) keeps each device's rows on that device: a
-    device holding rows [d*B/N, (d+1)*B/N) holds rows of every micro-step.
-    """
-    def split(x: jax.Array) -> jax.Array:
-        return jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
-
-    return jax.tree.map(split, batch)
-
-
 def summed_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
                       dtype: Any, remat: str) -> tuple[jax.Array, dict]:
     """Sum over valid tokens of the cross entropy (normalised later by the global count), and
@@ -118,36 +100,6 @@ def summed_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch
     logits, aux = nnx.merge(graphdef, params, buffers)(batch["inputs"], batch["positions"],
                                                        dtype=dtype, remat=remat)
     return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"]), aux
-
-
-def model_stages(graphdef: nnx.GraphDef, cfg: Config, *, dtype: Any, remat: str) -> Stages:
-    """The model cut where pipeline chunks meet: embedding + layers, layers, layers + loss.
-
-    Each piece returns the chunk's MoE aux dict beside its output (``{}`` for a dense model);
-    the executor adds ``moe_loss`` of it to the objective.
-    """
-
-    def model(shared: dict, layers: dict, consts: dict) -> nnx.Module:
-        return nnx.merge(graphdef, {**shared, "layers": layers},
-                         {"layers": consts} if consts else {})
-
-    def first(shared: dict, layers: dict, consts: dict, mb: Batch) -> tuple:
-        net = model(shared, layers, consts)
-        return net.run_layers(net.embed(mb["inputs"], dtype=dtype), mb["positions"],
-                              remat=remat)
-
-    def middle(shared: dict, layers: dict, consts: dict, x: jax.Array, mb: Batch) -> tuple:
-        return model(shared, layers, consts).run_layers(x, mb["positions"], remat=remat)
-
-    def last(shared: dict, layers: dict, consts: dict, x: jax.Array, mb: Batch) -> tuple:
-        net = model(shared, layers, consts)
-        x, aux = net.run_layers(x, mb["positions"], remat=remat)
-        logits = net.logits(x, dtype=dtype)
-        return jnp.sum(token_losses(logits, mb["targets"]) * mb["mask"]), aux
-
-    moe = cfg.model.moe
-    return Stages(first, middle, last, aux_loss=lambda aux: moe_loss(aux, moe),
-                  layer_stacked=LAYER_STACKED if moe.enabled else ())
 
 
 @dataclass(frozen=True)
@@ -269,7 +221,9 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     experts = (expert_parallel(mesh_shape, rules, platform=mesh.devices.flat[0].platform)
                if moe.enabled and split_axes else None)
 
-    run_pipeline, layer_order, program = _pipeline(cfg, graphdef, specs, rules, dtype, remat)
+    pipelined, layer_order, program = (
+        pipelined_gradients(cfg, graphdef, specs, dtype=dtype, remat=remat)
+        if cfg.mesh.pipe > 1 else (None, None, None))
 
     def init() -> TrainState:
         _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
@@ -292,18 +246,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         # Positions travel with the tokens: in seq_order, the same for every row.
         positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
         batch = dict(batch, positions=positions)
-        grad_fn = jax.grad(objective, has_aux=True)
-        if run_pipeline is not None:
-            def grad_fn(params, buffers, batch, valid):
-                # The objective above, with each microbatch's MoE aux losses averaged over
-                # every microbatch of every micro-step (as grad_accum = accum x microbatches).
-                shared = {k: v for k, v in params.items() if k != "layers"}
-                micro = split_micro_steps(batch, cfg.train.microbatches)
-                aux_scale = jnp.asarray(1.0 / (accum * cfg.train.microbatches), jnp.float32)
-                loss_sum, shared_grads, layer_grads, aux = run_pipeline(
-                    shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid,
-                    aux_scale)
-                return {**shared_grads, "layers": layer_grads}, (loss_sum, aux)
+        grad_fn = pipelined or jax.grad(objective, has_aux=True)
         with activation_sharding(constrain), use_attention(attention), use_experts(experts):
             if accum == 1:
                 grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
@@ -383,31 +326,3 @@ def reorder_layers(tree: Any, order: jax.Array) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-
-def _pipeline(cfg: Config, graphdef: nnx.GraphDef, specs: dict, rules: dict, dtype: Any,
-              remat: str) -> tuple[Callable | None, np.ndarray | None, Program | None]:
-    """The pipeline executor for ``cfg``, the stored layer order (None when it is the model's)
-    and the compiled table; all None without ``pipe``."""
-    p, v, m = cfg.mesh.pipe, cfg.parallel.virtual_stages, cfg.train.microbatches
-    if p == 1:
-        return None, None, None
-    program = compile_table(schedule_table(cfg.parallel.pipeline_schedule, p, m, v), p, m, v)
-    mesh_shape = cfg.mesh_shape
-    micro_rows = cfg.train.batch_size // (cfg.train.grad_accum * m)
-    stash_spec = resolve_spec("pipeline stash", (None, "batch", "residual_seq", "act_embed"),
-                              (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
-                              mesh_shape)
-
-    def without_pipe(spec: PartitionSpec) -> PartitionSpec:
-        return PartitionSpec(*(None if entry == "pipe" else entry for entry in spec))
-
-    layer_grad_specs = jax.tree.map(lambda spec: PartitionSpec(None, *without_pipe(spec)),
-                                    specs["layers"],
-                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
-    shared_grad_specs = {k: v for k, v in specs.items() if k != "layers"}
-    run = pipeline_loss_and_grads(program, model_stages(graphdef, cfg, dtype=dtype, remat=remat),
-                                  p=p,
-                                  v=v, stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
-                                  shared_grad_specs=shared_grad_specs)
-    order = stage_layer_order(cfg.model.n_layers, p, v)
-    return run, (None if order == sorted(order) else np.asarray(order)), program
