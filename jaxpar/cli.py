@@ -105,7 +105,8 @@ def _add_schedule(commands) -> None:
 
 def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
     """Print the schedule table of ``cfg`` (validated), its bubble and stash; draw it."""
-    from jaxpar.parallel.pipeline import describe, render, schedule_table  # noqa: PLC0415
+    from jaxpar.parallel.pipeline import describe  # noqa: PLC0415
+    from jaxpar.parallel.pipeline_schedules import render, schedule_table  # noqa: PLC0415
 
     p, m, v = cfg.mesh.pipe, cfg.train.microbatches, cfg.parallel.virtual_stages
     if p == 1:
@@ -117,8 +118,12 @@ def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
              f"microbatches, {info['ticks']} ticks, bubble {info['bubble']:.1%}")
     print(title)
     print(render(table))
-    print(f"each device holds at most {info['activation_slots']} stage inputs and "
-          f"{info['gradient_slots']} output gradients between forward and backward")
+    print(f"executed: {info['steps']} steps ({', then '.join(info['stretches'])}); every stage "
+          f"runs every slot, so '.' is a masked slot: work factor "
+          f"{info['executed_work_factor']:.2f} x the useful work")
+    print(f"each device holds at most {info['activation_slots']} arrived inputs, "
+          f"{info['residual_slots']} forward residual sets and {info['gradient_slots']} output "
+          "gradients between forward and backward")
     if args.png:
         from jaxpar.inspect.picture import draw_schedule  # noqa: PLC0415
 

@@ -8,17 +8,14 @@ must agree in fp32. The interleaved schedule stores layers in stage order
 
 from __future__ import annotations
 
-import re
-
 import jax
 import numpy as np
 import pytest
+from helpers_hlo import collectives_in_conditionals
 from test_parallel_layouts import max_relative_error, per_step_bytes, run_layout
 
-from jaxpar.parallel.pipeline_schedules import (
-    schedule_table,
-    stage_layer_order,
-)
+from jaxpar.parallel.pipeline import describe
+from jaxpar.parallel.pipeline_schedules import stage_layer_order
 
 MODEL = ("model.n_layers=8",)
 REFERENCE = ("mesh.data=1", *MODEL)
@@ -46,6 +43,10 @@ LAYOUTS = {
         "train.remat=full"),
     "1f1b,pipe=2,data=2,grad_accum=2": pipeline("1f1b", 2, 2, "mesh.data=2",
                                                 "train.grad_accum=2"),
+    # Ring attention (zigzag) inside the stages, beside tensor parallelism.
+    **{f"{s},pipe=2,context=2,tensor=2,ring": pipeline(
+        s, 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
+        "parallel.context_impl=ring") for s in ("1f1b", "zero_bubble")},
 }
 
 
@@ -66,7 +67,8 @@ def in_model_order(result: dict) -> tuple[dict, dict]:
 DEFAULT = {"gpipe,pipe=2,m=4", "1f1b,pipe=2,m=4", "interleaved,pipe=2,m=4",
            "zero_bubble,pipe=2,m=4", "interleaved,pipe=4,m=8", "zero_bubble,pipe=2,tensor=2,data=2",
            "1f1b,pipe=2,fsdp=2,context=2,dots", "gpipe,pipe=2,tensor=2,data=2,sp,full",
-           "1f1b,pipe=2,data=2,grad_accum=2"}
+           "1f1b,pipe=2,data=2,grad_accum=2", "1f1b,pipe=2,context=2,tensor=2,ring",
+           "zero_bubble,pipe=2,context=2,tensor=2,ring"}
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
@@ -112,34 +114,41 @@ def test_pipeline_sends_activations_over_pipe_and_gathers_no_stage_params(name):
     result = run_layout(LAYOUTS[name])
     cfg = result["cfg"]
     m, p, v = cfg.train.microbatches, cfg.mesh.pipe, cfg.parallel.virtual_stages
+    info = describe(cfg.parallel.pipeline_schedule, p, m, v)
     permutes = collectives(name, "collective-permute", ("pipe",))
-    # One activation forward and one gradient backward per tick, whatever the stage does.
-    ticks = len(schedule_table(cfg.parallel.pipeline_schedule, p, m, v))
-    assert sum(c.executions for c in permutes) == 2 * ticks
+    # One activation forward per step with a forward slot, one gradient back per step with a
+    # backward slot, whatever the stage does in it.
+    sends = info["forward_steps"] + info["backward_steps"]
+    assert sum(c.executions for c in permutes) == sends
     rows = cfg.train.batch_size // m // cfg.mesh.data
     activation = rows * cfg.train.seq_len * cfg.model.d_model * 4
-    assert per_step_bytes(permutes) == 2 * ticks * activation
-    # No parameter crosses pipe except the shared ones' gradients (embedding, final norm, head).
+    assert per_step_bytes(permutes) == sends * activation
+    # Over pipe otherwise only all-reduces: the embedding pieces, the last output and the head
+    # gradient (forward steps), chunk 0's input gradient (backward steps), loss statistics, and
+    # the vocabulary pieces' gradients once.
     pipe_kinds = {c.kind for c in result["collectives"] if "pipe" in c.axes}
     assert pipe_kinds == {"collective-permute", "all-reduce"}, pipe_kinds
-    shared = sum(a.addressable_shards[0].data.nbytes
-                 for key, tree in result["state"].params.items() if key != "layers"
-                 for a in jax.tree.leaves(tree))
+    vocab = sum(a.addressable_shards[0].data.nbytes
+                for key, a in result["state"].params.items() if key in ("embedding", "lm_head"))
+    tokens = rows * cfg.train.seq_len
+    expected = ((3 * info["forward_steps"] + info["backward_steps"]) * activation
+                + 3 * info["forward_steps"] * tokens * 4 + vocab)
     all_reduce = per_step_bytes(collectives(name, "all-reduce", ("pipe",)))
-    assert shared <= all_reduce <= shared + 256  # + the loss and a few scalars
+    assert expected <= all_reduce <= expected + 256  # + a few scalars
     # Each device stores only its stage's layers.
     for leaf in jax.tree.leaves(result["state"].params["layers"]):
         assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // p
 
 
-def test_each_device_runs_its_table_entry_through_one_switch():
-    # The tick loop holds one conditional with a branch per (kind, position) plus idle, so an
-    # idle or other stage's action costs a device nothing.
-    result = run_layout(LAYOUTS["1f1b,pipe=2,m=4"])
-    step_hlo = result["trainer"].compile_step().as_text()
-    branches = [len(m.group(1).split(",")) for m in
-                re.finditer(r"conditional\(.*branch_computations=\{([^}]*)\}", step_hlo)]
-    assert 13 in branches, branches
+@pytest.mark.parametrize("name", ["1f1b,pipe=2,context=2,tensor=2,ring",
+                                  "zero_bubble,pipe=2,context=2,tensor=2,ring",
+                                  "interleaved,pipe=2,m=4", "gpipe,pipe=2,tensor=2,data=2,sp,full"])
+def test_no_collective_runs_under_control_flow_in_a_pipelined_step(name):
+    # Every device runs the same program: a collective inside a conditional's branch would wait
+    # for devices that took the other branch (the ring's block switch holds compute only).
+    hlo = run_layout(LAYOUTS[name])["trainer"].compile_step().as_text()
+    assert collectives_in_conditionals(hlo) == [], name
+    assert "conditional(" in hlo or "ring" not in name  # the ring's switch is there, and clean
 
 
 # Mixture of experts inside the stages, with expert parallelism: the objective's MoE aux losses

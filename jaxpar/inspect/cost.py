@@ -490,13 +490,13 @@ class _Step:
         """How often a device runs its layers forward per step: micro-steps x microbatches."""
         return self.accum * self.m
 
-    @property
-    def recomputes(self) -> int:
-        """Extra forwards the pipeline executor runs per microbatch and chunk: one inside each
-        B, two for a split backward (I and W each recompute)."""
+    def executed(self, direction: str) -> float:
+        """Forward (``"forward"``) or backward chunk runs a pipeline stage executes per useful
+        one: its steps with that slot, masked ones included, over microbatches x chunks."""
         if self.pipeline is None:
-            return 0
-        return 2 if self.pipeline["schedule"] == "zero_bubble" else 1
+            return 1.0
+        useful = self.pipeline["microbatches"] * self.pipeline["virtual_stages"]
+        return self.pipeline[f"{direction}_steps"] / useful
 
     @property
     def sent(self) -> int:
@@ -627,7 +627,8 @@ def _notes(st: _Step) -> list[str]:
     if st.pipeline is not None:
         notes.append(f"pipeline {st.pipeline['schedule']}: bubble {st.pipeline['bubble']:.1%} "
                      "of the ticks idle (compute time divided by 1 - bubble); the executor "
-                     f"recomputes each chunk's forward {st.recomputes}x in the backward")
+                     f"runs {st.executed('forward'):.2f}x the useful chunk forwards (masked "
+                     "slots)")
     if st.ring:
         notes.append("ring attention skips the causal half of the S x S square that model flops "
                      "(jaxpar.model.flops) count as useful, so the MFU bound can pass 100%")
@@ -644,11 +645,12 @@ def _notes(st: _Step) -> list[str]:
 def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
     out: list[CollectiveCost] = []
     mesh, cfg, n_layers, g = st.mesh, st.cfg, st.layers, st.accum
-    # Under a pipeline a device runs its stage's layers once per microbatch, forward once plus
-    # once per recomputation (``_Step.recomputes``), backward once (twice split into I and W),
-    # and reduces weight gradients after every microbatch's backward. ``runs`` = g without one.
-    runs, fw, bw = st.runs, 1 + st.recomputes, max(1, st.recomputes)
-    grad_runs = g if st.pipeline is None else runs
+    # Under a pipeline a device runs its stage's layers in every step with a forward (backward)
+    # slot, masked ones included (``_Step.executed``), and reduces weight gradients after every
+    # microbatch's backward. ``runs`` = g without one.
+    runs, fw, bw = st.runs, st.executed("forward"), st.executed("backward")
+    # Weight gradients are reduced over the other axes in every backward slot, masked ones too.
+    grad_runs = g if st.pipeline is None else g * st.pipeline["backward_steps"]
 
     def add(kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
             overlapped: bool) -> None:
@@ -671,9 +673,9 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
 
     def reduced(group: list[ParamCost], gathered: bool = False) -> int:
         """Gradient bytes of ``group`` reduced per step (``gathered``: the unscattered size).
-        Under a pipeline each backward reduces what it produced: its chunk's layers every
-        microbatch, the shared parameters (embedding, final norm, head) on the first and last
-        stage only, 1/p of the runs on average."""
+        Under a pipeline each backward slot (masked ones too) reduces what it produced: its
+        chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
+        per backward step, of the head per forward step) and the final norm's."""
         def size(p: ParamCost) -> int:
             return grad(p, p.gathered_bytes if gathered else p.bytes_per_device)
 
@@ -681,7 +683,11 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         shared = sum(size(p) for p in group if not p.stacked)
         if st.pipeline is None:
             return g * (layers + shared)
-        return runs * layers + runs // st.p * shared
+        forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
+        tied = st.cfg.model.tie_embeddings
+        steps = {"embedding": (backward + forward * tied) / st.p, "lm_head": forward / st.p}
+        shared = sum(size(p) * steps.get(p.name, forward) for p in group if not p.stacked)
+        return round(g * (backward * layers / st.pipeline["virtual_stages"] + shared))
 
     # Parameters are replicated over data, expert and context (and fsdp under ZeRO-1), except
     # the routed experts' weights, which are split over expert: one all-reduce per set of axes
@@ -701,8 +707,14 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         # remat=none keeps each layer's gathered weights for the backward pass; remat gathers
         # them again there.
         passes = (1 if cfg.train.remat == "none" else 2) * fw
-        add("all-gather", ("fsdp",), passes * n_layers * runs * len(fsdp_layer),
-            passes * runs * sum(moved(p, p.gathered_bytes) for p in fsdp_layer),
+        if st.pipeline is not None:
+            # A stage's weights do not change within a stretch of steps: XLA hoists their
+            # gathers out of the stretch's loop, once per stretch.
+            passes, runs_gathered = 1, g * len(st.pipeline["stretches"])
+        else:
+            runs_gathered = runs
+        add("all-gather", ("fsdp",), round(passes * n_layers * runs_gathered * len(fsdp_layer)),
+            round(passes * runs_gathered * sum(moved(p, p.gathered_bytes) for p in fsdp_layer)),
             "layer weights gathered before use" + (", and again backward" if passes == 2
                                                    else " (kept for the backward pass)"), True)
         add("all-gather", ("fsdp",), len(fsdp_other),
@@ -788,12 +800,13 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         column_grads = runs * columns
         per_layer = n_layers * runs  # activation traffic: per microbatch
         # the embedding and head run on the first and last stage only: averaged over stages
-        ends = max(1, runs // st.p)
+        ends = runs if st.pipeline is None else round(
+            g * st.pipeline["forward_steps"] / fw)  # / fw: add_act multiplies it back
 
         def add_act(kind: str, count: int, what: str, payload: int = act,
                     times: int = 1) -> None:
             """``times``: the forward (fw) or backward (bw) multiplicity under a pipeline."""
-            count *= times
+            count = round(count * times)
             add(kind, ("tensor",), count, count * payload, what, False)
 
         if not st.sp:
@@ -827,15 +840,24 @@ def _collectives(st: _Step, params: list[ParamCost]) -> list[CollectiveCost]:
         add_act("all-reduce", 2 * ends, "vocab-parallel loss: max and sum of exponentials",
                 payload=st.b * st.sl * 4, times=fw)
 
-    # Pipeline: every tick of the table each device sends one activation forward and one
-    # gradient backward (zeros when its entry sends nothing); the replicated shared parameters'
-    # gradients are summed over the stages once per micro-step.
+    # Pipeline (parallel/pipeline.py): each step with a forward slot sends one activation on
+    # and all-reduces three over pipe (the embedding pieces, the last stage's output, the head's
+    # input gradient) plus [B, S] loss statistics; each with a backward slot sends one gradient
+    # back and all-reduces chunk 0's input gradient; the embedding/head gradient pieces are
+    # summed over the stages once per micro-step.
     if st.pipeline is not None:
-        ticks = st.pipeline["ticks"]
-        add("collective-permute", ("pipe",), 2 * ticks * g, 2 * ticks * g * st.sent,
-            f"pipeline: activation forward + gradient backward, each of {ticks} ticks", False)
-        add("all-reduce", ("pipe",), g, g * sum(p.bytes_per_device for p in other),
-            "pipeline: embedding, final norm and head gradients summed over stages", True)
+        forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
+        sends = forward + backward - 1  # the last step's send is never read (XLA drops it)
+        add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
+            f"pipeline: activations forward ({forward} steps), gradients back ({backward})",
+            False)
+        whole = st.sent * (st.t if st.sp else 1)  # all-reduced activations are not scattered
+        vocab = [p for p in other if p.name in ("embedding", "lm_head")]
+        add("all-reduce", ("pipe",), g * (4 * forward + backward + len(vocab)),
+            g * ((3 * forward + backward) * whole + 3 * forward * st.b * st.sl * 4
+                 + sum(p.bytes_per_device for p in vocab)),
+            "pipeline: embedding, last output and head gradient (forward steps), chunk 0's "
+            "input gradient (backward steps), vocabulary-piece gradients", True)
     return out
 
 
@@ -851,9 +873,11 @@ def _flops(st: _Step) -> FlopsCost:
     recomputed_experts = 2 * m.n_moe_layers * m.moe.top_k * expert
     recompute = {"none": 0, "dots": recomputed_attention + recomputed_experts,
                  "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
-    # The pipeline executor's backward recomputes the chunk's forward (once per B, twice for
-    # a split I + W), on top of what remat recomputes inside that backward.
-    recompute += st.recomputes * (2 * layer_matmuls + attention_forward)
+    # The pipeline executor recomputes nothing (the forward's residuals wait in its stash), but
+    # every stage runs every slot of a step: masked forward and backward slots execute too.
+    masked = (st.executed("forward") - 1) * (2 * layer_matmuls + attention_forward) + (
+        st.executed("backward") - 1) * 2 * (2 * layer_matmuls + attention_forward)
+    recompute += masked
     padding = 0.0
     if m.moe.enabled:
         # Rows the experts compute beyond the T x k slots: capacity slack, padded blocks, and
@@ -951,11 +975,16 @@ def _memory(st: _Step, params: list[ParamCost]) -> MemoryCost:
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
     saved_layers, stash = m.n_layers, 0
     if st.pipeline is not None:
-        # Between a chunk's F and its backward only its input is kept (a stash slot); the
-        # backward recomputes one chunk at a time, saving what remat lets it for those layers.
-        saved_layers = st.layers // cfg.parallel.virtual_stages
-        slots = st.pipeline["activation_slots"] + st.pipeline["gradient_slots"]
-        stash = slots * st.act // (st.t if st.sp else 1)
+        # Between a chunk's F and its backward its residuals wait in a stash slot (what remat
+        # saves for its layers), beside arrived inputs and output gradients; each stash has
+        # one spare slot that masked writes go to. Nothing else is saved across steps.
+        chunk_layers = st.layers // cfg.parallel.virtual_stages
+        saved_layers = 0
+        slots = st.pipeline["activation_slots"] + st.pipeline["gradient_slots"] + 2
+        residuals = chunk_layers * sum(_layer_activations(st, cfg.train.remat, moe)
+                                       for moe in blocks) // len(blocks)
+        stash = (slots * st.act // (st.t if st.sp else 1)
+                 + (st.pipeline["residual_slots"] + 1) * residuals)
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule

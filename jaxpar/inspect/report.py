@@ -49,7 +49,7 @@ from jaxpar.config import Config
 from jaxpar.inspect.hlo import parse_collectives, summarize_collectives
 from jaxpar.inspect.units import human_bytes
 from jaxpar.model.flops import param_count, train_flops_per_token
-from jaxpar.parallel.pipeline import BRANCHES, describe
+from jaxpar.parallel.pipeline import describe
 from jaxpar.parallel.rules import param_name
 from jaxpar.train.step import Trainer, build_trainer
 
@@ -88,11 +88,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
     # What the arguments are made of, so the memory table can be read against the params table.
     memory["params_bytes"] = sum(row["bytes_per_device"] for row in params)
     memory["optimizer_bytes"] = _bytes_per_device(state.opt_state)
-    program = trainer.pipeline
-    # Collectives inside a pipeline stage's branch run only on the ticks that take it.
-    branch_runs = {BRANCHES: program.branch_shares()} if program is not None else None
-    collectives = summarize_collectives(parse_collectives(compiled.as_text(), cfg.mesh_shape,
-                                                          branch_runs=branch_runs))
+    collectives = summarize_collectives(parse_collectives(compiled.as_text(), cfg.mesh_shape))
     t, p = cfg.train, cfg.parallel
     report = {
         "devices": devices,
@@ -117,7 +113,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
         "collectives": collectives,
         "flops": flops_report(cfg, compiled.cost_analysis(), devices),
     }
-    if program is not None:
+    if cfg.mesh.pipe > 1:
         report["pipeline"] = describe(p.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
                                       p.virtual_stages)
     return report
@@ -315,10 +311,11 @@ def pipeline_line(info: Mapping[str, Any]) -> str:
     chunks = (f", {info['virtual_stages']} chunks per stage" if info["virtual_stages"] > 1
               else "")
     return (f"pipeline: {info['schedule']} over {info['stages']} stages{chunks}, "
-            f"{info['microbatches']} microbatches, {info['ticks']} ticks, bubble "
-            f"{info['bubble']:.1%}; stash of {info['activation_slots']} activations + "
-            f"{info['gradient_slots']} gradients per device "
-            f"(`jaxpar schedule` draws the table)")
+            f"{info['microbatches']} microbatches, {info['steps']} steps = {info['ticks']} "
+            f"ticks, executed bubble {info['bubble']:.1%} (work factor "
+            f"{info['executed_work_factor']:.2f}); stash of {info['activation_slots']} inputs, "
+            f"{info['residual_slots']} residual sets, {info['gradient_slots']} gradients per "
+            f"device (`jaxpar schedule` draws the table)")
 
 
 def _print_params(report: Mapping[str, Any], console: Console) -> None:

@@ -1,4 +1,4 @@
-"""The pipeline executor: one SPMD program that runs any schedule inside ``shard_map`` over ``pipe``.
+"""The pipeline executor: one SPMD program running any schedule inside shard_map over `pipe`.
 
 The schedules (:mod:`jaxpar.parallel.pipeline_schedules`) say which stage does what at each
 *step*. This module turns them into integer arrays (:func:`compile_program`) and runs them.
@@ -226,6 +226,8 @@ def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
             "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
             "executed_work_factor": float(1 / (1 - bubble)),
             "stretches": ["+".join(s.kinds) for s in program.stretches],
+            "forward_steps": sum("F" in s.kinds for s in steps),
+            "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in steps),
             "activation_slots": program.act_slots, "residual_slots": program.res_slots,
             "gradient_slots": program.grad_slots}
 

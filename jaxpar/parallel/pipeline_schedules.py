@@ -53,13 +53,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal, NamedTuple
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.sharding import PartitionSpec
+from typing import Literal
 
 Kind = Literal["F", "B", "I", "W"]
 

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import BATCH_AXES, Config, TrainConfig
 from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
-from jaxpar.model.moe import LAYER_STACKED, moe_loss, moe_metrics, update_router_bias
+from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
 from jaxpar.parallel.context import context_attention, zigzag_order
 from jaxpar.parallel.data import optimizer_state_specs
