@@ -124,8 +124,8 @@ ERROR_CASES = {
     # Parallelisms later issues add: a plain "not implemented yet".
     "pipe-layers-divide": (["mesh.data=4", "mesh.pipe=2", "model.n_layers=3"],
                            ["model.n_layers=3", "mesh.pipe x parallel.virtual_stages"]),
-    "pipe-ring-attention": (["mesh.data=2", "mesh.pipe=2", "mesh.context=2"],
-                            ["parallel.context_impl=ring", "allowed with a pipeline: allgather"]),
+    "pipe-vocab-pieces": (["mesh.data=2", "mesh.pipe=2", "model.vocab_size=255"],
+                          ["model.vocab_size=255", "mesh.pipe x mesh.tensor = 2"]),
     "seq-not-divisible-by-2x-context": (["mesh.data=2", "mesh.context=4", "train.seq_len=36"],
                                         ["train.seq_len=36", "8", "2*context"]),
     # train.resume: auto, never, a step number or a path (checked when the run starts).
