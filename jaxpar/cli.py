@@ -255,14 +255,14 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     from jaxpar.inspect.report import (  # noqa: PLC0415
         build_report,
         compare_with_plan,
-        compile_step,
         print_comparison,
         print_report,
     )
     from jaxpar.mesh import make_mesh  # noqa: PLC0415
+    from jaxpar.train.compiled import compiled_step  # noqa: PLC0415
 
     json_to_stdout = args.json == "-"
-    step = compile_step(cfg, make_mesh(cfg, devices=devices))
+    step = compiled_step(cfg, make_mesh(cfg, devices=devices))
     report = build_report(step)
     if target is not None:
         report["run"].update(report_fields(target, devices))

@@ -26,13 +26,14 @@ from test_parallel_layouts import make_batches, max_relative_error
 import jaxpar.parallel.expert as expert_module
 from jaxpar.config import MoEConfig, load_config, validate
 from jaxpar.inspect.cost import estimate, model_buffers, model_params
-from jaxpar.inspect.report import CompiledStep, build_report, compare_with_plan
+from jaxpar.inspect.report import build_report, compare_with_plan
 from jaxpar.mesh import make_mesh
 from jaxpar.model.annotate import use_experts
 from jaxpar.model.moe import MoE, update_router_bias
 from jaxpar.model.transformer import abstract_model, create_model
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import is_axes_leaf, logical_rules, param_logical_axes, param_name
+from jaxpar.train.compiled import CompiledStep
 from jaxpar.train.step import build_trainer
 
 # --------------------------------------------------------------------------------------------

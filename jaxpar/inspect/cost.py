@@ -169,9 +169,9 @@ from typing import Any
 from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
 from jaxpar.inspect.hardware import HardwareProfile, get_profile
 from jaxpar.model.flops import matmul_params, train_flops_per_token
-from jaxpar.parallel.data import ZERO1_AXES
 from jaxpar.parallel.pipeline import describe
 from jaxpar.parallel.rules import logical_rules, resolve_spec
+from jaxpar.parallel.zero import ZERO1_AXES
 
 PARAM_BYTES = 4  # parameters, gradients and Adam moments are float32
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -319,7 +319,7 @@ def param_costs(cfg: Config) -> list[ParamCost]:
 
 def _zero1_spec(spec: tuple[SpecEntry, ...], names: tuple[str, ...],
                 mesh: Mapping[str, int]) -> tuple[SpecEntry, ...]:
-    """ZeRO-1's moment spec: the ``embed`` dim also split over data and fsdp (parallel/data.py)."""
+    """ZeRO-1's moment spec: the ``embed`` dim also split over data and fsdp (parallel/zero.py)."""
     extra = tuple(a for a in ZERO1_AXES if mesh[a] > 1)
     if not extra or "embed" not in names:
         return spec

@@ -165,7 +165,7 @@ def _mesh_text(mesh: dict[str, int]) -> str:
     return " ".join(f"{a}={mesh[a]}" for a in MESH_AXES if mesh[a] > 1) or "1 device"
 
 
-def describe(cfg: Config, devices: int, hw: HardwareProfile) -> str:
+def hardware_line(cfg: Config, devices: int, hw: HardwareProfile) -> str:
     """One header line: model, batch and hardware."""
     t = cfg.train
     accum = f" in {t.grad_accum} micro-steps" if t.grad_accum > 1 else ""
@@ -311,7 +311,7 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
     devices = _devices(cfg, device_count)
     if search:
         candidates = _search(cfg, devices, hw)
-        console.print(f"jaxpar plan --search | {describe(cfg, devices, hw)}")
+        console.print(f"jaxpar plan --search | {hardware_line(cfg, devices, hw)}")
         console.print(format_search(candidates))
         best = [c for c in candidates if c.fits]
         rejected = len(candidates) - len(best)
@@ -327,7 +327,7 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
         return 0
     valid = validate(cfg, devices)
     report = estimate(valid, hw)
-    console.print(f"jaxpar plan | {describe(valid, devices, hw)}")
+    console.print(f"jaxpar plan | {hardware_line(valid, devices, hw)}")
     console.print(f"mesh {_mesh_text(report.mesh)} | zero={valid.parallel.zero}, "
                   f"sequence_parallel={valid.parallel.sequence_parallel} | micro-batch "
                   f"{report.micro_batch} x {valid.train.seq_len} per device")

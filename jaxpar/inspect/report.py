@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,30 +50,13 @@ from jaxpar.inspect.units import human_bytes
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import BRANCHES, describe
 from jaxpar.parallel.rules import param_name
-from jaxpar.train.step import Trainer, build_trainer
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledStep:
-    """A train step compiled for inspection, with the trainer that holds its shardings."""
-
-    cfg: Config
-    trainer: Trainer
-    compiled: jax.stages.Compiled
-    compile_seconds: float
-
-
-def compile_step(cfg: Config, mesh: jax.sharding.Mesh) -> CompiledStep:
-    """Build the trainer for ``cfg`` (validated) on ``mesh`` and compile one step, unrun."""
-    trainer = build_trainer(cfg, mesh)
-    start = time.perf_counter()
-    compiled = trainer.compile_step()
-    return CompiledStep(cfg, trainer, compiled, time.perf_counter() - start)
+from jaxpar.train.compiled import CompiledStep, compiled_step
+from jaxpar.train.metrics import mesh_text, pipeline_line
 
 
 def inspect_step(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     """The JSON-able report of one compiled train step (see the module docstring)."""
-    return build_report(compile_step(cfg, mesh))
+    return build_report(compiled_step(cfg, mesh))
 
 
 def build_report(step: CompiledStep) -> dict[str, Any]:
@@ -273,16 +255,12 @@ def _shards(spec: Sequence[Any], mesh: Mapping[str, int]) -> int:
     return math.prod(mesh[a] for a in axes)
 
 
-def _mesh_text(mesh: Mapping[str, int]) -> str:
-    return " ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "1 device"
-
-
 def print_report(report: Mapping[str, Any], console: Console) -> None:
     """Print the report as a header line and four tables (params, memory, collectives, flops)."""
     run, mesh = report["run"], report["mesh"]
     console.print(
         f"[bold]jaxpar inspect[/bold] {report['devices']} x {run['device_kind']} | mesh "
-        f"{_mesh_text(mesh)} | {run['param_count'] / 1e6:.2f}M params | {run['dtype']}, "
+        f"{mesh_text(mesh)} | {run['param_count'] / 1e6:.2f}M params | {run['dtype']}, "
         f"remat={run['remat']}, zero={run['zero']}, sequence_parallel={run['sequence_parallel']}")
     if run.get("moe"):
         moe = run["moe"]
@@ -308,17 +286,6 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
     if report.get("pipeline"):
         console.print(pipeline_line(report["pipeline"]))
     _print_flops(report["flops"], run, console)
-
-
-def pipeline_line(info: Mapping[str, Any]) -> str:
-    """One line on the pipeline schedule (``describe``'s dict): what the executor runs."""
-    chunks = (f", {info['virtual_stages']} chunks per stage" if info["virtual_stages"] > 1
-              else "")
-    return (f"pipeline: {info['schedule']} over {info['stages']} stages{chunks}, "
-            f"{info['microbatches']} microbatches, {info['ticks']} ticks, bubble "
-            f"{info['bubble']:.1%}; stash of {info['activation_slots']} activations + "
-            f"{info['gradient_slots']} gradients per device "
-            f"(`jaxpar schedule` draws the table)")
 
 
 def _print_params(report: Mapping[str, Any], console: Console) -> None:

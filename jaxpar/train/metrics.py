@@ -1,4 +1,4 @@
-"""Throughput, MFU and the metrics file.
+"""Throughput, MFU, the metrics file, and the lines that describe a run.
 
 MFU compares achieved model flops per device with the device's dense bf16 peak from the table
 below (matched against ``jax.Device.device_kind``). CPUs have no meaningful peak here, so MFU is
@@ -8,6 +8,7 @@ reported as n/a for them rather than as a made-up number.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,19 @@ class MetricsFile:
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def mesh_text(mesh: Mapping[str, int]) -> str:
+    """``{"data": 2, "tensor": 4, ...}`` -> ``'data=2 tensor=4'``: the axes that split anything."""
+    return " ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "1 device"
+
+
+def pipeline_line(info: Mapping[str, Any]) -> str:
+    """One line on the pipeline schedule (``describe``'s dict): what the executor runs."""
+    chunks = (f", {info['virtual_stages']} chunks per stage" if info["virtual_stages"] > 1
+              else "")
+    return (f"pipeline: {info['schedule']} over {info['stages']} stages{chunks}, "
+            f"{info['microbatches']} microbatches, {info['ticks']} ticks, bubble "
+            f"{info['bubble']:.1%}; stash of {info['activation_slots']} activations + "
+            f"{info['gradient_slots']} gradients per device "
+            f"(`jaxpar schedule` draws the table)")
