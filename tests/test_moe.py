@@ -25,14 +25,14 @@ from test_parallel_layouts import make_batches, max_relative_error
 
 import jaxpar.parallel.expert as expert_module
 from jaxpar.config import MoEConfig, load_config, validate
-from jaxpar.inspect.cost import estimate, model_buffers, model_params
+from jaxpar.inspect.cost import estimate
 from jaxpar.inspect.report import build_report, compare_with_plan
 from jaxpar.mesh import make_mesh
 from jaxpar.model.annotate import use_experts
 from jaxpar.model.moe import MoE, update_router_bias
 from jaxpar.model.transformer import abstract_model, create_model
 from jaxpar.parallel.expert import expert_parallel
-from jaxpar.parallel.rules import is_axes_leaf, logical_rules, param_logical_axes, param_name
+from jaxpar.parallel.rules import logical_rules, param_name
 from jaxpar.train.compiled import CompiledStep
 from jaxpar.train.step import build_trainer
 
@@ -565,22 +565,6 @@ def test_moe_every_2_stacks_dense_moe_pairs():
     _, aux = jax.eval_shape(lambda: create_model(cfg, seed=0)(tokens, positions))
     assert aux["layer_expert_tokens"].shape == (2, 4)  # one row per MoE layer
     assert aux["aux_loss"].shape == ()
-
-
-@pytest.mark.parametrize("overrides", [
-    [], ["model.n_layers=4", "model.moe.every=2", "model.moe.num_shared_experts=2",
-         "model.moe.router=sigmoid_bias"]])
-def test_cost_model_param_and_buffer_tables_match_the_model(overrides):
-    cfg = load_config("moe-tiny", overrides).model
-    model = abstract_model(cfg)
-    for buffers, table in ((False, model_params(cfg)), (True, model_buffers(cfg))):
-        axes = jax.tree_util.tree_flatten_with_path(
-            param_logical_axes(model, buffers=buffers), is_leaf=is_axes_leaf)[0]
-        _, params, others = nnx.split(model, nnx.Param, ...)
-        state = nnx.to_pure_dict(others if buffers else params)
-        shapes = dict(jax.tree_util.tree_flatten_with_path(state)[0])
-        real = {param_name(path): (tuple(shapes[path].shape), names) for path, names in axes}
-        assert {p.name: (p.shape, p.names) for p in table} == real
 
 
 def test_moe_flops_count_active_experts_only():
