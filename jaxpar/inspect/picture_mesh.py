@@ -13,7 +13,7 @@ import itertools
 import math
 import textwrap
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxpar.inspect.picture_style import (
     MUTED,
@@ -144,13 +144,11 @@ def _short_axis_names(axes: Sequence[tuple[str, int]]) -> dict[str, str]:
 
 
 def draw_mesh(ax: Axes, mesh: MeshLayout) -> None:
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-
+    """Draw the mesh panel into ``ax``: block frames, device boxes, the lines and arcs of each
+    axis with its labels, and the caption."""
     ax.set_axis_off()
     ax.set_title("device mesh: one box per device", loc="left", fontsize=12.5,
                  fontweight="bold", color=TEXT, pad=8)
-    axes, levels, devices, corner = mesh.axes, mesh.levels, mesh.devices, mesh.corner
-    center = [(x + _BOX_W / 2, y + _BOX_H / 2) for x, y in corner]
     panel = ax.get_position()
     panel_w = panel.width * ax.figure.get_figwidth()
     panel_h = panel.height * ax.figure.get_figheight()
@@ -160,37 +158,70 @@ def draw_mesh(ax: Axes, mesh: MeshLayout) -> None:
     ax.set_xlim(x0, x0 + panel_w / scale)
     ax.set_ylim(y0 + panel_h / scale, y0)  # inverted: y grows downwards
 
-    def block_instances(level: int) -> list[list[int]]:
-        """The blocks of a level: devices sharing their coordinates on it and the outer levels."""
-        outer = [name for name, _, _, _ in levels[level:]]
-        blocks: dict[tuple[int, ...], list[int]] = {}
-        for i, c in enumerate(devices):
-            blocks.setdefault(tuple(c[n] for n in outer), []).append(i)
-        return list(blocks.values())
+    _draw_block_frames(ax, mesh)
+    coords_line = _draw_boxes(ax, mesh, scale)
+    for level in range(len(mesh.levels)):
+        if level < 2:
+            _draw_rows_and_columns(ax, mesh, level, scale)
+        else:
+            _draw_block_arcs(ax, mesh, level)
+            _draw_block_headers(ax, mesh, level, scale)
+    caption = mesh.caption if coords_line or not mesh.axes else mesh.caption[:-1]
+    ax.text(0.0, 1.0, "\n".join(caption), transform=ax.transAxes, ha="left", va="top",
+            fontsize=_CAPTION_PT, color=MUTED, linespacing=1.4)
 
-    def bounds(members: Sequence[int]) -> tuple[float, float, float, float]:
-        xs = [corner[i][0] for i in members]
-        ys = [corner[i][1] for i in members]
-        return min(xs), min(ys), max(xs) + _BOX_W, max(ys) + _BOX_H
 
-    # Blocks get a faint frame so that they read as units before anything else is looked at.
-    for level in range(2, len(levels)):
+def _centers(mesh: MeshLayout) -> list[tuple[float, float]]:
+    return [(x + _BOX_W / 2, y + _BOX_H / 2) for x, y in mesh.corner]
+
+
+def _block_instances(mesh: MeshLayout, level: int) -> list[list[int]]:
+    """The blocks of a level: devices sharing their coordinates on it and the outer levels."""
+    outer = [name for name, _, _, _ in mesh.levels[level:]]
+    blocks: dict[tuple[int, ...], list[int]] = {}
+    for i, c in enumerate(mesh.devices):
+        blocks.setdefault(tuple(c[n] for n in outer), []).append(i)
+    return list(blocks.values())
+
+
+def _bounds(mesh: MeshLayout, members: Sequence[int]) -> tuple[float, float, float, float]:
+    xs = [mesh.corner[i][0] for i in members]
+    ys = [mesh.corner[i][1] for i in members]
+    return min(xs), min(ys), max(xs) + _BOX_W, max(ys) + _BOX_H
+
+
+def _label_style() -> dict[str, Any]:
+    return {"fontsize": _LABEL_PT, "fontweight": "bold", "textcoords": "offset points",
+            "annotation_clip": False, "zorder": 5}
+
+
+def _draw_block_frames(ax: Axes, mesh: MeshLayout) -> None:
+    """Blocks get a faint frame so that they read as units before anything else is looked at."""
+    from matplotlib.patches import FancyBboxPatch
+
+    for level in range(2, len(mesh.levels)):
         pad = 0.12 + 0.1 * ((level - 2) // 2)
-        for members in block_instances(level):
-            xa, ya, xb, yb = bounds(members)
+        for members in _block_instances(mesh, level):
+            xa, ya, xb, yb = _bounds(mesh, members)
             ax.add_patch(FancyBboxPatch((xa - pad, ya - pad), xb - xa + 2 * pad,
                                         yb - ya + 2 * pad, facecolor="#000000", alpha=0.035,
                                         boxstyle="round,pad=0,rounding_size=0.1",
                                         edgecolor="none", zorder=0))
 
-    # Boxes: the position in the mesh and, when the box is large enough, the coordinates.
+
+def _draw_boxes(ax: Axes, mesh: MeshLayout, scale: float) -> bool:
+    """Boxes: the position in the mesh and, when the box is large enough, the coordinates
+    (returns whether they were drawn)."""
+    from matplotlib.patches import FancyBboxPatch
+
+    axes, center = mesh.axes, _centers(mesh)
     box_pt = 72 * scale * _BOX_W
     short = _short_axis_names(axes)  # the caption explains these
     coords_pt = min(9.0, box_pt * 0.85 / (max(len(axes), 1) * 3 * 0.6))
     coords_line = len(axes) > 1 and coords_pt >= 6.0
     index_pt = min(12.0, max(5.0, box_pt / (4.5 if coords_line else 3.4)))
-    for i, coords in enumerate(devices):
-        ax.add_patch(FancyBboxPatch(corner[i], _BOX_W, _BOX_H,
+    for i, coords in enumerate(mesh.devices):
+        ax.add_patch(FancyBboxPatch(mesh.corner[i], _BOX_W, _BOX_H,
                                     boxstyle="round,pad=0,rounding_size=0.07",
                                     facecolor="white", edgecolor="#4A4A4A", linewidth=1.0,
                                     zorder=3, gid=f"device:{i}"))
@@ -200,78 +231,81 @@ def draw_mesh(ax: Axes, mesh: MeshLayout) -> None:
         if coords_line:
             ax.text(cx, cy + 0.16, " ".join(f"{short[n]}{c}" for n, c in coords.items()),
                     ha="center", va="center", fontsize=coords_pt, color=MUTED, zorder=4)
+    return coords_line
 
-    label = {"fontsize": _LABEL_PT, "fontweight": "bold", "textcoords": "offset points",
-             "annotation_clip": False, "zorder": 5}
-    wire_pt = min(6.0, 0.09 * box_pt + 1)
-    for level, (name, size, direction, _stride) in enumerate(levels):
-        color = axis_color(name)
-        starts = [i for i, c in enumerate(devices) if c[name] == 0]
-        if level < 2:
-            # Columns and rows: a thick line behind each group's boxes shows in the gaps between
-            # them, a wire joining neighbours.
-            for i in starts:
-                (xa, ya), (xb, yb) = center[i], center[mesh.group(i, name)[-1]]
-                ax.plot([xa, xb], [ya, yb], color=color, linewidth=wire_pt,
-                        solid_capstyle="round", zorder=1)
-            first = mesh.group(0, name)  # device #0's group, in the top-left block
-            if direction == "x":  # name the axis under the first block's columns
-                mid = (center[first[0]][0] + center[first[-1]][0]) / 2
-                ax.annotate(f"{name} ({size}) →", (mid, mesh.height), xytext=(0, -4),
-                            ha="center", va="top", color=color, gid=f"axis-label:{name}",
-                            **label)
-            else:  # and left of its rows, reading downwards
-                mid = (center[first[0]][1] + center[first[-1]][1]) / 2
-                ax.annotate(f"{name} ({size}) →", (-mesh.rise_y, mid), xytext=(-5, 0),
-                            ha="center", va="top", rotation=-90, rotation_mode="anchor",
-                            color=color, gid=f"axis-label:{name}", **label)
-            continue
 
-        # Blocks: arcs join a device to its counterparts in the other blocks, from the outer
-        # edge (top row for blocks side by side, left column for stacked ones) so they cross no
-        # box. Every position has such a group; those of the first block's edge show the pattern.
-        along = 1 if direction == "x" else 0  # the edge: y = 0 (top) or x = 0 (left)
-        others = [n for n, _, _, _ in levels[2:] if n != name]
-        edge = [i for i in starts
-                if corner[i][along] == 0.0 and all(devices[i][n] == 0 for n in others)]
-        for i in edge[:_MAX_ARCS]:
-            for a, b in itertools.pairwise(mesh.group(i, name)):
-                if direction == "x":
-                    ends = (center[a][0], 0.0), (center[b][0], 0.0)
-                else:
-                    ends = (0.0, center[a][1]), (0.0, center[b][1])
-                # arc3 bends to the right of a->b for negative rad: with y drawn downwards that
-                # is up for a left-to-right arc, and left for a top-to-bottom one.
-                rad = -_ARC_RAD if direction == "x" else _ARC_RAD
-                ax.add_patch(FancyArrowPatch(*ends, arrowstyle="-", color=color, linewidth=2.2,
-                                             connectionstyle=f"arc3,rad={rad}", zorder=2,
-                                             shrinkA=0, shrinkB=0))
-        # Block headers: the axis and coordinate above (or left of) every block on the edge,
-        # stacked outwards by nesting depth so that no two levels share a line. Where "name k"
-        # is longer than a block, the blocks get just "k" and the name stands once before them.
-        depth = (level - 2) // 2
-        edge_blocks = [m for m in block_instances(level)
-                       if min(corner[i][1 if direction == "x" else 0] for i in m) == 0.0]
-        xa, ya, xb, yb = bounds(edge_blocks[0])
-        span_in = (xb - xa if direction == "x" else yb - ya) * scale
-        fits = 0.6 * _LABEL_PT / 72 * (len(name) + 3) < span_in
-        offset = 72 * (mesh.row_label_in + sum(mesh.block_label_in[:depth])) + 5
-        for n, members in enumerate(edge_blocks):
-            k = devices[members[0]][name]
-            text = f"{name} {k}" if fits else (f"{name}  {k}" if n == 0 else str(k))
-            gid = f"axis-label:{name}" if n == 0 else None
-            xa, ya, xb, yb = bounds(members)
+def _draw_rows_and_columns(ax: Axes, mesh: MeshLayout, level: int, scale: float) -> None:
+    """Columns and rows: a thick line behind each group's boxes shows in the gaps between them,
+    a wire joining neighbours; the axis is named under the columns or left of the rows."""
+    name, size, direction, _stride = mesh.levels[level]
+    color, center = axis_color(name), _centers(mesh)
+    wire_pt = min(6.0, 0.09 * 72 * scale * _BOX_W + 1)
+    for i in (i for i, c in enumerate(mesh.devices) if c[name] == 0):
+        (xa, ya), (xb, yb) = center[i], center[mesh.group(i, name)[-1]]
+        ax.plot([xa, xb], [ya, yb], color=color, linewidth=wire_pt,
+                solid_capstyle="round", zorder=1)
+    first = mesh.group(0, name)  # device #0's group, in the top-left block
+    if direction == "x":  # name the axis under the first block's columns
+        mid = (center[first[0]][0] + center[first[-1]][0]) / 2
+        ax.annotate(f"{name} ({size}) →", (mid, mesh.height), xytext=(0, -4),
+                    ha="center", va="top", color=color, gid=f"axis-label:{name}",
+                    **_label_style())
+    else:  # and left of its rows, reading downwards
+        mid = (center[first[0]][1] + center[first[-1]][1]) / 2
+        ax.annotate(f"{name} ({size}) →", (-mesh.rise_y, mid), xytext=(-5, 0),
+                    ha="center", va="top", rotation=-90, rotation_mode="anchor",
+                    color=color, gid=f"axis-label:{name}", **_label_style())
+
+
+def _draw_block_arcs(ax: Axes, mesh: MeshLayout, level: int) -> None:
+    """Blocks: arcs join a device to its counterparts in the other blocks, from the outer edge
+    (top row for blocks side by side, left column for stacked ones) so they cross no box. Every
+    position has such a group; those of the first block's edge show the pattern."""
+    from matplotlib.patches import FancyArrowPatch
+
+    name, _size, direction, _stride = mesh.levels[level]
+    color, center, corner, devices = axis_color(name), _centers(mesh), mesh.corner, mesh.devices
+    along = 1 if direction == "x" else 0  # the edge: y = 0 (top) or x = 0 (left)
+    others = [n for n, _, _, _ in mesh.levels[2:] if n != name]
+    edge = [i for i, c in enumerate(devices) if c[name] == 0
+            and corner[i][along] == 0.0 and all(devices[i][n] == 0 for n in others)]
+    for i in edge[:_MAX_ARCS]:
+        for a, b in itertools.pairwise(mesh.group(i, name)):
             if direction == "x":
-                ax.annotate(text, ((xa + xb) / 2, -mesh.rise_x), xytext=(0, 4 + 19 * depth),
-                            ha="center" if fits or n else "right", va="bottom", color=color,
-                            gid=gid, **label)
+                ends = (center[a][0], 0.0), (center[b][0], 0.0)
             else:
-                ax.annotate(text, (-mesh.rise_y, (ya + yb) / 2), xytext=(-offset, 0),
-                            ha="center" if fits or n else "right", va="top", rotation=-90,
-                            rotation_mode="anchor", color=color, gid=gid, **label)
+                ends = (0.0, center[a][1]), (0.0, center[b][1])
+            # arc3 bends to the right of a->b for negative rad: with y drawn downwards that
+            # is up for a left-to-right arc, and left for a top-to-bottom one.
+            rad = -_ARC_RAD if direction == "x" else _ARC_RAD
+            ax.add_patch(FancyArrowPatch(*ends, arrowstyle="-", color=color, linewidth=2.2,
+                                         connectionstyle=f"arc3,rad={rad}", zorder=2,
+                                         shrinkA=0, shrinkB=0))
 
-    caption = mesh.caption if coords_line or not axes else mesh.caption[:-1]
-    ax.text(0.0, 1.0, "\n".join(caption), transform=ax.transAxes, ha="left", va="top",
-            fontsize=_CAPTION_PT, color=MUTED, linespacing=1.4)
 
-
+def _draw_block_headers(ax: Axes, mesh: MeshLayout, level: int, scale: float) -> None:
+    """Block headers: the axis and coordinate above (or left of) every block on the edge,
+    stacked outwards by nesting depth so that no two levels share a line. Where "name k" is
+    longer than a block, the blocks get just "k" and the name stands once before them."""
+    name, _size, direction, _stride = mesh.levels[level]
+    color, corner = axis_color(name), mesh.corner
+    depth = (level - 2) // 2
+    edge_blocks = [m for m in _block_instances(mesh, level)
+                   if min(corner[i][1 if direction == "x" else 0] for i in m) == 0.0]
+    xa, ya, xb, yb = _bounds(mesh, edge_blocks[0])
+    span_in = (xb - xa if direction == "x" else yb - ya) * scale
+    fits = 0.6 * _LABEL_PT / 72 * (len(name) + 3) < span_in
+    offset = 72 * (mesh.row_label_in + sum(mesh.block_label_in[:depth])) + 5
+    for n, members in enumerate(edge_blocks):
+        k = mesh.devices[members[0]][name]
+        text = f"{name} {k}" if fits else (f"{name}  {k}" if n == 0 else str(k))
+        gid = f"axis-label:{name}" if n == 0 else None
+        xa, ya, xb, yb = _bounds(mesh, members)
+        if direction == "x":
+            ax.annotate(text, ((xa + xb) / 2, -mesh.rise_x), xytext=(0, 4 + 19 * depth),
+                        ha="center" if fits or n else "right", va="bottom", color=color,
+                        gid=gid, **_label_style())
+        else:
+            ax.annotate(text, (-mesh.rise_y, (ya + yb) / 2), xytext=(-offset, 0),
+                        ha="center" if fits or n else "right", va="top", rotation=-90,
+                        rotation_mode="anchor", color=color, gid=gid, **_label_style())

@@ -25,6 +25,7 @@ from jaxpar.inspect.picture_style import (
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.text import Text
 
 # --------------------------------------------------------------------------------------------
 # Panel 2: parameters and how they are split
@@ -112,45 +113,24 @@ def param_rows(params: Sequence[Mapping[str, Any]], mesh: Mapping[str, int]
     return sorted(merged.values(), key=order)
 
 
-def draw_params(ax: Axes, rows: Sequence[Mapping[str, Any]],
-                 axes: Sequence[tuple[str, int]]) -> float:
-    """Draw the table; returns the width it would like, in inches (its columns and a bar)."""
-    from matplotlib.patches import FancyBboxPatch, Rectangle
+_PAD = 0.2  # inches between the table's columns
+_ROW_IN = 0.3  # inches between its rows
+_HEADER = {"fontsize": 9.5, "fontweight": "bold", "color": MUTED}
 
-    ax.set_axis_off()
-    ax.set_title("parameters: which mesh axis splits them, bytes per device", loc="left",
-                 fontsize=12.5, fontweight="bold", color=TEXT, pad=8)
-    n = len(rows)
-    panel_w = ax.get_position().width * ax.figure.get_figwidth()
-    panel_h = ax.get_position().height * ax.figure.get_figheight()
-    # Rows are 0.3 in apart whatever the panel height (row r is centred on y = r), under a
-    # two-line caption and a header; leftover height stays empty at the bottom.
-    row_in = 0.3
-    ax.set_xlim(0, panel_w)  # x in inches, so columns can be placed by measured text widths
-    ax.set_ylim(-2.95 + panel_h / row_in, -2.95)
-    if not rows:
-        ax.text(0, 0, "no parameters in the report", fontsize=10, color=MUTED)
-        return 4.0
 
-    pad = 0.2
-    header = {"fontsize": 9.5, "fontweight": "bold", "color": MUTED}
+def _column(ax: Axes, x: float, texts: Sequence[tuple[float, str, dict[str, Any]]]) -> float:
+    """Draw a column of texts at x; the x where the next column can start."""
+    drawn = [ax.text(x, y, s, va="center" if y >= 0 else "bottom", **kw) for y, s, kw in texts]
+    return x + max(width_in(t) for t in drawn) + _PAD
 
-    def column(x: float, texts: Sequence[tuple[float, str, dict[str, Any]]]) -> float:
-        """Draw a column of texts at x; the x where the next column can start."""
-        drawn = [ax.text(x, y, s, va="center" if y >= 0 else "bottom", **kw)
-                 for y, s, kw in texts]
-        return x + max(width_in(t) for t in drawn) + pad
 
-    starts = [r for r in range(n) if r == 0 or rows[r]["group"] != rows[r - 1]["group"]]
-    x = column(0.0, [(-0.55, "group", header)]
-               + [(r, rows[r]["group"], {"fontsize": 10, "fontweight": "bold"}) for r in starts])
-    x = column(x, [(-0.55, "parameters", header)]
-               + [(r, ", ".join(row["names"]), {"fontsize": 9.5}) for r, row in enumerate(rows)])
-    x = column(x, [(-0.55, "PartitionSpec", header)]
-               + [(r, spec_text(row["spec"]), {"fontsize": 9, "family": "monospace"})
-                  for r, row in enumerate(rows)])
+def _axis_cells(ax: Axes, rows: Sequence[Mapping[str, Any]], axes: Sequence[tuple[str, int]],
+                x: float) -> float:
+    """One cell per split mesh axis: the axis colour and the dimension it splits, or grey.
+    Returns the x where the next column can start."""
+    from matplotlib.patches import FancyBboxPatch
 
-    # One cell per split mesh axis: the axis colour and the dimension it splits, or grey.
+    row_in = _ROW_IN
     heads = [ax.text(0, -0.55, f"{name}\n×{size}", ha="center", va="bottom", fontsize=9.5,
                      fontweight="bold", color=axis_color(name), linespacing=1.05)
              for name, size in axes]
@@ -167,23 +147,28 @@ def draw_params(ax: Axes, rows: Sequence[Mapping[str, Any]],
             ax.text(cx, r, f"dim {row['split'][name]}" if split else "repl.", ha="center",
                     va="center", fontsize=8.5, color="white" if split else "#8A8A8A",
                     fontweight="bold" if split else "normal")
-    x += len(axes) * cell_w + pad
+    return x + (len(axes) * cell_w + _PAD)
 
-    # Bytes: the numbers, then a light bar for the global size (to scale across rows) with the
-    # device's share dark on it; the bar takes the width that is left.
+
+def _byte_bars(ax: Axes, rows: Sequence[Mapping[str, Any]], x: float, panel_w: float) -> float:
+    """Bytes: the numbers, then a light bar for the global size (to scale across rows) with the
+    device's share dark on it; the bar takes the width that is left. Returns the bar's x."""
+    from matplotlib.patches import Rectangle
+
+    n = len(rows)
     total_device = sum(row["device"] for row in rows)
     total_global = sum(row["global"] for row in rows)
 
     def share(device: int, global_: int) -> str:
         return "all" if global_ <= device else f"1/{global_ / max(device, 1):.3g}"
 
-    bar_x = column(x, [(-0.55, "per device of global", header)]
-                   + [(r, f"{short_bytes(row['device'])} of {short_bytes(row['global'])} "
-                          f"({share(row['device'], row['global'])})", {"fontsize": 9})
-                      for r, row in enumerate(rows)]
-                   + [(n + 0.15, f"{short_bytes(total_device)} of {short_bytes(total_global)} "
-                                 f"({share(total_device, total_global)})",
-                       {"fontsize": 9.5, "fontweight": "bold"})])
+    bar_x = _column(ax, x, [(-0.55, "per device of global", _HEADER)]
+                    + [(r, f"{short_bytes(row['device'])} of {short_bytes(row['global'])} "
+                           f"({share(row['device'], row['global'])})", {"fontsize": 9})
+                       for r, row in enumerate(rows)]
+                    + [(n + 0.15, f"{short_bytes(total_device)} of {short_bytes(total_global)} "
+                                  f"({share(total_device, total_global)})",
+                        {"fontsize": 9.5, "fontweight": "bold"})])
     bar_w = min(2.5, max(0.8, panel_w - bar_x))  # the scratch panel is wide: its bar is 2.5 in
     largest = max(row["global"] for row in rows) or 1
     for r, row in enumerate(rows):
@@ -192,6 +177,38 @@ def draw_params(ax: Axes, rows: Sequence[Mapping[str, Any]],
                                edgecolor="none"))
         ax.add_patch(Rectangle((bar_x, r - 0.27), full * row["device"] / max(row["global"], 1),
                                0.54, facecolor="#3E4F66", edgecolor="none"))
+    return bar_x
+
+
+def draw_params(ax: Axes, rows: Sequence[Mapping[str, Any]],
+                 axes: Sequence[tuple[str, int]]) -> float:
+    """Draw the table; returns the width it would like, in inches (its columns and a bar)."""
+    ax.set_axis_off()
+    ax.set_title("parameters: which mesh axis splits them, bytes per device", loc="left",
+                 fontsize=12.5, fontweight="bold", color=TEXT, pad=8)
+    n = len(rows)
+    panel_w = ax.get_position().width * ax.figure.get_figwidth()
+    panel_h = ax.get_position().height * ax.figure.get_figheight()
+    # Rows are 0.3 in apart whatever the panel height (row r is centred on y = r), under a
+    # two-line caption and a header; leftover height stays empty at the bottom.
+    ax.set_xlim(0, panel_w)  # x in inches, so columns can be placed by measured text widths
+    ax.set_ylim(-2.95 + panel_h / _ROW_IN, -2.95)
+    if not rows:
+        ax.text(0, 0, "no parameters in the report", fontsize=10, color=MUTED)
+        return 4.0
+
+    starts = [r for r in range(n) if r == 0 or rows[r]["group"] != rows[r - 1]["group"]]
+    x = _column(ax, 0.0, [(-0.55, "group", _HEADER)]
+                + [(r, rows[r]["group"], {"fontsize": 10, "fontweight": "bold"})
+                   for r in starts])
+    x = _column(ax, x, [(-0.55, "parameters", _HEADER)]
+                + [(r, ", ".join(row["names"]), {"fontsize": 9.5})
+                   for r, row in enumerate(rows)])
+    x = _column(ax, x, [(-0.55, "PartitionSpec", _HEADER)]
+                + [(r, spec_text(row["spec"]), {"fontsize": 9, "family": "monospace"})
+                   for r, row in enumerate(rows)])
+    x = _axis_cells(ax, rows, axes, x)
+    bar_x = _byte_bars(ax, rows, x, panel_w)
 
     for r in starts[1:]:  # rules between groups, and above the total
         ax.plot([0, panel_w], [r - 0.5, r - 0.5], color=RULE, linewidth=0.8)
@@ -228,9 +245,49 @@ def collective_bars(collectives: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return sorted(bars, key=lambda b: (-totals[b["axes"]], b["axes"], -b["wire"]))
 
 
+def _label_bars(ax: Axes, bars: Sequence[Mapping[str, Any]],
+                groups: Mapping[tuple[str, ...], list[int]], title: Text) -> float:
+    """Labels left of the bars, measured so that the plot starts right after them: the axes
+    group (with its total) once per group, then the kind on each bar. Returns the plot's width
+    in inches once shifted right to make room."""
+    from matplotlib.transforms import blended_transform_factory
+
+    left = blended_transform_factory(ax.transAxes, ax.transData)
+    group_labels, kind_labels, rules = [], [], []
+    for names, ys in groups.items():
+        total = sum(bars[y]["wire"] for y in ys)
+        # One line when the group has one bar, else two (the name over its total).
+        sep = "\n" if len(ys) > 1 else "  "
+        group_labels.append(ax.text(0, (ys[0] + ys[-1]) / 2,
+                                    f"{' + '.join(names) or '?'}{sep}{short_bytes(total)}",
+                                    transform=left, ha="left", va="center", fontsize=10.5,
+                                    fontweight="bold", color=axis_color((names or ("?",))[0]),
+                                    linespacing=1.15))
+        if ys[0] > 0:  # a rule between groups, extended under the labels below
+            rules.append(ax.axhline(ys[0] - 0.5, color=RULE, linewidth=0.8, clip_on=False))
+    for y, b in enumerate(bars):
+        kind_labels.append(ax.text(0, y, b["kind"], transform=left, ha="right", va="center",
+                                   fontsize=9.5, color=TEXT))
+    group_w = max(width_in(t) for t in group_labels) + 0.25
+    kind_w = max(width_in(t) for t in kind_labels) + 0.1
+    # Shift the plot right by the label widths, then pin the labels to inches left of it.
+    fig_w = ax.figure.get_figwidth()
+    pos = ax.get_position()
+    shift = (group_w + kind_w) / fig_w
+    ax.set_position([pos.x0 + shift, pos.y0, pos.width - shift, pos.height])
+    plot_w = (pos.width - shift) * fig_w
+    for t in group_labels:
+        t.set_x(-(group_w + kind_w) / plot_w)
+    for t in kind_labels:
+        t.set_x(-0.1 / plot_w)
+    for line in rules:
+        line.set_xdata([-(group_w + kind_w) / plot_w, 1])
+    title.set_x(-(group_w + kind_w) / plot_w)
+    return plot_w
+
+
 def draw_collectives(ax: Axes, bars: Sequence[Mapping[str, Any]]) -> None:
     from matplotlib.ticker import MaxNLocator
-    from matplotlib.transforms import blended_transform_factory
 
     title = ax.set_title("collectives: bytes each device sends per step (ring algorithm), by "
                          "mesh axes and kind", loc="left", fontsize=12.5, fontweight="bold",
@@ -264,39 +321,7 @@ def draw_collectives(ax: Axes, bars: Sequence[Mapping[str, Any]]) -> None:
                                   xytext=(4, 0), textcoords="offset points", va="center",
                                   fontsize=9, color=TEXT))
 
-    # Labels left of the bars, measured so that the plot starts right after them: the axes group
-    # (with its total) once per group, then the kind on each bar.
-    left = blended_transform_factory(ax.transAxes, ax.transData)
-    group_labels, kind_labels, rules = [], [], []
-    for names, ys in groups.items():
-        total = sum(bars[y]["wire"] for y in ys)
-        # One line when the group has one bar, else two (the name over its total).
-        sep = "\n" if len(ys) > 1 else "  "
-        group_labels.append(ax.text(0, (ys[0] + ys[-1]) / 2,
-                                    f"{' + '.join(names) or '?'}{sep}{short_bytes(total)}",
-                                    transform=left, ha="left", va="center", fontsize=10.5,
-                                    fontweight="bold", color=axis_color((names or ("?",))[0]),
-                                    linespacing=1.15))
-        if ys[0] > 0:  # a rule between groups, extended under the labels below
-            rules.append(ax.axhline(ys[0] - 0.5, color=RULE, linewidth=0.8, clip_on=False))
-    for y, b in enumerate(bars):
-        kind_labels.append(ax.text(0, y, b["kind"], transform=left, ha="right", va="center",
-                                   fontsize=9.5, color=TEXT))
-    group_w = max(width_in(t) for t in group_labels) + 0.25
-    kind_w = max(width_in(t) for t in kind_labels) + 0.1
-    # Shift the plot right by the label widths, then pin the labels to inches left of it.
-    fig_w = ax.figure.get_figwidth()
-    pos = ax.get_position()
-    shift = (group_w + kind_w) / fig_w
-    ax.set_position([pos.x0 + shift, pos.y0, pos.width - shift, pos.height])
-    plot_w = (pos.width - shift) * fig_w
-    for t in group_labels:
-        t.set_x(-(group_w + kind_w) / plot_w)
-    for t in kind_labels:
-        t.set_x(-0.1 / plot_w)
-    for line in rules:
-        line.set_xdata([-(group_w + kind_w) / plot_w, 1])
-    title.set_x(-(group_w + kind_w) / plot_w)
+    plot_w = _label_bars(ax, bars, groups, title)
 
     ax.set_yticks([])
     ax.set_ylim(len(bars) - 0.5, -0.5)
