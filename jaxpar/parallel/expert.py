@@ -167,6 +167,21 @@ def _split_axes(rules: Mapping[str, tuple[str, ...]], mesh_shape: Mapping[str, i
     return axes
 
 
+def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, dispatch: str,
+              capacity_factor: float, num_experts: int, groups: int, ragged: bool
+              ) -> tuple[jax.Array, dict]:
+    """One device's routed tokens through the experts, exchanged over ``groups`` devices: the
+    capacity buffer (dropping), or dropless locally, with ragged or padded all-to-alls."""
+    if dispatch == "dropping":
+        return dropping_experts(tokens, ids, gates, w, capacity_factor, num_experts=num_experts,
+                                exchange=_exchange if groups > 1 else None)
+    if groups == 1:
+        return dropless_experts(tokens, ids, gates, w)
+    if ragged:
+        return ragged_dropless(tokens, ids, gates, w, num_experts, groups)
+    return padded_dropless(tokens, ids, gates, w, num_experts, groups)
+
+
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     platform: str = "cpu", ragged: bool | None = None) -> Experts:
     """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a
@@ -223,16 +238,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
             if tensor:  # backward: one all-reduce of d(tokens) over tensor, not one per slot
                 tokens = lax.pcast(tokens, tensor, to="varying")
             w = (gathered(w_gate, 1), gathered(w_up, 1), gathered(w_down, 2))
-            if dispatch == "dropping":
-                y, stats = dropping_experts(tokens, ids, g, w, capacity_factor,
-                                            num_experts=num_experts,
-                                            exchange=_exchange if groups > 1 else None)
-            elif groups == 1:
-                y, stats = dropless_experts(tokens, ids, g, w)
-            elif ragged:
-                y, stats = ragged_dropless(tokens, ids, g, w, num_experts, groups)
-            else:
-                y, stats = padded_dropless(tokens, ids, g, w, num_experts, groups)
+            y, stats = _dispatch(tokens, ids, g, w, dispatch, capacity_factor, num_experts,
+                                 groups, ragged)
             if tensor:  # the experts' hidden units were split: sum the partial outputs
                 y = lax.psum(y, tensor)
             if token_axes:  # global counts: every device reports the same numbers. (A count
