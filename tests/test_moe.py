@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_grads_and_params_match, assert_params_moved
 from jax import lax
-from test_parallel_layouts import make_batches, max_relative_error
+from test_parallel_layouts import make_batches
 
 import jaxpar.parallel.expert as expert_module
 from jaxpar.config import MoEConfig, load_config, validate
@@ -400,10 +401,7 @@ def run_layout(overrides: tuple[str, ...]) -> dict:
 def test_expert_parallel_layout_matches_single_device(name):
     got, ref = run_layout(LAYOUTS[name]), run_layout(REFERENCE)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-    grad_errors = max_relative_error(got["grads"], ref["grads"])
-    assert max(grad_errors.values()) < 1e-4, grad_errors
-    param_errors = max_relative_error(got["params"], ref["params"])
-    assert max(param_errors.values()) < 1e-4, param_errors
+    assert_grads_and_params_match(got, ref)
     for mine, theirs in zip(got["metrics"], ref["metrics"], strict=True):
         for key in ("loss", "moe_aux_loss", "moe_z_loss"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
@@ -422,9 +420,7 @@ def test_reference_run_routes_and_learns():
     first = ref["metrics"][0]
     assert first["expert_tokens"].sum() == 8 * 32 * 2 * 2  # tokens x top_k x MoE layers
     assert first["expert_load_min_max"] > 0.5 and first["moe_aux_loss"] > 0.9
-    init = jax.tree.map(np.asarray, ref["trainer"].init().params)
-    moved = max_relative_error(ref["params"], init)
-    assert min(moved.values()) > 1e-4, moved
+    assert_params_moved(ref)
     for name in ("w_gate", "w_up", "w_down"):
         per_expert = np.abs(ref["grads"]["layers"]["moe"][name]).sum(axis=(0, 2, 3))
         assert (per_expert > 0).all()

@@ -3,12 +3,12 @@
 The train step is compiled from abstract arrays (``jax.ShapeDtypeStruct`` with shardings), so no
 parameter, optimizer or batch memory is allocated and no data is read: a 64-device layout of a
 large model can be checked on a laptop. The report (:func:`inspect_step`, a JSON-able dict in the
-shape DESIGN.md fixes for ``jaxpar inspect --json``) has five parts; :func:`print_report` prints
-them as tables. Every number is **per device** unless it says "global".
+shape docs/design.md fixes for ``jaxpar inspect --json``) has five parts; :func:`print_report`
+prints them as tables. Every number is **per device** unless it says "global".
 
 1. ``devices``, ``mesh`` and ``run`` (the header): device count and kind, the mesh axis sizes,
    model size, dtype/remat/ZeRO/sequence parallelism and the compile time. ``run`` is the one key
-   beyond DESIGN.md's: header facts that are not elsewhere in the report. With ``--target``
+   beyond docs/design.md's: header facts that are not elsewhere in the report. With ``--target``
    (:mod:`jaxpar.inspect.tpu`) it also names the TPU slice: ``target``, ``topology``, ``chips``,
    ``cores_per_chip`` and ``compiler``, and every figure is the TPU compiler's.
 2. ``params``: each parameter's global shape, its ``PartitionSpec`` (one entry per dimension:
