@@ -71,11 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      parser_class=_SubParser)
     for name, text in (("train", "train a model (writes run_dir/config.yaml, metrics.jsonl)"),
                        ("config", "print the resolved, validated config as YAML")):
-        sub = commands.add_parser(name, help=text, description=text,
-                                  epilog=EPILOG.format(presets=_presets()),
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-        sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
-        sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+        _config_command(commands, name, text)
     _add_inspect(commands)
     _add_plan(commands)
     _add_schedule(commands)
@@ -83,22 +79,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_command(commands, name: str, text: str,
+                    example: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand that reads CONFIG and ``key=value`` overrides. With an ``example`` (added to
+    the epilog) it also takes options among the overrides, in any order (intermixed)."""
+    options = example is not None
+    sub = commands.add_parser(name, help=text, description=text + ("." if options else ""),
+                              intermixed=options,
+                              epilog=EPILOG.format(presets=_presets()) + (example or ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
+    # default=[]: else intermixed parsing calls the overrides required when CONFIG is missing.
+    sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides",
+                     **({"default": []} if options else {}))
+    return sub
+
+
 SCHEDULE_HELP = ("print (and with --png draw) the config's pipeline schedule: which stage does "
                  "what at every tick, its bubble and what each stage holds")
 
 
 def _add_schedule(commands) -> None:
-    sub = commands.add_parser("schedule", help=SCHEDULE_HELP, description=SCHEDULE_HELP + ".",
-                              intermixed=True,
-                              epilog=EPILOG.format(presets=_presets()) + "\nExample:\n  jaxpar "
-                              "schedule tiny mesh.pipe=4 mesh.data=2 model.n_layers=8 "
-                              "train.microbatches=8 train.batch_size=16 "
-                              "parallel.pipeline_schedule=interleaved "
-                              "parallel.virtual_stages=2 --png schedule.png",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
-    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                     help="dotted overrides")
+    sub = _config_command(commands, "schedule", SCHEDULE_HELP,
+                          "\nExample:\n  jaxpar schedule tiny mesh.pipe=4 mesh.data=2 "
+                          "model.n_layers=8 train.microbatches=8 train.batch_size=16 "
+                          "parallel.pipeline_schedule=interleaved parallel.virtual_stages=2 "
+                          "--png schedule.png")
     sub.add_argument("--png", metavar="FILE", help="draw the timeline (stages x ticks, "
                      "forward/backward/idle coloured) to FILE (needs matplotlib)")
 
@@ -169,14 +175,8 @@ PLAN_HELP = ("predict, from the config alone (no compile), memory, collective by
 def _add_plan(commands) -> None:
     from jaxpar.inspect.hardware import PROFILES  # noqa: PLC0415  (plain data, no jax)
 
-    sub = commands.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP + ".",
-                              intermixed=True,
-                              epilog=EPILOG.format(presets=_presets()) + "\nExample:\n  jaxpar "
-                              "plan llama-1b --search --devices 64 --hardware h100",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
-    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                     help="dotted overrides")
+    sub = _config_command(commands, "plan", PLAN_HELP, "\nExample:\n  jaxpar plan llama-1b "
+                          "--search --devices 64 --hardware h100")
     sub.add_argument("--hardware", default="h100", choices=sorted(PROFILES),
                      help="hardware profile: peak flops, HBM and link bandwidths (default h100)")
     sub.add_argument("--search", action="store_true",
@@ -187,18 +187,12 @@ def _add_plan(commands) -> None:
 
 
 def _add_inspect(commands) -> None:
-    sub = commands.add_parser("inspect", help=INSPECT_HELP, description=INSPECT_HELP + ".",
-                              intermixed=True,
-                              epilog=EPILOG.format(presets=_presets()) + "\nExample (a 64-device "
-                              "layout, compiled on this machine):\n  jaxpar inspect tiny "
-                              "--devices 64 mesh.data=8 mesh.fsdp=8 train.batch_size=64\n"
-                              "Example (what the TPU compiler makes of FSDP on a v5e-8 slice):\n"
-                              "  jaxpar inspect tiny mesh.data=1 mesh.fsdp=8 --target tpu-v5e:2x4",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
-    # default=[]: else intermixed parsing calls the overrides required when CONFIG is missing.
-    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                     help="dotted overrides")
+    sub = _config_command(commands, "inspect", INSPECT_HELP,
+                          "\nExample (a 64-device layout, compiled on this machine):\n  jaxpar "
+                          "inspect tiny --devices 64 mesh.data=8 mesh.fsdp=8 "
+                          "train.batch_size=64\nExample (what the TPU compiler makes of FSDP on "
+                          "a v5e-8 slice):\n  jaxpar inspect tiny mesh.data=1 mesh.fsdp=8 "
+                          "--target tpu-v5e:2x4")
     sub.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to stdout, "
                      "instead of the tables)")
     sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")
@@ -260,14 +254,14 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     from jaxpar.inspect.report import (  # noqa: PLC0415
         build_report,
         compare_with_plan,
-        compile_step,
         print_comparison,
         print_report,
     )
     from jaxpar.mesh import make_mesh  # noqa: PLC0415
+    from jaxpar.train.compiled import compiled_step  # noqa: PLC0415
 
     json_to_stdout = args.json == "-"
-    step = compile_step(cfg, make_mesh(cfg, devices=devices))
+    step = compiled_step(cfg, make_mesh(cfg, devices=devices))
     report = build_report(step)
     if target is not None:
         report["run"].update(report_fields(target, devices))

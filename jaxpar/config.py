@@ -434,13 +434,25 @@ def _require(condition: bool, message: str) -> None:
 
 
 def validate(cfg: Config, device_count: int) -> Config:
-    """Check every cross-field rule; return the config with the mesh's ``-1`` axis resolved."""
+    """Check every cross-field rule; return the config with the mesh's ``-1`` axis resolved.
+
+    The checks run in a fixed order (model, pipeline, mixture of experts, batch and sequence,
+    optimiser, parameter sharding, run settings) and the first broken rule is the error."""
     if cfg.host_devices is not None:
         _require(cfg.host_devices >= 1, f"host_devices={cfg.host_devices}: must be >= 1")
     mesh = _resolve_mesh(cfg.mesh, device_count)
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    _check_model(cfg.model, mesh)
+    _check_pipeline(cfg, mesh)
+    _check_moe(cfg, mesh)
+    _check_batch(cfg, mesh)
+    _check_optimizer(cfg.train)
+    _check_sharding(cfg, mesh)
+    _check_run(cfg)
+    return dataclasses.replace(cfg, mesh=mesh)
 
-    # Model shape.
+
+def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
+    """Model shape: positive sizes, grouped-query heads, rotary's even head_dim, tensor splits."""
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         value = getattr(m, name)
         _require(value >= 1, f"model.{name}={value}: must be >= 1")
@@ -456,7 +468,10 @@ def validate(cfg: Config, device_count: int) -> Config:
         _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
                  f"mesh.tensor={mesh.tensor}")
 
-    # Pipeline.
+
+def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
+    """Pipeline: chunks of whole layers, microbatches only with stages, schedule constraints."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     v, schedule = p.virtual_stages, p.pipeline_schedule
     _require(v >= 1, f"parallel.virtual_stages={v}: must be >= 1")
     _require(v == 1 or schedule == "interleaved", f"parallel.virtual_stages={v} needs "
@@ -473,7 +488,11 @@ def validate(cfg: Config, device_count: int) -> Config:
     _require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
              f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
              f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
-    # Mixture of experts.
+
+
+def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
+    """Mixture of experts: routing settings, and experts and groups that split evenly."""
+    m, p = cfg.model, cfg.parallel
     moe = m.moe
     _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 "
              "(0 = dense)")
@@ -503,7 +522,10 @@ def validate(cfg: Config, device_count: int) -> Config:
                  f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
                  "stages take whole groups)")
 
-    # Batch and sequence.
+
+def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
+    """Batch and sequence: rows for every batch shard, tokens for every sequence shard."""
+    t, p = cfg.train, cfg.parallel
     _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")
     _require(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1")
     _require(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be >= 1")
@@ -523,14 +545,19 @@ def validate(cfg: Config, device_count: int) -> Config:
              + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
                 "context parallelism (2*context)") + " needs")
 
-    # Optimiser and schedule.
+
+def _check_optimizer(t: TrainConfig) -> None:
+    """Optimiser and schedule."""
     _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr={t.lr}: must be a finite number > 0")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
     _require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
 
-    # Sharding of parameters: ZeRO-3 splits the embed dim over fsdp; ZeRO-1 splits the optimizer
-    # state's embed dim over every batch axis.
+
+def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:
+    """Sharding of parameters: ZeRO-3 splits the embed dim over fsdp; ZeRO-1 splits the
+    optimizer state's embed dim over every batch axis. Rule overrides name known axes."""
+    m, p = cfg.model, cfg.parallel
     zero_shards = mesh.fsdp if p.zero == 3 else mesh.data * mesh.fsdp
     _require(m.d_model % zero_shards == 0, f"model.d_model={m.d_model} is not divisible by "
              f"{zero_shards}, the " + ("fsdp axis (ZeRO-3)" if p.zero == 3 else
@@ -542,7 +569,10 @@ def validate(cfg: Config, device_count: int) -> Config:
             _require(axis in MESH_AXES, f"parallel.rules.{logical}: unknown mesh axis {axis!r}; "
                      f"allowed: {', '.join(MESH_AXES)}")
 
-    # Data, checkpoints, logging.
+
+def _check_run(cfg: Config) -> None:
+    """Data, checkpoints, logging."""
+    t = cfg.train
     _require(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must "
              "be in [0, 1)")
     _require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
@@ -551,4 +581,3 @@ def validate(cfg: Config, device_count: int) -> Config:
     _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
              "or a checkpoint path")
     _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
-    return dataclasses.replace(cfg, mesh=mesh)

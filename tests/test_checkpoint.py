@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import assert_one_line_error, run_jaxpar
 
 from jaxpar.config import load_config, to_dict, validate
 from jaxpar.mesh import make_mesh
@@ -75,7 +76,7 @@ def cli(*args: str) -> list[str]:
 
 
 def run(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cli(*args), capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    return run_jaxpar(*args, env=env, timeout=TIMEOUT_S)
 
 
 def train_args(run_dir: Path, steps: int, *extra: str) -> list[str]:
@@ -114,15 +115,6 @@ def tmp_dirs(root: Path) -> list[str]:
         return [p for p in os.listdir(root) if TMP_SUFFIX in p]
     except FileNotFoundError:
         return []
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, code: int, *needles: str) -> str:
-    assert result.returncode == code, (result.returncode, result.stderr[-3000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("jaxpar: error: "), result.stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 _references: dict[int, Path] = {}
@@ -260,7 +252,7 @@ def test_on_nonfinite_stop_exits_1_naming_the_step_and_saves_nothing_after_it(en
     run_dir = tmp_path / "run"
     result = run(env, *train_args(run_dir, 6, "train.lr=1e30", "checkpoint.every=1",
                                   "train.on_nonfinite=stop"))
-    assert_one_line_error(result, 1, "non-finite", "at step 2", "train.on_nonfinite=stop")
+    assert_one_line_error(result, "non-finite", "at step 2", "train.on_nonfinite=stop", code=1)
     assert complete_steps(run_dir / "checkpoints") == [1]
     assert [row["step"] for row in metrics(run_dir)] == [1]
 
@@ -413,7 +405,7 @@ def test_export_cli(saved, env, tmp_path):
     assert result.stderr == ""
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert_one_line_error(run(env, "export", str(tmp_path / "nowhere"), "--to",
-                              str(tmp_path / "x")), 2, "no complete checkpoint")
+                              str(tmp_path / "x")), "no complete checkpoint", code=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,8 +420,8 @@ def test_checkpoint_of_another_model_shape_names_the_array(saved, env, tmp_path)
 
     run_dir = tmp_path / "run"
     result = run(env, *train_args(run_dir, 6, "model.d_ff=256", f"train.resume={path}"))
-    assert_one_line_error(result, 2, str(path), "params/layers/mlp/w_down", "[2, 128, 64]",
-                          "[2, 256, 64]")
+    assert_one_line_error(result, str(path), "params/layers/mlp/w_down", "[2, 128, 64]",
+                          "[2, 256, 64]", code=2)
     assert not run_dir.exists()
 
 
@@ -441,7 +433,7 @@ def test_corrupt_checkpoint_is_one_line_error_exit_2(saved, env, tmp_path):
     run_dir = tmp_path / "run"
     result = run(env, *train_args(run_dir, 6, "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2",
                                   f"train.resume={path}"))
-    assert_one_line_error(result, 2, str(path), "corrupt")
+    assert_one_line_error(result, str(path), "corrupt", code=2)
     assert not run_dir.exists()
 
 

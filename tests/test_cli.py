@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import assert_one_line_error
 
 from jaxpar.config import config_from_dict, load_config, validate
 
@@ -33,17 +34,6 @@ def run_cli(*args: str, cwd: Path, timeout: float = ERROR_TIMEOUT_S,
         env["JAX_LOG_COMPILES"] = "1"
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd, env=env)
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
-    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].strip(), f"stderr is not one line: {result.stderr!r}"
-    line = lines[0]
-    assert line.startswith("jaxpar: error: "), line
-    for needle in needles:
-        assert needle in line, f"{needle!r} missing from {line!r}"
-    return line
 
 
 # --------------------------------------------------------------------------------------------

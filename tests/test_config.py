@@ -49,6 +49,7 @@ def _assert_mentions(message: str, *needles: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Every config error: (overrides on the `tiny` preset, strings the one-line message must contain).
 
+MOE = "model.moe.num_experts=4"
 ERROR_CASES = {
     # Unknown keys: top level, nested, doubly nested, misspelled section; the message lists the
     # allowed keys of that section.
@@ -135,30 +136,27 @@ ERROR_CASES = {
                             ["train.on_nonfinite", "skip, stop"]),
     "microbatches-need-pipe": (["train.microbatches=2"],
                                ["train.microbatches=2", "needs mesh.pipe > 1"]),
-    # Mixture of experts.
+    # Mixture of experts (MOE turns the experts on, so that the MoE checks run).
     "moe-negative-experts": (["model.moe.num_experts=-1"], ["model.moe.num_experts=-1", ">= 0"]),
-    "moe-top-k-over-experts": (["model.moe.num_experts=4", "model.moe.top_k=5"],
+    "moe-top-k-over-experts": ([MOE, "model.moe.top_k=5"],
                                ["model.moe.top_k=5", "[1, model.moe.num_experts=4]"]),
-    "moe-top-k-zero": (["model.moe.num_experts=4", "model.moe.top_k=0"],
+    "moe-top-k-zero": ([MOE, "model.moe.top_k=0"],
                        ["model.moe.top_k=0", "[1, model.moe.num_experts=4]"]),
-    "moe-every-zero": (["model.moe.num_experts=4", "model.moe.every=0"],
-                       ["model.moe.every=0", ">= 1"]),
-    "moe-every-not-dividing-layers": (["model.moe.num_experts=4", "model.moe.every=3"],
+    "moe-every-zero": ([MOE, "model.moe.every=0"], ["model.moe.every=0", ">= 1"]),
+    "moe-every-not-dividing-layers": ([MOE, "model.moe.every=3"],
                                       ["model.n_layers=2", "model.moe.every=3", "groups"]),
     "moe-bad-dispatch": (["model.moe.dispatch=ragged"],
                          ["model.moe.dispatch", "dropless, dropping"]),
-    "moe-bad-router": (["model.moe.router=sigmoid"],
-                       ["model.moe.router", "softmax, sigmoid_bias"]),
-    "moe-capacity-zero": (["model.moe.num_experts=4", "model.moe.capacity_factor=0"],
+    "moe-bad-router": (["model.moe.router=sigmoid"], ["model.moe.router", "softmax, sigmoid_bias"]),
+    "moe-capacity-zero": ([MOE, "model.moe.capacity_factor=0"],
                           ["model.moe.capacity_factor=0.0", "> 0"]),
-    "moe-negative-aux-weight": (["model.moe.num_experts=4", "model.moe.aux_loss_weight=-0.1"],
+    "moe-negative-aux-weight": ([MOE, "model.moe.aux_loss_weight=-0.1"],
                                 ["model.moe.aux_loss_weight=-0.1", ">= 0"]),
-    "moe-negative-bias-rate": (["model.moe.num_experts=4", "model.moe.bias_update_rate=-1"],
+    "moe-negative-bias-rate": ([MOE, "model.moe.bias_update_rate=-1"],
                                ["model.moe.bias_update_rate=-1.0", ">= 0"]),
-    "moe-negative-shared": (["model.moe.num_experts=4", "model.moe.num_shared_experts=-1"],
+    "moe-negative-shared": ([MOE, "model.moe.num_shared_experts=-1"],
                             ["model.moe.num_shared_experts=-1", ">= 0"]),
-    "moe-d-ff-expert-zero": (["model.moe.num_experts=4", "model.moe.d_ff_expert=0"],
-                             ["model.moe.d_ff_expert=0", ">= 1"]),
+    "moe-d-ff-expert-zero": ([MOE, "model.moe.d_ff_expert=0"], ["model.moe.d_ff_expert=0", ">= 1"]),
     "moe-experts-not-divisible-by-expert-axis": (
         ["mesh.data=2", "mesh.expert=4", "model.moe.num_experts=6"],
         ["model.moe.num_experts=6", "mesh.expert=4"]),

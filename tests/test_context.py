@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compiled_temp_bytes
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
@@ -82,16 +83,14 @@ def test_zigzag_balances_unmasked_blocks_and_contiguous_does_not(n):
     assert (kinds[:, 1:] != MASKED).all() and (kinds[:, 0] == MASKED).sum() == 2 * n
 
 
-def compiled_temp_bytes(*overrides: str, devices: int) -> int:
+def long_sequence_temp_bytes(*overrides: str, devices: int) -> int:
     cfg = load_config("tiny", ["train.batch_size=1", "train.seq_len=2048", *overrides])
-    cfg = validate(cfg, devices)
-    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
-    return trainer.compile_step().memory_analysis().temp_size_in_bytes
+    return compiled_temp_bytes(validate(cfg, devices), devices)
 
 
 def test_context_parallelism_cuts_activation_memory_of_a_long_sequence():
-    single = compiled_temp_bytes("mesh.data=1", devices=1)
-    ring = compiled_temp_bytes("mesh.data=1", "mesh.context=4", devices=4)
+    single = long_sequence_temp_bytes("mesh.data=1", devices=1)
+    ring = long_sequence_temp_bytes("mesh.data=1", "mesh.context=4", devices=4)
     assert ring <= 0.4 * single, (ring, single)
 
 

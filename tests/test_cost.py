@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.inspect.cost import estimate, model_params, wire_bytes
+from jaxpar.inspect.cost import estimate, wire_bytes
 from jaxpar.inspect.hardware import GB, PROFILES, get_profile
 from jaxpar.inspect.plan import format_search, layouts, plan_main, search
 from jaxpar.train.metrics import peak_flops
@@ -222,24 +222,6 @@ def test_wire_bytes_follow_ring_algorithms():
     assert wire_bytes("reduce-scatter", 800, 8) == 700
     assert wire_bytes("collective-permute", 800, 2) == 800
     assert wire_bytes("all-reduce", 800, 1) == 0
-
-
-def test_param_table_matches_the_model():
-    """The cost model's pure-Python parameter list is the model's: names, shapes, logical axes."""
-    import jax
-    from flax import nnx
-
-    from jaxpar.model.transformer import abstract_model
-    from jaxpar.parallel.rules import is_axes_leaf, param_logical_axes, param_name
-
-    for cfg in (tiny(), tiny("model.tie_embeddings=true", "model.head_dim=16")):
-        model = abstract_model(cfg.model)
-        flat = jax.tree_util.tree_flatten_with_path
-        axes = flat(param_logical_axes(model), is_leaf=is_axes_leaf)[0]
-        shapes = dict(flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0])
-        real = {param_name(path): (tuple(shapes[path].shape), names) for path, names in axes}
-        ours = {p.name: (p.shape, p.names) for p in model_params(cfg.model)}
-        assert ours == real
 
 
 def test_remat_trades_saved_activations_for_recompute():

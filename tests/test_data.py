@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxpar.data import DataIterator, build_dataset, describe, make_tokenizer
+from jaxpar.data import DataIterator, build_dataset, dataset_line, make_tokenizer
 
 BYTE = make_tokenizer("byte")
 
@@ -132,7 +132,7 @@ def test_stdlib_default_corpus_packs_fast_and_respects_max_bytes():
     assert small.documents == again.documents
     np.testing.assert_array_equal(small.tokens, again.tokens)
     assert not any("site-packages" in key for key in ds.documents)
-    line = describe(small)
+    line = dataset_line(small)
     assert "\n" not in line and "documents" in line and "tokens" in line and "rows" in line
 
 

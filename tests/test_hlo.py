@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpar.inspect.hlo import (  # noqa: E402
     Collective,
-    _parse_groups,
     parse_collectives,
     summarize_collectives,
 )
+from jaxpar.inspect.hlo_groups import parse_groups  # noqa: E402
 
 MESH = {"data": 2, "tensor": 4}
 MESH_5D = {"pipe": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}
@@ -174,7 +174,7 @@ def test_replica_groups_map_to_axes_of_asymmetric_mesh(groups, axes, size):
     ],
 )
 def test_replica_group_forms_expand_like_xla(text, expected):
-    groups = _parse_groups(text)
+    groups = parse_groups(text)
     assert groups == expected if expected is None else groups[: len(expected)] == expected
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import env_without_device_flags, run_jaxpar
 from rich.console import Console
 
 from jaxpar.config import load_config, validate
@@ -23,7 +23,7 @@ from jaxpar.inspect.report import inspect_step, print_report
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import train_flops_per_token
 
-# The JSON contract of DESIGN.md ("jaxpar inspect ... --json writes"), plus the header's `run`.
+# The JSON contract of docs/design.md ("jaxpar inspect ... --json writes"), plus the header's `run`.
 DESIGN_KEYS = {"devices", "mesh", "params", "memory", "collectives", "flops"}
 PARAM_KEYS = {"name", "shape", "spec", "bytes_per_device"}
 MEMORY_KEYS = {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"}
@@ -85,7 +85,7 @@ def test_fsdp8_gathers_weights_and_reduce_scatters_grads_over_fsdp():
     report = fsdp8()
     assert rows(report, "all-gather", ["fsdp"])
     assert rows(report, "reduce-scatter", ["fsdp"])
-    # XLA:CPU spells reduce-scatter as all-reduce + dynamic-slice (JAX-NOTES.md).
+    # XLA:CPU spells reduce-scatter as all-reduce + dynamic-slice (docs/jax-notes.md).
     lowered = {s for r in rows(report, "reduce-scatter", ["fsdp"]) for s in r["lowered_as"]}
     assert lowered == {"all-reduce+dynamic-slice"}
 
@@ -142,9 +142,8 @@ def test_print_report_shows_every_table_and_the_cpu_reduce_scatter_note():
 
 def run_inspect(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     # No XLA_FLAGS/JAX_PLATFORMS: the device count must come from host_devices or --devices.
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", *args],
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)
+    return run_jaxpar("inspect", *args, cwd=cwd, env=env_without_device_flags(),
+                      timeout=CLI_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +199,6 @@ def test_png_flag_draws_the_report(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "mesh.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def run_jaxpar(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], capture_output=True,
-                          text=True, timeout=300)
 
 
 def test_compare_puts_the_plan_beside_the_compiled_step_and_they_agree():

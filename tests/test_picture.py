@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from jaxpar.inspect import picture  # noqa: E402  (after the importorskip on purpose)
 from jaxpar.inspect.picture import draw_report, report_figure  # noqa: E402
+from jaxpar.inspect.picture_tables import param_rows  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MESH_AXES = ["pipe", "data", "fsdp", "expert", "context", "tensor"]
@@ -158,7 +158,7 @@ def test_real_report_picture_names_what_the_layout_does() -> None:
 
 
 def test_parameters_are_grouped_and_merged_by_spec() -> None:
-    rows = picture._param_rows(hand_report(DEMO_MESH)["params"], DEMO_MESH)
+    rows = param_rows(hand_report(DEMO_MESH)["params"], DEMO_MESH)
     # in the order of the forward pass, not the report's alphabetical one
     assert [r["names"] for r in rows] == [["embedding"], ["wq", "wk", "wv"], ["wo"],
                                           ["w_gate", "w_up"], ["w_down"],

@@ -18,7 +18,8 @@ import pytest
 SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from test_parallel_layouts import max_relative_error, run_layout
+from helpers import max_relative_error
+from test_parallel_layouts import run_layout
 ref = run_layout({reference!r})
 got = run_layout({layout!r})
 print(json.dumps({{

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
-import jax
 import pytest
+from helpers import compiled_temp_bytes, run_jaxpar
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.mesh import make_mesh
 from jaxpar.parallel.pipeline import compile_program
 from jaxpar.parallel.pipeline_schedules import (
     peak_in_flight,
@@ -25,7 +22,6 @@ from jaxpar.parallel.pipeline_schedules import (
     stage_of,
     table_of,
 )
-from jaxpar.train.step import build_trainer
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
 
@@ -84,19 +80,18 @@ def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight
     simulate(program, p)
 
 
-def compiled_temp_bytes(schedule: str, m: int) -> int:
+def stash_temp_bytes(schedule: str, m: int) -> int:
     cfg = validate(load_config("tiny", [
         "mesh.data=1", "mesh.pipe=2", "model.n_layers=2", "model.d_model=128",
         f"train.microbatches={m}", f"train.batch_size={2 * m}", "train.seq_len=128",
         f"parallel.pipeline_schedule={schedule}"]), 2)
-    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:2]))
-    return trainer.compile_step().memory_analysis().temp_size_in_bytes
+    return compiled_temp_bytes(cfg, 2)
 
 
 def test_1f1b_memory_stays_flat_in_microbatches_while_gpipe_grows():
     activation = 2 * 128 * 128 * 4  # one microbatch's stage input: 2 rows x 128 x d_model fp32
-    gpipe = compiled_temp_bytes("gpipe", 16) - compiled_temp_bytes("gpipe", 4)
-    one_f_one_b = compiled_temp_bytes("1f1b", 16) - compiled_temp_bytes("1f1b", 4)
+    gpipe = stash_temp_bytes("gpipe", 16) - stash_temp_bytes("gpipe", 4)
+    one_f_one_b = stash_temp_bytes("1f1b", 16) - stash_temp_bytes("1f1b", 4)
     # GPipe stashes every microbatch's forward residuals (with remat=none: the layer's inputs,
     # norms, q/k/v, scores, MLP hiddens: many activations) until the backward wave, so 12 more
     # microbatches hold 12 more residual sets. 1F1B holds at most 2p-1 = 3 whatever m is.
@@ -123,11 +118,6 @@ def test_pipeline_config_errors_name_the_field(overrides, message):
 
 # --------------------------------------------------------------------------------------------
 # What the user sees: inspect, plan, schedule, metrics
-
-
-def run_jaxpar(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], capture_output=True,
-                          text=True, timeout=600)
 
 
 PIPE_TINY = ["mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", "train.microbatches=4",

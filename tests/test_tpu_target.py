@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_one_line_error
 from rich.console import Console
 
 from jaxpar.config import ConfigError
@@ -57,16 +58,6 @@ def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False) -> subprocess.
                           text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
-    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("jaxpar: error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert result.stdout == ""
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def fsdp8_on_v5e(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, str]:
     """tiny, fsdp=8, compiled for tpu-v5e:2x4: (process, --json - report, --hlo text)."""
@@ -101,7 +92,7 @@ def test_fsdp_gathers_weights_and_reduce_scatters_grads_over_fsdp(fsdp8_on_v5e):
     assert rows(report, "all-gather", ["fsdp"])
     scatters = rows(report, "reduce-scatter", ["fsdp"])
     assert scatters
-    # TPU fuses all-reduce + slice into one op, which XLA:CPU never emits (JAX-NOTES.md).
+    # TPU fuses all-reduce + slice into one op, which XLA:CPU never emits (docs/jax-notes.md).
     assert "all-reduce-scatter-fusion" in {s for r in scatters for s in r["lowered_as"]}
 
 
@@ -155,23 +146,24 @@ def test_printed_report_names_the_target_and_the_tpu_memory(fsdp8_on_v5e):
                                     "tpu-v5e", "tpu-v5e:0x4"])
 def test_bad_target_string_is_one_line_exit_2(tmp_path, target):
     result = run_inspect("tiny", "--target", target, cwd=tmp_path)
-    assert_one_line_error(result, f"--target {target}", "tpu-v5e:2x4", "tpu-v4:2x2x1")
+    assert_one_line_error(result, f"--target {target}", "tpu-v5e:2x4", "tpu-v4:2x2x1",
+                          empty_stdout=True)
 
 
 def test_target_with_devices_is_a_usage_error(tmp_path):
     result = run_inspect("tiny", "--target", TARGET, "--devices", "8", cwd=tmp_path)
-    assert_one_line_error(result, "--devices", "--target", "not allowed")
+    assert_one_line_error(result, "--devices", "--target", "not allowed", empty_stdout=True)
 
 
 def test_missing_libtpu_says_how_to_install_it(tmp_path):
     result = run_inspect("tiny", "--target", TARGET, cwd=tmp_path, hide_libtpu=True)
-    assert_one_line_error(result, "libtpu", INSTALL_HINT)
+    assert_one_line_error(result, "libtpu", INSTALL_HINT, empty_stdout=True)
 
 
 def test_topology_libtpu_rejects_is_one_line_exit_2(tmp_path):
     needs_libtpu()
     result = run_inspect("tiny", "--target", "tpu-v5e:3x3", cwd=tmp_path)
-    assert_one_line_error(result, "tpu-v5e:3x3", "libtpu rejects")
+    assert_one_line_error(result, "tpu-v5e:3x3", "libtpu rejects", empty_stdout=True)
 
 
 def test_mesh_minus_one_resolves_against_the_slice(tmp_path):
@@ -179,7 +171,7 @@ def test_mesh_minus_one_resolves_against_the_slice(tmp_path):
     # a config error naming 16, from validation, before any compile.
     needs_libtpu()
     result = run_inspect("tiny", "--target", "tpu-v5e:4x4", cwd=tmp_path)
-    assert_one_line_error(result, "train.batch_size=8", "16")
+    assert_one_line_error(result, "train.batch_size=8", "16", empty_stdout=True)
 
 
 def test_moe_dropless_exchange_compiles_to_ragged_all_to_all_for_tpu(tmp_path):

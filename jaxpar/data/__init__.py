@@ -6,7 +6,7 @@
 >>> batch = next(it)  # {"inputs", "targets", "mask"}: numpy arrays of shape [32, 256]
 """
 
-from jaxpar.data.dataset import build_dataset, describe
+from jaxpar.data.dataset import build_dataset, dataset_line
 from jaxpar.data.loader import DataIterator
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
@@ -18,6 +18,6 @@ __all__ = [
     "PackedDataset",
     "Tokenizer",
     "build_dataset",
-    "describe",
+    "dataset_line",
     "make_tokenizer",
 ]

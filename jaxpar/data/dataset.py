@@ -87,7 +87,7 @@ def _unit_hash(key: str) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
-def describe(ds: PackedDataset) -> str:
+def dataset_line(ds: PackedDataset) -> str:
     """One line for the train log: split, documents, tokens, rows."""
     return (
         f"data {ds.split}: {len(ds.documents):,} documents, {ds.n_tokens:,} tokens, "

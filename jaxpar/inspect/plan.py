@@ -165,7 +165,7 @@ def _mesh_text(mesh: dict[str, int]) -> str:
     return " ".join(f"{a}={mesh[a]}" for a in MESH_AXES if mesh[a] > 1) or "1 device"
 
 
-def describe(cfg: Config, devices: int, hw: HardwareProfile) -> str:
+def hardware_line(cfg: Config, devices: int, hw: HardwareProfile) -> str:
     """One header line: model, batch and hardware."""
     t = cfg.train
     accum = f" in {t.grad_accum} micro-steps" if t.grad_accum > 1 else ""
@@ -181,11 +181,21 @@ def format_plan(report: CostReport) -> Group:
     hardware profile)."""
     if report.time is None:
         raise ValueError("format_plan: estimate the report with a hardware profile")
-    cfg, time = report.cfg, report.time
-    hw = get_profile(time.hardware)
-    usable = HBM_USABLE * hw.hbm_bytes
-    m = report.memory
+    hw = get_profile(report.time.hardware)
+    notes = [Text("step = compute + blocking comm (tensor, MoE all-to-all, ZeRO-1 gather, "
+                  "allgather attention) + "
+                  "max(0, data/fsdp/context comm - compute), at peak flops and link bandwidth "
+                  "with no latency: a lower bound on the real step.", style="dim")]
+    notes += [Text(f"note: {n}", style="dim") for n in report.notes]
+    return Group(_memory_table(report, hw), _collectives_table(report, hw),
+                 _timing_table(report), *notes)
 
+
+
+
+def _memory_table(report: CostReport, hw: HardwareProfile) -> Table:
+    cfg, m = report.cfg, report.memory
+    usable = HBM_USABLE * hw.hbm_bytes
     memory = Table(title="memory per device", title_justify="left")
     memory.add_column("part")
     memory.add_column("bytes", justify="right")
@@ -210,7 +220,10 @@ def format_plan(report: CostReport) -> Group:
     memory.add_row("[bold]peak[/bold]", f"[bold]{_bytes(m.peak)}[/bold]",
                    f"{'fits' if fits else '[red]does not fit[/red]'}: {_bytes(usable)} "
                    f"usable of {_bytes(hw.hbm_bytes)} HBM")
+    return memory
 
+
+def _collectives_table(report: CostReport, hw: HardwareProfile) -> Table:
     comms = Table(title="collectives per device, one step", title_justify="left")
     for column, justify in (("kind", "left"), ("axes", "left"), ("count", "right"),
                             ("bytes", "right"), ("wire", "right"), ("link", "left"),
@@ -224,7 +237,11 @@ def format_plan(report: CostReport) -> Group:
                       human_seconds(c.wire_bytes / bandwidth), c.what + overlap)
     if not report.collectives:
         comms.add_row("none", "", "", "", "", "", "", "one device, or nothing split")
+    return comms
 
+
+def _timing_table(report: CostReport) -> Table:
+    time = report.time
     f = report.flops
     timing = Table(title="flops and time per device, one step", title_justify="left")
     timing.add_column("quantity")
@@ -251,13 +268,7 @@ def format_plan(report: CostReport) -> Group:
                    f"{time.tokens_per_s:,.0f} tokens/s")
     timing.add_row("[bold]MFU bound[/bold]", f"[bold]{time.mfu:.1%}[/bold]",
                    "model flops / (step x peak); real steps are slower")
-
-    notes = [Text("step = compute + blocking comm (tensor, MoE all-to-all, ZeRO-1 gather, "
-                  "allgather attention) + "
-                  "max(0, data/fsdp/context comm - compute), at peak flops and link bandwidth "
-                  "with no latency: a lower bound on the real step.", style="dim")]
-    notes += [Text(f"note: {n}", style="dim") for n in report.notes]
-    return Group(memory, comms, timing, *notes)
+    return timing
 
 
 def format_search(candidates: Sequence[Candidate]) -> Table:
@@ -311,7 +322,7 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
     devices = _devices(cfg, device_count)
     if search:
         candidates = _search(cfg, devices, hw)
-        console.print(f"jaxpar plan --search | {describe(cfg, devices, hw)}")
+        console.print(f"jaxpar plan --search | {hardware_line(cfg, devices, hw)}")
         console.print(format_search(candidates))
         best = [c for c in candidates if c.fits]
         rejected = len(candidates) - len(best)
@@ -327,7 +338,7 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
         return 0
     valid = validate(cfg, devices)
     report = estimate(valid, hw)
-    console.print(f"jaxpar plan | {describe(valid, devices, hw)}")
+    console.print(f"jaxpar plan | {hardware_line(valid, devices, hw)}")
     console.print(f"mesh {_mesh_text(report.mesh)} | zero={valid.parallel.zero}, "
                   f"sequence_parallel={valid.parallel.sequence_parallel} | micro-batch "
                   f"{report.micro_batch} x {valid.train.seq_len} per device")

@@ -3,12 +3,12 @@
 The train step is compiled from abstract arrays (``jax.ShapeDtypeStruct`` with shardings), so no
 parameter, optimizer or batch memory is allocated and no data is read: a 64-device layout of a
 large model can be checked on a laptop. The report (:func:`inspect_step`, a JSON-able dict in the
-shape DESIGN.md fixes for ``jaxpar inspect --json``) has five parts; :func:`print_report` prints
-them as tables. Every number is **per device** unless it says "global".
+shape docs/design.md fixes for ``jaxpar inspect --json``) has five parts; :func:`print_report`
+prints them as tables. Every number is **per device** unless it says "global".
 
 1. ``devices``, ``mesh`` and ``run`` (the header): device count and kind, the mesh axis sizes,
    model size, dtype/remat/ZeRO/sequence parallelism and the compile time. ``run`` is the one key
-   beyond DESIGN.md's: header facts that are not elsewhere in the report. With ``--target``
+   beyond docs/design.md's: header facts that are not elsewhere in the report. With ``--target``
    (:mod:`jaxpar.inspect.tpu`) it also names the TPU slice: ``target``, ``topology``, ``chips``,
    ``cores_per_chip`` and ``compiler``, and every figure is the TPU compiler's.
 2. ``params``: each parameter's global shape, its ``PartitionSpec`` (one entry per dimension:
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,30 +50,13 @@ from jaxpar.inspect.units import human_bytes
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe
 from jaxpar.parallel.rules import param_name
-from jaxpar.train.step import Trainer, build_trainer
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledStep:
-    """A train step compiled for inspection, with the trainer that holds its shardings."""
-
-    cfg: Config
-    trainer: Trainer
-    compiled: jax.stages.Compiled
-    compile_seconds: float
-
-
-def compile_step(cfg: Config, mesh: jax.sharding.Mesh) -> CompiledStep:
-    """Build the trainer for ``cfg`` (validated) on ``mesh`` and compile one step, unrun."""
-    trainer = build_trainer(cfg, mesh)
-    start = time.perf_counter()
-    compiled = trainer.compile_step()
-    return CompiledStep(cfg, trainer, compiled, time.perf_counter() - start)
+from jaxpar.train.compiled import CompiledStep, compiled_step
+from jaxpar.train.metrics import mesh_text, pipeline_line
 
 
 def inspect_step(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     """The JSON-able report of one compiled train step (see the module docstring)."""
-    return build_report(compile_step(cfg, mesh))
+    return build_report(compiled_step(cfg, mesh))
 
 
 def build_report(step: CompiledStep) -> dict[str, Any]:
@@ -269,16 +251,12 @@ def _shards(spec: Sequence[Any], mesh: Mapping[str, int]) -> int:
     return math.prod(mesh[a] for a in axes)
 
 
-def _mesh_text(mesh: Mapping[str, int]) -> str:
-    return " ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "1 device"
-
-
 def print_report(report: Mapping[str, Any], console: Console) -> None:
     """Print the report as a header line and four tables (params, memory, collectives, flops)."""
     run, mesh = report["run"], report["mesh"]
     console.print(
         f"[bold]jaxpar inspect[/bold] {report['devices']} x {run['device_kind']} | mesh "
-        f"{_mesh_text(mesh)} | {run['param_count'] / 1e6:.2f}M params | {run['dtype']}, "
+        f"{mesh_text(mesh)} | {run['param_count'] / 1e6:.2f}M params | {run['dtype']}, "
         f"remat={run['remat']}, zero={run['zero']}, sequence_parallel={run['sequence_parallel']}")
     if run.get("moe"):
         moe = run["moe"]
@@ -304,18 +282,6 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
     if report.get("pipeline"):
         console.print(pipeline_line(report["pipeline"]))
     _print_flops(report["flops"], run, console)
-
-
-def pipeline_line(info: Mapping[str, Any]) -> str:
-    """One line on the pipeline schedule (``describe``'s dict): what the executor runs."""
-    chunks = (f", {info['virtual_stages']} chunks per stage" if info["virtual_stages"] > 1
-              else "")
-    return (f"pipeline: {info['schedule']} over {info['stages']} stages{chunks}, "
-            f"{info['microbatches']} microbatches, {info['steps']} steps = {info['ticks']} "
-            f"ticks, executed bubble {info['bubble']:.1%} (work factor "
-            f"{info['executed_work_factor']:.2f}); stash of {info['activation_slots']} inputs, "
-            f"{info['residual_slots']} residual sets, {info['gradient_slots']} gradients per "
-            f"device (`jaxpar schedule` draws the table)")
 
 
 def _print_params(report: Mapping[str, Any], console: Console) -> None:

@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-AXIS = "context"
+CONTEXT_AXIS = "context"
 SKIP, FULL, MASKED = 0, 1, 2
 _NEG = -1e30  # a finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 
@@ -148,8 +148,8 @@ def _split(x, chunks: int, axis: int = 1):
 
 def _rotate(tree, n: int):
     """Send every array to the next device on the ring (device i -> i+1)."""
-    return jax.tree.map(lambda x: lax.ppermute(x, AXIS, [(i, (i + 1) % n) for i in range(n)]),
-                        tree)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda x: lax.ppermute(x, CONTEXT_AXIS, ring), tree)
 
 
 def _varying_zeros(shape, manual: tuple[str, ...]):
@@ -256,9 +256,9 @@ _ring_attention_local.defvjp(_ring_fwd, _ring_bwd)
 def _allgather_attention_local(q, k, v, q_pos, k_pos):
     """Local queries against the whole sequence's K/V, gathered once; autodiff gives the
     reduce-scatter of dK/dV."""
-    k_all = lax.all_gather(k, AXIS, axis=1, tiled=True)
-    v_all = lax.all_gather(v, AXIS, axis=1, tiled=True)
-    kpos_all = lax.all_gather(k_pos, AXIS, axis=1, tiled=True)
+    k_all = lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)
+    v_all = lax.all_gather(v, CONTEXT_AXIS, axis=1, tiled=True)
+    kpos_all = lax.all_gather(k_pos, CONTEXT_AXIS, axis=1, tiled=True)
     scale = 1.0 / math.sqrt(q.shape[-1])
     s, visible = _scores(q, k_all, q_pos, kpos_all, scale, masked=True)
     p = jax.nn.softmax(s, axis=-1)
@@ -279,7 +279,7 @@ def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ..
     its own rows, which keeps the compiler from gathering the batch around the K/V collectives),
     and the heads left to the compiler (tensor parallelism)."""
     chunks = 2 if zigzag else 1
-    manual = (AXIS, *batch_axes)
+    manual = (CONTEXT_AXIS, *batch_axes)
 
     def local(q, k, v, positions):
         kv_heads = k.shape[2]
@@ -291,7 +291,7 @@ def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ..
         return out.reshape(q.shape)
 
     rows = batch_axes or None
-    seq = P(rows, AXIS)
-    seq4 = P(rows, AXIS, None, None)
+    seq = P(rows, CONTEXT_AXIS)
+    seq4 = P(rows, CONTEXT_AXIS, None, None)
     return jax.shard_map(local, in_specs=(seq4, seq4, seq4, seq), out_specs=seq4,
                          axis_names=frozenset(manual))

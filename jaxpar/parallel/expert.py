@@ -59,6 +59,7 @@ from jaxpar.config import BATCH_AXES, ConfigError
 from jaxpar.model.annotate import Experts
 from jaxpar.model.moe import (
     Weights,
+    _f32,
     combine,
     dropless_experts,
     dropping_experts,
@@ -66,7 +67,7 @@ from jaxpar.model.moe import (
     slot_positions,
 )
 
-AXIS = "expert"
+EXPERT_AXIS = "expert"
 # XLA:CPU has no ragged-all-to-all ("UNIMPLEMENTED"): backends listed here use the padded one.
 PADDED_ALL_TO_ALL_PLATFORMS = ("cpu",)
 # The collective itself, looked up at call time (a test substitutes an emulation of its
@@ -76,11 +77,7 @@ ragged_all_to_all = lax.ragged_all_to_all
 
 def _exchange(blocks: jax.Array) -> jax.Array:
     """[G, ...] -> [G, ...]: block g goes to device g; block g of the result came from g."""
-    return lax.all_to_all(blocks, AXIS, 0, 0, tiled=True)
-
-
-def _f32(x) -> jax.Array:
-    return jnp.asarray(x, jnp.float32)
+    return lax.all_to_all(blocks, EXPERT_AXIS, 0, 0, tiled=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,8 +128,8 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     order = jnp.argsort(dest, stable=True)
     rows, row_ids = jnp.repeat(tokens, k, axis=0)[order], (flat % local)[order]
     send_sizes = jnp.bincount(dest, length=groups).astype(jnp.int32)
-    sizes = lax.all_gather(send_sizes, AXIS)  # [source, destination]
-    me = lax.axis_index(AXIS)
+    sizes = lax.all_gather(send_sizes, EXPERT_AXIS)  # [source, destination]
+    me = lax.axis_index(EXPERT_AXIS)
     send_offsets = jnp.cumsum(send_sizes) - send_sizes
     recv_sizes = sizes[:, me]
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
@@ -145,12 +142,12 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     def there(x, fill):
         out = jnp.full((worst, *x.shape[1:]), fill, x.dtype)
         return ragged_all_to_all(x, out, send_offsets, send_sizes, landing, recv_sizes,
-                                 axis_name=AXIS)
+                                 axis_name=EXPERT_AXIS)
 
     received, received_ids = there(rows, 0), there(row_ids, local)
     out = grouped_swiglu(received, received_ids, weights)
     back = ragged_all_to_all(out, jnp.zeros_like(rows), recv_offsets, recv_sizes, origin,
-                             send_sizes, axis_name=AXIS)
+                             send_sizes, axis_name=EXPERT_AXIS)
     slot_out = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
     y = combine(slot_out.reshape(t, k, -1), gates, tokens.dtype)
     return y, {"dropped": _f32(0), "a2a_rows": _f32(t * k), "a2a_padding": _f32(0)}
@@ -170,6 +167,21 @@ def _split_axes(rules: Mapping[str, tuple[str, ...]], mesh_shape: Mapping[str, i
     return axes
 
 
+def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, dispatch: str,
+              capacity_factor: float, num_experts: int, groups: int, ragged: bool
+              ) -> tuple[jax.Array, dict]:
+    """One device's routed tokens through the experts, exchanged over ``groups`` devices: the
+    capacity buffer (dropping), or dropless locally, with ragged or padded all-to-alls."""
+    if dispatch == "dropping":
+        return dropping_experts(tokens, ids, gates, w, capacity_factor, num_experts=num_experts,
+                                exchange=_exchange if groups > 1 else None)
+    if groups == 1:
+        return dropless_experts(tokens, ids, gates, w)
+    if ragged:
+        return ragged_dropless(tokens, ids, gates, w, num_experts, groups)
+    return padded_dropless(tokens, ids, gates, w, num_experts, groups)
+
+
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     platform: str = "cpu", ragged: bool | None = None) -> Experts:
     """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a
@@ -183,11 +195,11 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     (default off the platforms in :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded
     ``all_to_all``.
     """
-    groups = mesh_shape[AXIS]
+    groups = mesh_shape[EXPERT_AXIS]
     batch = tuple(a for a in BATCH_AXES if mesh_shape[a] > 1)
     context = "context" if mesh_shape["context"] > 1 else None
     token_axes = batch + ((context,) if context else ())
-    expert_dim = _split_axes(rules, mesh_shape, "experts", (AXIS,))
+    expert_dim = _split_axes(rules, mesh_shape, "experts", (EXPERT_AXIS,))
     embed = _split_axes(rules, mesh_shape, "embed", token_axes)
     hidden = _split_axes(rules, mesh_shape, "mlp", ("tensor",))
     # Only when the experts' hidden units are split does tensor need manual handling; otherwise
@@ -226,16 +238,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
             if tensor:  # backward: one all-reduce of d(tokens) over tensor, not one per slot
                 tokens = lax.pcast(tokens, tensor, to="varying")
             w = (gathered(w_gate, 1), gathered(w_up, 1), gathered(w_down, 2))
-            if dispatch == "dropping":
-                y, stats = dropping_experts(tokens, ids, g, w, capacity_factor,
-                                            num_experts=num_experts,
-                                            exchange=_exchange if groups > 1 else None)
-            elif groups == 1:
-                y, stats = dropless_experts(tokens, ids, g, w)
-            elif ragged:
-                y, stats = ragged_dropless(tokens, ids, g, w, num_experts, groups)
-            else:
-                y, stats = padded_dropless(tokens, ids, g, w, num_experts, groups)
+            y, stats = _dispatch(tokens, ids, g, w, dispatch, capacity_factor, num_experts,
+                                 groups, ragged)
             if tensor:  # the experts' hidden units were split: sum the partial outputs
                 y = lax.psum(y, tensor)
             if token_axes:  # global counts: every device reports the same numbers. (A count

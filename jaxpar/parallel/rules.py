@@ -47,7 +47,7 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         "batch": BATCH_AXES,
         "seq": ("context",),
         "residual_seq": ("context", "tensor") if sp else ("context",),
-        # ZeRO-1 keeps parameters whole; only the optimizer state is split (parallel/data.py).
+        # ZeRO-1 keeps parameters whole; only the optimizer state is split (parallel/zero.py).
         "embed": ("fsdp",) if cfg.parallel.zero == 3 else (),
         "act_embed": (),
         "heads": ("tensor",),

@@ -12,7 +12,8 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,13 @@ from rich.progress import (
 )
 
 from jaxpar.config import Config, ConfigError, to_yaml
-from jaxpar.data import DataIterator, build_dataset, describe, make_tokenizer
-from jaxpar.inspect.report import pipeline_line
+from jaxpar.data import DataIterator, build_dataset, dataset_line, make_tokenizer
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe as describe_schedule
 from jaxpar.train import checkpoint
-from jaxpar.train.metrics import MetricsFile, peak_flops
-from jaxpar.train.step import build_trainer
+from jaxpar.train.metrics import MetricsFile, mesh_text, peak_flops, pipeline_line
+from jaxpar.train.step import Trainer, build_trainer
 
 
 @dataclass(frozen=True)
@@ -114,174 +114,265 @@ def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(str(err).splitlines()[0]) from None
-    return it, describe(ds)
+    return it, dataset_line(ds)
 
 
 def train(cfg: Config, console: Console | None = None) -> Summary:
     """Run ``cfg`` (validated) to ``train.steps``; write ``run_dir`` files; return a summary.
 
     With ``train.resume`` (default ``auto``) it first continues from a checkpoint, and the steps
-    after it are bitwise the steps an uninterrupted run takes.
+    after it are bitwise the steps an uninterrupted run takes. The loop reads as its five named
+    parts, the methods of :class:`_Run`: start-up, step, log, save, stop.
     """
     console = console or Console(soft_wrap=True)
-    t, log_every = cfg.train, cfg.logging.every
-    run_dir = Path(cfg.run_dir)
     source = checkpoint.find_checkpoint(cfg)
     start_step = int(checkpoint.read_meta(source)["step"]) if source is not None else 0
-    if start_step >= t.steps:
-        console.print(f"{source} is at step {start_step} and train.steps={t.steps}: nothing to "
-                      "train (raise train.steps to go on, or use another run_dir to start over)")
+    if start_step >= cfg.train.steps:
+        console.print(f"{source} is at step {start_step} and train.steps={cfg.train.steps}: "
+                      "nothing to train (raise train.steps to go on, or use another run_dir to "
+                      "start over)")
         return Summary(steps=start_step, first_loss=None, last_loss=None, tokens_per_s=0.0,
-                       train_seconds=0.0, compile_seconds=0.0, run_dir=str(run_dir),
+                       train_seconds=0.0, compile_seconds=0.0, run_dir=str(Path(cfg.run_dir)),
                        start_step=start_step)
-    if cfg.checkpoint.enabled:  # before anything is written or compiled
-        checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
-    data, data_line = make_data_iterator(cfg)
-    mesh = make_mesh(cfg)
-    trainer = build_trainer(cfg, mesh)
-
-    skipped = 0
-    if source is not None:
-        # Straight into this run's shardings, whatever mesh saved it.
-        restored = checkpoint.restore(source, trainer.abstract_state)
-        try:
-            data.set_state(restored.data)
-        except ValueError as err:
-            raise checkpoint.CheckpointError(f"checkpoint {source}: {err}") from None
-        # Checkpoints keep the layers in model order; an interleaved pipeline stores its own.
-        state = trainer.from_model_order(restored.state)
-        skipped = int(restored.meta.get("skipped_steps", 0))
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    metrics_file = MetricsFile(run_dir / "metrics.jsonl", append=source is not None)
-    metrics_file.keep_through(start_step)
-
-    device = jax.devices()[0]
-    peak = peak_flops(device.device_kind)
-    flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
-    tokens_per_step = t.batch_size * t.seq_len
-    mesh_line = " ".join(f"{a}={s}" for a, s in cfg.mesh_shape.items() if s > 1) or "1 device"
-    console.print(f"[bold]jaxpar train[/bold] {jax.device_count()} x {device.device_kind} | "
-                  f"mesh {mesh_line} | {param_count(cfg.model) / 1e6:.2f}M params | "
-                  f"{t.dtype}, remat={t.remat}, zero={cfg.parallel.zero}, "
-                  f"sequence_parallel={cfg.parallel.sequence_parallel}")
-    moe = cfg.model.moe
-    if moe.enabled:
-        console.print(f"mixture of experts: {cfg.model.n_moe_layers} of {cfg.model.n_layers} "
-                      f"blocks, {moe.num_experts} experts (top-{moe.top_k}, {moe.router} "
-                      f"router, {moe.dispatch} dispatch), {cfg.mesh.expert}-way expert parallel")
-    console.print(data_line)
-    pipeline = (describe_schedule(cfg.parallel.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
-                                  cfg.parallel.virtual_stages) if cfg.mesh.pipe > 1 else None)
-    if pipeline is not None:
-        console.print(pipeline_line(pipeline))
-    console.print("peak " + (f"{peak / 1e12:.0f} TFLOP/s per device (bf16 dense)" if peak else
-                             f"unknown for {device.device_kind!r}: MFU shown as n/a"))
-    if source is not None:
-        console.print(f"resumed from step {start_step} ({source}) in {restored.seconds:.1f} s")
-
-    start = time.perf_counter()
-    if source is None:
-        state = trainer.init()
-    step_fn = trainer.compile_step()
-    compile_seconds = time.perf_counter() - start
-    console.print(f"compiled the train step in {compile_seconds:.1f} s; run_dir {run_dir}")
-
-    saver = checkpoint.Saver(cfg) if cfg.checkpoint.enabled else None
-    every = cfg.checkpoint.every
-    saved_step = start_step if source is not None else None  # no need to save it again
-    save_seconds: list[float] = []
-
-    def save(step: int) -> None:
-        nonlocal saved_step
-        meta = {"step": step, "seed": t.seed, "skipped_steps": skipped,
-                "mesh": cfg.mesh_shape, "saved_at": time.time()}
-        save_seconds.append(saver.save(step, trainer.to_model_order(state), data.get_state(),
-                                       meta))
-        saved_step = step
-
-    losses: list[float] = []
-    pending: list[tuple[int, dict]] = []  # (step, metrics on device) not yet looked at
-    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                        TextColumn("{task.fields[status]}"), console=console,
-                        disable=not cfg.logging.progress, transient=True)
-    train_start = interval_start = time.perf_counter()
-    interval_steps, step = 0, start_step
+    run = _Run.start_up(cfg, console, source, start_step)
+    step = start_step
     try:
-        with progress, _StopSignals() as signals:
-            task = progress.add_task("train", total=t.steps, completed=start_step, status="")
-            for step in range(start_step + 1, t.steps + 1):
-                state, metrics = step_fn(state, trainer.put_batch(next(data)))
-                pending.append((step, metrics))
-                interval_steps += 1
-                log_now = step % log_every == 0 or step == t.steps or step == start_step + 1
-                save_now = saver is not None and every > 0 and step % every == 0
+        with run.progress, _StopSignals() as signals:
+            task = run.progress.add_task("train", total=cfg.train.steps, completed=start_step,
+                                         status="")
+            for step in range(start_step + 1, cfg.train.steps + 1):
+                run.step(step)
+                log_now, save_now = run.log_due(step), run.save_due(step)
                 stop_now = signals.stop_agreed(log_now or save_now)
                 if log_now or save_now or stop_now:
                     # Reading metrics waits for the device, so it happens only here, and
                     # every step's non-finite flag is seen before anything is saved.
-                    values, bad = _fetch(pending, t.on_nonfinite)
-                    skipped += bad
-                    pending.clear()
+                    values = run.fetch()
                 if log_now:
-                    now = time.perf_counter()
-                    step_time = (now - interval_start) / interval_steps
-                    achieved = flops_per_step / step_time / jax.device_count()
-                    row = {"step": step, "loss": _finite_or_none(values["loss"]),
-                           "grad_norm": _finite_or_none(values["grad_norm"]),
-                           "lr": values["lr"], "tokens_per_s": tokens_per_step / step_time,
-                           "step_time_s": step_time, "tflops_per_device": achieved / 1e12,
-                           "mfu": achieved / peak if peak else None, "skipped_steps": skipped}
-                    if pipeline is not None:  # the table's idle share: constant, every line
-                        row["pipeline_bubble"] = pipeline["bubble"]
-                    # Mixture of experts: aux losses, expert load, dropped slots, a2a padding.
-                    row.update({k: v for k, v in values.items()
-                                if k not in row and k != "nonfinite"})
-                    metrics_file.write(row)
-                    if row["loss"] is not None:
-                        losses.append(row["loss"])
-                    console.print(_log_line(row, t.steps))
-                    progress.update(task, status=f"loss {values['loss']:.4f} | "
-                                    f"{row['tokens_per_s']:,.0f} tok/s")
-                    interval_start, interval_steps = time.perf_counter(), 0
-                if saver is not None and (save_now or stop_now):
-                    save(step)
-                progress.advance(task)
+                    run.log(step, values, task)
+                if run.saver is not None and (save_now or stop_now):
+                    run.save(step)
+                run.progress.advance(task)
                 if stop_now:
                     break
-            train_seconds = time.perf_counter() - train_start
-            if saver is not None and saved_step != step:
-                save(step)
+            run.train_seconds = time.perf_counter() - run.train_start
+            if run.saver is not None and run.saved_step != step:
+                run.save(step)
     finally:
-        if saver is not None:
-            saver.close()  # whatever happened, let the save in flight finish on disk
+        if run.saver is not None:
+            run.saver.close()  # whatever happened, let the save in flight finish on disk
+    return run.stop(step, signals.received)
 
-    newest = str(saver.root / str(saved_step)) if saver is not None and saved_step else None
-    if saver is not None and save_seconds:
-        console.print(f"checkpoint {newest} (keeping the newest {cfg.checkpoint.keep}; each "
-                      f"save blocked the loop {1e3 * sum(save_seconds) / len(save_seconds):.0f}"
-                      " ms on average)")
-    run_steps = step - start_step
-    summary = Summary(steps=step, first_loss=losses[0] if losses else None,
-                      last_loss=losses[-1] if losses else None,
-                      tokens_per_s=tokens_per_step * run_steps / train_seconds,
-                      train_seconds=train_seconds, compile_seconds=compile_seconds,
-                      run_dir=str(run_dir), start_step=start_step, skipped_steps=skipped,
-                      stopped_by=signals.received if step < t.steps else None,
-                      checkpoint=newest)
-    skipped_text = f" | {skipped} updates skipped (non-finite)" if skipped else ""
-    if summary.stopped_by is not None:
-        console.print(f"[bold]stopped[/bold] by {summary.stopped_by} at step {step}/{t.steps}"
-                      + (f"; saved {newest}; run the same command to continue" if newest else
-                         " (checkpoint.enabled=false: nothing saved)") + skipped_text)
+
+@dataclass
+class _Run:
+    """One run's moving parts. :meth:`start_up` builds them (restoring a checkpoint if there is
+    one) and prints what the run is; :meth:`step` runs one step without waiting for it;
+    :meth:`fetch` and :meth:`log` read and report the steps since the last look; :meth:`save`
+    starts an asynchronous checkpoint; :meth:`stop` prints the summary and returns it."""
+
+    cfg: Config
+    console: Console
+    trainer: Trainer
+    data: DataIterator
+    state: Any
+    start_step: int
+    saved_step: int | None  # the newest step on disk (None: none saved, nothing restored)
+    skipped: int  # updates dropped for a non-finite loss or gradient norm, whole run
+    metrics_file: MetricsFile
+    peak: float | None  # dense bf16 peak FLOP/s of one device (None: unknown, MFU n/a)
+    pipeline: dict | None  # parallel.pipeline.describe() when pipe > 1
+    step_fn: Any = None
+    compile_seconds: float = 0.0
+    saver: checkpoint.Saver | None = None
+    progress: Progress | None = None
+    losses: list[float] = field(default_factory=list)  # logged finite losses, in order
+    pending: list[tuple[int, dict]] = field(default_factory=list)  # metrics not yet read
+    save_seconds: list[float] = field(default_factory=list)  # how long each save blocked
+    train_start: float = 0.0
+    train_seconds: float = 0.0
+    interval_start: float = 0.0  # when the steps since the last log line began
+    interval_steps: int = 0
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    @classmethod
+    def start_up(cls, cfg: Config, console: Console, source: Path | None,
+                 start_step: int) -> _Run:
+        """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
+        directory, or None for a fresh start), write ``config.yaml``, print the header lines and
+        compile the step."""
+        if cfg.checkpoint.enabled:  # before anything is written or compiled
+            checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
+        data, data_line = make_data_iterator(cfg)
+        trainer = build_trainer(cfg, make_mesh(cfg))
+        state, skipped, restored = None, 0, None
+        if source is not None:
+            # Straight into this run's shardings, whatever mesh saved it.
+            restored = checkpoint.restore(source, trainer.abstract_state)
+            try:
+                data.set_state(restored.data)
+            except ValueError as err:
+                raise checkpoint.CheckpointError(f"checkpoint {source}: {err}") from None
+            # Checkpoints keep the layers in model order; an interleaved pipeline stores its own.
+            state = trainer.from_model_order(restored.state)
+            skipped = int(restored.meta.get("skipped_steps", 0))
+
+        run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        metrics_file = MetricsFile(run_dir / "metrics.jsonl", append=source is not None)
+        metrics_file.keep_through(start_step)
+
+        device_kind = jax.devices()[0].device_kind
+        t, par = cfg.train, cfg.parallel
+        pipeline = (describe_schedule(par.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
+                                      par.virtual_stages) if cfg.mesh.pipe > 1 else None)
+        run = cls(cfg=cfg, console=console, trainer=trainer, data=data, state=state,
+                  start_step=start_step, saved_step=start_step if source is not None else None,
+                  skipped=skipped, metrics_file=metrics_file, peak=peak_flops(device_kind),
+                  pipeline=pipeline)
+        for line in start_lines(cfg, jax.device_count(), device_kind, data_line, pipeline):
+            console.print(line)
+        if restored is not None:
+            console.print(f"resumed from step {start_step} ({source}) in "
+                          f"{restored.seconds:.1f} s")
+        run._compile()
+        return run
+
+    def _compile(self) -> None:
+        start = time.perf_counter()
+        if self.state is None:
+            self.state = self.trainer.init()
+        self.step_fn = self.trainer.compile_step()
+        self.compile_seconds = time.perf_counter() - start
+        self.console.print(f"compiled the train step in {self.compile_seconds:.1f} s; run_dir "
+                           f"{Path(self.cfg.run_dir)}")
+        self.saver = checkpoint.Saver(self.cfg) if self.cfg.checkpoint.enabled else None
+        self.progress = Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(),
+            MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"), console=self.console,
+            disable=not self.cfg.logging.progress, transient=True)
+        self.train_start = self.interval_start = time.perf_counter()
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        """Dispatch one step; its metrics stay on device until :meth:`fetch`."""
+        self.state, metrics = self.step_fn(self.state, self.trainer.put_batch(next(self.data)))
+        self.pending.append((step, metrics))
+        self.interval_steps += 1
+
+    def log_due(self, step: int) -> bool:
+        return (step % self.cfg.logging.every == 0 or step == self.cfg.train.steps
+                or step == self.start_step + 1)
+
+    def save_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return self.saver is not None and every > 0 and step % every == 0
+
+    def fetch(self) -> dict:
+        """The newest step's metrics on the host; counts (or, with ``stop``, raises on) the
+        non-finite steps among those pending."""
+        values, bad = _fetch(self.pending, self.cfg.train.on_nonfinite)
+        self.skipped += bad
+        self.pending.clear()
+        return values
+
+    # -- log -----------------------------------------------------------------------------------
+
+    def log(self, step: int, values: dict, task: Any) -> None:
+        """One metrics.jsonl row and one console line, timed over the steps since the last."""
+        t = self.cfg.train
+        tokens_per_step = t.batch_size * t.seq_len
+        flops_per_step = train_flops_per_token(self.cfg.model, t.seq_len) * tokens_per_step
+        step_time = (time.perf_counter() - self.interval_start) / self.interval_steps
+        achieved = flops_per_step / step_time / jax.device_count()
+        row = {"step": step, "loss": _finite_or_none(values["loss"]),
+               "grad_norm": _finite_or_none(values["grad_norm"]),
+               "lr": values["lr"], "tokens_per_s": tokens_per_step / step_time,
+               "step_time_s": step_time, "tflops_per_device": achieved / 1e12,
+               "mfu": achieved / self.peak if self.peak else None,
+               "skipped_steps": self.skipped}
+        if self.pipeline is not None:  # the table's idle share: constant, every line
+            row["pipeline_bubble"] = self.pipeline["bubble"]
+        # Mixture of experts: aux losses, expert load, dropped slots, a2a padding.
+        row.update({k: v for k, v in values.items() if k not in row and k != "nonfinite"})
+        self.metrics_file.write(row)
+        if row["loss"] is not None:
+            self.losses.append(row["loss"])
+        self.console.print(_log_line(row, t.steps))
+        self.progress.update(task, status=f"loss {values['loss']:.4f} | "
+                             f"{row['tokens_per_s']:,.0f} tok/s")
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        """Start an asynchronous checkpoint of ``step`` (layers in model order)."""
+        meta = {"step": step, "seed": self.cfg.train.seed, "skipped_steps": self.skipped,
+                "mesh": self.cfg.mesh_shape, "saved_at": time.time()}
+        self.save_seconds.append(self.saver.save(step, self.trainer.to_model_order(self.state),
+                                                 self.data.get_state(), meta))
+        self.saved_step = step
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self, step: int, received: str | None) -> Summary:
+        """The summary of a run that ended at ``step`` (early if a signal was ``received``)."""
+        cfg, saver = self.cfg, self.saver
+        newest = (str(saver.root / str(self.saved_step)) if saver is not None and self.saved_step
+                  else None)
+        if saver is not None and self.save_seconds:
+            blocked = 1e3 * sum(self.save_seconds) / len(self.save_seconds)
+            self.console.print(f"checkpoint {newest} (keeping the newest {cfg.checkpoint.keep}; "
+                               f"each save blocked the loop {blocked:.0f} ms on average)")
+        run_steps, losses = step - self.start_step, self.losses
+        summary = Summary(
+            steps=step, first_loss=losses[0] if losses else None,
+            last_loss=losses[-1] if losses else None,
+            tokens_per_s=cfg.train.batch_size * cfg.train.seq_len * run_steps
+            / self.train_seconds,
+            train_seconds=self.train_seconds, compile_seconds=self.compile_seconds,
+            run_dir=str(Path(cfg.run_dir)), start_step=self.start_step, skipped_steps=self.skipped,
+            stopped_by=received if step < cfg.train.steps else None, checkpoint=newest)
+        skipped = (f" | {self.skipped} updates skipped (non-finite)" if self.skipped else "")
+        if summary.stopped_by is not None:
+            self.console.print(
+                f"[bold]stopped[/bold] by {summary.stopped_by} at step {step}/{cfg.train.steps}"
+                + (f"; saved {newest}; run the same command to continue" if newest else
+                   " (checkpoint.enabled=false: nothing saved)") + skipped)
+            return summary
+        self.console.print(
+            f"[bold]done[/bold]: {run_steps} steps in {self.train_seconds:.1f} s | loss "
+            f"{_fmt(summary.first_loss)} -> {_fmt(summary.last_loss)} | "
+            f"{summary.tokens_per_s:,.0f} tokens/s{skipped} | metrics in "
+            f"{Path(cfg.run_dir) / 'metrics.jsonl'}")
         return summary
-    console.print(f"[bold]done[/bold]: {run_steps} steps in {train_seconds:.1f} s | loss "
-                  f"{_fmt(summary.first_loss)} -> {_fmt(summary.last_loss)} | "
-                  f"{summary.tokens_per_s:,.0f} tokens/s{skipped_text} | metrics in "
-                  f"{run_dir / 'metrics.jsonl'}")
-    return summary
+
+
+def start_lines(cfg: Config, devices: int, device_kind: str, data_line: str,
+                pipeline: Mapping[str, Any] | None) -> list[str]:
+    """What a run prints about itself before compiling: devices, mesh, model and settings; the
+    mixture of experts; the data; the pipeline schedule; the peak behind MFU."""
+    t = cfg.train
+    lines = [f"[bold]jaxpar train[/bold] {devices} x {device_kind} | mesh "
+             f"{mesh_text(cfg.mesh_shape)} | {param_count(cfg.model) / 1e6:.2f}M params | "
+             f"{t.dtype}, remat={t.remat}, zero={cfg.parallel.zero}, "
+             f"sequence_parallel={cfg.parallel.sequence_parallel}"]
+    moe = cfg.model.moe
+    if moe.enabled:
+        lines.append(f"mixture of experts: {cfg.model.n_moe_layers} of {cfg.model.n_layers} "
+                     f"blocks, {moe.num_experts} experts (top-{moe.top_k}, {moe.router} "
+                     f"router, {moe.dispatch} dispatch), {cfg.mesh.expert}-way expert parallel")
+    lines.append(data_line)
+    if pipeline is not None:
+        lines.append(pipeline_line(pipeline))
+    peak = peak_flops(device_kind)
+    lines.append("peak " + (f"{peak / 1e12:.0f} TFLOP/s per device (bf16 dense)" if peak else
+                            f"unknown for {device_kind!r}: MFU shown as n/a"))
+    return lines
 
 
 def _fetch(pending: list[tuple[int, dict]], on_nonfinite: str) -> tuple[dict, int]:

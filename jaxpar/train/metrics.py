@@ -1,4 +1,4 @@
-"""Throughput, MFU and the metrics file.
+"""Throughput, MFU, the metrics file, and the lines that describe a run.
 
 MFU compares achieved model flops per device with the device's dense bf16 peak from the table
 below (matched against ``jax.Device.device_kind``). CPUs have no meaningful peak here, so MFU is
@@ -8,6 +8,7 @@ reported as n/a for them rather than as a made-up number.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,20 @@ class MetricsFile:
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def mesh_text(mesh: Mapping[str, int]) -> str:
+    """``{"data": 2, "tensor": 4, ...}`` -> ``'data=2 tensor=4'``: the axes that split anything."""
+    return " ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "1 device"
+
+
+def pipeline_line(info: Mapping[str, Any]) -> str:
+    """One line on the pipeline schedule (``describe``'s dict): what the executor runs."""
+    chunks = (f", {info['virtual_stages']} chunks per stage" if info["virtual_stages"] > 1
+              else "")
+    return (f"pipeline: {info['schedule']} over {info['stages']} stages{chunks}, "
+            f"{info['microbatches']} microbatches, {info['steps']} steps = {info['ticks']} "
+            f"ticks, executed bubble {info['bubble']:.1%} (work factor "
+            f"{info['executed_work_factor']:.2f}); stash of {info['activation_slots']} inputs, "
+            f"{info['residual_slots']} residual sets, {info['gradient_slots']} gradients per "
+            f"device (`jaxpar schedule` draws the table)")

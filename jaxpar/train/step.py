@@ -44,7 +44,6 @@ from jaxpar.model.annotate import activation_sharding, use_attention, use_expert
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
 from jaxpar.parallel.context import context_attention, zigzag_order
-from jaxpar.parallel.data import optimizer_state_specs
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline import Program, pipelined_gradients
@@ -57,6 +56,7 @@ from jaxpar.parallel.rules import (
     param_specs,
     resolve_spec,
 )
+from jaxpar.parallel.zero import optimizer_state_specs
 
 Batch = dict[str, jax.Array]  # inputs, targets: int32 [B, S]; mask: float32 [B, S]
 

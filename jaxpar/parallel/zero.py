@@ -1,4 +1,4 @@
-"""Data parallelism and ZeRO: who holds which part of the parameters and optimizer state.
+"""ZeRO: which device holds which part of the parameters and optimizer state.
 
 Plain data parallelism (``data`` axis) needs no code: parameters are replicated, the batch is split,
 and because the loss is a sum over the global batch, the compiler all-reduces gradients over

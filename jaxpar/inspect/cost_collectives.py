@@ -1,0 +1,378 @@
+"""The collectives of one train step, per device: one function per parallelism, as ``parallel/``.
+
+Each function adds the communication its mesh axis causes to a :class:`Ledger`, in the order
+:func:`collectives` calls them: ZeRO-3/FSDP, data (and ZeRO-1), context, expert, tensor, and the
+pipeline (:mod:`jaxpar.inspect.cost_pipeline`).
+
+Collectives
+-----------
+Per step (= per micro-step x g, as :func:`jaxpar.inspect.hlo.summarize_collectives` counts them);
+``bytes`` is the logical payload per device (all-gather: the gathered result, reduce-scatter: the
+unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: all-reduce
+2(N-1)/N, all-gather and reduce-scatter (N-1)/N of it, collective-permute all of it.
+
+- ``data`` and ``context``: parameters are replicated over both, so each device's gradient shard
+  is all-reduced over both together, every micro-step (XLA reduces inside the accumulation loop
+  rather than once after it; XLA:CPU sometimes splits the reduction into one all-reduce per
+  axis, which doubles these bytes, while the TPU compiler keeps one).
+- ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and with remat
+  (``dots``, ``full``) again in the backward pass (L g or 2 L g gathers per weight; the
+  embedding, lm_head and final norm once per step), reduce-scatter of the gradients every
+  micro-step.
+- ZeRO-1 (``zero=1``): all-reduce of the whole (tensor-split) gradient over ``data`` x ``fsdp``
+  (x ``context``) every micro-step, then one float32 all-gather of the updated parameters over
+  ``data`` x ``fsdp``.
+- ``context`` attention: ring attention passes K and V blocks (b S/c K/t D a each) around the
+  ring: 2(c-1) collective-permutes per layer forward, 2(c-1) backward plus 2c dK/dV blocks
+  travelling home (float32, but the last hop: XLA casts to the compute dtype before sending);
+  ``context_impl=allgather`` instead all-gathers K and V (2 per layer, b S K/t D a gathered) and
+  reduce-scatters their gradients.
+- ``tensor`` without sequence parallelism: all-reduce (payload A) of the attention and MLP outputs
+  (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output), and of
+  the input gradients of the column-parallel matmuls in the backward pass: 5 per layer on
+  XLA:CPU (q, k, v, gate and up each reduced before they are summed), 2 on the TPU compiler
+  (q+k+v and gate+up, as Megatron); plus the vocab-parallel embedding (forward, A) and the
+  lm_head input gradient (backward, float32 like the logits), and two tiny all-reduces of b S/c
+  floats for the vocab-parallel loss (max, sum of exponentials).
+- ``tensor`` with sequence parallelism: each forward all-reduce becomes reduce-scatter (leaving a
+  block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
+  forward, 2 all-gathers + 5 (XLA:CPU) or 2 reduce-scatters backward; ``remat=dots`` and ``full``
+  gather the inputs again (+2 all-gathers), ``full`` also redoes the attention reduce-scatter;
+  embedding and head add 2 of each; the norm scales' gradients are all-reduced over ``tensor``
+  (tiny).
+- ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
+  are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
+  ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
+  data parallelism outside the experts). Each MoE layer moves its slots with all-to-alls over
+  ``expert``: dispatch and combine forward, the same two backward, and under remat the forward
+  pair again. A device routes T = b S/c tokens, k slots each; the ideal payload per all-to-all is
+  T k E a (the textbook ``tokens x top_k x d_model x 2 passes x 2 directions``, of which
+  (G-1)/G crosses the wire for G = ``mesh.expert``). What travels has static shapes: with
+  ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
+  ``dropless`` on XLA:CPU a worst-case block of T min(k, X/G) rows per destination (G T min(k,
+  X/G) rows, plus an int32 expert id per row forward); with ``dropless`` on GPU/TPU a
+  ``ragged-all-to-all`` of the T k real rows (``jaxpar inspect`` counts a ragged op's whole
+  input buffer, some of which is sized for the worst case, so it reports more; not checked
+  beyond compiling for TPU). Blocking: the experts wait for their rows. Under
+  ``tensor`` a MoE layer reduces its summed expert outputs forward and its tokens' gradient
+  backward once each ([T, E]), plus the shared experts' like a SwiGLU.
+
+Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
+layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
+(``jaxpar.model.layers.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
+gradient before casting it back to float32 (seen in the TPU compiler's HLO via ``jaxpar inspect
+--target``; GPU is expected to match, not checked). Norm scales stay float32, as do lm_head's
+gradient (its matmul returns float32 logits) and ZeRO-1's gather of the updated parameters.
+XLA:CPU computes bfloat16 dots in float32 and so moves float32 everywhere, which the estimate
+for XLA:CPU does too. Scalars (loss, token counts, gradient-norm partial sums) are left out: a
+few bytes each.
+
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxpar.inspect.cost_params import PARAM_BYTES, ParamCost, entry_axes, in_compute_dtype
+from jaxpar.inspect.cost_pipeline import pipeline_collectives
+from jaxpar.inspect.cost_shapes import StepSizes
+from jaxpar.parallel.zero import ZERO1_AXES
+
+ROW_PARALLEL_MATMULS = 2  # attention output, down projection
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """One logical communication of the step, per device, summed over the step."""
+
+    kind: str  # all-reduce, all-gather, reduce-scatter (as jaxpar.inspect.hlo.KINDS)
+    axes: tuple[str, ...]  # mesh axes its groups span
+    count: int  # executions per step
+    bytes: int  # payload per device per step
+    wire_bytes: int  # ring bytes sent per device per step
+    what: str  # which tensors, and why
+    overlapped: bool  # hidden behind compute by the overlap rule (jaxpar.inspect.cost)
+
+
+def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
+    """One row per (kind, axes), like :func:`jaxpar.inspect.hlo.summarize_collectives`."""
+    rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+    for c in collectives:
+        row = rows.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": list(c.axes),
+                                                 "count": 0, "bytes": 0, "wire_bytes": 0})
+        row["count"] += c.count
+        row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
+    return [rows[key] for key in sorted(rows)]
+
+
+def wire_bytes(kind: str, payload: int, group: int) -> int:
+    """Ring bytes each device sends (the definitions of jaxpar.inspect.hlo)."""
+    if group <= 1:
+        return 0
+    if kind == "all-reduce":
+        return payload * 2 * (group - 1) // group
+    if kind == "collective-permute":
+        return payload
+    return payload * (group - 1) // group
+
+
+@dataclass
+class Ledger:
+    """The collectives found so far, and what every parallelism's formulas share.
+
+    Under a pipeline a device runs its stage's layers in every step with a forward (backward)
+    slot, masked ones included (``StepSizes.executed``), and reduces weight gradients in every
+    backward slot; without one, ``runs`` is g.
+    """
+
+    st: StepSizes
+    params: list[ParamCost]
+    out: list[CollectiveCost] = field(default_factory=list)
+
+    @property
+    def forwards(self) -> float:
+        """How often each forward-side collective runs per useful layer run (masked slots)."""
+        return self.st.executed("forward")
+
+    @property
+    def backwards(self) -> float:
+        return self.st.executed("backward")
+
+    @property
+    def grad_runs(self) -> int:
+        """Gradient reductions per step: every micro-step, or every backward slot."""
+        if self.st.pipeline is None:
+            return self.st.accum
+        return self.st.accum * self.st.pipeline["backward_steps"]
+
+    @property
+    def layer(self) -> list[ParamCost]:
+        return [p for p in self.params if p.stacked]
+
+    @property
+    def other(self) -> list[ParamCost]:
+        """Embedding, final norm and lm_head: outside the scanned layer stack."""
+        return [p for p in self.params if not p.stacked]
+
+    def add(self, kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
+            overlapped: bool) -> None:
+        """``count`` executions per step moving ``total`` payload bytes in all."""
+        axes = tuple(a for a in axes if self.st.mesh[a] > 1)
+        group = math.prod(self.st.mesh[a] for a in axes)
+        if count and total and group > 1:
+            self.out.append(CollectiveCost(kind, axes, count, total,
+                                           wire_bytes(kind, total, group), what, overlapped))
+
+    def moved(self, p: ParamCost, nbytes: int) -> int:
+        """Bytes of a weight as it travels (cast to the compute dtype on the wire)."""
+        return in_compute_dtype(p, nbytes, self.st.wire)
+
+    def grad(self, p: ParamCost, nbytes: int) -> int:
+        """Gradients travel like their weights, but lm_head's: its matmul yields float32."""
+        return nbytes if p.name == "lm_head" else self.moved(p, nbytes)
+
+    def reduced(self, group: list[ParamCost], gathered: bool = False) -> int:
+        """Gradient bytes of ``group`` reduced per step (``gathered``: the unscattered size).
+        Under a pipeline each backward slot (masked ones too) reduces what it produced: its
+        chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
+        per backward step, of the head per forward step) and the final norm's."""
+        def size(p: ParamCost) -> int:
+            return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device)
+
+        layers = sum(size(p) for p in group if p.stacked)
+        shared = sum(size(p) for p in group if not p.stacked)
+        st = self.st
+        if st.pipeline is None:
+            return st.accum * (layers + shared)
+        forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
+        tied = st.cfg.model.tie_embeddings
+        steps = {"embedding": (backward + forward * tied) / st.p, "lm_head": forward / st.p}
+        shared = sum(size(p) * steps.get(p.name, forward) for p in group if not p.stacked)
+        return round(st.accum * (backward * layers / st.pipeline["virtual_stages"] + shared))
+
+
+def collectives(st: StepSizes, params: list[ParamCost]) -> list[CollectiveCost]:
+    """Every collective of one step, per device (the module docstring's formulas)."""
+    ledger = Ledger(st, params)
+    for parallelism in (fsdp_collectives, data_collectives, context_collectives,
+                        expert_collectives, tensor_collectives, pipeline_collectives):
+        parallelism(ledger)
+    return ledger.out
+
+
+def fsdp_collectives(c: Ledger) -> None:
+    """ZeRO-3 / FSDP: weights gathered where used, gradients reduce-scattered to their shards."""
+    st, cfg = c.st, c.st.cfg
+    if cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1:
+        return
+    layer = [p for p in c.layer if p.gathered_bytes != p.bytes_per_device]
+    other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device]
+    # remat=none keeps each layer's gathered weights for the backward pass; remat gathers
+    # them again there.
+    passes, runs = (1 if cfg.train.remat == "none" else 2) * c.forwards, st.runs
+    if st.pipeline is not None:
+        # A stage's weights do not change within a stretch of steps: XLA hoists their gathers
+        # out of the stretch's loop (an upper bound: how many survive is its choice).
+        passes, runs = 1, st.accum * len(st.pipeline["stretches"])
+    c.add("all-gather", ("fsdp",), round(passes * st.layers * runs * len(layer)),
+          round(passes * runs * sum(c.moved(p, p.gathered_bytes) for p in layer)),
+          "layer weights gathered before use" + (", and again backward" if passes == 2
+                                                 else " (kept for the backward pass)"), True)
+    c.add("all-gather", ("fsdp",), len(other), sum(c.moved(p, p.gathered_bytes) for p in other),
+          "embedding, lm_head and final norm gathered once per step", True)
+    c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.grad_runs,
+          c.reduced(layer + other, gathered=True),
+          "gradients reduce-scattered to their shards, every micro-step", True)
+
+
+def data_collectives(c: Ledger) -> None:
+    """Data (and context, and expert outside the experts) parallelism: gradients summed over
+    the replicas, every micro-step; ZeRO-1 then gathers the parameters each device updated for
+    its slice of the moments."""
+    st, cfg = c.st, c.st.cfg
+    # Parameters are replicated over data, expert and context (and fsdp under ZeRO-1), except
+    # the routed experts' weights, which are split over expert: one all-reduce per set of axes
+    # sums the gradient shards.
+    replicas = (("data", "expert", "context") if cfg.parallel.zero == 3 else
+                (*ZERO1_AXES, "expert", "context"))
+    by_replicas: dict[tuple[str, ...], list[ParamCost]] = {}
+    for p in c.params:
+        split = {a for entry in p.spec for a in entry_axes(entry)}
+        by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
+    units = st.layers // cfg.model.moe.every if cfg.model.moe.enabled else st.layers
+    for axes, group in by_replicas.items():
+        experts = all(p.expert for p in group)
+        c.add("all-reduce", axes,
+              c.grad_runs * (units * any(p.stacked for p in group)
+                             + any(not p.stacked for p in group)),
+              c.reduced(group),
+              ("routed experts' " if experts else "")
+              + ("gradient shards" if cfg.parallel.zero == 3 else "ZeRO-1: whole gradients")
+              + " all-reduced, every " + ("micro-step" if st.pipeline is None else "microbatch"),
+              True)
+    if cfg.parallel.zero == 1:
+        c.add("all-gather", ZERO1_AXES, len(c.params),
+              sum(p.bytes_per_device for p in c.params),
+              "ZeRO-1: updated parameters gathered from the optimizer shards", False)
+
+
+def context_collectives(c: Ledger) -> None:
+    """Context parallelism (``parallel/context.py``): attention's keys and values."""
+    st = c.st
+    per_layer = st.layers * st.runs
+    if st.ring:
+        n, blk = st.c, st.kv_block
+        c.add("collective-permute", ("context",), per_layer * 2 * (n - 1),
+              per_layer * 2 * (n - 1) * blk * st.wire, "ring attention: K, V blocks forward",
+              True)
+        c.add("collective-permute", ("context",), per_layer * 2 * (n - 1),
+              per_layer * 2 * (n - 1) * blk * st.wire, "ring attention: K, V blocks backward",
+              True)
+        c.add("collective-permute", ("context",), per_layer * 2 * n,
+              per_layer * 2 * ((n - 1) * blk * 4 + blk * st.wire),
+              "ring attention: dK, dV travelling home backward (float32, the last hop cast)",
+              True)
+    elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
+        gathered, fw, bw = st.kv_block * st.c * st.wire, c.forwards, c.backwards
+        c.add("all-gather", ("context",), 2 * per_layer * fw, 2 * per_layer * fw * gathered,
+              "context allgather attention: K, V of the whole sequence forward", False)
+        c.add("reduce-scatter", ("context",), 2 * per_layer * bw,
+              2 * per_layer * bw * gathered, "context allgather attention: dK, dV backward",
+              False)
+
+
+def expert_collectives(c: Ledger) -> None:
+    """Expert parallelism (``parallel/expert.py``): each MoE layer's slots travel to their
+    experts' devices and back (dispatch, combine), and again in the backward pass; remat
+    recomputes the forward pair."""
+    st, cfg = c.st, c.st.cfg
+    if st.moe_exchange is None:
+        return
+    moe, g = cfg.model.moe, st.accum
+    per_layer, rows = cfg.model.n_moe_layers * g, st.expert_rows
+    payload = rows * cfg.model.d_model * st.wire
+    kind = "ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all"
+    forward = 2 if cfg.train.remat == "none" else 4
+    real = {"capacity": f"capacity buffer of {rows} rows per layer",
+            "padded": f"worst-case blocks, {rows} rows per layer, "
+                      f"{st.tokens * moe.top_k} of them tokens",
+            "ragged": f"{rows} token rows per layer"}[st.moe_exchange]
+    c.add(kind, ("expert",), per_layer * forward, per_layer * forward * payload,
+          f"MoE dispatch + combine forward{', again in remat' if forward == 4 else ''} "
+          f"({real})", False)
+    c.add(kind, ("expert",), per_layer * 2, per_layer * 2 * payload,
+          "MoE dispatch + combine backward", False)
+    if st.moe_exchange == "padded":  # each row's int32 expert id travels with it
+        ids = forward // 2
+        c.add("all-to-all", ("expert",), per_layer * ids, per_layer * ids * rows * 4,
+              "MoE expert ids of the padded rows (forward)", False)
+
+
+def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
+    """Per step, over all layers: row-parallel outputs forward (attention and MLP, or the
+    experts' summed outputs and the shared experts'), column-parallel input gradients backward
+    (a MoE layer's tokens enter its experts once: one reduction, see jaxpar.parallel.expert),
+    and the runs of the embedding and head (under a pipeline every stage runs its vocabulary
+    piece of them in every step with a forward slot; divided here by the forward multiplicity,
+    which ``add_act`` multiplies back)."""
+    st, m = c.st, c.st.cfg.model
+    n_layers, n_moe = st.layers, m.n_moe_layers
+    shared = 1 if m.moe.num_shared_experts else 0
+    rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
+    moe_column = (3 + 1 + 2 * shared) if st.xla_cpu else (1 + 1 + shared)
+    columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
+    row_outputs = st.runs * (rows_per_layer + n_layers * (st.cfg.train.remat == "full"))
+    ends = st.runs if st.pipeline is None else round(
+        st.accum * st.pipeline["forward_steps"] / st.executed("forward"))
+    return row_outputs, st.runs * columns, ends
+
+
+def tensor_collectives(c: Ledger) -> None:
+    """Tensor (and sequence) parallelism: activations, blocking. lm_head's input gradient is
+    float32 (the logits are); everything else moves in the compute dtype."""
+    st, cfg = c.st, c.st.cfg
+    if st.t == 1:
+        return
+    act, head_grad = st.tokens_x_embed(st.wire), st.tokens_x_embed(4)
+    remat, n_layers = cfg.train.remat, st.layers
+    row_outputs, column_grads, ends = _tensor_counts(c)
+    per_layer = n_layers * st.runs  # activation traffic: per microbatch
+    columns = ("q, k, v, gate, up" if st.column_parallel_reductions == 5 else "q+k+v, gate+up")
+    fw, bw = c.forwards, c.backwards
+
+    def add_act(kind: str, count: int, what: str, payload: int = act, times: int = 1) -> None:
+        """``times``: the forward (fw) or backward (bw) multiplicity under a pipeline."""
+        count = round(count * times)
+        c.add(kind, ("tensor",), count, count * payload, what, False)
+
+    if not st.sp:
+        add_act("all-reduce", row_outputs, "row-parallel outputs (attention, MLP) forward"
+                + (", attention again in remat" if remat == "full" else ""), times=fw)
+        add_act("all-reduce", column_grads,
+                f"column-parallel input gradients backward ({columns})", times=bw)
+        add_act("all-reduce", ends, "vocab-parallel embedding forward", times=fw)
+        add_act("all-reduce", ends, "lm_head input gradient backward", payload=head_grad,
+                times=bw)
+    else:
+        gathers = 2 + 2 + (2 if remat in ("dots", "full") else 0)
+        add_act("all-gather", per_layer * gathers,
+                "sequence gathered entering attention/MLP (forward; output gradients "
+                "backward" + ("; again in remat" if remat != "none" else "") + ")", times=fw)
+        add_act("reduce-scatter", row_outputs,
+                "sequence scattered leaving attention/MLP forward", times=fw)
+        add_act("reduce-scatter", column_grads,
+                f"column-parallel input gradients backward ({columns})", times=bw)
+        add_act("all-gather", 2 * ends,
+                "lm_head input forward, embedding output gradient backward", times=fw)
+        add_act("reduce-scatter", ends, "vocab-parallel embedding forward", times=fw)
+        add_act("reduce-scatter", ends, "lm_head input gradient backward", payload=head_grad,
+                times=bw)
+        c.add("all-reduce", ("tensor",), (n_layers + 1) * c.grad_runs,
+              c.grad_runs * (2 * n_layers + 1) * cfg.model.d_model * PARAM_BYTES,
+              "norm-scale gradients of the sequence shards", False)
+    add_act("all-reduce", 2 * ends, "vocab-parallel loss: max and sum of exponentials",
+            payload=st.b * st.sl * 4, times=fw)

@@ -1,0 +1,161 @@
+"""The memory of one train step, per device: state, gradients, saved activations, scratch.
+
+Parameters are float32 and split by the rules table: ``embed`` over ``fsdp`` (ZeRO-3), ``heads``,
+``kv_heads``, ``mlp``, ``vocab`` over ``tensor``. Gradients are float32 and live where their
+parameters live (one more copy, the accumulator, when g > 1). AdamW keeps two float32 moments
+per parameter, split like the parameters (ZeRO-3) or with ``embed`` also split over ``data`` and
+``fsdp`` (ZeRO-1). Saved activations per layer and micro-batch, with ``r = A/t`` under sequence
+parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
+
+- ``remat=none``: what autodiff keeps. Per RMSNorm (2) its input (r), its float32 normalised
+  values (r x 4/a) and its output gathered to the full sequence (A); q, k, v after rotary
+  (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a); gate, sigmoid(gate), silu(gate), up
+  and their product (5 b S/c F/t a); and two float32 score-sized tensors per head,
+  b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax output; S_k is
+  S, the keys each query sees), plus a compute-dtype copy of the probabilities under bfloat16.
+- ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
+  the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
+  projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
+  norms and the SwiGLU product are recomputed.
+- ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
+- Weights: ``remat=none`` also keeps each layer's weights as its matmuls read them (cast to the
+  compute dtype and, under FSDP, gathered whole) for the backward pass: one more copy of all
+  layer weights per device, which FSDP does not split. The remat policies recompute them.
+- Ring attention (``context > 1``) never holds scores: its custom VJP keeps the float32 output
+  and log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of
+  (S/c/2)^2 scores (zigzag) at a time.
+- A MoE layer keeps, instead of the SwiGLU's tensors, the router's float32 logits, probabilities
+  and choices, the k copies of each token and their outputs, the rows sent, received and
+  returned by its all-to-alls and the experts' five hidden-sized tensors per row (see
+  ``_moe_activations``); with ``every = n`` a "layer" in these sums is a group of n blocks.
+- Parameters include every expert of every MoE layer (1/G of them per device); the router
+  biases of ``router=sigmoid_bias`` are float32 buffers outside the optimizer.
+
+During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
+gradients); the head adds float32 logits and their gradient and the one-hot input (b S/c V/t
+each). Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and
+the embedding and lm_head stay gathered for the whole step. Peak = parameters + optimizer state +
+gradients + batch + max(activations + that working set, the optimizer update's temporaries).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxpar.config import BATCH_AXES
+from jaxpar.inspect.cost_params import (
+    PARAM_BYTES,
+    ParamCost,
+    in_compute_dtype,
+    model_buffers,
+    unit_blocks,
+)
+from jaxpar.inspect.cost_pipeline import pipeline_memory
+from jaxpar.inspect.cost_shapes import StepSizes
+
+
+@dataclass(frozen=True)
+class MemoryCost:
+    """Bytes per device. ``state``: what the step takes and returns (donated)."""
+
+    params: int
+    optimizer: int  # two Adam moments + two int32 counts
+    gradients: int  # including the accumulator when grad_accum > 1
+    batch: int  # inputs, targets (int32) and mask (float32) rows of this device
+    activations: int  # saved for the backward pass, all layers, one micro-batch
+    working: int  # one layer's backward, the head's logits, FSDP-gathered weights
+    update: int  # the optimizer update's temporaries (after activations are freed)
+    stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
+    buffers: int = 0  # non-trainable model state (MoE router biases)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer + self.buffers + 4  # + the int32 step of TrainState
+
+    @property
+    def peak(self) -> int:
+        return (self.state + self.gradients + self.batch
+                + max(self.activations + self.stash + self.working, self.update))
+
+
+def _moe_activations(st: StepSizes, remat: str) -> int:
+    """Bytes a MoE layer's feed-forward part saves, one micro-batch (in place of the SwiGLU's):
+    router logits, probabilities and one-hot choices (float32); the k copies of each token and
+    their outputs; the rows sent, received and returned ([expert_rows, E]); the experts' five
+    hidden-sized tensors per row; the shared experts like a SwiGLU. ``dots`` keeps only the
+    router logits and the shared experts' matmul outputs: the routed experts' ragged or batched
+    dots are recomputed, with their all-to-alls."""
+    m, moe, a, t = st.cfg.model, st.cfg.model.moe, st.a, st.t
+    tokens, e = st.tokens, m.d_model
+    shared = tokens * moe.num_shared_experts * m.resolved_d_ff_expert // t * a
+    if remat == "dots":
+        return tokens * moe.num_experts * 4 + 2 * shared
+    rows = st.expert_rows
+    return (3 * tokens * moe.num_experts * 4 + 2 * tokens * moe.top_k * e * a
+            + 3 * rows * e * a + 5 * rows * m.resolved_d_ff_expert // t * a + 5 * shared)
+
+
+def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
+    """Bytes one layer saves for the backward pass, one micro-batch (module docstring)."""
+    m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
+    d = m.resolved_head_dim
+    full = b * s * m.d_model * a  # A
+    residual = full // t if st.sp else full
+    q = b * s * (m.n_heads // t) * d * a
+    kv = 2 * b * s * (m.n_kv_heads // t) * d * a
+    mlp = b * s * (m.d_ff // t) * a
+    # Ring attention's custom VJP keeps its float32 output and log-sum-exp whatever the policy.
+    ring = b * s * (m.n_heads // t) * (d + 1) * 4 if st.ring else 0
+    if remat == "full":
+        return residual + ring
+    ffn = _moe_activations(st, remat) if moe else (5 if remat == "none" else 2) * mlp
+    if remat == "dots":
+        return residual + q + kv + full + ffn + ring
+    # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
+    # values and the (gathered) output; rotated q, k and v; the attention output; gate, its
+    # sigmoid, silu(gate), up and their product; two float32 S x S tensors per head (XLA keeps
+    # the masked scores alive next to the softmax output), plus a compute-dtype copy of the
+    # probabilities for the weighted sum when that dtype is narrower.
+    norm = residual + residual * 4 // a + full
+    keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
+    probs = 0 if st.ring else b * (m.n_heads // t) * s * keys * (2 * 4 + (a if a < 4 else 0))
+    return 2 * norm + q + kv + q + ffn + probs + ring
+
+
+def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
+    """Bytes per device of one step (the module docstring's accounting)."""
+    cfg, m = st.cfg, st.cfg.model
+    param_bytes = sum(p.bytes_per_device for p in params)
+    moments = sum(p.moment_bytes_per_device for p in params)
+    head = st.b * st.sl * (m.vocab_size // st.t) * (4 + 4 + st.a) + 2 * st.act
+    # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
+    # fsdp. remat=none keeps them for the backward pass, in every layer.
+    # (With MoE every=k > 1, a "layer" here is one scanned group of k blocks.)
+    blocks = unit_blocks(m)
+    units = m.n_layers // len(blocks)
+    layer_weights = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
+                        for p in params if p.stacked) // units
+    kept_weights = layer_weights if cfg.train.remat == "none" else 0
+    gathered = 0
+    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1:  # one layer's weights and gradient
+        gathered = 2 * layer_weights + sum(in_compute_dtype(p, p.gathered_bytes, st.a)
+                                           for p in params if not p.stacked)
+    if st.ring:  # one block's float32 scores, probabilities and their gradients
+        chunk = st.sl // (2 if cfg.parallel.zigzag else 1)
+        head += 4 * st.b * (m.n_heads // st.t) * chunk * chunk * 4
+    rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
+    per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
+    saved_layers, stash = (pipeline_memory(st, per_layer) if st.pipeline is not None
+                           else (units, 0))
+    return MemoryCost(
+        params=param_bytes,
+        optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
+        gradients=param_bytes * (2 if st.accum > 1 else 1),
+        batch=rows * st.sl * 12,
+        activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
+                                        for moe in blocks) + kept_weights),
+        working=max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered,
+        update=moments,
+        stash=stash,
+        buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))

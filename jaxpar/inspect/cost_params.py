@@ -1,0 +1,161 @@
+"""The cost model's parameters: read from the model itself, split by the rules table.
+
+Every parameter's name, shape and logical axes come from :func:`jaxpar.model.transformer.
+abstract_model` (shapes only: nothing is allocated, traced for a device or compiled), so the
+cost model cannot drift from the model. The rules table (:func:`jaxpar.parallel.rules.
+resolve_spec`) then splits each one exactly as training splits it. Parameters, their gradients
+and Adam moments are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+from jaxpar.config import Config, ModelConfig
+from jaxpar.model.transformer import abstract_model
+from jaxpar.parallel.rules import (
+    is_axes_leaf,
+    logical_rules,
+    param_logical_axes,
+    param_name,
+    resolve_spec,
+)
+from jaxpar.parallel.zero import ZERO1_AXES
+
+PARAM_BYTES = 4  # parameters, gradients and Adam moments are float32
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One variable of the model (``layers/...`` are stacked over the scanned units)."""
+
+    name: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]  # logical axis names, one per dimension
+
+    @property
+    def stacked(self) -> bool:
+        return self.name.startswith("layers/")
+
+
+@functools.cache
+def _variables(m: ModelConfig, buffers: bool) -> tuple[ParamShape, ...]:
+    """The abstract model's parameters (or, with ``buffers``, its other variables), by name.
+    Cached: ``jaxpar plan --search`` estimates many layouts of one model."""
+    model = abstract_model(m)
+    _, params, others = nnx.split(model, nnx.Param, ...)
+    flat = jax.tree_util.tree_flatten_with_path
+    shapes = dict(flat(nnx.to_pure_dict(others if buffers else params))[0])
+    axes = flat(param_logical_axes(model, buffers=buffers), is_leaf=is_axes_leaf)[0]
+    table = [ParamShape(param_name(path), tuple(shapes[path].shape), names)
+             for path, names in axes]
+    return tuple(sorted(table, key=lambda p: p.name))
+
+
+def model_params(m: ModelConfig) -> list[ParamShape]:
+    """Every parameter of the Transformer in ``jaxpar/model``, sorted by name."""
+    return list(_variables(m, buffers=False))
+
+
+def model_buffers(m: ModelConfig) -> list[ParamShape]:
+    """Non-trainable variables (``TrainState.buffers``): the router biases of aux-loss-free
+    balancing, float32 and replicated."""
+    return list(_variables(m, buffers=True))
+
+
+def unit_blocks(m: ModelConfig) -> list[bool]:
+    """Whether each block of the scanned unit is a MoE block, from the parameter names: a unit
+    is one block (``layers/attn/...``) or a group of ``moe.every`` blocks
+    (``layers/block_<i>/...``, the last with the MoE layer)."""
+    blocks: dict[int, bool] = {}
+    for p in model_params(m):
+        if p.stacked:
+            parts = p.name.split("/")
+            index = int(parts[1].removeprefix("block_")) if parts[1].startswith("block_") else 0
+            blocks[index] = blocks.get(index, False) or "moe" in parts
+    return [blocks[i] for i in sorted(blocks)]
+
+
+# --------------------------------------------------------------------------------------------
+# Split by the rules table
+
+
+SpecEntry = str | tuple[str, ...] | None
+
+
+def entry_axes(entry: SpecEntry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _parts(spec: Sequence[SpecEntry], mesh: Mapping[str, int]) -> int:
+    """How many pieces a spec cuts an array into."""
+    return math.prod(mesh[a] for entry in spec for a in entry_axes(entry))
+
+
+@dataclass(frozen=True)
+class ParamCost:
+    """One parameter's split: global shape, PartitionSpec entries, bytes per device."""
+
+    name: str
+    shape: tuple[int, ...]
+    spec: tuple[SpecEntry, ...]
+    bytes_per_device: int  # the parameter (and its gradient) shard
+    moment_bytes_per_device: int  # one Adam moment's shard
+    gathered_bytes: int  # what an FSDP all-gather of it produces (the shard times fsdp)
+    stacked: bool  # has a leading layers dimension
+
+    @property
+    def matmul(self) -> bool:
+        """A weight the model casts to the compute dtype (everything but the norm scales and the
+        MoE router, which routes in float32)."""
+        return not self.name.endswith(("/scale", "/router"))
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight (split over ``expert``, used inside the expert shard_map)."""
+        return "/moe/w_" in self.name
+
+
+def param_costs(cfg: Config) -> list[ParamCost]:
+    """Split every parameter with the config's rules (a ConfigError names a bad rule)."""
+    mesh = cfg.mesh_shape
+    rules = logical_rules(cfg)
+    out = []
+    for p in model_params(cfg.model):
+        spec = tuple(resolve_spec(p.name, p.names, p.shape, rules, mesh))
+        spec = spec + (None,) * (len(p.shape) - len(spec))
+        size = math.prod(p.shape) * PARAM_BYTES
+        moment_spec = _zero1_spec(spec, p.names, mesh) if cfg.parallel.zero == 1 else spec
+        fsdp_parts = math.prod(mesh[a] for e in spec for a in entry_axes(e) if a == "fsdp")
+        out.append(ParamCost(
+            name=p.name, shape=p.shape, spec=spec,
+            bytes_per_device=size // _parts(spec, mesh),
+            moment_bytes_per_device=size // _parts(moment_spec, mesh),
+            gathered_bytes=size // _parts(spec, mesh) * fsdp_parts,
+            stacked=p.stacked))
+    return out
+
+
+def _zero1_spec(spec: tuple[SpecEntry, ...], names: tuple[str | None, ...],
+                mesh: Mapping[str, int]) -> tuple[SpecEntry, ...]:
+    """ZeRO-1's moment spec: the ``embed`` dim also split over data and fsdp (parallel/zero.py)."""
+    extra = tuple(a for a in ZERO1_AXES if mesh[a] > 1)
+    if not extra or "embed" not in names:
+        return spec
+    dim = names.index("embed")
+    existing = entry_axes(spec[dim])
+    merged = existing + tuple(a for a in extra if a not in existing)
+    return spec[:dim] + (merged,) + spec[dim + 1:]
+
+
+def in_compute_dtype(p: ParamCost, nbytes: int, a: int) -> int:
+    """Bytes of a weight (or its gradient) as it travels: cast to the compute dtype, except
+    the norm scales, which stay float32."""
+    return nbytes * a // PARAM_BYTES if p.matmul else nbytes

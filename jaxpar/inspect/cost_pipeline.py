@@ -1,0 +1,71 @@
+"""The pipeline's share of the cost model: tick messages, stash memory, bubble time.
+
+Kept together because they follow the executor and its schedule tables
+(:mod:`jaxpar.parallel.pipeline`, :func:`~jaxpar.parallel.pipeline.describe`) and change with
+them. Inside the stages every other parallelism's formula runs on the stage's layers once per
+microbatch (:class:`jaxpar.inspect.cost_collectives.Ledger` counts those multiplicities).
+
+``pipe`` (``parallel/pipeline.py``): each executor step with a forward slot sends one activation
+on (b/m x S/c x E, /t under sequence parallelism) and all-reduces three over ``pipe`` (the
+embedding pieces, the last stage's output, the head's input gradient) plus three [b/m, S/c]
+float32 loss statistics; each step with a backward slot sends one gradient back and all-reduces
+chunk 0's input gradient. The last step's send is never read (XLA drops it). The vocabulary
+pieces' gradients (embedding, head) are summed over ``pipe`` once per micro-step. Inside the
+stages, every formula of :mod:`~jaxpar.inspect.cost_collectives` runs on the stage's layers once
+per executed slot (masked ones included: ``StepSizes.executed``), the gradient reductions over
+``data`` / ``fsdp`` in every backward slot, and FSDP gathers once per stretch (XLA hoists them).
+Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
+fsdp=2 (tests/test_cost.py). Stash memory: arrived inputs and output gradients (one activation
+per slot) and forward residuals (what remat saves for a chunk's layers per slot), each stash with
+one spare slot. Time: compute x the executed-work factor = compute / (1 - bubble).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxpar.inspect.cost_shapes import StepSizes
+
+if TYPE_CHECKING:
+    from jaxpar.inspect.cost_collectives import Ledger
+
+
+def pipeline_collectives(c: Ledger) -> None:
+    """Sends and all-reduces over ``pipe`` per executor step (module docstring)."""
+    st = c.st
+    if st.pipeline is None:
+        return
+    g = st.accum
+    forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
+    sends = forward + backward - 1
+    c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
+          f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
+    whole = st.sent * (st.t if st.sp else 1)  # all-reduced activations are not scattered
+    vocab = [p for p in c.other if p.name in ("embedding", "lm_head")]
+    c.add("all-reduce", ("pipe",), g * (4 * forward + backward + len(vocab)),
+          g * ((3 * forward + backward) * whole + 3 * forward * st.b * st.sl * 4
+               + sum(p.bytes_per_device for p in vocab)),
+          "pipeline: embedding, last output and head gradient (forward steps), chunk 0's "
+          "input gradient (backward steps), vocabulary-piece gradients", True)
+
+
+def pipeline_memory(st: StepSizes, residuals_per_layer: int) -> tuple[int, int]:
+    """(layers whose activations are saved outside the stash, stash bytes). Between a chunk's F
+    and its backward its residuals wait in a stash slot (``residuals_per_layer``: what remat
+    saves for one layer), beside arrived inputs and output gradients; each stash has one spare
+    slot that masked writes go to. Nothing else is saved across steps."""
+    chunk_layers = st.layers // st.cfg.parallel.virtual_stages
+    slots = st.pipeline["activation_slots"] + st.pipeline["gradient_slots"] + 2
+    return 0, (slots * st.act // (st.t if st.sp else 1)
+               + (st.pipeline["residual_slots"] + 1) * chunk_layers * residuals_per_layer)
+
+
+def pipeline_compute(st: StepSizes, compute: float) -> float:
+    """Idle ticks: the same work spread over more time."""
+    return compute * st.pipeline["executed_work_factor"]
+
+
+def pipeline_note(st: StepSizes) -> str:
+    return (f"pipeline {st.pipeline['schedule']}: executed bubble {st.pipeline['bubble']:.1%} "
+            f"(masked slots run too: compute time x {st.pipeline['executed_work_factor']:.2f}); "
+            "nothing is recomputed beyond train.remat (forward residuals are stashed)")
