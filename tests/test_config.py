@@ -125,7 +125,7 @@ ERROR_CASES = {
     # Parallelisms later issues add: a plain "not implemented yet".
     "pipe-layers-divide": (["mesh.data=4", "mesh.pipe=2", "model.n_layers=3"],
                            ["model.n_layers=3", "mesh.pipe x parallel.virtual_stages"]),
-    "pipe-vocab-pieces": (["mesh.data=2", "mesh.pipe=2", "model.vocab_size=255"],
+    "pipe-vocab-pieces": (["mesh.data=4", "mesh.pipe=2", "model.vocab_size=255"],
                           ["model.vocab_size=255", "mesh.pipe x mesh.tensor = 2"]),
     "seq-not-divisible-by-2x-context": (["mesh.data=2", "mesh.context=4", "train.seq_len=36"],
                                         ["train.seq_len=36", "8", "2*context"]),

@@ -17,6 +17,7 @@ from helpers import (
 )
 from test_parallel_layouts import per_step_bytes, run_layout
 
+from jaxpar.config import load_config, validate
 from jaxpar.parallel.pipeline import describe
 from jaxpar.parallel.pipeline_schedules import stage_layer_order
 
@@ -136,7 +137,9 @@ def test_pipeline_sends_activations_over_pipe_and_gathers_no_stage_params(name):
     expected = ((3 * info["forward_steps"] + info["backward_steps"]) * activation
                 + 3 * info["forward_steps"] * tokens * 4 + vocab)
     all_reduce = per_step_bytes(collectives(name, "all-reduce", ("pipe",)))
-    assert expected <= all_reduce <= expected + 256  # + a few scalars
+    # A stretch of one step (p=2's warm-up and cool-down) is a loop XLA unrolls: it sees that
+    # step's fields as constants and may drop the sums of a slot masked there (at most two).
+    assert expected - 2 * activation <= all_reduce <= expected + 256  # + a few scalars
     # Each device stores only its stage's layers.
     for leaf in jax.tree.leaves(result["state"].params["layers"]):
         assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // p
@@ -170,3 +173,32 @@ def test_moe_pipeline_with_expert_parallelism_matches_one_device_with_as_many_mi
                  jax.device_get(ref["state"].buffers))
     kinds = {(c.kind, c.axes) for c in got["collectives"]}
     assert ("all-to-all", ("expert",)) in kinds and ("collective-permute", ("pipe",)) in kinds
+
+
+@pytest.mark.parametrize("overrides", [("mesh.fsdp=4", "train.remat=none"),
+                                       ("mesh.data=4", "train.dtype=bfloat16")],
+                         ids=["fsdp-gathered", "bf16-cast"])
+def test_a_stashed_microbatch_holds_activations_but_no_copy_of_the_weights(monkeypatch, overrides):
+    # The stage's weights are cast and gathered once per step; the forward's VJP saves those
+    # very arrays, which the stash leaves out and the backward takes from the weights again.
+    from jaxpar.mesh import make_mesh
+    from jaxpar.parallel import pipeline
+    from jaxpar.train.step import build_trainer
+
+    seen = {}
+    split = pipeline._Residuals.split
+
+    def record(self, vjp_fn, weights):
+        stashed = split(self, vjp_fn, weights)
+        seen["stashed"] = [(tuple(a.shape), a.dtype) for a in stashed]
+        seen["weights"] = [(tuple(a.shape), a.dtype) for a in weights]
+        seen["reused"] = sum(w is not None for w in self.layout[1])
+        return stashed
+
+    monkeypatch.setattr(pipeline._Residuals, "split", record)
+    cfg = validate(load_config("tiny", ["mesh.pipe=2", "mesh.data=1", "train.microbatches=2",
+                                        "parallel.pipeline_schedule=1f1b", *overrides]), 8)
+    build_trainer(cfg, make_mesh(cfg)).compile_step()
+    weights = [w for w in seen["weights"] if len(w[0]) > 2]  # matrices, not norm scales
+    assert seen["reused"] >= len(weights) > 0
+    assert not set(weights) & set(seen["stashed"]), seen["stashed"]

@@ -33,6 +33,8 @@ _attention: contextvars.ContextVar[Attention | None] = contextvars.ContextVar(
     "jaxpar_attention", default=None)
 _experts: contextvars.ContextVar[Experts | None] = contextvars.ContextVar(
     "jaxpar_experts", default=None)
+_prepared: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_prepared_weights",
+                                                                 default=False)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -76,6 +78,18 @@ def experts_override() -> Experts | None:
 def use_experts(fn: Experts | None) -> contextlib.AbstractContextManager[None]:
     """Within this block, the model's MoE layers send their tokens to experts through ``fn``."""
     return _setting(_experts, fn)
+
+
+def weights_prepared() -> bool:
+    """Whether the parameters a layer reads were already cast and laid out for use
+    (:func:`jaxpar.model.layers.prepare_weight`), so that the layer takes them as they are."""
+    return _prepared.get()
+
+
+def use_prepared_weights() -> contextlib.AbstractContextManager[None]:
+    """Within this block, layers read their weights as given (a pipeline stage prepares its
+    weights once per step, so that a microbatch's saved residuals hold no copy of them)."""
+    return _setting(_prepared, True)
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import attention_override, constrain, relayout
+from jaxpar.model.annotate import attention_override, constrain, relayout, weights_prepared
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
@@ -42,8 +42,39 @@ def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
     bf16) and written down explicitly, so the compiler never chooses to move activations instead.
     Its gradient goes straight back to the stored layout: a reduce-scatter over ``fsdp``.
     """
+    if weights_prepared():
+        return param[...]
     stored = tuple("embed" if name == "act_embed" else name for name in names)
     return relayout(param[...].astype(dtype), stored, names)
+
+
+def stored_weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
+    """A weight in the compute dtype but laid out as stored (``names``): the experts' weights,
+    which the expert-parallel hook gathers itself."""
+    if weights_prepared():
+        return param[...]
+    return constrain(param[...].astype(dtype), names)
+
+
+# Parameters a layer uses in float32 whatever the compute dtype: norm scales and the router.
+FULL_PRECISION = frozenset({"scale", "router"})
+
+
+def prepare_weight(value: jax.Array, name: str, stored: tuple, dtype) -> jax.Array:
+    """What :func:`weight` (or :func:`stored_weight`, or a norm) hands its layer, computed once:
+    ``value`` (the parameter ``name``, laid out as ``stored``) cast to the dtype the layer
+    multiplies in and laid out as it uses it (the model dimension whole: FSDP's gather)."""
+    dtype = jnp.float32 if name in FULL_PRECISION else dtype
+    if "experts" in stored:
+        return constrain(value.astype(dtype), stored)
+    return constrain(value.astype(dtype),
+                     tuple("act_embed" if n == "embed" else n for n in stored))
+
+
+def prepared_weight_grad(grad: jax.Array, stored: tuple) -> jax.Array:
+    """The transpose of :func:`prepare_weight`: a float32 gradient, back in the stored layout
+    (FSDP's reduce-scatter)."""
+    return constrain(grad.astype(jnp.float32), stored)
 
 
 class RMSNorm(nnx.Module):

@@ -65,7 +65,7 @@ from jax import lax
 
 from jaxpar.config import ModelConfig, MoEConfig
 from jaxpar.model.annotate import constrain, experts_override
-from jaxpar.model.layers import SwiGLU, _param, weight
+from jaxpar.model.layers import SwiGLU, _param, stored_weight, weight
 
 Weights = tuple[jax.Array, jax.Array, jax.Array]  # w_gate [X,E,F], w_up [X,E,F], w_down [X,F,E]
 Exchange = Callable[[jax.Array], jax.Array]  # [groups, ...] -> [groups, ...] (an all-to-all)
@@ -292,9 +292,9 @@ class MoE(nnx.Module):
         # is; the expert-parallel hook all-gathers the fsdp split of ``embed`` per device, so that
         # autodiff turns it into a reduce-scatter of the gradient (as `weight` does for the
         # other layers, outside shard_map).
-        weights = (constrain(self.w_gate[...].astype(dtype), EXPERT_IN),
-                   constrain(self.w_up[...].astype(dtype), EXPERT_IN),
-                   constrain(self.w_down[...].astype(dtype), EXPERT_OUT))
+        weights = (stored_weight(self.w_gate, EXPERT_IN, dtype),
+                   stored_weight(self.w_up, EXPERT_IN, dtype),
+                   stored_weight(self.w_down, EXPERT_OUT, dtype))
         experts = experts_override() or local_experts
         y, stats = experts(x, expert_ids, gates, weights, dispatch=moe.dispatch,
                            capacity_factor=moe.capacity_factor)

@@ -63,7 +63,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.model.layers import RMSNorm
+from jaxpar.model.annotate import use_prepared_weights
+from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline_schedules import (
@@ -246,11 +247,15 @@ class Stages:
     the norm before the head. ``aux`` (``{}`` for a dense model) holds the chunk's MoE
     statistics, summed over its layers except the ``layer_stacked`` keys, one row per layer;
     ``aux_loss(aux)`` is the term it adds to the objective. ``vocab_shards``: how many ways the
-    axes of ``vocab`` other than ``pipe`` split the vocabulary.
+    axes of ``vocab`` other than ``pipe`` split the vocabulary. ``layers`` reads weights as
+    ``prepare`` left them (cast to the compute dtype, FSDP-gathered), so the residuals a
+    forward saves hold the very arrays passed in, which the stash leaves out.
     """
 
     layers: Callable
     final_norm: Callable
+    prepare: Callable  # chunks [v, layers/v, ...] -> cast and laid out for use, once per step
+    unprepare: Callable  # one chunk's gradient w.r.t. its prepared weights -> stored layout
     dtype: Any
     tied_embeddings: bool
     vocab_shards: int
@@ -325,7 +330,7 @@ def _head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPi
     d_logits = (jnp.exp(logits - log_z[..., None]) - is_target) * (mb["mask"] * loss_scale
                                                                   )[..., None]
     d_head, d_h = logits_vjp(d_logits)
-    d_shared, d_y = norm_vjp(lax.psum(d_h, AXIS).astype(h.dtype))
+    d_shared, d_y = norm_vjp(_sum_over_stages(d_h).astype(h.dtype))
     return loss, d_y, d_head, d_shared
 
 
@@ -341,6 +346,12 @@ class _Carry(NamedTuple):
     shared_grads: Any  # embedding/head (pieces, summed over pipe at the end) and final norm
     loss: jax.Array  # float32: summed token loss (the same on every stage)
     aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
+
+
+def _sum_over_stages(x: jax.Array) -> jax.Array:
+    """``psum`` over ``pipe`` in float32, returned in ``x``'s dtype. (The pieces of a sum add
+    without bf16 round-off; and XLA:CPU 0.10 aborts on this program's bf16 all-reduces.)"""
+    return lax.psum(x.astype(jnp.float32), AXIS).astype(x.dtype)
 
 
 def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -439,7 +450,7 @@ class _Env:
     stages: Stages
     stage: jax.Array
     shared: dict
-    chunks: Any  # layers as [v, layers_per_chunk, ...]
+    chunks: Any  # layers as [v, layers_per_chunk, ...], prepared for use (Stages.prepare)
     const_chunks: Any
     micro: Any
     piece: VocabPiece
@@ -457,7 +468,8 @@ class _Env:
             return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
 
         stage = lax.axis_index(AXIS)
-        env = _Env(stages, stage, shared, by_chunk(layers), by_chunk(consts), micro,
+        env = _Env(stages, stage, shared, stages.prepare(by_chunk(layers)), by_chunk(consts),
+                   micro,
                    vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
                    aux_scale, _Residuals(), None, None, None)
         first = env.microbatch(jnp.int32(0))
@@ -540,7 +552,7 @@ def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Calla
     def forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array]:
         table = env.piece.cut(env.table())
         entering = env.microbatch(r["embed_mb"])
-        x0 = lax.psum(_embed_partial(stages, table, env.piece, entering["inputs"]), AXIS)
+        x0 = _sum_over_stages(_embed_partial(stages, table, env.piece, entering["inputs"]))
         x0 = stages.constrain(x0, ("batch", "residual_seq", "act_embed"))
         x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
         on = r["f_on"] == 1
@@ -552,7 +564,7 @@ def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Calla
 
     def head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
         on = r["head_on"] == 1
-        y_last = lax.psum(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)), AXIS)
+        y_last = _sum_over_stages(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)))
         norm_params = {k: a for k, a in env.shared.items() if k not in ("embedding", "lm_head")}
         loss, dy, d_head, d_norm = _head_and_loss(stages, norm_params, env.head(), env.piece,
                                                   y_last, env.microbatch(r["head_mb"]),
@@ -573,6 +585,7 @@ def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Calla
         stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
         d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
         if weights:
+            d_layers = stages.unprepare(d_layers)
             layer_grads = jax.tree.map(
                 lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))
                                              .astype(acc.dtype)),
@@ -582,7 +595,7 @@ def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Calla
 
     def embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
         into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
-        dx0 = lax.psum(jnp.where(into_first, dx, jnp.zeros_like(dx)), AXIS)
+        dx0 = _sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)))
         tokens = env.microbatch(r["eback_mb"])["inputs"]
         one_hot = (tokens[..., None] == env.piece.ids).astype(dx0.dtype)
         one_hot = stages.constrain(one_hot, ("batch", "seq", "vocab"))
@@ -639,14 +652,30 @@ def _finish(env: _Env, c: _Carry) -> tuple:
 # The model cut into stages, and the pipelined objective
 
 
-def model_stages(graphdef: Any, cfg: Config, *, dtype: Any, remat: str) -> Stages:
-    """The model's pieces as the executor calls them (see :class:`Stages`)."""
+def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
+                 ) -> Stages:
+    """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
+    the logical names of the stacked layer parameters (``layers`` first)."""
 
     def layers(shared: dict, layer_params: dict, consts: dict, x: jax.Array, mb: dict,
                ) -> tuple:
         net = nnx.merge(graphdef, {**shared, "layers": layer_params},
                         {"layers": consts} if consts else {})
-        return net.run_layers(x, mb["positions"], remat=remat)
+        with use_prepared_weights():
+            return net.run_layers(x, mb["positions"], remat=remat)
+
+    def by_leaf(fn: Callable, tree: Any, leading: int) -> Any:
+        """``fn(leaf, name, names)`` over the layer tree, ``names`` its stored logical names with
+        the stacked dimension(s) left unnamed (``pipe`` is manual inside the executor)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf, names: fn(leaf, path[-1].key, (None,) * leading + names[1:]),
+            tree, layer_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def prepare(chunks: Any) -> Any:
+        return by_leaf(lambda a, name, names: prepare_weight(a, name, names, dtype), chunks, 2)
+
+    def unprepare(grads: Any) -> Any:
+        return by_leaf(lambda g, _, names: prepared_weight_grad(g, names), grads, 1)
 
     def final_norm(norm_params: dict, x: jax.Array) -> jax.Array:
         return nnx.merge(norm_graph, norm_params["final_norm"])(x)
@@ -657,14 +686,15 @@ def model_stages(graphdef: Any, cfg: Config, *, dtype: Any, remat: str) -> Stage
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
     moe = cfg.model.moe
     shards = int(np.prod([mesh_shape[a] for a in rules["vocab"] if a != AXIS]))
-    return Stages(layers, final_norm, dtype, cfg.model.tie_embeddings, shards,
+    return Stages(layers, final_norm, prepare, unprepare, dtype, cfg.model.tie_embeddings,
+                  shards,
                   constrain=activation_constrainer(rules, mesh_shape),
                   aux_loss=lambda aux: moe_loss(aux, moe),
                   layer_stacked=LAYER_STACKED if moe.enabled else ())
 
 
-def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, *, dtype: Any, remat: str,
-                        ) -> tuple[Callable, np.ndarray | None, Program]:
+def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
+                        dtype: Any, remat: str) -> tuple[Callable, np.ndarray | None, Program]:
     """The pipelined ``(params, buffers, batch, valid) -> (grads, (loss_sum, aux))`` (what
     ``jax.grad(objective, has_aux=True)`` returns without a pipeline), the stored layer order
     (None when it is the model's) and the compiled program.
@@ -689,7 +719,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, *, dtype: Any, 
                                     specs["layers"],
                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
     shared_grad_specs = {k: s for k, s in specs.items() if k != "layers"}
-    run = pipeline_loss_and_grads(program, model_stages(graphdef, cfg, dtype=dtype, remat=remat),
+    stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat)
+    run = pipeline_loss_and_grads(program, stages,
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs)

@@ -222,7 +222,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
                if moe.enabled and split_axes else None)
 
     pipelined, layer_order, program = (
-        pipelined_gradients(cfg, graphdef, specs, dtype=dtype, remat=remat)
+        pipelined_gradients(cfg, graphdef, specs, logical_axes, dtype=dtype, remat=remat)
         if cfg.mesh.pipe > 1 else (None, None, None))
 
     def init() -> TrainState:

@@ -1,0 +1,94 @@
+"""Pipeline step time against the 1-device step, on virtual CPU devices, in one run.
+
+On virtual CPU devices the same cores do every device's work, so a layout that adds no
+redundant work takes about the 1-device step time; a pipeline executes its masked slots too, so
+its honest target is the 1-device step times its executed-work factor (``jaxpar schedule``
+prints it; (m+p-1)/m for 1F1B). This script prints, per layout, the median step time, the ratio
+to the 1-device step, the factor, and the ratio divided by the factor (1.00 = no overhead
+beyond the masked slots; the acceptance bound is 1.10).
+
+    python scripts/pipeline_speed.py            # the model of the acceptance test (a few minutes)
+    python scripts/pipeline_speed.py --quick    # a smaller model, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+DEVICES = 8
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxpar.config import load_config, validate  # noqa: E402
+from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.parallel.pipeline import describe  # noqa: E402
+from jaxpar.train.step import build_trainer  # noqa: E402
+
+MODEL = ["model.d_model=256", "model.d_ff=1024", "model.n_layers=4", "model.n_heads=8",
+         "model.n_kv_heads=8", "train.seq_len=256", "train.batch_size=16", "train.remat=full",
+         "train.dtype=float32"]
+QUICK = ["model.d_model=128", "model.d_ff=512", "model.n_layers=4", "train.seq_len=128",
+         "train.batch_size=16", "train.remat=full"]
+LAYOUTS = [(f"{s} pipe={p} data={8 // p} m={m}",
+            [f"mesh.pipe={p}", f"mesh.data={8 // p}", f"train.microbatches={m}",
+             f"parallel.pipeline_schedule={s}"])
+           for p, m in [(2, 4), (4, 8)] for s in ("gpipe", "1f1b", "zero_bubble")]
+
+
+def step_seconds(overrides: list[str], devices: int, steps: int) -> float:
+    """Median wall time of a train step after compiling and two warm-up steps."""
+    cfg = validate(load_config("tiny", overrides), devices)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
+    rng = np.random.default_rng(0)
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    tokens = rng.integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1))
+    batch = trainer.put_batch({"inputs": tokens[:, :-1].astype(np.int32),
+                               "targets": tokens[:, 1:].astype(np.int32),
+                               "mask": np.ones(shape, np.float32)})
+    step = trainer.compile_step()
+    state = trainer.init()
+    for _ in range(2):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    args = parser.parse_args()
+    model = QUICK if args.quick else MODEL
+    base = step_seconds([*model, "mesh.data=1"], 1, args.steps)
+    print(f"1 device: {base:.3f} s/step")
+    print(f"{'layout':<28} {'s/step':>7} {'/1-dev':>7} {'factor':>7} {'/factor':>8}")
+    worst = 0.0
+    for name, layout in LAYOUTS:
+        seconds = step_seconds([*model, *layout], DEVICES, args.steps)
+        cfg = validate(load_config("tiny", [*model, *layout]), DEVICES)
+        factor = describe(cfg.parallel.pipeline_schedule, cfg.mesh.pipe,
+                          cfg.train.microbatches)["executed_work_factor"]
+        ratio = seconds / base
+        worst = max(worst, ratio / factor)
+        print(f"{name:<28} {seconds:7.3f} {ratio:7.2f} {factor:7.3f} {ratio / factor:8.2f}",
+              flush=True)
+    print(f"worst step time / (1-device step x executed-work factor): {worst:.2f} "
+          f"({'within' if worst <= 1.10 else 'above'} the 1.10 bound)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
