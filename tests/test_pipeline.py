@@ -18,6 +18,7 @@ from helpers import (
 from test_parallel_layouts import per_step_bytes, run_layout
 
 from jaxpar.config import load_config, validate
+from jaxpar.inspect.hlo_flops import dot_flops
 from jaxpar.parallel.pipeline import describe
 from jaxpar.parallel.pipeline_schedules import stage_layer_order
 
@@ -202,3 +203,20 @@ def test_a_stashed_microbatch_holds_activations_but_no_copy_of_the_weights(monke
     weights = [w for w in seen["weights"] if len(w[0]) > 2]  # matrices, not norm scales
     assert seen["reused"] >= len(weights) > 0
     assert not set(weights) & set(seen["stashed"]), seen["stashed"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
+def test_compiled_matmul_flops_are_the_executed_work_factor_times_the_one_device_step(schedule):
+    # remat=none: a pipelined step must do the 1-device step's matmuls times the factor of
+    # slots it executes (masked ones included) and nothing more: no forward is recomputed.
+    # Counted per loop iteration (jaxpar.inspect.hlo_flops), all stages together.
+    name = f"{schedule},pipe=2,m=4"
+    got, ref = run_layout(LAYOUTS[name]), run_layout(REFERENCE)
+    cfg = got["cfg"]
+    factor = describe(schedule, 2, 4, cfg.parallel.virtual_stages)["executed_work_factor"]
+    ratio = (dot_flops(got["trainer"].compile_step().as_text()) * cfg.mesh.pipe
+             / dot_flops(ref["trainer"].compile_step().as_text()))
+    # Interleaving runs the embedding and head in every forward step, v times as many as a
+    # microbatch needs (their vocab-sized matmuls are ~9% of this tiny model's forward).
+    bound = 1.10 if schedule == "interleaved" else 1.05
+    assert 0.95 * factor <= ratio <= bound * factor, (ratio, factor)

@@ -138,13 +138,29 @@ class Program:
         return sum(len(s.fields["f_on"]) for s in self.stretches)
 
 
+def executed_kinds(step: Step) -> tuple[str, ...]:
+    """The slots the executor runs for ``step``: its kinds, except that an I and a W of the
+    same (microbatch, chunk) on every stage run as one B (the same arithmetic in one backward
+    pass; computed apart, W would redo the input-gradient chain through the chunk's layers)."""
+    if "I" in step.kinds and "W" in step.kinds and all(
+            (a.get("I") is None) == (a.get("W") is None)
+            and (a.get("I") is None or a["I"].mb == a["W"].mb and a["I"].chunk == a["W"].chunk)
+            for a in step.actions):
+        return tuple(k for k in step.kinds if k not in ("I", "W")) + ("B",)
+    return step.kinds
+
+
 def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
                 ) -> tuple[list, list]:
     """Fill row ``t`` of ``f`` for ``step``; return the slots it frees and what it sends."""
     acts, res, grads = pools["act"], pools["res"], pools["grad"]
     frees, sends = [], []
     p = len(step.actions)
+    fused = "B" in executed_kinds(step) and "B" not in step.kinds
     for s, slots in enumerate(step.actions):
+        if fused and "I" in slots:  # run as one B (executed_kinds)
+            slots = {**{k: a for k, a in slots.items() if k not in ("I", "W")},
+                     "B": slots["I"]}
         if (a := slots.get("F")) is not None:
             key, first, last = (a.mb, a.chunk), a.chunk == 0, a.chunk == n_chunks - 1
             f["f_on"][t, s], f["f_mb"][t, s], f["f_chunk"][t, s] = 1, a.mb, a.chunk // p
@@ -207,8 +223,8 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1) -> Program:
         f[name][f[name] < 0] = sizes[pool]
     stretches, start = [], 0
     for t in range(1, len(steps) + 1):
-        if t == len(steps) or steps[t].kinds != steps[start].kinds:
-            stretches.append(Stretch(steps[start].kinds,
+        if t == len(steps) or executed_kinds(steps[t]) != executed_kinds(steps[start]):
+            stretches.append(Stretch(executed_kinds(steps[start]),
                                      {k: a[start:t] for k, a in f.items()}))
             start = t
     return Program(tuple(stretches), sizes["act"], sizes["res"], sizes["grad"])
