@@ -220,3 +220,29 @@ def test_compiled_matmul_flops_are_the_executed_work_factor_times_the_one_device
     # microbatch needs (their vocab-sized matmuls are ~9% of this tiny model's forward).
     bound = 1.10 if schedule == "interleaved" else 1.05
     assert 0.95 * factor <= ratio <= bound * factor, (ratio, factor)
+
+
+def reduction_rows(m: int) -> dict:
+    """Per-step bytes of the collectives over data or fsdp of a pipe=2 data=2 fsdp=2 step."""
+    result = run_layout(("mesh.pipe=2", "mesh.data=2", "mesh.fsdp=2", "model.n_layers=4",
+                         f"train.microbatches={m}", "train.batch_size=32",
+                         "parallel.pipeline_schedule=1f1b"))
+    rows = {}
+    for c in result["collectives"]:
+        if c.axes in (("data",), ("fsdp",)):
+            rows[(c.kind, c.axes)] = rows.get((c.kind, c.axes), 0) + per_step_bytes([c])
+    return {"rows": rows, "state": result["state"]}
+
+
+def test_gradients_are_reduced_over_data_and_fsdp_once_per_step_whatever_the_microbatches():
+    four, eight = reduction_rows(4), reduction_rows(8)
+    assert four["rows"] == eight["rows"], (four["rows"], eight["rows"])
+    # The bytes of the gradients once: all-reduced over data at their stored (1/fsdp) size,
+    # reduce-scattered over fsdp from their whole size, and the weights gathered once.
+    leaves = jax.tree.leaves(four["state"].params)
+    shard = sum(a.addressable_shards[0].data.nbytes for a in leaves)
+    split = sum(a.addressable_shards[0].data.nbytes for a in leaves if "fsdp" in str(a.sharding))
+    assert four["rows"][("all-reduce", ("data",))] == shard
+    assert four["rows"][("reduce-scatter", ("fsdp",))] == 2 * split
+    assert four["rows"][("all-gather", ("fsdp",))] == 2 * split
+    assert four["rows"].get(("all-reduce", ("fsdp",)), 0) < 1024  # the loss and a few scalars

@@ -150,6 +150,21 @@ class Ledger:
         return self.st.accum * self.st.pipeline["backward_steps"]
 
     @property
+    def by_hand(self) -> tuple[str, ...]:
+        """The batch axes whose gradient sums the pipeline executor takes once per micro-step,
+        by hand (``data``, ``fsdp``; not for MoE models, see jaxpar.parallel.pipeline)."""
+        st = self.st
+        if st.pipeline is None or st.cfg.model.moe.enabled:
+            return ()
+        return tuple(a for a in ("data", "fsdp") if st.mesh[a] > 1)
+
+    def runs_over(self, axes: tuple[str, ...]) -> int:
+        """Gradient reductions per step over ``axes``: once per micro-step where the executor
+        sums by hand, else ``grad_runs``."""
+        live = tuple(a for a in axes if self.st.mesh[a] > 1)
+        return self.st.accum if live and set(live) <= set(self.by_hand) else self.grad_runs
+
+    @property
     def layer(self) -> list[ParamCost]:
         return [p for p in self.params if p.stacked]
 
@@ -175,7 +190,8 @@ class Ledger:
         """Gradients travel like their weights, but lm_head's: its matmul yields float32."""
         return nbytes if p.name == "lm_head" else self.moved(p, nbytes)
 
-    def reduced(self, group: list[ParamCost], gathered: bool = False) -> int:
+    def reduced(self, group: list[ParamCost], gathered: bool = False,
+                by_hand: bool = False) -> int:
         """Gradient bytes of ``group`` reduced per step (``gathered``: the unscattered size).
         Under a pipeline each backward slot (masked ones too) reduces what it produced: its
         chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
@@ -186,7 +202,7 @@ class Ledger:
         layers = sum(size(p) for p in group if p.stacked)
         shared = sum(size(p) for p in group if not p.stacked)
         st = self.st
-        if st.pipeline is None:
+        if st.pipeline is None or by_hand:
             return st.accum * (layers + shared)
         forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
         tied = st.cfg.model.tie_embeddings
@@ -214,7 +230,9 @@ def fsdp_collectives(c: Ledger) -> None:
     # remat=none keeps each layer's gathered weights for the backward pass; remat gathers
     # them again there.
     passes, runs = (1 if cfg.train.remat == "none" else 2) * c.forwards, st.runs
-    if st.pipeline is not None:
+    if "fsdp" in c.by_hand:  # the executor gathers a stage's weights once per micro-step
+        passes, runs = 1, st.accum / st.layers
+    elif st.pipeline is not None:
         # A stage's weights do not change within a stretch of steps: XLA hoists their gathers
         # out of the stretch's loop (an upper bound: how many survive is its choice).
         passes, runs = 1, st.accum * len(st.pipeline["stretches"])
@@ -224,8 +242,8 @@ def fsdp_collectives(c: Ledger) -> None:
                                                  else " (kept for the backward pass)"), True)
     c.add("all-gather", ("fsdp",), len(other), sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
-    c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.grad_runs,
-          c.reduced(layer + other, gathered=True),
+    c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
+          c.reduced(layer + other, gathered=True, by_hand="fsdp" in c.by_hand),
           "gradients reduce-scattered to their shards, every micro-step", True)
 
 
@@ -246,13 +264,15 @@ def data_collectives(c: Ledger) -> None:
     units = st.layers // cfg.model.moe.every if cfg.model.moe.enabled else st.layers
     for axes, group in by_replicas.items():
         experts = all(p.expert for p in group)
+        by_hand = bool(c.by_hand) and c.runs_over(axes) == st.accum
         c.add("all-reduce", axes,
-              c.grad_runs * (units * any(p.stacked for p in group)
-                             + any(not p.stacked for p in group)),
-              c.reduced(group),
+              c.runs_over(axes) * (units * any(p.stacked for p in group)
+                                   + any(not p.stacked for p in group)),
+              c.reduced(group, by_hand=by_hand),
               ("routed experts' " if experts else "")
               + ("gradient shards" if cfg.parallel.zero == 3 else "ZeRO-1: whole gradients")
-              + " all-reduced, every " + ("micro-step" if st.pipeline is None else "microbatch"),
+              + " all-reduced, every "
+              + ("micro-step" if st.pipeline is None or by_hand else "backward slot"),
               True)
     if cfg.parallel.zero == 1:
         c.add("all-gather", ZERO1_AXES, len(c.params),

@@ -12,8 +12,9 @@ float32 loss statistics; each step with a backward slot sends one gradient back 
 chunk 0's input gradient. The last step's send is never read (XLA drops it). The vocabulary
 pieces' gradients (embedding, head) are summed over ``pipe`` once per micro-step. Inside the
 stages, every formula of :mod:`~jaxpar.inspect.cost_collectives` runs on the stage's layers once
-per executed slot (masked ones included: ``StepSizes.executed``), the gradient reductions over
-``data`` / ``fsdp`` in every backward slot, and FSDP gathers once per stretch (XLA hoists them).
+per executed slot (masked ones included: ``StepSizes.executed``); the executor sums gradients
+over ``data`` / ``fsdp`` by hand once per micro-step and gathers FSDP weights once (for MoE
+models: in every backward slot, and once per stretch, where XLA hoists the gathers).
 Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
 fsdp=2 (tests/test_cost.py). Stash memory: arrived inputs and output gradients (one activation
 per slot) and forward residuals (what remat saves for a chunk's layers per slot), each stash with

@@ -63,9 +63,10 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.model.annotate import use_prepared_weights
+from jaxpar.model.annotate import constrain, use_prepared_weights
 from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
+from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline_schedules import (
     Step,
@@ -75,7 +76,7 @@ from jaxpar.parallel.pipeline_schedules import (
     stage_of,
     table_of,
 )
-from jaxpar.parallel.rules import activation_constrainer, logical_rules, resolve_spec
+from jaxpar.parallel.rules import logical_rules, resolve_spec
 
 AXIS = "pipe"
 
@@ -275,7 +276,6 @@ class Stages:
     dtype: Any
     tied_embeddings: bool
     vocab_shards: int
-    constrain: Callable  # (x, logical names) -> x laid out on the mesh
     aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
     layer_stacked: tuple[str, ...] = ()
 
@@ -319,7 +319,7 @@ def _embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: 
     """This stage's share of the embeddings of ``tokens``: one-hot over its vocab piece times
     its rows of the table (the stages' shares add up over ``pipe``)."""
     one_hot = (tokens[..., None] == piece.ids).astype(stages.dtype)
-    one_hot = stages.constrain(one_hot, ("batch", "seq", "vocab"))
+    one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
     return jnp.einsum("bsv,ve->bse", one_hot, table)
 
 
@@ -336,7 +336,7 @@ def _head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPi
     logits, logits_vjp = jax.vjp(
         lambda w, h: jnp.einsum("bse,ev->bsv", h, w, preferred_element_type=jnp.float32),
         head, h)
-    logits = stages.constrain(logits, ("batch", "seq", "vocab"))
+    logits = constrain(logits, ("batch", "seq", "vocab"))
     top = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), AXIS)
     exp_sum = lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), AXIS)
     log_z = top + jnp.log(exp_sum)
@@ -411,9 +411,55 @@ class _Residuals:
                                             for w in which])
 
 
-def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
-                            vocab_size: int, stash_spec: PartitionSpec, layer_grad_specs: Any,
-                            shared_grad_specs: Any) -> Callable:
+@dataclass(frozen=True)
+class ByHand:
+    """What the executor's ``shard_map`` splits by hand besides ``pipe``: the batch axes whose
+    gradient sums it takes once per step (``data``, ``fsdp``), and the parameters' splits over
+    them (PartitionSpecs holding only those axes and ``pipe``). ``hooks()`` installs the
+    model's hooks for the rest of the mesh, which stays automatic."""
+
+    axes: tuple[str, ...]
+    shared_specs: Any
+    layer_specs: Any
+    hooks: Callable
+
+    def gather(self, tree: Any, specs: Any) -> Any:
+        """Each parameter whole over the axes split by hand (FSDP's gather, once per step)."""
+        def leaf(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+            for dim, axes in self._split(spec):
+                x = lax.all_gather(x, axes, axis=dim, tiled=True)
+            return x
+        return jax.tree.map(leaf, tree, specs)
+
+    def reduce(self, tree: Any, specs: Any) -> Any:
+        """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
+        where the parameter is split (FSDP), an all-reduce where it is replicated (data)."""
+        def leaf(g: jax.Array, spec: PartitionSpec) -> jax.Array:
+            scattered = set()
+            for dim, axes in self._split(spec):
+                g = lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+                scattered |= set(axes)
+            rest = tuple(a for a in self.axes if a not in scattered)
+            return lax.psum(g, rest) if rest else g
+        return jax.tree.map(leaf, tree, specs)
+
+    def total(self, x: Any) -> Any:
+        """Sums of per-device statistics (loss, MoE counts) over the batch split by hand."""
+        return jax.tree.map(lambda a: lax.psum(a, self.axes), x) if self.axes else x
+
+    def _split(self, spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+        out = []
+        for dim, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+            axes = tuple(a for a in names if a in self.axes)
+            if axes:
+                out.append((dim, axes))
+        return out
+
+
+def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
+                            v: int, vocab_size: int, stash_spec: PartitionSpec,
+                            layer_grad_specs: Any, shared_grad_specs: Any) -> Callable:
     """``(shared, layers, consts, micro, loss_scale, aux_scale) -> (loss_sum, shared_grads,
     layer_grads, aux)`` running ``program``.
 
@@ -424,34 +470,45 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, *, p: int, v: int,
     sum over chunks and microbatches of aux_loss``; ``loss_sum`` is the unscaled token-loss sum
     and ``aux`` the aux sums (layer-stacked keys over all layers, in stored order). Call under
     the mesh. ``stash_spec`` lays out the activation stashes ``[slot, batch, seq, embed]``; the
-    grad specs lay out the gradient sums (as the parameters, without ``pipe``).
+    grad specs lay out the gradient sums (as the parameters, without ``pipe``); all three for
+    the mesh left automatic inside (``by_hand``).
     """
     run_stretch = _stretch_runner(stages, p=p, v=v, vocab_size=vocab_size)
 
     def per_device(shared, layers, consts, micro, loss_scale, aux_scale):
-        env = _Env.make(stages, shared, layers, consts, micro, loss_scale, aux_scale, p=p, v=v,
-                        vocab_size=vocab_size)
-        carry = _initial_carry(env, program, stash_spec, layer_grad_specs, shared_grad_specs)
-        for stretch in program.stretches:
-            fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
-            carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (run_stretch(env, kinds, c,
-                                                                                 row), None),
-                                carry, fields)
-        return _finish(env, carry)
+        with by_hand.hooks():
+            shared = by_hand.gather(shared, by_hand.shared_specs)
+            layers = by_hand.gather(layers, by_hand.layer_specs)
+            env = _Env.make(stages, shared, layers, consts, micro, loss_scale, aux_scale, p=p,
+                            v=v, vocab_size=vocab_size)
+            carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
+                                   shared_grad_specs)
+            for stretch in program.stretches:
+                fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
+                carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (
+                    run_stretch(env, kinds, c, row), None), carry, fields)
+            loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
+        # The one reduction of the step over the batch axes split by hand. Then each stage's
+        # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
+        # is summed over pipe; the final norm's gradient is the same on every stage already.
+        shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs)
+        shared_grads = {k: lax.psum(a, AXIS) if k in ("embedding", "lm_head") else a
+                        for k, a in shared_grads.items()}
+        return (by_hand.total(loss), shared_grads,
+                by_hand.reduce(layer_grads, by_hand.layer_specs), by_hand.total(aux_sums),
+                by_hand.total(aux_layers))
 
     def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
-        def split(tree: Any) -> Any:
-            return jax.tree.map(lambda _: PartitionSpec(AXIS), tree)
-
-        layer_spec = split(layers)
         stacked_keys = {k: PartitionSpec(AXIS) for k in stages.layer_stacked}
+        rows = PartitionSpec(None, by_hand.axes or None)  # [m, B/m, ...]: the batch by hand
         loss, shared_grads, layer_grads, aux_sums, aux_layers = jax.shard_map(
             per_device,
-            in_specs=(PartitionSpec(), layer_spec, split(consts), PartitionSpec(),
+            in_specs=(by_hand.shared_specs, by_hand.layer_specs,
+                      jax.tree.map(lambda _: PartitionSpec(AXIS), consts), rows,
                       PartitionSpec(), PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(), layer_spec, PartitionSpec(),
-                       stacked_keys),
-            axis_names=frozenset({AXIS}), check_vma=False,
+            out_specs=(PartitionSpec(), by_hand.shared_specs, by_hand.layer_specs,
+                       PartitionSpec(), stacked_keys),
+            axis_names=frozenset({AXIS, *by_hand.axes}), check_vma=False,
         )(shared, layers, consts, micro, loss_scale, aux_scale)
         return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}
 
@@ -569,7 +626,7 @@ def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Calla
         table = env.piece.cut(env.table())
         entering = env.microbatch(r["embed_mb"])
         x0 = _sum_over_stages(_embed_partial(stages, table, env.piece, entering["inputs"]))
-        x0 = stages.constrain(x0, ("batch", "residual_seq", "act_embed"))
+        x0 = constrain(x0, ("batch", "residual_seq", "act_embed"))
         x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
         on = r["f_on"] == 1
         (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
@@ -614,7 +671,7 @@ def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Calla
         dx0 = _sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)))
         tokens = env.microbatch(r["eback_mb"])["inputs"]
         one_hot = (tokens[..., None] == env.piece.ids).astype(dx0.dtype)
-        one_hot = stages.constrain(one_hot, ("batch", "seq", "vocab"))
+        one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
         d_table = jnp.einsum("bsv,bse->ve", one_hot, dx0, preferred_element_type=jnp.float32)
         grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table, vocab_size)})
         return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
@@ -655,10 +712,7 @@ def _finish(env: _Env, c: _Carry) -> tuple:
 
     stages = env.stages
     layer_grads = jax.tree.map(stacked, c.layer_grads)
-    # Each stage holds its vocabulary piece of the embedding/head gradients: the sum over pipe
-    # assembles them. The final norm's gradient and the loss are the same on every stage.
-    shared_grads = {k: lax.psum(a, AXIS) if k in ("embedding", "lm_head") else a
-                    for k, a in c.shared_grads.items()}
+    shared_grads = c.shared_grads
     aux_sums = {k: lax.psum(a, AXIS) for k, a in c.aux.items() if k not in stages.layer_stacked}
     aux_layers = {k: stacked(a) for k, a in c.aux.items() if k in stages.layer_stacked}
     return c.loss, shared_grads, layer_grads, aux_sums, aux_layers
@@ -704,13 +758,13 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
     shards = int(np.prod([mesh_shape[a] for a in rules["vocab"] if a != AXIS]))
     return Stages(layers, final_norm, prepare, unprepare, dtype, cfg.model.tie_embeddings,
                   shards,
-                  constrain=activation_constrainer(rules, mesh_shape),
                   aux_loss=lambda aux: moe_loss(aux, moe),
                   layer_stacked=LAYER_STACKED if moe.enabled else ())
 
 
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
-                        dtype: Any, remat: str) -> tuple[Callable, np.ndarray | None, Program]:
+                        dtype: Any, remat: str, platform: str,
+                        ) -> tuple[Callable, np.ndarray | None, Program]:
     """The pipelined ``(params, buffers, batch, valid) -> (grads, (loss_sum, aux))`` (what
     ``jax.grad(objective, has_aux=True)`` returns without a pipeline), the stored layer order
     (None when it is the model's) and the compiled program.
@@ -723,20 +777,37 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     accum = cfg.train.grad_accum
     program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
+    # Gradients are summed over data and fsdp once per step: the executor splits those axes
+    # by hand, so inside it they look like axes of size 1. Not for a mixture of experts: its
+    # load-balance loss is a product of statistics over the whole micro-batch, which a device
+    # holding part of the batch by hand cannot compute alone.
+    hand = () if cfg.model.moe.enabled else tuple(
+        a for a in rules["batch"] if a in ("data", "fsdp") and mesh_shape[a] > 1)
+    inner = {**mesh_shape, **{a: 1 for a in hand}}
     micro_rows = cfg.train.batch_size // (accum * m)
     stash_spec = resolve_spec("pipeline stash", (None, "batch", "residual_seq", "act_embed"),
                               (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
-                              mesh_shape)
+                              inner)
 
-    def without_pipe(spec: PartitionSpec) -> PartitionSpec:
-        return PartitionSpec(*(None if entry == AXIS else entry for entry in spec))
+    def keep(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+        def entry(e: Any) -> Any:
+            names = tuple(a for a in (e if isinstance(e, tuple) else (e,) if e else ())
+                          if a in axes)
+            return names[0] if len(names) == 1 else (names or None)
+        return PartitionSpec(*(entry(e) for e in spec))
 
-    layer_grad_specs = jax.tree.map(lambda spec: PartitionSpec(None, *without_pipe(spec)),
-                                    specs["layers"],
-                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
-    shared_grad_specs = {k: s for k, s in specs.items() if k != "layers"}
+    def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
+        return jax.tree.map(lambda spec: PartitionSpec(*lead, *keep(spec, axes)), tree,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    auto = set(mesh_shape) - {AXIS, *hand}
+    shared = {k: s for k, s in specs.items() if k != "layers"}
+    by_hand = ByHand(hand, specs_of(shared, set(hand)), specs_of(specs["layers"], {AXIS, *hand}),
+                     hooks=lambda: model_hooks(cfg, inner, platform))
+    layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
+    shared_grad_specs = specs_of(shared, auto)
     stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat)
-    run = pipeline_loss_and_grads(program, stages,
+    run = pipeline_loss_and_grads(program, stages, by_hand,
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs)

@@ -39,16 +39,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import BATCH_AXES, Config, TrainConfig
-from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
+from jaxpar.config import Config, TrainConfig
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
-from jaxpar.parallel.context import context_attention, zigzag_order
-from jaxpar.parallel.expert import expert_parallel
+from jaxpar.parallel.context import zigzag_order
+from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline import Program, pipelined_gradients
 from jaxpar.parallel.rules import (
-    activation_constrainer,
     logical_rules,
     named_shardings,
     param_logical_axes,
@@ -206,23 +204,18 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     batch_spec = resolve_spec("batch", ("batch", "seq"), (cfg.train.batch_size,
                                                           cfg.train.seq_len), rules, mesh_shape)
     batch_sharding = NamedSharding(mesh, batch_spec)
-    constrain = activation_constrainer(rules, mesh_shape)
+    platform = mesh.devices.flat[0].platform
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
     n_context, zigzag = cfg.mesh.context, cfg.parallel.zigzag
     seq_order = (zigzag_order(cfg.train.seq_len, n_context) if n_context > 1 and zigzag
                  else np.arange(cfg.train.seq_len))
-    batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
-    attention = (context_attention(cfg.parallel.context_impl, n_context, zigzag, batch_axes)
-                 if n_context > 1 else None)
     moe = cfg.model.moe
-    # MoE layers route each device's own tokens (and exchange them over `expert`): without the
-    # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
-    split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
-    experts = (expert_parallel(mesh_shape, rules, platform=mesh.devices.flat[0].platform)
-               if moe.enabled and split_axes else None)
+    # Built now, so that a layout the expert hook cannot run is an error before any trace.
+    model_hooks(cfg, mesh_shape, platform).close()
 
     pipelined, layer_order, program = (
-        pipelined_gradients(cfg, graphdef, specs, logical_axes, dtype=dtype, remat=remat)
+        pipelined_gradients(cfg, graphdef, specs, logical_axes, dtype=dtype, remat=remat,
+                            platform=platform)
         if cfg.mesh.pipe > 1 else (None, None, None))
 
     def init() -> TrainState:
@@ -247,7 +240,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
         batch = dict(batch, positions=positions)
         grad_fn = pipelined or jax.grad(objective, has_aux=True)
-        with activation_sharding(constrain), use_attention(attention), use_experts(experts):
+        with model_hooks(cfg, mesh_shape, platform):
             if accum == 1:
                 grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
             else:

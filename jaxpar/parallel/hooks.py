@@ -1,0 +1,40 @@
+"""The parallel layout's hooks into the model, installed for one trace.
+
+The model names logical axes and calls three hooks (:mod:`jaxpar.model.annotate`): activation
+constraints, attention (ring or all-gather attention over ``context``), and the experts'
+dispatch (all-to-all over ``expert``). This module builds all three for a mesh shape. The train
+step installs them for the whole mesh; the pipeline executor installs them again inside its
+``shard_map`` for the mesh that stays automatic there (the axes it handles by hand counted as 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+from jaxpar.config import BATCH_AXES, Config
+from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
+from jaxpar.parallel.context import context_attention
+from jaxpar.parallel.expert import expert_parallel
+from jaxpar.parallel.rules import activation_constrainer, logical_rules
+
+
+def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
+                ) -> contextlib.ExitStack:
+    """A context manager installing the constraint, attention and expert hooks for a mesh of
+    ``mesh_shape`` (axes of size 1 split nothing and are left out)."""
+    rules = logical_rules(cfg)
+    n_context = mesh_shape["context"]
+    batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
+    attention = (context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
+                                   batch_axes) if n_context > 1 else None)
+    # MoE layers route each device's own tokens (and exchange them over `expert`): without the
+    # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
+    split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
+    experts = (expert_parallel(mesh_shape, rules, platform=platform)
+               if cfg.model.moe.enabled and split_axes else None)
+    stack = contextlib.ExitStack()
+    stack.enter_context(activation_sharding(activation_constrainer(rules, mesh_shape)))
+    stack.enter_context(use_attention(attention))
+    stack.enter_context(use_experts(experts))
+    return stack
