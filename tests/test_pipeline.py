@@ -222,11 +222,11 @@ def test_compiled_matmul_flops_are_the_executed_work_factor_times_the_one_device
     assert 0.95 * factor <= ratio <= bound * factor, (ratio, factor)
 
 
-def reduction_rows(m: int) -> dict:
+def reduction_rows(m: int, accum: int = 1) -> dict:
     """Per-step bytes of the collectives over data or fsdp of a pipe=2 data=2 fsdp=2 step."""
     result = run_layout(("mesh.pipe=2", "mesh.data=2", "mesh.fsdp=2", "model.n_layers=4",
-                         f"train.microbatches={m}", "train.batch_size=32",
-                         "parallel.pipeline_schedule=1f1b"))
+                         f"train.microbatches={m}", f"train.batch_size={32 * accum}",
+                         f"train.grad_accum={accum}", "parallel.pipeline_schedule=1f1b"))
     rows = {}
     for c in result["collectives"]:
         if c.axes in (("data",), ("fsdp",)):
@@ -235,8 +235,9 @@ def reduction_rows(m: int) -> dict:
 
 
 def test_gradients_are_reduced_over_data_and_fsdp_once_per_step_whatever_the_microbatches():
-    four, eight = reduction_rows(4), reduction_rows(8)
+    four, eight, accumulated = reduction_rows(4), reduction_rows(8), reduction_rows(4, accum=4)
     assert four["rows"] == eight["rows"], (four["rows"], eight["rows"])
+    assert four["rows"] == accumulated["rows"], (four["rows"], accumulated["rows"])
     # The bytes of the gradients once: all-reduced over data at their stored (1/fsdp) size,
     # reduce-scattered over fsdp from their whole size, and the weights gathered once.
     leaves = jax.tree.leaves(four["state"].params)

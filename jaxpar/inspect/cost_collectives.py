@@ -159,10 +159,10 @@ class Ledger:
         return tuple(a for a in ("data", "fsdp") if st.mesh[a] > 1)
 
     def runs_over(self, axes: tuple[str, ...]) -> int:
-        """Gradient reductions per step over ``axes``: once per micro-step where the executor
-        sums by hand, else ``grad_runs``."""
+        """Gradient reductions per step over ``axes``: once per step where the executor sums by
+        hand (over all its micro-steps), else ``grad_runs``."""
         live = tuple(a for a in axes if self.st.mesh[a] > 1)
-        return self.st.accum if live and set(live) <= set(self.by_hand) else self.grad_runs
+        return 1 if live and set(live) <= set(self.by_hand) else self.grad_runs
 
     @property
     def layer(self) -> list[ParamCost]:
@@ -202,7 +202,9 @@ class Ledger:
         layers = sum(size(p) for p in group if p.stacked)
         shared = sum(size(p) for p in group if not p.stacked)
         st = self.st
-        if st.pipeline is None or by_hand:
+        if by_hand:  # the pipeline executor: once per step
+            return layers + shared
+        if st.pipeline is None:
             return st.accum * (layers + shared)
         forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
         tied = st.cfg.model.tie_embeddings
@@ -230,8 +232,8 @@ def fsdp_collectives(c: Ledger) -> None:
     # remat=none keeps each layer's gathered weights for the backward pass; remat gathers
     # them again there.
     passes, runs = (1 if cfg.train.remat == "none" else 2) * c.forwards, st.runs
-    if "fsdp" in c.by_hand:  # the executor gathers a stage's weights once per micro-step
-        passes, runs = 1, st.accum / st.layers
+    if "fsdp" in c.by_hand:  # the executor gathers a stage's weights once per step
+        passes, runs = 1, 1 / st.layers
     elif st.pipeline is not None:
         # A stage's weights do not change within a stretch of steps: XLA hoists their gathers
         # out of the stretch's loop (an upper bound: how many survive is its choice).

@@ -43,9 +43,10 @@ def pipeline_collectives(c: Ledger) -> None:
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
     whole = st.sent * (st.t if st.sp else 1)  # all-reduced activations are not scattered
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head")]
-    c.add("all-reduce", ("pipe",), g * (4 * forward + backward + len(vocab)),
-          g * ((3 * forward + backward) * whole + 3 * forward * st.b * st.sl * 4
-               + sum(p.bytes_per_device for p in vocab)),
+    sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
+    c.add("all-reduce", ("pipe",), g * (4 * forward + backward) + sums * len(vocab),
+          g * ((3 * forward + backward) * whole + 3 * forward * st.b * st.sl * 4)
+          + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding, last output and head gradient (forward steps), chunk 0's "
           "input gradient (backward steps), vocabulary-piece gradients", True)
 

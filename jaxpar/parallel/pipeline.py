@@ -51,6 +51,7 @@ are stored replicated over ``pipe``; each stage reads its vocabulary piece of th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -465,13 +466,15 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
 
     ``layers``: the stacked layer parameters ``[n_layers, ...]``, sharded over ``pipe`` on their
     first dimension, and ``consts`` the stacked non-trained state beside them; ``shared``: the
-    other parameters (replicated over ``pipe``); ``micro``: ``[m, B/m, ...]`` arrays of the
-    microbatches. The gradients are those of ``loss_scale * sum(token losses) + aux_scale *
-    sum over chunks and microbatches of aux_loss``; ``loss_sum`` is the unscaled token-loss sum
-    and ``aux`` the aux sums (layer-stacked keys over all layers, in stored order). Call under
-    the mesh. ``stash_spec`` lays out the activation stashes ``[slot, batch, seq, embed]``; the
-    grad specs lay out the gradient sums (as the parameters, without ``pipe``); all three for
-    the mesh left automatic inside (``by_hand``).
+    other parameters (replicated over ``pipe``); ``micro``: ``[accum, m, rows, ...]`` arrays of
+    the microbatches of each micro-step (the schedule runs once per micro-step; the gradient
+    sums over all of them are reduced once). The gradients are those of
+    ``loss_scale * sum(token losses) + aux_scale * sum over chunks and microbatches of
+    aux_loss``; ``loss_sum`` is the unscaled token-loss sum and ``aux`` the aux sums
+    (layer-stacked keys over all layers, in stored order). Call under the mesh.
+    ``stash_spec`` lays out the activation stashes ``[slot, batch, seq, embed]``; the grad specs
+    lay out the gradient sums (as the parameters, without ``pipe``); all three for the mesh left
+    automatic inside (``by_hand``).
     """
     run_stretch = _stretch_runner(stages, p=p, v=v, vocab_size=vocab_size)
 
@@ -479,14 +482,23 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
         with by_hand.hooks():
             shared = by_hand.gather(shared, by_hand.shared_specs)
             layers = by_hand.gather(layers, by_hand.layer_specs)
-            env = _Env.make(stages, shared, layers, consts, micro, loss_scale, aux_scale, p=p,
+            first = jax.tree.map(lambda a: a[0], micro)
+            env = _Env.make(stages, shared, layers, consts, first, loss_scale, aux_scale, p=p,
                             v=v, vocab_size=vocab_size)
+
+            def micro_step(carry: _Carry, microbatches: Any) -> tuple[_Carry, None]:
+                # One pass of the schedule over one micro-step's microbatches; the gradient
+                # sums carry on from the previous micro-step (train.grad_accum).
+                step_env = dataclasses.replace(env, micro=microbatches)
+                for stretch in program.stretches:
+                    fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
+                    carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (
+                        run_stretch(step_env, kinds, c, row), None), carry, fields)
+                return carry, None
+
             carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
                                    shared_grad_specs)
-            for stretch in program.stretches:
-                fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
-                carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (
-                    run_stretch(env, kinds, c, row), None), carry, fields)
+            carry, _ = lax.scan(micro_step, carry, micro)
             loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
         # The one reduction of the step over the batch axes split by hand. Then each stage's
         # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
@@ -500,7 +512,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
 
     def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
         stacked_keys = {k: PartitionSpec(AXIS) for k in stages.layer_stacked}
-        rows = PartitionSpec(None, by_hand.axes or None)  # [m, B/m, ...]: the batch by hand
+        # [micro-steps, m, B/(accum m), ...]: the batch rows split by hand
+        rows = PartitionSpec(None, None, by_hand.axes or None)
         loss, shared_grads, layer_grads, aux_sums, aux_layers = jax.shard_map(
             per_device,
             in_specs=(by_hand.shared_specs, by_hand.layer_specs,
@@ -815,9 +828,11 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     def grad_fn(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
         shared = {k: a for k, a in params.items() if k != "layers"}
         aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
+        # [accum, m, B/(accum m), ...]: micro-steps as train.grad_accum cuts them, each cut into
+        # the pipeline's microbatches.
+        micro = jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
         loss_sum, shared_grads, layer_grads, aux = run(
-            shared, params["layers"], buffers.get("layers", {}), split_micro_steps(batch, m),
-            1.0 / valid, aux_scale)
+            shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid, aux_scale)
         return {**shared_grads, "layers": layer_grads}, (loss_sum, aux)
 
     order = stage_layer_order(cfg.model.n_layers, p, v)

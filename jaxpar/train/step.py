@@ -241,7 +241,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         batch = dict(batch, positions=positions)
         grad_fn = pipelined or jax.grad(objective, has_aux=True)
         with model_hooks(cfg, mesh_shape, platform):
-            if accum == 1:
+            # The pipeline runs its micro-steps itself, reducing the gradients once.
+            if accum == 1 or pipelined is not None:
                 grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
             else:
                 def micro_step(carry, micro_batch):
