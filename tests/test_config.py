@@ -46,6 +46,12 @@ def _assert_mentions(message: str, *needles: str) -> None:
         assert needle in message, f"{needle!r} missing from {message!r}"
 
 
+def _moe(override: str, *more: str) -> tuple[list[str], list[str]]:
+    """A case on a model with experts on (MOE), so that the MoE checks run; the message names
+    the override and ``more``."""
+    return [MOE, override], [override, *more]
+
+
 # --------------------------------------------------------------------------------------------
 # Every config error: (overrides on the `tiny` preset, strings the one-line message must contain).
 
@@ -132,31 +138,25 @@ ERROR_CASES = {
     # train.resume: auto, never, a step number or a path (checked when the run starts).
     "resume-bool": (["train.resume=true"], ["train.resume", "auto, never, a step number"]),
     "resume-empty": (["train.resume="], ["train.resume", "auto, never"]),
-    "on-nonfinite-choice": (["train.on_nonfinite=ignore"],
-                            ["train.on_nonfinite", "skip, stop"]),
+    "on-nonfinite-choice": (["train.on_nonfinite=ignore"], ["train.on_nonfinite", "skip, stop"]),
     "microbatches-need-pipe": (["train.microbatches=2"],
                                ["train.microbatches=2", "needs mesh.pipe > 1"]),
     # Mixture of experts (MOE turns the experts on, so that the MoE checks run).
     "moe-negative-experts": (["model.moe.num_experts=-1"], ["model.moe.num_experts=-1", ">= 0"]),
-    "moe-top-k-over-experts": ([MOE, "model.moe.top_k=5"],
-                               ["model.moe.top_k=5", "[1, model.moe.num_experts=4]"]),
-    "moe-top-k-zero": ([MOE, "model.moe.top_k=0"],
-                       ["model.moe.top_k=0", "[1, model.moe.num_experts=4]"]),
-    "moe-every-zero": ([MOE, "model.moe.every=0"], ["model.moe.every=0", ">= 1"]),
-    "moe-every-not-dividing-layers": ([MOE, "model.moe.every=3"],
-                                      ["model.n_layers=2", "model.moe.every=3", "groups"]),
+    "moe-top-k-over-experts": _moe("model.moe.top_k=5", "[1, model.moe.num_experts=4]"),
+    "moe-top-k-zero": _moe("model.moe.top_k=0", "[1, model.moe.num_experts=4]"),
+    "moe-every-zero": _moe("model.moe.every=0", ">= 1"),
+    "moe-every-not-dividing-layers": _moe("model.moe.every=3", "model.n_layers=2", "groups"),
     "moe-bad-dispatch": (["model.moe.dispatch=ragged"],
                          ["model.moe.dispatch", "dropless, dropping"]),
     "moe-bad-router": (["model.moe.router=sigmoid"], ["model.moe.router", "softmax, sigmoid_bias"]),
     "moe-capacity-zero": ([MOE, "model.moe.capacity_factor=0"],
                           ["model.moe.capacity_factor=0.0", "> 0"]),
-    "moe-negative-aux-weight": ([MOE, "model.moe.aux_loss_weight=-0.1"],
-                                ["model.moe.aux_loss_weight=-0.1", ">= 0"]),
+    "moe-negative-aux-weight": _moe("model.moe.aux_loss_weight=-0.1", ">= 0"),
     "moe-negative-bias-rate": ([MOE, "model.moe.bias_update_rate=-1"],
                                ["model.moe.bias_update_rate=-1.0", ">= 0"]),
-    "moe-negative-shared": ([MOE, "model.moe.num_shared_experts=-1"],
-                            ["model.moe.num_shared_experts=-1", ">= 0"]),
-    "moe-d-ff-expert-zero": ([MOE, "model.moe.d_ff_expert=0"], ["model.moe.d_ff_expert=0", ">= 1"]),
+    "moe-negative-shared": _moe("model.moe.num_shared_experts=-1", ">= 0"),
+    "moe-d-ff-expert-zero": _moe("model.moe.d_ff_expert=0", ">= 1"),
     "moe-experts-not-divisible-by-expert-axis": (
         ["mesh.data=2", "mesh.expert=4", "model.moe.num_experts=6"],
         ["model.moe.num_experts=6", "mesh.expert=4"]),

@@ -14,7 +14,7 @@ import pytest
 from helpers import compiled_temp_bytes, run_jaxpar
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.parallel.pipeline import compile_program, executed_kinds
+from jaxpar.parallel.pipeline_program import compile_program, executed_kinds
 from jaxpar.parallel.pipeline_schedules import (
     peak_in_flight,
     schedule_steps,

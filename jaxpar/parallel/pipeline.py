@@ -52,304 +52,36 @@ are stored replicated over ``pipe``; each stage reads its vocabulary piece of th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.model.annotate import constrain, use_prepared_weights
-from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
-from jaxpar.model.moe import LAYER_STACKED, moe_loss
+from jaxpar.model.annotate import constrain
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
-from jaxpar.parallel.pipeline_schedules import (
-    Step,
-    bubble_fraction,
-    schedule_steps,
-    stage_layer_order,
-    stage_of,
-    table_of,
+from jaxpar.parallel.pipeline_program import Program, compile_program, describe
+from jaxpar.parallel.pipeline_schedules import schedule_steps, stage_layer_order
+from jaxpar.parallel.pipeline_stages import (
+    PIPE_AXIS,
+    Stages,
+    VocabPiece,
+    embed_partial,
+    head_and_loss,
+    model_stages,
+    sum_over_stages,
+    vocab_piece,
 )
 from jaxpar.parallel.rules import logical_rules, resolve_spec
 
-AXIS = "pipe"
-
-# Per (step, stage) integers the executor reads; "trash" slot indices where there is no work.
-FIELDS = (
-    "f_on", "f_mb", "f_chunk", "f_first", "f_in", "f_res",  # forward slot
-    "b_on", "b_chunk", "b_first", "b_res", "b_grad",  # backward slot (B or I)
-    "w_on", "w_chunk", "w_res", "w_grad",  # weight-gradient slot (W)
-    "embed_mb", "head_on", "head_mb", "head_last", "head_dy",  # shared work of the step
-    "eback_on", "eback_mb",
-    "recv_act", "recv_grad",  # where what arrives at the end of the step is stored
-)
-
-
-# --------------------------------------------------------------------------------------------
-# From steps to arrays
-
-
-class _Slots:
-    """Per-stage free lists of one stash: the lowest free slot is handed out first."""
-
-    def __init__(self, p: int):
-        self.held: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]
-        self.peak = 0
-
-    def take(self, stage: int, key: tuple[int, int]) -> int:
-        used = set(self.held[stage].values())
-        slot = next(i for i in range(len(used) + 1) if i not in used)
-        self.held[stage][key] = slot
-        self.peak = max(self.peak, slot + 1)
-        return slot
-
-    def find(self, stage: int, key: tuple[int, int]) -> int:
-        return self.held[stage][key]
-
-    def free(self, stage: int, key: tuple[int, int]) -> None:
-        del self.held[stage][key]
-
-
-@dataclass(frozen=True)
-class Stretch:
-    """Consecutive steps of one kind: ``fields[name]`` is int32 ``[steps, stages]``."""
-
-    kinds: tuple[str, ...]
-    fields: dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class Program:
-    """A schedule compiled for the executor: its stretches and the size of each stash (the
-    spare slot that masked writes go to is index ``size``)."""
-
-    stretches: tuple[Stretch, ...]
-    act_slots: int  # activations that arrived and wait for their forward
-    res_slots: int  # forward residuals that wait for their backward
-    grad_slots: int  # output gradients that wait for their backward
-
-    @property
-    def steps(self) -> int:
-        return sum(len(s.fields["f_on"]) for s in self.stretches)
-
-
-def executed_kinds(step: Step) -> tuple[str, ...]:
-    """The slots the executor runs for ``step``: its kinds, except that an I and a W of the
-    same (microbatch, chunk) on every stage run as one B (the same arithmetic in one backward
-    pass; computed apart, W would redo the input-gradient chain through the chunk's layers)."""
-    if "I" in step.kinds and "W" in step.kinds and all(
-            (a.get("I") is None) == (a.get("W") is None)
-            and (a.get("I") is None or a["I"].mb == a["W"].mb and a["I"].chunk == a["W"].chunk)
-            for a in step.actions):
-        return tuple(k for k in step.kinds if k not in ("I", "W")) + ("B",)
-    return step.kinds
-
-
-def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
-                ) -> tuple[list, list]:
-    """Fill row ``t`` of ``f`` for ``step``; return the slots it frees and what it sends."""
-    acts, res, grads = pools["act"], pools["res"], pools["grad"]
-    frees, sends = [], []
-    p = len(step.actions)
-    fused = "B" in executed_kinds(step) and "B" not in step.kinds
-    for s, slots in enumerate(step.actions):
-        if fused and "I" in slots:  # run as one B (executed_kinds)
-            slots = {**{k: a for k, a in slots.items() if k not in ("I", "W")},
-                     "B": slots["I"]}
-        if (a := slots.get("F")) is not None:
-            key, first, last = (a.mb, a.chunk), a.chunk == 0, a.chunk == n_chunks - 1
-            f["f_on"][t, s], f["f_mb"][t, s], f["f_chunk"][t, s] = 1, a.mb, a.chunk // p
-            f["f_first"][t, s] = first
-            if not first:
-                f["f_in"][t, s] = acts.find(s, key)
-                frees.append((acts, s, key))
-            f["f_res"][t, s] = res.take(s, key)
-            if first:
-                f["embed_mb"][t, :] = a.mb
-            if last:  # the head runs on every stage; its output gradient is kept here
-                f["head_on"][t, :], f["head_mb"][t, :], f["head_last"][t, s] = 1, a.mb, 1
-                f["head_dy"][t, s] = grads.take(s, key)
-            else:
-                sends.append((acts, "recv_act", a.mb, a.chunk + 1))
-        for kind, prefix in (("B", "b"), ("I", "b"), ("W", "w")):
-            if (a := slots.get(kind)) is None:
-                continue
-            key = (a.mb, a.chunk)
-            f[f"{prefix}_on"][t, s], f[f"{prefix}_chunk"][t, s] = 1, a.chunk // p
-            f[f"{prefix}_res"][t, s], f[f"{prefix}_grad"][t, s] = (res.find(s, key),
-                                                                   grads.find(s, key))
-            if kind in ("B", "I"):
-                f["b_first"][t, s] = a.chunk == 0
-                if a.chunk == 0:  # every stage adds to the embedding's gradient
-                    f["eback_on"][t, :], f["eback_mb"][t, :] = 1, a.mb
-                else:
-                    sends.append((grads, "recv_grad", a.mb, a.chunk - 1))
-            if kind in ("B", "W"):
-                frees += [(res, s, key), (grads, s, key)]
-    return frees, sends
-
-
-def compile_program(steps: Sequence[Step], p: int, v: int = 1) -> Program:
-    """The arrays the executor indexes, step by step, grouped into stretches.
-
-    A slot read in a step is freed at its end; what arrives at the end of a step then takes
-    the lowest free slot on its receiver. Residual slots are taken by the forward slot, which
-    runs before the step's backward slot frees any, so a slot is never overwritten while read.
-    """
-    n_chunks = v * p
-    f = {name: np.full((len(steps), p), -1, np.int32) for name in FIELDS}
-    for name in ("f_on", "f_first", "b_on", "b_first", "w_on", "head_on", "head_last",
-                 "f_mb", "f_chunk", "b_chunk", "w_chunk", "embed_mb", "head_mb", "eback_on",
-                 "eback_mb"):
-        f[name][:] = 0
-    pools = {"act": _Slots(p), "res": _Slots(p), "grad": _Slots(p)}
-    for t, step in enumerate(steps):
-        frees, sends = _place_step(t, step, n_chunks, f, pools)
-        for pool, s, key in frees:
-            pool.free(s, key)
-        for pool, name, mb, chunk in sends:
-            receiver = stage_of(chunk, p)
-            f[name][t, receiver] = pool.take(receiver, (mb, chunk))
-    sizes = {name: pool.peak for name, pool in pools.items()}
-    # -1 (no slot) reads and writes the spare slot at the end of each stash.
-    spare = {"f_in": "act", "recv_act": "act", "f_res": "res", "b_res": "res", "w_res": "res",
-             "b_grad": "grad", "w_grad": "grad", "head_dy": "grad", "recv_grad": "grad"}
-    for name, pool in spare.items():
-        f[name][f[name] < 0] = sizes[pool]
-    stretches, start = [], 0
-    for t in range(1, len(steps) + 1):
-        if t == len(steps) or executed_kinds(steps[t]) != executed_kinds(steps[start]):
-            stretches.append(Stretch(executed_kinds(steps[start]),
-                                     {k: a[start:t] for k, a in f.items()}))
-            start = t
-    return Program(tuple(stretches), sizes["act"], sizes["res"], sizes["grad"])
-
-
-def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
-    """What ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report about a run's
-    schedule: the executed timeline's ticks and bubble (masked slots count as idle), the
-    executed-work factor (ticks a stage runs / ticks of useful work = 1 / (1 - bubble)), and the
-    stash sizes of the busiest stage (spare slot not counted)."""
-    steps = schedule_steps(name, p, m, v)
-    table = table_of(steps)
-    program = compile_program(steps, p, v)
-    bubble = bubble_fraction(table)
-    return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
-            "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
-            "executed_work_factor": float(1 / (1 - bubble)),
-            "stretches": ["+".join(s.kinds) for s in program.stretches],
-            "forward_steps": sum("F" in s.kinds for s in steps),
-            "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in steps),
-            "activation_slots": program.act_slots, "residual_slots": program.res_slots,
-            "gradient_slots": program.grad_slots}
-
-
-# --------------------------------------------------------------------------------------------
-# What a stage computes
-
-
-@dataclass(frozen=True)
-class Stages:
-    """The model, cut for the executor (``mb``: one microbatch's arrays).
-
-    ``layers(shared, layers, consts, x, mb) -> (y, aux)`` runs one chunk's layers (``shared``:
-    the parameters outside the stack; ``consts``: the chunk's slice of non-trained per-layer
-    state, the MoE router biases); ``final_norm(shared, x)``
-    the norm before the head. ``aux`` (``{}`` for a dense model) holds the chunk's MoE
-    statistics, summed over its layers except the ``layer_stacked`` keys, one row per layer;
-    ``aux_loss(aux)`` is the term it adds to the objective. ``vocab_shards``: how many ways the
-    axes of ``vocab`` other than ``pipe`` split the vocabulary. ``layers`` reads weights as
-    ``prepare`` left them (cast to the compute dtype, FSDP-gathered), so the residuals a
-    forward saves hold the very arrays passed in, which the stash leaves out.
-    """
-
-    layers: Callable
-    final_norm: Callable
-    prepare: Callable  # chunks [v, layers/v, ...] -> cast and laid out for use, once per step
-    unprepare: Callable  # one chunk's gradient w.r.t. its prepared weights -> stored layout
-    dtype: Any
-    tied_embeddings: bool
-    vocab_shards: int
-    aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
-    layer_stacked: tuple[str, ...] = ()
-
-
-class VocabPiece(NamedTuple):
-    """Stage ``s``'s piece of the vocabulary: ``ids`` [V/p] (global token ids, in the order
-    of the piece) and ``rows``, how to cut a ``[V, ...]`` array into pieces."""
-
-    ids: jax.Array
-    stage: jax.Array
-    shards: int
-    p: int
-
-    def cut(self, table: jax.Array) -> jax.Array:
-        """``table`` [V, ...] -> this stage's rows [V/p, ...]. Each of the ``shards`` blocks that
-        already split V (over ``tensor``) gives its own sub-block, so no row leaves its device."""
-        v = table.shape[0]
-        blocks = table.reshape(self.shards, self.p, v // (self.shards * self.p),
-                               *table.shape[1:])
-        piece = lax.dynamic_index_in_dim(blocks, self.stage, axis=1, keepdims=False)
-        return piece.reshape(v // self.p, *table.shape[1:])
-
-    def uncut(self, piece: jax.Array, v: int) -> jax.Array:
-        """The inverse of :meth:`cut`, zeros elsewhere: [V/p, ...] -> [V, ...]."""
-        blocks = jnp.zeros((self.shards, self.p, v // (self.shards * self.p),
-                            *piece.shape[1:]), piece.dtype)
-        blocks = lax.dynamic_update_index_in_dim(
-            blocks, piece.reshape(self.shards, 1, -1, *piece.shape[1:]), self.stage, axis=1)
-        return blocks.reshape(v, *piece.shape[1:])
-
-
-def vocab_piece(vocab_size: int, shards: int, p: int, stage: jax.Array) -> VocabPiece:
-    block = vocab_size // (shards * p)
-    ids = (jnp.arange(shards)[:, None] * (vocab_size // shards) + stage * block
-           + jnp.arange(block)[None, :]).reshape(-1)
-    return VocabPiece(ids.astype(jnp.int32), stage, shards, p)
-
-
-def _embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: jax.Array,
-                   ) -> jax.Array:
-    """This stage's share of the embeddings of ``tokens``: one-hot over its vocab piece times
-    its rows of the table (the stages' shares add up over ``pipe``)."""
-    one_hot = (tokens[..., None] == piece.ids).astype(stages.dtype)
-    one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
-    return jnp.einsum("bsv,ve->bse", one_hot, table)
-
-
-def _head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
-                   y: jax.Array, mb: dict, loss_scale: jax.Array) -> tuple:
-    """Summed token loss of output ``y`` (the same on every stage), its gradient w.r.t. ``y``,
-    and this stage's head-piece and final-norm gradients, with ``loss_scale`` per token.
-
-    Cross entropy over a vocabulary split ``p`` ways: log-sum-exp from the pieces' maxima and
-    sums (``pmax``/``psum`` of ``[B, S]``), the target logit from the piece holding it. Its
-    gradient w.r.t. the piece's logits is ``softmax - one_hot``, local to each piece.
-    """
-    h, norm_vjp = jax.vjp(stages.final_norm, shared, y)
-    logits, logits_vjp = jax.vjp(
-        lambda w, h: jnp.einsum("bse,ev->bsv", h, w, preferred_element_type=jnp.float32),
-        head, h)
-    logits = constrain(logits, ("batch", "seq", "vocab"))
-    top = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), AXIS)
-    exp_sum = lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), AXIS)
-    log_z = top + jnp.log(exp_sum)
-    is_target = piece.ids == mb["targets"][..., None]
-    target = lax.psum(jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), AXIS)
-    loss = jnp.sum((log_z - target) * mb["mask"])
-    d_logits = (jnp.exp(logits - log_z[..., None]) - is_target) * (mb["mask"] * loss_scale
-                                                                  )[..., None]
-    d_head, d_h = logits_vjp(d_logits)
-    d_shared, d_y = norm_vjp(_sum_over_stages(d_h).astype(h.dtype))
-    return loss, d_y, d_head, d_shared
-
+__all__ = ["ByHand", "Program", "compile_program", "describe", "pipeline_loss_and_grads",
+           "pipelined_gradients"]
 
 # --------------------------------------------------------------------------------------------
 # The executor
@@ -363,12 +95,6 @@ class _Carry(NamedTuple):
     shared_grads: Any  # embedding/head (pieces, summed over pipe at the end) and final norm
     loss: jax.Array  # float32: summed token loss (the same on every stage)
     aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
-
-
-def _sum_over_stages(x: jax.Array) -> jax.Array:
-    """``psum`` over ``pipe`` in float32, returned in ``x``'s dtype. (The pieces of a sum add
-    without bf16 round-off; and XLA:CPU 0.10 aborts on this program's bf16 all-reduces.)"""
-    return lax.psum(x.astype(jnp.float32), AXIS).astype(x.dtype)
 
 
 def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -476,7 +202,6 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     lay out the gradient sums (as the parameters, without ``pipe``); all three for the mesh left
     automatic inside (``by_hand``).
     """
-    run_stretch = _stretch_runner(stages, p=p, v=v, vocab_size=vocab_size)
 
     def per_device(shared, layers, consts, micro, loss_scale, aux_scale):
         with by_hand.hooks():
@@ -493,7 +218,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                 for stretch in program.stretches:
                     fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
                     carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (
-                        run_stretch(step_env, kinds, c, row), None), carry, fields)
+                        _run_step(step_env, kinds, c, row), None), carry, fields)
                 return carry, None
 
             carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
@@ -504,24 +229,24 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
         # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
         # is summed over pipe; the final norm's gradient is the same on every stage already.
         shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs)
-        shared_grads = {k: lax.psum(a, AXIS) if k in ("embedding", "lm_head") else a
+        shared_grads = {k: lax.psum(a, PIPE_AXIS) if k in ("embedding", "lm_head") else a
                         for k, a in shared_grads.items()}
         return (by_hand.total(loss), shared_grads,
                 by_hand.reduce(layer_grads, by_hand.layer_specs), by_hand.total(aux_sums),
                 by_hand.total(aux_layers))
 
     def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
-        stacked_keys = {k: PartitionSpec(AXIS) for k in stages.layer_stacked}
+        stacked_keys = {k: PartitionSpec(PIPE_AXIS) for k in stages.layer_stacked}
         # [micro-steps, m, B/(accum m), ...]: the batch rows split by hand
         rows = PartitionSpec(None, None, by_hand.axes or None)
         loss, shared_grads, layer_grads, aux_sums, aux_layers = jax.shard_map(
             per_device,
             in_specs=(by_hand.shared_specs, by_hand.layer_specs,
-                      jax.tree.map(lambda _: PartitionSpec(AXIS), consts), rows,
+                      jax.tree.map(lambda _: PartitionSpec(PIPE_AXIS), consts), rows,
                       PartitionSpec(), PartitionSpec()),
             out_specs=(PartitionSpec(), by_hand.shared_specs, by_hand.layer_specs,
                        PartitionSpec(), stacked_keys),
-            axis_names=frozenset({AXIS, *by_hand.axes}), check_vma=False,
+            axis_names=frozenset({PIPE_AXIS, *by_hand.axes}), check_vma=False,
         )(shared, layers, consts, micro, loss_scale, aux_scale)
         return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}
 
@@ -553,14 +278,14 @@ class _Env:
         def by_chunk(tree):
             return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
 
-        stage = lax.axis_index(AXIS)
+        stage = lax.axis_index(PIPE_AXIS)
         env = _Env(stages, stage, shared, stages.prepare(by_chunk(layers)), by_chunk(consts),
                    micro,
                    vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
                    aux_scale, _Residuals(), None, None, None)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
-        env.act = jax.eval_shape(lambda: _embed_partial(stages, table, env.piece,
+        env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
                                                         first["inputs"]))
         x = jnp.zeros(env.act.shape, env.act.dtype)
         # Traced with a traced chunk index, as the steps will be, so the residuals match.
@@ -622,95 +347,96 @@ def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
                   jnp.zeros((), jnp.float32), aux0)
 
 
-def _stretch_runner(stages: Stages, *, p: int, v: int, vocab_size: int) -> Callable:
-    """``(env, kinds, carry, row) -> carry``: one step of a stretch of ``kinds`` (the scan
-    body). ``row`` holds every field for every stage; each device reads its own column."""
-    forward_ring = [(s, (s + 1) % p) for s in range(p)]
-    backward_ring = [(s, (s - 1) % p) for s in range(p)]
+def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
+    out = {}
+    for k, a in aux.items():
+        a = jnp.where(on, a, jnp.zeros_like(a))
+        out[k] = total[k].at[j].add(a) if k in env.stages.layer_stacked else total[k] + a
+    return out
 
-    def add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
-        out = {}
-        for k, a in aux.items():
-            a = jnp.where(on, a, jnp.zeros_like(a))
-            out[k] = total[k].at[j].add(a) if k in stages.layer_stacked else total[k] + a
-        return out
 
-    def forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array]:
-        table = env.piece.cut(env.table())
-        entering = env.microbatch(r["embed_mb"])
-        x0 = _sum_over_stages(_embed_partial(stages, table, env.piece, entering["inputs"]))
-        x0 = constrain(x0, ("batch", "residual_seq", "act_embed"))
-        x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
-        on = r["f_on"] == 1
-        (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
-        c = c._replace(res=[_put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
-                                                                               strict=True)],
-                       aux=add_aux(env, c.aux, aux, r["f_chunk"], on))
-        return c, y
+def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array]:
+    table = env.piece.cut(env.table())
+    entering = env.microbatch(r["embed_mb"])
+    x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]))
+    x0 = constrain(x0, ("batch", "residual_seq", "act_embed"))
+    x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
+    on = r["f_on"] == 1
+    (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
+    c = c._replace(res=[_put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
+                                                                           strict=True)],
+                   aux=_add_aux(env, c.aux, aux, r["f_chunk"], on))
+    return c, y
 
-    def head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
-        on = r["head_on"] == 1
-        y_last = _sum_over_stages(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)))
-        norm_params = {k: a for k, a in env.shared.items() if k not in ("embedding", "lm_head")}
-        loss, dy, d_head, d_norm = _head_and_loss(stages, norm_params, env.head(), env.piece,
-                                                  y_last, env.microbatch(r["head_mb"]),
-                                                  env.loss_scale)
-        grads = dict(d_norm)
-        if stages.tied_embeddings:
-            grads["embedding"] = env.piece.uncut(d_head.T, vocab_size)
-        else:
-            grads["lm_head"] = env.piece.uncut(d_head.T, vocab_size).T
-        shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, grads))
-        return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
-                          grads=_put(c.grads, r["head_dy"], dy),
-                          shared_grads=shared_grads)
 
-    def backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool
-                      ) -> tuple[_Carry, jax.Array]:
-        on, j = r[f"{prefix}_on"] == 1, r[f"{prefix}_chunk"]
-        stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
-        d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
-        if weights:
-            d_layers = stages.unprepare(d_layers)
-            layer_grads = jax.tree.map(
-                lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))
-                                             .astype(acc.dtype)),
-                c.layer_grads, d_layers)
-            c = c._replace(layer_grads=layer_grads)
-        return c, dx
+def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
+    on = r["head_on"] == 1
+    y_last = sum_over_stages(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)))
+    norm_params = {k: a for k, a in env.shared.items() if k not in ("embedding", "lm_head")}
+    loss, dy, d_head, d_norm = head_and_loss(env.stages, norm_params, env.head(), env.piece,
+                                              y_last, env.microbatch(r["head_mb"]),
+                                              env.loss_scale)
+    grads = dict(d_norm)
+    if env.stages.tied_embeddings:
+        grads["embedding"] = env.piece.uncut(d_head.T)
+    else:
+        grads["lm_head"] = env.piece.uncut(d_head.T).T
+    shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, grads))
+    return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
+                      grads=_put(c.grads, r["head_dy"], dy),
+                      shared_grads=shared_grads)
 
-    def embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
-        into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
-        dx0 = _sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)))
-        tokens = env.microbatch(r["eback_mb"])["inputs"]
-        one_hot = (tokens[..., None] == env.piece.ids).astype(dx0.dtype)
-        one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
-        d_table = jnp.einsum("bsv,bse->ve", one_hot, dx0, preferred_element_type=jnp.float32)
-        grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table, vocab_size)})
-        return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
 
-    def step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry:
-        r = {k: a[env.stage] for k, a in row.items()}
-        send_fwd = send_bwd = None
-        if "F" in kinds:
-            c, y = forward_slot(env, c, r)
-            c = head_slot(env, c, r, y)
-            send_fwd = y
-        for kind in ("B", "I"):
-            if kind in kinds:
-                c, send_bwd = backward_slot(env, c, r, "b", weights=kind == "B")
-                c = embedding_backward(env, c, r, send_bwd)
-        if "W" in kinds:
-            c, _ = backward_slot(env, c, r, "w", weights=True)
-        if send_fwd is not None:
-            arrived = lax.ppermute(send_fwd, AXIS, forward_ring)
-            c = c._replace(acts=_put(c.acts, r["recv_act"], arrived))
-        if send_bwd is not None:
-            arrived = lax.ppermute(send_bwd, AXIS, backward_ring)
-            c = c._replace(grads=_put(c.grads, r["recv_grad"], arrived))
-        return c
+def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool
+                  ) -> tuple[_Carry, jax.Array]:
+    on, j = r[f"{prefix}_on"] == 1, r[f"{prefix}_chunk"]
+    stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
+    d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
+    if weights:
+        d_layers = env.stages.unprepare(d_layers)
+        layer_grads = jax.tree.map(
+            lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))
+                                         .astype(acc.dtype)),
+            c.layer_grads, d_layers)
+        c = c._replace(layer_grads=layer_grads)
+    return c, dx
 
-    return step
+
+def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
+    into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
+    dx0 = sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)))
+    tokens = env.microbatch(r["eback_mb"])["inputs"]
+    one_hot = (tokens[..., None] == env.piece.ids).astype(dx0.dtype)
+    one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
+    d_table = jnp.einsum("bsv,bse->ve", one_hot, dx0, preferred_element_type=jnp.float32)
+    grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table)})
+    return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
+
+
+def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry:
+    """One step of a stretch of ``kinds`` (the scan body): the slots in order, the head after
+    the forward, then the sends. ``row`` holds every field for every stage; each device reads
+    its own column."""
+    p = env.piece.p
+    r = {k: a[env.stage] for k, a in row.items()}
+    send_fwd = send_bwd = None
+    if "F" in kinds:
+        c, y = _forward_slot(env, c, r)
+        c = _head_slot(env, c, r, y)
+        send_fwd = y
+    for kind in ("B", "I"):
+        if kind in kinds:
+            c, send_bwd = _backward_slot(env, c, r, "b", weights=kind == "B")
+            c = _embedding_backward(env, c, r, send_bwd)
+    if "W" in kinds:
+        c, _ = _backward_slot(env, c, r, "w", weights=True)
+    if send_fwd is not None:
+        arrived = lax.ppermute(send_fwd, PIPE_AXIS, [(s, (s + 1) % p) for s in range(p)])
+        c = c._replace(acts=_put(c.acts, r["recv_act"], arrived))
+    if send_bwd is not None:
+        arrived = lax.ppermute(send_bwd, PIPE_AXIS, [(s, (s - 1) % p) for s in range(p)])
+        c = c._replace(grads=_put(c.grads, r["recv_grad"], arrived))
+    return c
 
 
 def _fill(like: dict, some: dict) -> dict:
@@ -726,53 +452,11 @@ def _finish(env: _Env, c: _Carry) -> tuple:
     stages = env.stages
     layer_grads = jax.tree.map(stacked, c.layer_grads)
     shared_grads = c.shared_grads
-    aux_sums = {k: lax.psum(a, AXIS) for k, a in c.aux.items() if k not in stages.layer_stacked}
+    aux_sums = {k: lax.psum(a, PIPE_AXIS) for k, a in c.aux.items()
+                if k not in stages.layer_stacked}
     aux_layers = {k: stacked(a) for k, a in c.aux.items() if k in stages.layer_stacked}
     return c.loss, shared_grads, layer_grads, aux_sums, aux_layers
 
-
-# --------------------------------------------------------------------------------------------
-# The model cut into stages, and the pipelined objective
-
-
-def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
-                 ) -> Stages:
-    """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
-    the logical names of the stacked layer parameters (``layers`` first)."""
-
-    def layers(shared: dict, layer_params: dict, consts: dict, x: jax.Array, mb: dict,
-               ) -> tuple:
-        net = nnx.merge(graphdef, {**shared, "layers": layer_params},
-                        {"layers": consts} if consts else {})
-        with use_prepared_weights():
-            return net.run_layers(x, mb["positions"], remat=remat)
-
-    def by_leaf(fn: Callable, tree: Any, leading: int) -> Any:
-        """``fn(leaf, name, names)`` over the layer tree, ``names`` its stored logical names with
-        the stacked dimension(s) left unnamed (``pipe`` is manual inside the executor)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, leaf, names: fn(leaf, path[-1].key, (None,) * leading + names[1:]),
-            tree, layer_axes, is_leaf=lambda x: isinstance(x, tuple))
-
-    def prepare(chunks: Any) -> Any:
-        return by_leaf(lambda a, name, names: prepare_weight(a, name, names, dtype), chunks, 2)
-
-    def unprepare(grads: Any) -> Any:
-        return by_leaf(lambda g, _, names: prepared_weight_grad(g, names), grads, 1)
-
-    def final_norm(norm_params: dict, x: jax.Array) -> jax.Array:
-        return nnx.merge(norm_graph, norm_params["final_norm"])(x)
-
-    with nnx.use_eager_sharding(False):
-        norm_graph = nnx.graphdef(nnx.eval_shape(
-            lambda: RMSNorm(cfg.model.d_model, cfg.model.norm_eps)))
-    rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
-    moe = cfg.model.moe
-    shards = int(np.prod([mesh_shape[a] for a in rules["vocab"] if a != AXIS]))
-    return Stages(layers, final_norm, prepare, unprepare, dtype, cfg.model.tie_embeddings,
-                  shards,
-                  aux_loss=lambda aux: moe_loss(aux, moe),
-                  layer_stacked=LAYER_STACKED if moe.enabled else ())
 
 
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
@@ -813,9 +497,10 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
         return jax.tree.map(lambda spec: PartitionSpec(*lead, *keep(spec, axes)), tree,
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-    auto = set(mesh_shape) - {AXIS, *hand}
+    auto = set(mesh_shape) - {PIPE_AXIS, *hand}
     shared = {k: s for k, s in specs.items() if k != "layers"}
-    by_hand = ByHand(hand, specs_of(shared, set(hand)), specs_of(specs["layers"], {AXIS, *hand}),
+    by_hand = ByHand(hand, specs_of(shared, set(hand)),
+                     specs_of(specs["layers"], {PIPE_AXIS, *hand}),
                      hooks=lambda: model_hooks(cfg, inner, platform))
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)

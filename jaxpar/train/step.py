@@ -181,12 +181,23 @@ class Trainer:
                 for k, v in local_batch.items()}
 
 
-def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
-    """Resolve every sharding for ``cfg`` on ``mesh`` and jit init/step. ``cfg`` is validated."""
-    mesh_shape = cfg.mesh_shape
-    rules = logical_rules(cfg)
+class Shardings(NamedTuple):
+    """Step 1 of building a trainer: the model's abstract state and where every array lives."""
+
+    graphdef: nnx.GraphDef
+    logical_axes: dict  # parameter path -> logical names
+    param_specs: dict  # parameter path -> PartitionSpec
+    abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
+    state: TrainState  # NamedShardings of the train state
+    batch: NamedSharding
+
+
+def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
+                      tx: optax.GradientTransformation) -> Shardings:
+    """Parameters, buffers (every other variable: MoE router biases), optimizer state and the
+    batch, laid out by the rules table."""
+    mesh_shape, rules = cfg.mesh_shape, logical_rules(cfg)
     model = abstract_model(cfg.model)
-    # Parameters (trained) and buffers: every other variable (MoE router biases).
     graphdef, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, ...)
     abstract_params = nnx.to_pure_dict(abstract_params)
     abstract_buffers = nnx.to_pure_dict(abstract_buffers)
@@ -194,78 +205,81 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     specs = param_specs(abstract_params, logical_axes, rules, mesh_shape)
     buffer_specs = param_specs(abstract_buffers, param_logical_axes(model, buffers=True), rules,
                                mesh_shape)
-
-    tx = make_optimizer(cfg.train)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_specs = optimizer_state_specs(cfg, abstract_opt, abstract_params, specs, logical_axes)
-    state_specs = TrainState(step=PartitionSpec(), params=specs, opt_state=opt_specs,
-                             buffers=buffer_specs)
-    state_shardings = named_shardings(mesh, state_specs)
+    state = named_shardings(mesh, TrainState(step=PartitionSpec(), params=specs,
+                                             opt_state=opt_specs, buffers=buffer_specs))
     batch_spec = resolve_spec("batch", ("batch", "seq"), (cfg.train.batch_size,
                                                           cfg.train.seq_len), rules, mesh_shape)
-    batch_sharding = NamedSharding(mesh, batch_spec)
-    platform = mesh.devices.flat[0].platform
+    abstract_state = jax.tree.map(
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt,
+                   abstract_buffers), state)
+    return Shardings(graphdef, logical_axes, specs, abstract_state, state,
+                     NamedSharding(mesh, batch_spec))
+
+
+def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: dict) -> Callable:
+    """Step 2, without a pipeline: ``(params, buffers, batch, valid) -> (grads, (loss_sum,
+    aux))`` of the objective (module docstring), ``train.grad_accum`` micro-steps summed."""
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
-    n_context, zigzag = cfg.mesh.context, cfg.parallel.zigzag
-    seq_order = (zigzag_order(cfg.train.seq_len, n_context) if n_context > 1 and zigzag
-                 else np.arange(cfg.train.seq_len))
     moe = cfg.model.moe
-    # Built now, so that a layout the expert hook cannot run is an error before any trace.
-    model_hooks(cfg, mesh_shape, platform).close()
-
-    pipelined, layer_order, program = (
-        pipelined_gradients(cfg, graphdef, specs, logical_axes, dtype=dtype, remat=remat,
-                            platform=platform)
-        if cfg.mesh.pipe > 1 else (None, None, None))
-
-    def init() -> TrainState:
-        _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
-        params = nnx.to_pure_dict(params)
-        if layer_order is not None:
-            params["layers"] = jax.tree.map(lambda a: a[layer_order], params["layers"])
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                          nnx.to_pure_dict(buffers))
 
     def objective(params: dict, buffers: dict, batch: Batch, valid: jax.Array
                   ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-        """What one micro-step differentiates (module docstring); returns the summed token
-        loss and the aux dict beside it."""
+        """What one micro-step differentiates; returns the summed token loss and the aux dict
+        beside it."""
         loss_sum, aux = summed_token_loss(params, buffers, graphdef, batch, dtype=dtype,
                                           remat=remat)
         return loss_sum / valid + moe_loss(aux, moe) / accum, (loss_sum, aux)
+
+    grad_fn = jax.grad(objective, has_aux=True)
+    if accum == 1:
+        return grad_fn
+
+    def accumulated(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
+        def micro_step(carry, micro_batch):
+            grads, summed = grad_fn(params, buffers, micro_batch, valid)
+            return jax.tree.map(jnp.add, carry, (grads, summed)), None
+
+        # The running gradient sum is sharded like the parameters (1/N under FSDP).
+        zero_grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
+                                                      param_shardings)
+        micro_batches = split_micro_steps(batch, accum)
+        # The aux dict's shapes, for a zero carry (traced, never run).
+        _, zero_summed = jax.eval_shape(partial(objective, params, buffers, valid=valid),
+                                        jax.tree.map(lambda x: x[0], micro_batches))
+        zeros = (zero_grads, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero_summed))
+        (grads, summed), _ = jax.lax.scan(micro_step, zeros, micro_batches)
+        return grads, summed
+
+    return accumulated
+
+
+def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
+                      param_shardings: dict, platform: str) -> Callable:
+    """Step 3: ``(state, batch) -> (loss, grads, aux)`` with the parallel hooks installed."""
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         # Positions travel with the tokens: in seq_order, the same for every row.
         positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
         batch = dict(batch, positions=positions)
-        grad_fn = pipelined or jax.grad(objective, has_aux=True)
-        with model_hooks(cfg, mesh_shape, platform):
-            # The pipeline runs its micro-steps itself, reducing the gradients once.
-            if accum == 1 or pipelined is not None:
-                grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
-            else:
-                def micro_step(carry, micro_batch):
-                    grads, summed = grad_fn(state.params, state.buffers, micro_batch, valid)
-                    return jax.tree.map(jnp.add, carry, (grads, summed)), None
-
-                # The running gradient sum is sharded like the parameters (1/N under FSDP).
-                zero_grads = jax.lax.with_sharding_constraint(
-                    jax.tree.map(jnp.zeros_like, state.params), state_shardings.params)
-                micro_batches = split_micro_steps(batch, accum)
-                # The aux dict's shapes, for a zero carry (traced, never run).
-                _, zero_summed = jax.eval_shape(
-                    partial(objective, state.params, state.buffers, valid=valid),
-                    jax.tree.map(lambda x: x[0], micro_batches))
-                zeros = (zero_grads, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                                  zero_summed))
-                (grads, (loss_sum, aux)), _ = jax.lax.scan(micro_step, zeros, micro_batches)
+        with model_hooks(cfg, cfg.mesh_shape, platform):
+            grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
         # Gradients live where their parameters live: under FSDP this is what turns the
         # gradient all-reduce into a reduce-scatter.
-        grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         return loss_sum / valid, grads, aux
 
-    schedule = learning_rate_schedule(cfg.train)
+    return loss_and_grads
+
+
+def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
+                  loss_and_grads: Callable) -> Callable:
+    """Step 4: ``(state, batch) -> (state, metrics)``: AdamW, the non-finite guard, the MoE
+    router-bias update."""
+    schedule, moe = learning_rate_schedule(cfg.train), cfg.model.moe
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         loss, grads, aux = loss_and_grads(state, batch)
@@ -283,7 +297,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
                    "nonfinite": ~finite}
         buffers = state.buffers
         if moe.enabled:
-            metrics.update(moe_metrics(aux, cfg.model, accum * cfg.train.microbatches))
+            metrics.update(moe_metrics(aux, cfg.model,
+                                       cfg.train.grad_accum * cfg.train.microbatches))
             if moe.router == "sigmoid_bias":
                 # The only buffers are the stacked router biases, one row per MoE layer.
                 buffers = jax.tree.map(
@@ -291,23 +306,53 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
                                                     moe.bias_update_rate), buffers)
         return TrainState(state.step + 1, params, opt_state, buffers), metrics
 
-    abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt,
-                   abstract_buffers),
-        state_shardings)
+    return train_step
+
+
+def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
+    """Resolve every sharding for ``cfg`` on ``mesh`` and jit init/step. ``cfg`` is validated.
+
+    Named steps: shardings, the parallel hooks (built once here, so that a layout the expert
+    hook cannot run fails before any trace), the loss-and-gradient function (plain, or the
+    pipeline executor's), the train step.
+    """
+    tx = make_optimizer(cfg.train)
+    sh = resolve_shardings(cfg, mesh, tx)
+    platform = mesh.devices.flat[0].platform
+    model_hooks(cfg, cfg.mesh_shape, platform).close()
+    n_context = cfg.mesh.context
+    seq_order = (zigzag_order(cfg.train.seq_len, n_context)
+                 if n_context > 1 and cfg.parallel.zigzag else np.arange(cfg.train.seq_len))
+    if cfg.mesh.pipe > 1:
+        grad_fn, layer_order, program = pipelined_gradients(
+            cfg, sh.graphdef, sh.param_specs, sh.logical_axes, dtype=DTYPES[cfg.train.dtype],
+            remat=cfg.train.remat, platform=platform)
+    else:
+        grad_fn = plain_gradients(cfg, sh.graphdef, sh.state.params)
+        layer_order = program = None
+    loss_and_grads = loss_and_grads_fn(cfg, grad_fn, seq_order, sh.state.params, platform)
+
+    def init() -> TrainState:
+        _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        if layer_order is not None:
+            params["layers"] = jax.tree.map(lambda a: a[layer_order], params["layers"])
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                          nnx.to_pure_dict(buffers))
+
     return Trainer(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, logical_axes=logical_axes, param_specs=specs,
-        state_shardings=state_shardings, batch_sharding=batch_sharding,
-        abstract_state=abstract_state, seq_order=seq_order, layer_order=layer_order,
+        cfg=cfg, mesh=mesh, graphdef=sh.graphdef, logical_axes=sh.logical_axes,
+        param_specs=sh.param_specs, state_shardings=sh.state, batch_sharding=sh.batch,
+        abstract_state=sh.abstract_state, seq_order=seq_order, layer_order=layer_order,
         pipeline=program,
-        _init=jax.jit(init, out_shardings=state_shardings),
-        _step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                      out_shardings=(state_shardings, None), donate_argnums=0),
-        _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(state_shardings, batch_sharding),
-                                out_shardings=(None, state_shardings.params, None)),
-        _reorder=jax.jit(reorder_layers, in_shardings=(state_shardings, None),
-                         out_shardings=state_shardings))
+        _init=jax.jit(init, out_shardings=sh.state),
+        _step=jax.jit(train_step_fn(cfg, tx, loss_and_grads),
+                      in_shardings=(sh.state, sh.batch), out_shardings=(sh.state, None),
+                      donate_argnums=0),
+        _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(sh.state, sh.batch),
+                                out_shardings=(None, sh.state.params, None)),
+        _reorder=jax.jit(reorder_layers, in_shardings=(sh.state, None),
+                         out_shardings=sh.state))
 
 
 def reorder_layers(tree: Any, order: jax.Array) -> Any:

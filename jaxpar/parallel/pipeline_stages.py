@@ -1,0 +1,178 @@
+"""What a pipeline stage computes: the model cut into chunks, and the vocabulary cut into pieces.
+
+Every stage runs the same program (:mod:`jaxpar.parallel.pipeline`), so the embedding and the
+output head cannot live on the first and last stage alone: the vocabulary is cut into one piece
+per stage, and every stage embeds and scores its piece, the pieces combined over ``pipe``. The
+head's weights and work are split ``p`` ways, not repeated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxpar.config import Config
+from jaxpar.model.annotate import constrain, use_prepared_weights
+from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
+from jaxpar.model.moe import LAYER_STACKED, moe_loss
+from jaxpar.parallel.rules import logical_rules
+
+PIPE_AXIS = "pipe"
+
+# --------------------------------------------------------------------------------------------
+# What a stage computes
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The model, cut for the executor (``mb``: one microbatch's arrays).
+
+    ``layers(shared, layers, consts, x, mb) -> (y, aux)`` runs one chunk's layers (``shared``:
+    the parameters outside the stack; ``consts``: the chunk's slice of non-trained per-layer
+    state, the MoE router biases); ``final_norm(shared, x)``
+    the norm before the head. ``aux`` (``{}`` for a dense model) holds the chunk's MoE
+    statistics, summed over its layers except the ``layer_stacked`` keys, one row per layer;
+    ``aux_loss(aux)`` is the term it adds to the objective. ``vocab_shards``: how many ways the
+    axes of ``vocab`` other than ``pipe`` split the vocabulary. ``layers`` reads weights as
+    ``prepare`` left them (cast to the compute dtype, FSDP-gathered), so the residuals a
+    forward saves hold the very arrays passed in, which the stash leaves out.
+    """
+
+    layers: Callable
+    final_norm: Callable
+    prepare: Callable  # chunks [v, layers/v, ...] -> cast and laid out for use, once per step
+    unprepare: Callable  # one chunk's gradient w.r.t. its prepared weights -> stored layout
+    dtype: Any
+    tied_embeddings: bool
+    vocab_shards: int
+    aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
+    layer_stacked: tuple[str, ...] = ()
+
+
+class VocabPiece(NamedTuple):
+    """Stage ``s``'s piece of the vocabulary: ``ids`` [V/p] (global token ids, in the order
+    of the piece) and ``rows``, how to cut a ``[V, ...]`` array into pieces."""
+
+    ids: jax.Array
+    stage: jax.Array
+    shards: int
+    p: int
+
+    def cut(self, table: jax.Array) -> jax.Array:
+        """``table`` [V, ...] -> this stage's rows [V/p, ...]. Each of the ``shards`` blocks that
+        already split V (over ``tensor``) gives its own sub-block, so no row leaves its device."""
+        v = table.shape[0]
+        blocks = table.reshape(self.shards, self.p, v // (self.shards * self.p),
+                               *table.shape[1:])
+        piece = lax.dynamic_index_in_dim(blocks, self.stage, axis=1, keepdims=False)
+        return piece.reshape(v // self.p, *table.shape[1:])
+
+    def uncut(self, piece: jax.Array) -> jax.Array:
+        """The inverse of :meth:`cut`, zeros elsewhere: [V/p, ...] -> [V, ...]."""
+        v = piece.shape[0] * self.p
+        blocks = jnp.zeros((self.shards, self.p, v // (self.shards * self.p),
+                            *piece.shape[1:]), piece.dtype)
+        blocks = lax.dynamic_update_index_in_dim(
+            blocks, piece.reshape(self.shards, 1, -1, *piece.shape[1:]), self.stage, axis=1)
+        return blocks.reshape(v, *piece.shape[1:])
+
+
+def sum_over_stages(x: jax.Array) -> jax.Array:
+    """``psum`` over ``pipe`` in float32, returned in ``x``'s dtype. (The pieces of a sum add
+    without bf16 round-off; and XLA:CPU 0.10 aborts on this program's bf16 all-reduces.)"""
+    return lax.psum(x.astype(jnp.float32), PIPE_AXIS).astype(x.dtype)
+
+
+def vocab_piece(vocab_size: int, shards: int, p: int, stage: jax.Array) -> VocabPiece:
+    block = vocab_size // (shards * p)
+    ids = (jnp.arange(shards)[:, None] * (vocab_size // shards) + stage * block
+           + jnp.arange(block)[None, :]).reshape(-1)
+    return VocabPiece(ids.astype(jnp.int32), stage, shards, p)
+
+
+def embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: jax.Array,
+                   ) -> jax.Array:
+    """This stage's share of the embeddings of ``tokens``: one-hot over its vocab piece times
+    its rows of the table (the stages' shares add up over ``pipe``)."""
+    one_hot = (tokens[..., None] == piece.ids).astype(stages.dtype)
+    one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
+    return jnp.einsum("bsv,ve->bse", one_hot, table)
+
+
+def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
+                   y: jax.Array, mb: dict, loss_scale: jax.Array) -> tuple:
+    """Summed token loss of output ``y`` (the same on every stage), its gradient w.r.t. ``y``,
+    and this stage's head-piece and final-norm gradients, with ``loss_scale`` per token.
+
+    Cross entropy over a vocabulary split ``p`` ways: log-sum-exp from the pieces' maxima and
+    sums (``pmax``/``psum`` of ``[B, S]``), the target logit from the piece holding it. Its
+    gradient w.r.t. the piece's logits is ``softmax - one_hot``, local to each piece.
+    """
+    h, norm_vjp = jax.vjp(stages.final_norm, shared, y)
+    logits, logits_vjp = jax.vjp(
+        lambda w, h: jnp.einsum("bse,ev->bsv", h, w, preferred_element_type=jnp.float32),
+        head, h)
+    logits = constrain(logits, ("batch", "seq", "vocab"))
+    top = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), PIPE_AXIS)
+    exp_sum = lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), PIPE_AXIS)
+    log_z = top + jnp.log(exp_sum)
+    is_target = piece.ids == mb["targets"][..., None]
+    target = lax.psum(jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), PIPE_AXIS)
+    loss = jnp.sum((log_z - target) * mb["mask"])
+    d_logits = (jnp.exp(logits - log_z[..., None]) - is_target) * (mb["mask"] * loss_scale
+                                                                  )[..., None]
+    d_head, d_h = logits_vjp(d_logits)
+    d_shared, d_y = norm_vjp(sum_over_stages(d_h).astype(h.dtype))
+    return loss, d_y, d_head, d_shared
+
+
+
+# --------------------------------------------------------------------------------------------
+# The model cut into chunks
+
+
+def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
+                 ) -> Stages:
+    """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
+    the logical names of the stacked layer parameters (``layers`` first)."""
+
+    def layers(shared: dict, layer_params: dict, consts: dict, x: jax.Array, mb: dict,
+               ) -> tuple:
+        net = nnx.merge(graphdef, {**shared, "layers": layer_params},
+                        {"layers": consts} if consts else {})
+        with use_prepared_weights():
+            return net.run_layers(x, mb["positions"], remat=remat)
+
+    def by_leaf(fn: Callable, tree: Any, leading: int) -> Any:
+        """``fn(leaf, name, names)`` over the layer tree, ``names`` its stored logical names with
+        the stacked dimension(s) left unnamed (``pipe`` is manual inside the executor)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf, names: fn(leaf, path[-1].key, (None,) * leading + names[1:]),
+            tree, layer_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def prepare(chunks: Any) -> Any:
+        return by_leaf(lambda a, name, names: prepare_weight(a, name, names, dtype), chunks, 2)
+
+    def unprepare(grads: Any) -> Any:
+        return by_leaf(lambda g, _, names: prepared_weight_grad(g, names), grads, 1)
+
+    def final_norm(norm_params: dict, x: jax.Array) -> jax.Array:
+        return nnx.merge(norm_graph, norm_params["final_norm"])(x)
+
+    with nnx.use_eager_sharding(False):
+        norm_graph = nnx.graphdef(nnx.eval_shape(
+            lambda: RMSNorm(cfg.model.d_model, cfg.model.norm_eps)))
+    rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
+    moe = cfg.model.moe
+    shards = int(np.prod([mesh_shape[a] for a in rules["vocab"] if a != PIPE_AXIS]))
+    return Stages(layers, final_norm, prepare, unprepare, dtype, cfg.model.tie_embeddings,
+                  shards,
+                  aux_loss=lambda aux: moe_loss(aux, moe),
+                  layer_stacked=LAYER_STACKED if moe.enabled else ())
