@@ -227,3 +227,24 @@ def test_allgather_context_attention_gathers_kv_and_reduce_scatters_its_gradient
     assert sum(c.executions for c in gathers) >= 2 * layers  # K and V, per layer
     assert sum(c.executions for c in scatters) >= 2 * layers  # dK and dV
     assert not collectives(name, "collective-permute", ("context",))
+
+
+def data_reduction_bytes(accum: int) -> dict:
+    result = run_layout(("mesh.data=4", "mesh.tensor=2", f"train.grad_accum={accum}",
+                         f"train.batch_size={8 * accum}"))
+    rows: dict = {}
+    for c in result["collectives"]:
+        if "data" in c.axes:
+            rows[(c.kind, c.axes)] = rows.get((c.kind, c.axes), 0) + per_step_bytes([c])
+    return rows
+
+
+def test_gradient_accumulation_sums_over_data_once_per_step():
+    # Each data shard sums its micro-steps' gradients locally; one all-reduce per step adds
+    # them: the same bytes for 4 micro-steps as for 1 (the gradients' bytes and a few scalars).
+    one, four = data_reduction_bytes(1), data_reduction_bytes(4)
+    assert one == four, (one, four)
+    params = run_layout(("mesh.data=4", "mesh.tensor=2", "train.grad_accum=1",
+                         "train.batch_size=8"))["state"].params
+    grads = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
+    assert grads <= one[("all-reduce", ("data",))] <= grads + 1024

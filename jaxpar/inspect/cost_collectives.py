@@ -151,18 +151,24 @@ class Ledger:
 
     @property
     def by_hand(self) -> tuple[str, ...]:
-        """The batch axes whose gradient sums the pipeline executor takes once per micro-step,
-        by hand (``data``, ``fsdp``; not for MoE models, see jaxpar.parallel.pipeline)."""
+        """The batch axes whose gradient sums are taken once per step, by hand: ``data`` and
+        ``fsdp`` in the pipeline executor, ``data`` under gradient accumulation (not for MoE
+        models, whose load-balance loss needs whole-micro-batch statistics)."""
         st = self.st
-        if st.pipeline is None or st.cfg.model.moe.enabled:
+        if st.cfg.model.moe.enabled:
             return ()
+        if st.pipeline is None:  # gradient accumulation sums over data once (train/step.py)
+            return ("data",) if st.accum > 1 and st.mesh["data"] > 1 else ()
         return tuple(a for a in ("data", "fsdp") if st.mesh[a] > 1)
 
-    def runs_over(self, axes: tuple[str, ...]) -> int:
-        """Gradient reductions per step over ``axes``: once per step where the executor sums by
-        hand (over all its micro-steps), else ``grad_runs``."""
+    def summed_by_hand(self, axes: tuple[str, ...]) -> bool:
         live = tuple(a for a in axes if self.st.mesh[a] > 1)
-        return 1 if live and set(live) <= set(self.by_hand) else self.grad_runs
+        return bool(live) and set(live) <= set(self.by_hand)
+
+    def runs_over(self, axes: tuple[str, ...]) -> int:
+        """Gradient reductions per step over ``axes``: once per step where they are summed by
+        hand (over all micro-steps), else ``grad_runs``."""
+        return 1 if self.summed_by_hand(axes) else self.grad_runs
 
     @property
     def layer(self) -> list[ParamCost]:
@@ -202,7 +208,7 @@ class Ledger:
         layers = sum(size(p) for p in group if p.stacked)
         shared = sum(size(p) for p in group if not p.stacked)
         st = self.st
-        if by_hand:  # the pipeline executor: once per step
+        if by_hand:  # once per step
             return layers + shared
         if st.pipeline is None:
             return st.accum * (layers + shared)
@@ -266,7 +272,7 @@ def data_collectives(c: Ledger) -> None:
     units = st.layers // cfg.model.moe.every if cfg.model.moe.enabled else st.layers
     for axes, group in by_replicas.items():
         experts = all(p.expert for p in group)
-        by_hand = bool(c.by_hand) and c.runs_over(axes) == st.accum
+        by_hand = c.summed_by_hand(axes)
         c.add("all-reduce", axes,
               c.runs_over(axes) * (units * any(p.stacked for p in group)
                                    + any(not p.stacked for p in group)),

@@ -219,9 +219,15 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
                      NamedSharding(mesh, batch_spec))
 
 
-def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: dict) -> Callable:
+def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
+                    platform: str) -> Callable:
     """Step 2, without a pipeline: ``(params, buffers, batch, valid) -> (grads, (loss_sum,
-    aux))`` of the objective (module docstring), ``train.grad_accum`` micro-steps summed."""
+    aux))`` of the objective (module docstring), ``train.grad_accum`` micro-steps summed.
+
+    With micro-steps on a dense model split over ``data``, the sum over ``data`` is taken once
+    per step, not once per micro-step: :func:`sum_over_data_once` runs the micro-steps with
+    ``data`` split by hand. (``fsdp`` keeps its per-micro-step gathers and reduce-scatters: one
+    layer's weights whole at a time is what FSDP is for.)"""
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
     moe = cfg.model.moe
 
@@ -242,9 +248,11 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: dict) 
             grads, summed = grad_fn(params, buffers, micro_batch, valid)
             return jax.tree.map(jnp.add, carry, (grads, summed)), None
 
-        # The running gradient sum is sharded like the parameters (1/N under FSDP).
-        zero_grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
-                                                      param_shardings)
+        # The running gradient sum is sharded like the parameters (1/N under FSDP); bare specs,
+        # so that the same code runs inside sum_over_data_once's shard_map.
+        zero_grads = jax.lax.with_sharding_constraint(
+            jax.tree.map(jnp.zeros_like, params),
+            jax.tree.map(lambda sharding: sharding.spec, param_shardings))
         micro_batches = split_micro_steps(batch, accum)
         # The aux dict's shapes, for a zero carry (traced, never run).
         _, zero_summed = jax.eval_shape(partial(objective, params, buffers, valid=valid),
@@ -253,7 +261,33 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: dict) 
         (grads, summed), _ = jax.lax.scan(micro_step, zeros, micro_batches)
         return grads, summed
 
-    return accumulated
+    if moe.enabled or cfg.mesh_shape["data"] == 1 or "data" not in logical_rules(cfg)["batch"]:
+        # (A mixture's load-balance loss needs statistics of the whole micro-batch.)
+        return accumulated
+    return sum_over_data_once(cfg, accumulated, param_shardings, platform)
+
+
+def sum_over_data_once(cfg: Config, accumulated: Callable, param_shardings: Any,
+                       platform: str) -> Callable:
+    """``accumulated`` run inside ``shard_map`` manual over ``data``: each data shard sums its
+    micro-steps' gradients locally, and one all-reduce over ``data`` per step adds them (the
+    compiler alone would all-reduce every micro-step's gradient). Inside, the model's hooks see
+    the rest of the mesh, ``data`` counted as 1."""
+    inner = {**cfg.mesh_shape, "data": 1}
+
+    def per_shard(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
+        with model_hooks(cfg, inner, platform):
+            grads, (loss_sum, aux) = accumulated(params, buffers, batch, valid)
+        return jax.tree.map(lambda a: jax.lax.psum(a, "data"), (grads, (loss_sum, aux)))
+
+    def run(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
+        rows = PartitionSpec("data")
+        return jax.shard_map(
+            per_shard, in_specs=(PartitionSpec(), PartitionSpec(), rows, PartitionSpec()),
+            out_specs=PartitionSpec(), axis_names=frozenset({"data"}), check_vma=False,
+        )(params, buffers, batch, valid)
+
+    return run
 
 
 def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
@@ -328,7 +362,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
             cfg, sh.graphdef, sh.param_specs, sh.logical_axes, dtype=DTYPES[cfg.train.dtype],
             remat=cfg.train.remat, platform=platform)
     else:
-        grad_fn = plain_gradients(cfg, sh.graphdef, sh.state.params)
+        grad_fn = plain_gradients(cfg, sh.graphdef, sh.state.params, platform)
         layer_order = program = None
     loss_and_grads = loss_and_grads_fn(cfg, grad_fn, seq_order, sh.state.params, platform)
 
