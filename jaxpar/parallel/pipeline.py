@@ -1,7 +1,8 @@
 """The pipeline executor: one SPMD program running any schedule inside shard_map over `pipe`.
 
 The schedules (:mod:`jaxpar.parallel.pipeline_schedules`) say which stage does what at each
-*step*. This module turns them into integer arrays (:func:`compile_program`) and runs them.
+*step*; :mod:`jaxpar.parallel.pipeline_program` turns them into integer arrays, and this module
+runs them, with the model cut by :mod:`jaxpar.parallel.pipeline_stages`.
 
 One program on every stage. Every device runs the same operations at every step; the arrays
 choose only data: which microbatch, which of the device's chunks, which stash slot to read and
@@ -46,7 +47,15 @@ schedule's peak in flight: ``m`` for GPipe, ``2(p-1)+1`` on the first stage for 
 Parameters. A device's slice of the stacked layers, ``[v * layers_per_chunk, ...]``, holds its
 chunks s, s+p, ... in that order (for ``v > 1`` the trainer stores the layers permuted so;
 :func:`jaxpar.parallel.pipeline_schedules.stage_layer_order`). Embedding, final norm and head
-are stored replicated over ``pipe``; each stage reads its vocabulary piece of them.
+are stored replicated over ``pipe``; each stage reads its vocabulary piece of them. Once per
+step the stage's weights are cast to the compute dtype and FSDP-gathered (:class:`ByHand`), so
+the VJPs save those very arrays and the stash leaves them out.
+
+One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data`` and ``fsdp`` by hand
+(dense models): each device sums its own rows' weight gradients over every microbatch of every
+micro-step (``train.grad_accum``), and one all-reduce over ``data`` and one reduce-scatter over
+``fsdp`` per step add them up. The cost: the stage's weights whole (compute dtype) and its
+gradient sums whole (float32) on every device for the step.
 """
 
 from __future__ import annotations
