@@ -302,15 +302,13 @@ def parse_collectives(
     hlo_text: str,
     mesh_shape: Mapping[str, int] | Sequence[tuple[str, int]],
     device_ids: Sequence[int] | None = None,
-    branch_runs: Mapping[int, Sequence[float]] | None = None,
 ) -> list[Collective]:
     """The collectives of a compiled HLO module, in text order, mapped onto `mesh_shape`.
 
     `mesh_shape` is the ordered mesh (`dict(mesh.shape)`); `device_ids` is
     `[d.id for d in mesh.devices.flat]` (default `range(n)`), needed only when the text names
-    physical device ids rather than logical ones (see the module docstring). `branch_runs`:
-    per number of branches, each branch's share of a conditional's calls (else every branch
-    counts as running on every call).
+    physical device ids rather than logical ones (see the module docstring). A branch of a
+    conditional counts as running on every call.
     """
     mesh = as_mesh(mesh_shape, device_ids)
     module = parse_module(hlo_text)
@@ -331,7 +329,7 @@ def parse_collectives(
         if _is_tpu_reduce_scatter_fusion(module, instr)
     }
 
-    runs = computation_runs(module, branch_runs)
+    runs = computation_runs(module)
     fused = {(attr(i, "calls") or "").lstrip("%") for c in module.computations.values()
              for i in c.instrs.values() if i.opcode == "fusion"}
     counted_channels: set[tuple[str, str]] = set()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 # --------------------------------------------------------------------------------------------
@@ -270,13 +270,11 @@ def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int 
     return bound if _constant_int(comp, init.operands[index]) == 0 else None
 
 
-def computation_runs(module: Module, branch_runs: Mapping[int, Sequence[float]] | None = None,
-                ) -> dict[str, float]:
+def computation_runs(module: Module) -> dict[str, float]:
     """How many times each computation runs per call of the entry computation.
 
     A conditional runs one of its branches; which one the text cannot say, so each counts as
-    running every time unless ``branch_runs[n]`` gives, for conditionals of ``n`` branches, each
-    branch's share of the calls (what the pipeline executor's table says, averaged over stages).
+    running every time (an upper bound).
     """
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # callee -> (caller, times)
     for comp in module.computations.values():
@@ -288,9 +286,8 @@ def computation_runs(module: Module, branch_runs: Mapping[int, Sequence[float]] 
                 if m.group("key") in ("body", "condition"):
                     times = (instr.trip_count or _inferred_trip_count(module, comp, instr)
                              or 1)
-                shares = (branch_runs or {}).get(len(names)) if m.group("branches") else None
-                for i, name in enumerate(names):
-                    calls[name].append((comp.name, shares[i] if shares else times))
+                for name in names:
+                    calls[name].append((comp.name, times))
     runs: dict[str, float] = {}
 
     def count(name: str, visiting: frozenset[str] = frozenset()) -> float:
