@@ -14,7 +14,7 @@ import pytest
 from helpers import compiled_temp_bytes, run_jaxpar
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.parallel.pipeline_program import compile_program, executed_kinds
+from jaxpar.parallel.pipeline_program import compile_program, executed_kinds, step_kind
 from jaxpar.parallel.pipeline_schedules import (
     peak_in_flight,
     schedule_steps,
@@ -68,7 +68,15 @@ def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight
     program = compile_program(steps, p, v)
     assert program.steps == len(steps)
     kinds = [executed_kinds(s) for s in steps]
-    assert [s.kinds for s in program.stretches] == sorted(set(kinds), key=kinds.index)
+    # Stretches are the maximal runs of one kind; the head runs in exactly the steps where a
+    # stage's forward is the last chunk, once per microbatch.
+    assert [k for s in program.stretches for k in [s.kinds] * len(s.fields["f_on"])] == [
+        step_kind(s, v * p) for s in steps]
+    assert all(a.kinds != b.kinds for a, b in zip(program.stretches, program.stretches[1:],
+                                                      strict=False))
+    with_head = [s for s in program.stretches if "H" in s.kinds]
+    assert sum(int(s.fields["head_last"].sum()) for s in with_head) == m
+    assert all(s.fields["head_last"].any(axis=1).all() for s in with_head)
     if schedule == "zero_bubble":  # each I and its W land in one step: one backward pass
         assert all("W" not in k for k in kinds)
     # Every forward and backward placed once; the residual stash is the peak in flight.
@@ -167,7 +175,7 @@ def test_schedule_command_prints_the_table_and_draws_it(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "bubble 27.3%" in result.stdout
     assert "stage 3: .  .  .  F0 I0 W0" in result.stdout
-    assert "executed: 14 steps (F, then F+B, then B)" in result.stdout
+    assert "executed: 14 steps (F, then F+B+head, then B)" in result.stdout
     assert png.stat().st_size > 10_000
     table = schedule_table("zero_bubble", 4, 8)
     fig = schedule_figure(table, "zb")

@@ -201,7 +201,7 @@ class Ledger:
         """Gradient bytes of ``group`` reduced per step (``gathered``: the unscattered size).
         Under a pipeline each backward slot (masked ones too) reduces what it produced: its
         chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
-        per backward step, of the head per forward step) and the final norm's."""
+        per backward step, of the head per head step) and the final norm's."""
         def size(p: ParamCost) -> int:
             return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device)
 
@@ -212,10 +212,10 @@ class Ledger:
             return layers + shared
         if st.pipeline is None:
             return st.accum * (layers + shared)
-        forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
+        backward, head = st.pipeline["backward_steps"], st.pipeline["head_steps"]
         tied = st.cfg.model.tie_embeddings
-        steps = {"embedding": (backward + forward * tied) / st.p, "lm_head": forward / st.p}
-        shared = sum(size(p) * steps.get(p.name, forward) for p in group if not p.stacked)
+        steps = {"embedding": (backward + head * tied) / st.p, "lm_head": head / st.p}
+        shared = sum(size(p) * steps.get(p.name, head) for p in group if not p.stacked)
         return round(st.accum * (backward * layers / st.pipeline["virtual_stages"] + shared))
 
 
@@ -344,9 +344,10 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     """Per step, over all layers: row-parallel outputs forward (attention and MLP, or the
     experts' summed outputs and the shared experts'), column-parallel input gradients backward
     (a MoE layer's tokens enter its experts once: one reduction, see jaxpar.parallel.expert),
-    and the runs of the embedding and head (under a pipeline every stage runs its vocabulary
-    piece of them in every step with a forward slot; divided here by the forward multiplicity,
-    which ``add_act`` multiplies back)."""
+    and the runs of the embedding and of the head (under a pipeline every stage runs its
+    vocabulary piece of the embedding in every step with a forward slot, of the head in every
+    step with the head; divided here by the forward multiplicity, which ``add_act`` multiplies
+    back)."""
     st, m = c.st, c.st.cfg.model
     n_layers, n_moe = st.layers, m.n_moe_layers
     shared = 1 if m.moe.num_shared_experts else 0
@@ -354,9 +355,11 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     moe_column = (3 + 1 + 2 * shared) if st.xla_cpu else (1 + 1 + shared)
     columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
     row_outputs = st.runs * (rows_per_layer + n_layers * (st.cfg.train.remat == "full"))
-    ends = st.runs if st.pipeline is None else round(
-        st.accum * st.pipeline["forward_steps"] / st.executed("forward"))
-    return row_outputs, st.runs * columns, ends
+    if st.pipeline is None:
+        return row_outputs, st.runs * columns, st.runs, st.runs
+    embeds, heads = (round(st.accum * st.pipeline[k] / st.executed("forward"))
+                     for k in ("forward_steps", "head_steps"))
+    return row_outputs, st.runs * columns, embeds, heads
 
 
 def tensor_collectives(c: Ledger) -> None:
@@ -367,7 +370,7 @@ def tensor_collectives(c: Ledger) -> None:
         return
     act, head_grad = st.tokens_x_embed(st.wire), st.tokens_x_embed(4)
     remat, n_layers = cfg.train.remat, st.layers
-    row_outputs, column_grads, ends = _tensor_counts(c)
+    row_outputs, column_grads, embeds, heads = _tensor_counts(c)
     per_layer = n_layers * st.runs  # activation traffic: per microbatch
     columns = ("q, k, v, gate, up" if st.column_parallel_reductions == 5 else "q+k+v, gate+up")
     fw, bw = c.forwards, c.backwards
@@ -382,8 +385,8 @@ def tensor_collectives(c: Ledger) -> None:
                 + (", attention again in remat" if remat == "full" else ""), times=fw)
         add_act("all-reduce", column_grads,
                 f"column-parallel input gradients backward ({columns})", times=bw)
-        add_act("all-reduce", ends, "vocab-parallel embedding forward", times=fw)
-        add_act("all-reduce", ends, "lm_head input gradient backward", payload=head_grad,
+        add_act("all-reduce", embeds, "vocab-parallel embedding forward", times=fw)
+        add_act("all-reduce", heads, "lm_head input gradient backward", payload=head_grad,
                 times=bw)
     else:
         gathers = 2 + 2 + (2 if remat in ("dots", "full") else 0)
@@ -394,13 +397,13 @@ def tensor_collectives(c: Ledger) -> None:
                 "sequence scattered leaving attention/MLP forward", times=fw)
         add_act("reduce-scatter", column_grads,
                 f"column-parallel input gradients backward ({columns})", times=bw)
-        add_act("all-gather", 2 * ends,
+        add_act("all-gather", heads + embeds,
                 "lm_head input forward, embedding output gradient backward", times=fw)
-        add_act("reduce-scatter", ends, "vocab-parallel embedding forward", times=fw)
-        add_act("reduce-scatter", ends, "lm_head input gradient backward", payload=head_grad,
+        add_act("reduce-scatter", embeds, "vocab-parallel embedding forward", times=fw)
+        add_act("reduce-scatter", heads, "lm_head input gradient backward", payload=head_grad,
                 times=bw)
         c.add("all-reduce", ("tensor",), (n_layers + 1) * c.grad_runs,
               c.grad_runs * (2 * n_layers + 1) * cfg.model.d_model * PARAM_BYTES,
               "norm-scale gradients of the sequence shards", False)
-    add_act("all-reduce", 2 * ends, "vocab-parallel loss: max and sum of exponentials",
+    add_act("all-reduce", 2 * heads, "vocab-parallel loss: max and sum of exponentials",
             payload=st.b * st.sl * 4, times=fw)

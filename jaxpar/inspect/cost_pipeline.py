@@ -6,15 +6,16 @@ them. Inside the stages every other parallelism's formula runs on the stage's la
 microbatch (:class:`jaxpar.inspect.cost_collectives.Ledger` counts those multiplicities).
 
 ``pipe`` (``parallel/pipeline.py``): each executor step with a forward slot sends one activation
-on (b/m x S/c x E, /t under sequence parallelism) and all-reduces three over ``pipe`` (the
-embedding pieces, the last stage's output, the head's input gradient) plus three [b/m, S/c]
-float32 loss statistics; each step with a backward slot sends one gradient back and all-reduces
-chunk 0's input gradient. The last step's send is never read (XLA drops it). The vocabulary
-pieces' gradients (embedding, head) are summed over ``pipe`` once per micro-step. Inside the
-stages, every formula of :mod:`~jaxpar.inspect.cost_collectives` runs on the stage's layers once
-per executed slot (masked ones included: ``StepSizes.executed``); the executor sums gradients
-over ``data`` / ``fsdp`` by hand once per micro-step and gathers FSDP weights once (for MoE
-models: in every backward slot, and once per stretch, where XLA hoists the gathers).
+on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding pieces over
+``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
+(the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss
+statistics; each step with a backward slot sends one gradient back and all-reduces chunk 0's
+input gradient. The last step's send is never read (XLA drops it). The vocabulary pieces'
+gradients (embedding, head) are summed over ``pipe`` once per micro-step. Inside the stages,
+every formula of :mod:`~jaxpar.inspect.cost_collectives` runs on the stage's layers once per
+executed slot (masked ones included: ``StepSizes.executed``); the executor sums gradients over
+``data`` / ``fsdp`` by hand once per micro-step and gathers FSDP weights once (for MoE models:
+in every backward slot, and once per stretch, where XLA hoists the gathers).
 Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
 fsdp=2 (tests/test_cost.py). Stash memory: arrived inputs and output gradients (one activation
 per slot) and forward residuals (what remat saves for a chunk's layers per slot), each stash with
@@ -38,17 +39,18 @@ def pipeline_collectives(c: Ledger) -> None:
         return
     g = st.accum
     forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
+    head = st.pipeline["head_steps"]
     sends = forward + backward - 1
     c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
     whole = st.sent * (st.t if st.sp else 1)  # all-reduced activations are not scattered
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head")]
     sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
-    c.add("all-reduce", ("pipe",), g * (4 * forward + backward) + sums * len(vocab),
-          g * ((3 * forward + backward) * whole + 3 * forward * st.b * st.sl * 4)
+    c.add("all-reduce", ("pipe",), g * (forward + 3 * head + backward) + sums * len(vocab),
+          g * ((forward + 2 * head + backward) * whole + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
-          "pipeline: embedding, last output and head gradient (forward steps), chunk 0's "
-          "input gradient (backward steps), vocabulary-piece gradients", True)
+          "pipeline: embedding (forward steps), last output and head gradient (head steps), "
+          "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
 
 
 def pipeline_memory(st: StepSizes, residuals_per_layer: int) -> tuple[int, int]:

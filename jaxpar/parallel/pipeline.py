@@ -22,11 +22,12 @@ A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
    arrived earlier) under ``jax.vjp``; keep the VJP's residuals in a stash slot. Nothing is
    recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
    each layer's input).
-3. *Head and loss* (steps with a forward slot). A ``psum`` hands the last stage's output to
-   every stage; each computes the logits of its vocabulary piece, the log-sum-exp and target
-   logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage derives its
-   piece's logit gradients by hand; the gradient w.r.t. the last chunk's output is a ``psum`` of
-   the pieces' contributions. The head's weights and work are split ``p`` ways, not repeated.
+3. *Head and loss* (steps where a stage's forward is the last chunk). A ``psum`` hands the last
+   stage's output to every stage; each computes the logits of its vocabulary piece, the log-sum-
+   exp and target logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage
+   derives its piece's logit gradients by hand; the gradient w.r.t. the last chunk's output is a
+   ``psum`` of the pieces' contributions. The head's weights and work are split ``p`` ways, not
+   repeated.
 4. *Backward slot* (``B``, or ``I`` then ``W``). Rebuild the VJP from the stash and the
    chunk's weights and pull the output gradient through it: the input gradient goes to the
    previous stage, the weight gradient is added to the stage's local sum. Chunk 0's input
@@ -34,8 +35,8 @@ A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
 5. *Send*: one ``ppermute`` forward (activations) and one backward (input gradients), each
    only in steps that have that slot.
 
-Bytes over ``pipe`` per step: one activation per ``ppermute``, two all-reduced activations with
-a forward slot (embedding, last output) and one more for the head gradient, one with a backward
+Bytes over ``pipe`` per step: one activation per ``ppermute``, one all-reduced activation with
+a forward slot (embedding), two with the head (last output, head gradient), one with a backward
 slot (chunk 0's input gradient), and ``[B/m, S]`` scalars for the loss. At the end the stages'
 embedding/head gradients are summed over ``pipe`` (those parameters' bytes).
 
@@ -424,14 +425,15 @@ def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
 
 def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry:
     """One step of a stretch of ``kinds`` (the scan body): the slots in order, the head after
-    the forward, then the sends. ``row`` holds every field for every stage; each device reads
-    its own column."""
+    the forward (in steps where a stage's forward is the last chunk), then the sends. ``row``
+    holds every field for every stage; each device reads its own column."""
     p = env.piece.p
     r = {k: a[env.stage] for k, a in row.items()}
     send_fwd = send_bwd = None
     if "F" in kinds:
         c, y = _forward_slot(env, c, r)
-        c = _head_slot(env, c, r, y)
+        if "H" in kinds:
+            c = _head_slot(env, c, r, y)
         send_fwd = y
     for kind in ("B", "I"):
         if kind in kinds:

@@ -95,6 +95,14 @@ def executed_kinds(step: Step) -> tuple[str, ...]:
     return step.kinds
 
 
+def step_kind(step: Step, n_chunks: int) -> tuple[str, ...]:
+    """What the executor's step runs: :func:`executed_kinds`, plus ``H`` (the head and loss)
+    when a stage's forward is the last chunk."""
+    head = any((a := slots.get("F")) is not None and a.chunk == n_chunks - 1
+               for slots in step.actions)
+    return executed_kinds(step) + (("H",) if head else ())
+
+
 def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
                 ) -> tuple[list, list]:
     """Fill row ``t`` of ``f`` for ``step``; return the slots it frees and what it sends."""
@@ -166,11 +174,11 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1) -> Program:
              "b_grad": "grad", "w_grad": "grad", "head_dy": "grad", "recv_grad": "grad"}
     for name, pool in spare.items():
         f[name][f[name] < 0] = sizes[pool]
+    kinds = [step_kind(step, n_chunks) for step in steps]
     stretches, start = [], 0
     for t in range(1, len(steps) + 1):
-        if t == len(steps) or executed_kinds(steps[t]) != executed_kinds(steps[start]):
-            stretches.append(Stretch(executed_kinds(steps[start]),
-                                     {k: a[start:t] for k, a in f.items()}))
+        if t == len(steps) or kinds[t] != kinds[start]:
+            stretches.append(Stretch(kinds[start], {k: a[start:t] for k, a in f.items()}))
             start = t
     return Program(tuple(stretches), sizes["act"], sizes["res"], sizes["grad"])
 
@@ -187,8 +195,11 @@ def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
     return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
             "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
             "executed_work_factor": float(1 / (1 - bubble)),
-            "stretches": ["+".join(s.kinds) for s in program.stretches],
+            "stretches": ["+".join("head" if k == "H" else k for k in s.kinds)
+                          for s in program.stretches],
             "forward_steps": sum("F" in s.kinds for s in steps),
             "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in steps),
+            "head_steps": sum(len(s.fields["f_on"]) for s in program.stretches
+                              if "H" in s.kinds),
             "activation_slots": program.act_slots, "residual_slots": program.res_slots,
             "gradient_slots": program.grad_slots}
