@@ -23,8 +23,8 @@ A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
    recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
    each layer's input).
 3. *Head and loss* (steps where a stage's forward is the last chunk). A ``psum`` hands the last
-   stage's output to every stage; each computes the logits of its vocabulary piece, the log-sum-
-   exp and target logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage
+   stage's output to every stage; each computes the logits of its vocabulary piece, the
+   log-sum-exp and target logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage
    derives its piece's logit gradients by hand; the gradient w.r.t. the last chunk's output is a
    ``psum`` of the pieces' contributions. The head's weights and work are split ``p`` ways, not
    repeated.
