@@ -90,24 +90,30 @@ def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight
     simulate(program, p)
 
 
-def stash_temp_bytes(schedule: str, m: int) -> int:
+def temp_and_planned_stash(schedule: str, m: int) -> tuple[int, int]:
+    """(compiled temp bytes, plan's stash bytes) of a pipe=2 step with ``m`` microbatches."""
+    from jaxpar.inspect.cost import estimate
+
     cfg = validate(load_config("tiny", [
         "mesh.data=1", "mesh.pipe=2", "model.n_layers=2", "model.d_model=128",
         f"train.microbatches={m}", f"train.batch_size={2 * m}", "train.seq_len=128",
-        f"parallel.pipeline_schedule={schedule}"]), 2)
-    return compiled_temp_bytes(cfg, 2)
+        "train.remat=none", f"parallel.pipeline_schedule={schedule}"]), 2)
+    return compiled_temp_bytes(cfg, 2), estimate(cfg, "h100").memory.stash
 
 
-def test_1f1b_memory_stays_flat_in_microbatches_while_gpipe_grows():
+def test_1f1b_memory_stays_flat_in_microbatches_while_gpipe_grows_as_the_plan_predicts():
     activation = 2 * 128 * 128 * 4  # one microbatch's stage input: 2 rows x 128 x d_model fp32
-    gpipe = stash_temp_bytes("gpipe", 16) - stash_temp_bytes("gpipe", 4)
-    one_f_one_b = stash_temp_bytes("1f1b", 16) - stash_temp_bytes("1f1b", 4)
+    (gpipe4, plan4), (gpipe16, plan16) = (temp_and_planned_stash("gpipe", m) for m in (4, 16))
+    gpipe = gpipe16 - gpipe4
+    one_f_one_b = temp_and_planned_stash("1f1b", 16)[0] - temp_and_planned_stash("1f1b", 4)[0]
     # GPipe stashes every microbatch's forward residuals (with remat=none: the layer's inputs,
     # norms, q/k/v, scores, MLP hiddens: many activations) until the backward wave, so 12 more
     # microbatches hold 12 more residual sets. 1F1B holds at most 2p-1 = 3 whatever m is.
     per_microbatch = gpipe / 12
     assert per_microbatch >= 4 * activation, (gpipe, activation)
     assert one_f_one_b < per_microbatch, (one_f_one_b, per_microbatch)
+    # The plan's stash follows the compiled growth (12 more residual sets, output gradients).
+    assert 0.9 <= (plan16 - plan4) / gpipe <= 1.1, (plan16 - plan4, gpipe)
 
 
 @pytest.mark.parametrize("overrides,message", [

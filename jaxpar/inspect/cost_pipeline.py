@@ -57,9 +57,11 @@ def pipeline_memory(st: StepSizes, residuals_per_layer: int) -> tuple[int, int]:
     """(layers whose activations are saved outside the stash, stash bytes). Between a chunk's F
     and its backward its residuals wait in a stash slot (``residuals_per_layer``: what remat
     saves for one layer), beside arrived inputs and output gradients; each stash has one spare
-    slot that masked writes go to. Nothing else is saved across steps."""
+    slot that masked writes go to. Nothing else is saved across steps. XLA copies the
+    output-gradient stash where one stretch's loop hands it to the next while the old one is
+    still read (seen on XLA:CPU), so that stash counts twice."""
     chunk_layers = st.layers // st.cfg.parallel.virtual_stages
-    slots = st.pipeline["activation_slots"] + st.pipeline["gradient_slots"] + 2
+    slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
     return 0, (slots * st.act // (st.t if st.sp else 1)
                + (st.pipeline["residual_slots"] + 1) * chunk_layers * residuals_per_layer)
 

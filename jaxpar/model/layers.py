@@ -102,6 +102,9 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
     return rotated.astype(x.dtype)
 
 
+_MASKED = -1e30  # far below any score, but finite: -big + score must not overflow to -inf
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      positions: jax.Array | None = None) -> jax.Array:
     """Grouped-query causal attention. q: [B, S, H, D]; k, v: [B, S, K, D] -> [B, S, H, D].
@@ -120,7 +123,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     else:
         causal = (positions[:, :, None] >= positions[:, None, :])[:, None, None]
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    # An additive bias, not jnp.where(causal, scores, -big): where's derivative keeps the mask
+    # and a broadcast of zeros as residuals ([B, K, G, S, S] each), which a pipeline would
+    # stash per microbatch; an addition keeps nothing.
+    scores = scores + jnp.where(causal, 0.0, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)

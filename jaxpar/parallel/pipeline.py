@@ -344,14 +344,20 @@ def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
         return lax.with_sharding_constraint(
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree), specs)
 
+    # Each stash starts filled with its own value (what a slot holds before its first write
+    # is never used): XLA merges equal constant buffers into one and copies it into each
+    # carry, which kept one more stash-sized buffer alive (seen: +25% of GPipe's stash).
+    fills = iter(range(2 + len(env.res_shapes)))
+
     def stash(slots: int) -> jax.Array:
         return lax.with_sharding_constraint(
-            jnp.zeros((slots + 1, *env.act.shape), env.act.dtype), stash_spec)
+            jnp.full((slots + 1, *env.act.shape), next(fills), env.act.dtype), stash_spec)
 
     v = jax.tree.leaves(env.chunks)[0].shape[0]
     aux0 = {k: jnp.zeros((v, *a.shape) if k in env.stages.layer_stacked else a.shape, a.dtype)
             for k, a in env.aux_shapes.items()}
-    res0 = [jnp.zeros((program.res_slots + 1, *r.shape), r.dtype) for r in env.res_shapes]
+    res0 = [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
+            for r in env.res_shapes]
     return _Carry(stash(program.act_slots), res0, stash(program.grad_slots),
                   zeros(env.chunks, layer_grad_specs), zeros(env.shared, shared_grad_specs),
                   jnp.zeros((), jnp.float32), aux0)
