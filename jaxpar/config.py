@@ -85,6 +85,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # auto: cuDNN on a GPU in 16-bit, else blockwise when the sequence spans several blocks
+    attention: Literal["auto", "dense", "blockwise", "cudnn"] = "auto"
+    attention_block: int = 512  # queries x keys per block of blockwise (and ring) attention
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -544,6 +547,22 @@ def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
              f"train.seq_len={t.seq_len} is not divisible by {seq_shards}, which "
              + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
                 "context parallelism (2*context)") + " needs")
+    _check_attention_blocks(cfg, mesh)
+
+
+def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
+    """Blockwise attention tiles the sequence a device attends with (each chunk of it, under
+    context parallelism) into blocks of ``model.attention_block``, or one block if shorter."""
+    m, t = cfg.model, cfg.train
+    _require(m.attention_block >= 1, f"model.attention_block={m.attention_block}: must be >= 1")
+    tiled = t.seq_len // (mesh.context * (2 if cfg.parallel.zigzag else 1)
+                          if mesh.context > 1 else 1)
+    if m.attention in ("auto", "blockwise") or mesh.context > 1:
+        _require(tiled <= m.attention_block or tiled % m.attention_block == 0,
+                 f"model.attention_block={m.attention_block} does not divide the {tiled} tokens "
+                 "blockwise attention tiles (train.seq_len" + (" / context chunks" if
+                                                               mesh.context > 1 else "")
+                 + "); pick a divisor, or a block at least that long")
 
 
 def _check_optimizer(t: TrainConfig) -> None:

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
-from jaxpar.model.layers import causal_attention
+from jaxpar.model.attention import dense_attention as causal_attention
 from jaxpar.model.transformer import create_model
 from jaxpar.train.step import build_trainer
 

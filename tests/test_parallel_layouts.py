@@ -46,6 +46,10 @@ LAYOUTS = {
     "data=2,context=2,tensor=2": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"],
     "data=2,context=4,allgather": ["mesh.data=2", "mesh.context=4",
                                    "parallel.context_impl=allgather"],
+    # Blockwise attention (4 x 4 blocks of 8 tokens) with the heads split over tensor, against
+    # the reference's dense attention.
+    "data=2,tensor=2,blockwise": ["mesh.data=2", "mesh.tensor=2", "model.attention=blockwise",
+                                  "model.attention_block=8"],
 }
 REFERENCE = ["mesh.data=1"]
 

@@ -30,9 +30,10 @@ Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / device
 counts; attention as the full S x S square). Executed flops add the one-hot embedding matmul
 (2VE forward + 2VE weight gradient per token), the recomputation (``dots`` redoes attention's
 forward, 4 L H D S per token; ``full`` also each layer's matmuls, 2 x their parameters) and, under
-ring attention, the difference between the blocks the busiest device computes -- (2c+1)/(4c) of
-the square with the zigzag layout, all of it without -- with a flash-style backward (5 block
-matmuls against dense attention's 4; ring attention is never recomputed) and the dense count.
+flash attention (blockwise, ring or all-gather over ``context``), the difference between the
+blocks the busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of
+it without; (n+1)/(2n) of n x n blocks on one device -- with a flash-style backward (5 block
+matmuls against dense attention's 4; never recomputed by remat) and the dense count.
 
 Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
 as no kernel reaches it and memory-bound work and latency are ignored); each collective takes
@@ -73,12 +74,12 @@ class FlopsCost:
     model: float  # useful work (what MFU counts): flops.train_flops_per_token x tokens
     embedding_one_hot: float  # the one-hot embedding matmul, forward + weight gradient
     recompute: float  # remat's extra forward work
-    context_attention: float = 0.0  # ring attention's executed minus dense attention's flops
+    flash_attention: float = 0.0  # blockwise/ring attention's executed minus dense's flops
     expert_padding: float = 0.0  # MoE rows computed that carry no token (and XLA:CPU's ragged_dot)
 
     @property
     def executed(self) -> float:
-        return (self.model + self.embedding_one_hot + self.recompute + self.context_attention
+        return (self.model + self.embedding_one_hot + self.recompute + self.flash_attention
                 + self.expert_padding)
 
 
@@ -143,7 +144,8 @@ def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> Cost
     if any(size < 1 for size in cfg.mesh_shape.values()):
         raise ConfigError("estimate: the config must be validated first (mesh has a -1 axis)")
     hw = get_profile(hardware) if hardware is not None else None
-    st = step_sizes(cfg, xla_cpu=hw is None or hw.name == "cpu")
+    st = step_sizes(cfg, xla_cpu=hw is None or hw.name == "cpu",
+                    platform="cpu" if hw is None else hw.platform)
     params = param_costs(cfg)
     collectives = all_collectives(st, params)
     flops = _flops(st)
@@ -168,9 +170,10 @@ def _notes(st: StepSizes) -> list[str]:
                      "compiled step does")
     if st.pipeline is not None:
         notes.append(pipeline_note(st))
-    if st.ring:
-        notes.append("ring attention skips the causal half of the S x S square that model flops "
-                     "(jaxpar.model.flops) count as useful, so the MFU bound can pass 100%")
+    if st.flash:
+        notes.append(f"{st.attention} attention skips the causal half of the S x S square that "
+                     "model flops (jaxpar.model.flops) count as useful, so the MFU bound can "
+                     "pass 100%")
     if st.moe_exchange is not None:
         moe, slots = st.cfg.model.moe, st.tokens * st.cfg.model.moe.top_k
         notes.append(f"MoE all-to-alls carry {st.expert_rows:,} rows per layer and device, "
@@ -186,8 +189,8 @@ def _flops(st: StepSizes) -> FlopsCost:
     per_device = cfg.train.batch_size * cfg.train.seq_len / math.prod(st.mesh.values())
     attention_forward = 4 * m.n_layers * m.n_heads * m.resolved_head_dim * st.s  # per token
     layer_matmuls = matmul_params(m) - m.d_model * m.vocab_size
-    # Ring attention runs inside a custom VJP whose outputs are kept, so remat never redoes it.
-    recomputed_attention = 0 if st.ring else attention_forward
+    # Flash attention runs inside a custom VJP whose outputs are kept: remat never redoes it.
+    recomputed_attention = 0 if st.flash else attention_forward
     # The routed experts' matmuls (ragged or batched dots) are not what `dots` saves.
     expert = 3 * m.d_model * m.resolved_d_ff_expert if m.moe.enabled else 0
     recomputed_experts = 2 * m.n_moe_layers * m.moe.top_k * expert
@@ -205,19 +208,16 @@ def _flops(st: StepSizes) -> FlopsCost:
         rows = st.expert_rows * (local if st.xla_cpu and m.moe.dispatch == "dropless" else 1)
         padding = (m.n_moe_layers * st.accum * (rows - st.tokens * m.moe.top_k) * 6 * expert
                    / st.t)
-    ring_delta = 0.0
-    if st.ring:
-        # Blocks computed by the busiest device, as a fraction of the full S x S square: the
-        # zigzag layout balances the causal half (2c+1 of 4c chunk pairs each); a contiguous
-        # split leaves the last device all of its blocks. Flash-style backward: 5 matmuls per
-        # block (scores recomputed) against dense attention's 4, forward 2 as dense.
-        c = st.c
-        done = (2 * c + 1) / (4 * c) if cfg.parallel.zigzag else 1.0
-        ring_delta = done * attention_forward * (1 + 10 / 4) - 3 * attention_forward
+    flash_delta = 0.0
+    if st.flash:
+        # The blocks computed (StepSizes.computed_share of the S x S square), with a
+        # flash-style backward: 5 matmuls per block (scores recomputed) against dense
+        # attention's 4, forward 2 as dense.
+        flash_delta = st.computed_share * attention_forward * (1 + 10 / 4) - 3 * attention_forward
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
                      embedding_one_hot=4 * m.vocab_size * m.d_model * per_device,
                      recompute=recompute * per_device,
-                     context_attention=ring_delta * per_device,
+                     flash_attention=flash_delta * per_device,
                      expert_padding=padding)
 
 

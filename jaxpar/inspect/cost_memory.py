@@ -21,9 +21,10 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 - Weights: ``remat=none`` also keeps each layer's weights as its matmuls read them (cast to the
   compute dtype and, under FSDP, gathered whole) for the backward pass: one more copy of all
   layer weights per device, which FSDP does not split. The remat policies recompute them.
-- Ring attention (``context > 1``) never holds scores: its custom VJP keeps the float32 output
-  and log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of
-  (S/c/2)^2 scores (zigzag) at a time.
+- Flash attention (``model.attention`` blockwise or cudnn, and ring or all-gather attention
+  over ``context``) never holds scores: its custom VJP keeps the float32 output and
+  log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of scores at a
+  time (``model.attention_block`` squared, at most one zigzag chunk's).
 - A MoE layer keeps, instead of the SwiGLU's tensors, the router's float32 logits, probabilities
   and choices, the k copies of each token and their outputs, the rows sent, received and
   returned by its all-to-alls and the experts' five hidden-sized tensors per row (see
@@ -105,13 +106,13 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     q = b * s * (m.n_heads // t) * d * a
     kv = 2 * b * s * (m.n_kv_heads // t) * d * a
     mlp = b * s * (m.d_ff // t) * a
-    # Ring attention's custom VJP keeps its float32 output and log-sum-exp whatever the policy.
-    ring = b * s * (m.n_heads // t) * (d + 1) * 4 if st.ring else 0
+    # Flash attention's custom VJP keeps its float32 output and log-sum-exp whatever the policy.
+    flash = b * s * (m.n_heads // t) * (d + 1) * 4 if st.flash else 0
     if remat == "full":
-        return residual + ring
+        return residual + flash
     ffn = _moe_activations(st, remat) if moe else (5 if remat == "none" else 2) * mlp
     if remat == "dots":
-        return residual + q + kv + full + ffn + ring
+        return residual + q + kv + full + ffn + flash
     # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
     # values and the (gathered) output; rotated q, k and v; the attention output; gate, its
     # sigmoid, silu(gate), up and their product; two float32 S x S tensors per head (XLA keeps
@@ -119,8 +120,8 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     # probabilities for the weighted sum when that dtype is narrower.
     norm = residual + residual * 4 // a + full
     keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
-    probs = 0 if st.ring else b * (m.n_heads // t) * s * keys * (2 * 4 + (a if a < 4 else 0))
-    return 2 * norm + q + kv + q + ffn + probs + ring
+    probs = 0 if st.flash else b * (m.n_heads // t) * s * keys * (2 * 4 + (a if a < 4 else 0))
+    return 2 * norm + q + kv + q + ffn + probs + flash
 
 
 def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
@@ -141,9 +142,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1:  # one layer's weights and gradient
         gathered = 2 * layer_weights + sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                                            for p in params if not p.stacked)
-    if st.ring:  # one block's float32 scores, probabilities and their gradients
-        chunk = st.sl // (2 if cfg.parallel.zigzag else 1)
-        head += 4 * st.b * (m.n_heads // st.t) * chunk * chunk * 4
+    if st.flash:  # one block's float32 scores, probabilities and their gradients
+        head += 4 * st.b * (m.n_heads // st.t) * st.block * st.block * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
     per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
     saved_layers, stash = (pipeline_memory(st, per_layer) if st.pipeline is not None

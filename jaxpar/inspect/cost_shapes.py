@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from jaxpar.config import BATCH_AXES, Config
 from jaxpar.inspect.cost_params import PARAM_BYTES
+from jaxpar.model.attention import resolve
 from jaxpar.parallel.pipeline import describe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -34,6 +35,7 @@ class StepSizes:
     sp: bool  # sequence parallelism in effect (tensor > 1)
     xla_cpu: bool  # predict XLA:CPU's program rather than the GPU/TPU compilers'
     pipeline: dict | None = None  # parallel.pipeline.describe() when pipe > 1
+    platform: str = "cpu"  # the backend `model.attention=auto` resolves for
 
     @property
     def p(self) -> int:
@@ -81,6 +83,38 @@ class StepSizes:
     @property
     def ring(self) -> bool:
         return self.c > 1 and self.cfg.parallel.context_impl == "ring"
+
+    @property
+    def attention(self) -> str:
+        """The attention the step runs: ``ring``/``allgather`` over ``context`` (both on the
+        blockwise kernel), else what ``model.attention`` resolves to on ``platform``."""
+        if self.c > 1:
+            return self.cfg.parallel.context_impl
+        m = self.cfg.model
+        return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype)
+
+    @property
+    def flash(self) -> bool:
+        """Attention with an online softmax and a custom VJP: it saves the output and the
+        log-sum-exp, never a score matrix, and recomputes the scores backward."""
+        return self.attention != "dense"
+
+    @property
+    def block(self) -> int:
+        """Queries (and keys) per block of the flash kernel: ``model.attention_block``, at most
+        one contiguous piece of the local sequence (a zigzag chunk under context parallelism)."""
+        piece = (self.sl // (2 if self.cfg.parallel.zigzag else 1) if self.c > 1 else self.s)
+        return min(self.cfg.model.attention_block, piece)
+
+    @property
+    def computed_share(self) -> float:
+        """Share of the S x S square the busiest device's flash kernel computes: the zigzag
+        layout balances the causal half (2c+1 of 4c chunk pairs each); a contiguous split
+        leaves the last device all of its blocks; on one device, n(n+1)/2 of n^2 blocks."""
+        if self.c > 1:
+            return (2 * self.c + 1) / (4 * self.c) if self.cfg.parallel.zigzag else 1.0
+        n = self.s // self.block
+        return (n + 1) / (2 * n)
 
     @property
     def act(self) -> int:
@@ -143,7 +177,7 @@ class StepSizes:
         return self.tokens_x_embed(self.wire) // (self.t if self.sp else 1)
 
 
-def step_sizes(cfg: Config, xla_cpu: bool) -> StepSizes:
+def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
     """The sizes of one step of ``cfg`` (validated), for XLA:CPU's program or an accelerator's."""
     mesh = dict(cfg.mesh_shape)
     shards = math.prod(mesh[a] for a in BATCH_AXES)
@@ -153,4 +187,4 @@ def step_sizes(cfg: Config, xla_cpu: bool) -> StepSizes:
                 if mesh["pipe"] > 1 else None)
     return StepSizes(cfg=cfg, b=b, s=t.seq_len, a=DTYPE_BYTES[t.dtype], accum=t.grad_accum,
                      mesh=mesh, sp=par.sequence_parallel and mesh["tensor"] > 1,
-                     xla_cpu=xla_cpu, pipeline=pipeline)
+                     xla_cpu=xla_cpu, pipeline=pipeline, platform=platform)

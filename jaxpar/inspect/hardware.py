@@ -52,6 +52,11 @@ class HardwareProfile:
     domain_size: int  # devices that share the fast links (GPUs per node, chips per slice)
     nominal: bool = False  # True: made-up round numbers, not a data sheet
 
+    @property
+    def platform(self) -> str:
+        """jax's name of the backend: cpu, tpu or gpu."""
+        return self.name if self.name == "cpu" else "tpu" if self.name.startswith("tpu") else "gpu"
+
     def axis_link(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...]
                   ) -> tuple[str, float]:
         """(link name, send bytes/s) a collective over ``axis`` (or several axes) gets.

@@ -250,9 +250,10 @@ def _timing_table(report: CostReport) -> Table:
     timing.add_row("model flops", human_flops(f.model), "useful work (what MFU counts)")
     extra = (f"+ one-hot embedding {human_flops(f.embedding_one_hot)}, remat recompute "
              f"{human_flops(f.recompute)}")
-    if f.context_attention:
-        sign = "+" if f.context_attention > 0 else "-"
-        extra += f", ring attention {sign}{human_flops(abs(f.context_attention))} (causal skips)"
+    if f.flash_attention:
+        sign = "+" if f.flash_attention > 0 else "-"
+        extra += (f", flash attention {sign}{human_flops(abs(f.flash_attention))} (causal "
+                  "skips, scores recomputed)")
     if f.expert_padding:
         extra += f", MoE rows without a token {human_flops(f.expert_padding)}"
     timing.add_row("executed flops", human_flops(f.executed), extra)

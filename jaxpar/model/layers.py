@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import attention_override, constrain, relayout, weights_prepared
+from jaxpar.model.attention import dense_attention
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
@@ -102,36 +103,6 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
     return rotated.astype(x.dtype)
 
 
-_MASKED = -1e30  # far below any score, but finite: -big + score must not overflow to -inf
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     positions: jax.Array | None = None) -> jax.Array:
-    """Grouped-query causal attention. q: [B, S, H, D]; k, v: [B, S, K, D] -> [B, S, H, D].
-
-    Query head h uses kv head h // G, so a contiguous block of query heads shares one kv head and
-    splitting H and K over the same mesh axis keeps each group on one device. The causal mask
-    comes from ``positions`` [B, S] when given (tokens may be stored out of order, as context
-    parallelism's load-balanced layout does), else from the storage order.
-    """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(d))
-    if positions is None:
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-    else:
-        causal = (positions[:, :, None] >= positions[:, None, :])[:, None, None]
-    # An additive bias, not jnp.where(causal, scores, -big): where's derivative keeps the mask
-    # and a broadcast of zeros as residuals ([B, K, G, S, S] each), which a pipeline would
-    # stash per microbatch; an addition keeps nothing.
-    scores = scores + jnp.where(causal, 0.0, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
-
-
 class Attention(nnx.Module):
     """QKV projections are column-parallel (split on heads), the output projection row-parallel."""
 
@@ -155,7 +126,7 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         q = rotary_embedding(q, positions, self.rope_theta)
         k = rotary_embedding(k, positions, self.rope_theta)
-        attend = attention_override() or causal_attention
+        attend = attention_override() or dense_attention
         out = attend(q, k, v, positions)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bshd,hde->bse", out,

@@ -1,10 +1,11 @@
 """The parallel layout's hooks into the model, installed for one trace.
 
 The model names logical axes and calls three hooks (:mod:`jaxpar.model.annotate`): activation
-constraints, attention (ring or all-gather attention over ``context``), and the experts'
-dispatch (all-to-all over ``expert``). This module builds all three for a mesh shape. The train
-step installs them for the whole mesh; the pipeline executor installs them again inside its
-``shard_map`` for the mesh that stays automatic there (the axes it handles by hand counted as 1).
+constraints, attention (ring or all-gather attention over ``context``, else the implementation
+``model.attention`` picks for the backend), and the experts' dispatch (all-to-all over
+``expert``). This module builds all three for a mesh shape. The train step installs them for the
+whole mesh; the pipeline executor installs them again inside its ``shard_map`` for the mesh that
+stays automatic there (the axes it handles by hand counted as 1).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Mapping
 
 from jaxpar.config import BATCH_AXES, Config
 from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
-from jaxpar.parallel.context import context_attention
+from jaxpar.model.attention import attention_fn, resolve
+from jaxpar.parallel.context import context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 
@@ -26,8 +28,7 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     rules = logical_rules(cfg)
     n_context = mesh_shape["context"]
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
-    attention = (context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
-                                   batch_axes) if n_context > 1 else None)
+    attention = _attention(cfg, n_context, batch_axes, platform)
     # MoE layers route each device's own tokens (and exchange them over `expert`): without the
     # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
@@ -38,3 +39,15 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     stack.enter_context(use_attention(attention))
     stack.enter_context(use_experts(experts))
     return stack
+
+
+def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...], platform: str):
+    """Attention over ``context`` when the sequence is split (ring or all-gather, both tiled
+    by the blockwise kernel), else the implementation ``model.attention`` resolves to here."""
+    m, seq_len = cfg.model, cfg.train.seq_len
+    if n_context > 1:
+        block = min(m.attention_block, local_tokens(seq_len, n_context, cfg.parallel.zigzag))
+        return context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
+                                 batch_axes, block)
+    name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype)
+    return attention_fn(name, min(m.attention_block, seq_len))

@@ -1,0 +1,305 @@
+"""Causal grouped-query attention: dense, blockwise (flash-style), and cuDNN's fused kernel.
+
+Shapes: q ``[B, S, H, D]``, k and v ``[B, S, K, D]`` with ``H = K x G``; query head h reads kv
+head ``h // G``. Inside, queries are grouped ``[B, S, K, G, D]`` so that the G query heads of one
+kv head share its keys. The causal mask comes from positions ``[B, S]``: a query sees the keys
+whose position is at most its own (tokens may be stored out of order, as context parallelism's
+load-balanced layout does).
+
+``dense``: the scores ``[B, K, G, S, S]`` in float32, a softmax, the weighted sum. Autodiff keeps
+the probabilities (and the exponentials) for the backward pass: O(S^2) bytes per head and layer.
+
+``blockwise`` (FlashAttention-2's algorithm in plain JAX). Queries in blocks of ``bq`` rows, keys
+in blocks of ``bk``; for each query block an online softmax runs over the key blocks, keeping a
+running max ``m``, sum ``l`` and output ``o``::
+
+    s = q k^T / sqrt(D);  m' = max(m, rowmax s);  p = exp(s - m')
+    l' = l exp(m - m') + rowsum p;  o' = o exp(m - m') + p v;  out = o / l, lse = m + log l
+
+A custom VJP keeps only q, k, v, ``out`` and ``lse`` (O(S) per head) and the backward pass
+recomputes each block's probabilities from ``lse``: ``p = exp(s - lse)``, ``dv += p^T do``,
+``dp = do v^T``, ``ds = p (dp - delta) / sqrt(D)`` with ``delta = rowsum(do * out)``,
+``dq += ds k``, ``dk += ds^T q``. Alive at a time: one ``[B, bq, K, G, bk]`` block of scores.
+Blocks whose keys all come after all their queries are skipped at run time (a compute-only
+``lax.switch``), blocks whose keys all come before need no mask: a causal sequence computes
+about half the square. Flops: the forward's two matmuls on the blocks computed, the backward's
+five (scores again, dv, dp, dq, dk), 2.5 times the forward.
+
+``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only, causal by storage
+order (no out-of-order positions), bfloat16 or float16.
+
+The block kernels (:func:`fold_keys`, :func:`unfold_keys`) also serve ring attention
+(:mod:`jaxpar.parallel.context`): each key/value block arriving over the ring is folded into the
+same running statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpar.config import ConfigError
+
+SKIP, FULL, MASKED = 0, 1, 2
+NEG = -1e30  # a finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn")
+
+
+def resolve(name: str, platform: str, seq_len: int, block: int, dtype) -> str:
+    """The implementation ``model.attention=name`` means here. ``auto``: cuDNN on a GPU in a
+    16-bit dtype; else blockwise when the sequence spans several blocks (one block saves
+    nothing: it is the dense computation with recomputation added), dense otherwise."""
+    if name == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention=cudnn needs a GPU (this backend: {platform}); "
+                          "allowed here: auto, dense, blockwise")
+    if name != "auto":
+        return name
+    if platform == "gpu" and jnp.dtype(dtype).itemsize == 2:
+        return "cudnn"
+    return "blockwise" if seq_len > block else "dense"
+
+
+def block_kind(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """SKIP, FULL or MASKED for a block of queries against a block of keys (numpy or jax)."""
+    skip = q_pos.max() < k_pos.min()
+    full = q_pos.min() > k_pos.max()
+    return jnp.where(skip, SKIP, jnp.where(full, FULL, MASKED))
+
+
+def group(q: jax.Array, kv_heads: int) -> jax.Array:
+    """``[B, S, H, D]`` -> ``[B, S, K, G, D]``."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d)
+
+
+# --------------------------------------------------------------------------------------------
+# Dense
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None = None
+                    ) -> jax.Array:
+    """Causal GQA over the whole square; the mask from ``positions`` (else storage order)."""
+    b, s, h, d = q.shape
+    qg = group(q, k.shape[2])
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d))
+    if positions is None:
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    else:
+        causal = (positions[:, :, None] >= positions[:, None, :])[:, None, None]
+    # An additive bias, not jnp.where(causal, scores, NEG): where's derivative keeps the mask
+    # and a broadcast of zeros as residuals ([B, K, G, S, S] each), which a pipeline would
+    # stash per microbatch; an addition keeps nothing.
+    scores = scores + jnp.where(causal, 0.0, NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+# --------------------------------------------------------------------------------------------
+# One block, forward and backward (grouped layout)
+
+
+def _scores(q, k, q_pos, k_pos, masked: bool):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("bskgd,btkd->bskgt", q, k, preferred_element_type=jnp.float32) * scale
+    visible = None
+    if masked:
+        visible = (q_pos[:, :, None] >= k_pos[:, None, :])[:, :, None, None, :]
+        s = jnp.where(visible, s, NEG)
+    return s, visible
+
+
+def forward_block(acc: tuple, q, k, v, q_pos, k_pos, masked: bool) -> tuple:
+    """Fold one key/value block into the running (output, max, sum) of an online softmax."""
+    out, m, total = acc
+    s, visible = _scores(q, k, q_pos, k_pos, masked)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    if masked:  # a row with no visible key yet must add nothing (exp(NEG - NEG) = 1)
+        p = jnp.where(visible, p, 0.0)
+    correction = jnp.exp(m - m_new)
+    total_new = total * correction + p.sum(-1)
+    pv = jnp.einsum("bskgt,btkd->bskgd", p.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32)
+    return out * correction[..., None] + pv, m_new, total_new
+
+
+def backward_block(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, masked: bool) -> tuple:
+    """(dq, dk, dv) plus one block's contributions, from the saved log-sum-exp."""
+    dq, dk, dv = grads
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s, visible = _scores(q, k, q_pos, k_pos, masked)
+    p = jnp.exp(s - lse[..., None])
+    if masked:
+        p = jnp.where(visible, p, 0.0)
+    dv = dv + jnp.einsum("bskgt,bskgd->btkd", p, do.astype(jnp.float32))
+    dp = jnp.einsum("bskgd,btkd->bskgt", do, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = dq + jnp.einsum("bskgt,btkd->bskgd", ds, k.astype(jnp.float32))
+    dk = dk + jnp.einsum("bskgt,bskgd->btkd", ds, q.astype(jnp.float32))
+    return dq, dk, dv
+
+
+def _by_kind(fn: Callable, state, q_pos, k_pos):
+    """``fn(state, masked)`` for a block that is not skipped; a skipped block costs nothing.
+    Which blocks are skipped depends on the positions (zigzag, ring step), so the choice is
+    made at run time; the branches hold no collective."""
+    return lax.switch(block_kind(q_pos, k_pos), [
+        lambda st: st, lambda st: fn(st, False), lambda st: fn(st, True)], state)
+
+
+# --------------------------------------------------------------------------------------------
+# Many blocks: queries and keys tiled
+
+
+def _tiles(x: jax.Array, size: int) -> jax.Array:
+    """``[B, S, ...]`` -> ``[S/size, B, size, ...]``."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, s // size, size, *x.shape[2:]), 1, 0)
+
+
+def _untile(x: jax.Array) -> jax.Array:
+    n, b, size = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape(b, n * size, *x.shape[3:])
+
+
+def zeros_like(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.Array:
+    """float32 zeros (of ``shape``, default ``x``'s) that vary over the same manual mesh axes
+    as ``x``: inside ``shard_map`` an accumulator must be typed as per-device from the start,
+    as it will be once it holds per-device sums."""
+    return lax.full_like(x, 0, jnp.float32, shape)  # full_like keeps x's manual axis types
+
+
+def empty_statistics(q: jax.Array) -> tuple:
+    """(output, max, sum) of an online softmax that has seen no key, for grouped ``q``."""
+    zeros = zeros_like(q, q.shape[:-1])
+    return zeros_like(q), zeros + NEG, zeros
+
+
+def fold_keys(acc: tuple, q, k, v, q_pos, k_pos, block: int) -> tuple:
+    """``acc`` (:func:`empty_statistics` of grouped ``q``) after every key of ``k``/``v``,
+    queries and keys taken ``block`` at a time."""
+    bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
+    keys = (_tiles(k, bk), _tiles(v, bk), _tiles(k_pos, bk))
+
+    def one_query_block(args):
+        acc, qb, qpos = args
+
+        def one_key_block(acc, key):
+            kb, vb, kpos = key
+            return _by_kind(lambda a, masked: forward_block(a, qb, kb, vb, qpos, kpos, masked),
+                            acc, qpos, kpos), None
+
+        return lax.scan(one_key_block, acc, keys)[0]
+
+    tiled = jax.tree.map(lambda a: _tiles(a, bq), acc)
+    return jax.tree.map(_untile, lax.map(one_query_block, (tiled, _tiles(q, bq),
+                                                            _tiles(q_pos, bq))))
+
+
+def unfold_keys(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, block: int) -> tuple:
+    """(dq, dk, dv) float32 plus the gradients of attending grouped ``q`` to ``k``/``v``, from
+    the forward's ``lse`` and ``delta = rowsum(do * out)``: for each key block, a pass over
+    the query blocks accumulates its dk, dv and adds to each query block's dq."""
+    bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
+    dq, dk, dv = grads
+    queries = tuple(_tiles(a, bq) for a in (q, do, lse, delta, q_pos))
+
+    def one_key_block(dq_tiles, key):
+        kb, vb, kpos, dkb, dvb = key
+
+        def one_query_block(kv_grads, query):
+            (qb, dob, lseb, deltab, qpos), dqb = query[:5], query[5]
+
+            def block_grads(state, masked):
+                return backward_block(state, qb, kb, vb, dob, lseb, deltab, qpos, kpos, masked)
+
+            dqb, dkb, dvb = _by_kind(block_grads, (dqb, *kv_grads), qpos, kpos)
+            return (dkb, dvb), dqb
+
+        (dkb, dvb), dq_tiles = lax.scan(one_query_block, (dkb, dvb), (*queries, dq_tiles))
+        return dq_tiles, (dkb, dvb)
+
+    dq_tiles, (dk, dv) = lax.scan(one_key_block, _tiles(dq, bq),
+                                  (_tiles(k, bk), _tiles(v, bk), _tiles(k_pos, bk),
+                                   _tiles(dk, bk), _tiles(dv, bk)))
+    return _untile(dq_tiles), _untile(dk), _untile(dv)
+
+
+def finish(acc: tuple) -> tuple[jax.Array, jax.Array]:
+    """(normalised output, log-sum-exp) from an online softmax's statistics."""
+    out, m, total = acc
+    return out / total[..., None], m + jnp.log(total)
+
+
+# --------------------------------------------------------------------------------------------
+# Blockwise attention on one device
+
+
+def _blockwise_forward(q, k, v, q_pos, k_pos, block):
+    return finish(fold_keys(empty_statistics(q), q, k, v, q_pos, k_pos, block))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def blockwise(q, k, v, q_pos, k_pos, block: int) -> jax.Array:
+    """Grouped ``q`` [B, Sq, K, G, D] attending to ``k``/``v`` [B, Sk, K, D] by positions,
+    ``block`` x ``block`` at a time; keeps O(S) for the backward pass (module docstring)."""
+    return _blockwise_forward(q, k, v, q_pos, k_pos, block)[0].astype(q.dtype)
+
+
+def whole(fn: Callable, *static: int) -> Callable:
+    """``fn`` under ``jax.checkpoint``, for a custom VJP's forward that runs inside a scan.
+    Differentiating the model's layer scan, JAX splits such a forward into what depends on the
+    positions alone and the rest, and stacks the former (each block pair's mask) across every
+    block pair as residuals: O(S^2) bytes again (seen: 7.5 MB against 1.9 MB). A checkpointed
+    function is kept whole."""
+    return jax.checkpoint(fn, static_argnums=static)
+
+
+def _blockwise_fwd(q, k, v, q_pos, k_pos, block):
+    out, lse = whole(_blockwise_forward, 5)(q, k, v, q_pos, k_pos, block)
+    return out.astype(q.dtype), (q, k, v, q_pos, k_pos, out, lse)
+
+
+def _blockwise_bwd(block, residuals, do):
+    q, k, v, q_pos, k_pos, out, lse = residuals
+    delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)
+    zeros = tuple(zeros_like(a) for a in (q, k, v))
+    dq, dk, dv = unfold_keys(zeros, q, k, v, do, lse, delta, q_pos, k_pos, block)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise_attention(block: int) -> Callable:
+    """``attention(q, k, v, positions)`` computed ``block`` queries x ``block`` keys at a time
+    (the module docstring); ``block`` must divide the sequence, or exceed it."""
+    def attend(q, k, v, positions=None):
+        b, s = q.shape[:2]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        out = blockwise(group(q, k.shape[2]), k, v, positions, positions, block)
+        return out.reshape(q.shape)
+    return attend
+
+
+def cudnn_attention(q, k, v, positions=None):
+    """cuDNN's fused causal attention (GPU; causal by storage order, so ``positions`` must be
+    in order, as they are without context parallelism)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def attention_fn(name: str, block: int) -> Callable:
+    """The function of a resolved implementation name (:func:`resolve`)."""
+    if name == "blockwise":
+        return blockwise_attention(block)
+    if name == "cudnn":
+        return cudnn_attention
+    return dense_attention
