@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -213,12 +214,85 @@ def _add_inspect(commands) -> None:
                          "...; the mesh spans the slice's devices")
 
 
-def load_validated(name: str, overrides: list[str]) -> Config:
-    """Read, override, pick the devices (before jax starts), and validate."""
-    from jaxpar.mesh import device_count  # noqa: PLC0415  (imports jax)
+def load_validated(name: str, overrides: list[str], join: bool = False) -> Config:
+    """Read, override, pick the devices (before jax starts), and validate. With ``join`` (only
+    ``train``: inspect, plan and schedule stay one process), first join the multi-process
+    runtime when the ``distributed`` section asks for it, so the mesh spans every process."""
+    from jaxpar.mesh import device_count, start_distributed, use_host_devices  # noqa: PLC0415
 
     cfg = load_config(name, overrides)
+    if join:
+        use_host_devices(cfg.host_devices)
+        start_distributed(cfg.distributed)
     return validate(cfg, device_count(cfg))
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``jaxpar train``; under several processes, also the start-up barrier."""
+    from jaxpar.mesh import barrier  # noqa: PLC0415
+    from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
+
+    cfg = load_validated(args.config, list(args.overrides), join=True)
+    # Every process checked the same config: none compiles while another already failed.
+    barrier("config_checked", cfg.distributed.timeout_s)
+    try:
+        train(cfg)
+    except NonFiniteError as err:
+        _print_error(err)
+        return 1
+    return 0
+
+
+def _print_error(err: BaseException | str) -> None:
+    """``jaxpar: error: ...`` on one line; under several processes it names the process."""
+    label = ""
+    if "jax" in sys.modules:
+        import jax  # noqa: PLC0415  (already imported: costs nothing)
+
+        if jax.distributed.is_initialized():
+            label = f"process {jax.process_index()} of {jax.process_count()}: "
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"jaxpar: error: {label}{text}", file=sys.stderr, flush=True)
+
+
+def _multi_process() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    import jax  # noqa: PLC0415
+
+    return jax.distributed.is_initialized()
+
+
+def _train_guarded(args: argparse.Namespace) -> int:
+    """:func:`run_train`; a failure under several processes ends this process at once.
+
+    A process that fails must not linger in the runtime's graceful shut-down: while it waits
+    there, the others sit in a collective with it until ``distributed.timeout_s`` runs out.
+    Leaving at once closes its connections, so their collectives fail within seconds."""
+    import traceback  # noqa: PLC0415
+
+    from jaxpar.mesh import DistributedError  # noqa: PLC0415
+
+    code = 1
+    try:
+        code = run_train(args)
+    except ConfigError as err:
+        _print_error(err)
+        code = 2
+    except DistributedError as err:
+        _print_error(err)
+    except KeyboardInterrupt:
+        _print_error("interrupted")
+    except Exception as err:  # noqa: BLE001
+        if not _multi_process():
+            raise
+        traceback.print_exc()
+        _print_error(f"{type(err).__name__}: {err} (the other processes stop as well)")
+    if code != 0 and _multi_process():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _require_matplotlib() -> None:
@@ -335,20 +409,13 @@ def main(argv: list[str] | None = None) -> int:
                 console.width = max(console.width, 140)
             return plan_main(load_config(args.config, overrides), hardware=args.hardware,
                              search=args.search, device_count=args.devices, console=console)
+        if args.command == "train":
+            return _train_guarded(args)
         cfg = load_validated(args.config, overrides)
         if args.command == "config":
             print(to_yaml(cfg), end="")
             return 0
-        if args.command == "inspect":
-            return run_inspect(args, cfg)
-        from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
-
-        try:
-            train(cfg)
-        except NonFiniteError as err:
-            print(f"jaxpar: error: {err}", file=sys.stderr)
-            return 1
-        return 0
+        return run_inspect(args, cfg)
     except ConfigError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2
