@@ -271,7 +271,7 @@ def _train_guarded(args: argparse.Namespace) -> int:
     Leaving at once closes its connections, so their collectives fail within seconds."""
     import traceback  # noqa: PLC0415
 
-    from jaxpar.mesh import DistributedError  # noqa: PLC0415
+    from jaxpar.mesh import DistributedError, lost_processes  # noqa: PLC0415
 
     code = 1
     try:
@@ -287,7 +287,9 @@ def _train_guarded(args: argparse.Namespace) -> int:
         if not _multi_process():
             raise
         traceback.print_exc()
-        _print_error(f"{type(err).__name__}: {err} (the other processes stop as well)")
+        lost = lost_processes()
+        cause = (f"process {', '.join(map(str, lost))} is gone; " if lost else "")
+        _print_error(f"{cause}{type(err).__name__}: {err} (the other processes stop as well)")
     if code != 0 and _multi_process():
         sys.stdout.flush()
         sys.stderr.flush()

@@ -133,6 +133,24 @@ def barrier(name: str, timeout_s: int) -> None:
                                ) from None
 
 
+def lost_processes() -> list[int]:
+    """Processes the runtime no longer hears from (their heartbeats stopped, or they left);
+    empty when every process is alive or the runtime cannot be asked (its coordinator, process
+    0, is among the lost)."""
+    import jax  # noqa: PLC0415
+    from jax._src import distributed  # noqa: PLC0415
+
+    client = distributed.global_state.client
+    if client is None:
+        return []
+    everyone = list(range(jax.process_count()))
+    try:
+        live = client.get_live_nodes(everyone)
+    except Exception:  # noqa: BLE001  (the coordinator itself is gone)
+        return [0] if jax.process_index() != 0 else []
+    return [p for p in everyone if p not in live]
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip() or type(err).__name__).splitlines()[0][:300]
 

@@ -98,7 +98,8 @@ def launch(command: list[str], processes: int, devices: int, grace: float) -> in
                               env=env) for i in range(processes)]
     readers = [threading.Thread(target=_stream, args=(p, f"[p{i}] ", lock), daemon=True)
                for i, p in enumerate(procs)]
-    for reader in readers:
+    for i, (proc, reader) in enumerate(zip(procs, readers, strict=True)):
+        _say(lock, f"process {i}: pid {proc.pid}")
         reader.start()
 
     def forward(signum: int, frame: object) -> None:
