@@ -218,7 +218,8 @@ def load_validated(name: str, overrides: list[str], join: bool = False) -> Confi
     """Read, override, pick the devices (before jax starts), and validate. With ``join`` (only
     ``train``: inspect, plan and schedule stay one process), first join the multi-process
     runtime when the ``distributed`` section asks for it, so the mesh spans every process."""
-    from jaxpar.mesh import device_count, start_distributed, use_host_devices  # noqa: PLC0415
+    from jaxpar.distributed import start_distributed  # noqa: PLC0415
+    from jaxpar.mesh import device_count, use_host_devices  # noqa: PLC0415
 
     cfg = load_config(name, overrides)
     if join:
@@ -229,22 +230,20 @@ def load_validated(name: str, overrides: list[str], join: bool = False) -> Confi
 
 def run_train(args: argparse.Namespace) -> int:
     """``jaxpar train``; under several processes, also the start-up barrier."""
-    from jaxpar.mesh import barrier  # noqa: PLC0415
-    from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
+    from jaxpar.distributed import barrier, watch_for_failures  # noqa: PLC0415
+    from jaxpar.train.loop import train  # noqa: PLC0415
 
     cfg = load_validated(args.config, list(args.overrides), join=True)
+    watch_for_failures()
     # Every process checked the same config: none compiles while another already failed.
     barrier("config_checked", cfg.distributed.timeout_s)
-    try:
-        train(cfg)
-    except NonFiniteError as err:
-        _print_error(err)
-        return 1
+    train(cfg)
     return 0
 
 
-def _print_error(err: BaseException | str) -> None:
-    """``jaxpar: error: ...`` on one line; under several processes it names the process."""
+def _print_error(err: BaseException | str) -> str:
+    """``jaxpar: error: ...`` on one line; under several processes it names the process.
+    Returns the message without the prefixes."""
     label = ""
     if "jax" in sys.modules:
         import jax  # noqa: PLC0415  (already imported: costs nothing)
@@ -253,6 +252,7 @@ def _print_error(err: BaseException | str) -> None:
             label = f"process {jax.process_index()} of {jax.process_count()}: "
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     print(f"jaxpar: error: {label}{text}", file=sys.stderr, flush=True)
+    return text
 
 
 def _multi_process() -> bool:
@@ -271,26 +271,31 @@ def _train_guarded(args: argparse.Namespace) -> int:
     Leaving at once closes its connections, so their collectives fail within seconds."""
     import traceback  # noqa: PLC0415
 
-    from jaxpar.mesh import DistributedError, lost_processes  # noqa: PLC0415
+    from jaxpar.distributed import (  # noqa: PLC0415
+        DistributedError,
+        announce_failure,
+        lost_processes,
+    )
+    from jaxpar.train.loop import NonFiniteError  # noqa: PLC0415
 
-    code = 1
+    code, reason = 1, ""
     try:
         code = run_train(args)
     except ConfigError as err:
-        _print_error(err)
-        code = 2
-    except DistributedError as err:
-        _print_error(err)
+        reason, code = _print_error(err), 2
+    except (DistributedError, NonFiniteError) as err:
+        reason = _print_error(err)
     except KeyboardInterrupt:
-        _print_error("interrupted")
+        reason = _print_error("interrupted")
     except Exception as err:  # noqa: BLE001
         if not _multi_process():
             raise
         traceback.print_exc()
         lost = lost_processes()
         cause = (f"process {', '.join(map(str, lost))} is gone; " if lost else "")
-        _print_error(f"{cause}{type(err).__name__}: {err} (the other processes stop as well)")
+        reason = _print_error(f"{cause}{type(err).__name__}: {err}")
     if code != 0 and _multi_process():
+        announce_failure(reason)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -26,7 +26,8 @@ def interleaved_devices(devices: list) -> list:
 
 def main(argv: list[str]) -> None:
     from jaxpar.config import load_config, validate
-    from jaxpar.mesh import device_count, make_mesh, start_distributed, use_host_devices
+    from jaxpar.distributed import start_distributed
+    from jaxpar.mesh import device_count, make_mesh, use_host_devices
 
     steps, cfg = int(argv[0]), load_config(argv[1], argv[2:])
     use_host_devices(cfg.host_devices)

@@ -204,11 +204,35 @@ def test_a_killed_process_ends_the_other_within_60_s(env, tmp_path):
             or "jaxpar: error: process 0 of 2: process 1 is gone" in text), text[-3000:]
 
 
+def test_an_error_on_one_process_ends_the_other_at_once(env, tmp_path):
+    log = tmp_path / "launch.log"
+    proc = start_long_run(env, tmp_path / "run", log, "checkpoint.enabled=false")
+    try:
+        wait_for_line(log, proc, "    10/100000 | loss")
+        pid = int(next(line.split()[-1] for line in log.read_text().splitlines()
+                       if line.startswith("[launch] process 1: pid")))
+        os.kill(pid, signal.SIGINT)  # a second SIGINT raises KeyboardInterrupt in the loop
+        time.sleep(0.5)
+        failed = time.monotonic()
+        os.kill(pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        elapsed = time.monotonic() - failed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    assert "[p1] jaxpar: error: process 1 of 2: interrupted" in text
+    assert ("[p0] jaxpar: error: process 0 of 2: ending because process 1 of 2: interrupted"
+            in text), text[-3000:]
+    assert elapsed < 10, elapsed  # announced, not found by the heartbeat timeout
+
+
 def test_sigterm_to_the_launch_saves_once_and_exits_0(env, tmp_path):
     log, run_dir = tmp_path / "launch.log", tmp_path / "run"
     proc = start_long_run(env, run_dir, log, "checkpoint.every=0")
     try:
-        wait_for_line(log, proc, "    10/100000 | loss")
+        wait_for_line(log, proc, "     5/100000 | loss")
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:

@@ -39,7 +39,8 @@ from rich.progress import (
 
 from jaxpar.config import Config, ConfigError, DistributedConfig, to_yaml
 from jaxpar.data import DataIterator, build_dataset, dataset_line, make_tokenizer
-from jaxpar.mesh import DistributedError, barrier, make_mesh
+from jaxpar.distributed import DistributedError, barrier
+from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe as describe_schedule
 from jaxpar.train import checkpoint
