@@ -245,17 +245,18 @@ def _print_error(err: BaseException | str) -> str:
     """``jaxpar: error: ...`` on one line; under several processes it names the process.
     Returns the message without the prefixes."""
     label = ""
-    if "jax" in sys.modules:
-        import jax  # noqa: PLC0415  (already imported: costs nothing)
+    if _multi_process():
+        from jaxpar.distributed import process_label  # noqa: PLC0415
 
-        if jax.distributed.is_initialized():
-            label = f"process {jax.process_index()} of {jax.process_count()}: "
+        label = process_label() + ": "
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     print(f"jaxpar: error: {label}{text}", file=sys.stderr, flush=True)
     return text
 
 
 def _multi_process() -> bool:
+    """Whether this process joined a multi-process runtime (without importing jax if no code
+    has yet: a config error must cost no jax start-up)."""
     if "jax" not in sys.modules:
         return False
     import jax  # noqa: PLC0415

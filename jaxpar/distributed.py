@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 from jaxpar.config import DistributedConfig
 
@@ -152,7 +153,7 @@ def watch_for_failures(poll_s: float = 1.0) -> None:
             try:
                 reason = client.key_value_try_get(FAILURE_KEY)
             except Exception:  # noqa: BLE001  (not set yet: the store answers NOT_FOUND)
-                threading.Event().wait(poll_s)
+                time.sleep(poll_s)
                 continue
             if not reason.startswith(process_label() + ":"):
                 print(f"jaxpar: error: {process_label()}: ending because {reason}",

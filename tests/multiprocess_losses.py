@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     mesh = make_mesh(cfg, devices=interleaved_devices(jax.devices()))
     inner = mesh.devices.reshape(-1, mesh.devices.shape[-1])
     trainer = build_trainer(cfg, mesh)
-    data, _ = make_data_iterator(cfg, trainer.local_batch_rows())
+    data = make_data_iterator(cfg)[0].with_rows(trainer.local_batch_rows())
     state, losses = trainer.init(), []
     for _ in range(steps):
         state, metrics = trainer.step(state, trainer.put_batch(next(data)))

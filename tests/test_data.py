@@ -311,6 +311,14 @@ def test_state_resumes_with_other_rows(corpus):
     np.testing.assert_array_equal(next(half)["inputs"], next(single)["inputs"][4:])
 
 
+def test_with_rows_keeps_the_position(corpus):
+    ds = build_dataset(str(corpus[0]), BYTE, seq_len=16, val_fraction=0.0)
+    whole = DataIterator(ds, global_batch=8, seed=5)
+    _take(whole, 2)
+    part = whole.with_rows(np.array([6, 7]))
+    np.testing.assert_array_equal(next(part)["inputs"], next(whole)["inputs"][6:])
+
+
 def test_rows_outside_the_batch_are_rejected(corpus):
     ds = build_dataset(str(corpus[0]), BYTE, seq_len=16, val_fraction=0.0)
     with pytest.raises(ValueError, match="positions in a batch of 6"):

@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 from helpers import env_without_device_flags, run_jaxpar
 
+from jaxpar.config import load_config
+from jaxpar.distributed import wants_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "scripts" / "launch_local.py"
 WORKER = Path(__file__).resolve().parent / "multiprocess_losses.py"
@@ -76,6 +79,30 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == sorted(want), (got, want)
     errors = {step: abs(got[step] - want[step]) / abs(want[step]) for step in want}
     assert max(errors.values()) < RELATIVE, (errors, got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# When a run joins (no runtime started here: only the decision).
+
+SLURM_TWO_TASKS = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2",
+                   "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize(("overrides", "slurm", "joins"), [
+    ([], {}, False),  # auto, outside a cluster: one process
+    ([], SLURM_TWO_TASKS, True),  # auto, JAX's detection sees 2 SLURM tasks
+    ([], dict(SLURM_TWO_TASKS, SLURM_NTASKS="1"), False),  # a one-task SLURM job
+    (["distributed.enabled=off"], SLURM_TWO_TASKS, False),
+    (["distributed.num_processes=2"], {}, True),  # a field given
+    (["distributed.enabled=on"], {}, True),
+])
+def test_when_a_run_joins_the_runtime(monkeypatch, overrides, slurm, joins):
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "OMPI_")):
+            monkeypatch.delenv(key)
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert wants_distributed(load_config("tiny", overrides).distributed) is joins
 
 
 # --------------------------------------------------------------------------------------------

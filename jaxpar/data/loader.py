@@ -51,6 +51,7 @@ class DataIterator:
                 f"data.source={ds.source!r}: the {ds.split} split has {len(ds)} rows of "
                 f"seq_len {ds.seq_len}, fewer than one batch (train.batch_size={global_batch})"
             )
+        self._ds, self._rows = ds, rows
         self._config = {
             "rows": len(ds),
             "global_batch": global_batch,
@@ -72,6 +73,13 @@ class DataIterator:
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._iter)
+
+    def with_rows(self, rows: np.ndarray) -> DataIterator:
+        """The same stream at the same position, yielding rows ``rows`` of each global batch."""
+        other = DataIterator(self._ds, self._config["global_batch"], self._config["seed"], rows,
+                             self._config["shuffle"])
+        other.set_state(self.get_state())
+        return other
 
     def get_state(self) -> dict[str, Any]:
         """A small JSON-serializable dict; the same for every process at the same step."""

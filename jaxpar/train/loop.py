@@ -104,10 +104,9 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def make_data_iterator(cfg: Config, rows: np.ndarray | None = None
-                       ) -> tuple[DataIterator, str]:
-    """The iterator over the training split yielding ``rows`` of each global batch (default:
-    all; a process passes ``Trainer.local_batch_rows()``), and a one-line description of it."""
+def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
+    """The iterator over the training split (every row of each global batch: a process keeps
+    its own with ``with_rows(trainer.local_batch_rows())``), and a one-line description."""
     try:
         tokenizer = make_tokenizer(cfg.data.tokenizer)
         if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -116,8 +115,7 @@ def make_data_iterator(cfg: Config, rows: np.ndarray | None = None
         ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split="train",
                            val_fraction=cfg.data.val_fraction,
                            max_bytes=cfg.data.max_bytes or None)
-        it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed, rows,
-                          shuffle=cfg.data.shuffle)
+        it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed, shuffle=cfg.data.shuffle)
     except ImportError as err:  # an optional package (tokenizers, pyarrow) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:
@@ -231,8 +229,9 @@ class _Run:
         compile the step."""
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
+        data, data_line = make_data_iterator(cfg)  # data errors first: before any tracing
         trainer = build_trainer(cfg, make_mesh(cfg))
-        data, data_line = make_data_iterator(cfg, trainer.local_batch_rows())
+        data = data.with_rows(trainer.local_batch_rows())
         state, skipped, restored = None, 0, None
         if source is not None:
             # Straight into this run's shardings, whatever mesh saved it.
