@@ -270,3 +270,18 @@ def test_sigterm_to_the_launch_saves_once_and_exits_0(env, tmp_path):
     assert "stopped by SIGTERM" in text
     saved = os.listdir(run_dir / "checkpoints")
     assert len(saved) == 1 and int(saved[0]) >= 10, saved
+
+
+@pytest.mark.slow
+def test_the_quick_start_layout_on_4_processes_starts_logs_once_and_ends(env, tmp_path):
+    # demo-5d: pipe=2 expert=2 context=2 tensor=2 on 4 processes x 4 devices: the stages and the
+    # expert groups span processes; context and tensor stay inside each.
+    command = [sys.executable, "-m", "jaxpar.cli", "train", "demo-5d", "train.steps=2",
+               f"run_dir={tmp_path}", *COMMON, "checkpoint.enabled=false"]
+    result = launch(env, *command, processes=4)
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("[p0] step ") for line in lines) == 2
+    assert sum(line.startswith("[p0] jaxpar train 16 x cpu") for line in lines) == 1
+    assert not [line for line in lines if line[:4] in ("[p1]", "[p2]", "[p3]")
+                and "step" in line]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
