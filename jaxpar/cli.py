@@ -29,6 +29,9 @@ Overrides are dotted key=value pairs typed by the schema, e.g.
   jaxpar train tiny mesh.fsdp=2 mesh.tensor=2 parallel.sequence_parallel=true train.steps=20
 Checkpoints go to run_dir/checkpoints (checkpoint.every, checkpoint.keep); a rerun continues
 from the newest one (train.resume=auto|never|STEP|PATH); SIGTERM/SIGINT save and exit 0.
+Several processes (hosts, GPUs): train joins JAX's runtime when the cluster runs several or
+distributed.coordinator/num_processes/process_id are given (distributed.enabled=auto|on|off);
+scripts/launch_local.py runs P processes on this machine.
 Exit codes: 0 done, 2 bad usage/config/input, 1 failure while running."""
 
 

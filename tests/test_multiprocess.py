@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "scripts" / "launch_local.py"
 WORKER = Path(__file__).resolve().parent / "multiprocess_losses.py"
 TIMEOUT_S = 300
+SLOW_TIMEOUT_S = 900
 COMMON = ("logging.every=1", "logging.progress=false", "train.seed=3")
 FSDP_TENSOR = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
 RELATIVE = 1e-6
@@ -48,9 +49,10 @@ def launch_command(processes: int, devices: int, *command: str) -> list[str]:
             "--devices-per-process", str(devices), "--", *command]
 
 
-def launch(env: dict, *command: str, processes: int = 2) -> subprocess.CompletedProcess:
-    result = subprocess.run(launch_command(processes, 8 // processes, *command),
-                            capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+def launch(env: dict, *command: str, processes: int = 2,
+           devices: int = 4, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    result = subprocess.run(launch_command(processes, devices, *command),
+                            capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     return result
 
@@ -278,7 +280,7 @@ def test_the_quick_start_layout_on_4_processes_starts_logs_once_and_ends(env, tm
     # expert groups span processes; context and tensor stay inside each.
     command = [sys.executable, "-m", "jaxpar.cli", "train", "demo-5d", "train.steps=2",
                f"run_dir={tmp_path}", *COMMON, "checkpoint.enabled=false"]
-    result = launch(env, *command, processes=4)
+    result = launch(env, *command, processes=4, devices=4, timeout=SLOW_TIMEOUT_S)
     lines = result.stdout.splitlines()
     assert sum(line.startswith("[p0] step ") for line in lines) == 2
     assert sum(line.startswith("[p0] jaxpar train 16 x cpu") for line in lines) == 1
