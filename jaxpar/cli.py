@@ -221,14 +221,19 @@ def load_validated(name: str, overrides: list[str], join: bool = False) -> Confi
     """Read, override, pick the devices (before jax starts), and validate. With ``join`` (only
     ``train``: inspect, plan and schedule stay one process), first join the multi-process
     runtime when the ``distributed`` section asks for it, so the mesh spans every process."""
-    from jaxpar.distributed import start_distributed  # noqa: PLC0415
+    from jaxpar.distributed import barrier, start_distributed  # noqa: PLC0415
     from jaxpar.mesh import device_count, use_host_devices  # noqa: PLC0415
 
     cfg = load_config(name, overrides)
     if join:
         use_host_devices(cfg.host_devices)
         start_distributed(cfg.distributed)
-    return validate(cfg, device_count(cfg))
+    count = device_count(cfg)
+    if join:
+        # A process that leaves while another still sets up its devices (they swap topologies
+        # through process 0) breaks that set-up: so none reports a config error before all are up.
+        barrier("devices_ready", cfg.distributed.timeout_s)
+    return validate(cfg, count)
 
 
 def run_train(args: argparse.Namespace) -> int:

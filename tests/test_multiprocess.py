@@ -107,6 +107,19 @@ def test_when_a_run_joins_the_runtime(monkeypatch, overrides, slurm, joins):
     assert wants_distributed(load_config("tiny", overrides).distributed) is joins
 
 
+def test_a_layout_the_processes_cannot_hold_is_one_line_on_every_process(env, tmp_path):
+    command = launch_command(2, 4, sys.executable, "-m", "jaxpar.cli", "train", "tiny",
+                             "mesh.tensor=3", f"run_dir={tmp_path}")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert result.returncode == 2, result.stdout[-3000:]
+    for p in (0, 1):
+        errors = [line for line in result.stdout.splitlines()
+                  if line.startswith(f"[p{p}] jaxpar: error: ")]
+        assert errors == [f"[p{p}] jaxpar: error: process {p} of 2: mesh: data=-1 tensor=3 "
+                          "cannot fill 8 devices (8 is not divisible by 3)"], result.stdout
+    assert not (tmp_path / "config.yaml").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # data=2 fsdp=2 tensor=2, with checkpoints: the same run in 1 and in 2 processes.
 
