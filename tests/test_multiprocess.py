@@ -257,12 +257,15 @@ def test_a_killed_process_ends_the_other_within_60_s(env, tmp_path, timeout_s):
 
 def test_an_error_on_one_process_ends_the_other_at_once(env, tmp_path):
     log = tmp_path / "launch.log"
-    proc = start_long_run(env, tmp_path / "run", log, "checkpoint.enabled=false")
+    # The processes agree on a first signal only at log steps: every 1000 steps leaves the
+    # second SIGINT (KeyboardInterrupt in the loop of process 1 alone) time to arrive first.
+    proc = start_long_run(env, tmp_path / "run", log, "checkpoint.enabled=false",
+                          "logging.every=1000")
     try:
-        wait_for_line(log, proc, "    10/100000 | loss")
+        wait_for_line(log, proc, "     1/100000 | loss")
         pid = int(next(line.split()[-1] for line in log.read_text().splitlines()
                        if line.startswith("[launch] process 1: pid")))
-        os.kill(pid, signal.SIGINT)  # a second SIGINT raises KeyboardInterrupt in the loop
+        os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
         failed = time.monotonic()
         os.kill(pid, signal.SIGINT)
