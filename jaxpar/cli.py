@@ -236,17 +236,23 @@ def load_validated(name: str, overrides: list[str], join: bool = False) -> Confi
     return validate(cfg, count)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """``jaxpar train``; under several processes, also the start-up barrier."""
+def run_train(args: argparse.Namespace) -> tuple[int, str]:
+    """``jaxpar train``: the exit code and, if it failed, why (under several processes, also
+    the start-up barrier and the watch for other processes' failures)."""
     from jaxpar.distributed import barrier, watch_for_failures  # noqa: PLC0415
-    from jaxpar.train.loop import train  # noqa: PLC0415
 
     cfg = load_validated(args.config, list(args.overrides), join=True)
     watch_for_failures()
     # Every process checked the same config: none compiles while another already failed.
     barrier("config_checked", cfg.distributed.timeout_s)
-    train(cfg)
-    return 0
+    # Imported only now: a config error costs no import of the training stack.
+    from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
+
+    try:
+        train(cfg)
+    except NonFiniteError as err:
+        return 1, _print_error(err)
+    return 0, ""
 
 
 def _print_error(err: BaseException | str) -> str:
@@ -285,14 +291,13 @@ def _train_guarded(args: argparse.Namespace) -> int:
         announce_failure,
         lost_processes,
     )
-    from jaxpar.train.loop import NonFiniteError  # noqa: PLC0415
 
     code, reason = 1, ""
     try:
-        code = run_train(args)
+        code, reason = run_train(args)
     except ConfigError as err:
         reason, code = _print_error(err), 2
-    except (DistributedError, NonFiniteError) as err:
+    except DistributedError as err:
         reason = _print_error(err)
     except KeyboardInterrupt:
         reason = _print_error("interrupted")
