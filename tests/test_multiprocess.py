@@ -315,3 +315,19 @@ def test_the_quick_start_layout_on_4_processes_starts_logs_once_and_ends(env, tm
     assert not [line for line in lines if line[:4] in ("[p1]", "[p2]", "[p3]")
                 and "step" in line]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow  # 20 s
+def test_a_nonfinite_step_stops_every_process_at_the_same_step(env, tmp_path):
+    # The metrics are replicated, so each process reads the same flag and stops by itself.
+    command = launch_command(2, 4, sys.executable, "-m", "jaxpar.cli",
+                             *train_args(tmp_path, 6, *FSDP_TENSOR, "train.lr=1e30",
+                                         "checkpoint.every=1", "train.on_nonfinite=stop"))
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert result.returncode == 1, result.stdout[-3000:]
+    for p in (0, 1):  # its own error, or the other's announced one if that came first
+        assert [line for line in result.stdout.splitlines()
+                if line.startswith(f"[p{p}] jaxpar: error: process {p} of 2: ")
+                and "non-finite loss or gradient at step 2" in line], result.stdout[-3000:]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    assert list(losses(tmp_path)) == [1]
