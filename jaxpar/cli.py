@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ Overrides are dotted key=value pairs typed by the schema, e.g.
   jaxpar train tiny mesh.fsdp=2 mesh.tensor=2 parallel.sequence_parallel=true train.steps=20
 Checkpoints go to run_dir/checkpoints (checkpoint.every, checkpoint.keep); a rerun continues
 from the newest one (train.resume=auto|never|STEP|PATH); SIGTERM/SIGINT save and exit 0.
+Several processes (hosts, GPUs): train joins JAX's runtime when the cluster runs several or
+distributed.coordinator/num_processes/process_id are given (distributed.enabled=auto|on|off);
+scripts/launch_local.py runs P processes on this machine.
 Exit codes: 0 done, 2 bad usage/config/input, 1 failure while running."""
 
 
@@ -213,12 +217,103 @@ def _add_inspect(commands) -> None:
                          "...; the mesh spans the slice's devices")
 
 
-def load_validated(name: str, overrides: list[str]) -> Config:
-    """Read, override, pick the devices (before jax starts), and validate."""
-    from jaxpar.mesh import device_count  # noqa: PLC0415  (imports jax)
+def load_validated(name: str, overrides: list[str], join: bool = False) -> Config:
+    """Read, override, pick the devices (before jax starts), and validate. With ``join`` (only
+    ``train``: inspect, plan and schedule stay one process), first join the multi-process
+    runtime when the ``distributed`` section asks for it, so the mesh spans every process."""
+    from jaxpar.distributed import barrier, start_distributed  # noqa: PLC0415
+    from jaxpar.mesh import device_count, use_host_devices  # noqa: PLC0415
 
     cfg = load_config(name, overrides)
-    return validate(cfg, device_count(cfg))
+    if join:
+        use_host_devices(cfg.host_devices)
+        start_distributed(cfg.distributed)
+    count = device_count(cfg)
+    if join:
+        # A process that leaves while another still sets up its devices (they swap topologies
+        # through process 0) breaks that set-up: so none reports a config error before all are up.
+        barrier("devices_ready", cfg.distributed.timeout_s)
+    return validate(cfg, count)
+
+
+def run_train(args: argparse.Namespace) -> tuple[int, str]:
+    """``jaxpar train``: the exit code and, if it failed, why (under several processes, also
+    the start-up barrier and the watch for other processes' failures)."""
+    from jaxpar.distributed import barrier, watch_for_failures  # noqa: PLC0415
+
+    cfg = load_validated(args.config, list(args.overrides), join=True)
+    watch_for_failures()
+    # Every process checked the same config: none compiles while another already failed.
+    barrier("config_checked", cfg.distributed.timeout_s)
+    # Imported only now: a config error costs no import of the training stack.
+    from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
+
+    try:
+        train(cfg)
+    except NonFiniteError as err:
+        return 1, _print_error(err)
+    return 0, ""
+
+
+def _print_error(err: BaseException | str) -> str:
+    """``jaxpar: error: ...`` on one line; under several processes it names the process.
+    Returns the message without the prefixes."""
+    label = ""
+    if _multi_process():
+        from jaxpar.distributed import process_label  # noqa: PLC0415
+
+        label = process_label() + ": "
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"jaxpar: error: {label}{text}", file=sys.stderr, flush=True)
+    return text
+
+
+def _multi_process() -> bool:
+    """Whether this process joined a multi-process runtime (without importing jax if no code
+    has yet: a config error must cost no jax start-up)."""
+    if "jax" not in sys.modules:
+        return False
+    import jax  # noqa: PLC0415
+
+    return jax.distributed.is_initialized()
+
+
+def _train_guarded(args: argparse.Namespace) -> int:
+    """:func:`run_train`; a failure under several processes ends this process at once.
+
+    A process that fails must not linger in the runtime's graceful shut-down: while it waits
+    there, the others sit in a collective with it until ``distributed.timeout_s`` runs out.
+    Leaving at once closes its connections, so their collectives fail within seconds."""
+    import traceback  # noqa: PLC0415
+
+    from jaxpar.distributed import (  # noqa: PLC0415
+        DistributedError,
+        announce_failure,
+        lost_processes,
+    )
+
+    code, reason = 1, ""
+    try:
+        code, reason = run_train(args)
+    except ConfigError as err:
+        reason, code = _print_error(err), 2
+    except DistributedError as err:
+        reason = _print_error(err)
+    except KeyboardInterrupt:
+        reason = _print_error("interrupted")
+    except Exception as err:  # noqa: BLE001
+        if not _multi_process():
+            raise
+        traceback.print_exc()
+        lost = lost_processes()
+        cause = (f"process {', '.join(map(str, lost))} is gone; " if lost else "")
+        reason = _print_error(f"{cause}{type(err).__name__}: {err}")
+    if code != 0 and _multi_process():
+        announce_failure(reason)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _require_matplotlib() -> None:
@@ -335,20 +430,13 @@ def main(argv: list[str] | None = None) -> int:
                 console.width = max(console.width, 140)
             return plan_main(load_config(args.config, overrides), hardware=args.hardware,
                              search=args.search, device_count=args.devices, console=console)
+        if args.command == "train":
+            return _train_guarded(args)
         cfg = load_validated(args.config, overrides)
         if args.command == "config":
             print(to_yaml(cfg), end="")
             return 0
-        if args.command == "inspect":
-            return run_inspect(args, cfg)
-        from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
-
-        try:
-            train(cfg)
-        except NonFiniteError as err:
-            print(f"jaxpar: error: {err}", file=sys.stderr)
-            return 1
-        return 0
+        return run_inspect(args, cfg)
     except ConfigError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2

@@ -179,6 +179,26 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Several processes (one per host or GPU) on JAX's multi-controller runtime; see
+    ``jaxpar/mesh.py:start_distributed``. The four fields below ``enabled`` may all stay null
+    where JAX detects the cluster itself (SLURM, Open MPI, TPU pods, Kubernetes)."""
+
+    # auto: join when the cluster runs several processes of this job or a field below is set;
+    # on: always join (cluster detection or the fields); off: one process, never join.
+    enabled: Literal["auto", "on", "off"] = "auto"
+    coordinator: str | None = None  # host:port of process 0, where the runtime's service listens
+    num_processes: int | None = None
+    process_id: int | None = None  # 0 .. num_processes-1
+    local_device_ids: str | None = None  # comma-separated ids of this process's devices
+    timeout_s: int = 30  # wait for every process at start-up and shut-down; a silent one is dead
+
+    def fields_given(self) -> bool:
+        return any(v is not None for v in (self.coordinator, self.num_processes, self.process_id,
+                                           self.local_device_ids))
+
+
+@dataclass(frozen=True)
 class Config:
     host_devices: int | None = None  # N virtual CPU devices (forces the CPU platform)
     run_dir: str = "runs/default"
@@ -189,6 +209,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -242,6 +263,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     bad = ConfigError(f"{key}: expected {_FORMS.get(key, _type_name(tp))}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):  # YAML 1.1 reads on/off
+            value = "on" if value else "off"
         if not any(value == a and type(value) is type(a) for a in allowed):
             raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: "
                               + ", ".join(str(a) for a in allowed))
@@ -399,7 +422,24 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
     if cfg.host_devices is not None and cfg.host_devices < 1:
         raise ConfigError(f"host_devices={cfg.host_devices}: must be >= 1 (or null for the "
                           "devices jax finds)")
+    _check_distributed(cfg.distributed)
     return cfg
+
+
+def _check_distributed(d: DistributedConfig) -> None:
+    """Before jax starts (joining the runtime comes first): the process fields make sense."""
+    _require(d.timeout_s >= 1, f"distributed.timeout_s={d.timeout_s}: must be >= 1")
+    host, _, port = (d.coordinator or "h:1").rpartition(":")
+    _require(bool(host) and port.isdigit(), f"distributed.coordinator={d.coordinator}: expected "
+             "host:port, e.g. 10.0.0.1:1234")
+    _require(d.num_processes is None or d.num_processes >= 1, f"distributed.num_processes="
+             f"{d.num_processes}: must be >= 1")
+    if d.process_id is not None:
+        _require(0 <= d.process_id < (d.num_processes or d.process_id + 1), f"distributed."
+                 f"process_id={d.process_id}: must be in [0, distributed.num_processes)")
+    ids = (d.local_device_ids or "0").split(",")
+    _require(all(i.strip().isdigit() for i in ids), f"distributed.local_device_ids="
+             f"{d.local_device_ids}: expected comma-separated device ids, e.g. 0,1,2,3")
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:

@@ -6,13 +6,19 @@ parallelism (tensor) belongs.
 
 ``host_devices=N`` must take effect before jax initialises a backend, so
 :func:`use_host_devices` is called by the CLI right after the config is read and before anything
-touches ``jax.devices()``.
+touches ``jax.devices()``. With several processes it means N devices *per process*.
+
+In a multi-process run (``jaxpar/distributed.py`` joins the runtime, also before any backend
+starts) ``jax.devices()`` lists the devices of every process and the mesh spans them all; each
+process then feeds only the batch rows its own devices hold (:func:`process_batch_rows`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+
+import numpy as np
 
 from jaxpar.config import MESH_AXES, Config
 
@@ -32,16 +38,18 @@ def use_host_devices(count: int | None) -> None:
 
 
 def device_count(cfg: Config) -> int:
-    """Devices the mesh will span: ``host_devices`` when set, else every device jax sees."""
+    """Devices the mesh will span: every device of every process (``host_devices`` of them per
+    process when set). Join the runtime first in a multi-process run
+    (:func:`jaxpar.distributed.start_distributed`)."""
     use_host_devices(cfg.host_devices)
     import jax  # noqa: PLC0415
 
-    count = jax.device_count()
-    if cfg.host_devices is not None and count != cfg.host_devices:
+    local = jax.local_device_count()
+    if cfg.host_devices is not None and local != cfg.host_devices:
         raise RuntimeError(
-            f"host_devices={cfg.host_devices} asked for, but jax already started with {count} "
+            f"host_devices={cfg.host_devices} asked for, but jax already started with {local} "
             "devices (set host_devices before anything imports and uses jax)")
-    return count
+    return jax.device_count()
 
 
 def make_mesh(cfg: Config, devices=None):
@@ -55,3 +63,16 @@ def make_mesh(cfg: Config, devices=None):
     shape = tuple(getattr(cfg.mesh, axis) for axis in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
                          devices=devices)
+
+
+def process_batch_rows(sharding, shape: tuple[int, ...]) -> np.ndarray:
+    """The rows of a global ``shape`` array laid out by ``sharding`` that this process's devices
+    hold, sorted: the rows this process must read.
+
+    Derived from the sharding's device-to-index map, not from the process index: wherever an
+    axis that replicates the batch (``pipe``, ``context``, ``tensor``) spans processes, several
+    processes hold the same rows, and the rows of one process need not be contiguous."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        rows.update(range(*index[0].indices(shape[0])))
+    return np.array(sorted(rows), dtype=np.int64)

@@ -16,16 +16,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxpar"
 
 # Each layer and the layers it may import. Everything points down: cli -> inspect -> train ->
-# {model, parallel, data} -> config/mesh. `parallel` may use `model`'s layer code (the MoE
-# dispatch runs the model's experts); nothing below `train` knows training exists.
+# {model, parallel, data} -> config/mesh/distributed. `parallel` may use `model`'s layer code
+# (the MoE dispatch runs the model's experts); nothing below `train` knows training exists.
 ALLOWED = {
-    "cli": {"inspect", "train", "model", "parallel", "data", "mesh", "config"},
+    "cli": {"inspect", "train", "model", "parallel", "data", "mesh", "distributed", "config"},
     "inspect": {"train", "model", "parallel", "data", "mesh", "config"},
-    "train": {"model", "parallel", "data", "mesh", "config"},
+    "train": {"model", "parallel", "data", "mesh", "distributed", "config"},
     "parallel": {"model", "config"},
     "model": {"config"},
     "data": {"config"},
     "mesh": {"config"},
+    "distributed": {"config"},
     "config": set(),
     "__init__": set(),
 }

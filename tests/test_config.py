@@ -179,6 +179,18 @@ ERROR_CASES = {
     "checkpoint-keep-zero": (["checkpoint.keep=0"], ["checkpoint.keep", ">= 1"]),
     "logging-every-zero": (["logging.every=0"], ["logging.every", ">= 1"]),
     "host-devices-zero": (["host_devices=0"], ["host_devices", ">= 1"]),
+    # Several processes (checked before jax starts: joining the runtime comes first).
+    "distributed-enabled": (["distributed.enabled=maybe"],
+                            ["distributed.enabled", "auto, on, off"]),
+    "distributed-coordinator": (["distributed.coordinator=10.0.0.1"],
+                                ["distributed.coordinator=10.0.0.1", "host:port"]),
+    "distributed-process-id": (["distributed.num_processes=2", "distributed.process_id=2"],
+                               ["distributed.process_id=2", "[0, distributed.num_processes)"]),
+    "distributed-num-processes": (["distributed.num_processes=0"],
+                                  ["distributed.num_processes=0", ">= 1"]),
+    "distributed-device-ids": (["distributed.local_device_ids=0;1"],
+                               ["distributed.local_device_ids=0;1", "comma-separated"]),
+    "distributed-timeout": (["distributed.timeout_s=0"], ["distributed.timeout_s=0", ">= 1"]),
     # Override syntax.
     "override-without-equals": (["mesh.tensor"], ["mesh.tensor", "key=value"]),
     "override-empty-key": (["=3"], ["=3", "empty key"]),
@@ -418,3 +430,12 @@ def test_config_module_imports_neither_jax_nor_flax():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("text", "expected"), [("on", "on"), ("off", "off"), ("auto", "auto")])
+def test_distributed_enabled_on_and_off_survive_yaml_booleans(tmp_path, text, expected):
+    # YAML 1.1 reads a bare on/off as true/false, in a file and in an override.
+    path = tmp_path / "run.yaml"
+    path.write_text(f"distributed:\n  enabled: {text}\n")
+    assert load_config(str(path)).distributed.enabled == expected
+    assert load_config("tiny", [f"distributed.enabled={text}"]).distributed.enabled == expected

@@ -289,31 +289,40 @@ def test_state_from_a_different_stream_is_rejected(corpus):
         DataIterator(ds, global_batch=6, seed=2).set_state(state)
 
 
-def test_processes_partition_the_global_batch(corpus):
+def test_rows_select_the_same_positions_of_every_global_batch(corpus):
+    # Rows of a process need not be contiguous (a tensor axis straddling processes) and two
+    # processes may read the same rows (an axis that replicates the batch spans them).
     ds = build_dataset(str(corpus[0]), BYTE, seq_len=16, val_fraction=0.0)
     single = _take(DataIterator(ds, global_batch=8, seed=5), 4)
-    parts = [_take(DataIterator(ds, 8, 5, process_index=p, process_count=2), 4) for p in (0, 1)]
+    rows = np.array([0, 1, 4, 5])
+    part = _take(DataIterator(ds, 8, 5, rows=rows), 4)
     for step, whole in enumerate(single):
         for key in whole:
-            assert parts[0][step][key].shape == (4, 16)
-            joined = np.concatenate([parts[0][step][key], parts[1][step][key]])
-            np.testing.assert_array_equal(joined, whole[key])
+            np.testing.assert_array_equal(part[step][key], whole[key][rows])
 
 
-def test_state_resumes_with_a_different_process_count(corpus):
+def test_state_resumes_with_other_rows(corpus):
     ds = build_dataset(str(corpus[0]), BYTE, seq_len=16, val_fraction=0.0)
     single = DataIterator(ds, global_batch=8, seed=5)
     _take(single, 3)
     state = single.get_state()
-    half = DataIterator(ds, 8, 5, process_index=1, process_count=2)
+    half = DataIterator(ds, 8, 5, rows=np.arange(4, 8))
     half.set_state(state)
     np.testing.assert_array_equal(next(half)["inputs"], next(single)["inputs"][4:])
 
 
-def test_batch_must_divide_among_processes(corpus):
+def test_with_rows_keeps_the_position(corpus):
     ds = build_dataset(str(corpus[0]), BYTE, seq_len=16, val_fraction=0.0)
-    with pytest.raises(ValueError, match="multiple of the process count"):
-        DataIterator(ds, global_batch=6, seed=0, process_count=4)
+    whole = DataIterator(ds, global_batch=8, seed=5)
+    _take(whole, 2)
+    part = whole.with_rows(np.array([6, 7]))
+    np.testing.assert_array_equal(next(part)["inputs"], next(whole)["inputs"][6:])
+
+
+def test_rows_outside_the_batch_are_rejected(corpus):
+    ds = build_dataset(str(corpus[0]), BYTE, seq_len=16, val_fraction=0.0)
+    with pytest.raises(ValueError, match="positions in a batch of 6"):
+        DataIterator(ds, global_batch=6, seed=0, rows=np.array([5, 6]))
 
 
 def test_tokenizer_json_without_tokenizers_package_says_how_to_install(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 >>> tok = make_tokenizer("byte")
 >>> ds = build_dataset("stdlib", tok, seq_len=256)
->>> it = DataIterator(ds, global_batch=32, seed=0, process_index=0, process_count=1)
+>>> it = DataIterator(ds, global_batch=32, seed=0)  # rows=: this process's rows only
 >>> batch = next(it)  # {"inputs", "targets", "mask"}: numpy arrays of shape [32, 256]
 """
 

@@ -2,7 +2,8 @@
 
 Grain does the index bookkeeping: a seeded shuffle of row indices that is redrawn each epoch,
 endless repetition, batching into global batches, and an iterator whose state is one integer.
-Each process then gathers only its own slice of every global batch.
+Each process then gathers only the rows of every global batch that its devices hold (``rows``,
+from the batch sharding: ``jaxpar.mesh.process_batch_rows``).
 
 Grain's own sharding (`slice`, `ShardByJaxProcess`) splits the *records* between processes, so
 each process would batch a different sub-stream and the union of the per-process batches would
@@ -22,10 +23,12 @@ from jaxpar.data.packing import PackedDataset
 
 
 class DataIterator:
-    """`next(it)` -> this process's rows of the next global batch: dict of [B/P, seq_len] arrays.
+    """`next(it)` -> rows `rows` of the next global batch: dict of [len(rows), seq_len] arrays.
 
-    Process p gets rows p*B/P : (p+1)*B/P of the global batch of B rows. The stream depends only
-    on the dataset, `global_batch`, `seed` and `shuffle`; batches run on across epoch ends.
+    `rows` (default: all of them) are positions in the global batch of `global_batch` rows, the
+    ones this process's devices hold; any subset in any order, the same for every batch. The
+    stream depends only on the dataset, `global_batch`, `seed` and `shuffle` (not on `rows`, so
+    the state resumes under another process count); batches run on across epoch ends.
     """
 
     def __init__(
@@ -33,17 +36,14 @@ class DataIterator:
         ds: PackedDataset,
         global_batch: int,
         seed: int,
-        process_index: int = 0,
-        process_count: int = 1,
+        rows: np.ndarray | None = None,
         shuffle: bool = True,
     ):
-        if global_batch < 1 or global_batch % process_count:
-            raise ValueError(
-                f"train.batch_size={global_batch} must be a positive multiple of the "
-                f"process count {process_count}"
-            )
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+        if global_batch < 1:
+            raise ValueError(f"train.batch_size={global_batch} must be >= 1")
+        rows = np.arange(global_batch) if rows is None else np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1 or not np.all((0 <= rows) & (rows < global_batch)):
+            raise ValueError(f"rows must be positions in a batch of {global_batch}, got {rows}")
         if not 0 <= seed < 2**32:  # grain's shuffle takes a 32-bit seed
             raise ValueError(f"train.seed must be in [0, 2**32), got {seed}")
         if len(ds) < global_batch:
@@ -51,20 +51,18 @@ class DataIterator:
                 f"data.source={ds.source!r}: the {ds.split} split has {len(ds)} rows of "
                 f"seq_len {ds.seq_len}, fewer than one batch (train.batch_size={global_batch})"
             )
+        self._ds, self._rows = ds, rows
         self._config = {
             "rows": len(ds),
             "global_batch": global_batch,
             "seed": seed,
             "shuffle": shuffle,
         }
-        per_process = global_batch // process_count
-        lo, hi = process_index * per_process, (process_index + 1) * per_process
-
         indices = grain.MapDataset.range(len(ds))
         if shuffle:
             indices = indices.shuffle(seed=seed)
         batches = indices.repeat().batch(global_batch, drop_remainder=True)
-        local = batches.map(lambda global_rows: ds.rows(global_rows[lo:hi]))
+        local = batches.map(lambda global_rows: ds.rows(global_rows[rows]))
         # Gathering rows from memory takes microseconds: no worker threads or prefetch, which
         # also keeps the iterator state exactly "batches handed out so far".
         options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -75,6 +73,13 @@ class DataIterator:
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._iter)
+
+    def with_rows(self, rows: np.ndarray) -> DataIterator:
+        """The same stream at the same position, yielding rows ``rows`` of each global batch."""
+        other = DataIterator(self._ds, self._config["global_batch"], self._config["seed"], rows,
+                             self._config["shuffle"])
+        other.set_state(self.get_state())
+        return other
 
     def get_state(self) -> dict[str, Any]:
         """A small JSON-serializable dict; the same for every process at the same step."""

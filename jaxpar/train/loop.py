@@ -4,10 +4,17 @@ Around the steps: resume from a checkpoint (``train.resume``), periodic asynchro
 (``checkpoint.every``) and one at the end, a save and a clean exit on SIGTERM/SIGINT, and the
 reaction to non-finite steps (``train.on_nonfinite``), whose updates the step itself already
 dropped on device.
+
+Under several processes (``distributed``), every process runs this loop on its own devices and
+its own batch rows; only process 0 speaks (console, progress bar, ``metrics.jsonl``,
+``config.yaml``), and every stop decision is the same on all of them: signals are agreed at log
+and save steps, non-finite steps are read from the same replicated metrics, and the data never
+ends (the iterator is endless).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import threading
@@ -30,8 +37,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from jaxpar.config import Config, ConfigError, to_yaml
+from jaxpar.config import Config, ConfigError, DistributedConfig, to_yaml
 from jaxpar.data import DataIterator, build_dataset, dataset_line, make_tokenizer
+from jaxpar.distributed import DistributedError, barrier
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe as describe_schedule
@@ -97,7 +105,8 @@ class _StopSignals:
 
 
 def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
-    """The per-process iterator over the training split, and a one-line description of it."""
+    """The iterator over the training split (every row of each global batch: a process keeps
+    its own with ``with_rows(trainer.local_batch_rows())``), and a one-line description."""
     try:
         tokenizer = make_tokenizer(cfg.data.tokenizer)
         if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -106,8 +115,7 @@ def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
         ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split="train",
                            val_fraction=cfg.data.val_fraction,
                            max_bytes=cfg.data.max_bytes or None)
-        it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed, jax.process_index(),
-                          jax.process_count(), shuffle=cfg.data.shuffle)
+        it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed, shuffle=cfg.data.shuffle)
     except ImportError as err:  # an optional package (tokenizers, pyarrow) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:
@@ -125,8 +133,11 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     parts, the methods of :class:`_Run`: start-up, step, log, save, stop.
     """
     console = console or Console(soft_wrap=True)
+    if jax.process_index() != 0:  # one voice: the other processes print nothing
+        console = Console(quiet=True)
     source = checkpoint.find_checkpoint(cfg)
     start_step = int(checkpoint.read_meta(source)["step"]) if source is not None else 0
+    _require_same_start(start_step)
     if start_step >= cfg.train.steps:
         console.print(f"{source} is at step {start_step} and train.steps={cfg.train.steps}: "
                       "nothing to train (raise train.steps to go on, or use another run_dir to "
@@ -161,7 +172,21 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     finally:
         if run.saver is not None:
             run.saver.close()  # whatever happened, let the save in flight finish on disk
+    # No process leaves while another still writes its part of the last checkpoint.
+    barrier("train_done", cfg.distributed.timeout_s)
     return run.stop(step, signals.received)
+
+
+def _require_same_start(start_step: int) -> None:
+    """Every process must resume from the same step: they read run_dir on their own, so a
+    run_dir that is not one shared file system would let them disagree (and hang later)."""
+    if jax.process_count() == 1:
+        return
+    steps = multihost_utils.process_allgather(np.int32(start_step))
+    if np.any(steps != start_step):
+        raise DistributedError(f"processes found different checkpoints to resume from (steps "
+                               f"{', '.join(map(str, steps))}): run_dir must be on a file system "
+                               "that every process shares")
 
 
 @dataclass
@@ -179,7 +204,7 @@ class _Run:
     start_step: int
     saved_step: int | None  # the newest step on disk (None: none saved, nothing restored)
     skipped: int  # updates dropped for a non-finite loss or gradient norm, whole run
-    metrics_file: MetricsFile
+    metrics_file: MetricsFile | None  # None on every process but process 0
     peak: float | None  # dense bf16 peak FLOP/s of one device (None: unknown, MFU n/a)
     pipeline: dict | None  # parallel.pipeline.describe() when pipe > 1
     step_fn: Any = None
@@ -204,8 +229,9 @@ class _Run:
         compile the step."""
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
-        data, data_line = make_data_iterator(cfg)
+        data, data_line = make_data_iterator(cfg)  # data errors first: before any tracing
         trainer = build_trainer(cfg, make_mesh(cfg))
+        data = data.with_rows(trainer.local_batch_rows())
         state, skipped, restored = None, 0, None
         if source is not None:
             # Straight into this run's shardings, whatever mesh saved it.
@@ -218,11 +244,7 @@ class _Run:
             state = trainer.from_model_order(restored.state)
             skipped = int(restored.meta.get("skipped_steps", 0))
 
-        run_dir = Path(cfg.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        metrics_file = MetricsFile(run_dir / "metrics.jsonl", append=source is not None)
-        metrics_file.keep_through(start_step)
+        metrics_file = _run_dir_files(cfg, append=source is not None, start_step=start_step)
 
         device_kind = jax.devices()[0].device_kind
         t, par = cfg.train, cfg.parallel
@@ -234,6 +256,9 @@ class _Run:
                   pipeline=pipeline)
         for line in start_lines(cfg, jax.device_count(), device_kind, data_line, pipeline):
             console.print(line)
+        if jax.process_count() > 1:
+            console.print(f"{jax.process_count()} processes x {jax.local_device_count()} devices "
+                          "(process 0 logs, writes metrics.jsonl and config.yaml)")
         if restored is not None:
             console.print(f"resumed from step {start_step} ({source}) in "
                           f"{restored.seconds:.1f} s")
@@ -253,7 +278,7 @@ class _Run:
             TextColumn("[progress.description]{task.description}"), BarColumn(),
             MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
             TextColumn("{task.fields[status]}"), console=self.console,
-            disable=not self.cfg.logging.progress, transient=True)
+            disable=not self.cfg.logging.progress or jax.process_index() != 0, transient=True)
         self.train_start = self.interval_start = time.perf_counter()
 
     # -- step ----------------------------------------------------------------------------------
@@ -299,7 +324,8 @@ class _Run:
             row["pipeline_bubble"] = self.pipeline["bubble"]
         # Mixture of experts: aux losses, expert load, dropped slots, a2a padding.
         row.update({k: v for k, v in values.items() if k not in row and k != "nonfinite"})
-        self.metrics_file.write(row)
+        if self.metrics_file is not None:
+            self.metrics_file.write(row)
         if row["loss"] is not None:
             self.losses.append(row["loss"])
         self.console.print(_log_line(row, t.steps))
@@ -350,6 +376,23 @@ class _Run:
             f"{summary.tokens_per_s:,.0f} tokens/s{skipped} | metrics in "
             f"{Path(cfg.run_dir) / 'metrics.jsonl'}")
         return summary
+
+
+def _run_dir_files(cfg: Config, append: bool, start_step: int) -> MetricsFile | None:
+    """Write ``config.yaml`` and open ``metrics.jsonl`` (on process 0 only; None elsewhere)."""
+    if jax.process_index() != 0:
+        return None
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The process fields say how this process joined, not what the run is: a config.yaml loaded
+    # later, by one process, must not try to join a runtime that is gone.
+    joined = cfg.distributed
+    run_cfg = dataclasses.replace(cfg, distributed=DistributedConfig(
+        enabled=joined.enabled, timeout_s=joined.timeout_s))
+    (run_dir / "config.yaml").write_text(to_yaml(run_cfg))
+    metrics_file = MetricsFile(run_dir / "metrics.jsonl", append=append)
+    metrics_file.keep_through(start_step)
+    return metrics_file
 
 
 def start_lines(cfg: Config, devices: int, device_kind: str, data_line: str,

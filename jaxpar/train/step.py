@@ -40,6 +40,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config, TrainConfig
+from jaxpar.mesh import process_batch_rows
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
 from jaxpar.parallel.context import zigzag_order
@@ -173,12 +174,27 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self._step.lower(self.abstract_state, self.abstract_batch()).compile()
 
+    def local_batch_rows(self) -> np.ndarray:
+        """The global batch rows this process's devices hold (all of them in one process)."""
+        t = self.cfg.train
+        return process_batch_rows(self.batch_sharding, (t.batch_size, t.seq_len))
+
     def put_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
-        """This process's rows -> global arrays laid out for the step (tokens reordered into
-        ``seq_order`` here, on the host, where it costs no communication)."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding,
-                                                          np.asarray(v)[:, self.seq_order])
-                for k, v in local_batch.items()}
+        """This process's rows (:meth:`local_batch_rows`, in that order) -> global arrays laid
+        out for the step (tokens reordered into ``seq_order`` here, on the host, where it costs
+        no communication). Each device gets its slice of the rows it holds, whichever other
+        processes hold the same rows."""
+        t, rows = self.cfg.train, self.local_batch_rows()
+        shape = (t.batch_size, t.seq_len)
+
+        def put(local: np.ndarray) -> jax.Array:
+            local = np.asarray(local)[:, self.seq_order]
+            return jax.make_array_from_callback(
+                shape, self.batch_sharding,
+                lambda index: local[np.searchsorted(rows, np.arange(shape[0])[index[0]])][
+                    :, index[1]])
+
+        return {k: put(v) for k, v in local_batch.items()}
 
 
 class Shardings(NamedTuple):

@@ -1,0 +1,164 @@
+"""Several processes, one run: joining JAX's multi-controller runtime, barriers with timeouts,
+and ending every process when one fails.
+
+Each host (or GPU) runs one jaxpar process; :func:`start_distributed` joins them (before any jax
+backend starts) so that ``jax.devices()`` lists the devices of all of them and one mesh spans
+them. JAX's runtime ends the others when a process stops sending heartbeats (killed, or the
+host died), after ``distributed.timeout_s``. A process that fails in Python says so first:
+:func:`announce_failure` writes the reason to the runtime's key-value store, and every other
+process's :func:`watch_for_failures` thread reads it within a second and ends its own process
+with a line naming the failed one, instead of waiting in a collective for the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from jaxpar.config import DistributedConfig
+
+FAILURE_KEY = "jaxpar/failed"
+
+
+class DistributedError(RuntimeError):
+    """The multi-process runtime could not start, or processes disagree (exit code 1)."""
+
+
+def cluster_process_count() -> int:
+    """Processes in this job as JAX's own cluster detection sees them (SLURM, Open MPI, TPU pod
+    slices, Kubernetes); 1 outside a cluster.
+
+    JAX keeps that detection private (``jax._src.clusters``); if it moves, this says 1 and
+    ``distributed.enabled=on`` still reaches it through ``jax.distributed.initialize``."""
+    try:
+        from jax._src.clusters import ClusterEnv  # noqa: PLC0415
+    except ImportError:
+        return 1
+    for env in ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return int(env.get_process_count())
+    return 1
+
+
+def wants_distributed(d: DistributedConfig) -> bool:
+    """``enabled=on``; or ``auto`` with a process field given or a multi-process cluster."""
+    if d.enabled == "off":
+        return False
+    return d.enabled == "on" or d.fields_given() or cluster_process_count() > 1
+
+
+def start_distributed(d: DistributedConfig) -> bool:
+    """Join the multi-controller runtime if ``d`` asks for it (before any jax backend starts);
+    True if it did. Unset fields come from JAX's cluster detection.
+
+    ``timeout_s`` bounds the three waits of the runtime: for every process to connect at
+    start-up, for a silent process to be declared dead (its heartbeats stop; the runtime then
+    ends every other process), and for the others at shut-down.
+    """
+    if not wants_distributed(d):
+        return False
+    import jax  # noqa: PLC0415
+
+    ids = ([int(i) for i in d.local_device_ids.split(",")] if d.local_device_ids is not None
+           else None)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=d.coordinator, num_processes=d.num_processes,
+            process_id=d.process_id, local_device_ids=ids, initialization_timeout=d.timeout_s,
+            heartbeat_timeout_seconds=d.timeout_s, shutdown_timeout_seconds=d.timeout_s)
+    except (RuntimeError, ValueError) as err:
+        who = f"process {d.process_id}" if d.process_id is not None else "this process"
+        raise DistributedError(f"{who} could not join the multi-process runtime (distributed."
+                               f"coordinator={d.coordinator}, timeout_s={d.timeout_s}): "
+                               f"{_first_line(err)}") from None
+    return True
+
+
+def process_label() -> str:
+    """``process 1 of 2`` (empty in a one-process run): the prefix of every error line."""
+    import jax  # noqa: PLC0415
+
+    count = jax.process_count()
+    return f"process {jax.process_index()} of {count}" if count > 1 else ""
+
+
+def barrier(name: str, timeout_s: int) -> None:
+    """Wait until every process reached ``name``; a DistributedError after ``timeout_s``.
+
+    JAX's public barrier (``multihost_utils.sync_global_devices``) has no timeout, so this uses
+    the runtime client's ``wait_at_barrier``; one process: nothing to wait for."""
+    import jax  # noqa: PLC0415
+    client = _client()
+    if jax.process_count() == 1 or client is None:
+        return
+    try:
+        client.wait_at_barrier(f"jaxpar_{name}", timeout_in_ms=timeout_s * 1000)
+    except Exception as err:  # noqa: BLE001  (the runtime raises its own error types)
+        raise DistributedError(f"{process_label()}: not every process reached {name} within "
+                               f"{timeout_s} s (distributed.timeout_s): {_first_line(err)}"
+                               ) from None
+
+
+def lost_processes() -> list[int]:
+    """Processes the runtime no longer hears from (their heartbeats stopped, or they left);
+    empty when every process is alive or the runtime cannot be asked (its coordinator, process
+    0, is among the lost)."""
+    import jax  # noqa: PLC0415
+    client = _client()
+    if client is None:
+        return []
+    everyone = list(range(jax.process_count()))
+    try:
+        live = client.get_live_nodes(everyone)
+    except Exception:  # noqa: BLE001  (the coordinator itself is gone)
+        return [0] if jax.process_index() != 0 else []
+    return [p for p in everyone if p not in live]
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip() or type(err).__name__).splitlines()[0][:300]
+
+
+def _client():
+    """The runtime's client (None in a one-process run). JAX keeps it private; its barrier,
+    key-value store and liveness calls have no public equivalent with a timeout."""
+    from jax._src import distributed  # noqa: PLC0415
+
+    return distributed.global_state.client
+
+
+def announce_failure(reason: str) -> None:
+    """Tell the other processes that this one fails, and why (best effort: the runtime may be
+    gone already)."""
+    client = _client()
+    if client is None:
+        return
+    try:
+        client.key_value_set(FAILURE_KEY, f"{process_label()}: {reason}")
+    except Exception:  # noqa: BLE001  (the failure being reported may be the runtime's own)
+        pass
+
+
+def watch_for_failures(poll_s: float = 1.0) -> None:
+    """Start a daemon thread that ends this process (exit 1, one line on stderr) as soon as
+    another process announces a failure; nothing in a one-process run."""
+    client = _client()
+    if client is None:
+        return
+
+    def watch() -> None:
+        while True:
+            try:
+                reason = client.key_value_try_get(FAILURE_KEY)
+            except Exception:  # noqa: BLE001  (not set yet: the store answers NOT_FOUND)
+                time.sleep(poll_s)
+                continue
+            if not reason.startswith(process_label() + ":"):
+                print(f"jaxpar: error: {process_label()}: ending because {reason}",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            return
+
+    threading.Thread(target=watch, name="jaxpar-failure-watch", daemon=True).start()
