@@ -126,7 +126,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     """
     console = console or Console(soft_wrap=True)
     source = checkpoint.find_checkpoint(cfg)
-    start_step = int(checkpoint.read_meta(source)["step"]) if source is not None else 0
+    start_step = int(source.name) if source is not None else 0  # step directories are named so
     if start_step >= cfg.train.steps:
         console.print(f"{source} is at step {start_step} and train.steps={cfg.train.steps}: "
                       "nothing to train (raise train.steps to go on, or use another run_dir to "
@@ -135,7 +135,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                        train_seconds=0.0, compile_seconds=0.0, run_dir=str(Path(cfg.run_dir)),
                        start_step=start_step)
     run = _Run.start_up(cfg, console, source, start_step)
-    step = start_step
+    step = start_step = run.start_step  # older than asked if the checkpoint was damaged
     try:
         with run.progress, _StopSignals() as signals:
             task = run.progress.add_task("train", total=cfg.train.steps, completed=start_step,
@@ -208,8 +208,10 @@ class _Run:
         trainer = build_trainer(cfg, make_mesh(cfg))
         state, skipped, restored = None, 0, None
         if source is not None:
-            # Straight into this run's shardings, whatever mesh saved it.
-            restored = checkpoint.restore(source, trainer.abstract_state)
+            # Straight into this run's shardings, whatever mesh saved it; verified, and under
+            # train.resume=auto an older checkpoint if this one is damaged.
+            restored = checkpoint.resume(cfg, source, trainer.abstract_state, console.print)
+            source, start_step = restored.path, int(restored.meta["step"])
             try:
                 data.set_state(restored.data)
             except ValueError as err:
