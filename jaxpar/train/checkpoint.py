@@ -373,7 +373,11 @@ def _all_processes_reach(name: str) -> None:
 class Saver:
     """Asynchronous saves into ``run_dir/checkpoints``, keeping the newest ``checkpoint.keep``."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, abstract_state: Any = None):
+        """``abstract_state``: the layout of the states to be saved, to compile their checksums
+        now rather than at the first save."""
+        if abstract_state is not None:
+            integrity.warm_up(abstract_state)
         self.root = checkpoints_dir(cfg)
         self._cfg = to_dict(cfg)
         options = ocp.CheckpointManagerOptions(

@@ -108,6 +108,12 @@ def leaf_name(path: tuple) -> str:
     return "/".join(parts)
 
 
+def warm_up(abstract_tree: Any) -> None:
+    """Compile the checksums of trees laid out as ``abstract_tree`` (shapes, dtypes and
+    shardings) now, so that the first save does not wait for it (jit reuses the executable)."""
+    _checksum_leaves.lower(jax.tree.leaves(abstract_tree)).compile()
+
+
 def start(tree: Any) -> dict[str, Any]:
     """What a save records as its ``checksums`` item, still on device: dispatched, not waited
     for (:class:`ChecksumHandler` fetches the values in orbax's background thread). Collective

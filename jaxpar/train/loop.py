@@ -250,7 +250,8 @@ class _Run:
         self.compile_seconds = time.perf_counter() - start
         self.console.print(f"compiled the train step in {self.compile_seconds:.1f} s; run_dir "
                            f"{Path(self.cfg.run_dir)}")
-        self.saver = checkpoint.Saver(self.cfg) if self.cfg.checkpoint.enabled else None
+        self.saver = (checkpoint.Saver(self.cfg, self.trainer.abstract_state)
+                      if self.cfg.checkpoint.enabled else None)
         self.progress = Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(),
             MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
