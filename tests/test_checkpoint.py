@@ -439,3 +439,27 @@ def test_resume_choices(saved, tmp_path):
         checkpoint.check_run_dir_free(never, 2)
     finally:
         (root / f"7{TMP_SUFFIX}").rmdir()
+
+
+def test_processes_that_find_different_checkpoints_all_raise(saved, monkeypatch):
+    """Under several processes each looks at run_dir itself; if they disagree (run_dir not on a
+    shared file system), every process gets the same one-line error. The runtime is faked: this
+    tests the decision, not the collective."""
+    run_dir = Path(saved["fsdp4-tensor2"][3].run_dir)
+    cfg = validate(load_config("tiny", [f"run_dir={run_dir}"]), 8)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    gathered = []
+
+    def allgather(value):
+        gathered.append(int(value))
+        return np.array([int(value), -1])  # process 1 sees no checkpoint
+
+    monkeypatch.setattr(checkpoint.multihost_utils, "process_allgather", allgather)
+    with pytest.raises(CheckpointError, match=r"the processes find different checkpoints to "
+                       r"resume from \(process 0: 2, process 1: none\); run_dir must be on a "
+                       "file system that every process shares"):
+        checkpoint.find_checkpoint(cfg)
+    assert gathered == [2]
+    monkeypatch.setattr(checkpoint.multihost_utils, "process_allgather",
+                        lambda value: np.array([int(value)] * 2))
+    assert checkpoint.find_checkpoint(cfg) == run_dir / "checkpoints" / "2"

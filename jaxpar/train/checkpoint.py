@@ -11,7 +11,11 @@ A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, with 
 ``config``
     the resolved config of the run that saved it, as JSON;
 ``meta``
-    step, seed, skipped (non-finite) updates so far, and the mesh it was saved under, as JSON.
+    step, seed, skipped (non-finite) updates so far, and the mesh it was saved under, as JSON;
+``checksums``
+    a checksum of every array of ``state``, verified by every restore
+    (:mod:`jaxpar.train.checkpoint_integrity`; checkpoints saved before it lack this item and
+    restore unverified, with a notice).
 
 The run consumes no randomness after initialisation (no dropout): the seed fixes the initial
 parameters and the data order, and the data item fixes the position in that order, so these
@@ -25,6 +29,17 @@ here ignores (and the next :class:`Saver` deletes). Restores read each array str
 shardings of the target :class:`~jaxpar.train.step.TrainState` (``Trainer.abstract_state``), so
 a checkpoint saved under one mesh loads under any other mesh of the same model, each device
 reading only its own shards.
+
+Damage is found by the checksums, or by orbax failing to decode a file: one line naming the
+array (:class:`DamagedCheckpointError`). :func:`resume` then, under ``train.resume=auto``, falls
+back to the newest intact checkpoint and renames the damaged ones to ``<step>.damaged``.
+
+Several processes: each writes the shards it holds into the temporary directory; orbax's
+background thread on each process waits for its own writes, then all meet at a barrier, and
+only then does the primary process rename the directory. So a step directory without the
+temporary suffix is complete on every process, whichever finished last, and a kill of any
+process before that leaves only a temporary directory. Every process looks for the newest
+complete checkpoint itself; :func:`find_checkpoint` checks that they all found the same one.
 """
 
 from __future__ import annotations
@@ -188,10 +203,11 @@ def _corrupt(path: Path, err: BaseException,
              names: Mapping[str, str] | None = None) -> DamagedCheckpointError:
     """One line for a read that failed. ``names`` maps orbax's key of each array
     (``params.layers.attn.wq``) to its slash name: tensorstore's error quotes the key of the
-    array it failed on, so the line can name it."""
+    array it failed on (``'path': 'KEY/'`` in its spec, or ``"KEY/.zarray"``), so the line can
+    name it."""
     text = str(err)
     for key, name in (names or {}).items():
-        if f"'{key}/'" in text:
+        if f"'{key}/'" in text or f'"{key}/' in text:
             return DamagedCheckpointError(f"checkpoint {path}: array '{name}' is unreadable "
                                           f"(damaged file?): {_first_line(err)}")
     return DamagedCheckpointError(f"checkpoint {path} is unreadable or corrupt: "
@@ -267,6 +283,8 @@ def restore(path: Path, abstract_state: Any) -> Restored:
     checkpoint of another model.
     """
     start = time.perf_counter()
+    wanted = _flat_shapes(abstract_state)
+    keys = {name.replace("/", "."): name for name in wanted}  # orbax's key -> our name
     checkpointer = _open()
     try:
         try:
@@ -274,16 +292,16 @@ def restore(path: Path, abstract_state: Any) -> Restored:
                 metadata = checkpointer.metadata(path.absolute()).item_metadata
             saved = _flat_shapes(metadata["state"])
         except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
-            raise _corrupt(path, err) from None
-        check_compatible(saved, _flat_shapes(abstract_state), path)
+            raise _corrupt(path, err, keys) from None
+        check_compatible(saved, wanted, path)
         try:
             with _quiet_failed_reads():
                 restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state),
                     data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
-                    **_checksums_if_any(path)))
+                    **integrity.restore_args(path)))
         except Exception as err:  # noqa: BLE001
-            raise _corrupt(path, err, {n.replace("/", "."): n for n in saved}) from None
+            raise _corrupt(path, err, keys) from None
     finally:
         checkpointer.close()
     verified = _verify(path, restored["state"], restored.get("checksums"))
@@ -291,37 +309,24 @@ def restore(path: Path, abstract_state: Any) -> Restored:
                     seconds=time.perf_counter() - start, path=path, verified=verified)
 
 
-def _checksums_if_any(path: Path) -> dict[str, Any]:
-    # Checkpoints saved before jaxpar recorded checksums have no such item.
-    return {"checksums": integrity.ChecksumRestore()} if (path / "checksums").is_dir() else {}
-
-
 def _verify(path: Path, state: Any, recorded: Mapping[str, Any] | None) -> bool:
-    """Raise for the first array of ``state`` that fails its ``recorded`` checksum; False when
-    there is none (a checkpoint saved before jaxpar recorded them)."""
+    """Raise if an array of ``state`` fails its ``recorded`` checksum; False when there are
+    none (a checkpoint saved before jaxpar recorded them)."""
     if recorded is None:
         return False
-    try:
-        name = integrity.first_mismatch(recorded, state)
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise DamagedCheckpointError(f"checkpoint {path}: its checksums are unreadable "
-                                     f"({_first_line(err)})") from None
-    if name is not None:
-        raise DamagedCheckpointError(f"checkpoint {path}: array '{name}' does not match its "
-                                     "checksum (damaged file?)")
+    problem = integrity.problem(recorded, state)
+    if problem is not None:
+        raise DamagedCheckpointError(f"checkpoint {path}: {problem}")
     return True
 
 
 def resume(cfg: Config, source: Path, abstract_state: Any,
            say: Callable[[str], None]) -> Restored:
-    """Restore ``source`` (:func:`find_checkpoint`'s choice) for ``train.resume``.
-
-    With ``train.resume=auto`` a damaged checkpoint is not the end: the next older complete one
-    is tried, and so on. Once one restores intact, each damaged one newer than it is renamed to
-    ``<step>.damaged`` (out of orbax's sight: the resumed run saves those steps again) and
-    ``say`` gets one line per damaged checkpoint naming what failed and what is used instead.
-    If none is intact, or the checkpoint was named explicitly, the damage is the error.
-    """
+    """Restore ``source`` (:func:`find_checkpoint`'s choice). Under ``train.resume=auto`` a
+    damaged checkpoint is followed by the next older one, and so on; once one is intact, each
+    damaged one is renamed to ``<step>.damaged`` (out of orbax's sight: the run saves those steps
+    again) and ``say`` gets one line for it. If none is intact, or the checkpoint was named
+    explicitly, the damage is the error."""
     candidates = [source]
     if cfg.train.resume.strip() == "auto":
         root = checkpoints_dir(cfg)

@@ -23,13 +23,15 @@ about 2**-32.
 Why not hash the files orbax writes, or per-shard bytes? File layouts (ocdbt, zarr chunks) are
 orbax internals that change between releases, and per-shard sums cannot be recomputed once a
 restore reads the array into another sharding. The sum above needs neither: it runs as one
-jitted function over the state, on the devices that hold it, so a save pays one elementwise pass
-over its arrays (on the accelerator, before orbax copies them to the host) and no host memory.
+jitted function over the state, on the devices that hold it, and needs no host memory. A save
+dispatches it and goes on; orbax's background thread fetches the 4-byte results with the array
+writes (:class:`ChecksumHandler`), so the loop does not wait for it. Its price is one read of
+the state on the devices per save, and one per restore.
 
 Several processes: the function is collective like the save itself (every process calls it on
 the same global arrays), its outputs are scalars and so replicated on every device, and every
-process therefore holds the same checksums. Orbax writes the ``meta`` item from the primary
-process into the same temporary directory as the arrays and commits them together, so the
+process therefore holds the same checksums. The primary process writes them into the same
+temporary directory as the arrays, before the barrier that precedes orbax's commit, so the
 checksums are exactly as atomic as the checkpoint. Verification after a restore is again one
 collective computation with a replicated result: every process reaches the same verdict.
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -166,6 +169,23 @@ class ChecksumSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class ChecksumRestore(ocp.args.CheckpointArgs):
     pass
+
+
+def restore_args(step_dir: Path) -> dict[str, Any]:
+    """The ``checksums`` item to restore from ``step_dir``, if it has one (checkpoints saved
+    before jaxpar recorded checksums do not)."""
+    return {"checksums": ChecksumRestore()} if (step_dir / "checksums").is_dir() else {}
+
+
+def problem(recorded: Mapping[str, Any], tree: Any) -> str | None:
+    """What is wrong with ``tree`` against the ``recorded`` checksums, one phrase naming the
+    first array that fails; None when every array matches."""
+    try:
+        name = first_mismatch(recorded, tree)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # a damaged record
+        return f"its checksums are unreadable ({str(err).splitlines()[0][:200]})"
+    return None if name is None else (f"array '{name}' does not match its checksum (damaged "
+                                      "file?)")
 
 
 def first_mismatch(recorded: Mapping[str, Any], tree: Any) -> str | None:

@@ -210,7 +210,8 @@ class _Run:
         if source is not None:
             # Straight into this run's shardings, whatever mesh saved it; verified, and under
             # train.resume=auto an older checkpoint if this one is damaged.
-            restored = checkpoint.resume(cfg, source, trainer.abstract_state, console.print)
+            restored = checkpoint.resume(cfg, source, trainer.abstract_state,
+                                         lambda line: console.print(line, markup=False))
             source, start_step = restored.path, int(restored.meta["step"])
             try:
                 data.set_state(restored.data)
