@@ -25,8 +25,9 @@ orbax internals that change between releases, and per-shard sums cannot be recom
 restore reads the array into another sharding. The sum above needs neither: it runs as one
 jitted function over the state, on the devices that hold it, and needs no host memory. A save
 dispatches it and goes on; orbax's background thread fetches the 4-byte results with the array
-writes (:class:`ChecksumHandler`), so the loop does not wait for it. Its price is one read of
-the state on the devices per save, and one per restore.
+writes (:class:`ChecksumHandler`), so the loop does not wait for it (except where the devices
+are the host's own cores: on the CPU backend it competes with everything else). Its price is
+one pass over the state on the devices per save, and one per restore.
 
 Several processes: the function is collective like the save itself (every process calls it on
 the same global arrays), its outputs are scalars and so replicated on every device, and every
@@ -150,9 +151,8 @@ class ChecksumHandler(ocp.JsonCheckpointHandler):
         pending = args.item if args is not None else item
 
         async def write() -> None:
-            values = resolve(pending)  # every process: the barrier before commit follows
-            if jax.process_index() == 0:
-                (directory / self._filename).write_text(json.dumps(values))
+            if jax.process_index() == 0:  # orbax's primary: the one that writes JSON items
+                (directory / self._filename).write_text(json.dumps(resolve(pending)))
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(),
                                                                  name="jaxpar_checksums")]
