@@ -1,10 +1,10 @@
 """Checksums of a checkpoint's arrays: recorded at save, verified after every restore.
 
 Orbax compresses each array chunk with zstd but keeps no checksum of the values, so bytes
-flipped inside a data file (a bad disk, a truncated copy) mostly decode to other numbers: the
-run resumes from damaged parameters and dies at a NaN loss steps later. Here each array of the
+flipped inside a data file (a bad disk, a bad copy) mostly decode to other numbers: the run
+resumes from damaged parameters and dies at a NaN loss steps later. Here each array of the
 saved :class:`~jaxpar.train.step.TrainState` gets a 32-bit checksum, stored in the checkpoint's
-``meta`` item, and a restore recomputes it on the arrays it read and compares.
+``checksums`` item, and a restore recomputes it on the arrays it read and compares.
 
 The checksum is of the array's *values at their global positions*, not of orbax's files, and it
 does not depend on how the array is sharded:
