@@ -5,11 +5,13 @@ Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``)
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -139,3 +141,72 @@ def collectives_in_conditionals(hlo: str) -> list[str]:
                 found.append(f"{name}: {line.strip()[:120]}")
             todo += [n for n in _called(line) if n in comps]
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# Runs and checkpoints (test_checkpoint*.py)
+
+
+def cached_jax_env(cache_dir: str | os.PathLike) -> dict[str, str]:
+    """This environment plus a persistent compilation cache in ``cache_dir``, so that CLI
+    subprocesses of one config compile once."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200",
+                JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl``."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, tuple]:
+    """Step -> (loss, grad_norm) of ``run_dir/metrics.jsonl``."""
+    return {row["step"]: (row["loss"], row["grad_norm"]) for row in metrics(run_dir)}
+
+
+_trainers: dict[tuple[str, ...], object] = {}
+
+
+def trainer_for(overrides: list[str]):
+    """A Trainer of the tiny preset per layout, for the whole test process (its jitted functions
+    compile once); ``["mesh.data=1"]`` is one device, anything else 8."""
+    from jaxpar.config import load_config, validate
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train.step import build_trainer
+
+    key = tuple(overrides)
+    if key not in _trainers:
+        devices = 1 if overrides == ["mesh.data=1"] else 8
+        cfg = validate(load_config("tiny", overrides), devices)
+        _trainers[key] = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
+    return _trainers[key]
+
+
+def random_state(trainer, seed: int):
+    """A TrainState of random values (moments and counts included) in the trainer's layout:
+    built on the host and put onto the devices, so nothing needs compiling."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(abstract):
+        if np.issubdtype(abstract.dtype, np.integer):
+            value = np.asarray(rng.integers(1, 1000, abstract.shape), abstract.dtype)
+        else:
+            value = (0.02 * rng.standard_normal(abstract.shape)).astype(abstract.dtype)
+        return jax.device_put(value, abstract.sharding)
+
+    return jax.tree.map(leaf, trainer.abstract_state)
+
+
+def flip_bytes(step_dir: Path, count: int = 16) -> Path:
+    """Invert ``count`` bytes in the middle of the largest array data file of checkpoint
+    ``step_dir`` (orbax's ocdbt files under ``state/**/d/``), as a bad disk would; returns it."""
+    files = sorted((step_dir / "state").rglob("d/*"), key=lambda f: (f.stat().st_size, f.name))
+    assert files, f"no array data files under {step_dir / 'state'}"
+    data = bytearray(files[-1].read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, middle + count):
+        data[i] ^= 0xFF
+    files[-1].write_bytes(bytes(data))
+    return files[-1]

@@ -25,13 +25,19 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import assert_one_line_error, run_jaxpar
+from helpers import (
+    assert_one_line_error,
+    cached_jax_env,
+    losses,
+    metrics,
+    random_state,
+    run_jaxpar,
+    trainer_for,
+)
 
 from jaxpar.config import load_config, to_dict, validate
-from jaxpar.mesh import make_mesh
 from jaxpar.train import checkpoint
 from jaxpar.train.checkpoint import CheckpointError, complete_steps
-from jaxpar.train.step import build_trainer
 
 TIMEOUT_S = 240
 COMMON = ["logging.every=1", "logging.progress=false"]
@@ -64,11 +70,7 @@ BLOCKING_DRIVER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("jax-cache")
-    return dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200",
-                JAX_COMPILATION_CACHE_DIR=str(cache),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return cached_jax_env(tmp_path_factory.mktemp("jax-cache"))
 
 
 def cli(*args: str) -> list[str]:
@@ -83,20 +85,12 @@ def train_args(run_dir: Path, steps: int, *extra: str) -> list[str]:
     return ["train", "tiny", f"train.steps={steps}", f"run_dir={run_dir}", *COMMON, *extra]
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def rows_written(run_dir: Path) -> int:
     """Complete lines in metrics.jsonl (safe to call while a run appends to it)."""
     try:
         return (run_dir / "metrics.jsonl").read_text().count("\n")
     except FileNotFoundError:
         return 0
-
-
-def losses(run_dir: Path) -> dict[int, tuple]:
-    return {row["step"]: (row["loss"], row["grad_norm"]) for row in metrics(run_dir)}
 
 
 def wait_for(condition, what: str, proc: subprocess.Popen | None = None,
@@ -316,34 +310,6 @@ RESTORE_MESHES = {
 }
 
 
-_trainers: dict[tuple[str, ...], object] = {}
-
-
-def trainer_for(overrides: list[str]):
-    """One Trainer per layout for the whole module (its jitted functions compile once)."""
-    key = tuple(overrides)
-    if key not in _trainers:
-        devices = 1 if overrides == ["mesh.data=1"] else 8
-        cfg = validate(load_config("tiny", overrides), devices)
-        _trainers[key] = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
-    return _trainers[key]
-
-
-def random_state(trainer, seed: int):
-    """A TrainState of random values (moments and counts included) in the trainer's layout:
-    built on the host and put onto the devices, so nothing needs compiling."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(abstract):
-        if np.issubdtype(abstract.dtype, np.integer):
-            value = np.asarray(rng.integers(1, 1000, abstract.shape), abstract.dtype)
-        else:
-            value = (0.02 * rng.standard_normal(abstract.shape)).astype(abstract.dtype)
-        return jax.device_put(value, abstract.sharding)
-
-    return jax.tree.map(leaf, trainer.abstract_state)
-
-
 def eval_loss(trainer, state, batch_seed: int = 99) -> float:
     loss, _ = trainer.loss_and_grads(state, synthetic_batch(trainer, batch_seed))
     return float(loss)
@@ -371,6 +337,7 @@ def test_restore_onto_other_meshes_gives_equal_state_and_eval_loss(saved, target
     for source, (path, host, loss, _) in saved.items():
         restored = checkpoint.restore(path, trainer.abstract_state)
         assert restored.data == {"position": 2} and restored.meta["step"] == 2
+        assert restored.verified  # every array matched its checksum under this mesh
         state = restored.state
         # Each array arrives in this mesh's sharding (read shard by shard, no gather).
         for array, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(
@@ -433,7 +400,7 @@ def test_corrupt_checkpoint_is_one_line_error_exit_2(saved, env, tmp_path):
     run_dir = tmp_path / "run"
     result = run(env, *train_args(run_dir, 6, "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2",
                                   f"train.resume={path}"))
-    assert_one_line_error(result, str(path), "corrupt", code=2)
+    assert_one_line_error(result, str(path), "array '", "is unreadable (damaged file?)", code=2)
     assert not run_dir.exists()
 
 
@@ -472,3 +439,27 @@ def test_resume_choices(saved, tmp_path):
         checkpoint.check_run_dir_free(never, 2)
     finally:
         (root / f"7{TMP_SUFFIX}").rmdir()
+
+
+def test_processes_that_find_different_checkpoints_all_raise(saved, monkeypatch):
+    """Under several processes each looks at run_dir itself; if they disagree (run_dir not on a
+    shared file system), every process gets the same one-line error. The runtime is faked: this
+    tests the decision, not the collective."""
+    run_dir = Path(saved["fsdp4-tensor2"][3].run_dir)
+    cfg = validate(load_config("tiny", [f"run_dir={run_dir}"]), 8)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    gathered = []
+
+    def allgather(value):
+        gathered.append(int(value))
+        return np.array([int(value), -1])  # process 1 sees no checkpoint
+
+    monkeypatch.setattr(checkpoint.multihost_utils, "process_allgather", allgather)
+    with pytest.raises(CheckpointError, match=r"the processes find different checkpoints to "
+                       r"resume from \(process 0: 2, process 1: none\); run_dir must be on a "
+                       "file system that every process shares"):
+        checkpoint.find_checkpoint(cfg)
+    assert gathered == [2]
+    monkeypatch.setattr(checkpoint.multihost_utils, "process_allgather",
+                        lambda value: np.array([int(value)] * 2))
+    assert checkpoint.find_checkpoint(cfg) == run_dir / "checkpoints" / "2"

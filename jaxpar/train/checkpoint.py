@@ -11,7 +11,11 @@ A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, with 
 ``config``
     the resolved config of the run that saved it, as JSON;
 ``meta``
-    step, seed, skipped (non-finite) updates so far, and the mesh it was saved under, as JSON.
+    step, seed, skipped (non-finite) updates so far, and the mesh it was saved under, as JSON;
+``checksums``
+    a checksum of every array of ``state``, verified by every restore
+    (:mod:`jaxpar.train.checkpoint_integrity`; checkpoints saved before it lack this item and
+    restore unverified, with a notice).
 
 The run consumes no randomness after initialisation (no dropout): the seed fixes the initial
 parameters and the data order, and the data item fixes the position in that order, so these
@@ -25,6 +29,17 @@ here ignores (and the next :class:`Saver` deletes). Restores read each array str
 shardings of the target :class:`~jaxpar.train.step.TrainState` (``Trainer.abstract_state``), so
 a checkpoint saved under one mesh loads under any other mesh of the same model, each device
 reading only its own shards.
+
+Damage is found by the checksums, or by orbax failing to decode a file: one line naming the
+array (:class:`DamagedCheckpointError`). :func:`resume` then, under ``train.resume=auto``, falls
+back to the newest intact checkpoint and renames the damaged ones to ``<step>.damaged``.
+
+Several processes: each writes the shards it holds into the temporary directory; orbax's
+background thread on each process waits for its own writes, then all meet at a barrier, and
+only then does the primary process rename the directory. So a step directory without the
+temporary suffix is complete on every process, whichever finished last, and a kill of any
+process before that leaves only a temporary directory. Every process looks for the newest
+complete checkpoint itself; :func:`find_checkpoint` checks that they all found the same one.
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,15 +56,23 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxpar.config import Config, ConfigError, to_dict
+from jaxpar.train import checkpoint_integrity as integrity
+from jaxpar.train.checkpoint_integrity import leaf_name
 
 CHECKPOINTS = "checkpoints"  # under run_dir
-ITEMS = ("state", "data", "config", "meta")
+ITEMS = ("state", "data", "config", "meta", "checksums")
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used here (missing, corrupt, or of another model): exit 2."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files are damaged: unreadable, or an array that fails its checksum.
+    ``train.resume=auto`` falls back to an older checkpoint on this error (and only on it)."""
 
 
 def _handlers(saving: bool = False) -> dict[str, ocp.CheckpointHandler]:
@@ -65,7 +88,8 @@ def _handlers(saving: bool = False) -> dict[str, ocp.CheckpointHandler]:
             type_handler_registry=ocp.type_handlers.create_type_handler_registry(
                 (jax.Array, arrays)))
     return {"state": state, "data": ocp.JsonCheckpointHandler(),
-            "config": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+            "config": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+            "checksums": integrity.ChecksumHandler()}
 
 
 def checkpoints_dir(cfg: Config) -> Path:
@@ -89,7 +113,12 @@ def find_checkpoint(cfg: Config) -> Path | None:
     ``auto``: the newest complete checkpoint in ``run_dir/checkpoints`` (None if there is none);
     ``never``: None; ``N``: ``run_dir/checkpoints/N``; anything else is a path: a step directory,
     or a ``checkpoints`` directory or run directory whose newest complete checkpoint is taken.
+    Every process of a run gets the same answer, or all raise.
     """
+    return _same_on_every_process(cfg, _choose(cfg))
+
+
+def _choose(cfg: Config) -> Path | None:
     resume, root = cfg.train.resume.strip(), checkpoints_dir(cfg)
     if resume == "never":
         return None
@@ -110,6 +139,22 @@ def find_checkpoint(cfg: Config) -> Path | None:
     raise CheckpointError(f"train.resume={resume}: no complete checkpoint there; allowed: auto, "
                           "never, a step number, or a path to a step directory (run/checkpoints/"
                           "200) or to a directory holding them")
+
+
+def _same_on_every_process(cfg: Config, path: Path | None) -> Path | None:
+    """Each process looks at run_dir itself: they must all have found the same step (they do
+    when run_dir is on a file system they share; a checkpoint is final only once every
+    process's writes are done, so a save in flight is invisible to all of them alike)."""
+    if jax.process_count() == 1:
+        return path
+    steps = multihost_utils.process_allgather(np.int32(-1 if path is None else int(path.name)))
+    if len(set(steps.tolist())) > 1:
+        seen = ", ".join(f"process {i}: {step if step >= 0 else 'none'}"
+                         for i, step in enumerate(steps.tolist()))
+        raise CheckpointError(f"train.resume={cfg.train.resume}: the processes find different "
+                              f"checkpoints to resume from ({seen}); run_dir must be on a file "
+                              "system that every process shares")
+    return path
 
 
 def check_run_dir_free(cfg: Config, restored_step: int | None) -> None:
@@ -154,8 +199,19 @@ def read_config(path: Path) -> dict[str, Any]:
     return _read_json_items(path, ("config",))["config"]
 
 
-def _corrupt(path: Path, err: BaseException) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_first_line(err)}")
+def _corrupt(path: Path, err: BaseException,
+             names: Mapping[str, str] | None = None) -> DamagedCheckpointError:
+    """One line for a read that failed. ``names`` maps orbax's key of each array
+    (``params.layers.attn.wq``) to its slash name: tensorstore's error quotes the key of the
+    array it failed on (``'path': 'KEY/'`` in its spec, or ``"KEY/.zarray"``), so the line can
+    name it."""
+    text = str(err)
+    for key, name in (names or {}).items():
+        if f"'{key}/'" in text or f'"{key}/' in text:
+            return DamagedCheckpointError(f"checkpoint {path}: array '{name}' is unreadable "
+                                          f"(damaged file?): {_first_line(err)}")
+    return DamagedCheckpointError(f"checkpoint {path} is unreadable or corrupt: "
+                                  f"{_first_line(err)}")
 
 
 @contextlib.contextmanager
@@ -178,26 +234,13 @@ def _quiet_failed_reads() -> Iterator[None]:
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0][:300]
-
-
-def _leaf_name(path: tuple) -> str:
-    """A key path as a slash name, the same for the live tree and orbax's metadata tree (which
-    stores named tuples as dicts and tuples as lists): ``params/layers/attn/wq``."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
+    # Tensorstore appends its whole spec (dozens of lines) after this phrase.
+    return text.splitlines()[0].split(". See full TensorStore details")[0][:300]
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_leaf_name(path): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
+    return {leaf_name(path): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
             for path, leaf in leaves}
 
 
@@ -225,42 +268,121 @@ class Restored:
     data: dict[str, Any]  # data iterator state
     meta: dict[str, Any]
     seconds: float
+    path: Path  # the step directory it came from
+    verified: bool  # False: saved before checksums were recorded, so not checked
 
 
 def restore(path: Path, abstract_state: Any) -> Restored:
-    """Read checkpoint ``path`` into ``abstract_state``'s shapes and shardings.
+    """Read checkpoint ``path`` into ``abstract_state``'s shapes and shardings and verify every
+    array against its recorded checksum.
 
     ``abstract_state`` is ``build_trainer(cfg, mesh).abstract_state`` for the mesh of *this*
     run, whatever mesh saved the checkpoint: orbax reads each array's slices straight onto the
-    devices that hold them in the new layout, so no host ever holds a whole array.
+    devices that hold them in the new layout, so no host ever holds a whole array. Raises
+    :class:`DamagedCheckpointError` for damaged files, :class:`CheckpointError` for a
+    checkpoint of another model.
     """
     start = time.perf_counter()
+    wanted = _flat_shapes(abstract_state)
+    keys = {name.replace("/", "."): name for name in wanted}  # orbax's key -> our name
     checkpointer = _open()
     try:
         try:
             with _quiet_failed_reads():
                 metadata = checkpointer.metadata(path.absolute()).item_metadata
             saved = _flat_shapes(metadata["state"])
-        except Exception as err:  # noqa: BLE001
-            raise _corrupt(path, err) from None
-        check_compatible(saved, _flat_shapes(abstract_state), path)
+        except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
+            raise _corrupt(path, err, keys) from None
+        check_compatible(saved, wanted, path)
         try:
             with _quiet_failed_reads():
                 restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state),
-                    data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+                    data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
+                    **integrity.restore_args(path)))
         except Exception as err:  # noqa: BLE001
-            raise _corrupt(path, err) from None
+            raise _corrupt(path, err, keys) from None
     finally:
         checkpointer.close()
+    verified = _verify(path, restored["state"], restored.get("checksums"))
     return Restored(state=restored["state"], data=restored["data"], meta=restored["meta"],
-                    seconds=time.perf_counter() - start)
+                    seconds=time.perf_counter() - start, path=path, verified=verified)
+
+
+def _verify(path: Path, state: Any, recorded: Mapping[str, Any] | None) -> bool:
+    """Raise if an array of ``state`` fails its ``recorded`` checksum; False when there are
+    none (a checkpoint saved before jaxpar recorded them)."""
+    if recorded is None:
+        return False
+    problem = integrity.problem(recorded, state)
+    if problem is not None:
+        raise DamagedCheckpointError(f"checkpoint {path}: {problem}")
+    return True
+
+
+def resume(cfg: Config, source: Path, abstract_state: Any,
+           say: Callable[[str], None]) -> Restored:
+    """Restore ``source`` (:func:`find_checkpoint`'s choice). Under ``train.resume=auto`` a
+    damaged checkpoint is followed by the next older one, and so on; once one is intact, each
+    damaged one is renamed to ``<step>.damaged`` (out of orbax's sight: the run saves those steps
+    again) and ``say`` gets one line for it. If none is intact, or the checkpoint was named
+    explicitly, the damage is the error."""
+    candidates = [source]
+    if cfg.train.resume.strip() == "auto":
+        root = checkpoints_dir(cfg)
+        candidates += [root / str(s) for s in reversed(complete_steps(root))
+                       if s < int(source.name)]
+    damaged: list[tuple[Path, DamagedCheckpointError]] = []
+    for path in candidates:
+        try:
+            restored = restore(path, abstract_state)
+        except DamagedCheckpointError as err:
+            if len(candidates) == 1:
+                raise
+            damaged.append((path, err))
+            continue
+        for bad, err in damaged:
+            moved = _move_aside(bad)
+            say(f"{err}; resuming from step {path.name} ({path}), the newest intact "
+                f"checkpoint, instead (moved the damaged one to {moved.name})")
+        if not restored.verified:
+            say(f"checkpoint {path} holds no checksums (saved by an older jaxpar): its arrays "
+                "cannot be verified")
+        return restored
+    older = ", ".join(p.name for p, _ in damaged[1:])
+    raise DamagedCheckpointError(f"{damaged[0][1]}; " + (
+        f"the older checkpoints are damaged too (steps {older})" if older else
+        "there is no older checkpoint to fall back to"))
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a damaged step directory to a name orbax does not read as a step (kept, not
+    deleted: it may be worth a look). Renamed by the primary process; all wait for it."""
+    target = path.with_name(f"{path.name}.damaged")
+    for n in range(2, 1000):
+        if not target.exists():
+            break
+        target = path.with_name(f"{path.name}.damaged.{n}")
+    _all_processes_reach(f"jaxpar: {path} is to be moved aside")  # all chose the same target
+    if jax.process_index() == 0:
+        path.rename(target)
+    _all_processes_reach(f"jaxpar: {path} was moved aside")
+    return target
+
+
+def _all_processes_reach(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 class Saver:
     """Asynchronous saves into ``run_dir/checkpoints``, keeping the newest ``checkpoint.keep``."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, abstract_state: Any = None):
+        """``abstract_state``: the layout of the states to be saved, to compile their checksums
+        now rather than at the first save."""
+        if abstract_state is not None:
+            integrity.warm_up(abstract_state)
         self.root = checkpoints_dir(cfg)
         self._cfg = to_dict(cfg)
         options = ocp.CheckpointManagerOptions(
@@ -282,7 +404,9 @@ class Saver:
         start = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(self._cfg), meta=ocp.args.JsonSave(meta)))
+            config=ocp.args.JsonSave(self._cfg), meta=ocp.args.JsonSave(meta),
+            # Computed on device while orbax copies the arrays; written in its background.
+            checksums=integrity.ChecksumSave(integrity.start(state))))
         self.last_step = step
         return time.perf_counter() - start
 
@@ -337,7 +461,7 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
     finally:
         checkpointer.close()
     leaves = jax.tree_util.tree_flatten_with_path(restored["state"]["params"])[0]
-    tensors = {_leaf_name(p): np.ascontiguousarray(v) for p, v in leaves}
+    tensors = {leaf_name(p): np.ascontiguousarray(v) for p, v in leaves}
     axes = jax.tree_util.tree_flatten_with_path(
         param_logical_axes(abstract_model(cfg.model)),
         is_leaf=lambda x: isinstance(x, tuple))[0]
@@ -348,8 +472,8 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
             "dtype": "float32",
             "params": {name: {"shape": list(tensors[name].shape)} for name in tensors}}
     for p, names in axes:
-        if _leaf_name(p) in info["params"]:
-            info["params"][_leaf_name(p)]["axes"] = list(names)
+        if leaf_name(p) in info["params"]:
+            info["params"][leaf_name(p)]["axes"] = list(names)
     config_json.write_text(json.dumps(info, indent=2) + "\n")
     return weights, config_json, int(meta["step"])
 

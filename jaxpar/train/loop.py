@@ -39,7 +39,7 @@ from rich.progress import (
 
 from jaxpar.config import Config, ConfigError, DistributedConfig, to_yaml
 from jaxpar.data import DataIterator, build_dataset, dataset_line, make_tokenizer
-from jaxpar.distributed import DistributedError, barrier
+from jaxpar.distributed import barrier
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe as describe_schedule
@@ -136,8 +136,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     if jax.process_index() != 0:  # one voice: the other processes print nothing
         console = Console(quiet=True)
     source = checkpoint.find_checkpoint(cfg)
-    start_step = int(checkpoint.read_meta(source)["step"]) if source is not None else 0
-    _require_same_start(start_step)
+    start_step = int(source.name) if source is not None else 0  # step directories are named so
     if start_step >= cfg.train.steps:
         console.print(f"{source} is at step {start_step} and train.steps={cfg.train.steps}: "
                       "nothing to train (raise train.steps to go on, or use another run_dir to "
@@ -146,7 +145,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                        train_seconds=0.0, compile_seconds=0.0, run_dir=str(Path(cfg.run_dir)),
                        start_step=start_step)
     run = _Run.start_up(cfg, console, source, start_step)
-    step = start_step
+    step = start_step = run.start_step  # older than asked if the checkpoint was damaged
     try:
         with run.progress, _StopSignals() as signals:
             task = run.progress.add_task("train", total=cfg.train.steps, completed=start_step,
@@ -175,18 +174,6 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     # No process leaves while another still writes its part of the last checkpoint.
     barrier("train_done", cfg.distributed.timeout_s)
     return run.stop(step, signals.received)
-
-
-def _require_same_start(start_step: int) -> None:
-    """Every process must resume from the same step: they read run_dir on their own, so a
-    run_dir that is not one shared file system would let them disagree (and hang later)."""
-    if jax.process_count() == 1:
-        return
-    steps = multihost_utils.process_allgather(np.int32(start_step))
-    if np.any(steps != start_step):
-        raise DistributedError(f"processes found different checkpoints to resume from (steps "
-                               f"{', '.join(map(str, steps))}): run_dir must be on a file system "
-                               "that every process shares")
 
 
 @dataclass
@@ -234,8 +221,11 @@ class _Run:
         data = data.with_rows(trainer.local_batch_rows())
         state, skipped, restored = None, 0, None
         if source is not None:
-            # Straight into this run's shardings, whatever mesh saved it.
-            restored = checkpoint.restore(source, trainer.abstract_state)
+            # Straight into this run's shardings, whatever mesh saved it; verified, and under
+            # train.resume=auto an older checkpoint if this one is damaged.
+            restored = checkpoint.resume(cfg, source, trainer.abstract_state,
+                                         lambda line: console.print(line, markup=False))
+            source, start_step = restored.path, int(restored.meta["step"])
             try:
                 data.set_state(restored.data)
             except ValueError as err:
@@ -273,7 +263,8 @@ class _Run:
         self.compile_seconds = time.perf_counter() - start
         self.console.print(f"compiled the train step in {self.compile_seconds:.1f} s; run_dir "
                            f"{Path(self.cfg.run_dir)}")
-        self.saver = checkpoint.Saver(self.cfg) if self.cfg.checkpoint.enabled else None
+        self.saver = (checkpoint.Saver(self.cfg, self.trainer.abstract_state)
+                      if self.cfg.checkpoint.enabled else None)
         self.progress = Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(),
             MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
