@@ -226,6 +226,25 @@ def wait_for_line(log: Path, proc: subprocess.Popen, text: str) -> None:
         time.sleep(0.2)
 
 
+def signal_process_1(log: Path, proc: subprocess.Popen, after: str,
+                     signals: tuple[int, ...]) -> tuple[float, str]:
+    """Once ``after`` is in the log, send ``signals`` (0.5 s apart) to process 1 of the launch;
+    (seconds from the last one until the launcher ended, the log)."""
+    try:
+        wait_for_line(log, proc, after)
+        pid = int(next(line.split()[-1] for line in log.read_text().splitlines()
+                       if line.startswith("[launch] process 1: pid")))
+        for i, sig in enumerate(signals):
+            time.sleep(0.5 if i else 0)
+            sent = time.monotonic()
+            os.kill(pid, sig)
+        proc.wait(timeout=120)
+        return time.monotonic() - sent, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.parametrize("timeout_s", [
     10,  # the mechanism, quickly
     pytest.param(30, marks=pytest.mark.slow),  # the default distributed.timeout_s
@@ -234,18 +253,7 @@ def test_a_killed_process_ends_the_other_within_60_s(env, tmp_path, timeout_s):
     log = tmp_path / "launch.log"
     proc = start_long_run(env, tmp_path / "run", log, "checkpoint.enabled=false",
                           f"distributed.timeout_s={timeout_s}")
-    try:
-        wait_for_line(log, proc, "    10/100000 | loss")
-        pid = int(next(line.split()[-1] for line in log.read_text().splitlines()
-                       if line.startswith("[launch] process 1: pid")))
-        killed = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=120)
-        elapsed = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
+    elapsed, text = signal_process_1(log, proc, "    10/100000 | loss", (signal.SIGKILL,))
     assert proc.returncode != 0
     assert "[launch] process 1 exited with code 137" in text
     assert "[launch] process 0 ended by itself" in text, text[-3000:]  # not killed by us
@@ -262,20 +270,8 @@ def test_an_error_on_one_process_ends_the_other_at_once(env, tmp_path):
     # second SIGINT (KeyboardInterrupt in the loop of process 1 alone) time to arrive first.
     proc = start_long_run(env, tmp_path / "run", log, "checkpoint.enabled=false",
                           "logging.every=1000")
-    try:
-        wait_for_line(log, proc, "     1/100000 | loss")
-        pid = int(next(line.split()[-1] for line in log.read_text().splitlines()
-                       if line.startswith("[launch] process 1: pid")))
-        os.kill(pid, signal.SIGINT)
-        time.sleep(0.5)
-        failed = time.monotonic()
-        os.kill(pid, signal.SIGINT)
-        proc.wait(timeout=120)
-        elapsed = time.monotonic() - failed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
+    elapsed, text = signal_process_1(log, proc, "     1/100000 | loss",
+                                     (signal.SIGINT, signal.SIGINT))
     assert proc.returncode == 1, text[-3000:]
     assert "[p1] jaxpar: error: process 1 of 2: interrupted" in text
     assert ("[p0] jaxpar: error: process 0 of 2: ending because process 1 of 2: interrupted"

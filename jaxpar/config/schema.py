@@ -1,0 +1,206 @@
+"""The config schema: frozen dataclasses, one per section, with their defaults, and the mesh and
+logical axis names. No jax import (see :mod:`jaxpar.config`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+MESH_AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+"""Mesh axis names, outermost first; the innermost axis should get the fastest links."""
+
+BATCH_AXES = ("data", "fsdp", "expert")
+"""Mesh axes the global batch is split over (``expert`` is extra data parallelism outside MoE)."""
+
+LOGICAL_AXES = (
+    "batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads", "head_dim",
+    "mlp", "vocab", "experts", "layers", "stage",
+)
+"""Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error (the CLI exits with code 2)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (``jaxpar/model/moe.py``); ``num_experts: 0`` is a dense model."""
+
+    num_experts: int = 0  # 0 = dense model
+    top_k: int = 2  # experts each token is sent to
+    every: int = 1  # the last block of every group of `every` blocks is a MoE block
+    d_ff_expert: int | None = None  # hidden size of one expert; default model.d_ff
+    num_shared_experts: int = 0  # experts every token always uses (DeepSeek), d_ff_expert each
+    router: Literal["softmax", "sigmoid_bias"] = "softmax"
+    dispatch: Literal["dropless", "dropping"] = "dropless"
+    capacity_factor: float = 1.25  # dropping: slots per expert = factor x tokens x top_k / experts
+    aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss
+    z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+    bias_update_rate: float = 0.001  # sigmoid_bias: step of the aux-loss-free bias update
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert in dropping mode for a group of ``tokens`` tokens:
+        ceil(capacity_factor x tokens x top_k / num_experts), within [1, tokens].
+
+        An expert can never receive more than ``tokens`` slots (a token picks top_k *distinct*
+        experts), so a larger buffer would only hold padding.
+        """
+        wanted = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        return max(1, min(tokens, wanted))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # default d_model // n_heads
+    d_ff: int = 128
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # auto: cuDNN on a GPU in 16-bit, else blockwise when the sequence spans several blocks
+    attention: Literal["auto", "dense", "blockwise", "cudnn"] = "auto"
+    attention_block: int = 512  # queries x keys per block of blockwise (and ring) attention
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def resolved_d_ff_expert(self) -> int:
+        return self.moe.d_ff_expert if self.moe.d_ff_expert is not None else self.d_ff
+
+    @property
+    def n_moe_layers(self) -> int:
+        """MoE blocks in the stack: one per group of ``moe.every`` blocks (0 for a dense model)."""
+        return self.n_layers // self.moe.every if self.moe.enabled else 0
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    pipe: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8  # global sequences per optimizer step
+    seq_len: int = 64
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    microbatches: int = 1  # pipeline microbatches per micro-step
+    grad_accum: int = 1  # micro-steps summed per optimizer step
+    remat: Literal["none", "full", "dots"] = "none"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # auto: continue from the newest complete checkpoint in run_dir/checkpoints, if any;
+    # never: start fresh; N: run_dir/checkpoints/N; else a path (a step directory, or a
+    # checkpoints/ or run directory whose newest checkpoint is taken). See train/checkpoint.py.
+    resume: str = "auto"
+    # A non-finite loss or gradient norm: skip drops that update (counted as skipped_steps in
+    # metrics.jsonl); stop exits 1 naming the step, saving nothing after it.
+    on_nonfinite: Literal["skip", "stop"] = "stop"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    sequence_parallel: bool = False
+    zero: Literal[1, 3] = 3
+    context_impl: Literal["ring", "allgather"] = "ring"
+    zigzag: bool = True  # load-balanced causal layout for context parallelism
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "gpipe"
+    virtual_stages: int = 1
+    # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
+    rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # 'stdlib' or a path/glob of .txt/.md/.py/.jsonl/.parquet files
+    tokenizer: str = "byte"  # 'byte' or a path to a tokenizer.json
+    val_fraction: float = 0.01
+    max_bytes: int = 8_000_000  # cap on corpus text read (0 = no cap)
+    shuffle: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints; 0 = only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # newest checkpoints kept in run_dir/checkpoints
+    enabled: bool = True  # false: save nothing (train.resume still reads existing checkpoints)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 10  # steps between log lines / metrics.jsonl rows
+    progress: bool = True  # rich progress bar
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Several processes (one per host or GPU) on JAX's multi-controller runtime; see
+    ``jaxpar/mesh.py:start_distributed``. The four fields below ``enabled`` may all stay null
+    where JAX detects the cluster itself (SLURM, Open MPI, TPU pods, Kubernetes)."""
+
+    # auto: join when the cluster runs several processes of this job or a field below is set;
+    # on: always join (cluster detection or the fields); off: one process, never join.
+    enabled: Literal["auto", "on", "off"] = "auto"
+    coordinator: str | None = None  # host:port of process 0, where the runtime's service listens
+    num_processes: int | None = None
+    process_id: int | None = None  # 0 .. num_processes-1
+    local_device_ids: str | None = None  # comma-separated ids of this process's devices
+    timeout_s: int = 30  # wait for every process at start-up and shut-down; a silent one is dead
+
+    def fields_given(self) -> bool:
+        return any(v is not None for v in (self.coordinator, self.num_processes, self.process_id,
+                                           self.local_device_ids))
+
+
+@dataclass(frozen=True)
+class Config:
+    host_devices: int | None = None  # N virtual CPU devices (forces the CPU platform)
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Axis sizes; only meaningful after :func:`validate` resolved any ``-1``."""
+        return self.mesh.sizes()
+
+    def batch_shards(self) -> int:
+        return math.prod(getattr(self.mesh, a) for a in BATCH_AXES)

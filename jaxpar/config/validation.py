@@ -1,0 +1,230 @@
+"""Semantic validation: every cross-field rule, in the order a user would fix them, each a
+one-line :class:`~jaxpar.config.schema.ConfigError` naming the field and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.config.schema import (
+    BATCH_AXES,
+    LOGICAL_AXES,
+    MESH_AXES,
+    Config,
+    ConfigError,
+    DistributedConfig,
+    MeshConfig,
+    ModelConfig,
+    TrainConfig,
+)
+
+# --------------------------------------------------------------------------------------------
+# Semantic validation: one function, every rule, in the order a user would fix them.
+
+
+def _resolve_mesh(mesh: MeshConfig, device_count: int) -> MeshConfig:
+    sizes = mesh.sizes()
+    for axis, size in sizes.items():
+        if size != -1 and size < 1:
+            raise ConfigError(f"mesh.{axis}={size}: axis sizes must be >= 1, or -1 for the rest")
+    wild = [a for a, s in sizes.items() if s == -1]
+    if len(wild) > 1:
+        raise ConfigError(f"mesh: more than one axis is -1 ({', '.join(wild)}); at most one may be")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    shown = " ".join(f"{a}={s}" for a, s in sizes.items() if s != 1)
+    if wild:
+        if device_count % fixed:
+            raise ConfigError(f"mesh: {shown} cannot fill {device_count} devices "
+                              f"({device_count} is not divisible by {fixed})")
+        sizes[wild[0]] = device_count // fixed
+    elif fixed != device_count:
+        raise ConfigError(f"mesh: product of axis sizes ({shown or 'all 1'}) is {fixed}, "
+                          f"but there are {device_count} devices")
+    return MeshConfig(**sizes)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, device_count: int) -> Config:
+    """Check every cross-field rule; return the config with the mesh's ``-1`` axis resolved.
+
+    The checks run in a fixed order (model, pipeline, mixture of experts, batch and sequence,
+    optimiser, parameter sharding, run settings) and the first broken rule is the error."""
+    if cfg.host_devices is not None:
+        _require(cfg.host_devices >= 1, f"host_devices={cfg.host_devices}: must be >= 1")
+    mesh = _resolve_mesh(cfg.mesh, device_count)
+    _check_model(cfg.model, mesh)
+    _check_pipeline(cfg, mesh)
+    _check_moe(cfg, mesh)
+    _check_batch(cfg, mesh)
+    _check_optimizer(cfg.train)
+    _check_sharding(cfg, mesh)
+    _check_run(cfg)
+    return dataclasses.replace(cfg, mesh=mesh)
+
+
+def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
+    """Model shape: positive sizes, grouped-query heads, rotary's even head_dim, tensor splits."""
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(m, name)
+        _require(value >= 1, f"model.{name}={value}: must be >= 1")
+    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of "
+             f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
+    if m.head_dim is None:
+        _require(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by "
+                 f"model.n_heads={m.n_heads} (or set model.head_dim)")
+    _require(m.resolved_head_dim % 2 == 0, f"model.head_dim={m.resolved_head_dim}: rotary "
+             "embeddings need an even head_dim")
+    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(m, name)
+        _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
+                 f"mesh.tensor={mesh.tensor}")
+
+
+def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
+    """Pipeline: chunks of whole layers, microbatches only with stages, schedule constraints."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    v, schedule = p.virtual_stages, p.pipeline_schedule
+    _require(v >= 1, f"parallel.virtual_stages={v}: must be >= 1")
+    _require(v == 1 or schedule == "interleaved", f"parallel.virtual_stages={v} needs "
+             f"parallel.pipeline_schedule=interleaved (got {schedule})")
+    _require(m.n_layers % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers} is not divisible "
+             f"by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} (layers per chunk)")
+    _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
+             "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
+    if schedule == "interleaved" and mesh.pipe > 1:
+        _require(t.microbatches % mesh.pipe == 0, f"train.microbatches={t.microbatches} is not "
+                 f"divisible by mesh.pipe={mesh.pipe}, which the interleaved schedule needs")
+    # The pipeline splits the vocabulary (embedding, head, loss) into one piece per stage,
+    # each split again over tensor.
+    _require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
+             f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
+             f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
+
+
+def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
+    """Mixture of experts: routing settings, and experts and groups that split evenly."""
+    m, p = cfg.model, cfg.parallel
+    moe = m.moe
+    _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 "
+             "(0 = dense)")
+    if moe.enabled:
+        _require(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be in "
+                 f"[1, model.moe.num_experts={moe.num_experts}]")
+        _require(moe.every >= 1, f"model.moe.every={moe.every}: must be >= 1")
+        _require(m.n_layers % moe.every == 0, f"model.n_layers={m.n_layers} is not divisible "
+                 f"by model.moe.every={moe.every} (the layer stack is scanned in groups of "
+                 "`every` blocks, the last of each a MoE block)")
+        _require(m.resolved_d_ff_expert >= 1, f"model.moe.d_ff_expert={moe.d_ff_expert}: must "
+                 "be >= 1 (or null for model.d_ff)")
+        _require(moe.num_shared_experts >= 0, f"model.moe.num_shared_experts="
+                 f"{moe.num_shared_experts}: must be >= 0")
+        _require(math.isfinite(moe.capacity_factor) and moe.capacity_factor > 0,
+                 f"model.moe.capacity_factor={moe.capacity_factor}: must be a finite number > 0")
+        for name in ("aux_loss_weight", "z_loss_weight", "bias_update_rate"):
+            value = getattr(moe, name)
+            _require(math.isfinite(value) and value >= 0, f"model.moe.{name}={value}: must be a "
+                     "finite number >= 0")
+        _require(moe.num_experts % mesh.expert == 0, f"model.moe.num_experts={moe.num_experts} "
+                 f"is not divisible by mesh.expert={mesh.expert}")
+        _require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
+                 f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
+        units, chunks = m.n_layers // moe.every, mesh.pipe * p.virtual_stages
+        _require(units % chunks == 0, f"model.n_layers / model.moe.every = {units} groups is "
+                 f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
+                 "stages take whole groups)")
+
+
+def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
+    """Batch and sequence: rows for every batch shard, tokens for every sequence shard."""
+    t, p = cfg.train, cfg.parallel
+    _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")
+    _require(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1")
+    _require(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be >= 1")
+    _require(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")
+    _require(t.seq_len >= 2, f"train.seq_len={t.seq_len}: must be >= 2")
+    batch_shards = math.prod(getattr(mesh, a) for a in BATCH_AXES)
+    per_step = t.grad_accum * t.microbatches * batch_shards
+    _require(t.batch_size % per_step == 0,
+             f"train.batch_size={t.batch_size} is not divisible by grad_accum x microbatches x "
+             f"batch shards (data*fsdp*expert) = {t.grad_accum} x {t.microbatches} x "
+             f"{batch_shards} = {per_step}")
+    seq_shards = mesh.context * 2 if mesh.context > 1 else 1  # load-balanced causal: 2 chunks each
+    if p.sequence_parallel:
+        seq_shards = math.lcm(seq_shards, mesh.context * mesh.tensor)
+    _require(t.seq_len % seq_shards == 0,
+             f"train.seq_len={t.seq_len} is not divisible by {seq_shards}, which "
+             + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
+                "context parallelism (2*context)") + " needs")
+    _check_attention_blocks(cfg, mesh)
+
+
+def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
+    """Blockwise attention tiles the sequence a device attends with (each chunk of it, under
+    context parallelism) into blocks of ``model.attention_block``, or one block if shorter."""
+    m, t = cfg.model, cfg.train
+    _require(m.attention_block >= 1, f"model.attention_block={m.attention_block}: must be >= 1")
+    tiled = t.seq_len // (mesh.context * (2 if cfg.parallel.zigzag else 1)
+                          if mesh.context > 1 else 1)
+    if m.attention in ("auto", "blockwise") or mesh.context > 1:
+        _require(tiled <= m.attention_block or tiled % m.attention_block == 0,
+                 f"model.attention_block={m.attention_block} does not divide the {tiled} tokens "
+                 "blockwise attention tiles (train.seq_len" + (" / context chunks" if
+                                                               mesh.context > 1 else "")
+                 + "); pick a divisor, or a block at least that long")
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    """Optimiser and schedule."""
+    _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr={t.lr}: must be a finite number > 0")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
+    _require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
+
+
+def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:
+    """Sharding of parameters: ZeRO-3 splits the embed dim over fsdp; ZeRO-1 splits the
+    optimizer state's embed dim over every batch axis. Rule overrides name known axes."""
+    m, p = cfg.model, cfg.parallel
+    zero_shards = mesh.fsdp if p.zero == 3 else mesh.data * mesh.fsdp
+    _require(m.d_model % zero_shards == 0, f"model.d_model={m.d_model} is not divisible by "
+             f"{zero_shards}, the " + ("fsdp axis (ZeRO-3)" if p.zero == 3 else
+                                      "data*fsdp axes that ZeRO-1 shards optimizer state over"))
+    for logical, axes in p.rules.items():
+        _require(logical in LOGICAL_AXES, f"parallel.rules.{logical}: unknown logical axis; "
+                 f"allowed: {', '.join(LOGICAL_AXES)}")
+        for axis in axes:
+            _require(axis in MESH_AXES, f"parallel.rules.{logical}: unknown mesh axis {axis!r}; "
+                     f"allowed: {', '.join(MESH_AXES)}")
+
+
+def _check_run(cfg: Config) -> None:
+    """Data, checkpoints, logging."""
+    t = cfg.train
+    _require(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must "
+             "be in [0, 1)")
+    _require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
+    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
+             "or a checkpoint path")
+    _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
+
+
+def check_distributed(d: DistributedConfig) -> None:
+    """Before jax starts (joining the runtime comes first): the process fields make sense."""
+    _require(d.timeout_s >= 1, f"distributed.timeout_s={d.timeout_s}: must be >= 1")
+    host, _, port = (d.coordinator or "h:1").rpartition(":")
+    _require(bool(host) and port.isdigit(), f"distributed.coordinator={d.coordinator}: expected "
+             "host:port, e.g. 10.0.0.1:1234")
+    _require(d.num_processes is None or d.num_processes >= 1, f"distributed.num_processes="
+             f"{d.num_processes}: must be >= 1")
+    if d.process_id is not None:
+        _require(0 <= d.process_id < (d.num_processes or d.process_id + 1), f"distributed."
+                 f"process_id={d.process_id}: must be in [0, distributed.num_processes)")
+    ids = (d.local_device_ids or "0").split(",")
+    _require(all(i.strip().isdigit() for i in ids), f"distributed.local_device_ids="
+             f"{d.local_device_ids}: expected comma-separated device ids, e.g. 0,1,2,3")
