@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import compiled_temp_bytes
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.model.attention import dense_attention as causal_attention
-from jaxpar.model.transformer import create_model
+from jaxpar.model.transformer import create_model, summed_token_loss
 from jaxpar.train.step import build_trainer
 
 BASE = ["mesh.data=1", "train.batch_size=2", "train.seq_len=16"]
@@ -116,3 +117,37 @@ def test_parameters_carry_logical_axis_names_with_layers_first():
     assert names["layers/attn/wq"] == ("layers", "embed", "heads", "head_dim")
     assert names["layers/mlp/w_down"] == ("layers", "mlp", "embed")
     assert names["embedding"] == ("vocab", "embed")
+
+
+@pytest.mark.parametrize("pieces", [2, 8])
+def test_loss_in_pieces_equals_the_whole_loss_and_its_gradients(pieces):
+    kh, kw, kt = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(kh, (2, 16, 8))
+    head = jax.random.normal(kw, (8, 32))
+    targets = jax.random.randint(kt, (2, 16), 0, 32)
+    mask = jnp.ones((2, 16)).at[0, -3:].set(0.0)
+
+    def plain(h, head):  # the textbook formula, independent of jaxpar's helpers
+        logits = jnp.einsum("bse,ev->bsv", h, head)
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+        return -jnp.sum(picked * mask)
+
+    def ours(h, head):
+        return summed_token_loss(h, head, targets, mask, pieces)
+
+    np.testing.assert_allclose(ours(h, head), plain(h, head), rtol=1e-6)
+    for got, want in zip(jax.grad(ours, (0, 1))(h, head), jax.grad(plain, (0, 1))(h, head),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_in_pieces_holds_one_piece_of_logits_at_a_time():
+    def temp(chunks: int) -> int:
+        cfg = validate(load_config("tiny", ["mesh.data=1", "model.vocab_size=8192",
+                                            "train.seq_len=256", "train.batch_size=2",
+                                            f"train.loss_chunks={chunks}"]), 1)
+        return compiled_temp_bytes(cfg, 1)
+
+    logits = 2 * 256 * 8192 * 4  # the whole float32 logits: 16 MiB
+    whole, pieces = temp(1), temp(8)
+    assert whole > logits and whole - pieces > 0.6 * logits, (whole, pieces, logits)

@@ -50,6 +50,9 @@ LAYOUTS = {
     # the reference's dense attention.
     "data=2,tensor=2,blockwise": ["mesh.data=2", "mesh.tensor=2", "model.attention=blockwise",
                                   "model.attention_block=8"],
+    # The loss in 4 strided pieces of the sequence, each device's context shard kept local.
+    "data=2,context=2,tensor=2,loss_chunks=4": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
+                                                "train.loss_chunks=4"],
 }
 REFERENCE = ["mesh.data=1"]
 
@@ -169,6 +172,12 @@ def test_tensor_parallel_all_reduces_activations_over_tensor(name):
     assert sum(c.executions for c in big) >= 4 * cfg.model.n_layers, big
     assert not [c for c in layout(name)["collectives"] if "tensor" in c.axes
                 and c.kind in ("all-gather", "reduce-scatter")]
+    # Each device's share of every gradient is summed over data once: the gathered embedding's
+    # gradient is its vocabulary shard's rows only, not the whole table's.
+    stored = sum(a.addressable_shards[0].data.nbytes
+                 for a in jax.tree.leaves(layout(name)["state"].params))
+    grads = per_step_bytes(collectives(name, "all-reduce", ("data",)))
+    assert grads == pytest.approx(stored, rel=0.01), (grads, stored)
 
 
 def test_sequence_parallel_replaces_tensor_all_reduce_by_reduce_scatter_and_all_gather():

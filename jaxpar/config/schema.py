@@ -20,6 +20,8 @@ LOGICAL_AXES = (
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
 
+LOSS_CHUNK_BYTES = 64 * 2**20  # train.loss_chunks=0: a piece's float32 logits per device
+
 PRESETS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 
 
@@ -119,6 +121,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     microbatches: int = 1  # pipeline microbatches per micro-step
     grad_accum: int = 1  # micro-steps summed per optimizer step
+    # The loss over this many pieces of the sequence, one piece's float32 logits alive at a time
+    # (recomputed in the backward pass); 0: the fewest that keep a piece's logits within
+    # LOSS_CHUNK_BYTES per device (Config.loss_pieces).
+    loss_chunks: int = 0
     remat: Literal["none", "full", "dots"] = "none"
     dtype: Literal["float32", "bfloat16"] = "float32"
     # auto: continue from the newest complete checkpoint in run_dir/checkpoints, if any;
@@ -201,6 +207,19 @@ class Config:
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes; only meaningful after :func:`validate` resolved any ``-1``."""
         return self.mesh.sizes()
+
+    def loss_pieces(self) -> int:
+        """Pieces of the sequence the loss is computed in (``train.loss_chunks``, or for 0 the
+        fewest dividing the device's S/c tokens whose float32 logits [b, S/(c n), V/t] fit in
+        LOSS_CHUNK_BYTES). Validated configs only."""
+        t, mesh = self.train, self.mesh
+        local_seq = t.seq_len // mesh.context
+        if t.loss_chunks:
+            return t.loss_chunks
+        rows = t.batch_size // (t.grad_accum * t.microbatches * self.batch_shards())
+        logits = rows * local_seq * (self.model.vocab_size // mesh.tensor) * 4
+        return next(n for n in range(1, local_seq + 1)
+                    if local_seq % n == 0 and (logits // n <= LOSS_CHUNK_BYTES or n == local_seq))
 
     def batch_shards(self) -> int:
         return math.prod(getattr(self.mesh, a) for a in BATCH_AXES)

@@ -160,6 +160,10 @@ def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
              + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
                 "context parallelism (2*context)") + " needs")
     _check_attention_blocks(cfg, mesh)
+    local_seq = t.seq_len // mesh.context
+    _require(t.loss_chunks >= 0 and (t.loss_chunks == 0 or local_seq % t.loss_chunks == 0),
+             f"train.loss_chunks={t.loss_chunks}: must be 0 (auto) or divide the {local_seq} "
+             "tokens of a device's sequence (train.seq_len / mesh.context)")
 
 
 def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:

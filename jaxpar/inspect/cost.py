@@ -27,8 +27,9 @@ The parts, one module each, read in this order:
 Flops and time
 --------------
 Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
-counts; attention as the full S x S square). Executed flops add the one-hot embedding matmul
-(2VE forward + 2VE weight gradient per token), the recomputation (``dots`` redoes attention's
+counts; attention as the full S x S square). Executed flops add the pipeline's one-hot embedding
+matmul (2VE forward + 2VE weight gradient per token; without a pipeline the embedding is a
+gather), the recomputation (``dots`` redoes attention's
 forward, 4 L H D S per token; ``full`` also each layer's matmuls, 2 x their parameters) and, under
 flash attention (blockwise, ring or all-gather over ``context``), the difference between the
 blocks the busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of
@@ -196,6 +197,8 @@ def _flops(st: StepSizes) -> FlopsCost:
     recomputed_experts = 2 * m.n_moe_layers * m.moe.top_k * expert
     recompute = {"none": 0, "dots": recomputed_attention + recomputed_experts,
                  "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
+    if st.loss_pieces > 1:  # each piece's logits are made again in the backward pass
+        recompute += 2 * m.d_model * m.vocab_size
     # The pipeline executor recomputes nothing (the forward's residuals wait in its stash), but
     # every stage runs every slot of a step: masked forward and backward slots execute too.
     recompute += ((st.executed("forward") - 1) * (2 * layer_matmuls + attention_forward)
@@ -215,7 +218,9 @@ def _flops(st: StepSizes) -> FlopsCost:
         # attention's 4, forward 2 as dense.
         flash_delta = st.computed_share * attention_forward * (1 + 10 / 4) - 3 * attention_forward
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
-                     embedding_one_hot=4 * m.vocab_size * m.d_model * per_device,
+                     # a gather without a pipeline; the pipeline's vocabulary pieces: one-hot
+                     embedding_one_hot=(4 * m.vocab_size * m.d_model * per_device
+                                        if st.pipeline is not None else 0.0),
                      recompute=recompute * per_device,
                      flash_attention=flash_delta * per_device,
                      expert_padding=padding)

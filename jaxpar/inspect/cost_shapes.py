@@ -81,6 +81,11 @@ class StepSizes:
         return self.s // self.c
 
     @property
+    def loss_pieces(self) -> int:
+        """Pieces the loss is computed in (the pipeline's head has its own, vocabulary split)."""
+        return 1 if self.pipeline is not None else self.cfg.loss_pieces()
+
+    @property
     def ring(self) -> bool:
         return self.c > 1 and self.cfg.parallel.context_impl == "ring"
 

@@ -200,10 +200,11 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
     XLA's cost analysis counts a while-loop body once, not once per iteration (checked on XLA:CPU,
     jax 0.10.2: 2, 4 and 8 scanned layers give nearly the same count). The layer stack is a
     ``lax.scan`` and ``train.grad_accum > 1`` adds a scan over micro-steps, so ``compiled`` covers
-    one layer of one micro-step. ``analytic_loops_once`` is the analytic figure counted the same
-    way (one layer, batch / grad_accum); ``compiled`` / ``analytic_loops_once`` slightly above 1 is
-    work the analytic model leaves out: elementwise ops (norms, softmax, AdamW), the one-hot
-    embedding matmul, and recomputation under ``train.remat``.
+    one layer of one micro-step (and of the loss, one of its ``train.loss_chunks`` pieces).
+    ``analytic_loops_once`` is the analytic figure counted the same way (one layer, batch /
+    grad_accum, the head's matmuls / pieces); ``compiled`` / ``analytic_loops_once`` slightly
+    above 1 is work the analytic model leaves out: elementwise ops (norms, softmax, AdamW), the
+    pipeline's one-hot embedding matmul, and recomputation under ``train.remat``.
     """
     if isinstance(cost, Sequence):  # older jax returned one dict per executable
         cost = cost[0] if cost else None
@@ -212,7 +213,10 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
     tokens = t.batch_size * t.seq_len
     analytic = train_flops_per_token(cfg.model, t.seq_len) * tokens / devices
     one_layer = dataclasses.replace(cfg.model, n_layers=1)
-    once = train_flops_per_token(one_layer, t.seq_len) * tokens / t.grad_accum / devices
+    pieces = cfg.loss_pieces() if cfg.mesh.pipe == 1 else 1
+    head = 6 * cfg.model.d_model * cfg.model.vocab_size * (1 - 1 / pieces)
+    once = ((train_flops_per_token(one_layer, t.seq_len) - head) * tokens / t.grad_accum
+            / devices)
     return {
         "compiled": compiled,
         "analytic": analytic,
@@ -382,8 +386,8 @@ def _print_flops(flops: Mapping[str, Any], run: Mapping[str, Any], console: Cons
                   ratio(flops["ratio_loops_once"]))
     console.print(table)
     console.print("XLA counts a loop body once, not per iteration, so compare compiled with "
-                  "'loops once'; above 1 is elementwise work, the one-hot embedding and remat "
-                  "recomputation, which the analytic (useful) flops leave out.")
+                  "'loops once'; above 1 is elementwise work, a pipeline's one-hot embedding "
+                  "and remat recomputation, which the analytic (useful) flops leave out.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ groups.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -134,16 +135,8 @@ class Transformer(nnx.Module):
     def embed(self, tokens: jax.Array, *, dtype=jnp.float32) -> jax.Array:
         """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``."""
         tokens = constrain(tokens, ("batch", "seq"))
-        # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
-        # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
-        # sequence under SP). A gather from a vocab-split table would instead make the compiler
-        # all-gather the whole table. The one-hot costs the flops of one [B, S, V] x [V, E]
-        # matmul and the memory of a logits-sized tensor, both split over the vocab shards.
-        one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
-        one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
         table = weight(self.embedding, ("vocab", "act_embed"), dtype)
-        x = jnp.einsum("bsv,ve->bse", one_hot, table)
-        return constrain(x, ("batch", "residual_seq", "act_embed"))
+        return constrain(embedding_lookup(table, tokens), ("batch", "residual_seq", "act_embed"))
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
                    ) -> tuple[jax.Array, Aux]:
@@ -170,12 +163,81 @@ class Transformer(nnx.Module):
 
     def logits(self, x: jax.Array, *, dtype=jnp.float32) -> jax.Array:
         """The residual stream -> float32 logits [B, S, vocab] (final norm, output head)."""
-        x = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
-        head = (weight(self.embedding, ("vocab", "act_embed"), dtype).T if self.cfg.tie_embeddings
+        return head_logits(self.final_hidden(x), self.head(dtype))
+
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        """The residual stream after the final norm: what the output head multiplies."""
+        return constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
+
+    def head(self, dtype=jnp.float32) -> jax.Array:
+        """The output head [d_model, vocab] in ``dtype`` (the embedding's transpose if tied)."""
+        return (weight(self.embedding, ("vocab", "act_embed"), dtype).T if self.cfg.tie_embeddings
                 else weight(self.lm_head, ("act_embed", "vocab"), dtype))
-        logits = jnp.einsum("bse,ev->bsv", x, head,
-                            preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows ``table[tokens]``: [vocab, E] and int [B, S] -> [B, S, E].
+
+    A gather, not a one-hot matmul (which costs 2 x vocab x E flops a token and a logits-sized
+    one-hot). With the vocabulary split over ``tensor`` the compiler gathers each shard's own
+    rows, zeros the others and all-reduces over ``tensor`` (the vocab-parallel embedding). The
+    gradient is a scatter-add of the rows' gradients, pinned to the table's split so that each
+    shard scatters only its own rows (left alone, the compiler builds the whole table's
+    gradient on every device and reduces that over the batch axes: vocab-shards times the
+    bytes)."""
+    return _lookup(table.shape[0], table, tokens)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup(vocab: int, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    return jnp.take(table, tokens, axis=0)
+
+
+def _lookup_fwd(vocab: int, table: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.take(table, tokens, axis=0), tokens
+
+
+def _lookup_bwd(vocab: int, tokens: jax.Array, d_rows: jax.Array) -> tuple[jax.Array, None]:
+    d_table = jnp.zeros((vocab, d_rows.shape[-1]), d_rows.dtype).at[tokens].add(d_rows)
+    return constrain(d_table, ("vocab", "act_embed")), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+    """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model]."""
+    logits = jnp.einsum("bse,ev->bsv", h, head, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
+                      pieces: int = 1) -> jax.Array:
+    """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``,
+    computed over ``pieces`` pieces of the sequence one after another: only one piece's float32
+    logits ([B, S/pieces, vocab]) and their gradient are alive at a time; the backward pass
+    recomputes each piece's logits (one more head matmul, 2 x d_model x vocab flops a token).
+
+    Piece i holds tokens i, i + n, i + 2n, ... (n = ``pieces``): a strided cut, so each
+    device's contiguous shard of the sequence (context parallelism) keeps its own tokens in
+    every piece and nothing moves between devices. The sum does not depend on the order.
+    """
+    if pieces == 1:
+        return jnp.sum(token_losses(head_logits(h, head), targets) * mask)
+
+    def strided(a: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, S/n, ...]
+        b, s = a.shape[:2]
+        return jnp.moveaxis(a.reshape(b, s // pieces, pieces, *a.shape[2:]), 2, 0)
+
+    @jax.checkpoint
+    def one_piece(total: jax.Array, piece: tuple) -> tuple[jax.Array, None]:
+        h_i, targets_i, mask_i = piece
+        h_i = constrain(h_i, ("batch", "seq", "act_embed"))
+        return total + jnp.sum(token_losses(head_logits(h_i, head), targets_i) * mask_i), None
+
+    total, _ = jax.lax.scan(one_piece, jnp.zeros((), jnp.float32),
+                            (strided(h), strided(targets), strided(mask)))
+    return total
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:

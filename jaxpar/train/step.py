@@ -42,7 +42,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config import Config, TrainConfig
 from jaxpar.mesh import process_batch_rows
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
-from jaxpar.model.transformer import DTYPES, abstract_model, create_model, token_losses
+from jaxpar.model.transformer import (
+    DTYPES,
+    abstract_model,
+    create_model,
+    summed_token_loss,
+)
 from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
@@ -92,13 +97,16 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-def summed_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
-                      dtype: Any, remat: str) -> tuple[jax.Array, dict]:
-    """Sum over valid tokens of the cross entropy (normalised later by the global count), and
-    the MoE layers' aux dict (``{}`` for a dense model)."""
-    logits, aux = nnx.merge(graphdef, params, buffers)(batch["inputs"], batch["positions"],
-                                                       dtype=dtype, remat=remat)
-    return jnp.sum(token_losses(logits, batch["targets"]) * batch["mask"]), aux
+def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
+                     dtype: Any, remat: str, loss_pieces: int) -> tuple[jax.Array, dict]:
+    """Sum over valid tokens of the cross entropy (normalised later by the global count), the
+    logits made ``loss_pieces`` pieces at a time, and the MoE layers' aux dict (``{}`` for a
+    dense model)."""
+    model = nnx.merge(graphdef, params, buffers)
+    x = model.embed(batch["inputs"], dtype=dtype)
+    x, aux = model.run_layers(x, batch["positions"], remat=remat)
+    return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
+                             batch["mask"], loss_pieces), aux
 
 
 @dataclass(frozen=True)
@@ -245,14 +253,14 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
     ``data`` split by hand. (``fsdp`` keeps its per-micro-step gathers and reduce-scatters: one
     layer's weights whole at a time is what FSDP is for.)"""
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
-    moe = cfg.model.moe
+    moe, pieces = cfg.model.moe, cfg.loss_pieces()
 
     def objective(params: dict, buffers: dict, batch: Batch, valid: jax.Array
                   ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
         """What one micro-step differentiates; returns the summed token loss and the aux dict
         beside it."""
-        loss_sum, aux = summed_token_loss(params, buffers, graphdef, batch, dtype=dtype,
-                                          remat=remat)
+        loss_sum, aux = batch_token_loss(params, buffers, graphdef, batch, dtype=dtype,
+                                         remat=remat, loss_pieces=pieces)
         return loss_sum / valid + moe_loss(aux, moe) / accum, (loss_sum, aux)
 
     grad_fn = jax.grad(objective, has_aux=True)
