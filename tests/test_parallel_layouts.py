@@ -191,7 +191,9 @@ def test_sequence_parallel_replaces_tensor_all_reduce_by_reduce_scatter_and_all_
     layers = cfg.model.n_layers
     assert sum(c.executions for c in scatters) >= 4 * layers, scatters
     assert sum(c.executions for c in gathers) >= 4 * layers, gathers
-    # Only small all-reduces (norm-scale gradients, the vocab-parallel loss) remain over tensor.
+    # Only small all-reduces (norm-scale gradients, the vocab-parallel loss) remain over tensor:
+    # not the embedding's gradient either (its output gradient is gathered over the sequence
+    # instead, and each vocabulary shard scatters its own rows).
     sp_all_reduce = per_step_bytes(collectives(sp, "all-reduce", ("tensor",)))
     tp_all_reduce = per_step_bytes(collectives(tp, "all-reduce", ("tensor",)))
     assert sp_all_reduce < activation < tp_all_reduce

@@ -198,6 +198,10 @@ def _lookup_fwd(vocab: int, table: jax.Array, tokens: jax.Array) -> tuple[jax.Ar
 
 
 def _lookup_bwd(vocab: int, tokens: jax.Array, d_rows: jax.Array) -> tuple[jax.Array, None]:
+    # Every vocabulary shard needs every token's row gradient: under sequence parallelism they
+    # arrive split over the sequence and are gathered here (one activation), not summed as
+    # whole-table gradients afterwards (one table).
+    d_rows = constrain(d_rows, ("batch", "seq", "act_embed"))
     d_table = jnp.zeros((vocab, d_rows.shape[-1]), d_rows.dtype).at[tokens].add(d_rows)
     return constrain(d_table, ("vocab", "act_embed")), None
 
