@@ -136,7 +136,11 @@ class Transformer(nnx.Module):
         """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``."""
         tokens = constrain(tokens, ("batch", "seq"))
         table = weight(self.embedding, ("vocab", "act_embed"), dtype)
-        return constrain(embedding_lookup(table, tokens), ("batch", "residual_seq", "act_embed"))
+        # Rows for the whole local sequence first (each vocabulary shard its own rows, summed
+        # over tensor), then the sequence split of sequence parallelism: asked for the split
+        # output at once, the compiler would all-gather the table instead.
+        x = constrain(embedding_lookup(table, tokens), ("batch", "seq", "act_embed"))
+        return constrain(x, ("batch", "residual_seq", "act_embed"))
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
                    ) -> tuple[jax.Array, Aux]:
