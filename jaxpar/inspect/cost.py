@@ -27,9 +27,8 @@ The parts, one module each, read in this order:
 Flops and time
 --------------
 Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
-counts; attention as the full S x S square). Executed flops add the pipeline's one-hot embedding
-matmul (2VE forward + 2VE weight gradient per token; without a pipeline the embedding is a
-gather), the recomputation (``dots`` redoes attention's
+counts; attention as the full S x S square). Executed flops add the one-hot embedding matmul
+(2VE forward + 2VE weight gradient per token), the recomputation (``dots`` redoes attention's
 forward, 4 L H D S per token; ``full`` also each layer's matmuls, 2 x their parameters) and, under
 flash attention (blockwise, ring or all-gather over ``context``), the difference between the
 blocks the busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of
@@ -218,9 +217,7 @@ def _flops(st: StepSizes) -> FlopsCost:
         # attention's 4, forward 2 as dense.
         flash_delta = st.computed_share * attention_forward * (1 + 10 / 4) - 3 * attention_forward
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
-                     # a gather without a pipeline; the pipeline's vocabulary pieces: one-hot
-                     embedding_one_hot=(4 * m.vocab_size * m.d_model * per_device
-                                        if st.pipeline is not None else 0.0),
+                     embedding_one_hot=4 * m.vocab_size * m.d_model * per_device,
                      recompute=recompute * per_device,
                      flash_attention=flash_delta * per_device,
                      expert_padding=padding)

@@ -399,9 +399,7 @@ def tensor_collectives(c: Ledger) -> None:
                 f"column-parallel input gradients backward ({columns})", times=bw)
         add_act("all-gather", heads + embeds,
                 "lm_head input forward, embedding output gradient backward", times=fw)
-        # The embedding's rows are summed over the whole local sequence, then split (asked for
-        # the split at once, XLA would gather the whole table instead).
-        add_act("all-reduce", embeds, "vocab-parallel embedding forward", times=fw)
+        add_act("reduce-scatter", embeds, "vocab-parallel embedding forward", times=fw)
         add_act("reduce-scatter", heads, "lm_head input gradient backward", payload=head_grad,
                 times=bw)
         c.add("all-reduce", ("tensor",), (n_layers + 1) * c.grad_runs,

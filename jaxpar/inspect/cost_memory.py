@@ -34,11 +34,10 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 
 During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
 gradients); the head adds float32 logits and their gradient (b S/c V/t each, divided by the pieces
-the loss is computed in: ``train.loss_chunks``) and, under a pipeline, the embedding's one-hot
-input (b S/c V/t). Under FSDP one
-layer's weights are gathered (and its gradient unscattered) at a time, and the embedding and
-lm_head stay gathered for the whole step. Peak = parameters + optimizer state + gradients + batch
-+ max(activations + that working set, the optimizer update's temporaries).
+the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t).
+Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
+embedding and lm_head stay gathered for the whole step. Peak = parameters + optimizer state +
+gradients + batch + max(activations + that working set, the optimizer update's temporaries).
 """
 
 from __future__ import annotations
@@ -131,11 +130,10 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     cfg, m = st.cfg, st.cfg.model
     param_bytes = sum(p.bytes_per_device for p in params)
     moments = sum(p.moment_bytes_per_device for p in params)
-    # The loss's float32 logits and their gradient, one loss piece at a time, and the pipeline
-    # embedding's one-hot input (without a pipeline the embedding is a gather).
-    one_hot = st.b * st.sl * (m.vocab_size // st.t) * st.a if st.pipeline is not None else 0
-    head = (st.b * st.sl * (m.vocab_size // st.t) * (4 + 4) // st.loss_pieces + one_hot
-            + 2 * st.act)
+    # The loss's float32 logits and their gradient, one loss piece at a time, and the
+    # embedding's one-hot input.
+    head = (st.b * st.sl * (m.vocab_size // st.t) * (4 + 4) // st.loss_pieces
+            + st.b * st.sl * (m.vocab_size // st.t) * st.a + 2 * st.act)
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
     # fsdp. remat=none keeps them for the backward pass, in every layer.
     # (With MoE every=k > 1, a "layer" here is one scanned group of k blocks.)

@@ -204,7 +204,7 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
     ``analytic_loops_once`` is the analytic figure counted the same way (one layer, batch /
     grad_accum, the head's matmuls / pieces); ``compiled`` / ``analytic_loops_once`` slightly
     above 1 is work the analytic model leaves out: elementwise ops (norms, softmax, AdamW), the
-    pipeline's one-hot embedding matmul, and recomputation under ``train.remat``.
+    one-hot embedding matmul, and recomputation under ``train.remat``.
     """
     if isinstance(cost, Sequence):  # older jax returned one dict per executable
         cost = cost[0] if cost else None
@@ -386,7 +386,7 @@ def _print_flops(flops: Mapping[str, Any], run: Mapping[str, Any], console: Cons
                   ratio(flops["ratio_loops_once"]))
     console.print(table)
     console.print("XLA counts a loop body once, not per iteration, so compare compiled with "
-                  "'loops once'; above 1 is elementwise work, a pipeline's one-hot embedding "
+                  "'loops once'; above 1 is elementwise work, the one-hot embedding "
                   "and remat recomputation, which the analytic (useful) flops leave out.")
 
 

@@ -16,7 +16,6 @@ groups.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -135,11 +134,15 @@ class Transformer(nnx.Module):
     def embed(self, tokens: jax.Array, *, dtype=jnp.float32) -> jax.Array:
         """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``."""
         tokens = constrain(tokens, ("batch", "seq"))
+        # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
+        # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
+        # sequence under SP). A gather would avoid the one-hot's flops and memory, but its
+        # gradient's sums are laid out by the compiler differently per layout (seen: the whole
+        # table reduced over context under FSDP, an all-to-all over fsdp): not yet done.
+        one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
+        one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
         table = weight(self.embedding, ("vocab", "act_embed"), dtype)
-        # Rows for the whole local sequence first (each vocabulary shard its own rows, summed
-        # over tensor), then the sequence split of sequence parallelism: asked for the split
-        # output at once, the compiler would all-gather the table instead.
-        x = constrain(embedding_lookup(table, tokens), ("batch", "seq", "act_embed"))
+        x = jnp.einsum("bsv,ve->bse", one_hot, table)
         return constrain(x, ("batch", "residual_seq", "act_embed"))
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
@@ -177,40 +180,6 @@ class Transformer(nnx.Module):
         """The output head [d_model, vocab] in ``dtype`` (the embedding's transpose if tied)."""
         return (weight(self.embedding, ("vocab", "act_embed"), dtype).T if self.cfg.tie_embeddings
                 else weight(self.lm_head, ("act_embed", "vocab"), dtype))
-
-
-def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Rows ``table[tokens]``: [vocab, E] and int [B, S] -> [B, S, E].
-
-    A gather, not a one-hot matmul (which costs 2 x vocab x E flops a token and a logits-sized
-    one-hot). With the vocabulary split over ``tensor`` the compiler gathers each shard's own
-    rows, zeros the others and all-reduces over ``tensor`` (the vocab-parallel embedding). The
-    gradient is a scatter-add of the rows' gradients, pinned to the table's split so that each
-    shard scatters only its own rows (left alone, the compiler builds the whole table's
-    gradient on every device and reduces that over the batch axes: vocab-shards times the
-    bytes)."""
-    return _lookup(table.shape[0], table, tokens)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lookup(vocab: int, table: jax.Array, tokens: jax.Array) -> jax.Array:
-    return jnp.take(table, tokens, axis=0)
-
-
-def _lookup_fwd(vocab: int, table: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jnp.take(table, tokens, axis=0), tokens
-
-
-def _lookup_bwd(vocab: int, tokens: jax.Array, d_rows: jax.Array) -> tuple[jax.Array, None]:
-    # Every vocabulary shard needs every token's row gradient: under sequence parallelism they
-    # arrive split over the sequence and are gathered here (one activation), not summed as
-    # whole-table gradients afterwards (one table).
-    d_rows = constrain(d_rows, ("batch", "seq", "act_embed"))
-    d_table = jnp.zeros((vocab, d_rows.shape[-1]), d_rows.dtype).at[tokens].add(d_rows)
-    return constrain(d_table, ("vocab", "act_embed")), None
-
-
-_lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
