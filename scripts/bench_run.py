@@ -104,6 +104,15 @@ def run_one(name: str, cfg_args: tuple[str, Sequence[str]], devices: Sequence[An
     return {**row, "status": "ok"}
 
 
+def is_valid(cfg_args: tuple[str, Sequence[str]], devices: int) -> bool:
+    """Whether the layout validates: an invalid one needs no 1-device baseline."""
+    try:
+        validate(load_config(*cfg_args), devices)
+    except ConfigError:
+        return False
+    return True
+
+
 def run_matrix(preset: str, overrides: list[str], names: list[str], layouts: Mapping[str, Any],
                models: Mapping[str, Sequence[str]], *, devices: int, steps: int,
                warmup: int) -> dict[str, Any]:
@@ -111,7 +120,7 @@ def run_matrix(preset: str, overrides: list[str], names: list[str], layouts: Map
 
     ``layouts[name]`` has ``overrides`` and ``model``, a key of ``models`` (that model's
     overrides); each model gets its own 1-device baseline, measured once, before its first
-    layout.
+    valid layout.
     """
     all_devices = jax.devices()
     baselines: dict[str, dict[str, Any]] = {}
@@ -120,20 +129,19 @@ def run_matrix(preset: str, overrides: list[str], names: list[str], layouts: Map
         task = progress.add_task("benchmark", total=len(names), layout="")
         for name in names:
             layout = layouts[name]
-            if layout.model not in baselines:
+            model = [*overrides, *models[layout.model]]
+            cfg_args = (preset, [*model, *layout.overrides])
+            if layout.model not in baselines and is_valid(cfg_args, devices):
                 label = f"1-device ({layout.model})"
                 progress.update(task, layout=label)
-                model = models[layout.model]
-                base = run_one(label, (preset, [*overrides, *model, "mesh.data=1"]),
-                               all_devices[:1], steps=steps, warmup=warmup)
+                base = run_one(label, (preset, [*model, "mesh.data=1"]), all_devices[:1],
+                               steps=steps, warmup=warmup)
                 if base["status"] == "ok":
                     add_ratios(base, base)
                 baselines[layout.model] = base
                 rows.append(base)
             progress.update(task, layout=name)
-            cfg_args = (preset, [*overrides, *models[layout.model], *layout.overrides])
-            row = run_one(name, cfg_args,
-                          all_devices[:devices], steps=steps, warmup=warmup)
+            row = run_one(name, cfg_args, all_devices[:devices], steps=steps, warmup=warmup)
             if row["status"] == "ok":
                 add_ratios(row, baselines[layout.model])
             rows.append(row)
