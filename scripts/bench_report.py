@@ -33,7 +33,8 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
 def markdown_table(results: Mapping[str, Any]) -> str:
     """The results as a Markdown table; rows that did not run show their status and reason."""
     overrides = "".join(f" {o}" for o in results["overrides"])
-    lines = [f"preset `{results['preset']}`{overrides}, {results['devices']} {results['backend']} devices ({results['device_kind']}), "
+    lines = [f"preset `{results['preset']}`{overrides}, {results['devices']} "
+             f"{results['backend']} devices ({results['device_kind']}), "
              f"{results['warmup']} warm-up + {results['steps']} timed steps per layout",
              "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in results["rows"]:
