@@ -8,8 +8,8 @@ from typing import Any
 from jaxpar.inspect.units import human_bytes
 
 COLUMNS = ("layout", "mesh", "compile s", "step s (median)", "spread (min-max)", "tokens/s",
-           "peak mem/dev", "coll. bytes/dev", "step / 1-dev", "work factor",
-           "flops / plan", "mem / plan", "bytes / plan")
+           "peak mem/dev", "coll. bytes/dev", "step / 1-dev", "work / 1-dev",
+           "step / work", "flops / plan", "mem / plan", "bytes / plan")
 
 
 def _num(value: float | None, fmt: str = "{:.2f}") -> str:
@@ -25,7 +25,8 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
             _num(row["tokens_per_s"], "{:,.0f}"),
             human_bytes(row["memory"]["peak_bytes"]),
             human_bytes(row["collectives"]["bytes"]) if row["collectives"]["bytes"] else "0",
-            _num(ratios["step_vs_1dev"]), _num(row["work_factor"]),
+            _num(ratios["step_vs_1dev"]), _num(ratios["work_vs_1dev"]),
+            _num(ratios["step_vs_1dev_per_work"]),
             _num(ratios["flops_vs_plan"]), _num(ratios["memory_vs_plan"]),
             _num(ratios["bytes_vs_plan"])]
 
@@ -44,8 +45,11 @@ def markdown_table(results: Mapping[str, Any]) -> str:
             reason = row["reason"].replace("|", "/").replace("\n", " ")
             cells = [row["name"], f"{row['status']}: {reason}"] + [""] * (len(COLUMNS) - 2)
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "step / 1-dev: median step over the 1-device median of the same global batch "
-              "(a pipeline's target is its work factor, the executed slots it cannot skip); "
-              "flops: compiled matmul flops (loops counted) / the plan's executed flops; "
-              "mem, bytes: compiled peak memory and collective bytes per device / the plan's."]
+    lines += ["", "step / 1-dev: median step over the 1-device median of the same global batch. "
+              "work / 1-dev: matmul flops all devices execute over the 1-device run's (virtual "
+              "devices share the cores, so this is the step ratio with no overhead; a "
+              "pipeline's masked slots make it its executed-work factor). step / work: their "
+              "quotient, 1.00 = no overhead. flops / plan: compiled matmul flops (loop trips "
+              "counted) over the plan's executed flops; mem, bytes: compiled peak memory and "
+              "collective bytes per device over the plan's."]
     return "\n".join(lines)
