@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 DEVICES = 8
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -24,7 +23,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
+from bench_timing import random_batch, step_times  # noqa: E402
 
 from jaxpar.config import load_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
@@ -46,23 +45,8 @@ def step_seconds(overrides: list[str], devices: int, steps: int) -> float:
     """Median wall time of a train step after compiling and two warm-up steps."""
     cfg = validate(load_config("tiny", overrides), devices)
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
-    rng = np.random.default_rng(0)
-    shape = (cfg.train.batch_size, cfg.train.seq_len)
-    tokens = rng.integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1))
-    batch = trainer.put_batch({"inputs": tokens[:, :-1].astype(np.int32),
-                               "targets": tokens[:, 1:].astype(np.int32),
-                               "mask": np.ones(shape, np.float32)})
-    step = trainer.compile_step()
-    state = trainer.init()
-    for _ in range(2):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+    batch = random_batch(cfg, trainer)
+    times = step_times(trainer.compile_step(), trainer.init(), batch, warmup=2, steps=steps)
     return statistics.median(times)
 
 
