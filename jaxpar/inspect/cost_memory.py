@@ -127,7 +127,9 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
 def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     """Bytes per device of one step (the module docstring's accounting)."""
     cfg, m = st.cfg, st.cfg.model
-    param_bytes = sum(p.bytes_per_device for p in params)
+    param_bytes = sum(p.stored_bytes_per_device for p in params)
+    # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient.
+    accumulator = sum(p.bytes_per_device for p in params) if st.accum > 1 else 0
     moments = sum(p.moment_bytes_per_device for p in params)
     head = st.b * st.sl * (m.vocab_size // st.t) * (4 + 4 + st.a) + 2 * st.act
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
@@ -151,7 +153,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
-        gradients=param_bytes * (2 if st.accum > 1 else 1),
+        gradients=param_bytes + accumulator,
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),
