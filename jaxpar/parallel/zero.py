@@ -76,10 +76,12 @@ def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
     (train/step.py: sum_over_data_once), rather than leaving it to the partitioner.
 
     The partitioner all-reduces each weight gradient where its matmul produces it, in that
-    matmul's dtype: ``train.dtype`` on GPU/TPU, float32 on XLA:CPU (which runs bf16 dots in
-    float32); no cast around the matmul changes it. So the sum goes by hand when that dtype is
-    not ``parallel.reduce_dtype``, and under gradient accumulation (once per step, not once per
-    micro-step). Never for a mixture of experts (its load-balance loss needs statistics of the
+    matmul's dtype: ``train.dtype`` on GPU/TPU (float32 for lm_head and the norm scales),
+    float32 on XLA:CPU (which runs bf16 dots in float32); no cast around the matmul changes it.
+    So the sum is left to the partitioner only where it is float32 throughout and
+    ``parallel.reduce_dtype`` asks for that, and never under gradient accumulation (one sum per
+    step, not one per micro-step). The price of the hand-written sum: it runs after the whole
+    backward pass instead of overlapping each layer's. Never for a mixture of experts (its load-balance loss needs statistics of the
     whole micro-batch) or when the batch is not split over ``data``."""
     if cfg.model.moe.enabled or cfg.mesh_shape["data"] == 1:
         return False
