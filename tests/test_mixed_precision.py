@@ -17,23 +17,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import needs_libtpu, run_inspect, trainer_for
+from helpers import needs_libtpu, random_state, run_inspect, trainer_for
 
 import jaxpar
 import jaxpar.parallel.hooks as hooks
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.inspect.hlo import parse_collectives
 from jaxpar.mesh import make_mesh
+from jaxpar.train import checkpoint
 from jaxpar.train.step import build_trainer
 
 BASE = ["train.seq_len=64", "train.steps=30", "train.lr=1e-2", "train.warmup_steps=3",
         "model.attention=dense"]
 ONE = ["mesh.data=1", *BASE]
-# Bounds. bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2%); the measured errors at the
-# trained tiny model (printed by the tests; docs/README "Mixed precision") sit 3-10x inside them.
+# Bounds, against the numbers measured at the trained tiny model (printed with -s; README "Mixed
+# precision"): bf16 keeps 8 significant bits (2^-9 ~ 0.2% rounding per cast); bf16 compute moved
+# the loss by ~3e-5 relative, every leaf's gradient cosine stayed >= 0.99995 and the global
+# gradient error was 0.3-0.5%. A causal mask dropped in bf16 moved the loss by only 4e-5 (a
+# causally trained model barely uses the future tokens it now sees) but the gradients by 4.4%
+# with an embedding cosine of 0.80: gradients, not the loss, are what catch it.
 LOSS_REL = 1e-2  # issue 14's acceptance bound
-MIN_COSINE = 0.99  # every gradient leaf
-GRAD_REL = 0.1  # global ||g - g_ref|| / ||g_ref||
+MIN_COSINE = 0.99  # every gradient leaf (issue 14's acceptance bound)
+GRAD_REL = 0.02  # global ||g - g_ref|| / ||g_ref||: 4x the largest measured
 
 
 def text_batches(count: int, rows: int = 8, seq: int = 64, seed: int = 0) -> list[dict]:
@@ -156,6 +161,19 @@ def test_bfloat16_parameters_train_with_float32_moments():
         losses.append(float(metrics["loss"]))
     assert state.params["layers"]["mlp"]["w_up"].dtype == jnp.bfloat16
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_float32_checkpoint_restored_into_bfloat16_parameters_is_a_one_line_error(tmp_path):
+    cfg = validate(load_config("tiny", [*ONE, f"run_dir={tmp_path}"]), 1)
+    saver = checkpoint.Saver(cfg)
+    saver.save(1, random_state(trainer_for(ONE, devices=1), 0), {"position": 1},
+               {"step": 1, "skipped_steps": 0})
+    saver.close()
+    bf16 = trainer_for(["train.param_dtype=bfloat16", *ONE], devices=1)
+    with pytest.raises(checkpoint.CheckpointError, match=r"float32\[.*\] there but bfloat16\[.*"
+                       r"train.param_dtype") as err:
+        checkpoint.restore(tmp_path / "checkpoints" / "1", bf16.abstract_state)
+    assert "\n" not in str(err.value)
 
 
 def test_bfloat16_gradient_sums_are_a_config_error_on_xla_cpu():

@@ -81,8 +81,9 @@ def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
     So the sum is left to the partitioner only where it is float32 throughout and
     ``parallel.reduce_dtype`` asks for that, and never under gradient accumulation (one sum per
     step, not one per micro-step). The price of the hand-written sum: it runs after the whole
-    backward pass instead of overlapping each layer's. Never for a mixture of experts (its load-balance loss needs statistics of the
-    whole micro-batch) or when the batch is not split over ``data``."""
+    backward pass instead of overlapping each layer's. Never for a mixture of experts (its
+    load-balance loss needs statistics of the whole micro-batch) or when the batch is not split
+    over ``data``."""
     if cfg.model.moe.enabled or cfg.mesh_shape["data"] == 1:
         return False
     if "data" not in logical_rules(cfg)["batch"]:

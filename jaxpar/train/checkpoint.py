@@ -246,7 +246,7 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], path: Path) -> None:
     """One line naming the first array that differs (missing, extra, shape or dtype)."""
-    hint = "model.* (and train.grad_clip) must match the run that saved it"
+    hint = "model.*, train.param_dtype (and train.grad_clip) must match the run that saved it"
     for name, (shape, dtype) in wanted.items():
         if name not in saved:
             raise CheckpointError(f"checkpoint {path} does not fit this model: it has no array "
