@@ -9,6 +9,7 @@ a bf16 attention without its causal mask fails the same bounds.
 
 from __future__ import annotations
 
+import argparse
 import json
 from functools import cache
 from pathlib import Path
@@ -19,7 +20,6 @@ import numpy as np
 import pytest
 from helpers import needs_libtpu, random_state, run_inspect, trainer_for
 
-import jaxpar
 import jaxpar.parallel.hooks as hooks
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.inspect.hlo import parse_collectives
@@ -31,19 +31,20 @@ BASE = ["train.seq_len=64", "train.steps=30", "train.lr=1e-2", "train.warmup_ste
         "model.attention=dense"]
 ONE = ["mesh.data=1", *BASE]
 # Bounds, against the numbers measured at the trained tiny model (printed with -s; README "Mixed
-# precision"): bf16 keeps 8 significant bits (2^-9 ~ 0.2% rounding per cast); bf16 compute moved
-# the loss by ~3e-5 relative, every leaf's gradient cosine stayed >= 0.99995 and the global
-# gradient error was 0.3-0.5%. A causal mask dropped in bf16 moved the loss by only 4e-5 (a
-# causally trained model barely uses the future tokens it now sees) but the gradients by 4.4%
-# with an embedding cosine of 0.80: gradients, not the loss, are what catch it.
+# precision"): bf16 keeps 8 significant bits (2^-9 ~ 0.2% rounding per cast); bf16 compute or
+# storage moved the loss by <= 2e-5 relative, every leaf's gradient cosine stayed >= 0.9999 and
+# the global gradient error was 0.45-0.6%. A causal mask dropped in bf16 moved the loss by only
+# 2e-3 (inside the loss bound: a causally trained model barely uses the future tokens it now
+# sees) but the gradients by 24%: gradients, not the loss, are what catch it.
 LOSS_REL = 1e-2  # issue 14's acceptance bound
 MIN_COSINE = 0.99  # every gradient leaf (issue 14's acceptance bound)
-GRAD_REL = 0.02  # global ||g - g_ref|| / ||g_ref||: 4x the largest measured
+GRAD_REL = 0.02  # global ||g - g_ref|| / ||g_ref||: ~3x the largest measured
 
 
 def text_batches(count: int, rows: int = 8, seq: int = 64, seed: int = 0) -> list[dict]:
-    """Byte-level windows of jaxpar's own source: text a tiny model learns quickly."""
-    text = b"".join(p.read_bytes() for p in sorted(Path(jaxpar.__file__).parent.rglob("*.py")))
+    """Byte-level windows of the standard library's argparse.py: text a tiny model learns
+    quickly, and fixed for a Python version (unlike this project's own files)."""
+    text = Path(argparse.__file__).read_bytes()
     tokens = np.frombuffer(text, np.uint8).astype(np.int32)
     rng = np.random.default_rng(seed)
     batches = []
@@ -66,7 +67,7 @@ def trained() -> tuple[dict, dict, float, dict]:
     params = jax.tree.map(np.asarray, state.params)
     held_out = text_batches(1, seed=1)[0]
     loss, grads = loss_and_grads_at(params, ONE, 1, held_out)
-    assert loss < 0.65 * np.log(256), loss  # trained: far from the ~ln(V) of initialisation
+    assert loss < 0.5 * np.log(256), loss  # trained: far from the ~ln(V) of initialisation
     return params, held_out, loss, grads
 
 
@@ -108,7 +109,10 @@ def within_bounds(m: dict) -> bool:
     (["train.param_dtype=bfloat16", *ONE], 1),
     (["train.dtype=bfloat16", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.context=2",
       *BASE], 8),
-], ids=["bf16-compute", "bf16-compute-and-params", "bf16-params", "bf16-fsdp2-tensor2-context2"])
+    (["train.dtype=bfloat16", "train.param_dtype=bfloat16", "mesh.pipe=2", "mesh.data=2",
+      "mesh.fsdp=2", "train.microbatches=2", *BASE], 8),
+], ids=["bf16-compute", "bf16-compute-and-params", "bf16-params", "bf16-fsdp2-tensor2-context2",
+        "bf16-compute-and-params-pipe2-data2-fsdp2"])
 def test_bfloat16_tracks_float32_at_trained_parameters(overrides, devices):
     params, batch, ref_loss, ref_grads = trained()
     m = compare(*loss_and_grads_at(params, overrides, devices, batch), ref_loss, ref_grads)
