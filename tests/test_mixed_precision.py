@@ -180,6 +180,22 @@ def test_a_float32_checkpoint_restored_into_bfloat16_parameters_is_a_one_line_er
     assert "\n" not in str(err.value)
 
 
+def test_bfloat16_parameters_export_as_float32(tmp_path):
+    from safetensors.numpy import load_file
+
+    overrides = ["train.param_dtype=bfloat16", *ONE]
+    cfg = validate(load_config("tiny", [*overrides, f"run_dir={tmp_path}"]), 1)
+    state = random_state(trainer_for(overrides, devices=1), 0)
+    saver = checkpoint.Saver(cfg)
+    saver.save(1, state, {"position": 1}, {"step": 1, "skipped_steps": 0})
+    saver.close()
+    weights, _, _ = checkpoint.export(tmp_path, tmp_path / "export")
+    tensors = load_file(str(weights))
+    assert {t.dtype for t in tensors.values()} == {np.dtype(np.float32)}
+    np.testing.assert_array_equal(tensors["layers/mlp/w_up"],  # bf16 -> f32 is exact
+                                  np.asarray(state.params["layers"]["mlp"]["w_up"], np.float32))
+
+
 def test_bfloat16_gradient_sums_are_a_config_error_on_xla_cpu():
     # XLA:CPU aborts compiling them (train/step.py: check_reduce_dtype), checked on data=2.
     cfg = validate(load_config("tiny", ["mesh.data=2", "parallel.reduce_dtype=bfloat16"]), 2)
