@@ -130,6 +130,10 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     param_bytes = sum(p.stored_bytes_per_device for p in params)
     # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient.
     accumulator = sum(p.bytes_per_device for p in params) if st.accum > 1 else 0
+    # bf16 parameters under float32 compute: the step reads float32 copies of them (the cast),
+    # and its float32 weight gradients live until they are rounded to the stored dtype.
+    widened = (sum(p.bytes_per_device for p in params if p.matmul)
+               if cfg.train.param_dtype == "bfloat16" and st.a == 4 else 0)
     moments = sum(p.moment_bytes_per_device for p in params)
     head = st.b * st.sl * (m.vocab_size // st.t) * (4 + 4 + st.a) + 2 * st.act
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
@@ -157,7 +161,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),
-        working=max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered,
+        working=(max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered
+                 + widened),
         update=moments,
         stash=stash,
         buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))
