@@ -3,8 +3,10 @@ storage (``train.param_dtype``) and bfloat16 gradient sums (``parallel.reduce_dt
 the float32 loss and gradients of the same parameters.
 
 At initialisation the loss is ~ln(256) whatever attention returns, so the parameters are first
-trained in float32 on text until the loss is well below that; the negative control shows that
-a bf16 attention without its causal mask fails the same bounds.
+trained in float32 on text until the loss is well below that; the negative controls show that
+a bf16 attention without its causal mask, or without its 1/sqrt(d) scale, fails the same
+bounds. The dtype of the gradient sums is read from HLO compiled for a TPU slice: XLA:CPU cannot
+compile bf16 gradient sums (train/step.py: check_reduce_dtype).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def trained() -> tuple[dict, dict, float, dict]:
     trainer = trainer_for(ONE, devices=1)
     state = trainer.init()
     for batch in text_batches(30):
-        state, metrics = trainer.step(state, trainer.put_batch(batch))
+        state, _ = trainer.step(state, trainer.put_batch(batch))
     params = jax.tree.map(np.asarray, state.params)
     held_out = text_batches(1, seed=1)[0]
     loss, grads = loss_and_grads_at(params, ONE, 1, held_out)
