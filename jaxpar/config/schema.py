@@ -122,7 +122,7 @@ class TrainConfig:
     remat: Literal["none", "full", "dots"] = "none"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of the matmuls
     # Storage dtype of the parameters (norm scales and the router stay float32); Adam's moments
-    # and the update are float32 either way (train/step.py: mixed_precision).
+    # and the update are float32 either way (train/step.py: in_float32).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # auto: continue from the newest complete checkpoint in run_dir/checkpoints, if any;
     # never: start fresh; N: run_dir/checkpoints/N; else a path (a step directory, or a
