@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
+
+from jaxpar.inspect.tpu import INSTALL_HINT, libtpu_installed
 
 # --------------------------------------------------------------------------------------------
 # The command line
@@ -169,16 +173,17 @@ def losses(run_dir: Path) -> dict[int, tuple]:
 _trainers: dict[tuple[str, ...], object] = {}
 
 
-def trainer_for(overrides: list[str]):
+def trainer_for(overrides: list[str], devices: int | None = None):
     """A Trainer of the tiny preset per layout, for the whole test process (its jitted functions
-    compile once); ``["mesh.data=1"]`` is one device, anything else 8."""
+    compile once); ``devices`` defaults to 1 for ``["mesh.data=1"]`` and 8 otherwise."""
     from jaxpar.config import load_config, validate
     from jaxpar.mesh import make_mesh
     from jaxpar.train.step import build_trainer
 
-    key = tuple(overrides)
+    key = (*overrides, f"devices={devices}")
     if key not in _trainers:
-        devices = 1 if overrides == ["mesh.data=1"] else 8
+        if devices is None:
+            devices = 1 if overrides == ["mesh.data=1"] else 8
         cfg = validate(load_config("tiny", overrides), devices)
         _trainers[key] = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
     return _trainers[key]
@@ -210,3 +215,35 @@ def flip_bytes(step_dir: Path, count: int = 16) -> Path:
         data[i] ^= 0xFF
     files[-1].write_bytes(bytes(data))
     return files[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling for a TPU slice (libtpu) in a subprocess
+
+CLI_TIMEOUT_S = 300
+LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+def needs_libtpu() -> None:
+    if libtpu_installed():
+        return
+    if os.environ.get("CI") and LIBTPU_PLATFORM:
+        pytest.fail(f"libtpu is not installed, but it can be on this platform: {INSTALL_HINT}")
+    pytest.skip(f"libtpu (the TPU compiler) is not installed: {INSTALL_HINT}"
+                + ("" if LIBTPU_PLATFORM else " (no libtpu wheel for this platform)"))
+
+
+def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False) -> subprocess.CompletedProcess:
+    """``jaxpar inspect ARGS`` in a fresh interpreter, without the test process's CPU and TPU
+    settings: ``--target`` must keep jax off any TPU and quiet libtpu by itself. (jax exports
+    TPU_LIBRARY_PATH and TPU_SKIP_MDS_QUERY into os.environ once it has found libtpu.)
+
+    ``hide_libtpu``: run as an interpreter without libtpu would (it may be installed here).
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+           and (not k.startswith("TPU_") or (k == "TPU_LIBRARY_PATH" and not hide_libtpu))}
+    preamble = "sys.modules['libtpu'] = None\n" if hide_libtpu else ""
+    code = f"import sys\n{preamble}from jaxpar.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "inspect", *args], capture_output=True,
+                          text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)

@@ -34,6 +34,9 @@ LAYOUTS = {
     "data=8": (["mesh.data=8"], {("all-reduce", ("data",))}),
     "fsdp=8": (["mesh.data=1", "mesh.fsdp=8"],
                {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",))}),
+    # bf16 parameters: gathered after the cast to the float32 compute dtype, reduced in float32.
+    "fsdp=8,param_dtype=bf16": (["mesh.data=1", "mesh.fsdp=8", "train.param_dtype=bfloat16"],
+                                {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",))}),
     "data=2,tensor=4": (["mesh.data=2", "mesh.tensor=4"],
                         {("all-reduce", ("data",)), ("all-reduce", ("tensor",))}),
     "data=4,tensor=2,sp": (["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
@@ -193,14 +196,30 @@ def test_tiny_tensor_parallel_all_reduces_by_hand():
     assert rows["all-reduce", ("data",)]["wire_bytes"] == 107_776
 
 
-def test_bfloat16_gradients_travel_in_bfloat16_on_accelerators_and_float32_on_xla_cpu():
+def test_data_gradients_travel_in_parallel_reduce_dtype():
+    # float32 by default, bf16 matmuls or not: on an accelerator the sum goes by hand
+    # (parallel/zero.py: data_summed_by_hand); XLA:CPU's partitioner sums in float32 anyway.
+    # Every gradient: layer weights 2 * 36,864, embedding and lm_head 16,384 each, norm scales
+    # 2 * 2 * 64 + 64, in 4 bytes.
     cfg = tiny("mesh.data=8", "train.dtype=bfloat16")
+    whole = (2 * 36_864 + 2 * 16_384 + 2 * 2 * 64 + 64) * 4
     (tpu,) = estimate(cfg, "tpu-v5e").collective_rows()
-    # TPU compiler: layer matmul weights 2 * 36,864 and the embedding 16,384 in 2 bytes; norm
-    # scales 2 * 2 * 64 + 64 and lm_head 16,384 (float32 logits, float32 gradient) in 4.
-    assert tpu["bytes"] == (2 * 36_864 + 16_384) * 2 + (2 * 2 * 64 + 64 + 16_384) * 4
-    (cpu,) = estimate(cfg).collective_rows()  # XLA:CPU runs bf16 dots in float32
-    assert cpu["bytes"] == 427_264
+    (cpu,) = estimate(cfg).collective_rows()
+    assert tpu["bytes"] == cpu["bytes"] == whole == 427_264
+    # parallel.reduce_dtype=bfloat16 halves all of it (the TPU compile agrees:
+    # tests/test_mixed_precision.py checks its all-reduce dtypes).
+    (tpu,) = estimate(tiny("mesh.data=8", "parallel.reduce_dtype=bfloat16"),
+                      "tpu-v5e").collective_rows()
+    assert tpu["bytes"] == whole // 2
+
+
+def test_bfloat16_parameters_halve_parameter_and_gradient_memory_not_the_moments():
+    full = estimate(tiny("mesh.data=8")).memory
+    half = estimate(tiny("mesh.data=8", "train.param_dtype=bfloat16")).memory
+    norms = (2 * 2 * 64 + 64) * 4  # float32 whatever train.param_dtype (layers.FULL_PRECISION)
+    assert half.params == (full.params - norms) // 2 + norms
+    assert half.gradients == half.params
+    assert half.optimizer == full.optimizer
 
 
 def test_ring_attention_blocks_by_hand():

@@ -14,48 +14,17 @@ that libtpu wheels exist for, they fail instead, so CI cannot pass without runni
 from __future__ import annotations
 
 import json
-import os
-import platform
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error
+from helpers import assert_one_line_error, needs_libtpu, run_inspect
 from rich.console import Console
 
 from jaxpar.config import ConfigError
 from jaxpar.inspect.report import print_report
-from jaxpar.inspect.tpu import GENERATIONS, INSTALL_HINT, libtpu_installed, parse_target
+from jaxpar.inspect.tpu import GENERATIONS, INSTALL_HINT, parse_target
 
-CLI_TIMEOUT_S = 300
 TARGET = "tpu-v5e:2x4"
-LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
-
-
-def needs_libtpu() -> None:
-    if libtpu_installed():
-        return
-    if os.environ.get("CI") and LIBTPU_PLATFORM:
-        pytest.fail(f"libtpu is not installed, but it can be on this platform: {INSTALL_HINT}")
-    pytest.skip(f"libtpu (the TPU compiler) is not installed: {INSTALL_HINT}"
-                + ("" if LIBTPU_PLATFORM else " (no libtpu wheel for this platform)"))
-
-
-def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False) -> subprocess.CompletedProcess:
-    """``jaxpar inspect ARGS`` in a fresh interpreter, without the test process's CPU and TPU
-    settings: ``--target`` must keep jax off any TPU and quiet libtpu by itself. (jax exports
-    TPU_LIBRARY_PATH and TPU_SKIP_MDS_QUERY into os.environ once it has found libtpu.)
-
-    ``hide_libtpu``: run as an interpreter without libtpu would (it may be installed here).
-    """
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
-           and (not k.startswith("TPU_") or (k == "TPU_LIBRARY_PATH" and not hide_libtpu))}
-    preamble = "sys.modules['libtpu'] = None\n" if hide_libtpu else ""
-    code = f"import sys\n{preamble}from jaxpar.cli import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, "inspect", *args], capture_output=True,
-                          text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,10 @@ class TrainConfig:
     # LOSS_CHUNK_BYTES per device (Config.loss_pieces).
     loss_chunks: int = 0
     remat: Literal["none", "full", "dots"] = "none"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of the matmuls
+    # Storage dtype of the parameters (norm scales and the router stay float32); Adam's moments
+    # and the update are float32 either way (train/step.py: in_float32).
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
     # auto: continue from the newest complete checkpoint in run_dir/checkpoints, if any;
     # never: start fresh; N: run_dir/checkpoints/N; else a path (a step directory, or a
     # checkpoints/ or run directory whose newest checkpoint is taken). See train/checkpoint.py.
@@ -144,6 +147,9 @@ class ParallelConfig:
     zigzag: bool = True  # load-balanced causal layout for context parallelism
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "gpipe"
     virtual_stages: int = 1
+    # Dtype of the gradient sums jaxpar takes by hand (over data, and over data/fsdp in the
+    # pipeline executor); see validation._check_reduce_dtype for where it applies.
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
 

@@ -62,6 +62,7 @@ def validate(cfg: Config, device_count: int) -> Config:
     _check_batch(cfg, mesh)
     _check_optimizer(cfg.train)
     _check_sharding(cfg, mesh)
+    _check_reduce_dtype(cfg, mesh)
     _check_run(cfg)
     return dataclasses.replace(cfg, mesh=mesh)
 
@@ -203,6 +204,19 @@ def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:
         for axis in axes:
             _require(axis in MESH_AXES, f"parallel.rules.{logical}: unknown mesh axis {axis!r}; "
                      f"allowed: {', '.join(MESH_AXES)}")
+
+
+def _check_reduce_dtype(cfg: Config, mesh: MeshConfig) -> None:
+    """``parallel.reduce_dtype`` is the dtype of the gradient sums jaxpar takes by hand: the
+    pipeline executor's over data and fsdp, and without a pipeline the sum over data
+    (parallel/zero.py: data_summed_by_hand). The partitioner's own reductions (FSDP's
+    reduce-scatter outside a pipeline, a mixture's sums) run in the weight-gradient matmul's
+    dtype, ``train.dtype`` on GPU/TPU; bfloat16 there with float32 matmuls would be ignored."""
+    if cfg.parallel.reduce_dtype == "float32" or mesh.pipe > 1 or cfg.train.dtype == "bfloat16":
+        return
+    _require(mesh.fsdp == 1 and not (cfg.model.moe.enabled and mesh.data > 1),
+             "parallel.reduce_dtype=bfloat16 with mesh.fsdp > 1 or a mixture of experts needs "
+             "train.dtype=bfloat16 (the partitioner reduces those gradients in train.dtype)")
 
 
 def _check_run(cfg: Config) -> None:

@@ -76,10 +76,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpar.inspect.cost_params import PARAM_BYTES, ParamCost, entry_axes, in_compute_dtype
+from jaxpar.inspect.cost_params import (
+    PARAM_BYTES,
+    STORED_BYTES,
+    ParamCost,
+    entry_axes,
+    in_compute_dtype,
+)
 from jaxpar.inspect.cost_pipeline import pipeline_collectives
 from jaxpar.inspect.cost_shapes import StepSizes
-from jaxpar.parallel.zero import ZERO1_AXES
+from jaxpar.parallel.zero import ZERO1_AXES, data_summed_by_hand
 
 ROW_PARALLEL_MATMULS = 2  # attention output, down projection
 
@@ -155,10 +161,10 @@ class Ledger:
         ``fsdp`` in the pipeline executor, ``data`` under gradient accumulation (not for MoE
         models, whose load-balance loss needs whole-micro-batch statistics)."""
         st = self.st
+        if st.pipeline is None:  # parallel/zero.py: data_summed_by_hand
+            return ("data",) if data_summed_by_hand(st.cfg, st.xla_cpu) else ()
         if st.cfg.model.moe.enabled:
             return ()
-        if st.pipeline is None:  # gradient accumulation sums over data once (train/step.py)
-            return ("data",) if st.accum > 1 and st.mesh["data"] > 1 else ()
         return tuple(a for a in ("data", "fsdp") if st.mesh[a] > 1)
 
     def summed_by_hand(self, axes: tuple[str, ...]) -> bool:
@@ -192,8 +198,11 @@ class Ledger:
         """Bytes of a weight as it travels (cast to the compute dtype on the wire)."""
         return in_compute_dtype(p, nbytes, self.st.wire)
 
-    def grad(self, p: ParamCost, nbytes: int) -> int:
-        """Gradients travel like their weights, but lm_head's: its matmul yields float32."""
+    def grad(self, p: ParamCost, nbytes: int, by_hand: bool = False) -> int:
+        """Gradients the partitioner sums travel like their weights, but lm_head's: its matmul
+        yields float32. Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
+        if by_hand:
+            return nbytes * STORED_BYTES[self.st.cfg.parallel.reduce_dtype] // PARAM_BYTES
         return nbytes if p.name == "lm_head" else self.moved(p, nbytes)
 
     def reduced(self, group: list[ParamCost], gathered: bool = False,
@@ -203,7 +212,7 @@ class Ledger:
         chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
         per backward step, of the head per head step) and the final norm's."""
         def size(p: ParamCost) -> int:
-            return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device)
+            return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device, by_hand)
 
         layers = sum(size(p) for p in group if p.stacked)
         shared = sum(size(p) for p in group if not p.stacked)

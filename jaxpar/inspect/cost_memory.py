@@ -128,7 +128,13 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
 def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     """Bytes per device of one step (the module docstring's accounting)."""
     cfg, m = st.cfg, st.cfg.model
-    param_bytes = sum(p.bytes_per_device for p in params)
+    param_bytes = sum(p.stored_bytes_per_device for p in params)
+    # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient.
+    accumulator = sum(p.bytes_per_device for p in params) if st.accum > 1 else 0
+    # bf16 parameters under float32 compute: the step reads float32 copies of them (the cast),
+    # and its float32 weight gradients live until they are rounded to the stored dtype.
+    widened = (sum(p.bytes_per_device for p in params if p.matmul)
+               if cfg.train.param_dtype == "bfloat16" and st.a == 4 else 0)
     moments = sum(p.moment_bytes_per_device for p in params)
     # The loss's float32 logits and their gradient, one loss piece at a time, and the
     # embedding's one-hot input.
@@ -155,11 +161,12 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
-        gradients=param_bytes * (2 if st.accum > 1 else 1),
+        gradients=param_bytes + accumulator,
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),
-        working=max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered,
+        working=(max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered
+                 + widened),
         update=moments,
         stash=stash,
         buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))

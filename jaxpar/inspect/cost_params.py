@@ -3,12 +3,14 @@
 Every parameter's name, shape and logical axes come from :func:`jaxpar.model.transformer.
 abstract_model` (shapes only: nothing is allocated, traced for a device or compiled), so the
 cost model cannot drift from the model. The rules table (:func:`jaxpar.parallel.rules.
-resolve_spec`) then splits each one exactly as training splits it. Parameters, their gradients
-and Adam moments are float32.
+resolve_spec`) then splits each one exactly as training splits it. Adam moments are float32;
+parameters and their gradients are stored in ``train.param_dtype`` (norm scales and the router
+in float32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -28,7 +30,8 @@ from jaxpar.parallel.rules import (
 )
 from jaxpar.parallel.zero import ZERO1_AXES
 
-PARAM_BYTES = 4  # parameters, gradients and Adam moments are float32
+PARAM_BYTES = 4  # float32: Adam moments always; parameters and gradients by default
+STORED_BYTES = {"float32": 4, "bfloat16": 2}  # train.param_dtype, parallel.reduce_dtype
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class ParamCost:
     moment_bytes_per_device: int  # one Adam moment's shard
     gathered_bytes: int  # what an FSDP all-gather of it produces (the shard times fsdp)
     stacked: bool  # has a leading layers dimension
+    # The shard as stored (train.param_dtype; norm scales and the router stay float32), and
+    # its gradient. The other byte counts are float32 sizes that the collectives scale.
+    stored_bytes_per_device: int = 0
 
     @property
     def matmul(self) -> bool:
@@ -134,12 +140,15 @@ def param_costs(cfg: Config) -> list[ParamCost]:
         size = math.prod(p.shape) * PARAM_BYTES
         moment_spec = _zero1_spec(spec, p.names, mesh) if cfg.parallel.zero == 1 else spec
         fsdp_parts = math.prod(mesh[a] for e in spec for a in entry_axes(e) if a == "fsdp")
-        out.append(ParamCost(
+        cost = ParamCost(
             name=p.name, shape=p.shape, spec=spec,
             bytes_per_device=size // _parts(spec, mesh),
             moment_bytes_per_device=size // _parts(moment_spec, mesh),
             gathered_bytes=size // _parts(spec, mesh) * fsdp_parts,
-            stacked=p.stacked))
+            stacked=p.stacked)
+        stored = STORED_BYTES[cfg.train.param_dtype] if cost.matmul else PARAM_BYTES
+        out.append(dataclasses.replace(
+            cost, stored_bytes_per_device=cost.bytes_per_device * stored // PARAM_BYTES))
     return out
 
 

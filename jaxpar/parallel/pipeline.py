@@ -74,6 +74,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
+from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline_program import Program, compile_program, describe
@@ -159,6 +160,7 @@ class ByHand:
     shared_specs: Any
     layer_specs: Any
     hooks: Callable
+    reduce_dtype: Any = jnp.float32  # parallel.reduce_dtype: the dtype gradients are summed in
 
     def gather(self, tree: Any, specs: Any) -> Any:
         """Each parameter whole over the axes split by hand (FSDP's gather, once per step)."""
@@ -172,12 +174,13 @@ class ByHand:
         """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
         where the parameter is split (FSDP), an all-reduce where it is replicated (data)."""
         def leaf(g: jax.Array, spec: PartitionSpec) -> jax.Array:
-            scattered = set()
+            scattered, dtype = set(), g.dtype
+            g = g.astype(self.reduce_dtype)
             for dim, axes in self._split(spec):
                 g = lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
                 scattered |= set(axes)
             rest = tuple(a for a in self.axes if a not in scattered)
-            return lax.psum(g, rest) if rest else g
+            return (lax.psum(g, rest) if rest else g).astype(dtype)
         return jax.tree.map(leaf, tree, specs)
 
     def total(self, x: Any) -> Any:
@@ -518,7 +521,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     shared = {k: s for k, s in specs.items() if k != "layers"}
     by_hand = ByHand(hand, specs_of(shared, set(hand)),
                      specs_of(specs["layers"], {PIPE_AXIS, *hand}),
-                     hooks=lambda: model_hooks(cfg, inner, platform))
+                     hooks=lambda: model_hooks(cfg, inner, platform),
+                     reduce_dtype=DTYPES[cfg.parallel.reduce_dtype])
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)
     stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat)

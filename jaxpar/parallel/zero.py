@@ -25,7 +25,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.parallel.rules import is_axes_leaf
+from jaxpar.parallel.rules import is_axes_leaf, logical_rules
 
 ZERO1_AXES = ("data", "fsdp")
 
@@ -69,3 +69,25 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
     return jax.tree.map(
         lambda node: moment_specs if shaped_like_params(node) else PartitionSpec(),
         abstract_opt_state, is_leaf=shaped_like_params)
+
+
+def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
+    """Whether a run without a pipeline sums its gradients over ``data`` by hand, once per step
+    (train/step.py: sum_over_data_once), rather than leaving it to the partitioner.
+
+    The partitioner all-reduces each weight gradient where its matmul produces it, in that
+    matmul's dtype: ``train.dtype`` on GPU/TPU (float32 for lm_head and the norm scales),
+    float32 on XLA:CPU (which runs bf16 dots in float32); no cast around the matmul changes it.
+    So the sum is left to the partitioner only where it is float32 throughout and
+    ``parallel.reduce_dtype`` asks for that, and never under gradient accumulation (one sum per
+    step, not one per micro-step). The price of the hand-written sum: it runs after the whole
+    backward pass instead of overlapping each layer's. Never for a mixture of experts (its
+    load-balance loss needs statistics of the whole micro-batch) or when the batch is not split
+    over ``data``."""
+    if cfg.model.moe.enabled or cfg.mesh_shape["data"] == 1:
+        return False
+    if "data" not in logical_rules(cfg)["batch"]:
+        return False
+    matmul_dtype = "float32" if xla_cpu else cfg.train.dtype
+    all_float32 = cfg.parallel.reduce_dtype == matmul_dtype == "float32"
+    return cfg.train.grad_accum > 1 or not all_float32

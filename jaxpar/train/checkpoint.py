@@ -246,7 +246,7 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], path: Path) -> None:
     """One line naming the first array that differs (missing, extra, shape or dtype)."""
-    hint = "model.* (and train.grad_clip) must match the run that saved it"
+    hint = "model.*, train.param_dtype (and train.grad_clip) must match the run that saved it"
     for name, (shape, dtype) in wanted.items():
         if name not in saved:
             raise CheckpointError(f"checkpoint {path} does not fit this model: it has no array "
@@ -461,7 +461,9 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
     finally:
         checkpointer.close()
     leaves = jax.tree_util.tree_flatten_with_path(restored["state"]["params"])[0]
-    tensors = {leaf_name(p): np.ascontiguousarray(v) for p, v in leaves}
+    # float32 whatever train.param_dtype stored (bf16 -> f32 is exact; safetensors' numpy
+    # writer and most readers expect a numpy dtype).
+    tensors = {leaf_name(p): np.ascontiguousarray(v, dtype=np.float32) for p, v in leaves}
     axes = jax.tree_util.tree_flatten_with_path(
         param_logical_axes(abstract_model(cfg.model)),
         is_leaf=lambda x: isinstance(x, tuple))[0]

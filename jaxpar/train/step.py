@@ -39,8 +39,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import Config, TrainConfig
+from jaxpar.config import Config, ConfigError, TrainConfig
 from jaxpar.mesh import process_batch_rows
+from jaxpar.model.layers import FULL_PRECISION
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import (
     DTYPES,
@@ -60,7 +61,7 @@ from jaxpar.parallel.rules import (
     param_specs,
     resolve_spec,
 )
-from jaxpar.parallel.zero import optimizer_state_specs
+from jaxpar.parallel.zero import data_summed_by_hand, optimizer_state_specs
 
 Batch = dict[str, jax.Array]  # inputs, targets: int32 [B, S]; mask: float32 [B, S]
 
@@ -94,7 +95,35 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    return in_float32(optax.chain(*parts))
+
+
+def as_float32(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` run on float32 copies of the gradients and parameters, so that Adam's moments,
+    the clipping norm and the update are float32 whatever ``train.param_dtype`` stores; the
+    update is rounded to the stored dtype only when ``optax.apply_updates`` adds it. (No
+    float32 master copy: with bfloat16 parameters an update below half a bf16 ulp of its weight
+    is lost; the trade is half the parameter memory. A no-op for float32 parameters.)"""
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return tx.update(as_float32(grads), state,
+                         None if params is None else as_float32(params))
+
+    return optax.GradientTransformation(lambda params: tx.init(as_float32(params)), update)
+
+
+def stored_params(params: dict, param_dtype: str) -> dict:
+    """Parameters in the dtype they are stored in (``train.param_dtype``), except those the
+    model uses in float32 whatever the dtypes (layers.FULL_PRECISION: norm scales, the router),
+    which a bfloat16 copy would only round."""
+    dtype = DTYPES[param_dtype]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: a if param_name(path).split("/")[-1] in FULL_PRECISION
+        else a.astype(dtype), params)
 
 
 def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
@@ -223,7 +252,8 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
     mesh_shape, rules = cfg.mesh_shape, logical_rules(cfg)
     model = abstract_model(cfg.model)
     graphdef, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, ...)
-    abstract_params = nnx.to_pure_dict(abstract_params)
+    abstract_params = jax.eval_shape(partial(stored_params, param_dtype=cfg.train.param_dtype),
+                                     nnx.to_pure_dict(abstract_params))
     abstract_buffers = nnx.to_pure_dict(abstract_buffers)
     logical_axes = param_logical_axes(model)
     specs = param_specs(abstract_params, logical_axes, rules, mesh_shape)
@@ -248,10 +278,11 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
     """Step 2, without a pipeline: ``(params, buffers, batch, valid) -> (grads, (loss_sum,
     aux))`` of the objective (module docstring), ``train.grad_accum`` micro-steps summed.
 
-    With micro-steps on a dense model split over ``data``, the sum over ``data`` is taken once
-    per step, not once per micro-step: :func:`sum_over_data_once` runs the micro-steps with
-    ``data`` split by hand. (``fsdp`` keeps its per-micro-step gathers and reduce-scatters: one
-    layer's weights whole at a time is what FSDP is for.)"""
+    Where :func:`~jaxpar.parallel.zero.data_summed_by_hand` says so (micro-steps, or a
+    ``parallel.reduce_dtype`` the partitioner would not sum in), the sum over ``data`` is taken
+    by hand once per step: :func:`sum_over_data_once` runs the micro-steps with ``data`` split
+    by hand and sums in the reduce dtype. (``fsdp`` keeps its per-micro-step gathers and
+    reduce-scatters: one layer's weights whole at a time is what FSDP is for.)"""
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
     moe, pieces = cfg.model.moe, cfg.loss_pieces()
 
@@ -264,8 +295,18 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
         return loss_sum / valid + moe_loss(aux, moe) / accum, (loss_sum, aux)
 
     grad_fn = jax.grad(objective, has_aux=True)
-    if accum == 1:
-        return grad_fn
+    accumulated = (grad_fn if accum == 1 else
+                   accumulate_micro_steps(objective, grad_fn, param_shardings, accum))
+    if not data_summed_by_hand(cfg, xla_cpu=platform == "cpu"):
+        return accumulated
+    return sum_over_data_once(cfg, accumulated, platform)
+
+
+def accumulate_micro_steps(objective: Callable, grad_fn: Callable, param_shardings: Any,
+                           accum: int) -> Callable:
+    """``grad_fn`` summed over ``accum`` micro-steps in a ``lax.scan``. The running sum is
+    float32 whatever the parameters' dtype: bfloat16 sums of many micro-steps lose the small
+    ones."""
 
     def accumulated(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
         def micro_step(carry, micro_batch):
@@ -275,7 +316,7 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
         # The running gradient sum is sharded like the parameters (1/N under FSDP); bare specs,
         # so that the same code runs inside sum_over_data_once's shard_map.
         zero_grads = jax.lax.with_sharding_constraint(
-            jax.tree.map(jnp.zeros_like, params),
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
             jax.tree.map(lambda sharding: sharding.spec, param_shardings))
         micro_batches = split_micro_steps(batch, accum)
         # The aux dict's shapes, for a zero carry (traced, never run).
@@ -285,24 +326,25 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
         (grads, summed), _ = jax.lax.scan(micro_step, zeros, micro_batches)
         return grads, summed
 
-    if moe.enabled or cfg.mesh_shape["data"] == 1 or "data" not in logical_rules(cfg)["batch"]:
-        # (A mixture's load-balance loss needs statistics of the whole micro-batch.)
-        return accumulated
-    return sum_over_data_once(cfg, accumulated, param_shardings, platform)
+    return accumulated
 
 
-def sum_over_data_once(cfg: Config, accumulated: Callable, param_shardings: Any,
-                       platform: str) -> Callable:
+def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Callable:
     """``accumulated`` run inside ``shard_map`` manual over ``data``: each data shard sums its
     micro-steps' gradients locally, and one all-reduce over ``data`` per step adds them (the
-    compiler alone would all-reduce every micro-step's gradient). Inside, the model's hooks see
-    the rest of the mesh, ``data`` counted as 1."""
+    compiler alone would all-reduce every micro-step's gradient), in ``parallel.reduce_dtype``
+    (each gradient cast to it before the sum and back after). Inside, the model's hooks see the
+    rest of the mesh, ``data`` counted as 1."""
     inner = {**cfg.mesh_shape, "data": 1}
+    reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
 
     def per_shard(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
         with model_hooks(cfg, inner, platform):
             grads, (loss_sum, aux) = accumulated(params, buffers, batch, valid)
-        return jax.tree.map(lambda a: jax.lax.psum(a, "data"), (grads, (loss_sum, aux)))
+        grads = jax.tree.map(
+            lambda g: jax.lax.psum(g.astype(reduce_dtype), "data").astype(g.dtype), grads)
+        # The loss and the MoE statistics are sums of float32 counts: summed as they are.
+        return grads, jax.tree.map(lambda a: jax.lax.psum(a, "data"), (loss_sum, aux))
 
     def run(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
         rows = PartitionSpec("data")
@@ -343,7 +385,7 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
         loss, grads, aux = loss_and_grads(state, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(as_float32(grads))
         # A non-finite loss or gradient drops the whole update on device (no host sync): params
         # and optimizer state (whose count drives Adam's bias correction and the lr schedule)
         # stay as they were; `step` still counts the batch consumed. The loop reads `nonfinite`
@@ -367,6 +409,16 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
     return train_step
 
 
+def check_reduce_dtype(cfg: Config, platform: str) -> None:
+    """XLA:CPU (jax 0.10.2) aborts compiling the train step's bfloat16 gradient psums ("Invalid
+    binary instruction opcode copy", seen over data and over pipe): a config error here, not a
+    crash. ``jaxpar inspect --target tpu-...`` compiles them for a TPU from this machine."""
+    if platform == "cpu" and cfg.parallel.reduce_dtype == "bfloat16":
+        raise ConfigError("parallel.reduce_dtype=bfloat16: XLA:CPU cannot compile bfloat16 "
+                          "gradient sums; use float32 on CPU (inspect --target tpu-... "
+                          "compiles them for a TPU)")
+
+
 def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     """Resolve every sharding for ``cfg`` on ``mesh`` and jit init/step. ``cfg`` is validated.
 
@@ -377,6 +429,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     tx = make_optimizer(cfg.train)
     sh = resolve_shardings(cfg, mesh, tx)
     platform = mesh.devices.flat[0].platform
+    check_reduce_dtype(cfg, platform)
     model_hooks(cfg, cfg.mesh_shape, platform).close()
     n_context = cfg.mesh.context
     seq_order = (zigzag_order(cfg.train.seq_len, n_context)
@@ -392,7 +445,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
 
     def init() -> TrainState:
         _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
-        params = nnx.to_pure_dict(params)
+        params = stored_params(nnx.to_pure_dict(params), cfg.train.param_dtype)
         if layer_order is not None:
             params["layers"] = jax.tree.map(lambda a: a[layer_order], params["layers"])
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
