@@ -12,9 +12,8 @@ from helpers import compiled_temp_bytes
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
+from jaxpar.model.attention import MASKED, SKIP
 from jaxpar.parallel.context import (
-    MASKED,
-    SKIP,
     block_schedule,
     context_attention,
     zigzag_order,

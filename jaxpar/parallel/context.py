@@ -39,10 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.model.attention import (  # noqa: F401  (SKIP, FULL, MASKED: block kinds' names)
-    FULL,
-    MASKED,
-    SKIP,
+from jaxpar.model.attention import (
     block_kind,
     blockwise,
     empty_statistics,
