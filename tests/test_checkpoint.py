@@ -37,6 +37,7 @@ from helpers import (
 
 from jaxpar.config import load_config, to_dict, validate
 from jaxpar.train import checkpoint
+from jaxpar.train import weights as weights_only
 from jaxpar.train.checkpoint import CheckpointError, complete_steps
 
 TIMEOUT_S = 240
@@ -351,7 +352,7 @@ def test_export_writes_safetensors_equal_to_the_params(saved, tmp_path):
     from safetensors.numpy import load_file
 
     path, host, _, cfg = saved["fsdp4-tensor2"]
-    weights, config_json, step = checkpoint.export(path.parent.parent, tmp_path / "out")
+    weights, config_json, step = weights_only.export(path.parent.parent, tmp_path / "out")
     assert step == 2
     tensors = load_file(str(weights))
     flat = {"/".join(str(k.key) for k in p): v

@@ -27,6 +27,7 @@ from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.inspect.hlo import parse_collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.train import checkpoint
+from jaxpar.train import weights as weights_only
 from jaxpar.train.step import build_trainer
 
 BASE = ["train.seq_len=64", "train.steps=30", "train.lr=1e-2", "train.warmup_steps=3",
@@ -191,7 +192,7 @@ def test_bfloat16_parameters_export_as_float32(tmp_path):
     saver = checkpoint.Saver(cfg)
     saver.save(1, state, {"position": 1}, {"step": 1, "skipped_steps": 0})
     saver.close()
-    weights, _, _ = checkpoint.export(tmp_path, tmp_path / "export")
+    weights, _, _ = weights_only.export(tmp_path, tmp_path / "export")
     tensors = load_file(str(weights))
     assert {t.dtype for t in tensors.values()} == {np.dtype(np.float32)}
     np.testing.assert_array_equal(tensors["layers/mlp/w_up"],  # bf16 -> f32 is exact

@@ -44,6 +44,9 @@ class MoEConfig:
     aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
     bias_update_rate: float = 0.001  # sigmoid_bias: step of the aux-loss-free bias update
+    # softmax router: divide the k chosen probabilities by their sum (Mixtral, Qwen3-MoE);
+    # false keeps the probabilities themselves as gates (Switch/GShard)
+    norm_topk: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +64,22 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScalingConfig:
+    """Rescaled rotary frequencies for contexts longer than pre-training's (Llama 3.1's
+    ``llama3`` rule, ``jaxpar/model/layers.py:rope_frequencies``); ``type: none`` is plain RoPE."""
+
+    type: Literal["none", "llama3"] = "none"
+    factor: float = 8.0  # long wavelengths are divided by this
+    low_freq_factor: float = 1.0  # wavelengths above original / low_freq_factor: divided
+    high_freq_factor: float = 4.0  # wavelengths below original / high_freq_factor: unchanged
+    original_max_position_embeddings: int = 8192  # the pre-training context
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     d_model: int = 64
     n_layers: int = 2
@@ -70,8 +89,11 @@ class ModelConfig:
     d_ff: int = 128
     vocab_size: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     init_std: float = 0.02
     # auto: cuDNN on a GPU in 16-bit, else blockwise when the sequence spans several blocks
     attention: Literal["auto", "dense", "blockwise", "cudnn"] = "auto"
@@ -130,6 +152,10 @@ class TrainConfig:
     # Storage dtype of the parameters (norm scales and the router stay float32); Adam's moments
     # and the update are float32 either way (train/step.py: in_float32).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Start from these weights (a checkpoint step, run or checkpoints directory, or the output
+    # of `jaxpar import-hf`) with a fresh optimizer at step 0; a checkpoint that train.resume
+    # finds wins (so a rerun continues), see train/weights.py.
+    init_from: str | None = None
     # auto: continue from the newest complete checkpoint in run_dir/checkpoints, if any;
     # never: start fresh; N: run_dir/checkpoints/N; else a path (a step directory, or a
     # checkpoints/ or run directory whose newest checkpoint is taken). See train/checkpoint.py.

@@ -15,6 +15,7 @@ from jaxpar.config.schema import (
     DistributedConfig,
     MeshConfig,
     ModelConfig,
+    RopeScalingConfig,
     TrainConfig,
 )
 
@@ -83,6 +84,23 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
         value = getattr(m, name)
         _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
                  f"mesh.tensor={mesh.tensor}")
+    _require(math.isfinite(m.rope_theta) and m.rope_theta > 1, f"model.rope_theta={m.rope_theta}: "
+             "must be a finite number > 1")
+    _require(math.isfinite(m.norm_eps) and m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must "
+             "be a finite number > 0")
+    _check_rope_scaling(m.rope_scaling)
+
+
+def _check_rope_scaling(r: RopeScalingConfig) -> None:
+    """The llama3 rule interpolates between two wavelengths: they must be ordered."""
+    if not r.enabled:
+        return
+    _require(r.factor >= 1, f"model.rope_scaling.factor={r.factor}: must be >= 1")
+    _require(0 < r.low_freq_factor < r.high_freq_factor, "model.rope_scaling: low_freq_factor="
+             f"{r.low_freq_factor} must be > 0 and below high_freq_factor={r.high_freq_factor}")
+    _require(r.original_max_position_embeddings >= 1, "model.rope_scaling."
+             f"original_max_position_embeddings={r.original_max_position_embeddings}: must be "
+             ">= 1")
 
 
 def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
@@ -229,6 +247,14 @@ def _check_run(cfg: Config) -> None:
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
              "or a checkpoint path")
+    if t.init_from is not None:
+        _require(t.init_from.strip() != "", "train.init_from is empty; allowed: null or a "
+                 "checkpoint path")
+        # auto and never leave room for init_from (auto: a rerun resumes its own checkpoint);
+        # a named checkpoint to resume and weights to start from contradict each other.
+        _require(t.resume.strip() in ("auto", "never"), f"train.init_from={t.init_from} and "
+                 f"train.resume={t.resume} both name where to start; set one (train.resume=auto "
+                 "resumes run_dir's own checkpoints before init_from applies)")
     _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config import ModelConfig, RopeScalingConfig
 from jaxpar.model.annotate import attention_override, constrain, relayout, weights_prepared
 from jaxpar.model.attention import dense_attention
 
@@ -26,6 +26,8 @@ RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
 Q_WEIGHT = ("act_embed", "heads", "head_dim")
 KV_WEIGHT = ("act_embed", "kv_heads", "head_dim")
+Q_BIAS = ("heads", "head_dim")
+KV_BIAS = ("kv_heads", "head_dim")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float,
@@ -79,8 +81,11 @@ def prepared_weight_grad(grad: jax.Array, stored: tuple) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",))
+    """Root-mean-square norm over the last axis with a learned scale (named ``axis``: ``embed``
+    on the residual stream, ``head_dim`` for the per-head q/k norms of ``model.qk_norm``)."""
+
+    def __init__(self, dim: int, eps: float, axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -89,13 +94,37 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScalingConfig | None = None) -> jax.Array:
+    """float32 [head_dim/2] angular frequencies: theta^(-i/half), rescaled by ``scaling``.
+
+    ``llama3`` (Llama 3.1): wavelengths 2 pi / f longer than original / low_freq_factor are
+    stretched by ``factor``, those shorter than original / high_freq_factor kept, and the band
+    between interpolated linearly in original / wavelength (as Meta's reference code does).
+    """
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None or not scaling.enabled:
+        return inv_freq
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * jnp.pi / inv_freq
+    smooth = (original / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return jnp.where(wavelength < original / scaling.high_freq_factor, inv_freq,
+                     jnp.where(wavelength > original / scaling.low_freq_factor,
+                               inv_freq / scaling.factor, interpolated))
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
+                     scaling: RopeScalingConfig | None = None) -> jax.Array:
     """Rotate pairs (first half, second half) of the head dim by position-dependent angles.
 
+    This pairing ("rotate half") is the one Hugging Face's Llama-family models use, so their q/k
+    projection weights load unpermuted (``jaxpar/train/hf_names.py``).
     x: [B, S, N, D]; positions: [B, S] (explicit, so a sequence shard knows its offsets).
     """
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -104,7 +133,10 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
 
 
 class Attention(nnx.Module):
-    """QKV projections are column-parallel (split on heads), the output projection row-parallel."""
+    """QKV projections are column-parallel (split on heads), the output projection row-parallel.
+
+    Optional, for models imported from Hugging Face: biases on q, k, v (``model.qkv_bias``,
+    Qwen2) and an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
@@ -114,18 +146,32 @@ class Attention(nnx.Module):
         # Residual-branch output scaled down with depth (GPT-2 style) to keep early steps stable.
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), out_std)
+        if cfg.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((h, d), jnp.float32), out_sharding=Q_BIAS)
+            self.k_bias = nnx.Param(jnp.zeros((k, d), jnp.float32), out_sharding=KV_BIAS)
+            self.v_bias = nnx.Param(jnp.zeros((k, d), jnp.float32), out_sharding=KV_BIAS)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.norm_eps, axis="head_dim")
+            self.k_norm = RMSNorm(d, cfg.norm_eps, axis="head_dim")
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         dtype = x.dtype
         q = jnp.einsum("bse,ehd->bshd", x, weight(self.wq, Q_WEIGHT, dtype))
         k = jnp.einsum("bse,ekd->bskd", x, weight(self.wk, KV_WEIGHT, dtype))
         v = jnp.einsum("bse,ekd->bskd", x, weight(self.wv, KV_WEIGHT, dtype))
+        if hasattr(self, "q_bias"):
+            q = q + weight(self.q_bias, Q_BIAS, dtype)
+            k = k + weight(self.k_bias, KV_BIAS, dtype)
+            v = v + weight(self.v_bias, KV_BIAS, dtype)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        q = rotary_embedding(q, positions, self.rope_theta)
-        k = rotary_embedding(k, positions, self.rope_theta)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary_embedding(q, positions, self.rope_theta, self.rope_scaling)
+        k = rotary_embedding(k, positions, self.rope_theta, self.rope_scaling)
         attend = attention_override() or dense_attention
         out = attend(q, k, v, positions)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))

@@ -12,7 +12,8 @@ Router (always float32, whatever the compute dtype: top-k choices must not flip 
     y[t] = sum_j gate[t, j] * SwiGLU_{expert[t, j]}(x[t])   (+ shared experts, applied to all)
 
 The softmax gates are the router probabilities themselves (Switch/GShard style, not
-renormalised over the k chosen), so gradients reach the router through them. ``b`` is a
+renormalised over the k chosen), so gradients reach the router through them; with
+``moe.norm_topk`` they are divided by their sum over the k chosen (Mixtral, Qwen3-MoE). ``b`` is a
 per-expert bias that only steers the *choice*; it is not a gradient-trained parameter
 (:class:`RouterBias`, outside ``nnx.Param``): after each step the train step nudges it,
 ``b_i += rate * sign(mean_load - load_i)``, which raises under-loaded experts and lowers
@@ -240,6 +241,8 @@ def route(logits: jax.Array, moe: MoEConfig, bias: jax.Array | None
     if moe.router == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
         gates, expert_ids = top_k(probs, moe.top_k)
+        if moe.norm_topk:  # Mixtral: the k gates sum to 1
+            gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         return expert_ids, gates, probs
     scores = jax.nn.sigmoid(logits)
     _, expert_ids = top_k(scores + lax.stop_gradient(bias), moe.top_k)

@@ -45,7 +45,6 @@ complete checkpoint itself; :func:`find_checkpoint` checks that they all found t
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -75,7 +74,7 @@ class DamagedCheckpointError(CheckpointError):
     ``train.resume=auto`` falls back to an older checkpoint on this error (and only on it)."""
 
 
-def _handlers(saving: bool = False) -> dict[str, ocp.CheckpointHandler]:
+def item_handlers(saving: bool = False) -> dict[str, ocp.CheckpointHandler]:
     # Named handlers let a fresh process read items back without orbax guessing (and warning).
     state = ocp.StandardCheckpointHandler()
     if saving:
@@ -133,7 +132,7 @@ def _choose(cfg: Config) -> Path | None:
         raise CheckpointError(f"train.resume={resume}: no complete checkpoint for step "
                               f"{int(resume)} in {root} (complete: "
                               f"{', '.join(map(str, steps)) or 'none'})")
-    path = _newest_at(Path(resume).expanduser())
+    path = newest_at(Path(resume).expanduser())
     if path is not None:
         return path
     raise CheckpointError(f"train.resume={resume}: no complete checkpoint there; allowed: auto, "
@@ -173,18 +172,18 @@ def check_run_dir_free(cfg: Config, restored_step: int | None) -> None:
 
 
 def _open() -> ocp.Checkpointer:
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers()))
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers()))
 
 
 def _read_json_items(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
     checkpointer = _open()
     try:
-        with _quiet_failed_reads():
+        with quiet_failed_reads():
             restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
                 **{n: ocp.args.JsonRestore() for n in names}))
         return {n: restored[n] for n in names}
     except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
-        raise _corrupt(path, err) from None
+        raise corrupt_error(path, err) from None
     finally:
         checkpointer.close()
 
@@ -199,7 +198,7 @@ def read_config(path: Path) -> dict[str, Any]:
     return _read_json_items(path, ("config",))["config"]
 
 
-def _corrupt(path: Path, err: BaseException,
+def corrupt_error(path: Path, err: BaseException,
              names: Mapping[str, str] | None = None) -> DamagedCheckpointError:
     """One line for a read that failed. ``names`` maps orbax's key of each array
     (``params.layers.attn.wq``) to its slash name: tensorstore's error quotes the key of the
@@ -215,7 +214,7 @@ def _corrupt(path: Path, err: BaseException,
 
 
 @contextlib.contextmanager
-def _quiet_failed_reads() -> Iterator[None]:
+def quiet_failed_reads() -> Iterator[None]:
     """Around an orbax read: if it fails, its other reads are still in flight; as they finish they
     report to the event loop orbax already closed, and Python prints each "Event loop is closed"
     as an unraisable exception, burying the one-line error. Those, and only those, are silenced
@@ -288,20 +287,20 @@ def restore(path: Path, abstract_state: Any) -> Restored:
     checkpointer = _open()
     try:
         try:
-            with _quiet_failed_reads():
+            with quiet_failed_reads():
                 metadata = checkpointer.metadata(path.absolute()).item_metadata
             saved = _flat_shapes(metadata["state"])
         except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
-            raise _corrupt(path, err, keys) from None
+            raise corrupt_error(path, err, keys) from None
         check_compatible(saved, wanted, path)
         try:
-            with _quiet_failed_reads():
+            with quiet_failed_reads():
                 restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state),
                     data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
                     **integrity.restore_args(path)))
         except Exception as err:  # noqa: BLE001
-            raise _corrupt(path, err, keys) from None
+            raise corrupt_error(path, err, keys) from None
     finally:
         checkpointer.close()
     verified = _verify(path, restored["state"], restored.get("checksums"))
@@ -390,7 +389,7 @@ class Saver:
             # Temporary directories of saves killed part-way are garbage: drop them.
             cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.root.absolute(), options=options,
-                                              item_handlers=_handlers(saving=True))
+                                              item_handlers=item_handlers(saving=True))
         self.last_step: int | None = None
 
     def save(self, step: int, state: Any, data_state: dict[str, Any],
@@ -419,68 +418,7 @@ class Saver:
         self._manager.close()
 
 
-# --------------------------------------------------------------------------------------------
-# Export: plain safetensors weights for use outside jaxpar.
-
-
-def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
-    """Write ``model.safetensors`` (float32 parameters, slash names such as
-    ``layers/attn/wq``) and ``config.json`` (the model config, each parameter's shape and
-    logical axes, and the step) into ``out_dir``. Returns both paths and the step.
-
-    ``source`` is a step directory, or a ``checkpoints`` or run directory (newest checkpoint).
-    Only the parameters are read, as host numpy arrays; no mesh or optimizer state is needed.
-    Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them.
-    """
-    from safetensors.numpy import save_file  # noqa: PLC0415  (only export needs it)
-
-    from jaxpar.config import config_from_dict  # noqa: PLC0415
-    from jaxpar.model.transformer import abstract_model  # noqa: PLC0415
-    from jaxpar.parallel.rules import param_logical_axes  # noqa: PLC0415
-
-    path = _resolve_export_source(source)
-    cfg = config_from_dict(read_config(path))
-    meta = read_meta(path)
-    # PyTreeCheckpointHandler (not Standard) can restore a part of the tree as numpy arrays.
-    handlers = dict(_handlers(), state=ocp.PyTreeCheckpointHandler())
-    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
-    try:
-        with _quiet_failed_reads():
-            params_metadata = checkpointer.metadata(
-                path.absolute()).item_metadata["state"]["params"]
-        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-                                params_metadata)
-        only_params = ocp.args.PyTreeRestore(item={"params": params_metadata},
-                                             restore_args={"params": as_numpy},
-                                             partial_restore=True)
-        with _quiet_failed_reads():
-            restored = checkpointer.restore(path.absolute(),
-                                            args=ocp.args.Composite(state=only_params))
-    except Exception as err:  # noqa: BLE001
-        raise _corrupt(path, err) from None
-    finally:
-        checkpointer.close()
-    leaves = jax.tree_util.tree_flatten_with_path(restored["state"]["params"])[0]
-    # float32 whatever train.param_dtype stored (bf16 -> f32 is exact; safetensors' numpy
-    # writer and most readers expect a numpy dtype).
-    tensors = {leaf_name(p): np.ascontiguousarray(v, dtype=np.float32) for p, v in leaves}
-    axes = jax.tree_util.tree_flatten_with_path(
-        param_logical_axes(abstract_model(cfg.model)),
-        is_leaf=lambda x: isinstance(x, tuple))[0]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weights, config_json = out_dir / "model.safetensors", out_dir / "config.json"
-    save_file(tensors, str(weights), metadata={"format": "np", "step": str(meta["step"])})
-    info = {"model": to_dict(cfg)["model"], "step": meta["step"], "source": str(path),
-            "dtype": "float32",
-            "params": {name: {"shape": list(tensors[name].shape)} for name in tensors}}
-    for p, names in axes:
-        if leaf_name(p) in info["params"]:
-            info["params"][leaf_name(p)]["axes"] = list(names)
-    config_json.write_text(json.dumps(info, indent=2) + "\n")
-    return weights, config_json, int(meta["step"])
-
-
-def _newest_at(path: Path) -> Path | None:
+def newest_at(path: Path) -> Path | None:
     """``path`` if it is a complete step directory, else the newest complete checkpoint in
     ``path/checkpoints`` or ``path`` (a run or checkpoints directory); None if there is none."""
     if _is_step_dir(path) and ocp.path.step.is_path_finalized(path):
@@ -490,11 +428,3 @@ def _newest_at(path: Path) -> Path | None:
         if steps:
             return candidate / str(steps[-1])
     return None
-
-
-def _resolve_export_source(source: Path) -> Path:
-    found = _newest_at(source.expanduser())
-    if found is not None:
-        return found
-    raise CheckpointError(f"{source}: no complete checkpoint there (expected a step directory "
-                          "such as run/checkpoints/200, or a directory holding them)")

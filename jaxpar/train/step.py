@@ -86,11 +86,13 @@ def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (no decay on norm scales), after global-norm clipping."""
+    """AdamW (no decay on norm scales and biases), after global-norm clipping."""
+
+    def decays(name: str) -> bool:
+        return "norm" not in name and not name.endswith("_bias")
 
     def decay_mask(params: dict) -> dict:
-        return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in param_name(path),
-                                                params)
+        return jax.tree_util.tree_map_with_path(lambda path, _: decays(param_name(path)), params)
 
     parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,

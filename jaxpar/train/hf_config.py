@@ -1,0 +1,202 @@
+"""Hugging Face ``config.json`` <-> jaxpar's :class:`~jaxpar.config.ModelConfig`.
+
+Read: the Llama family (``llama``, ``mistral``, ``qwen2`` with its q/k/v biases, ``qwen3`` with
+its q/k norms) and ``mixtral``. Anything jaxpar's model would compute differently (a sliding
+window, biases on o_proj or the MLP, another activation, a RoPE rule other than plain or
+``llama3``) is a one-line :class:`HFConfigError` naming the field, never silently dropped.
+
+Both dialects of the RoPE settings are read: transformers 4.x writes ``rope_theta`` and
+``rope_scaling`` at the top level, 5.x writes them inside ``rope_parameters`` and drops (or
+nulls) the old keys. Written: both, so that either version reads the same model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxpar.config import ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
+
+
+class HFConfigError(ConfigError):
+    """A Hugging Face model jaxpar cannot represent: exit 2, one line naming the field."""
+
+
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_TYPES = ("mixtral",)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+# RoPE base when a config names none (transformers' defaults per model type).
+DEFAULT_THETA = {"mixtral": 1e6}
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings")
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFConfigError(f"{directory}: no config.json (expected a Hugging Face model "
+                            "directory, as save_pretrained writes it)") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise HFConfigError(f"{path}: cannot read it as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise HFConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _get(hf: Mapping[str, Any], key: str) -> Any:
+    if hf.get(key) is None:
+        raise HFConfigError(f"config.json: {key} is missing")
+    return hf[key]
+
+
+def _refuse(condition: bool, field: str, why: str) -> None:
+    if condition:
+        raise HFConfigError(f"config.json: {field}: {why}")
+
+
+def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """The jaxpar model of a Hugging Face ``config.json`` (as a dict); raises
+    :class:`HFConfigError` naming the first field jaxpar cannot represent."""
+    kind = hf.get("model_type")
+    _refuse(kind not in DENSE_TYPES + MOE_TYPES, "model_type",
+            f"{kind!r} is not supported; supported: {', '.join(DENSE_TYPES + MOE_TYPES)}"
+            + (" (qwen2_moe's sigmoid-gated shared expert has no jaxpar equivalent)"
+               if kind == "qwen2_moe" else ""))
+    _check_unsupported(hf, kind)
+    d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
+    theta, scaling = rope_from_hf(hf, kind)
+    moe = MoEConfig()
+    if kind == "mixtral":
+        moe = MoEConfig(num_experts=int(_get(hf, "num_local_experts")),
+                        top_k=int(_get(hf, "num_experts_per_tok")), router="softmax",
+                        norm_topk=True, dispatch="dropless",
+                        aux_loss_weight=float(hf.get("router_aux_loss_coef") or 0.0),
+                        z_loss_weight=0.0)
+    return ModelConfig(
+        d_model=d_model, n_layers=int(_get(hf, "num_hidden_layers")), n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or d_model // heads),
+        d_ff=int(_get(hf, "intermediate_size")), vocab_size=int(_get(hf, "vocab_size")),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", moe=moe)
+
+
+def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
+    """Fields that would make the Hugging Face model compute something else than jaxpar's."""
+    _refuse(hf.get("hidden_act", "silu") != "silu", "hidden_act",
+            f"{hf.get('hidden_act')!r} is not supported (jaxpar's MLP is SwiGLU: silu)")
+    _refuse(bool(hf.get("attention_bias")), "attention_bias",
+            "true puts a bias on o_proj too, which jaxpar's attention lacks")
+    _refuse(bool(hf.get("mlp_bias")), "mlp_bias", "true is not supported (no MLP biases)")
+    _refuse(bool(hf.get("quantization_config")), "quantization_config",
+            "quantized weights are not supported")
+    window = hf.get("sliding_window")
+    if kind in ("qwen2", "qwen3"):  # their sliding_window is a setting, off unless enabled
+        window = window if hf.get("use_sliding_window") else None
+    _refuse(window is not None, "sliding_window", f"{window}: sliding-window attention is not "
+            "supported (jaxpar attends to the whole sequence)")
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    _refuse(bool(sliding), "layer_types", f"{sliding[0] if sliding else ''!r} layers are not "
+            "supported (only full_attention)")
+    if kind == "mixtral":
+        _refuse(bool(hf.get("router_jitter_noise")), "router_jitter_noise", "must be 0")
+
+
+def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingConfig]:
+    """RoPE base and scaling from either dialect: 5.x's ``rope_parameters`` (theta and the
+    scaling rule in one dict) or 4.x's ``rope_theta`` + ``rope_scaling``."""
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    _refuse(not isinstance(params, Mapping) or not isinstance(legacy, Mapping),
+            "rope_parameters", "expected one dict (per-layer-type RoPE is not supported)")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    theta = float(theta if theta is not None else DEFAULT_THETA.get(kind, 10000.0))
+    # 5.x keeps the rule in rope_parameters; 4.x in rope_scaling (rope_type, or older "type").
+    rule = params if params.get("rope_type", "default") != "default" else legacy
+    rope_type = rule.get("rope_type", rule.get("type", "default"))
+    field = "rope_parameters" if rule is params else "rope_scaling"
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    _refuse(factor not in (None, 1, 1.0), "partial_rotary_factor",
+            f"{factor}: only full rotary embeddings are supported")
+    if rope_type == "default":
+        return theta, RopeScalingConfig()
+    _refuse(rope_type != "llama3", f"{field}.rope_type", f"{rope_type!r} is not supported; "
+            "supported: default, llama3")
+    missing = [k for k in LLAMA3_KEYS if rule.get(k) is None]
+    _refuse(bool(missing), f"{field}.{missing[0] if missing else ''}", "missing (llama3)")
+    return theta, RopeScalingConfig(
+        type="llama3", factor=float(rule["factor"]),
+        low_freq_factor=float(rule["low_freq_factor"]),
+        high_freq_factor=float(rule["high_freq_factor"]),
+        original_max_position_embeddings=int(rule["original_max_position_embeddings"]))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def hf_model_type(m: ModelConfig) -> str:
+    """The Hugging Face model type that computes what ``m`` computes, or an error naming the
+    jaxpar setting none of them has."""
+    if m.moe.enabled:
+        moe = m.moe
+        for name, ok in (("every", moe.every == 1), ("router", moe.router == "softmax"),
+                         ("norm_topk", moe.norm_topk), ("num_shared_experts",
+                                                        moe.num_shared_experts == 0),
+                         ("d_ff_expert", m.resolved_d_ff_expert == m.d_ff)):
+            _refuse_export(not ok, f"model.moe.{name}={getattr(moe, name)}", "mixtral (the one "
+                           "mixture of experts exported) has every=1, router=softmax, "
+                           "norm_topk=true, no shared experts, d_ff_expert=d_ff")
+        _refuse_export(m.qkv_bias or m.qk_norm, "model.qkv_bias/qk_norm", "mixtral has neither")
+        return "mixtral"
+    _refuse_export(m.qkv_bias and m.qk_norm, "model.qkv_bias and model.qk_norm",
+                   "no exported model type has both (qwen2: biases, qwen3: norms)")
+    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+
+
+def _refuse_export(condition: bool, field: str, why: str) -> None:
+    if condition:
+        raise HFConfigError(f"{field}: no Hugging Face equivalent; {why}")
+
+
+def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
+    """A ``config.json`` for ``m``, with the RoPE settings in both dialects."""
+    kind = hf_model_type(m)
+    rope_parameters: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": "default"}
+    rope_scaling = None
+    max_positions = 8192
+    if m.rope_scaling.enabled:
+        r = m.rope_scaling
+        rope_scaling = {"rope_type": "llama3", **{k: getattr(r, k) for k in LLAMA3_KEYS}}
+        rope_parameters.update(rope_scaling)
+        max_positions = int(r.original_max_position_embeddings * r.factor)
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind,
+        "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads, "head_dim": m.resolved_head_dim,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "max_position_embeddings": max_positions,
+        "rope_theta": m.rope_theta, "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters, "attention_dropout": 0.0, "dtype": "float32",
+        "torch_dtype": "float32", "use_cache": True,
+    }
+    if kind in ("llama", "qwen3"):
+        out.update(attention_bias=False)
+    if kind == "llama":
+        out.update(mlp_bias=False)
+    if kind in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None,
+                   layer_types=["full_attention"] * m.n_layers)
+    if kind == "mixtral":
+        out.update(num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
+                   router_aux_loss_coef=m.moe.aux_loss_weight, router_jitter_noise=0.0,
+                   output_router_logits=False, sliding_window=None)
+    return out

@@ -1,0 +1,121 @@
+"""Which Hugging Face tensor is which jaxpar parameter, and how their layouts differ.
+
+Names (``L`` a layer, ``X`` an expert; jaxpar's layer weights are stacked on a leading
+``layers`` axis, a mixture's expert weights on ``experts`` after it)::
+
+    model.embed_tokens.weight                  embedding              [V, E]       same
+    model.norm.weight                          final_norm/scale       [E]          same
+    lm_head.weight [V, E]                      lm_head [E, V]                      transposed
+    model.layers.L.input_layernorm.weight      layers/attn_norm/scale [L][E]       same
+    model.layers.L.post_attention_layernorm.weight   layers/mlp_norm/scale         same
+    model.layers.L.self_attn.q_proj.weight [H*D, E]  layers/attn/wq [L][E, H, D]   heads_in
+    model.layers.L.self_attn.{k,v}_proj.weight       layers/attn/{wk,wv} [L][E, K, D]
+    model.layers.L.self_attn.o_proj.weight [E, H*D]  layers/attn/wo [L][H, D, E]   heads_out
+    model.layers.L.self_attn.{q,k,v}_proj.bias [H*D] layers/attn/{q,k,v}_bias [L][H, D] (qwen2)
+    model.layers.L.self_attn.{q,k}_norm.weight [D]   layers/attn/{q,k}_norm/scale   (qwen3)
+    model.layers.L.mlp.{gate,up,down}_proj.weight    layers/mlp/w_{gate,up,down}   transposed
+    model.layers.L.block_sparse_moe.gate.weight [X, E]   layers/moe/router [L][E, X] (mixtral)
+    model.layers.L.block_sparse_moe.experts.X.{w1,w3,w2}.weight
+                                               layers/moe/w_{gate,up,down} [L][X][E, F] / [F, E]
+
+RoPE: jaxpar rotates the two halves of each head (``rotate_half``, like Hugging Face's Llama
+code), with the same frequencies, so q and k projections map unpermuted; only the layout of the
+matrices changes (PyTorch stores ``[out, in]``, jaxpar ``[in, out]`` with heads split out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpar.config import ModelConfig
+
+# How the Hugging Face array relates to the jaxpar one (one layer's / expert's slice of it).
+SAME, TRANSPOSED, HEADS_IN, HEADS_OUT, HEADS_BIAS = (
+    "same", "transposed", "heads_in", "heads_out", "heads_bias")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    hf: str  # the Hugging Face name
+    path: tuple[str, ...]  # the jaxpar parameter ("layers", "attn", "wq")
+    index: tuple[int, ...]  # its slice of the stacked parameter: (), (layer,), (layer, expert)
+    layout: str  # SAME, TRANSPOSED, HEADS_IN, HEADS_OUT or HEADS_BIAS
+
+
+def hf_tensors(m: ModelConfig) -> list[Tensor]:
+    """Every tensor of the Hugging Face model that ``m`` is, in the order save_pretrained
+    writes (global ones first, then layer by layer). MoE models: ``moe.every == 1`` only."""
+    out = [Tensor("model.embed_tokens.weight", ("embedding",), (), SAME)]
+    for layer in range(m.n_layers):
+        out += _layer_tensors(m, layer)
+    out.append(Tensor("model.norm.weight", ("final_norm", "scale"), (), SAME))
+    if not m.tie_embeddings:
+        out.append(Tensor("lm_head.weight", ("lm_head",), (), TRANSPOSED))
+    return out
+
+
+def _layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
+    p, i = f"model.layers.{layer}.", (layer,)
+
+    def t(name: str, *path: str, layout: str, index: tuple[int, ...] = i) -> Tensor:
+        return Tensor(p + name, ("layers", *path), index, layout)
+
+    out = [t("input_layernorm.weight", "attn_norm", "scale", layout=SAME),
+           t("post_attention_layernorm.weight", "mlp_norm", "scale", layout=SAME)]
+    for proj, name in (("q", "wq"), ("k", "wk"), ("v", "wv")):
+        out.append(t(f"self_attn.{proj}_proj.weight", "attn", name, layout=HEADS_IN))
+        if m.qkv_bias:
+            out.append(t(f"self_attn.{proj}_proj.bias", "attn", f"{proj}_bias",
+                         layout=HEADS_BIAS))
+    out.append(t("self_attn.o_proj.weight", "attn", "wo", layout=HEADS_OUT))
+    if m.qk_norm:
+        out += [t("self_attn.q_norm.weight", "attn", "q_norm", "scale", layout=SAME),
+                t("self_attn.k_norm.weight", "attn", "k_norm", "scale", layout=SAME)]
+    if not m.moe.enabled:
+        return out + [t(f"mlp.{hf}_proj.weight", "mlp", f"w_{hf}", layout=TRANSPOSED)
+                      for hf in ("gate", "up", "down")]
+    out.append(t("block_sparse_moe.gate.weight", "moe", "router", layout=TRANSPOSED))
+    for x in range(m.moe.num_experts):
+        out += [t(f"block_sparse_moe.experts.{x}.{hf}.weight", "moe", name, layout=TRANSPOSED,
+                  index=(layer, x)) for hf, name in (("w1", "w_gate"), ("w3", "w_up"),
+                                                      ("w2", "w_down"))]
+    return out
+
+
+def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face shape of a jaxpar slice of ``shape``."""
+    if layout == SAME:
+        return shape
+    if layout == TRANSPOSED:
+        return shape[::-1]
+    if layout == HEADS_IN:  # [E, H, D] -> [H*D, E]
+        return (shape[1] * shape[2], shape[0])
+    if layout == HEADS_OUT:  # [H, D, E] -> [E, H*D]
+        return (shape[2], shape[0] * shape[1])
+    return (shape[0] * shape[1],)  # HEADS_BIAS: [H, D] -> [H*D]
+
+
+def to_jaxpar(layout: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A Hugging Face array as the jaxpar slice of ``shape`` (a view where numpy can)."""
+    if layout == SAME:
+        return array
+    if layout == TRANSPOSED:
+        return array.T
+    if layout in (HEADS_IN, HEADS_OUT):
+        return array.T.reshape(shape)
+    return array.reshape(shape)
+
+
+def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
+    """A jaxpar slice as the contiguous Hugging Face array (the inverse of :func:`to_jaxpar`)."""
+    if layout == TRANSPOSED:
+        array = array.T
+    elif layout == HEADS_IN:
+        array = array.reshape(array.shape[0], -1).T
+    elif layout == HEADS_OUT:
+        array = array.reshape(-1, array.shape[-1]).T
+    elif layout == HEADS_BIAS:
+        array = array.reshape(-1)
+    return np.ascontiguousarray(array)

@@ -1,0 +1,176 @@
+"""Weights without the rest of a training state: reading a checkpoint's parameters on the host
+(``jaxpar export``), weights-only checkpoints (what ``jaxpar import-hf`` writes), and starting a
+run from weights (``train.init_from``).
+
+A weights-only checkpoint is an orbax step directory ``<dir>/checkpoints/0`` with the items
+``state`` (``{"params": ...}``, float32, layers stacked in model order as in a run's
+checkpoint), ``config`` (a jaxpar config whose ``model`` section describes them) and ``meta``
+(``{"step": 0, "weights_only": true, ...}``). It has no optimizer state and no data position,
+so ``train.resume`` refuses it; ``train.init_from`` takes it, or a run's checkpoint, and starts
+at step 0 with a fresh optimizer. Both read each array straight into the run's shardings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxpar.config import Config, config_from_dict, to_dict
+from jaxpar.train.checkpoint import (
+    CHECKPOINTS,
+    CheckpointError,
+    check_compatible,
+    corrupt_error,
+    item_handlers,
+    newest_at,
+    quiet_failed_reads,
+    read_config,
+    read_meta,
+)
+from jaxpar.train.checkpoint_integrity import leaf_name
+from jaxpar.train.step import Trainer, TrainState, make_optimizer
+
+# Bytes orbax may have in flight while writing (its default is 96 GB): writing a weights-only
+# checkpoint must not add a second copy of the model to the host's memory.
+SAVE_CONCURRENT_GB = 1
+
+
+def resolve_source(source: Path, what: str) -> Path:
+    """The step directory ``source`` names (a step, run or checkpoints directory)."""
+    found = newest_at(source.expanduser())
+    if found is not None:
+        return found
+    raise CheckpointError(f"{what}{source}: no complete checkpoint there (expected a step "
+                          "directory such as run/checkpoints/200, or a directory holding them)")
+
+
+def is_weights_only(path: Path) -> bool:
+    return bool(read_meta(path).get("weights_only"))
+
+
+def save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]) -> Path:
+    """Write ``params`` (nested dict of host arrays) as the weights-only checkpoint
+    ``out_dir/checkpoints/0``; returns that step directory."""
+    path = (out_dir / CHECKPOINTS / "0").absolute()
+    handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler(
+        save_concurrent_gb=SAVE_CONCURRENT_GB))
+    for name in ("data", "checksums"):
+        handlers.pop(name)
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        checkpointer.save(path, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave({"params": params}), config=ocp.args.JsonSave(to_dict(cfg)),
+            meta=ocp.args.JsonSave({"step": 0, "weights_only": True, **meta})))
+    finally:
+        checkpointer.close()
+    return path
+
+
+def _read_params(path: Path, restore_args: Callable[[Any], Any]) -> dict:
+    """The ``params`` of checkpoint ``path``, each leaf read as ``restore_args(its metadata)``
+    asks (host numpy, or arrays in a sharding)."""
+    handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        with quiet_failed_reads():
+            saved = checkpointer.metadata(path.absolute()).item_metadata["state"]["params"]
+        args, item = restore_args(saved)
+        # PyTreeCheckpointHandler (not Standard) can restore a part of the tree.
+        only_params = ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": args},
+                                             partial_restore=True)
+        with quiet_failed_reads():
+            restored = checkpointer.restore(path.absolute(),
+                                            args=ocp.args.Composite(state=only_params))
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
+        raise corrupt_error(path, err) from None
+    finally:
+        checkpointer.close()
+    return restored["state"]["params"]
+
+
+def read_host_params(path: Path) -> dict:
+    """The parameters of checkpoint ``path`` as host numpy arrays, in their stored dtype."""
+    def as_numpy(saved: Any) -> tuple[Any, Any]:
+        return jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved), saved
+
+    return _read_params(path, as_numpy)
+
+
+def initial_state(trainer: Trainer, source: Path) -> TrainState:
+    """``train.init_from``: the parameters of checkpoint ``source`` in this run's shardings and
+    dtype (any mesh saved them), a fresh optimizer state, step 0, and the model's initial
+    buffers (MoE router biases start at zero)."""
+    wanted = trainer.abstract_state.params
+
+    def into_shardings(saved: Any) -> tuple[Any, Any]:
+        shapes = {leaf_name(p): (tuple(a.shape), "")
+                  for p, a in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        check_compatible({f"params/{k}": v for k, v in shapes.items()},
+                         {f"params/{leaf_name(p)}": (tuple(a.shape), "")
+                          for p, a in jax.tree_util.tree_flatten_with_path(wanted)[0]}, source)
+        args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(
+            sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), wanted)
+        return args, wanted
+
+    params = _read_params(source, into_shardings)
+    tx = make_optimizer(trainer.cfg.train)
+    shardings = trainer.state_shardings
+
+    def fresh(params: dict) -> TrainState:
+        buffers = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                               trainer.abstract_state.buffers)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), buffers)
+
+    with jax.set_mesh(trainer.mesh):
+        state = jax.jit(fresh, out_shardings=shardings)(params)
+    return trainer.from_model_order(state)
+
+
+# --------------------------------------------------------------------------------------------
+# Export in jaxpar's own flat format.
+
+
+def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
+    """Write ``model.safetensors`` (float32 parameters, slash names such as
+    ``layers/attn/wq``) and ``config.json`` (the model config, each parameter's shape and
+    logical axes, and the step) into ``out_dir``. Returns both paths and the step.
+
+    ``source`` is a step directory, or a ``checkpoints`` or run directory (newest checkpoint).
+    Only the parameters are read, as host numpy arrays; no mesh or optimizer state is needed.
+    Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415  (only export needs it)
+
+    from jaxpar.model.transformer import abstract_model  # noqa: PLC0415
+    from jaxpar.parallel.rules import param_logical_axes  # noqa: PLC0415
+
+    path = resolve_source(source, "")
+    cfg = config_from_dict(read_config(path))
+    meta = read_meta(path)
+    leaves = jax.tree_util.tree_flatten_with_path(read_host_params(path))[0]
+    # float32 whatever train.param_dtype stored (bf16 -> f32 is exact; safetensors' numpy
+    # writer and most readers expect a numpy dtype).
+    tensors = {leaf_name(p): np.ascontiguousarray(v, dtype=np.float32) for p, v in leaves}
+    axes = jax.tree_util.tree_flatten_with_path(
+        param_logical_axes(abstract_model(cfg.model)),
+        is_leaf=lambda x: isinstance(x, tuple))[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights, config_json = out_dir / "model.safetensors", out_dir / "config.json"
+    save_file(tensors, str(weights), metadata={"format": "np", "step": str(meta["step"])})
+    info = {"model": to_dict(cfg)["model"], "step": meta["step"], "source": str(path),
+            "dtype": "float32",
+            "params": {name: {"shape": list(tensors[name].shape)} for name in tensors}}
+    for p, names in axes:
+        if leaf_name(p) in info["params"]:
+            info["params"][leaf_name(p)]["axes"] = list(names)
+    config_json.write_text(json.dumps(info, indent=2) + "\n")
+    return weights, config_json, int(meta["step"])
