@@ -1,5 +1,5 @@
-"""``jaxpar`` command line: ``train``, ``config``, ``inspect``, ``plan``, ``schedule`` and
-``export``.
+"""``jaxpar`` command line: ``train``, ``config``, ``inspect``, ``plan``, ``schedule``,
+``export`` and ``import-hf``.
 
 The config is read and checked before jax is imported, so ``host_devices`` can still choose the
 number of virtual CPU devices, and a bad key or value costs no compile. Exit codes: 0 done,
@@ -142,8 +142,11 @@ def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
-EXPORT_HELP = ("write a checkpoint's parameters as plain safetensors (model.safetensors) with a "
-               "JSON of the model config (config.json), for use outside jaxpar")
+EXPORT_HELP = ("write a checkpoint's parameters for use outside jaxpar: plain safetensors with a "
+               "JSON of the model config (--format jaxpar), or a Hugging Face model directory "
+               "(--format hf)")
+IMPORT_HELP = ("convert a local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, "
+               "Mixtral) into a jaxpar checkpoint for train.init_from")
 
 
 def _add_export(commands) -> None:
@@ -151,11 +154,24 @@ def _add_export(commands) -> None:
                               epilog="CKPT is a step directory (runs/tiny/checkpoints/200), or a "
                               "run or checkpoints directory (its newest complete checkpoint).\n"
                               "Example:\n  jaxpar export runs/tiny --to exported/tiny\n"
+                              "  jaxpar export runs/ft --to hf/ft --format hf\n"
                               "Exit codes: 0 done, 2 bad usage/config/input, 1 failure while "
                               "running.", formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.add_argument("checkpoint", metavar="CKPT", help="checkpoint step, run or checkpoints "
                      "directory")
     sub.add_argument("--to", metavar="DIR", required=True, help="output directory (created)")
+    sub.add_argument("--format", choices=("jaxpar", "hf"), default="jaxpar",
+                     help="jaxpar: stacked parameters by slash name (default); hf: Hugging Face "
+                     "names, config.json and sharded safetensors that transformers loads")
+    sub.add_argument("--max-shard-size", metavar="SIZE", default="5GB", help="--format hf: "
+                     "largest safetensors file (default 5GB, as Hugging Face; 500MB, 2GiB)")
+    sub = commands.add_parser("import-hf", help=IMPORT_HELP, description=IMPORT_HELP + ".",
+                              epilog="Example:\n  jaxpar import-hf ~/models/Llama-3.2-1B --to "
+                              "ckpt/llama\n  jaxpar train ckpt/llama/config.yaml "
+                              "run_dir=runs/ft data.source=corpus/")
+    sub.add_argument("source", metavar="DIR", help="directory with config.json and "
+                     "model.safetensors (or model.safetensors.index.json and its shards)")
+    sub.add_argument("--to", metavar="CKPT_DIR", required=True, help="output directory (new)")
 
 
 INSPECT_HELP = ("compile one train step without running it and show, per device, parameter "
@@ -387,10 +403,33 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from jaxpar.train.checkpoint import export  # noqa: PLC0415  (imports jax and orbax)
+    if args.format == "hf":
+        from jaxpar.train.hf_export import export_hf  # noqa: PLC0415
+
+        files, step = export_hf(Path(args.checkpoint), Path(args.to).expanduser(),
+                                args.max_shard_size)
+        print(f"exported step {step} as a Hugging Face model: {len(files)} safetensors file(s) "
+              f"and config.json in {args.to}")
+        return 0
+    from jaxpar.train.weights import export  # noqa: PLC0415  (imports jax and orbax)
 
     weights, config_json, step = export(Path(args.checkpoint), Path(args.to).expanduser())
     print(f"exported step {step}: {weights} and {config_json}")
+    return 0
+
+
+def run_import_hf(args: argparse.Namespace) -> int:
+    from jaxpar.train.hf_import import import_hf  # noqa: PLC0415
+
+    done = import_hf(Path(args.source), Path(args.to))
+    m = done.model
+    print(f"imported {args.source}: {m.n_layers} layers, d_model {m.d_model}, vocab "
+          f"{m.vocab_size}" + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
+          + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")
+    tokenizer = (f"data.tokenizer={done.tokenizer} (set in it)" if done.tokenizer else
+                 "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
+    print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "
+          f"(train.init_from={args.to}; {tokenizer})")
     return 0
 
 
@@ -399,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return run_export(args)
+        if args.command == "import-hf":
+            return run_import_hf(args)
         overrides = list(args.overrides)
         target = None
         if args.command == "schedule":

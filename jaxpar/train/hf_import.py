@@ -24,7 +24,14 @@ from safetensors import safe_open
 from jaxpar.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict
 from jaxpar.model.transformer import abstract_model
 from jaxpar.train.hf_config import HFConfigError, model_config_from_hf, read_hf_config
-from jaxpar.train.hf_names import Tensor, hf_shape, hf_tensors, to_jaxpar
+from jaxpar.train.hf_names import (
+    Tensor,
+    hf_shape,
+    hf_tensors,
+    param_at,
+    slice_shape,
+    to_jaxpar,
+)
 from jaxpar.train.weights import save_weights
 
 INDEX = "model.safetensors.index.json"
@@ -73,13 +80,6 @@ def _host_arrays(m: ModelConfig) -> dict:
     return build(shapes)
 
 
-def _slot(params: dict, t: Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
-    node = params
-    for key in t.path:
-        node = node[key]
-    return node, node.shape[len(t.index):]
-
-
 def _check_coverage(tensors: list[Tensor], params: dict) -> None:
     """Every slice of every parameter gets exactly one tensor (else the arrays, allocated
     empty, would keep garbage): a guard on :func:`hf_tensors`."""
@@ -89,8 +89,7 @@ def _check_coverage(tensors: list[Tensor], params: dict) -> None:
     paths = {tuple(p) for p in _paths(params)}
     assert set(slices) == paths, sorted(set(slices) ^ paths)
     for path, indices in slices.items():
-        target, _ = _slot(params, Tensor("", path, next(iter(indices)), ""))
-        stacked = target.shape[:len(next(iter(indices)))]
+        stacked = param_at(params, path).shape[:len(next(iter(indices)))]
         assert len(indices) == int(np.prod(stacked, dtype=int)), path
 
 
@@ -123,7 +122,7 @@ def read_weights(directory: Path, m: ModelConfig) -> dict:
     params = _host_arrays(m)
     _check_coverage(tensors, params)
     for t in tensors:
-        target, shape = _slot(params, t)
+        target, shape = param_at(params, t.path), slice_shape(params, t)
         with safe_open(str(files[t.hf]), "np") as f:
             array = f.get_tensor(t.hf)
         if tuple(array.shape) != hf_shape(t.layout, shape):
@@ -160,7 +159,7 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
                                                "format": "huggingface"})
     config_yaml = out_dir / "config.yaml"
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    total = sum(_slot(params, Tensor("", p, (), ""))[0].nbytes for p in _paths(params))
+    total = sum(param_at(params, p).nbytes for p in _paths(params))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
                     total_bytes=total)
 

@@ -26,6 +26,7 @@ matrices changes (PyTorch stores ``[out, in]``, jaxpar ``[in, out]`` with heads 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +83,19 @@ def _layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
                   index=(layer, x)) for hf, name in (("w1", "w_gate"), ("w3", "w_up"),
                                                       ("w2", "w_down"))]
     return out
+
+
+def param_at(params: dict, path: tuple[str, ...]) -> Any:
+    """The (stacked) parameter at ``path`` of nested ``params``."""
+    node = params
+    for key in path:
+        node = node[key]
+    return node
+
+
+def slice_shape(params: dict, t: Tensor) -> tuple[int, ...]:
+    """The shape of the jaxpar slice ``t`` names (its stacked parameter less the stack axes)."""
+    return tuple(param_at(params, t.path).shape[len(t.index):])
 
 
 def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:

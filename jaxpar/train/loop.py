@@ -43,7 +43,7 @@ from jaxpar.distributed import barrier
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe as describe_schedule
-from jaxpar.train import checkpoint
+from jaxpar.train import checkpoint, weights
 from jaxpar.train.metrics import MetricsFile, mesh_text, peak_flops, pipeline_line
 from jaxpar.train.step import Trainer, build_trainer
 
@@ -136,6 +136,10 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     if jax.process_index() != 0:  # one voice: the other processes print nothing
         console = Console(quiet=True)
     source = checkpoint.find_checkpoint(cfg)
+    if source is not None and weights.is_weights_only(source):
+        raise checkpoint.CheckpointError(f"train.resume={cfg.train.resume}: {source} holds only "
+                                         "weights (jaxpar import-hf); start from it with "
+                                         "train.init_from")
     start_step = int(source.name) if source is not None else 0  # step directories are named so
     if start_step >= cfg.train.steps:
         console.print(f"{source} is at step {start_step} and train.steps={cfg.train.steps}: "
@@ -144,7 +148,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         return Summary(steps=start_step, first_loss=None, last_loss=None, tokens_per_s=0.0,
                        train_seconds=0.0, compile_seconds=0.0, run_dir=str(Path(cfg.run_dir)),
                        start_step=start_step)
-    run = _Run.start_up(cfg, console, source, start_step)
+    init_from = _init_source(cfg, source, console)
+    run = _Run.start_up(cfg, console, source, start_step, init_from)
     step = start_step = run.start_step  # older than asked if the checkpoint was damaged
     try:
         with run.progress, _StopSignals() as signals:
@@ -174,6 +179,18 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     # No process leaves while another still writes its part of the last checkpoint.
     barrier("train_done", cfg.distributed.timeout_s)
     return run.stop(step, signals.received)
+
+
+def _init_source(cfg: Config, source: Path | None, console: Console) -> Path | None:
+    """The checkpoint whose weights ``train.init_from`` starts from, or None. A checkpoint
+    to resume wins: rerunning a fine-tuning command continues it instead of starting over."""
+    if cfg.train.init_from is None:
+        return None
+    if source is not None:
+        console.print(f"train.init_from={cfg.train.init_from} not used: resuming from step "
+                      f"{source.name} ({source}) instead", markup=False)
+        return None
+    return weights.resolve_source(Path(cfg.train.init_from), "train.init_from=")
 
 
 @dataclass
@@ -210,10 +227,10 @@ class _Run:
 
     @classmethod
     def start_up(cls, cfg: Config, console: Console, source: Path | None,
-                 start_step: int) -> _Run:
+                 start_step: int, init_from: Path | None = None) -> _Run:
         """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
-        directory, or None for a fresh start), write ``config.yaml``, print the header lines and
-        compile the step."""
+        directory, or None for a fresh start, from the weights of ``init_from`` if given), write
+        ``config.yaml``, print the header lines and compile the step."""
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
         data, data_line = make_data_iterator(cfg)  # data errors first: before any tracing
@@ -233,6 +250,11 @@ class _Run:
             # Checkpoints keep the layers in model order; an interleaved pipeline stores its own.
             state = trainer.from_model_order(restored.state)
             skipped = int(restored.meta.get("skipped_steps", 0))
+        elif init_from is not None:
+            state = weights.initial_state(trainer, init_from)
+            step_there = checkpoint.read_meta(init_from)["step"]
+            console.print(f"weights from {init_from} (step {step_there} there); fresh optimizer, "
+                          "step 0", markup=False)
 
         metrics_file = _run_dir_files(cfg, append=source is not None, start_step=start_step)
 
