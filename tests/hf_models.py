@@ -1,0 +1,102 @@
+"""Tiny random Hugging Face models built with transformers' own classes (no downloads), and
+the logits of a model on both sides, for tests/test_hf*.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SEQ = 512
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def build_hf_model(kind: str, seed: int = 0, **overrides):
+    """A random ``kind`` model (llama with llama3 RoPE scaling and GQA, qwen2 with q/k/v biases
+    and tied embeddings, qwen3 with q/k norms, mixtral with 4 experts), every norm scale and
+    bias random too, so that a weight mapped to the wrong place cannot go unnoticed."""
+    import torch
+    import transformers as tr
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = tr.LlamaConfig(**COMMON, head_dim=16, rope_scaling=dict(LLAMA3), **overrides)
+        model = tr.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tr.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e5, **overrides)
+        model = tr.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tr.Qwen3Config(**COMMON, head_dim=32, **overrides)
+        model = tr.Qwen3ForCausalLM(cfg)
+    else:
+        cfg = tr.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                               **overrides)
+        model = tr.MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:  # norm scales (around 1) and biases (around 0)
+                param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    return model.eval()
+
+
+def save_hf_model(kind: str, directory: Path, **save_kwargs) -> Path:
+    build_hf_model(kind).save_pretrained(directory, **save_kwargs)
+    return directory
+
+
+def tokens(rows: int = 1, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (rows, SEQ)).astype(np.int32)
+
+
+def hf_logits(directory: Path, ids: np.ndarray) -> np.ndarray:
+    """float32 logits of the Hugging Face model saved in ``directory``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+
+
+def jaxpar_logits(trainer, state, ids: np.ndarray) -> np.ndarray:
+    """float32 logits of ``state``'s model under ``trainer``'s mesh, with the hooks training
+    installs (tensor, expert parallel), the rows split over the batch axes."""
+    from jaxpar.parallel.hooks import model_hooks
+
+    cfg = trainer.cfg
+    positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+
+    def forward(params, buffers, ids, positions):
+        return nnx.merge(trainer.graphdef, params, buffers)(ids, positions)[0]
+
+    with jax.set_mesh(trainer.mesh), model_hooks(cfg, cfg.mesh_shape, "cpu"):
+        batch = trainer.batch_sharding
+        out = jax.jit(forward)(state.params, state.buffers, jax.device_put(ids, batch),
+                               jax.device_put(np.ascontiguousarray(positions), batch))
+    return np.asarray(jnp.asarray(out, jnp.float32))
+
+
+def trainer_from_import(config_yaml: Path, overrides: list[str], devices: int):
+    """A Trainer of the config ``jaxpar import-hf`` wrote, on the first ``devices`` devices,
+    and its state started from the imported weights (``train.init_from``)."""
+    from jaxpar.config import load_config, validate
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train import weights
+    from jaxpar.train.step import build_trainer
+
+    cfg = validate(load_config(str(config_yaml), [
+        "host_devices=null", "mesh.data=-1", f"train.seq_len={SEQ}",
+        f"train.batch_size={max(devices, 2)}", *overrides]), devices)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
+    source = weights.resolve_source(Path(cfg.train.init_from), "")
+    return trainer, weights.initial_state(trainer, source)

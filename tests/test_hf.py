@@ -1,0 +1,151 @@
+"""Hugging Face models: ``jaxpar import-hf`` against transformers' own forward pass, on one
+device and under tensor, data and expert parallelism (``train.init_from``), and the config
+dialects of transformers 4.x and 5.x."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hf_models import (
+    LLAMA3,
+    hf_logits,
+    jaxpar_logits,
+    save_hf_model,
+    tokens,
+    trainer_from_import,
+)
+
+from jaxpar.config import RopeScalingConfig
+from jaxpar.train.hf_config import HFConfigError, model_config_from_hf
+from jaxpar.train.hf_import import import_hf
+
+pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4  # max abs logit difference, float32
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits)."""
+    root = tmp_path_factory.mktemp("hf")
+    ids = tokens(rows=4)
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3", "mixtral"):
+        # llama in two shards with an index, as large models come
+        extra = {"max_shard_size": "150KB"} if kind == "llama" else {}
+        source = save_hf_model(kind, root / kind, **extra)
+        out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
+    return out
+
+
+def test_sharded_source_was_read_from_its_index(imported):
+    source = imported["llama"][0]
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+
+
+@pytest.mark.parametrize(("kind", "overrides", "devices"), [
+    ("llama", [], 1),
+    ("llama", ["mesh.tensor=2"], 4),
+    ("qwen2", [], 1),
+    ("qwen2", ["mesh.tensor=2"], 4),
+    ("qwen3", [], 1),
+    ("mixtral", [], 1),
+    ("mixtral", ["mesh.tensor=2"], 4),
+    ("mixtral", ["mesh.expert=2"], 4),
+])
+def test_imported_logits_match_transformers(imported, kind, overrides, devices):
+    _, done, expected = imported[kind]
+    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
+    assert int(state.step) == 0
+    got = jaxpar_logits(trainer, state, tokens(rows=4))
+    assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
+    diff = np.abs(got - expected).max()
+    assert diff <= TOLERANCE, (kind, overrides, diff)
+
+
+def test_import_maps_the_config(imported):
+    llama, qwen2, qwen3, mixtral = (imported[k][1].model for k in
+                                    ("llama", "qwen2", "qwen3", "mixtral"))
+    assert llama.rope_scaling == RopeScalingConfig(type="llama3", factor=8.0,
+                                                   original_max_position_embeddings=64)
+    assert (llama.n_heads, llama.n_kv_heads, llama.head_dim) == (4, 2, 16)
+    assert qwen2.qkv_bias and qwen2.tie_embeddings and qwen2.rope_theta == 1e5
+    assert qwen3.qk_norm and qwen3.head_dim == 32
+    assert mixtral.moe.num_experts == 4 and mixtral.moe.norm_topk
+    assert mixtral.rope_theta == 1e6  # Mixtral's default theta
+
+
+def test_import_copies_the_tokenizer_and_writes_a_config_to_train_from(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    source = save_hf_model("llama", tmp_path / "src")
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"[UNK]": 26}
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text("{}")
+    done = import_hf(source, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert done.tokenizer == (tmp_path / "out" / "tokenizer.json").absolute()
+    from jaxpar.config import load_config
+
+    cfg = load_config(str(done.config_yaml))
+    assert cfg.data.tokenizer == str(done.tokenizer)
+    assert cfg.train.init_from == str((tmp_path / "out").absolute())
+    assert cfg.model == done.model
+
+
+# --------------------------------------------------------------------------------------------
+# Config dialects
+
+
+def _llama_config_5x() -> dict:
+    return {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 500000.0, **LLAMA3}}
+
+
+def test_4x_and_5x_config_dialects_give_the_same_model(tmp_path):
+    """transformers 5 writes rope_parameters (the old keys gone or null); 4.x wrote rope_theta
+    and rope_scaling (with ``type`` in older files)."""
+    new = _llama_config_5x()
+    new_with_nulls = dict(new, rope_theta=None, rope_scaling=None)
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old.update(rope_theta=500000.0, rope_scaling=dict(LLAMA3))
+    older = dict(old, rope_scaling={("type" if k == "rope_type" else k): v
+                                    for k, v in LLAMA3.items()})
+    models = [model_config_from_hf(c) for c in (new, new_with_nulls, old, older)]
+    assert all(m == models[0] for m in models)
+    assert models[0].rope_theta == 500000.0 and models[0].rope_scaling.type == "llama3"
+    # Reading one dialect only would fall back to the default RoPE: make sure it differs.
+    assert model_config_from_hf({**new, "rope_parameters": None}) != models[0]
+
+
+def test_config_written_by_this_transformers_reads_as_the_hand_written_one(tmp_path):
+    import transformers as tr
+
+    cfg = tr.LlamaConfig(**{k: v for k, v in _llama_config_5x().items()
+                            if k not in ("model_type", "rope_parameters")},
+                         rope_theta=500000.0, rope_scaling=dict(LLAMA3))
+    cfg.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert model_config_from_hf(written) == model_config_from_hf(_llama_config_5x())
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"model_type": "qwen2_moe"}, "model_type"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}},
+     "rope_parameters.rope_type"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     "rope_scaling.rope_type"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+])
+def test_unsupported_fields_are_named(change, field):
+    with pytest.raises(HFConfigError, match=field.replace(".", r"\.")):
+        model_config_from_hf({**_llama_config_5x(), **change})
