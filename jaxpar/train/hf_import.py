@@ -28,15 +28,15 @@ from jaxpar.train.hf_names import (
     Tensor,
     hf_shape,
     hf_tensors,
+    jaxpar_view,
     param_at,
-    slice_shape,
-    to_jaxpar,
 )
 from jaxpar.train.weights import save_weights
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
+BLOCK_BYTES = 4 * 2**20  # a tensor is read this many (float32) bytes at a time
 # Tensors a Hugging Face directory may hold that the model does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -122,15 +122,28 @@ def read_weights(directory: Path, m: ModelConfig) -> dict:
     params = _host_arrays(m)
     _check_coverage(tensors, params)
     for t in tensors:
-        target, shape = param_at(params, t.path), slice_shape(params, t)
-        with safe_open(str(files[t.hf]), "np") as f:
-            array = f.get_tensor(t.hf)
-        if tuple(array.shape) != hf_shape(t.layout, shape):
-            raise HFConfigError(f"tensor {t.hf} is {list(array.shape)}, but config.json makes it "
-                                f"{list(hf_shape(t.layout, shape))}")
-        target[t.index] = to_jaxpar(t.layout, array, shape)  # converts to float32 in place
-        del array
+        _read_into(files[t.hf], t, param_at(params, t.path)[t.index])
     return params
+
+
+def _read_into(file: Path, t: Tensor, target: np.ndarray) -> None:
+    """Tensor ``t`` of ``file`` into its jaxpar slice ``target`` (float32), BLOCK_BYTES of it
+    at a time, the file opened for each block: neither a whole copy of the tensor nor its
+    mapped pages stay resident."""
+    with safe_open(str(file), "np") as f:
+        shape = tuple(f.get_slice(t.hf).get_shape())
+    if shape != hf_shape(t.layout, target.shape):
+        raise HFConfigError(f"tensor {t.hf} is {list(shape)}, but config.json makes it "
+                            f"{list(hf_shape(t.layout, target.shape))}")
+    view, transposed = jaxpar_view(t.layout, target)
+    rows = max(1, BLOCK_BYTES // max(1, 4 * int(np.prod(shape[1:], dtype=int))))
+    for start in range(0, shape[0], rows):
+        with safe_open(str(file), "np") as f:
+            block = f.get_slice(t.hf)[start:min(start + rows, shape[0])]
+        if transposed:
+            view[:, start:start + rows] = block.T  # converts to float32 as it copies
+        else:
+            view[start:start + rows] = block
 
 
 def _copy_tokenizer(source: Path, out_dir: Path) -> Path | None:

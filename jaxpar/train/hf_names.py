@@ -111,19 +111,21 @@ def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0] * shape[1],)  # HEADS_BIAS: [H, D] -> [H*D]
 
 
-def to_jaxpar(layout: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A Hugging Face array as the jaxpar slice of ``shape`` (a view where numpy can)."""
-    if layout == SAME:
-        return array
-    if layout == TRANSPOSED:
-        return array.T
-    if layout in (HEADS_IN, HEADS_OUT):
-        return array.T.reshape(shape)
-    return array.reshape(shape)
+def jaxpar_view(layout: str, target: np.ndarray) -> tuple[np.ndarray, bool]:
+    """A view of the jaxpar slice ``target`` whose rows (``False``) or columns (``True``) are
+    the rows of the Hugging Face array: reading a tensor in row blocks fills ``target`` in
+    place, without a whole copy of it."""
+    if layout in (SAME, HEADS_BIAS):
+        return target.reshape(-1) if layout == HEADS_BIAS else target, False
+    if layout == HEADS_IN:  # [E, H, D] viewed as [E, H*D]: HF's rows are its columns
+        return target.reshape(target.shape[0], -1), True
+    if layout == HEADS_OUT:  # [H, D, E] viewed as [H*D, E]
+        return target.reshape(-1, target.shape[-1]), True
+    return target, True  # TRANSPOSED
 
 
 def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
-    """A jaxpar slice as the contiguous Hugging Face array (the inverse of :func:`to_jaxpar`)."""
+    """A jaxpar slice as the contiguous Hugging Face array (what :func:`jaxpar_view` fills)."""
     if layout == TRANSPOSED:
         array = array.T
     elif layout == HEADS_IN:
