@@ -149,3 +149,19 @@ def test_config_written_by_this_transformers_reads_as_the_hand_written_one(tmp_p
 def test_unsupported_fields_are_named(change, field):
     with pytest.raises(HFConfigError, match=field.replace(".", r"\.")):
         model_config_from_hf({**_llama_config_5x(), **change})
+
+
+def test_jaxpar_never_imports_torch_or_transformers():
+    """They are the tests' reference, not a dependency: conversion reads safetensors itself."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "jaxpar"
+    found = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names
+                      if n.split(".")[0] in ("torch", "transformers")]
+    assert not found, found
