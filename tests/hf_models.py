@@ -23,8 +23,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 def build_hf_model(kind: str, seed: int = 0, **overrides):
     """A random ``kind`` model (llama with llama3 RoPE scaling and GQA, qwen2 with q/k/v biases
-    and tied embeddings, qwen3 with q/k norms, mixtral with 4 experts), every norm scale and
-    bias random too, so that a weight mapped to the wrong place cannot go unnoticed."""
+    and tied embeddings, qwen3 with q/k norms, mistral, mixtral with 4 experts), every norm
+    scale and bias random too, so that a weight mapped to the wrong place cannot go unnoticed."""
     import torch
     import transformers as tr
 
@@ -35,6 +35,9 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
     elif kind == "qwen2":
         cfg = tr.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e5, **overrides)
         model = tr.Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":  # without a sliding window (jaxpar refuses one)
+        cfg = tr.MistralConfig(**COMMON, sliding_window=None, **overrides)
+        model = tr.MistralForCausalLM(cfg)
     elif kind == "qwen3":
         cfg = tr.Qwen3Config(**COMMON, head_dim=32, **overrides)
         model = tr.Qwen3ForCausalLM(cfg)

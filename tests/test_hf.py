@@ -32,7 +32,7 @@ def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     ids = tokens(rows=4)
     out = {}
-    for kind in ("llama", "qwen2", "qwen3", "mixtral"):
+    for kind in ("llama", "qwen2", "qwen3", "mistral", "mixtral"):
         # llama in two shards with an index, as large models come
         extra = {"max_shard_size": "150KB"} if kind == "llama" else {}
         source = save_hf_model(kind, root / kind, **extra)
@@ -52,6 +52,7 @@ def test_sharded_source_was_read_from_its_index(imported):
     ("qwen2", [], 1),
     ("qwen2", ["mesh.tensor=2"], 4),
     ("qwen3", [], 1),
+    ("mistral", [], 1),
     ("mixtral", [], 1),
     ("mixtral", ["mesh.tensor=2"], 4),
     ("mixtral", ["mesh.expert=2"], 4),

@@ -50,7 +50,7 @@ def cache(tmp_path_factory):
     return cached_jax_env(tmp_path_factory.mktemp("jax-cache"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mixtral"])
 def test_export_of_an_import_loads_in_transformers_and_reimports_bit_exactly(tmp_path, kind):
     source = save_hf_model(kind, tmp_path / "src")
     done = import_hf(source, tmp_path / "jaxpar")
