@@ -146,7 +146,7 @@ EXPORT_HELP = ("write a checkpoint's parameters for use outside jaxpar: plain sa
                "JSON of the model config (--format jaxpar), or a Hugging Face model directory "
                "(--format hf)")
 IMPORT_HELP = ("convert a local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, "
-               "Mixtral) into a jaxpar checkpoint for train.init_from")
+               "Mixtral, Qwen3-MoE) into a jaxpar checkpoint for train.init_from")
 
 
 def _add_export(commands) -> None:

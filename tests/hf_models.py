@@ -23,8 +23,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 def build_hf_model(kind: str, seed: int = 0, **overrides):
     """A random ``kind`` model (llama with llama3 RoPE scaling and GQA, qwen2 with q/k/v biases
-    and tied embeddings, qwen3 with q/k norms, mistral, mixtral with 4 experts), every norm
-    scale and bias random too, so that a weight mapped to the wrong place cannot go unnoticed."""
+    and tied embeddings, qwen3 with q/k norms, mistral, mixtral and qwen3_moe with 4 experts),
+    every norm scale and bias random too, so that a weight mapped to the wrong place cannot go
+    unnoticed."""
     import torch
     import transformers as tr
 
@@ -41,6 +42,10 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
     elif kind == "qwen3":
         cfg = tr.Qwen3Config(**COMMON, head_dim=32, **overrides)
         model = tr.Qwen3ForCausalLM(cfg)
+    elif kind == "qwen3_moe":  # experts of their own size, gates not renormalised
+        cfg = tr.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=48, norm_topk_prob=False, **overrides)
+        model = tr.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = tr.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
                                **overrides)

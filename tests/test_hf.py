@@ -32,7 +32,7 @@ def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     ids = tokens(rows=4)
     out = {}
-    for kind in ("llama", "qwen2", "qwen3", "mistral", "mixtral"):
+    for kind in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"):
         # llama in two shards with an index, as large models come
         extra = {"max_shard_size": "150KB"} if kind == "llama" else {}
         source = save_hf_model(kind, root / kind, **extra)
@@ -56,6 +56,8 @@ def test_sharded_source_was_read_from_its_index(imported):
     ("mixtral", [], 1),
     ("mixtral", ["mesh.tensor=2"], 4),
     ("mixtral", ["mesh.expert=2"], 4),
+    ("qwen3_moe", [], 1),
+    ("qwen3_moe", ["mesh.expert=2"], 4),
 ])
 def test_imported_logits_match_transformers(imported, kind, overrides, devices):
     _, done, expected = imported[kind]
@@ -77,6 +79,9 @@ def test_import_maps_the_config(imported):
     assert qwen3.qk_norm and qwen3.head_dim == 32
     assert mixtral.moe.num_experts == 4 and mixtral.moe.norm_topk
     assert mixtral.rope_theta == 1e6  # Mixtral's default theta
+    qwen3_moe = imported["qwen3_moe"][1].model
+    assert qwen3_moe.qk_norm and not qwen3_moe.moe.norm_topk
+    assert qwen3_moe.resolved_d_ff_expert == 48 and qwen3_moe.moe.num_experts == 4
 
 
 def test_import_copies_the_tokenizer_and_writes_a_config_to_train_from(tmp_path):
@@ -137,7 +142,9 @@ def test_config_written_by_this_transformers_reads_as_the_hand_written_one(tmp_p
 
 @pytest.mark.parametrize(("change", "field"), [
     ({"model_type": "gpt2"}, "model_type"),
-    ({"model_type": "qwen2_moe"}, "model_type"),
+    ({"model_type": "qwen2_moe"}, "shared_expert_intermediate_size"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "decoder_sparse_step"),
     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),

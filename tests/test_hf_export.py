@@ -50,7 +50,7 @@ def cache(tmp_path_factory):
     return cached_jax_env(tmp_path_factory.mktemp("jax-cache"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_export_of_an_import_loads_in_transformers_and_reimports_bit_exactly(tmp_path, kind):
     source = save_hf_model(kind, tmp_path / "src")
     done = import_hf(source, tmp_path / "jaxpar")
@@ -161,6 +161,8 @@ def test_export_refuses_a_model_transformers_has_no_class_for():
                         "model.moe.router=sigmoid_bias")):
         with pytest.raises(HFConfigError, match=field):
             hf_config_from_model(ModelConfig(n_layers=2, moe=moe))
+    with pytest.raises(HFConfigError, match="model.qkv_bias"):
+        hf_config_from_model(ModelConfig(qkv_bias=True, qk_norm=True, moe=MoEConfig(num_experts=4)))
     with pytest.raises(HFConfigError, match="qkv_bias and model.qk_norm"):
         hf_config_from_model(ModelConfig(qkv_bias=True, qk_norm=True))
 

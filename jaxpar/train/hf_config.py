@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` <-> jaxpar's :class:`~jaxpar.config.ModelConfig`.
 
 Read: the Llama family (``llama``, ``mistral``, ``qwen2`` with its q/k/v biases, ``qwen3`` with
-its q/k norms) and ``mixtral``. Anything jaxpar's model would compute differently (a sliding
+its q/k norms) and the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
+mixture). Anything jaxpar's model would compute differently (a sliding
 window, biases on o_proj or the MLP, another activation, a RoPE rule other than plain or
 ``llama3``) is a one-line :class:`HFConfigError` naming the field, never silently dropped.
 
@@ -25,10 +26,10 @@ class HFConfigError(ConfigError):
 
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral",)
+MOE_TYPES = ("mixtral", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # RoPE base when a config names none (transformers' defaults per model type).
 DEFAULT_THETA = {"mixtral": 1e6}
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -64,20 +65,13 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """The jaxpar model of a Hugging Face ``config.json`` (as a dict); raises
     :class:`HFConfigError` naming the first field jaxpar cannot represent."""
     kind = hf.get("model_type")
+    _refuse(kind == "qwen2_moe", "shared_expert_intermediate_size", "qwen2_moe's sigmoid-gated "
+            "shared expert has no jaxpar equivalent")
     _refuse(kind not in DENSE_TYPES + MOE_TYPES, "model_type",
-            f"{kind!r} is not supported; supported: {', '.join(DENSE_TYPES + MOE_TYPES)}"
-            + (" (qwen2_moe's sigmoid-gated shared expert has no jaxpar equivalent)"
-               if kind == "qwen2_moe" else ""))
+            f"{kind!r} is not supported; supported: {', '.join(DENSE_TYPES + MOE_TYPES)}")
     _check_unsupported(hf, kind)
     d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
     theta, scaling = rope_from_hf(hf, kind)
-    moe = MoEConfig()
-    if kind == "mixtral":
-        moe = MoEConfig(num_experts=int(_get(hf, "num_local_experts")),
-                        top_k=int(_get(hf, "num_experts_per_tok")), router="softmax",
-                        norm_topk=True, dispatch="dropless",
-                        aux_loss_weight=float(hf.get("router_aux_loss_coef") or 0.0),
-                        z_loss_weight=0.0)
     return ModelConfig(
         d_model=d_model, n_layers=int(_get(hf, "num_hidden_layers")), n_heads=heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
@@ -85,7 +79,27 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         d_ff=int(_get(hf, "intermediate_size")), vocab_size=int(_get(hf, "vocab_size")),
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", moe=moe)
+        qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
+        moe=_moe_from_hf(hf, kind))
+
+
+def _moe_from_hf(hf: Mapping[str, Any], kind: str) -> MoEConfig:
+    """Softmax routers, every layer a mixture, dropless (the same function on any mesh)."""
+    if kind not in MOE_TYPES:
+        return MoEConfig()
+    if kind == "qwen3_moe":
+        _refuse(hf.get("decoder_sparse_step", 1) != 1, "decoder_sparse_step",
+                f"{hf.get('decoder_sparse_step')}: only 1 (every layer a mixture) is supported")
+        _refuse(bool(hf.get("mlp_only_layers")), "mlp_only_layers", "must be empty (every "
+                "layer a mixture)")
+    # transformers 5 writes num_local_experts for both; 4.x wrote num_experts for qwen3_moe.
+    experts = hf.get("num_local_experts") or _get(hf, "num_experts")
+    return MoEConfig(
+        num_experts=int(experts), top_k=int(_get(hf, "num_experts_per_tok")),
+        d_ff_expert=int(_get(hf, "moe_intermediate_size")) if kind == "qwen3_moe" else None,
+        router="softmax", dispatch="dropless",
+        norm_topk=kind == "mixtral" or bool(hf.get("norm_topk_prob")),
+        aux_loss_weight=float(hf.get("router_aux_loss_coef") or 0.0), z_loss_weight=0.0)
 
 
 def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
@@ -98,7 +112,7 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
     _refuse(bool(hf.get("quantization_config")), "quantization_config",
             "quantized weights are not supported")
     window = hf.get("sliding_window")
-    if kind in ("qwen2", "qwen3"):  # their sliding_window is a setting, off unless enabled
+    if kind.startswith("qwen"):  # their sliding_window is a setting, off unless enabled
         window = window if hf.get("use_sliding_window") else None
     _refuse(window is not None, "sliding_window", f"{window}: sliding-window attention is not "
             "supported (jaxpar attends to the whole sequence)")
@@ -147,15 +161,19 @@ def hf_model_type(m: ModelConfig) -> str:
     jaxpar setting none of them has."""
     if m.moe.enabled:
         moe = m.moe
-        for name, ok in (("every", moe.every == 1), ("router", moe.router == "softmax"),
-                         ("norm_topk", moe.norm_topk), ("num_shared_experts",
-                                                        moe.num_shared_experts == 0),
-                         ("d_ff_expert", m.resolved_d_ff_expert == m.d_ff)):
-            _refuse_export(not ok, f"model.moe.{name}={getattr(moe, name)}", "mixtral (the one "
-                           "mixture of experts exported) has every=1, router=softmax, "
-                           "norm_topk=true, no shared experts, d_ff_expert=d_ff")
-        _refuse_export(m.qkv_bias or m.qk_norm, "model.qkv_bias/qk_norm", "mixtral has neither")
-        return "mixtral"
+        # qwen3_moe (q/k norms) has any expert size and either gate; mixtral renormalises.
+        checks = (("every", moe.every == 1), ("router", moe.router == "softmax"),
+                  ("num_shared_experts", moe.num_shared_experts == 0))
+        if not m.qk_norm:
+            checks += (("norm_topk", moe.norm_topk), ("d_ff_expert", moe.d_ff_expert in
+                                                      (None, m.d_ff)))
+        for name, ok in checks:
+            _refuse_export(not ok, f"model.moe.{name}={getattr(moe, name)}", "the exported "
+                           "mixtures, qwen3_moe (with model.qk_norm) and mixtral, have every=1, "
+                           "router=softmax, no shared experts; mixtral also norm_topk=true, "
+                           "d_ff_expert=d_ff")
+        _refuse_export(m.qkv_bias, "model.qkv_bias", "no exported mixture has q/k/v biases")
+        return "qwen3_moe" if m.qk_norm else "mixtral"
     _refuse_export(m.qkv_bias and m.qk_norm, "model.qkv_bias and model.qk_norm",
                    "no exported model type has both (qwen2: biases, qwen3: norms)")
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
@@ -188,15 +206,21 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
         "rope_parameters": rope_parameters, "attention_dropout": 0.0, "dtype": "float32",
         "torch_dtype": "float32", "use_cache": True,
     }
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "qwen3_moe"):
         out.update(attention_bias=False)
     if kind == "llama":
         out.update(mlp_bias=False)
-    if kind in ("qwen2", "qwen3"):
+    if kind.startswith("qwen"):
         out.update(use_sliding_window=False, sliding_window=None,
                    layer_types=["full_attention"] * m.n_layers)
     if kind == "mixtral":
         out.update(num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
                    router_aux_loss_coef=m.moe.aux_loss_weight, router_jitter_noise=0.0,
                    output_router_logits=False, sliding_window=None)
+    if kind == "qwen3_moe":
+        out.update(num_experts=m.moe.num_experts, num_local_experts=m.moe.num_experts,
+                   num_experts_per_tok=m.moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,
+                   norm_topk_prob=m.moe.norm_topk,
+                   decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                   router_aux_loss_coef=m.moe.aux_loss_weight)
     return out

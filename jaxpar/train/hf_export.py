@@ -1,12 +1,13 @@
 """``jaxpar export CKPT --to DIR --format hf``: a checkpoint as a Hugging Face model directory.
 
 Writes ``config.json`` (:func:`jaxpar.train.hf_config.hf_config_from_model`: llama, qwen2,
-qwen3 or mixtral, the RoPE settings in the dialects of transformers 4.x and 5.x), the float32
-weights under their Hugging Face names (:mod:`jaxpar.train.hf_names`) in safetensors files of
-at most ``max_shard_bytes`` each (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
-with ``model.safetensors.index.json`` when it takes several), and the tokenizer files of the
-run's ``data.tokenizer`` when that is a ``tokenizer.json``. Reads only the parameters, on the
-host; a shard's converted tensors are the only other copy alive.
+qwen3, mixtral or qwen3_moe, the RoPE settings in the dialects of transformers 4.x and 5.x),
+the float32 weights under their Hugging Face names (:mod:`jaxpar.train.hf_names`) in
+safetensors files of at most ``max_shard_bytes`` each (``model.safetensors``, or
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` when it takes
+several), and the tokenizer files of the run's ``data.tokenizer`` when that is a
+``tokenizer.json``. Reads only the parameters, on the host; a shard's converted tensors are
+the only other copy alive.
 """
 
 from __future__ import annotations

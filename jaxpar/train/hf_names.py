@@ -17,6 +17,8 @@ Names (``L`` a layer, ``X`` an expert; jaxpar's layer weights are stacked on a l
     model.layers.L.block_sparse_moe.gate.weight [X, E]   layers/moe/router [L][E, X] (mixtral)
     model.layers.L.block_sparse_moe.experts.X.{w1,w3,w2}.weight
                                                layers/moe/w_{gate,up,down} [L][X][E, F] / [F, E]
+    model.layers.L.mlp.gate.weight, model.layers.L.mlp.experts.X.{gate,up,down}_proj.weight
+                                               the same, for qwen3_moe
 
 RoPE: jaxpar rotates the two halves of each head (``rotate_half``, like Hugging Face's Llama
 code), with the same frequencies, so q and k projections map unpermuted; only the layout of the
@@ -77,11 +79,14 @@ def _layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
     if not m.moe.enabled:
         return out + [t(f"mlp.{hf}_proj.weight", "mlp", f"w_{hf}", layout=TRANSPOSED)
                       for hf in ("gate", "up", "down")]
-    out.append(t("block_sparse_moe.gate.weight", "moe", "router", layout=TRANSPOSED))
+    # qwen3_moe (the mixture with q/k norms) names its experts as an MLP; mixtral its own way.
+    block, names = (("mlp", ("gate_proj", "up_proj", "down_proj")) if m.qk_norm else
+                    ("block_sparse_moe", ("w1", "w3", "w2")))
+    out.append(t(f"{block}.gate.weight", "moe", "router", layout=TRANSPOSED))
     for x in range(m.moe.num_experts):
-        out += [t(f"block_sparse_moe.experts.{x}.{hf}.weight", "moe", name, layout=TRANSPOSED,
-                  index=(layer, x)) for hf, name in (("w1", "w_gate"), ("w3", "w_up"),
-                                                      ("w2", "w_down"))]
+        out += [t(f"{block}.experts.{x}.{hf}.weight", "moe", name, layout=TRANSPOSED,
+                  index=(layer, x)) for hf, name in zip(names, ("w_gate", "w_up", "w_down"),
+                                                        strict=True)]
     return out
 
 
