@@ -102,6 +102,24 @@ def test_import_copies_the_tokenizer_and_writes_a_config_to_train_from(tmp_path)
     assert cfg.model == done.model
 
 
+def test_bfloat16_weights_import_exactly_as_float32(tmp_path):
+    """Released checkpoints are mostly bfloat16: each value becomes its exact float32."""
+    import torch
+    from hf_models import build_hf_model
+
+    from jaxpar.train.weights import read_host_params
+
+    model = build_hf_model("qwen2").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    params = read_host_params(import_hf(tmp_path / "src", tmp_path / "out").checkpoint)
+    wq = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # [H*D, E]
+    got = params["layers"]["attn"]["wq"][1]  # [E, H, D]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.reshape(got.shape[0], -1).T, wq)
+    bias = model.model.layers[0].self_attn.k_proj.bias.detach().float().numpy()
+    np.testing.assert_array_equal(params["layers"]["attn"]["k_bias"][0].reshape(-1), bias)
+
+
 # --------------------------------------------------------------------------------------------
 # Config dialects
 

@@ -2,11 +2,12 @@
 weights-only checkpoint (:mod:`jaxpar.train.weights`), ready for ``train.init_from``.
 
 Reads ``config.json`` (:mod:`jaxpar.train.hf_config`) and ``model.safetensors`` or the shards
-of ``model.safetensors.index.json``, one tensor at a time (each file opened for that one read,
-so the pages safetensors maps are released again), straight into the stacked float32 arrays
-of the jaxpar model (:mod:`jaxpar.train.hf_names`): the host holds the model once, plus one
-tensor. Writes ``OUT/checkpoints/0``, a jaxpar ``OUT/config.yaml`` to train from, and copies
-the tokenizer files next to them.
+of ``model.safetensors.index.json``, a block of rows of one tensor at a time (the file opened
+for each block, so the pages safetensors maps are released again), straight into the stacked
+float32 arrays of the jaxpar model (:mod:`jaxpar.train.hf_names`): the host holds the model
+once, plus one block. Weights stored in bfloat16 or float16 become float32 (exactly). Writes
+``OUT/checkpoints/0``, a jaxpar ``OUT/config.yaml`` to train from, and copies the tokenizer
+files next to them.
 """
 
 from __future__ import annotations
