@@ -69,6 +69,22 @@ def test_imported_logits_match_transformers(imported, kind, overrides, devices):
     assert diff <= TOLERANCE, (kind, overrides, diff)
 
 
+def test_init_from_converts_to_the_stored_dtype_and_refuses_another_model(imported):
+    import jax.numpy as jnp
+
+    from jaxpar.train.checkpoint import CheckpointError
+    from jaxpar.train.weights import read_host_params
+
+    done = imported["llama"][1]
+    _, state = trainer_from_import(done.config_yaml, ["train.param_dtype=bfloat16"], 1)
+    wq = state.params["layers"]["attn"]["wq"]
+    assert wq.dtype == jnp.bfloat16
+    expected = read_host_params(done.checkpoint)["layers"]["attn"]["wq"]
+    np.testing.assert_array_equal(np.asarray(wq), expected.astype(jnp.bfloat16))
+    with pytest.raises(CheckpointError, match="does not fit this model: params/layers/mlp"):
+        trainer_from_import(done.config_yaml, ["model.d_ff=128"], 1)
+
+
 def test_import_maps_the_config(imported):
     llama, qwen2, qwen3, mixtral = (imported[k][1].model for k in
                                     ("llama", "qwen2", "qwen3", "mixtral"))

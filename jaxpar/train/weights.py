@@ -127,12 +127,12 @@ def initial_state(trainer: Trainer, source: Path) -> TrainState:
     buffers (MoE router biases start at zero)."""
     wanted = trainer.abstract_state.params
 
+    def shapes(tree: Any) -> dict[str, tuple]:  # shapes only: any stored dtype converts
+        return {f"params/{leaf_name(p)}": (tuple(a.shape), "")
+                for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
     def into_shardings(saved: Any) -> tuple[Any, Any]:
-        shapes = {leaf_name(p): (tuple(a.shape), "")
-                  for p, a in jax.tree_util.tree_flatten_with_path(saved)[0]}
-        check_compatible({f"params/{k}": v for k, v in shapes.items()},
-                         {f"params/{leaf_name(p)}": (tuple(a.shape), "")
-                          for p, a in jax.tree_util.tree_flatten_with_path(wanted)[0]}, source)
+        check_compatible(shapes(saved), shapes(wanted), source)
         args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(
             sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), wanted)
         return args, wanted
