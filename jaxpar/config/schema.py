@@ -73,8 +73,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    # auto: cuDNN on a GPU in 16-bit, else blockwise when the sequence spans several blocks
-    attention: Literal["auto", "dense", "blockwise", "cudnn"] = "auto"
+    # auto: cuDNN on a GPU in 16-bit, splash on a TPU, else blockwise when the sequence spans
+    # several blocks
+    attention: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"
     attention_block: int = 512  # queries x keys per block of blockwise (and ring) attention
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -213,6 +214,12 @@ class Config:
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes; only meaningful after :func:`validate` resolved any ``-1``."""
         return self.mesh.sizes()
+
+    def splash_possible(self) -> bool:
+        """Whether the TPU splash kernel can run in this layout: not inside pipeline stages
+        that split heads over ``tensor`` (libtpu 0.0.42.1's partitioner aborts on that nested
+        shard_map: "Check failed: target.IsManualSubgroup() == sharding().IsManualSubgroup()")."""
+        return not (self.mesh.pipe > 1 and self.mesh.tensor > 1)
 
     def loss_pieces(self) -> int:
         """Pieces of the sequence the loss is computed in (``train.loss_chunks``, or for 0 the

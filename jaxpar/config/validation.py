@@ -174,6 +174,10 @@ def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
     _require(m.attention_block >= 1, f"model.attention_block={m.attention_block}: must be >= 1")
     tiled = t.seq_len // (mesh.context * (2 if cfg.parallel.zigzag else 1)
                           if mesh.context > 1 else 1)
+    _require(m.attention != "splash" or cfg.splash_possible(),
+             f"model.attention=splash cannot run in pipeline stages split over tensor "
+             f"(mesh.pipe={mesh.pipe} mesh.tensor={mesh.tensor}): the TPU compiler aborts; "
+             "use auto (blockwise there) or blockwise")
     if m.attention in ("auto", "blockwise") or mesh.context > 1:
         _require(tiled <= m.attention_block or tiled % m.attention_block == 0,
                  f"model.attention_block={m.attention_block} does not divide the {tiled} tokens "
