@@ -34,7 +34,7 @@ def test_profile_traces_the_chosen_steps_into_run_dir_profile(tmp_path):
     traces = list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     assert f"profile of steps 2-2 in {traces[0]}" in text
-    assert "train.profile: steps 2-2 traced to" in text
+    assert f"train.profile: steps 2-2 traced to {tmp_path / 'profile'}" in text
 
 
 def _records(path: Path) -> list[bytes]:

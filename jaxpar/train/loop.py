@@ -45,7 +45,7 @@ from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe as describe_schedule
 from jaxpar.train import checkpoint
 from jaxpar.train.metrics import MetricsFile, mesh_text, peak_flops, pipeline_line
-from jaxpar.train.observe import PROFILE_DIR, Observer, require_tensorboard
+from jaxpar.train.observe import Observer, require_tensorboard
 from jaxpar.train.step import Trainer, build_trainer
 
 
@@ -253,6 +253,8 @@ class _Run:
                                                     lambda line: console.print(line, markup=False)))
         for line in start_lines(cfg, jax.device_count(), device_kind, data_line, pipeline):
             console.print(line)
+        if run.observer.start_line is not None:
+            console.print(run.observer.start_line, markup=False)
         if jax.process_count() > 1:
             console.print(f"{jax.process_count()} processes x {jax.local_device_count()} devices "
                           "(process 0 logs, writes metrics.jsonl and config.yaml)")
@@ -411,10 +413,6 @@ def start_lines(cfg: Config, devices: int, device_kind: str, data_line: str,
     lines.append(data_line)
     if pipeline is not None:
         lines.append(pipeline_line(pipeline))
-    if t.profile.enabled:
-        lines.append(f"train.profile: steps {t.profile.start_step}-"
-                     f"{t.profile.start_step + t.profile.steps - 1} traced to "
-                     f"{Path(cfg.run_dir) / PROFILE_DIR} (process 0)")
     peak = peak_flops(device_kind)
     lines.append("peak " + (f"{peak / 1e12:.0f} TFLOP/s per device (bf16 dense)" if peak else
                             f"unknown for {device_kind!r}: MFU shown as n/a"))

@@ -47,9 +47,11 @@ class Observer:
         self.first = profile.start_step if profile.enabled and speaks else None
         self.last = (profile.start_step or 0) + profile.steps - 1
         self.tracing = False
+        self.start_line = (f"train.profile: steps {self.first}-{self.last} traced to "
+                           f"{self.profile_dir}" if self.first is not None else None)
         if self.first is not None and self.first < first_step:
-            say(f"train.profile: the run resumed at step {first_step}, after "
-                f"train.profile.start_step={self.first}: no trace")
+            self.start_line = (f"train.profile: the run resumed at step {first_step}, after "
+                               f"train.profile.start_step={self.first}: no trace")
             self.first = None
         self.writer = None
         if cfg.logging.tensorboard and speaks:
