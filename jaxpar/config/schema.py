@@ -107,6 +107,19 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    """A ``jax.profiler`` trace of steps ``start_step`` .. ``start_step + steps - 1`` in
+    ``run_dir/profile`` (``jaxpar/train/observe.py``); ``start_step: null`` traces nothing."""
+
+    start_step: int | None = None
+    steps: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.start_step is not None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
     batch_size: int = 8  # global sequences per optimizer step
@@ -138,6 +151,7 @@ class TrainConfig:
     # A non-finite loss or gradient norm: skip drops that update (counted as skipped_steps in
     # metrics.jsonl); stop exits 1 naming the step, saving nothing after it.
     on_nonfinite: Literal["skip", "stop"] = "stop"
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass(frozen=True)
@@ -175,6 +189,7 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = 10  # steps between log lines / metrics.jsonl rows
     progress: bool = True  # rich progress bar
+    tensorboard: bool = False  # metrics.jsonl's rows also as TensorBoard scalars (tensorboardX)
 
 
 @dataclass(frozen=True)

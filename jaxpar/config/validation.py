@@ -234,6 +234,20 @@ def _check_run(cfg: Config) -> None:
     _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
              "or a checkpoint path")
     _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
+    _check_profile(cfg)
+
+
+def _check_profile(cfg: Config) -> None:
+    """``train.profile``: whole steps inside the run."""
+    p, steps = cfg.train.profile, cfg.train.steps
+    _require(p.steps >= 1, f"train.profile.steps={p.steps}: must be >= 1")
+    if not p.enabled:
+        return
+    _require(p.start_step >= 1, f"train.profile.start_step={p.start_step}: must be >= 1 (steps "
+             "count from 1), or null for no trace")
+    last = p.start_step + p.steps - 1
+    _require(last <= steps, f"train.profile.start_step={p.start_step} + train.profile.steps="
+             f"{p.steps} traces up to step {last}, beyond train.steps={steps}")
 
 
 def check_distributed(d: DistributedConfig) -> None:
