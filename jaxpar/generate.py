@@ -1,0 +1,339 @@
+"""Text generation: prefill the prompts, then decode one token at a time with a KV cache.
+
+Algorithm. The prompts (token ids, B of them, of different lengths n_b) are right-padded to one
+length S and run through the model once (*prefill*): positions ``0..S-1`` in every row, each
+layer's keys and values written into a cache of L = S + max_tokens slots per sequence
+(:mod:`jaxpar.model.kv_cache`: ``k, v [layers, B, L, K, D]``). Row b's first new token is
+sampled from the logits at its last prompt token, n_b - 1. Then each *decode step* feeds every
+row's newest token at its own position (n_b, n_b + 1, ...), writes its K/V into that slot and
+attends over slots ``0..position``: a padding token's K/V (slots n_b..S-1 of a short prompt) is
+never visible, and is overwritten before the row reaches it. A row stops at its end-of-text
+token (``eos_id``), the loop when every row has stopped or made ``max_tokens``.
+
+The model is the training model, run as it is: the cache enters through the attention hook
+(:func:`jaxpar.model.annotate.use_attention`), set per scanned unit of layers to that unit's
+slice of the cache (:class:`~jaxpar.model.kv_cache.UnitCache`), and the layers are scanned here
+with the cache as scanned input and output. A mixture-of-experts layer always dispatches
+dropless here (every chosen expert computes, whatever the batch), so a prompt's tokens do not
+depend on which other prompts share its batch.
+
+Compiles. Prefill compiles once per (B, S, L); the decode step once per (B, L): the step index,
+the positions, the random key and the cache are arguments, so the Python loop that calls it
+per token (and prints each token as it arrives) reuses one executable. S and L are rounded up
+to multiples of :data:`LENGTH_BUCKET` so that nearby prompt lengths share them.
+
+Sampling (:class:`Sampling`): greedy (argmax) at temperature 0, else the logits divided by the
+temperature, cut to the ``top_k`` largest and to the smallest set of tokens whose probability
+reaches ``top_p`` (nucleus), and drawn with ``jax.random``. Row b's draw at step t uses the key
+``fold_in(fold_in(key(seed), t), b)``: the same seed gives the same tokens, on any mesh.
+
+Sharding. On a mesh (``data``, ``fsdp``, ``tensor``; not ``pipe``, ``context``, ``expert``),
+parameters are laid out by the rules table as in training, the batch of prompts is split over
+the batch axes (padded with copies of the first prompt to a multiple of their size) and the
+heads, the cache's kv heads and the vocabulary over ``tensor``; the model's activation
+constraints and the MoE dispatch hook come from :func:`jaxpar.parallel.hooks.model_hooks`.
+Sequence parallelism is switched off (one new token cannot be split over ``tensor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
+from jaxpar.model.annotate import use_attention
+from jaxpar.model.kv_cache import CACHE_AXES, KVCache, UnitCache, empty_cache
+from jaxpar.model.transformer import DTYPES, Transformer, abstract_model, layer_units
+from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.rules import (
+    logical_rules,
+    named_shardings,
+    param_logical_axes,
+    param_specs,
+    resolve_spec,
+)
+
+LENGTH_BUCKET = 16  # prompt and cache lengths are rounded up to a multiple of this
+SUPPORTED_AXES = ("data", "fsdp", "tensor")  # mesh axes generation may split over
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
+    keep every token."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k}: must be >= 0 (0 = no cut)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p {self.top_p}: must be in (0, 1] (1 = no cut)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def sample(logits: jax.Array, key: jax.Array, step: jax.Array, sampling: Sampling
+           ) -> jax.Array:
+    """float32 logits [B, V] -> int32 tokens [B] (module docstring: Sampling)."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    # Sorted once (descending) for both cuts; the vocabulary is small next to the model.
+    ranked = -jnp.sort(-logits, axis=-1)
+    if sampling.top_k:
+        kth = ranked[:, min(sampling.top_k, logits.shape[-1]) - 1]
+        logits = jnp.where(logits < kth[:, None], -jnp.inf, logits)
+        ranked = jnp.where(ranked < kth[:, None], -jnp.inf, ranked)
+    if sampling.top_p < 1:
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
+        # The lowest logit still kept: a token stays when the better ones reach < top_p.
+        floor = jnp.min(jnp.where(before < sampling.top_p, ranked, jnp.inf), axis=-1)
+        logits = jnp.where(logits < floor[:, None], -jnp.inf, logits)
+    step_key = jax.random.fold_in(key, step)
+    row_keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(
+        jnp.arange(logits.shape[0]))
+    return jax.vmap(jax.random.categorical)(row_keys, logits).astype(jnp.int32)
+
+
+def forward_cached(model: Transformer, tokens: jax.Array, positions: jax.Array,
+                   cache: KVCache, dtype: Any) -> tuple[jax.Array, KVCache]:
+    """The model on ``tokens`` [B, S] at ``positions`` [B, S], attending over and writing into
+    ``cache``: (residual stream before the final norm [B, S, E], the updated cache).
+
+    The layers are scanned as :meth:`Transformer.run_layers` does, with each unit's slice of
+    the cache ([blocks per unit, B, L, K, D]) scanned beside its parameters."""
+    x = model.embed(tokens, dtype=dtype)
+    graphdef, stacked = nnx.split(model.layers)
+    units = layer_units(model.cfg)
+
+    def per_unit(a: jax.Array) -> jax.Array:  # [layers, ...] -> [units, blocks, ...]
+        return a.reshape(units, a.shape[0] // units, *a.shape[1:])
+
+    def one_unit(x: jax.Array, inputs: tuple) -> tuple[jax.Array, tuple]:
+        layer_state, k, v = inputs
+        unit_cache = UnitCache(k, v)
+        with use_attention(unit_cache.attend):
+            x, _ = nnx.merge(graphdef, layer_state)(x, positions)
+        return x, unit_cache.updated()
+
+    x, (k, v) = jax.lax.scan(one_unit, x, (stacked, per_unit(cache.k), per_unit(cache.v)))
+    return x, KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+
+
+def last_logits(model: Transformer, x: jax.Array, index: jax.Array, dtype: Any) -> jax.Array:
+    """float32 logits [B, V] of the residual stream ``x`` [B, S, E] at ``index`` [B]."""
+    picked = jnp.take_along_axis(x, index[:, None, None], axis=1)  # [B, 1, E]
+    return model.logits(picked, dtype=dtype)[:, 0]
+
+
+def generation_config(cfg: Config) -> Config:
+    """``cfg`` as generation runs it: sequence parallelism off, MoE dispatch dropless."""
+    moe = dataclasses.replace(cfg.model.moe, dispatch="dropless")
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, moe=moe),
+        parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False))
+
+
+class Step(NamedTuple):
+    """One step of :meth:`Generator.stream`: the token each prompt got (int32 [prompts]) and
+    which prompts were still running when it was chosen (a stopped row's token is filler)."""
+
+    tokens: np.ndarray
+    active: np.ndarray
+
+
+class Generator:
+    """Generation for one model on one mesh: the parameters laid out, prefill and the decode
+    step jitted (module docstring). ``mesh`` None runs on the default device, unsharded."""
+
+    def __init__(self, cfg: Config, params: dict, buffers: dict | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
+        self.cfg = generation_config(cfg)
+        self.mesh = mesh
+        self.dtype = DTYPES[cfg.train.dtype]
+        self.graphdef = nnx.split(abstract_model(self.cfg.model), nnx.Param, ...)[0]
+        self.mesh_shape = dict(mesh.shape) if mesh is not None else None
+        if mesh is not None:
+            unsupported = [f"{a}={n}" for a, n in mesh.shape.items()
+                           if n > 1 and a not in SUPPORTED_AXES]
+            if unsupported:
+                raise ConfigError(f"generate: mesh {' '.join(unsupported)} is not supported; "
+                                  f"generation splits over {', '.join(SUPPORTED_AXES)} only")
+            params, buffers = self._place(params, buffers or {})
+        self.params, self.buffers = params, buffers or {}
+        # Outputs laid out as the next step takes them, so the step never sees a new layout
+        # (which would compile it again). The cache is donated: updated in place, not copied.
+        out = None if mesh is None else (self._rows_sharding(1), self._cache_sharding())
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len", "sampling"),
+                                out_shardings=out)
+        self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",),
+                               donate_argnums=(2,), out_shardings=out)
+
+    # ----------------------------------------------------------------------------------------
+    # Layout
+
+    def _place(self, params: dict, buffers: dict) -> tuple[dict, dict]:
+        """The parameters (and MoE buffers) put on the mesh as the rules table lays them out."""
+        model, rules = abstract_model(self.cfg.model), logical_rules(self.cfg)
+        specs = param_specs(params, param_logical_axes(model), rules, self.mesh_shape)
+        buffer_specs = param_specs(buffers, param_logical_axes(model, buffers=True), rules,
+                                   self.mesh_shape)
+        return (jax.device_put(params, named_shardings(self.mesh, specs)),
+                jax.device_put(buffers, named_shardings(self.mesh, buffer_specs)))
+
+    def batch_multiple(self) -> int:
+        """The batch is padded to a multiple of this: the devices splitting it."""
+        if self.mesh_shape is None:
+            return 1
+        return math.prod(self.mesh_shape[a] for a in logical_rules(self.cfg)["batch"]
+                         if a in BATCH_AXES)
+
+    def _hooks(self):
+        if self.mesh is None:
+            return nullcontext()
+        platform = self.mesh.devices.flat[0].platform
+        return model_hooks(self.cfg, self.mesh_shape, platform)
+
+    def _mesh_scope(self):
+        return nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def _rows_sharding(self, ndim: int) -> NamedSharding | None:
+        if self.mesh is None:
+            return None
+        spec = resolve_spec("prompt batch", ("batch",) + (None,) * (ndim - 1), None,
+                            logical_rules(self.cfg), self.mesh_shape)
+        return NamedSharding(self.mesh, spec)
+
+    def _cache_sharding(self) -> KVCache:
+        spec = resolve_spec("kv cache", CACHE_AXES, None, logical_rules(self.cfg),
+                            self.mesh_shape)
+        return KVCache(NamedSharding(self.mesh, spec), NamedSharding(self.mesh, spec))
+
+    # ----------------------------------------------------------------------------------------
+    # The jitted pieces
+
+    def _model(self, params: dict, buffers: dict) -> Transformer:
+        return nnx.merge(self.graphdef, params, buffers)
+
+    def _prefill_fn(self, params: dict, buffers: dict, tokens: jax.Array, lengths: jax.Array,
+                    key: jax.Array, max_len: int, sampling: Sampling
+                    ) -> tuple[jax.Array, KVCache]:
+        """Prompts [B, S] (right-padded; ``lengths`` [B]) -> (first new tokens [B], cache)."""
+        m = self.cfg.model
+        with self._hooks():
+            model = self._model(params, buffers)
+            b, s = tokens.shape
+            cache = empty_cache(m.n_layers, b, max_len, m.n_kv_heads, m.resolved_head_dim,
+                                self.dtype)
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            x, cache = forward_cached(model, tokens, positions, cache, self.dtype)
+            logits = last_logits(model, x, lengths - 1, self.dtype)
+            return sample(logits, key, jnp.int32(0), sampling), cache
+
+    def _decode_fn(self, params: dict, buffers: dict, cache: KVCache, tokens: jax.Array,
+                   positions: jax.Array, step: jax.Array, key: jax.Array, sampling: Sampling
+                   ) -> tuple[jax.Array, KVCache]:
+        """One token per row: ``tokens`` [B] at ``positions`` [B] -> (next tokens [B], cache)."""
+        with self._hooks():
+            model = self._model(params, buffers)
+            x, cache = forward_cached(model, tokens[:, None], positions[:, None], cache,
+                                      self.dtype)
+            logits = last_logits(model, x, jnp.zeros_like(positions), self.dtype)
+            return sample(logits, key, step, sampling), cache
+
+    # ----------------------------------------------------------------------------------------
+    # The loop
+
+    def stream(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+               sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None
+               ) -> Iterator[Step]:
+        """Yield one :class:`Step` per generated position, until every prompt has produced
+        ``eos_id`` (which is yielded, then the row stops) or ``max_tokens`` tokens."""
+        if max_tokens < 1:
+            raise ConfigError(f"--max-tokens {max_tokens}: must be >= 1")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("generate: every prompt needs at least one token")
+        vocab = self.cfg.model.vocab_size
+        if any(min(p) < 0 or max(p) >= vocab for p in prompts):
+            raise ConfigError(f"generate: prompt token ids must be in [0, {vocab})")
+        n = len(prompts)
+        rows = -(-n // self.batch_multiple()) * self.batch_multiple()
+        lengths = np.array([len(p) for p in prompts] + [len(prompts[0])] * (rows - n), np.int32)
+        width = _bucket(int(lengths.max()))
+        tokens = np.zeros((rows, width), np.int32)
+        for i, prompt in enumerate(list(prompts) + [prompts[0]] * (rows - n)):
+            tokens[i, :len(prompt)] = prompt
+        key = jax.random.key(seed)
+        with self._mesh_scope():
+            put = self._put
+            token, cache = self._prefill(self.params, self.buffers, put(tokens), put(lengths),
+                                         key, max_len=_bucket(width + max_tokens),
+                                         sampling=sampling)
+            active = np.ones(n, bool)
+            positions = lengths
+            for step in range(1, max_tokens + 1):
+                host = np.asarray(token)[:n]
+                yield Step(host, active.copy())
+                if eos_id is not None:
+                    active &= host != eos_id
+                if step == max_tokens or not active.any():
+                    return
+                token, cache = self._decode(self.params, self.buffers, cache, token,
+                                            put(positions), jnp.int32(step), key,
+                                            sampling=sampling)
+                positions = positions + 1
+
+    def _put(self, array: np.ndarray) -> jax.Array:
+        sharding = self._rows_sharding(array.ndim)
+        return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                 sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None,
+                 on_step: Callable[[Step], None] | None = None) -> list[list[int]]:
+        """The new tokens of each prompt, up to and without its ``eos_id``."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for step in self.stream(prompts, max_tokens=max_tokens, sampling=sampling, seed=seed,
+                                eos_id=eos_id):
+            if on_step is not None:
+                on_step(step)
+            for i in np.flatnonzero(step.active):
+                if step.tokens[i] != eos_id:
+                    out[i].append(int(step.tokens[i]))
+        return out
+
+
+def _bucket(n: int) -> int:
+    return -(-n // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+             sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None,
+             cfg: Config | None = None, mesh: jax.sharding.Mesh | None = None
+             ) -> list[list[int]]:
+    """Generate from a model (``create_model`` or a trained one): the new tokens of each prompt
+    (lists of token ids), up to and without ``eos_id``. ``cfg`` (default: the model's
+    config in an otherwise default :class:`Config`) gives the compute dtype and the rules
+    table; ``mesh`` splits the prompts and heads (module docstring). For many calls, build a
+    :class:`Generator` once: it keeps the compiled prefill and decode step."""
+    cfg = cfg if cfg is not None else Config(model=model.cfg)
+    _, params, buffers = nnx.split(model, nnx.Param, ...)
+    generator = Generator(cfg, nnx.to_pure_dict(params), nnx.to_pure_dict(buffers), mesh)
+    return generator.generate(prompts, max_tokens=max_tokens, sampling=sampling, seed=seed,
+                              eos_id=eos_id)
