@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
 from jaxpar.model.annotate import use_attention
@@ -151,6 +151,21 @@ def generation_config(cfg: Config) -> Config:
         parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False))
 
 
+def check_weights(cfg: ModelConfig, params: dict, buffers: dict) -> None:
+    """A one-line :class:`ConfigError` naming the first array whose shape is not the one
+    ``cfg``'s model has (a checkpoint of another model, or a wrong ``model.*`` override)."""
+    _, want_params, want_buffers = nnx.split(abstract_model(cfg), nnx.Param, ...)
+    want = {"params": nnx.to_pure_dict(want_params), "buffers": nnx.to_pure_dict(want_buffers)}
+    got = {"params": params, "buffers": buffers}
+    shapes = [{jax.tree_util.keystr(k): tuple(np.shape(a))
+               for k, a in jax.tree_util.tree_leaves_with_path(tree)} for tree in (got, want)]
+    for name in sorted(set(shapes[0]) | set(shapes[1])):
+        have, need = shapes[0].get(name), shapes[1].get(name)
+        if have != need:
+            raise ConfigError(f"generate: weight {name} is {have or 'missing'} but the model "
+                              f"(model.*) needs {need or 'none'}")
+
+
 class Step(NamedTuple):
     """One step of :meth:`Generator.stream`: the token each prompt got (int32 [prompts]) and
     which prompts were still running when it was chosen (a stopped row's token is filler)."""
@@ -169,6 +184,7 @@ class Generator:
         self.mesh = mesh
         self.dtype = DTYPES[cfg.train.dtype]
         self.graphdef = nnx.split(abstract_model(self.cfg.model), nnx.Param, ...)[0]
+        check_weights(self.cfg.model, params, buffers or {})
         self.mesh_shape = dict(mesh.shape) if mesh is not None else None
         if mesh is not None:
             unsupported = [f"{a}={n}" for a, n in mesh.shape.items()
