@@ -58,6 +58,7 @@ from jaxpar.parallel.rules import (
     logical_rules,
     named_shardings,
     param_logical_axes,
+    param_name,
     param_specs,
     resolve_spec,
 )
@@ -157,7 +158,7 @@ def check_weights(cfg: ModelConfig, params: dict, buffers: dict) -> None:
     _, want_params, want_buffers = nnx.split(abstract_model(cfg), nnx.Param, ...)
     want = {"params": nnx.to_pure_dict(want_params), "buffers": nnx.to_pure_dict(want_buffers)}
     got = {"params": params, "buffers": buffers}
-    shapes = [{jax.tree_util.keystr(k): tuple(np.shape(a))
+    shapes = [{param_name(k): tuple(np.shape(a))
                for k, a in jax.tree_util.tree_leaves_with_path(tree)} for tree in (got, want)]
     for name in sorted(set(shapes[0]) | set(shapes[1])):
         have, need = shapes[0].get(name), shapes[1].get(name)
