@@ -20,7 +20,10 @@ depend on which other prompts share its batch.
 Compiles. Prefill compiles once per (B, S, L); the decode step once per (B, L): the step index,
 the positions, the random key and the cache are arguments, so the Python loop that calls it
 per token (and prints each token as it arrives) reuses one executable. S and L are rounded up
-to multiples of :data:`LENGTH_BUCKET` so that nearby prompt lengths share them.
+to multiples of :data:`LENGTH_BUCKET` (S past one ``model.attention_block``: of the block) so
+that nearby prompt lengths share them. The prefill's queries attend to the prompt with the
+model's own attention (blockwise for a long prompt), the decode step's with one dense pass
+over the cache.
 
 Sampling (:class:`Sampling`): greedy (argmax) at temperature 0, else the logits divided by the
 temperature, cut to the ``top_k`` largest and to the smallest set of tokens whose probability
@@ -50,7 +53,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
-from jaxpar.model.annotate import use_attention
+from jaxpar.model.annotate import Attention, use_attention
+from jaxpar.model.attention import attention_fn, dense_attention, resolve
 from jaxpar.model.kv_cache import CACHE_AXES, KVCache, UnitCache, empty_cache
 from jaxpar.model.transformer import DTYPES, Transformer, abstract_model, layer_units
 from jaxpar.parallel.hooks import model_hooks
@@ -114,12 +118,14 @@ def sample(logits: jax.Array, key: jax.Array, step: jax.Array, sampling: Samplin
 
 
 def forward_cached(model: Transformer, tokens: jax.Array, positions: jax.Array,
-                   cache: KVCache, dtype: Any) -> tuple[jax.Array, KVCache]:
+                   cache: KVCache, dtype: Any, prefill: Attention = dense_attention
+                   ) -> tuple[jax.Array, KVCache]:
     """The model on ``tokens`` [B, S] at ``positions`` [B, S], attending over and writing into
     ``cache``: (residual stream before the final norm [B, S, E], the updated cache).
 
     The layers are scanned as :meth:`Transformer.run_layers` does, with each unit's slice of
-    the cache ([blocks per unit, B, L, K, D]) scanned beside its parameters."""
+    the cache ([blocks per unit, B, L, K, D]) scanned beside its parameters. With S > 1 (a
+    prefill from position 0) the queries attend to the new keys by ``prefill``."""
     x = model.embed(tokens, dtype=dtype)
     graphdef, stacked = nnx.split(model.layers)
     units = layer_units(model.cfg)
@@ -129,7 +135,7 @@ def forward_cached(model: Transformer, tokens: jax.Array, positions: jax.Array,
 
     def one_unit(x: jax.Array, inputs: tuple) -> tuple[jax.Array, tuple]:
         layer_state, k, v = inputs
-        unit_cache = UnitCache(k, v)
+        unit_cache = UnitCache(k, v, prefill)
         with use_attention(unit_cache.attend):
             x, _ = nnx.merge(graphdef, layer_state)(x, positions)
         return x, unit_cache.updated()
@@ -246,6 +252,22 @@ class Generator:
     # ----------------------------------------------------------------------------------------
     # The jitted pieces
 
+    def _prefill_attention(self, s: int) -> Attention:
+        """The model's attention for a prompt of S tokens (``model.attention``, as training
+        resolves it): blockwise when S spans several blocks (S is then a multiple of the
+        block: :meth:`prompt_width`)."""
+        m = self.cfg.model
+        block = m.attention_block if s % m.attention_block == 0 else s
+        platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
+                    else jax.default_backend())
+        return attention_fn(resolve(m.attention, platform, s, block, self.dtype), block)
+
+    def prompt_width(self, longest: int) -> int:
+        """The padded prompt length S: a multiple of :data:`LENGTH_BUCKET`, or of
+        ``model.attention_block`` past one block (so that the blockwise kernel tiles it)."""
+        block = self.cfg.model.attention_block
+        return _bucket(longest, LENGTH_BUCKET if longest <= block else block)
+
     def _model(self, params: dict, buffers: dict) -> Transformer:
         return nnx.merge(self.graphdef, params, buffers)
 
@@ -260,7 +282,8 @@ class Generator:
             cache = empty_cache(m.n_layers, b, max_len, m.n_kv_heads, m.resolved_head_dim,
                                 self.dtype)
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-            x, cache = forward_cached(model, tokens, positions, cache, self.dtype)
+            x, cache = forward_cached(model, tokens, positions, cache, self.dtype,
+                                      self._prefill_attention(s))
             logits = last_logits(model, x, lengths - 1, self.dtype)
             return sample(logits, key, jnp.int32(0), sampling), cache
 
@@ -293,7 +316,7 @@ class Generator:
         n = len(prompts)
         rows = -(-n // self.batch_multiple()) * self.batch_multiple()
         lengths = np.array([len(p) for p in prompts] + [len(prompts[0])] * (rows - n), np.int32)
-        width = _bucket(int(lengths.max()))
+        width = self.prompt_width(int(lengths.max()))
         tokens = np.zeros((rows, width), np.int32)
         for i, prompt in enumerate(list(prompts) + [prompts[0]] * (rows - n)):
             tokens[i, :len(prompt)] = prompt
@@ -336,8 +359,8 @@ class Generator:
         return out
 
 
-def _bucket(n: int) -> int:
-    return -(-n // LENGTH_BUCKET) * LENGTH_BUCKET
+def _bucket(n: int, multiple: int = LENGTH_BUCKET) -> int:
+    return -(-n // multiple) * multiple
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_tokens: int,

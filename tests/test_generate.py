@@ -32,7 +32,9 @@ DENSE = ModelConfig(d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128, v
 # Groups of (dense, MoE) blocks: two attention layers per scanned unit; sigmoid router (buffers).
 MOE = dataclasses.replace(DENSE, n_layers=4, moe=MoEConfig(
     num_experts=4, top_k=2, every=2, d_ff_expert=64, router="sigmoid_bias"))
-MODELS = {"dense": DENSE, "moe": MOE}
+# The 19-token prompt pads to 32 = 2 blocks of 16: the prefill runs blockwise attention.
+BLOCKWISE = dataclasses.replace(DENSE, attention_block=16)
+MODELS = {"dense": DENSE, "moe": MOE, "blockwise": BLOCKWISE}
 # Lengths 4, 19 (past the 16-token bucket) and 2; with a mesh of data=2 they pad to 4 rows.
 PROMPTS = [[0, 5, 17, 99], [0, 200, *[3] * 16, 42], [0, 7]]
 NEW = 32

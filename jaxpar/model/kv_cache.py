@@ -19,7 +19,10 @@ the cache and attends over the cache instead of over the new tokens alone:
 
 - *prefill* (S > 1 new tokens, positions ``0..S-1`` in every row, prompts right-padded): the
   S keys go to slots ``0..S-1``; a padding token's keys land in slots past its row's prompt,
-  which its real queries never see (causal mask) and decoding overwrites before it reaches them;
+  which its real queries never see (causal mask) and decoding overwrites before it reaches them.
+  The queries attend to the S new keys with the model's own attention (dense, blockwise or
+  cuDNN, as ``model.attention`` resolves for S tokens): nothing is cached before them, and the
+  blockwise kernel keeps a long prompt's scores at O(S x block) rather than O(S x L);
 - *decode* (S = 1): each row's new key goes to the slot of its own position (rows may be at
   different positions), an elementwise select, so nothing moves between the devices of a
   batch-sharded cache.
@@ -38,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpar.model.annotate import constrain
-from jaxpar.model.attention import NEG, group
+from jaxpar.model.annotate import Attention, constrain
+from jaxpar.model.attention import NEG, dense_attention, group
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # k and v [layers, B, L, K, D]
 UNIT_AXES = CACHE_AXES[1:]  # one layer's slice [B, L, K, D]
@@ -96,11 +99,12 @@ def cached_attention(q: jax.Array, positions: jax.Array, k_cache: jax.Array,
 class UnitCache:
     """The cache of one scanned unit of layers (``moe.every`` blocks, else one) during one trace
     of it: ``k``/``v`` [blocks, B, L, K, D]. Its :meth:`attend` is the attention hook: the i-th
-    attention layer the unit calls reads and writes block i. :meth:`updated` returns the new
-    slices, to be stacked by the layer scan (they are values of the same trace)."""
+    attention layer the unit calls reads and writes block i (a prefill attends with
+    ``prefill``, the model's attention). :meth:`updated` returns the new slices, to be stacked
+    by the layer scan (they are values of the same trace)."""
 
-    def __init__(self, k: jax.Array, v: jax.Array):
-        self.k, self.v = k, v
+    def __init__(self, k: jax.Array, v: jax.Array, prefill: Attention = dense_attention):
+        self.k, self.v, self.prefill = k, v, prefill
         self.new_k: list[jax.Array] = []
         self.new_v: list[jax.Array] = []
 
@@ -114,6 +118,8 @@ class UnitCache:
         v_cache = write(constrain(self.v[i], UNIT_AXES), v, positions)
         self.new_k.append(k_cache)
         self.new_v.append(v_cache)
+        if q.shape[1] > 1:
+            return self.prefill(q, k, v, positions)
         return cached_attention(q, positions, k_cache, v_cache)
 
     def updated(self) -> tuple[jax.Array, jax.Array]:
