@@ -200,7 +200,9 @@ class Generator:
                 raise ConfigError(f"generate: mesh {' '.join(unsupported)} is not supported; "
                                   f"generation splits over {', '.join(SUPPORTED_AXES)} only")
             params, buffers = self._place(params, buffers or {})
-        self.params, self.buffers = params, buffers or {}
+        else:  # onto the default device once, not with every call (host arrays would be)
+            params, buffers = jax.device_put((params, buffers or {}))
+        self.params, self.buffers = params, buffers
         # Outputs laid out as the next step takes them, so the step never sees a new layout
         # (which would compile it again). The cache is donated: updated in place, not copied.
         out = None if mesh is None else (self._rows_sharding(1), self._cache_sharding())
@@ -308,37 +310,43 @@ class Generator:
         ``eos_id`` (which is yielded, then the row stops) or ``max_tokens`` tokens."""
         if max_tokens < 1:
             raise ConfigError(f"--max-tokens {max_tokens}: must be >= 1")
+        tokens, lengths = self.pack(prompts)
+        n, key = len(prompts), jax.random.key(seed)
+        # The mesh is entered per call, not around the loop: a caller's own jax work between
+        # two steps runs outside it.
+        with self._mesh_scope():
+            token, cache = self._prefill(
+                self.params, self.buffers, self._put(tokens), self._put(lengths), key,
+                max_len=_bucket(tokens.shape[1] + max_tokens), sampling=sampling)
+        active, positions = np.ones(n, bool), lengths
+        for step in range(1, max_tokens + 1):
+            host = np.asarray(token)[:n]
+            yield Step(host, active.copy())
+            if eos_id is not None:
+                active &= host != eos_id
+            if step == max_tokens or not active.any():
+                return
+            with self._mesh_scope():
+                token, cache = self._decode(self.params, self.buffers, cache, token,
+                                            self._put(positions), jnp.int32(step), key,
+                                            sampling=sampling)
+            positions = positions + 1
+
+    def pack(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Prompts -> (tokens int32 [B, S] right-padded with 0, lengths int32 [B]); B is the
+        prompt count padded with copies of the first prompt to :meth:`batch_multiple`."""
+        vocab = self.cfg.model.vocab_size
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("generate: every prompt needs at least one token")
-        vocab = self.cfg.model.vocab_size
         if any(min(p) < 0 or max(p) >= vocab for p in prompts):
             raise ConfigError(f"generate: prompt token ids must be in [0, {vocab})")
-        n = len(prompts)
-        rows = -(-n // self.batch_multiple()) * self.batch_multiple()
-        lengths = np.array([len(p) for p in prompts] + [len(prompts[0])] * (rows - n), np.int32)
-        width = self.prompt_width(int(lengths.max()))
-        tokens = np.zeros((rows, width), np.int32)
-        for i, prompt in enumerate(list(prompts) + [prompts[0]] * (rows - n)):
+        multiple = self.batch_multiple()
+        rows = list(prompts) + [prompts[0]] * (-len(prompts) % multiple)
+        lengths = np.array([len(p) for p in rows], np.int32)
+        tokens = np.zeros((len(rows), self.prompt_width(int(lengths.max()))), np.int32)
+        for i, prompt in enumerate(rows):
             tokens[i, :len(prompt)] = prompt
-        key = jax.random.key(seed)
-        with self._mesh_scope():
-            put = self._put
-            token, cache = self._prefill(self.params, self.buffers, put(tokens), put(lengths),
-                                         key, max_len=_bucket(width + max_tokens),
-                                         sampling=sampling)
-            active = np.ones(n, bool)
-            positions = lengths
-            for step in range(1, max_tokens + 1):
-                host = np.asarray(token)[:n]
-                yield Step(host, active.copy())
-                if eos_id is not None:
-                    active &= host != eos_id
-                if step == max_tokens or not active.any():
-                    return
-                token, cache = self._decode(self.params, self.buffers, cache, token,
-                                            put(positions), jnp.int32(step), key,
-                                            sampling=sampling)
-                positions = positions + 1
+        return tokens, lengths
 
     def _put(self, array: np.ndarray) -> jax.Array:
         sharding = self._rows_sharding(array.ndim)
