@@ -126,6 +126,16 @@ def test_sampling_repeats_with_a_seed_and_top_k_1_is_greedy():
         assert generator.generate(PROMPTS, max_tokens=16, sampling=cut, seed=3) == greedy
 
 
+def test_sampling_draws_the_same_tokens_on_a_mesh():
+    m = model("dense", init_std=0.02)
+    cfg = Config(model=m.cfg, mesh=MeshConfig(data=2, tensor=2))
+    on_mesh = Generator(cfg, *weights(m), make_mesh(cfg, jax.devices()[:4]))
+    alone = Generator(Config(model=m.cfg), *weights(m))
+    nucleus = Sampling(temperature=1.0, top_p=0.9)
+    got = on_mesh.generate(PROMPTS, max_tokens=16, sampling=nucleus, seed=5)
+    assert got == alone.generate(PROMPTS, max_tokens=16, sampling=nucleus, seed=5)
+
+
 def test_sample_draws_only_from_the_top_k_and_the_nucleus_at_their_frequencies():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(probs, jnp.float32)), (4000, 4))
@@ -294,3 +304,21 @@ def test_generate_cli_streams_what_the_library_generates(trained, tmp_path):
     assert result.stdout == expected
     assert_one_line_error(run_jaxpar("generate", str(path), "--prompt", "x", "--mesh",
                                      "pipe=2", "host_devices=2", env=env), "pipe=2")
+
+
+def test_weights_that_fail_their_checksum_are_refused(trained, tmp_path):
+    import json
+    import shutil
+
+    from jaxpar.train.checkpoint import DamagedCheckpointError
+    from jaxpar.train.saved_weights import read_weights, step_dir
+
+    path = shutil.copytree(step_dir(trained[0]), tmp_path / "3")
+    params, _, step = read_weights(path)  # intact: verified, read
+    assert step == 3 and params["embedding"].shape == (256, 64)
+    record = path / "checksums" / "metadata"
+    saved = json.loads(record.read_text())
+    saved["arrays"]["params/layers/mlp/w_up"] ^= 1
+    record.write_text(json.dumps(saved))
+    with pytest.raises(DamagedCheckpointError, match="params/layers/mlp/w_up"):
+        read_weights(path)
