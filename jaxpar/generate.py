@@ -36,6 +36,11 @@ the batch axes (padded with copies of the first prompt to a multiple of their si
 heads, the cache's kv heads and the vocabulary over ``tensor``; the model's activation
 constraints and the MoE dispatch hook come from :func:`jaxpar.parallel.hooks.model_hooks`.
 Sequence parallelism is switched off (one new token cannot be split over ``tensor``).
+
+Memory. The cache holds B x L positions of ``2 x n_layers x n_kv_heads x head_dim`` values in
+the compute dtype (:func:`~jaxpar.model.kv_cache.cache_bytes_per_token`: 1 KiB a position for
+the tiny preset in float32), each device 1/(batch devices x tensor) of it. A decode step reads
+the whole cache and the weights once.
 """
 
 from __future__ import annotations
