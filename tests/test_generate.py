@@ -304,6 +304,8 @@ def test_generate_cli_streams_what_the_library_generates(trained, tmp_path):
     assert result.stdout == expected
     assert_one_line_error(run_jaxpar("generate", str(path), "--prompt", "x", "--mesh",
                                      "pipe=2", "host_devices=2", env=env), "pipe=2")
+    assert_one_line_error(run_jaxpar("generate", str(path), "--prompt", "x", "model.d_ff=64",
+                                     env=env), "params/layers/mlp/w_down", "model.*")
 
 
 def test_weights_that_fail_their_checksum_are_refused(trained, tmp_path):
