@@ -100,11 +100,12 @@ def trainer_from_import(config_yaml: Path, overrides: list[str], devices: int):
     from jaxpar.config import load_config, validate
     from jaxpar.mesh import make_mesh
     from jaxpar.train import weights
+    from jaxpar.train.saved_weights import step_dir
     from jaxpar.train.step import build_trainer
 
     cfg = validate(load_config(str(config_yaml), [
         "host_devices=null", "mesh.data=-1", f"train.seq_len={SEQ}",
         f"train.batch_size={max(devices, 2)}", *overrides]), devices)
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
-    source = weights.resolve_source(Path(cfg.train.init_from), "")
+    source = step_dir(Path(cfg.train.init_from))
     return trainer, weights.initial_state(trainer, source)

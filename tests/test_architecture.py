@@ -19,7 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxpar"
 # {model, parallel, data} -> config/mesh/distributed. `parallel` may use `model`'s layer code
 # (the MoE dispatch runs the model's experts); nothing below `train` knows training exists.
 ALLOWED = {
-    "cli": {"inspect", "train", "model", "parallel", "data", "mesh", "distributed", "config"},
+    "cli": {"inspect", "train", "generate", "model", "parallel", "data", "mesh", "distributed",
+            "config"},
+    # Text generation runs the model with a KV cache on a mesh; the CLI loads its weights.
+    "generate": {"model", "parallel", "config"},
     "inspect": {"train", "model", "parallel", "data", "mesh", "config"},
     "train": {"model", "parallel", "data", "mesh", "distributed", "config"},
     "parallel": {"model", "config"},

@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.model.attention import blockwise_attention, dense_attention, resolve
+from jaxpar.model.attention import (
+    blockwise_attention,
+    dense_attention,
+    resolve,
+    splash_attention,
+)
 from jaxpar.parallel.context import zigzag_order
+from jaxpar.parallel.hooks import per_device
 
 B, S, D = 2, 64, 16
 
@@ -100,6 +106,37 @@ def test_blockwise_attention_memory_grows_linearly_where_dense_grows_quadratical
     assert tiled[1] < score_matrix / 8 and tiled[1] / tiled[0] < 2.5, tiled
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_splash_kernel_matches_jax_reference_output_and_gradients(heads, kv_heads):
+    """The TPU kernel, run by Pallas' interpreter on the CPU (its smallest block is 128)."""
+    q, k, v = qkv(heads, kv_heads, seq=256)
+    attend = splash_attention(128, interpret=True)
+
+    def ours(q, k, v):
+        return attend(q, k, v)
+
+    def theirs(q, k, v):
+        return reference(q, k, v, np.arange(256))
+
+    np.testing.assert_allclose(ours(q, k, v), theirs(q, k, v), atol=2e-6, rtol=1e-5)
+    for got, want in zip(grads(ours, q, k, v), grads(theirs, q, k, v), strict=True):
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-4)
+
+
+def test_splash_runs_per_device_on_its_rows_and_heads():
+    """The shard_map around the kernel (a Pallas kernel cannot be split by the compiler) hands
+    each device its own sequences and heads: data=2 tensor=2 gives the unsplit result."""
+    q, k, v = qkv(8, 2, seq=256)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    attend = per_device(splash_attention(128, interpret=True), ("data",),
+                        {"heads": ("tensor",), "kv_heads": ("tensor",)})
+    positions = jnp.broadcast_to(jnp.arange(256, dtype=jnp.int32), (B, 256))
+    with jax.set_mesh(mesh):
+        out = jax.jit(attend)(q, k, v, positions)
+    np.testing.assert_allclose(out, reference(q, k, v, np.arange(256)), atol=2e-6, rtol=1e-5)
+
+
 def test_auto_picks_blockwise_only_where_the_sequence_spans_several_blocks():
     assert resolve("auto", "cpu", 4096, 512, "float32") == "blockwise"
     assert resolve("auto", "cpu", 512, 512, "float32") == "dense"
@@ -110,6 +147,17 @@ def test_auto_picks_blockwise_only_where_the_sequence_spans_several_blocks():
         resolve("cudnn", "cpu", 4096, 512, "bfloat16")
 
 
+def test_auto_picks_splash_on_a_tpu_where_the_sequence_tiles_into_its_blocks():
+    assert resolve("auto", "tpu", 2048, 512, "bfloat16") == "splash"
+    assert resolve("auto", "tpu", 256, 512, "float32") == "splash"
+    assert resolve("auto", "tpu", 1000, 512, "float32") == "blockwise"  # not 128-tiled
+    assert resolve("auto", "tpu", 2048, 512, "float32", splash_possible=False) == "blockwise"
+    with pytest.raises(ConfigError, match="model.attention=splash needs a TPU"):
+        resolve("splash", "cpu", 2048, 512, "float32")
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        resolve("splash", "tpu", 2048, 64, "float32")
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["model.attention=flash"], "model.attention"),
     (["train.seq_len=96", "model.attention_block=64"],
@@ -117,7 +165,10 @@ def test_auto_picks_blockwise_only_where_the_sequence_spans_several_blocks():
     (["mesh.data=1", "mesh.context=2", "train.seq_len=96", "model.attention_block=16"],
      "model.attention_block=16 does not divide the 24 tokens"),
     (["model.attention_block=0"], "model.attention_block=0: must be >= 1"),
+    (["mesh.data=1", "mesh.pipe=2", "mesh.tensor=2", "model.attention=splash"],
+     "model.attention=splash cannot run in pipeline stages split over tensor"),
 ])
 def test_attention_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        validate(load_config("tiny", overrides), 2 if "mesh.context=2" in overrides else 1)
+        validate(load_config("tiny", overrides),
+                 2 if "mesh.context=2" in overrides else 4 if "mesh.pipe=2" in overrides else 1)

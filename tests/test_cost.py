@@ -135,10 +135,10 @@ def test_predicted_parameter_and_optimizer_bytes_match_the_compiled_arguments(na
     assert close(report.memory.state, arguments, STATE_TOLERANCE)
 
 
-@pytest.mark.parametrize("remat, passes", [("none", 1), ("dots", 2)])
+@pytest.mark.parametrize("remat, passes", [("none", 2), ("dots", 2)])
 def test_layer_collectives_are_counted_per_layer_per_step(remat, passes):
-    """Two more layers add two layers' FSDP gathers: once each (forward; remat=none keeps the
-    gathered weights for the backward pass) or twice (remat gathers them again)."""
+    """Two more layers add two layers' FSDP gathers, twice each: forward, and backward (remat
+    gathers them again; without remat the layers reshard after the forward pass)."""
     two, four = (estimate(tiny("mesh.data=1", "mesh.fsdp=8", f"model.n_layers={n}",
                                f"train.remat={remat}")) for n in (2, 4))
     gathers = [next(r for r in rep.collective_rows() if r["kind"] == "all-gather")["bytes"]
@@ -159,22 +159,26 @@ def test_tiny_fsdp8_bytes_and_flops_by_hand():
     assert sum(p.bytes_per_device for p in report.params) == 427_264 // 8 == 53_408
     assert report.memory.optimizer == 2 * 53_408 + 8  # mu, nu and two int32 counts
     rows = {(r["kind"], tuple(r["axes"])): r for r in report.collective_rows()}
-    # Weight gathers: each layer's once (remat=none keeps them for the backward pass),
-    # 2 * 147,968 = 295,936, plus the embedding, lm_head (65,536 each) and final norm (256):
-    # 427,264 B; a ring sends 7/8 of it.
-    assert rows["all-gather", ("fsdp",)]["bytes"] == 427_264
-    assert rows["all-gather", ("fsdp",)]["wire_bytes"] == 427_264 * 7 // 8
+    # Weight gathers: each layer's twice (forward, and backward: reshard after forward),
+    # 4 * 147,968 = 591,872, plus the embedding, lm_head (65,536 each) and final norm (256)
+    # once: 723,200 B; a ring sends 7/8 of it.
+    assert rows["all-gather", ("fsdp",)]["bytes"] == 723_200
+    assert rows["all-gather", ("fsdp",)]["wire_bytes"] == 723_200 * 7 // 8
     # Gradients: all 427,264 B reduce-scattered once (one micro-step).
     assert rows["reduce-scatter", ("fsdp",)]["bytes"] == 427_264
-    # Flops per token: 6 * matmul params (2 * 36,864 + 64*256 = 90,112) + attention
-    # 12 * 2 layers * 8 heads * 8 * 32 = 540,672 + 49,152 = 589,824; 256 tokens over 8 devices.
-    assert report.flops.model == 589_824 * 256 / 8
+    # Flops per token: 6 * matmul params (2 * 36,864 + 64*256 = 90,112) + causal attention
+    # (half the square) 6 * 2 layers * 8 heads * 8 * 32 = 540,672 + 24,576 = 565,248; 256
+    # tokens over 8 devices.
+    assert report.flops.model == 565_248 * 256 / 8
     assert report.flops.embedding_one_hot == 4 * 256 * 64 * 256 / 8  # one-hot fwd + weight grad
-    # Time on an H100 (NVLink: 450 GB/s each way; fsdp=8 fits one node): everything overlaps,
-    # and 0.75 MB of ring traffic takes longer than 21 MFLOP at 989 TFLOP/s.
-    comm = 2 * (427_264 * 7 // 8) / (450 * GB)
+    # Time on an H100 (NVLink: 450 GB/s each way; fsdp=8 fits one node): the bytes overlap,
+    # and 1 MB of ring traffic takes longer than 21 MFLOP at 989 TFLOP/s; each collective
+    # launched adds NVLink's 10 us.
+    comm = (723_200 * 7 // 8 + 427_264 * 7 // 8) / (450 * GB)
+    launches = sum(c.count for c in report.collectives)
     assert report.time.overlapped_comm == pytest.approx(comm)
-    assert report.time.step == pytest.approx(max(comm, report.time.compute))
+    assert report.time.latency == pytest.approx(launches * 10e-6)
+    assert report.time.step == pytest.approx(max(comm, report.time.compute) + launches * 10e-6)
 
 
 def test_tiny_tensor_parallel_all_reduces_by_hand():
@@ -230,9 +234,10 @@ def test_ring_attention_blocks_by_hand():
     assert sum(c.bytes for c in permutes) == 2 * 8 * 4_096
     assert all(c.overlapped for c in permutes)
     # Zigzag: each device computes 2c+1 = 5 of its 4c = 8 chunk pairs, with a flash-style
-    # backward (7/6 of dense attention's flops), so attention costs 5/8 * 7/6 of the dense count.
-    dense = 12 * 2 * 8 * 8 * 32 * 256 / 8  # flops.py's attention term, per device
-    assert report.flops.flash_attention == pytest.approx(dense * (5 / 8 * 7 / 6 - 1))
+    # backward (7/6 of dense attention's flops), so attention costs 5/8 * 7/6 of the whole
+    # square's, of which the causal half is useful (flops.py's attention term).
+    square = 12 * 2 * 8 * 8 * 32 * 256 / 8  # forward and backward over the whole square
+    assert report.flops.attention_extra == pytest.approx(square * (5 / 8 * 7 / 6 - 1 / 2))
 
 
 def test_wire_bytes_follow_ring_algorithms():

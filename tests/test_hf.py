@@ -73,13 +73,13 @@ def test_init_from_converts_to_the_stored_dtype_and_refuses_another_model(import
     import jax.numpy as jnp
 
     from jaxpar.train.checkpoint import CheckpointError
-    from jaxpar.train.weights import read_host_params
+    from jaxpar.train.saved_weights import read_weights
 
     done = imported["llama"][1]
     _, state = trainer_from_import(done.config_yaml, ["train.param_dtype=bfloat16"], 1)
     wq = state.params["layers"]["attn"]["wq"]
     assert wq.dtype == jnp.bfloat16
-    expected = read_host_params(done.checkpoint)["layers"]["attn"]["wq"]
+    expected = read_weights(done.checkpoint)[0]["layers"]["attn"]["wq"]
     np.testing.assert_array_equal(np.asarray(wq), expected.astype(jnp.bfloat16))
     with pytest.raises(CheckpointError, match="does not fit this model: params/layers/mlp"):
         trainer_from_import(done.config_yaml, ["model.d_ff=128"], 1)
@@ -123,11 +123,11 @@ def test_bfloat16_weights_import_exactly_as_float32(tmp_path):
     import torch
     from hf_models import build_hf_model
 
-    from jaxpar.train.weights import read_host_params
+    from jaxpar.train.saved_weights import read_weights
 
     model = build_hf_model("qwen2").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "src")
-    params = read_host_params(import_hf(tmp_path / "src", tmp_path / "out").checkpoint)
+    params = read_weights(import_hf(tmp_path / "src", tmp_path / "out").checkpoint)[0]
     wq = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # [H*D, E]
     got = params["layers"]["attn"]["wq"][1]  # [E, H, D]
     assert got.dtype == np.float32

@@ -13,9 +13,9 @@ import pytest
 from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
 from hf_models import hf_logits, jaxpar_logits, save_hf_model, tokens, trainer_from_import
 
-from jaxpar.train import weights
 from jaxpar.train.hf_export import export_hf, parse_size, shard_plan
 from jaxpar.train.hf_import import import_hf
+from jaxpar.train.saved_weights import read_weights, step_dir
 
 pytest.importorskip("transformers")
 
@@ -66,8 +66,8 @@ def test_export_of_an_import_loads_in_transformers_and_reimports_bit_exactly(tmp
                                atol=TOLERANCE, rtol=0)
     again = import_hf(tmp_path / "hf", tmp_path / "again")
     assert again.model == done.model
-    first = weights.read_host_params(done.checkpoint)
-    second = weights.read_host_params(again.checkpoint)
+    first = read_weights(done.checkpoint)[0]
+    second = read_weights(again.checkpoint)[0]
     import jax
 
     jax.tree.map(np.testing.assert_array_equal, second, first)
@@ -114,7 +114,7 @@ def test_fine_tune_under_fsdp_and_tensor_then_export(tmp_path, cache):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     _load_quietly(tmp_path / "hf")
-    trained = weights.resolve_source(run_dir, "")
+    trained = step_dir(run_dir)
     trainer, state = trainer_from_import(out / "config.yaml", [f"train.init_from={trained}"], 1)
     ids = tokens(rows=2)
     expected = hf_logits(tmp_path / "hf", ids)

@@ -14,6 +14,7 @@ that libtpu wheels exist for, they fail instead, so CI cannot pass without runni
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -154,6 +155,31 @@ def test_moe_dropless_exchange_compiles_to_ragged_all_to_all_for_tpu(tmp_path):
     ragged = rows["ragged-all-to-all", ("expert",)]
     # Rows there and back, expert ids, and the two transposes, in each of the 2 MoE layers.
     assert ragged["count"] >= 2 * 4
+
+
+def square_shapes(hlo: str, seq: int) -> set[str]:
+    """Array shapes in the HLO with two dimensions of at least ``seq``: score matrices."""
+    shapes = set(re.findall(r"[fs](?:32|16)\[[0-9,]+\]", hlo))
+    return {s for s in shapes if sum(int(d) >= seq for d in s[4:-1].split(",")) >= 2}
+
+
+def test_splash_attention_compiles_for_tpu_without_a_sequence_square(tmp_path):
+    """``model.attention=auto`` on a TPU at S = 2048 is the Pallas splash kernel (a Mosaic
+    custom call per device): no [S, S] buffer anywhere in the program, and temp memory below
+    one float32 score matrix per local sequence and head, which dense attention keeps per
+    layer."""
+    needs_libtpu()
+    seq = 2048
+    result = run_inspect("tiny", "mesh.data=4", "mesh.tensor=2", f"train.seq_len={seq}",
+                         "--target", TARGET, "--json", "-", "--hlo", str(tmp_path / "step.hlo"),
+                         cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    hlo = (tmp_path / "step.hlo").read_text()
+    assert "tpu_custom_call" in hlo and "splash" in hlo
+    assert square_shapes(hlo, seq) == set()
+    rows, heads = 8 // 4, 8 // 2  # tiny: batch 8 over data=4, 8 heads over tensor=2
+    score_matrices = rows * heads * seq * seq * 4
+    assert json.loads(result.stdout)["memory"]["temp_bytes"] < score_matrices / 2
 
 
 # --------------------------------------------------------------------------------------------

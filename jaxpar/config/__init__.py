@@ -35,6 +35,7 @@ from jaxpar.config.schema import (
     ModelConfig,
     MoEConfig,
     ParallelConfig,
+    ProfileConfig,
     RopeScalingConfig,
     TrainConfig,
 )
@@ -43,7 +44,8 @@ from jaxpar.config.validation import validate
 __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
     "ConfigError", "DataConfig", "DistributedConfig", "LoggingConfig", "MeshConfig",
-    "ModelConfig", "MoEConfig", "ParallelConfig", "RopeScalingConfig", "TrainConfig",
+    "ModelConfig", "MoEConfig", "ParallelConfig", "ProfileConfig", "RopeScalingConfig",
+    "TrainConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",
     "to_yaml", "validate",
 ]

@@ -95,8 +95,9 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     init_std: float = 0.02
-    # auto: cuDNN on a GPU in 16-bit, else blockwise when the sequence spans several blocks
-    attention: Literal["auto", "dense", "blockwise", "cudnn"] = "auto"
+    # auto: cuDNN on a GPU in 16-bit, splash on a TPU, else blockwise when the sequence spans
+    # several blocks
+    attention: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"
     attention_block: int = 512  # queries x keys per block of blockwise (and ring) attention
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -125,6 +126,19 @@ class MeshConfig:
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """A ``jax.profiler`` trace of steps ``start_step`` .. ``start_step + steps - 1`` in
+    ``run_dir/profile`` (``jaxpar/train/observe.py``); ``start_step: null`` traces nothing."""
+
+    start_step: int | None = None
+    steps: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.start_step is not None
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,7 @@ class TrainConfig:
     # A non-finite loss or gradient norm: skip drops that update (counted as skipped_steps in
     # metrics.jsonl); stop exits 1 naming the step, saving nothing after it.
     on_nonfinite: Literal["skip", "stop"] = "stop"
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass(frozen=True)
@@ -200,6 +215,7 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = 10  # steps between log lines / metrics.jsonl rows
     progress: bool = True  # rich progress bar
+    tensorboard: bool = False  # metrics.jsonl's rows also as TensorBoard scalars (tensorboardX)
 
 
 @dataclass(frozen=True)
@@ -239,6 +255,12 @@ class Config:
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes; only meaningful after :func:`validate` resolved any ``-1``."""
         return self.mesh.sizes()
+
+    def splash_possible(self) -> bool:
+        """Whether the TPU splash kernel can run in this layout: not inside pipeline stages
+        that split heads over ``tensor`` (libtpu 0.0.42.1's partitioner aborts on that nested
+        shard_map: "Check failed: target.IsManualSubgroup() == sharding().IsManualSubgroup()")."""
+        return not (self.mesh.pipe > 1 and self.mesh.tensor > 1)
 
     def loss_pieces(self) -> int:
         """Pieces of the sequence the loss is computed in (``train.loss_chunks``, or for 0 the

@@ -192,6 +192,10 @@ def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
     _require(m.attention_block >= 1, f"model.attention_block={m.attention_block}: must be >= 1")
     tiled = t.seq_len // (mesh.context * (2 if cfg.parallel.zigzag else 1)
                           if mesh.context > 1 else 1)
+    _require(m.attention != "splash" or cfg.splash_possible(),
+             f"model.attention=splash cannot run in pipeline stages split over tensor "
+             f"(mesh.pipe={mesh.pipe} mesh.tensor={mesh.tensor}): the TPU compiler aborts; "
+             "use auto (blockwise there) or blockwise")
     if m.attention in ("auto", "blockwise") or mesh.context > 1:
         _require(tiled <= m.attention_block or tiled % m.attention_block == 0,
                  f"model.attention_block={m.attention_block} does not divide the {tiled} tokens "
@@ -256,6 +260,20 @@ def _check_run(cfg: Config) -> None:
                  f"train.resume={t.resume} both name where to start; set one (train.resume=auto "
                  "resumes run_dir's own checkpoints before init_from applies)")
     _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
+    _check_profile(cfg)
+
+
+def _check_profile(cfg: Config) -> None:
+    """``train.profile``: whole steps inside the run."""
+    p, steps = cfg.train.profile, cfg.train.steps
+    _require(p.steps >= 1, f"train.profile.steps={p.steps}: must be >= 1")
+    if not p.enabled:
+        return
+    _require(p.start_step >= 1, f"train.profile.start_step={p.start_step}: must be >= 1 (steps "
+             "count from 1), or null for no trace")
+    last = p.start_step + p.steps - 1
+    _require(last <= steps, f"train.profile.start_step={p.start_step} + train.profile.steps="
+             f"{p.steps} traces up to step {last}, beyond train.steps={steps}")
 
 
 def check_distributed(d: DistributedConfig) -> None:

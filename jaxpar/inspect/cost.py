@@ -27,22 +27,28 @@ The parts, one module each, read in this order:
 Flops and time
 --------------
 Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
-counts; attention as the full S x S square). Executed flops add the one-hot embedding matmul
-(2VE forward + 2VE weight gradient per token), the recomputation (``dots`` redoes attention's
-forward, 4 L H D S per token; ``full`` also each layer's matmuls, 2 x their parameters) and, under
-flash attention (blockwise, ring or all-gather over ``context``), the difference between the
-blocks the busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of
-it without; (n+1)/(2n) of n x n blocks on one device -- with a flash-style backward (5 block
-matmuls against dense attention's 4; never recomputed by remat) and the dense count.
+counts; causal attention as half the S x S square, as MaxText counts it). Executed flops add
+the one-hot embedding matmul (2VE forward + 2VE weight gradient per token), the recomputation
+(``dots`` redoes attention's forward, 4 L H D S per token; ``full`` also each layer's matmuls, 2
+x their parameters) and attention's executed minus useful flops: dense attention computes the
+whole square, flash attention (blockwise, ring or all-gather over ``context``) the blocks the
+busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of it without;
+(n+1)/(2n) of n x n blocks on one device -- with a flash-style backward (5 block matmuls against
+dense attention's 4; never recomputed by remat). Both compute at least the useful half, so the
+MFU bound below is at most 100%.
 
 Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
-as no kernel reaches it and memory-bound work and latency are ignored); each collective takes
-``wire_bytes / bandwidth`` of the link its axes use. Overlap rule: collectives over ``data``,
-``fsdp`` and ``context`` (weight gathers, gradient reductions, ring steps sent while the previous
-block is computed) hide behind compute; ``tensor`` collectives and allgather attention sit between
-dependent ops, and ZeRO-1's parameter gather comes after all compute, so those add to the step::
+as no kernel reaches it and memory-bound work is ignored); each collective takes
+``wire_bytes / bandwidth`` of the link its axes use, plus a fixed latency per launch
+(``count x latency`` of that link, :mod:`~jaxpar.inspect.hardware`). Overlap rule: the bytes of
+collectives over ``data``, ``fsdp`` and ``context`` (weight gathers, gradient reductions, ring
+steps sent while the previous block is computed) hide behind compute; ``tensor`` collectives and
+allgather attention sit between dependent ops, and ZeRO-1's parameter gather comes after all
+compute, so those add to the step. Latency is never hidden: it is what a collective costs when
+its bytes are few, i.e. exactly where the compute beside it (a ring hop's block of a few hundred
+tokens) is too short to cover it, so every launch adds it to the step::
 
-    step = compute + blocking + max(0, overlappable - compute)
+    step = compute + blocking + latency + max(0, overlappable - compute)
     MFU  = useful flops / (step * peak)
 """
 
@@ -74,12 +80,14 @@ class FlopsCost:
     model: float  # useful work (what MFU counts): flops.train_flops_per_token x tokens
     embedding_one_hot: float  # the one-hot embedding matmul, forward + weight gradient
     recompute: float  # remat's extra forward work
-    flash_attention: float = 0.0  # blockwise/ring attention's executed minus dense's flops
+    # Attention's executed minus useful flops: the masked causal blocks computed, and under
+    # flash attention the scores recomputed backward.
+    attention_extra: float = 0.0
     expert_padding: float = 0.0  # MoE rows computed that carry no token (and XLA:CPU's ragged_dot)
 
     @property
     def executed(self) -> float:
-        return (self.model + self.embedding_one_hot + self.recompute + self.flash_attention
+        return (self.model + self.embedding_one_hot + self.recompute + self.attention_extra
                 + self.expert_padding)
 
 
@@ -89,10 +97,11 @@ class TimeCost:
 
     hardware: str
     compute: float
-    comm_by_axis: dict[str, float]  # "tensor (NVLink)" -> seconds
+    comm_by_axis: dict[str, float]  # "tensor (NVLink)" -> seconds, bytes and latency
     blocking_comm: float
     overlapped_comm: float
     exposed_comm: float  # the part of overlapped_comm that compute does not hide
+    latency: float  # count x latency of every collective (never hidden)
     step: float
     tokens_per_s: float
     mfu: float
@@ -170,10 +179,6 @@ def _notes(st: StepSizes) -> list[str]:
                      "compiled step does")
     if st.pipeline is not None:
         notes.append(pipeline_note(st))
-    if st.flash:
-        notes.append(f"{st.attention} attention skips the causal half of the S x S square that "
-                     "model flops (jaxpar.model.flops) count as useful, so the MFU bound can "
-                     "pass 100%")
     if st.moe_exchange is not None:
         moe, slots = st.cfg.model.moe, st.tokens * st.cfg.model.moe.top_k
         notes.append(f"MoE all-to-alls carry {st.expert_rows:,} rows per layer and device, "
@@ -210,16 +215,17 @@ def _flops(st: StepSizes) -> FlopsCost:
         rows = st.expert_rows * (local if st.xla_cpu and m.moe.dispatch == "dropless" else 1)
         padding = (m.n_moe_layers * st.accum * (rows - st.tokens * m.moe.top_k) * 6 * expert
                    / st.t)
-    flash_delta = 0.0
-    if st.flash:
-        # The blocks computed (StepSizes.computed_share of the S x S square), with a
-        # flash-style backward: 5 matmuls per block (scores recomputed) against dense
-        # attention's 4, forward 2 as dense.
-        flash_delta = st.computed_share * attention_forward * (1 + 10 / 4) - 3 * attention_forward
+    # Useful attention is the causal half of the square, forward and backward: 1.5 x the
+    # whole square's forward. Dense attention computes all of it (forward 1, backward 2);
+    # flash attention the blocks computed (StepSizes.computed_share of the square), with a
+    # backward of 5 block matmuls (scores recomputed) against dense attention's 4.
+    executed_attention = (st.computed_share * attention_forward * (1 + 10 / 4) if st.flash
+                          else 3 * attention_forward)
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
                      embedding_one_hot=4 * m.vocab_size * m.d_model * per_device,
                      recompute=recompute * per_device,
-                     flash_attention=flash_delta * per_device,
+                     attention_extra=(executed_attention - 1.5 * attention_forward)
+                     * per_device,
                      expert_padding=padding)
 
 
@@ -229,20 +235,22 @@ def _time(st: StepSizes, collectives: list[CollectiveCost], flops: FlopsCost,
     if st.pipeline is not None:
         compute = pipeline_compute(st, compute)
     by_axis: dict[str, float] = {}
-    blocking = overlapped = 0.0
+    blocking = overlapped = latency = 0.0
     for c in collectives:
         link, bandwidth = hw.axis_link(st.mesh, c.axes)
         seconds = c.wire_bytes / bandwidth
+        launches = c.count * hw.axis_latency(st.mesh, c.axes)
         label = f"{'+'.join(c.axes)} ({link})"
-        by_axis[label] = by_axis.get(label, 0.0) + seconds
+        by_axis[label] = by_axis.get(label, 0.0) + seconds + launches
+        latency += launches
         if c.overlapped:
             overlapped += seconds
         else:
             blocking += seconds
     exposed = max(0.0, overlapped - compute)
-    step = compute + blocking + exposed
+    step = compute + blocking + latency + exposed
     tokens = st.cfg.train.batch_size * st.s
     return TimeCost(hardware=hw.name, compute=compute, comm_by_axis=by_axis,
                     blocking_comm=blocking, overlapped_comm=overlapped, exposed_comm=exposed,
-                    step=step, tokens_per_s=tokens / step,
+                    latency=latency, step=step, tokens_per_s=tokens / step,
                     mfu=flops.model / (step * hw.peak_flops))

@@ -15,10 +15,11 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   is all-reduced over both together, every micro-step (XLA reduces inside the accumulation loop
   rather than once after it; XLA:CPU sometimes splits the reduction into one all-reduce per
   axis, which doubles these bytes, while the TPU compiler keeps one).
-- ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and with remat
-  (``dots``, ``full``) again in the backward pass (L g or 2 L g gathers per weight; the
-  embedding, lm_head and final norm once per step), reduce-scatter of the gradients every
-  micro-step.
+- ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and again in the
+  backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
+  layers reshard after the forward pass (``model/layers.py: project``); under ``remat=none``
+  the MoE router and the experts' weights stay gathered instead (L g). The embedding, lm_head
+  and final norm once per step; reduce-scatter of the gradients every micro-step.
 - ZeRO-1 (``zero=1``): all-reduce of the whole (tensor-split) gradient over ``data`` x ``fsdp``
   (x ``context``) every micro-step, then one float32 all-gather of the updated parameters over
   ``data`` x ``fsdp``.
@@ -244,19 +245,27 @@ def fsdp_collectives(c: Ledger) -> None:
         return
     layer = [p for p in c.layer if p.gathered_bytes != p.bytes_per_device]
     other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device]
-    # remat=none keeps each layer's gathered weights for the backward pass; remat gathers
-    # them again there.
-    passes, runs = (1 if cfg.train.remat == "none" else 2) * c.forwards, st.runs
-    if "fsdp" in c.by_hand:  # the executor gathers a stage's weights once per step
-        passes, runs = 1, 1 / st.layers
-    elif st.pipeline is not None:
-        # A stage's weights do not change within a stretch of steps: XLA hoists their gathers
-        # out of the stretch's loop (an upper bound: how many survive is its choice).
-        passes, runs = 1, st.accum * len(st.pipeline["stretches"])
-    c.add("all-gather", ("fsdp",), round(passes * st.layers * runs * len(layer)),
-          round(passes * runs * sum(c.moved(p, p.gathered_bytes) for p in layer)),
-          "layer weights gathered before use" + (", and again backward" if passes == 2
-                                                 else " (kept for the backward pass)"), True)
+    if "fsdp" in c.by_hand or st.pipeline is not None:
+        # By hand, the executor gathers a stage's weights once per step; else a stage's weights
+        # do not change within a stretch of steps and XLA hoists their gathers out of the
+        # stretch's loop (an upper bound: how many survive is its choice).
+        passes, runs = 1, (1 / st.layers if "fsdp" in c.by_hand
+                           else st.accum * len(st.pipeline["stretches"]))
+        c.add("all-gather", ("fsdp",), round(passes * st.layers * runs * len(layer)),
+              round(passes * runs * sum(c.moved(p, p.gathered_bytes) for p in layer)),
+              "stage weights gathered once, kept for every microbatch", True)
+    else:
+        # Reshard after forward: gathered again in the backward pass, except what remat=none
+        # keeps (the router and the experts, which do not go through layers.project).
+        kept = [p for p in layer if cfg.train.remat == "none" and not p.resharded]
+        for group, passes, what in ((kept, 1, "MoE weights gathered, kept for the backward"),
+                                    ([p for p in layer if p not in kept], 2,
+                                     "layer weights gathered before use, and again backward")):
+            if group:
+                c.add("all-gather", ("fsdp",),
+                      round(passes * c.forwards * st.layers * st.runs * len(group)),
+                      round(passes * c.forwards * st.runs
+                            * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
     c.add("all-gather", ("fsdp",), len(other), sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
     c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),

@@ -18,9 +18,12 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
   projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
   norms and the SwiGLU product are recomputed.
 - ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
-- Weights: ``remat=none`` also keeps each layer's weights as its matmuls read them (cast to the
-  compute dtype and, under FSDP, gathered whole) for the backward pass: one more copy of all
-  layer weights per device, which FSDP does not split. The remat policies recompute them.
+- Weights: under ``remat=none`` the layers reshard after the forward pass
+  (``model/layers.py: project``): each keeps its stored weight shard for the backward pass (the
+  scan stacks it: one more copy of the layer weights as stored, 1/fsdp of them), not the weights
+  as its matmuls read them (cast to the compute dtype and, under FSDP, gathered whole). The MoE
+  router and routed experts, and a pipeline stage's weights (prepared once per step), are kept
+  as read. The remat policies recompute them all.
 - Flash attention (``model.attention`` blockwise or cudnn, and ring or all-gather attention
   over ``context``) never holds scores: its custom VJP keeps the float32 output and
   log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of scores at a
@@ -141,13 +144,20 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     head = (st.b * st.sl * (m.vocab_size // st.t) * (4 + 4) // st.loss_pieces
             + st.b * st.sl * (m.vocab_size // st.t) * st.a + 2 * st.act)
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
-    # fsdp. remat=none keeps them for the backward pass, in every layer.
+    # fsdp. remat=none keeps in every layer those it does not reshard after the forward pass
+    # (all of them in a pipeline stage, which prepares its weights once per step).
     # (With MoE every=k > 1, a "layer" here is one scanned group of k blocks.)
     blocks = unit_blocks(m)
     units = m.n_layers // len(blocks)
     layer_weights = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                         for p in params if p.stacked) // units
-    kept_weights = layer_weights if cfg.train.remat == "none" else 0
+    kept_weights = 0
+    if cfg.train.remat == "none" and st.pipeline is not None:
+        kept_weights = layer_weights
+    elif cfg.train.remat == "none":  # the stored shard of what it reshards (a stacked residual)
+        kept_weights = sum(p.stored_bytes_per_device or p.bytes_per_device if p.resharded
+                           else in_compute_dtype(p, p.gathered_bytes, st.a)
+                           for p in params if p.stacked) // units
     gathered = 0
     if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1:  # one layer's weights and gradient
         gathered = 2 * layer_weights + sum(in_compute_dtype(p, p.gathered_bytes, st.a)

@@ -118,6 +118,13 @@ class ParamCost:
     stored_bytes_per_device: int = 0
 
     @property
+    def resharded(self) -> bool:
+        """Whether a layer without remat gathers it again for the backward pass rather than
+        keeping it gathered (``model/layers.py: project``): all layer weights but the MoE
+        router's and the routed experts', which do not go through ``project``."""
+        return self.stacked and not (self.expert or self.name.endswith("/moe/router"))
+
+    @property
     def matmul(self) -> bool:
         """A weight the model casts to the compute dtype (everything but the norm scales and the
         MoE router, which routes in float32)."""

@@ -96,7 +96,8 @@ class StepSizes:
         if self.c > 1:
             return self.cfg.parallel.context_impl
         m = self.cfg.model
-        return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype)
+        return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype,
+                       self.cfg.splash_possible())
 
     @property
     def flash(self) -> bool:

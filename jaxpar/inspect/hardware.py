@@ -20,6 +20,15 @@ device can *send* per second on the links that axis uses:
   mesh axis runs along one torus dimension and sends on its two links (one each way), so it gets
   ``bidirectional ICI per chip / ICI ports``. Axes beyond one slice would cross the data-center
   network (DCN), which is far slower; the table's ``domain_size`` is the largest single slice.
+
+Latency. Each collective launched also costs a fixed ``latency_s`` of the link it uses (the
+fast or the slow one), whatever its size: the kernel launch, the handshake between peers and the
+first hop, which is what a small message costs on its own (NCCL's all-reduce of a few KB inside
+an NVLink node is ~10 us; across nodes it is more). Ring steps inside one all-gather or
+all-reduce are not charged again: the libraries pipeline them. The values are assumed, round
+numbers of the right order, not data-sheet figures; they keep layouts whose shards are tiny
+(many ring-attention hops of a few hundred tokens) from ranking first on bandwidth alone.
+
 - ``cpu`` is a *nominal* laptop, not a measurement: virtual CPU devices share one process, so its
   "links" are memory copies. Useful only to exercise the planner.
 """
@@ -50,6 +59,8 @@ class HardwareProfile:
     slow_link: str  # e.g. "network", "DCN"
     slow_bytes_per_s: float  # send bandwidth for an axis that leaves the domain
     domain_size: int  # devices that share the fast links (GPUs per node, chips per slice)
+    fast_latency_s: float  # fixed cost of one collective on the fast links (assumed)
+    slow_latency_s: float  # ... and on the slow ones (assumed)
     nominal: bool = False  # True: made-up round numbers, not a data sheet
 
     @property
@@ -65,12 +76,19 @@ class HardwareProfile:
         ``size(axis) * size(every axis inside it)`` consecutive devices; it stays in one domain
         when that span is at most ``domain_size`` (domains are assumed aligned to it).
         """
+        if self._in_domain(mesh_shape, axis):
+            return self.fast_link, self.fast_bytes_per_s
+        return self.slow_link, self.slow_bytes_per_s
+
+    def axis_latency(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...]) -> float:
+        """Seconds one collective over ``axis`` costs before its bytes (module docstring)."""
+        return self.fast_latency_s if self._in_domain(mesh_shape, axis) else self.slow_latency_s
+
+    def _in_domain(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...]) -> bool:
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
         outermost = min(MESH_AXES.index(a) for a in axes)
         span = math.prod(mesh_shape.get(a, 1) for a in MESH_AXES[outermost:])
-        if span <= self.domain_size:
-            return self.fast_link, self.fast_bytes_per_s
-        return self.slow_link, self.slow_bytes_per_s
+        return span <= self.domain_size
 
 
 def _gpu(name: str, description: str, peak_key: str, hbm_gib: float, nvlink_gbps: float,
@@ -83,7 +101,10 @@ def _gpu(name: str, description: str, peak_key: str, hbm_gib: float, nvlink_gbps
     return HardwareProfile(
         name=name, description=description, peak_flops=PEAK_FLOPS[peak_key],
         hbm_bytes=int(hbm_gib * GIB), fast_link="NVLink", fast_bytes_per_s=nvlink_gbps / 2 * GB,
-        slow_link="network", slow_bytes_per_s=nic_gbit / 8 * GB, domain_size=8)
+        slow_link="network", slow_bytes_per_s=nic_gbit / 8 * GB, domain_size=8,
+        # Assumed: NCCL's small-message floor, ~10 us inside a node (NVSwitch), a few times that
+        # through the NICs and switches between nodes.
+        fast_latency_s=10e-6, slow_latency_s=30e-6)
 
 
 def _tpu(name: str, description: str, peak_key: str, hbm_gib: float, ici_bidir_gbps: float,
@@ -93,7 +114,9 @@ def _tpu(name: str, description: str, peak_key: str, hbm_gib: float, ici_bidir_g
         name=name, description=description, peak_flops=PEAK_FLOPS[peak_key],
         hbm_bytes=int(hbm_gib * GIB), fast_link="ICI",
         fast_bytes_per_s=ici_bidir_gbps / ici_ports * GB, slow_link="DCN",
-        slow_bytes_per_s=dcn_gbit_per_chip / 8 * GB, domain_size=slice_chips)
+        slow_bytes_per_s=dcn_gbit_per_chip / 8 * GB, domain_size=slice_chips,
+        # Assumed: ~10 us per collective on ICI; DCN goes through the hosts' network stacks.
+        fast_latency_s=10e-6, slow_latency_s=100e-6)
 
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -134,7 +157,7 @@ PROFILES: dict[str, HardwareProfile] = {
         name="cpu", description="nominal laptop CPU (virtual devices; round numbers, not "
         "measured)", peak_flops=1e12, hbm_bytes=16 * GIB, fast_link="memcpy",
         fast_bytes_per_s=10 * GB, slow_link="memcpy", slow_bytes_per_s=10 * GB,
-        domain_size=1 << 30, nominal=True),
+        domain_size=1 << 30, fast_latency_s=10e-6, slow_latency_s=10e-6, nominal=True),
 }
 
 

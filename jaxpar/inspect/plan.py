@@ -183,9 +183,9 @@ def format_plan(report: CostReport) -> Group:
         raise ValueError("format_plan: estimate the report with a hardware profile")
     hw = get_profile(report.time.hardware)
     notes = [Text("step = compute + blocking comm (tensor, MoE all-to-all, ZeRO-1 gather, "
-                  "allgather attention) + "
-                  "max(0, data/fsdp/context comm - compute), at peak flops and link bandwidth "
-                  "with no latency: a lower bound on the real step.", style="dim")]
+                  "allgather attention) + latency (count x a fixed cost per collective) + "
+                  "max(0, data/fsdp/context comm - compute), at peak flops and link bandwidth: "
+                  "a lower bound on the real step.", style="dim")]
     notes += [Text(f"note: {n}", style="dim") for n in report.notes]
     return Group(_memory_table(report, hw), _collectives_table(report, hw),
                  _timing_table(report), *notes)
@@ -231,10 +231,10 @@ def _collectives_table(report: CostReport, hw: HardwareProfile) -> Table:
         comms.add_column(column, justify=justify)
     for c in report.collectives:
         link, bandwidth = hw.axis_link(report.mesh, c.axes)
+        seconds = c.wire_bytes / bandwidth + c.count * hw.axis_latency(report.mesh, c.axes)
         overlap = "" if c.overlapped else " [yellow](blocking)[/yellow]"
         comms.add_row(c.kind, ",".join(c.axes), f"{c.count:,}", _bytes(c.bytes),
-                      _bytes(c.wire_bytes), link,
-                      human_seconds(c.wire_bytes / bandwidth), c.what + overlap)
+                      _bytes(c.wire_bytes), link, human_seconds(seconds), c.what + overlap)
     if not report.collectives:
         comms.add_row("none", "", "", "", "", "", "", "one device, or nothing split")
     return comms
@@ -247,13 +247,13 @@ def _timing_table(report: CostReport) -> Table:
     timing.add_column("quantity")
     timing.add_column("value", justify="right")
     timing.add_column("note")
-    timing.add_row("model flops", human_flops(f.model), "useful work (what MFU counts)")
+    timing.add_row("model flops", human_flops(f.model),
+                   "useful work (what MFU counts; causal attention as half the square)")
     extra = (f"+ one-hot embedding {human_flops(f.embedding_one_hot)}, remat recompute "
              f"{human_flops(f.recompute)}")
-    if f.flash_attention:
-        sign = "+" if f.flash_attention > 0 else "-"
-        extra += (f", flash attention {sign}{human_flops(abs(f.flash_attention))} (causal "
-                  "skips, scores recomputed)")
+    if f.attention_extra:
+        extra += (f", attention beyond the causal half {human_flops(f.attention_extra)} "
+                  "(masked blocks computed, flash's scores recomputed)")
     if f.expert_padding:
         extra += f", MoE rows without a token {human_flops(f.expert_padding)}"
     timing.add_row("executed flops", human_flops(f.executed), extra)
@@ -262,9 +262,12 @@ def _timing_table(report: CostReport) -> Table:
                       else ""))
     for label, seconds in time.comm_by_axis.items():
         timing.add_row(f"comm {label}", human_seconds(seconds), "")
-    timing.add_row("exposed comm", human_seconds(time.blocking_comm + time.exposed_comm),
+    launches = sum(c.count for c in report.collectives)
+    timing.add_row("exposed comm", human_seconds(time.blocking_comm + time.exposed_comm
+                                                 + time.latency),
                    f"blocking {human_seconds(time.blocking_comm)} + overlappable not hidden "
-                   f"{human_seconds(time.exposed_comm)}")
+                   f"{human_seconds(time.exposed_comm)} + latency {human_seconds(time.latency)} "
+                   f"({launches:,} collectives)")
     timing.add_row("[bold]step (ideal)[/bold]", f"[bold]{human_seconds(time.step)}[/bold]",
                    f"{time.tokens_per_s:,.0f} tokens/s")
     timing.add_row("[bold]MFU bound[/bold]", f"[bold]{time.mfu:.1%}[/bold]",
@@ -286,7 +289,7 @@ def format_search(candidates: Sequence[Candidate]) -> Table:
             busy = f"{busiest[0]} {human_seconds(busiest[1])}" if busiest else "-"
             table.add_row(str(c.rank), c.layout, human_seconds(t.step), f"{t.mfu:.1%}",
                           f"{t.tokens_per_s:,.0f}", _bytes(m.peak),
-                          human_seconds(t.blocking_comm + t.exposed_comm), busy)
+                          human_seconds(t.blocking_comm + t.exposed_comm + t.latency), busy)
         else:
             peak = _bytes(c.report.memory.peak) if c.report is not None else "-"
             table.add_row("-", f"[dim]{c.layout}[/dim]", "", "", "", peak, "",
@@ -334,8 +337,9 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
             console.print(f"[red]no layout of {devices} x {hw.name} fits[/red] "
                           f"({rejected} rejected): try more devices, remat=full, a smaller "
                           "train.batch_size or more train.grad_accum")
-        console.print("step: ideal (peak flops and link bandwidth, no latency); ranking is what "
-                      "to trust, not the absolute times.", style="dim")
+        console.print("step: ideal (peak flops and link bandwidth, plus a fixed latency per "
+                      "collective); ranking is what to trust, not the absolute times. MFU counts "
+                      "causal attention as half the square (MaxText's count).", style="dim")
         return 0
     valid = validate(cfg, devices)
     report = estimate(valid, hw)

@@ -204,7 +204,8 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
     ``analytic_loops_once`` is the analytic figure counted the same way (one layer, batch /
     grad_accum, the head's matmuls / pieces); ``compiled`` / ``analytic_loops_once`` slightly
     above 1 is work the analytic model leaves out: elementwise ops (norms, softmax, AdamW), the
-    one-hot embedding matmul, and recomputation under ``train.remat``.
+    one-hot embedding matmul, recomputation under ``train.remat``, and the attention scores
+    beyond the causal half that the useful count stops at.
     """
     if isinstance(cost, Sequence):  # older jax returned one dict per executable
         cost = cost[0] if cost else None

@@ -35,6 +35,8 @@ _experts: contextvars.ContextVar[Experts | None] = contextvars.ContextVar(
     "jaxpar_experts", default=None)
 _prepared: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_prepared_weights",
                                                                  default=False)
+_reshard: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_reshard_after_forward",
+                                                                default=False)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -90,6 +92,18 @@ def use_prepared_weights() -> contextlib.AbstractContextManager[None]:
     """Within this block, layers read their weights as given (a pipeline stage prepares its
     weights once per step, so that a microbatch's saved residuals hold no copy of them)."""
     return _setting(_prepared, True)
+
+
+def resharding_after_forward() -> bool:
+    """Whether layers must not keep their weights as used (cast, gathered) for the backward
+    pass (:func:`jaxpar.model.layers.project`)."""
+    return _reshard.get()
+
+
+def reshard_after_forward(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Within this block, layers keep only their stored weights for the backward pass and
+    rebuild the used ones there. Needed where nothing else recomputes them (``remat=none``)."""
+    return _setting(_reshard, on)
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:

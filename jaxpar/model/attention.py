@@ -28,6 +28,13 @@ five (scores again, dv, dp, dq, dk), 2.5 times the forward.
 ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only, causal by storage
 order (no out-of-order positions), bfloat16 or float16.
 
+``splash``: the Pallas splash-attention kernel shipped with JAX (TPU; FlashAttention-2's algorithm
+as a Mosaic kernel with a block-sparse causal mask), causal by storage order. Each kv head and
+its G query heads are one multi-query call, so grouped-query attention reads each kv head once.
+A kernel runs on one device's arrays: the parallel layer wraps it in ``shard_map`` over the
+batch and head axes (:mod:`jaxpar.parallel.hooks`). Off a TPU it runs in Pallas' interpreter,
+which the tests use to check it against dense attention on the CPU.
+
 The block kernels (:func:`fold_keys`, :func:`unfold_keys`) also serve ring attention
 (:mod:`jaxpar.parallel.context`): each key/value block arriving over the ring is folded into the
 same running statistics.
@@ -47,21 +54,40 @@ from jaxpar.config import ConfigError
 
 SKIP, FULL, MASKED = 0, 1, 2
 NEG = -1e30  # a finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
-IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn")
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")
+SPLASH_TILE = 128  # the TPU kernel's blocks are multiples of the 128-lane vector width
 
 
-def resolve(name: str, platform: str, seq_len: int, block: int, dtype) -> str:
+def resolve(name: str, platform: str, seq_len: int, block: int, dtype,
+            splash_possible: bool = True) -> str:
     """The implementation ``model.attention=name`` means here. ``auto``: cuDNN on a GPU in a
-    16-bit dtype; else blockwise when the sequence spans several blocks (one block saves
-    nothing: it is the dense computation with recomputation added), dense otherwise."""
-    if name == "cudnn" and platform != "gpu":
-        raise ConfigError(f"model.attention=cudnn needs a GPU (this backend: {platform}); "
-                          "allowed here: auto, dense, blockwise")
+    16-bit dtype; splash on a TPU when the sequence tiles into 128-token blocks (and the layout
+    allows it: ``Config.splash_possible``); else blockwise
+    when the sequence spans several blocks (one block saves nothing: it is the dense
+    computation with recomputation added), dense otherwise."""
+    native = {"cudnn": "gpu", "splash": "tpu"}
+    if name in native and platform != native[name]:
+        allowed = ", ".join(n for n in IMPLEMENTATIONS if native.get(n, platform) == platform)
+        raise ConfigError(f"model.attention={name} needs a {native[name].upper()} (this backend: "
+                          f"{platform}); allowed here: {allowed}")
+    if name == "splash":
+        _check_splash_blocks(seq_len, block)
     if name != "auto":
         return name
     if platform == "gpu" and jnp.dtype(dtype).itemsize == 2:
         return "cudnn"
+    size = min(block, seq_len)
+    if platform == "tpu" and splash_possible and seq_len % size == 0 and size % SPLASH_TILE == 0:
+        return "splash"
     return "blockwise" if seq_len > block else "dense"
+
+
+def _check_splash_blocks(seq_len: int, block: int) -> None:
+    size = min(block, seq_len)
+    if seq_len % size or size % SPLASH_TILE:
+        raise ConfigError(f"model.attention=splash tiles train.seq_len={seq_len} into blocks of "
+                          f"min(model.attention_block={block}, seq_len) = {size} tokens: that "
+                          f"block must divide the sequence and be a multiple of {SPLASH_TILE}")
 
 
 def block_kind(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
@@ -296,10 +322,41 @@ def cudnn_attention(q, k, v, positions=None):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
+def splash_attention(block: int, interpret: bool = False) -> Callable:
+    """``attention(q, k, v, positions)`` by the Pallas splash kernel on one device's arrays,
+    ``block`` x ``block`` tiles; ``interpret`` runs it in Pallas' interpreter (off a TPU)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (TPU only)
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+        splash_attention_mask as masks,
+    )
+
+    def attend(q, k, v, positions=None):
+        b, s, h, d = q.shape
+        kv_heads = k.shape[2]
+        size = min(block, s)
+        sizes = splash.BlockSizes(block_q=size, block_kv=size, block_q_dkv=size,
+                                  block_kv_dkv=size, use_fused_bwd_kernel=True)
+        causal = masks.MultiHeadMask([masks.CausalMask((s, s))] * (h // kv_heads))
+        kernel = splash.make_splash_mqa(causal, block_sizes=sizes, head_shards=1,
+                                        q_seq_shards=1, interpret=interpret)
+        # [B, S, K, G, D] -> [B, K, G, S, D]: one multi-query call per (sequence, kv head);
+        # the kernel does not scale the scores, so the queries are scaled first.
+        scaled = q * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
+        qg = jnp.transpose(group(scaled, kv_heads), (0, 2, 3, 1, 4))
+        kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+        out = jax.vmap(jax.vmap(kernel))(qg, kt, vt)
+        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+    return attend
+
+
 def attention_fn(name: str, block: int) -> Callable:
     """The function of a resolved implementation name (:func:`resolve`)."""
     if name == "blockwise":
         return blockwise_attention(block)
     if name == "cudnn":
         return cudnn_attention
+    if name == "splash":
+        return splash_attention(block)
     return dense_attention

@@ -1,9 +1,13 @@
 """Analytic training flops of the model, the yardstick for TFLOP/s and MFU.
 
 Per token, a matmul with a weight of P parameters costs 2P flops forward and 4P backward, so 6P
-in all; attention adds 2 x 2 x S x H x D per layer forward (scores and weighted sum over the full
-S x S square that the model computes) and twice that backward. Recomputation under remat is
-deliberately not counted: MFU measures useful work.
+in all. Attention's scores and weighted sum cost 2 x 2 x S x H x D per layer forward over the
+whole S x S square, twice that backward; causal attention only needs the lower half, so the
+useful count is half of it, 6 x S x H x D per layer and token (MaxText's count; torchtitan
+and the PaLM paper count the whole square, which reads 6% higher for llama-1b at 2k tokens).
+With the half, no kernel does more useful work than it executes (flash attention computes just
+over the half, dense attention all of it), so MFU and ``jaxpar plan``'s bound stay <= 100%.
+Recomputation under remat is deliberately not counted: MFU measures useful work.
 
 In a mixture-of-experts layer a token multiplies with the router (E x X), its ``top_k`` experts
 and the shared experts (3 x E x d_ff_expert each): the *active* parameters, which is what
@@ -52,6 +56,13 @@ def param_count(cfg: ModelConfig) -> int:
     return layers + embedding + head + norms
 
 
+def causal_attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Useful attention flops per token, forward and backward: the causal half of the square."""
+    return 6.0 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+
+
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+    """Useful training flops per token: the yardstick of MFU in the trainer, ``jaxpar plan``
+    and ``scripts/bench_mfu.py`` (module docstring)."""
+    attention = causal_attention_flops_per_token(cfg, seq_len)
     return 6.0 * matmul_params(cfg) + attention

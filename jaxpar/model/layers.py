@@ -14,12 +14,20 @@ head, D head_dim, F d_ff.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig, RopeScalingConfig
-from jaxpar.model.annotate import attention_override, constrain, relayout, weights_prepared
+from jaxpar.model.annotate import (
+    attention_override,
+    constrain,
+    relayout,
+    resharding_after_forward,
+    weights_prepared,
+)
 from jaxpar.model.attention import dense_attention
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
@@ -49,6 +57,51 @@ def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
         return param[...]
     stored = tuple("embed" if name == "act_embed" else name for name in names)
     return relayout(param[...].astype(dtype), stored, names)
+
+
+def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
+    """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype,
+    resharded after the forward pass.
+
+    Under ZeRO-3 autodiff would keep the gathered weight for the backward pass (``dx = dy w^T``
+    needs it), so without remat every layer's whole weights would stay alive from its forward to
+    its backward pass (torchtitan's ``reshard_after_forward`` fixes the same; ``remat`` dots and
+    full already recompute the gather). Where :func:`resharding_after_forward` says so, a custom
+    VJP keeps the stored shard instead and gathers it again in the backward pass: one more
+    all-gather of the layer's weights per step, and one layer's whole weights alive at a time.
+    The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
+    """
+    if weights_prepared():  # a pipeline stage gathers its weights once per step for all slots
+        return jnp.einsum(spec, x, param[...])
+    if not resharding_after_forward():
+        return jnp.einsum(spec, x, weight(param, names, x.dtype))
+    stored = tuple("embed" if name == "act_embed" else name for name in names)
+    return _project(spec, tuple(names), stored, x, param[...])
+
+
+def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
+    return constrain(w.astype(dtype), names)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _project(spec: str, names: tuple, stored: tuple, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, _gathered(w, names, x.dtype))
+
+
+def _project_fwd(spec, names, stored, x, w):
+    return _project(spec, names, stored, x, w), (x, w)
+
+
+def _project_bwd(spec, names, stored, residuals, dy):
+    x, w = residuals
+    wg = _gathered(w, names, x.dtype)
+    # The matmul is linear in each operand: transpose it in each (no forward recomputed).
+    (dx,) = jax.linear_transpose(lambda x_: jnp.einsum(spec, x_, wg), x)(dy)
+    (dw,) = jax.linear_transpose(lambda w_: jnp.einsum(spec, x, w_), wg)(dy)
+    return dx, constrain(dw.astype(w.dtype), stored)
+
+
+_project.defvjp(_project_fwd, _project_bwd)
 
 
 def stored_weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
@@ -157,14 +210,13 @@ class Attention(nnx.Module):
         self.rope_scaling = cfg.rope_scaling
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        q = jnp.einsum("bse,ehd->bshd", x, weight(self.wq, Q_WEIGHT, dtype))
-        k = jnp.einsum("bse,ekd->bskd", x, weight(self.wk, KV_WEIGHT, dtype))
-        v = jnp.einsum("bse,ekd->bskd", x, weight(self.wv, KV_WEIGHT, dtype))
+        q = project("bse,ehd->bshd", x, self.wq, Q_WEIGHT)
+        k = project("bse,ekd->bskd", x, self.wk, KV_WEIGHT)
+        v = project("bse,ekd->bskd", x, self.wv, KV_WEIGHT)
         if hasattr(self, "q_bias"):
-            q = q + weight(self.q_bias, Q_BIAS, dtype)
-            k = k + weight(self.k_bias, KV_BIAS, dtype)
-            v = v + weight(self.v_bias, KV_BIAS, dtype)
+            q = q + weight(self.q_bias, Q_BIAS, x.dtype)
+            k = k + weight(self.k_bias, KV_BIAS, x.dtype)
+            v = v + weight(self.v_bias, KV_BIAS, x.dtype)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -175,8 +227,7 @@ class Attention(nnx.Module):
         attend = attention_override() or dense_attention
         out = attend(q, k, v, positions)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bshd,hde->bse", out,
-                          weight(self.wo, ("heads", "head_dim", "act_embed"), dtype))
+        return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
 
 
 class SwiGLU(nnx.Module):
@@ -191,8 +242,7 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        gate = jnp.einsum("bse,ef->bsf", x, weight(self.w_gate, ("act_embed", "mlp"), dtype))
-        up = jnp.einsum("bse,ef->bsf", x, weight(self.w_up, ("act_embed", "mlp"), dtype))
+        gate = project("bse,ef->bsf", x, self.w_gate, ("act_embed", "mlp"))
+        up = project("bse,ef->bsf", x, self.w_up, ("act_embed", "mlp"))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return jnp.einsum("bsf,fe->bse", hidden, weight(self.w_down, ("mlp", "act_embed"), dtype))
+        return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import constrain, relayout
+from jaxpar.model.annotate import constrain, relayout, reshard_after_forward
 from jaxpar.model.layers import (
     MATMUL_INPUT,
     RESIDUAL,
@@ -164,7 +164,9 @@ class Transformer(nnx.Module):
         if REMAT_POLICIES[remat] is not None:
             one_unit = jax.checkpoint(one_unit, policy=REMAT_POLICIES[remat],
                                       prevent_cse=False)
-        x, per_unit = jax.lax.scan(one_unit, x, stacked)
+        # Without remat nothing would gather a layer's weights again for its backward pass.
+        with reshard_after_forward(remat == "none"):
+            x, per_unit = jax.lax.scan(one_unit, x, stacked)
         aux = {k: v if k in LAYER_STACKED else jnp.sum(v, axis=0) for k, v in per_unit.items()}
         return x, aux
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 
+import jax
+from jax.sharding import PartitionSpec as P
+
 from jaxpar.config import BATCH_AXES, Config
 from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
 from jaxpar.model.attention import attention_fn, resolve
@@ -28,7 +31,9 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     rules = logical_rules(cfg)
     n_context = mesh_shape["context"]
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
-    attention = _attention(cfg, n_context, batch_axes, platform)
+    head_axes = {name: tuple(a for a in rules[name] if mesh_shape[a] > 1)
+                 for name in ("heads", "kv_heads")}
+    attention = _attention(cfg, n_context, batch_axes, head_axes, platform)
     # MoE layers route each device's own tokens (and exchange them over `expert`): without the
     # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
@@ -41,7 +46,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     return stack
 
 
-def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...], platform: str):
+def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],
+               head_axes: Mapping[str, tuple[str, ...]], platform: str):
     """Attention over ``context`` when the sequence is split (ring or all-gather, both tiled
     by the blockwise kernel), else the implementation ``model.attention`` resolves to here."""
     m, seq_len = cfg.model, cfg.train.seq_len
@@ -49,5 +55,31 @@ def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...], platfor
         block = min(m.attention_block, local_tokens(seq_len, n_context, cfg.parallel.zigzag))
         return context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
                                  batch_axes, block)
-    name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype)
-    return attention_fn(name, min(m.attention_block, seq_len))
+    name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
+                   cfg.splash_possible())
+    attend = attention_fn(name, min(m.attention_block, seq_len))
+    return per_device(attend, batch_axes, head_axes) if name == "splash" else attend
+
+
+def per_device(attend, batch_axes: tuple[str, ...], head_axes: Mapping[str, tuple[str, ...]]):
+    """``attend`` on each device's own sequences and heads. A Pallas kernel is one device's
+    program, which the compiler cannot split or even replicate, so every mesh axis the
+    surrounding code left automatic becomes manual here (those of size 1 or splitting neither
+    batch nor heads just see the whole array)."""
+    rows = batch_axes or None
+    q_spec = P(rows, None, head_axes["heads"] or None, None)
+    kv_spec = P(rows, None, head_axes["kv_heads"] or None, None)
+
+    def call(q, k, v, positions):
+        mesh = jax.sharding.get_abstract_mesh()
+        automatic = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types,
+                                                         strict=True)
+                              if kind != jax.sharding.AxisType.Manual)
+        if not automatic:
+            return attend(q, k, v, positions)
+        # check_vma=False: the kernel's pallas_call cannot say how its outputs vary over the
+        # manual axes (they vary over all of them, as q does).
+        return jax.shard_map(attend, in_specs=(q_spec, kv_spec, kv_spec, P(rows, None)),
+                             out_specs=q_spec, axis_names=automatic, check_vma=False
+                             )(q, k, v, positions)
+    return call

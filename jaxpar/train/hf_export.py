@@ -22,11 +22,11 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxpar.config import ConfigError, config_from_dict
-from jaxpar.train.checkpoint import read_config, read_meta
+from jaxpar.train.checkpoint import read_config
 from jaxpar.train.hf_config import hf_config_from_model
 from jaxpar.train.hf_import import INDEX, TOKENIZER_FILES
 from jaxpar.train.hf_names import Tensor, hf_tensors, param_at, slice_shape, to_hf
-from jaxpar.train.weights import read_host_params, resolve_source
+from jaxpar.train.saved_weights import read_weights, step_dir
 
 DEFAULT_MAX_SHARD = "5GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -91,10 +91,10 @@ def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHA
     """Write the Hugging Face model directory of checkpoint ``source`` (a step, run or
     checkpoints directory) into ``out_dir``; returns the weight files and the step."""
     max_bytes = parse_size(max_shard_size)
-    path = resolve_source(source, "")
+    path = step_dir(source)
     cfg = config_from_dict(read_config(path))
     hf_config = hf_config_from_model(cfg.model)  # refuses before anything is read
-    params = read_host_params(path)
+    params, _, step = read_weights(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [*out_dir.glob("model*.safetensors"), out_dir / INDEX]:
         old.unlink(missing_ok=True)  # a previous export's shards would confuse loaders
@@ -105,4 +105,12 @@ def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHA
         for name in TOKENIZER_FILES:
             if (tokenizer.parent / name).is_file() and name != "generation_config.json":
                 shutil.copyfile(tokenizer.parent / name, out_dir / name)
-    return files, int(read_meta(path)["step"])
+    return files, step
+
+
+def export_hf_main(source: Path, out_dir: Path, max_shard_size: str) -> int:
+    """``jaxpar export --format hf``: export, then say what was written."""
+    files, step = export_hf(source, out_dir.expanduser(), max_shard_size)
+    print(f"exported step {step} as a Hugging Face model: {len(files)} safetensors file(s) and "
+          f"config.json in {out_dir}")
+    return 0

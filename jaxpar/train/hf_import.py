@@ -177,3 +177,17 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
                     total_bytes=total)
 
+
+
+def import_hf_main(source: Path, out_dir: Path) -> int:
+    """``jaxpar import-hf``: convert, then say what was written and how to train from it."""
+    done = import_hf(source, out_dir)
+    m = done.model
+    print(f"imported {source}: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
+          + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
+          + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")
+    tokenizer = (f"data.tokenizer={done.tokenizer} (set in it)" if done.tokenizer else
+                 "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
+    print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "
+          f"(train.init_from={out_dir}; {tokenizer})")
+    return 0

@@ -45,6 +45,8 @@ from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe as describe_schedule
 from jaxpar.train import checkpoint, weights
 from jaxpar.train.metrics import MetricsFile, mesh_text, peak_flops, pipeline_line
+from jaxpar.train.observe import Observer, require_tensorboard
+from jaxpar.train.saved_weights import step_dir
 from jaxpar.train.step import Trainer, build_trainer
 
 
@@ -156,6 +158,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             task = run.progress.add_task("train", total=cfg.train.steps, completed=start_step,
                                          status="")
             for step in range(start_step + 1, cfg.train.steps + 1):
+                run.observer.before_step(step)
                 run.step(step)
                 log_now, save_now = run.log_due(step), run.save_due(step)
                 stop_now = signals.stop_agreed(log_now or save_now)
@@ -167,6 +170,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                     run.log(step, values, task)
                 if run.saver is not None and (save_now or stop_now):
                     run.save(step)
+                run.observer.after_step(step, run.state)  # the step's one program: waits for all
                 run.progress.advance(task)
                 if stop_now:
                     break
@@ -174,6 +178,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             if run.saver is not None and run.saved_step != step:
                 run.save(step)
     finally:
+        run.observer.close()
         if run.saver is not None:
             run.saver.close()  # whatever happened, let the save in flight finish on disk
     # No process leaves while another still writes its part of the last checkpoint.
@@ -190,7 +195,10 @@ def _init_source(cfg: Config, source: Path | None, console: Console) -> Path | N
         console.print(f"train.init_from={cfg.train.init_from} not used: resuming from step "
                       f"{source.name} ({source}) instead", markup=False)
         return None
-    return weights.resolve_source(Path(cfg.train.init_from), "train.init_from=")
+    try:
+        return step_dir(Path(cfg.train.init_from))
+    except checkpoint.CheckpointError as err:
+        raise checkpoint.CheckpointError(f"train.init_from={err}") from None
 
 
 @dataclass
@@ -211,6 +219,7 @@ class _Run:
     metrics_file: MetricsFile | None  # None on every process but process 0
     peak: float | None  # dense bf16 peak FLOP/s of one device (None: unknown, MFU n/a)
     pipeline: dict | None  # parallel.pipeline.describe() when pipe > 1
+    observer: Observer  # train.profile's trace, logging.tensorboard's events
     step_fn: Any = None
     compile_seconds: float = 0.0
     saver: checkpoint.Saver | None = None
@@ -231,6 +240,7 @@ class _Run:
         """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
         directory, or None for a fresh start, from the weights of ``init_from`` if given), write
         ``config.yaml``, print the header lines and compile the step."""
+        require_tensorboard(cfg)  # a missing optional package: before anything is written
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
         data, data_line = make_data_iterator(cfg)  # data errors first: before any tracing
@@ -265,9 +275,12 @@ class _Run:
         run = cls(cfg=cfg, console=console, trainer=trainer, data=data, state=state,
                   start_step=start_step, saved_step=start_step if source is not None else None,
                   skipped=skipped, metrics_file=metrics_file, peak=peak_flops(device_kind),
-                  pipeline=pipeline)
+                  pipeline=pipeline, observer=Observer(cfg, start_step + 1,
+                                                    lambda line: console.print(line, markup=False)))
         for line in start_lines(cfg, jax.device_count(), device_kind, data_line, pipeline):
             console.print(line)
+        if run.observer.start_line is not None:
+            console.print(run.observer.start_line, markup=False)
         if jax.process_count() > 1:
             console.print(f"{jax.process_count()} processes x {jax.local_device_count()} devices "
                           "(process 0 logs, writes metrics.jsonl and config.yaml)")
@@ -339,6 +352,7 @@ class _Run:
         row.update({k: v for k, v in values.items() if k not in row and k != "nonfinite"})
         if self.metrics_file is not None:
             self.metrics_file.write(row)
+        self.observer.log(row)
         if row["loss"] is not None:
             self.losses.append(row["loss"])
         self.console.print(_log_line(row, t.steps))

@@ -1,6 +1,7 @@
-"""Weights without the rest of a training state: reading a checkpoint's parameters on the host
-(``jaxpar export``), weights-only checkpoints (what ``jaxpar import-hf`` writes), and starting a
-run from weights (``train.init_from``).
+"""Weights without the rest of a training state: ``jaxpar export``'s flat format, weights-only
+checkpoints (what ``jaxpar import-hf`` writes), and starting a run from weights
+(``train.init_from``). Reading a checkpoint's weights onto the host is
+:mod:`jaxpar.train.saved_weights`'s (``jaxpar generate`` uses it too).
 
 A weights-only checkpoint is an orbax step directory ``<dir>/checkpoints/0`` with the items
 ``state`` (``{"params": ...}``, float32, layers stacked in model order as in a run's
@@ -13,7 +14,6 @@ at step 0 with a fresh optimizer. Both read each array straight into the run's s
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,12 @@ from jaxpar.train.checkpoint import (
     check_compatible,
     corrupt_error,
     item_handlers,
-    newest_at,
     quiet_failed_reads,
     read_config,
     read_meta,
 )
 from jaxpar.train.checkpoint_integrity import leaf_name
+from jaxpar.train.saved_weights import read_weights, step_dir
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
 
 # Arrays orbax may be writing at once (in bytes, a multiple of the largest; its default is
@@ -44,15 +44,6 @@ ARRAYS_IN_FLIGHT = 1
 # Arrays are written in chunks of at most this many bytes: the encoded copy of a chunk that
 # tensorstore makes on the way to the file stays small.
 CHUNK_BYTES = 4 * 2**20
-
-
-def resolve_source(source: Path, what: str) -> Path:
-    """The step directory ``source`` names (a step, run or checkpoints directory)."""
-    found = newest_at(source.expanduser())
-    if found is not None:
-        return found
-    raise CheckpointError(f"{what}{source}: no complete checkpoint there (expected a step "
-                          "directory such as run/checkpoints/200, or a directory holding them)")
 
 
 def is_weights_only(path: Path) -> bool:
@@ -89,38 +80,6 @@ def save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any])
     return path
 
 
-def _read_params(path: Path, restore_args: Callable[[Any], Any]) -> dict:
-    """The ``params`` of checkpoint ``path``, each leaf read as ``restore_args(its metadata)``
-    asks (host numpy, or arrays in a sharding)."""
-    handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
-    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
-    try:
-        with quiet_failed_reads():
-            saved = checkpointer.metadata(path.absolute()).item_metadata["state"]["params"]
-        args, item = restore_args(saved)
-        # PyTreeCheckpointHandler (not Standard) can restore a part of the tree.
-        only_params = ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": args},
-                                             partial_restore=True)
-        with quiet_failed_reads():
-            restored = checkpointer.restore(path.absolute(),
-                                            args=ocp.args.Composite(state=only_params))
-    except CheckpointError:
-        raise
-    except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
-        raise corrupt_error(path, err) from None
-    finally:
-        checkpointer.close()
-    return restored["state"]["params"]
-
-
-def read_host_params(path: Path) -> dict:
-    """The parameters of checkpoint ``path`` as host numpy arrays, in their stored dtype."""
-    def as_numpy(saved: Any) -> tuple[Any, Any]:
-        return jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved), saved
-
-    return _read_params(path, as_numpy)
-
-
 def initial_state(trainer: Trainer, source: Path) -> TrainState:
     """``train.init_from``: the parameters of checkpoint ``source`` in this run's shardings and
     dtype (any mesh saved them), a fresh optimizer state, step 0, and the model's initial
@@ -131,13 +90,26 @@ def initial_state(trainer: Trainer, source: Path) -> TrainState:
         return {f"params/{leaf_name(p)}": (tuple(a.shape), "")
                 for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-    def into_shardings(saved: Any) -> tuple[Any, Any]:
+    handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        with quiet_failed_reads():
+            saved = checkpointer.metadata(source.absolute()).item_metadata["state"]["params"]
         check_compatible(shapes(saved), shapes(wanted), source)
         args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(
             sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), wanted)
-        return args, wanted
-
-    params = _read_params(source, into_shardings)
+        # PyTreeCheckpointHandler (not Standard) can restore a part of the tree.
+        only_params = ocp.args.PyTreeRestore(item={"params": wanted},
+                                             restore_args={"params": args}, partial_restore=True)
+        with quiet_failed_reads():
+            params = checkpointer.restore(source.absolute(), args=ocp.args.Composite(
+                state=only_params))["state"]["params"]
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
+        raise corrupt_error(source, err) from None
+    finally:
+        checkpointer.close()
     tx = make_optimizer(trainer.cfg.train)
     shardings = trainer.state_shardings
 
@@ -161,7 +133,8 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
     logical axes, and the step) into ``out_dir``. Returns both paths and the step.
 
     ``source`` is a step directory, or a ``checkpoints`` or run directory (newest checkpoint).
-    Only the parameters are read, as host numpy arrays; no mesh or optimizer state is needed.
+    Only the parameters are read (verified against their checksums where the checkpoint has
+    them), as host numpy arrays; no mesh or optimizer state is needed.
     Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415  (only export needs it)
@@ -169,10 +142,10 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
     from jaxpar.model.transformer import abstract_model  # noqa: PLC0415
     from jaxpar.parallel.rules import param_logical_axes  # noqa: PLC0415
 
-    path = resolve_source(source, "")
+    path = step_dir(source)
     cfg = config_from_dict(read_config(path))
-    meta = read_meta(path)
-    leaves = jax.tree_util.tree_flatten_with_path(read_host_params(path))[0]
+    params, _, step = read_weights(path)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     # float32 whatever train.param_dtype stored (bf16 -> f32 is exact; safetensors' numpy
     # writer and most readers expect a numpy dtype).
     tensors = {leaf_name(p): np.ascontiguousarray(v, dtype=np.float32) for p, v in leaves}
@@ -181,12 +154,12 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
         is_leaf=lambda x: isinstance(x, tuple))[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     weights, config_json = out_dir / "model.safetensors", out_dir / "config.json"
-    save_file(tensors, str(weights), metadata={"format": "np", "step": str(meta["step"])})
-    info = {"model": to_dict(cfg)["model"], "step": meta["step"], "source": str(path),
+    save_file(tensors, str(weights), metadata={"format": "np", "step": str(step)})
+    info = {"model": to_dict(cfg)["model"], "step": step, "source": str(path),
             "dtype": "float32",
             "params": {name: {"shape": list(tensors[name].shape)} for name in tensors}}
     for p, names in axes:
         if leaf_name(p) in info["params"]:
             info["params"][leaf_name(p)]["axes"] = list(names)
     config_json.write_text(json.dumps(info, indent=2) + "\n")
-    return weights, config_json, int(meta["step"])
+    return weights, config_json, step

@@ -1,0 +1,392 @@
+"""Text generation: prefill the prompts, then decode one token at a time with a KV cache.
+
+Algorithm. The prompts (token ids, B of them, of different lengths n_b) are right-padded to one
+length S and run through the model once (*prefill*): positions ``0..S-1`` in every row, each
+layer's keys and values written into a cache of L = S + max_tokens slots per sequence
+(:mod:`jaxpar.model.kv_cache`: ``k, v [layers, B, L, K, D]``). Row b's first new token is
+sampled from the logits at its last prompt token, n_b - 1. Then each *decode step* feeds every
+row's newest token at its own position (n_b, n_b + 1, ...), writes its K/V into that slot and
+attends over slots ``0..position``: a padding token's K/V (slots n_b..S-1 of a short prompt) is
+never visible, and is overwritten before the row reaches it. A row stops at its end-of-text
+token (``eos_id``), the loop when every row has stopped or made ``max_tokens``.
+
+The model is the training model, run as it is: the cache enters through the attention hook
+(:func:`jaxpar.model.annotate.use_attention`), set per scanned unit of layers to that unit's
+slice of the cache (:class:`~jaxpar.model.kv_cache.UnitCache`), and the layers are scanned here
+with the cache as scanned input and output. A mixture-of-experts layer always dispatches
+dropless here (every chosen expert computes, whatever the batch), so a prompt's tokens do not
+depend on which other prompts share its batch.
+
+Compiles. Prefill compiles once per (B, S, L); the decode step once per (B, L): the step index,
+the positions, the random key and the cache are arguments, so the Python loop that calls it
+per token (and prints each token as it arrives) reuses one executable. S and L are rounded up
+to multiples of :data:`LENGTH_BUCKET` (S past one ``model.attention_block``: of the block) so
+that nearby prompt lengths share them. The prefill's queries attend to the prompt with the
+model's own attention (blockwise for a long prompt), the decode step's with one dense pass
+over the cache.
+
+Sampling (:class:`Sampling`): greedy (argmax) at temperature 0, else the logits divided by the
+temperature, cut to the ``top_k`` largest and to the smallest set of tokens whose probability
+reaches ``top_p`` (nucleus), and drawn with ``jax.random``. Row b's draw at step t uses the key
+``fold_in(fold_in(key(seed), t), b)``: the same seed gives the same tokens, on any mesh.
+
+Sharding. On a mesh (``data``, ``fsdp``, ``tensor``; not ``pipe``, ``context``, ``expert``),
+parameters are laid out by the rules table as in training, the batch of prompts is split over
+the batch axes (padded with copies of the first prompt to a multiple of their size) and the
+heads, the cache's kv heads and the vocabulary over ``tensor``; the model's activation
+constraints and the MoE dispatch hook come from :func:`jaxpar.parallel.hooks.model_hooks`.
+Sequence parallelism is switched off (one new token cannot be split over ``tensor``).
+
+Memory. The cache holds B x L positions of ``2 x n_layers x n_kv_heads x head_dim`` values in
+the compute dtype (:func:`~jaxpar.model.kv_cache.cache_bytes_per_token`: 1 KiB a position for
+the tiny preset in float32), each device 1/(batch devices x tensor) of it. A decode step reads
+the whole cache and the weights once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
+from jaxpar.model.annotate import Attention, use_attention
+from jaxpar.model.attention import attention_fn, dense_attention, resolve
+from jaxpar.model.kv_cache import CACHE_AXES, KVCache, UnitCache, empty_cache
+from jaxpar.model.transformer import DTYPES, Transformer, abstract_model, layer_units
+from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.rules import (
+    logical_rules,
+    named_shardings,
+    param_logical_axes,
+    param_name,
+    param_specs,
+    resolve_spec,
+)
+
+LENGTH_BUCKET = 16  # prompt and cache lengths are rounded up to a multiple of this
+SUPPORTED_AXES = ("data", "fsdp", "tensor")  # mesh axes generation may split over
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
+    keep every token."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k}: must be >= 0 (0 = no cut)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p {self.top_p}: must be in (0, 1] (1 = no cut)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def sample(logits: jax.Array, key: jax.Array, step: jax.Array, sampling: Sampling
+           ) -> jax.Array:
+    """float32 logits [B, V] -> int32 tokens [B] (module docstring: Sampling)."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    # Sorted once (descending) for both cuts; the vocabulary is small next to the model.
+    ranked = -jnp.sort(-logits, axis=-1)
+    if sampling.top_k:
+        kth = ranked[:, min(sampling.top_k, logits.shape[-1]) - 1]
+        logits = jnp.where(logits < kth[:, None], -jnp.inf, logits)
+        ranked = jnp.where(ranked < kth[:, None], -jnp.inf, ranked)
+    if sampling.top_p < 1:
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
+        # The lowest logit still kept: a token stays when the better ones reach < top_p.
+        floor = jnp.min(jnp.where(before < sampling.top_p, ranked, jnp.inf), axis=-1)
+        logits = jnp.where(logits < floor[:, None], -jnp.inf, logits)
+    step_key = jax.random.fold_in(key, step)
+    row_keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(
+        jnp.arange(logits.shape[0]))
+    return jax.vmap(jax.random.categorical)(row_keys, logits).astype(jnp.int32)
+
+
+def forward_cached(model: Transformer, tokens: jax.Array, positions: jax.Array,
+                   cache: KVCache, dtype: Any, prefill: Attention = dense_attention
+                   ) -> tuple[jax.Array, KVCache]:
+    """The model on ``tokens`` [B, S] at ``positions`` [B, S], attending over and writing into
+    ``cache``: (residual stream before the final norm [B, S, E], the updated cache).
+
+    The layers are scanned as :meth:`Transformer.run_layers` does, with each unit's slice of
+    the cache ([blocks per unit, B, L, K, D]) scanned beside its parameters. With S > 1 (a
+    prefill from position 0) the queries attend to the new keys by ``prefill``."""
+    x = model.embed(tokens, dtype=dtype)
+    graphdef, stacked = nnx.split(model.layers)
+    units = layer_units(model.cfg)
+
+    def per_unit(a: jax.Array) -> jax.Array:  # [layers, ...] -> [units, blocks, ...]
+        return a.reshape(units, a.shape[0] // units, *a.shape[1:])
+
+    def one_unit(x: jax.Array, inputs: tuple) -> tuple[jax.Array, tuple]:
+        layer_state, k, v = inputs
+        unit_cache = UnitCache(k, v, prefill)
+        with use_attention(unit_cache.attend):
+            x, _ = nnx.merge(graphdef, layer_state)(x, positions)
+        return x, unit_cache.updated()
+
+    x, (k, v) = jax.lax.scan(one_unit, x, (stacked, per_unit(cache.k), per_unit(cache.v)))
+    return x, KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+
+
+def last_logits(model: Transformer, x: jax.Array, index: jax.Array, dtype: Any) -> jax.Array:
+    """float32 logits [B, V] of the residual stream ``x`` [B, S, E] at ``index`` [B]."""
+    picked = jnp.take_along_axis(x, index[:, None, None], axis=1)  # [B, 1, E]
+    return model.logits(picked, dtype=dtype)[:, 0]
+
+
+def generation_config(cfg: Config) -> Config:
+    """``cfg`` as generation runs it: sequence parallelism off, MoE dispatch dropless."""
+    moe = dataclasses.replace(cfg.model.moe, dispatch="dropless")
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, moe=moe),
+        parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False))
+
+
+def check_weights(cfg: ModelConfig, params: dict, buffers: dict) -> None:
+    """A one-line :class:`ConfigError` naming the first array whose shape is not the one
+    ``cfg``'s model has (a checkpoint of another model, or a wrong ``model.*`` override)."""
+    _, want_params, want_buffers = nnx.split(abstract_model(cfg), nnx.Param, ...)
+    want = {"params": nnx.to_pure_dict(want_params), "buffers": nnx.to_pure_dict(want_buffers)}
+    got = {"params": params, "buffers": buffers}
+    shapes = [{param_name(k): tuple(np.shape(a))
+               for k, a in jax.tree_util.tree_leaves_with_path(tree)} for tree in (got, want)]
+    for name in sorted(set(shapes[0]) | set(shapes[1])):
+        have, need = shapes[0].get(name), shapes[1].get(name)
+        if have != need:
+            raise ConfigError(f"generate: weight {name} is {have or 'missing'} but the model "
+                              f"(model.*) needs {need or 'none'}")
+
+
+class Step(NamedTuple):
+    """One step of :meth:`Generator.stream`: the token each prompt got (int32 [prompts]) and
+    which prompts were still running when it was chosen (a stopped row's token is filler)."""
+
+    tokens: np.ndarray
+    active: np.ndarray
+
+
+class Generator:
+    """Generation for one model on one mesh: the parameters laid out, prefill and the decode
+    step jitted (module docstring). ``mesh`` None runs on the default device, unsharded."""
+
+    def __init__(self, cfg: Config, params: dict, buffers: dict | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
+        self.cfg = generation_config(cfg)
+        self.mesh = mesh
+        self.dtype = DTYPES[cfg.train.dtype]
+        self.graphdef = nnx.split(abstract_model(self.cfg.model), nnx.Param, ...)[0]
+        check_weights(self.cfg.model, params, buffers or {})
+        self.mesh_shape = dict(mesh.shape) if mesh is not None else None
+        if mesh is not None:
+            unsupported = [f"{a}={n}" for a, n in mesh.shape.items()
+                           if n > 1 and a not in SUPPORTED_AXES]
+            if unsupported:
+                raise ConfigError(f"generate: mesh {' '.join(unsupported)} is not supported; "
+                                  f"generation splits over {', '.join(SUPPORTED_AXES)} only")
+            params, buffers = self._place(params, buffers or {})
+        else:  # onto the default device once, not with every call (host arrays would be)
+            params, buffers = jax.device_put((params, buffers or {}))
+        self.params, self.buffers = params, buffers
+        # Outputs laid out as the next step takes them, so the step never sees a new layout
+        # (which would compile it again). The cache is donated: updated in place, not copied.
+        out = None if mesh is None else (self._rows_sharding(1), self._cache_sharding())
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len", "sampling"),
+                                out_shardings=out)
+        self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",),
+                               donate_argnums=(2,), out_shardings=out)
+
+    # ----------------------------------------------------------------------------------------
+    # Layout
+
+    def _place(self, params: dict, buffers: dict) -> tuple[dict, dict]:
+        """The parameters (and MoE buffers) put on the mesh as the rules table lays them out."""
+        model, rules = abstract_model(self.cfg.model), logical_rules(self.cfg)
+        specs = param_specs(params, param_logical_axes(model), rules, self.mesh_shape)
+        buffer_specs = param_specs(buffers, param_logical_axes(model, buffers=True), rules,
+                                   self.mesh_shape)
+        return (jax.device_put(params, named_shardings(self.mesh, specs)),
+                jax.device_put(buffers, named_shardings(self.mesh, buffer_specs)))
+
+    def batch_multiple(self) -> int:
+        """The batch is padded to a multiple of this: the devices splitting it."""
+        if self.mesh_shape is None:
+            return 1
+        return math.prod(self.mesh_shape[a] for a in logical_rules(self.cfg)["batch"]
+                         if a in BATCH_AXES)
+
+    def _hooks(self):
+        if self.mesh is None:
+            return nullcontext()
+        platform = self.mesh.devices.flat[0].platform
+        return model_hooks(self.cfg, self.mesh_shape, platform)
+
+    def _mesh_scope(self):
+        return nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def _rows_sharding(self, ndim: int) -> NamedSharding | None:
+        if self.mesh is None:
+            return None
+        spec = resolve_spec("prompt batch", ("batch",) + (None,) * (ndim - 1), None,
+                            logical_rules(self.cfg), self.mesh_shape)
+        return NamedSharding(self.mesh, spec)
+
+    def _cache_sharding(self) -> KVCache:
+        spec = resolve_spec("kv cache", CACHE_AXES, None, logical_rules(self.cfg),
+                            self.mesh_shape)
+        return KVCache(NamedSharding(self.mesh, spec), NamedSharding(self.mesh, spec))
+
+    # ----------------------------------------------------------------------------------------
+    # The jitted pieces
+
+    def _prefill_attention(self, s: int) -> Attention:
+        """The model's attention for a prompt of S tokens (``model.attention``, as training
+        resolves it): blockwise when S spans several blocks (S is then a multiple of the
+        block: :meth:`prompt_width`)."""
+        m = self.cfg.model
+        block = m.attention_block if s % m.attention_block == 0 else s
+        platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
+                    else jax.default_backend())
+        return attention_fn(resolve(m.attention, platform, s, block, self.dtype), block)
+
+    def prompt_width(self, longest: int) -> int:
+        """The padded prompt length S: a multiple of :data:`LENGTH_BUCKET`, or of
+        ``model.attention_block`` past one block (so that the blockwise kernel tiles it)."""
+        block = self.cfg.model.attention_block
+        return _bucket(longest, LENGTH_BUCKET if longest <= block else block)
+
+    def _model(self, params: dict, buffers: dict) -> Transformer:
+        return nnx.merge(self.graphdef, params, buffers)
+
+    def _prefill_fn(self, params: dict, buffers: dict, tokens: jax.Array, lengths: jax.Array,
+                    key: jax.Array, max_len: int, sampling: Sampling
+                    ) -> tuple[jax.Array, KVCache]:
+        """Prompts [B, S] (right-padded; ``lengths`` [B]) -> (first new tokens [B], cache)."""
+        m = self.cfg.model
+        with self._hooks():
+            model = self._model(params, buffers)
+            b, s = tokens.shape
+            cache = empty_cache(m.n_layers, b, max_len, m.n_kv_heads, m.resolved_head_dim,
+                                self.dtype)
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            x, cache = forward_cached(model, tokens, positions, cache, self.dtype,
+                                      self._prefill_attention(s))
+            logits = last_logits(model, x, lengths - 1, self.dtype)
+            return sample(logits, key, jnp.int32(0), sampling), cache
+
+    def _decode_fn(self, params: dict, buffers: dict, cache: KVCache, tokens: jax.Array,
+                   positions: jax.Array, step: jax.Array, key: jax.Array, sampling: Sampling
+                   ) -> tuple[jax.Array, KVCache]:
+        """One token per row: ``tokens`` [B] at ``positions`` [B] -> (next tokens [B], cache)."""
+        with self._hooks():
+            model = self._model(params, buffers)
+            x, cache = forward_cached(model, tokens[:, None], positions[:, None], cache,
+                                      self.dtype)
+            logits = last_logits(model, x, jnp.zeros_like(positions), self.dtype)
+            return sample(logits, key, step, sampling), cache
+
+    # ----------------------------------------------------------------------------------------
+    # The loop
+
+    def stream(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+               sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None
+               ) -> Iterator[Step]:
+        """Yield one :class:`Step` per generated position, until every prompt has produced
+        ``eos_id`` (which is yielded, then the row stops) or ``max_tokens`` tokens."""
+        if max_tokens < 1:
+            raise ConfigError(f"--max-tokens {max_tokens}: must be >= 1")
+        tokens, lengths = self.pack(prompts)
+        n, key = len(prompts), jax.random.key(seed)
+        # The mesh is entered per call, not around the loop: a caller's own jax work between
+        # two steps runs outside it.
+        with self._mesh_scope():
+            token, cache = self._prefill(
+                self.params, self.buffers, self._put(tokens), self._put(lengths), key,
+                max_len=_bucket(tokens.shape[1] + max_tokens), sampling=sampling)
+        active, positions = np.ones(n, bool), lengths
+        for step in range(1, max_tokens + 1):
+            host = np.asarray(token)[:n]
+            yield Step(host, active.copy())
+            if eos_id is not None:
+                active &= host != eos_id
+            if step == max_tokens or not active.any():
+                return
+            with self._mesh_scope():
+                token, cache = self._decode(self.params, self.buffers, cache, token,
+                                            self._put(positions), jnp.int32(step), key,
+                                            sampling=sampling)
+            positions = positions + 1
+
+    def pack(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Prompts -> (tokens int32 [B, S] right-padded with 0, lengths int32 [B]); B is the
+        prompt count padded with copies of the first prompt to :meth:`batch_multiple`."""
+        vocab = self.cfg.model.vocab_size
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("generate: every prompt needs at least one token")
+        if any(min(p) < 0 or max(p) >= vocab for p in prompts):
+            raise ConfigError(f"generate: prompt token ids must be in [0, {vocab})")
+        multiple = self.batch_multiple()
+        rows = list(prompts) + [prompts[0]] * (-len(prompts) % multiple)
+        lengths = np.array([len(p) for p in rows], np.int32)
+        tokens = np.zeros((len(rows), self.prompt_width(int(lengths.max()))), np.int32)
+        for i, prompt in enumerate(rows):
+            tokens[i, :len(prompt)] = prompt
+        return tokens, lengths
+
+    def _put(self, array: np.ndarray) -> jax.Array:
+        sharding = self._rows_sharding(array.ndim)
+        return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                 sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None,
+                 on_step: Callable[[Step], None] | None = None) -> list[list[int]]:
+        """The new tokens of each prompt, up to and without its ``eos_id``."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for step in self.stream(prompts, max_tokens=max_tokens, sampling=sampling, seed=seed,
+                                eos_id=eos_id):
+            if on_step is not None:
+                on_step(step)
+            for i in np.flatnonzero(step.active):
+                if step.tokens[i] != eos_id:
+                    out[i].append(int(step.tokens[i]))
+        return out
+
+
+def _bucket(n: int, multiple: int = LENGTH_BUCKET) -> int:
+    return -(-n // multiple) * multiple
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+             sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None,
+             cfg: Config | None = None, mesh: jax.sharding.Mesh | None = None
+             ) -> list[list[int]]:
+    """Generate from a model (``create_model`` or a trained one): the new tokens of each prompt
+    (lists of token ids), up to and without ``eos_id``. ``cfg`` (default: the model's
+    config in an otherwise default :class:`Config`) gives the compute dtype and the rules
+    table; ``mesh`` splits the prompts and heads (module docstring). For many calls, build a
+    :class:`Generator` once: it keeps the compiled prefill and decode step."""
+    cfg = cfg if cfg is not None else Config(model=model.cfg)
+    _, params, buffers = nnx.split(model, nnx.Param, ...)
+    generator = Generator(cfg, nnx.to_pure_dict(params), nnx.to_pure_dict(buffers), mesh)
+    return generator.generate(prompts, max_tokens=max_tokens, sampling=sampling, seed=seed,
+                              eos_id=eos_id)

@@ -1,0 +1,129 @@
+"""A key/value cache for autoregressive decoding, and attention over it.
+
+What is cached: every attention layer's keys (after the rotary embedding) and values, for every
+position written so far, in two arrays::
+
+    k, v: [layers, B, L, K, D]     layers = model.n_layers, B sequences, L = max_len slots,
+                                   K kv heads, D head_dim; slot t holds position t
+
+laid out by the logical names :data:`CACHE_AXES` (``batch`` over the batch axes, ``kv_heads``
+over ``tensor``, as the attention activations are: each device keeps the K/V of its own
+sequences and heads, and decoding moves no cache bytes between devices). Bytes per token:
+``2 x n_layers x K x D x itemsize`` (the tiny preset in float32: 2 x 2 x 4 x 16 x 4 = 1 KiB;
+a Llama-1B-sized model, 16 layers x 8 kv heads x 64 in bfloat16: 32 KiB).
+
+How it is used (:mod:`jaxpar.generate`): the model is run unchanged, with the attention hook
+(:func:`jaxpar.model.annotate.use_attention`) set to :meth:`UnitCache.attend` for each scanned
+unit of layers. The hook receives each layer's rotated q, k, v and positions, writes k and v into
+the cache and attends over the cache instead of over the new tokens alone:
+
+- *prefill* (S > 1 new tokens, positions ``0..S-1`` in every row, prompts right-padded): the
+  S keys go to slots ``0..S-1``; a padding token's keys land in slots past its row's prompt,
+  which its real queries never see (causal mask) and decoding overwrites before it reaches them.
+  The queries attend to the S new keys with the model's own attention (dense, blockwise or
+  cuDNN, as ``model.attention`` resolves for S tokens): nothing is cached before them, and the
+  blockwise kernel keeps a long prompt's scores at O(S x block) rather than O(S x L);
+- *decode* (S = 1): each row's new key goes to the slot of its own position (rows may be at
+  different positions), an elementwise select, so nothing moves between the devices of a
+  batch-sharded cache.
+
+The attention itself is dense over the L slots with the mask ``slot <= query position`` (slots
+past a row's position hold padding, stale or zero entries, all masked): for one query per row it
+reads each cached byte once, which is the cost of decoding anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpar.model.annotate import Attention, constrain
+from jaxpar.model.attention import NEG, dense_attention, group
+
+CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # k and v [layers, B, L, K, D]
+UNIT_AXES = CACHE_AXES[1:]  # one layer's slice [B, L, K, D]
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [layers, B, L, K, D]
+    v: jax.Array
+
+
+def empty_cache(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+                dtype=jnp.float32) -> KVCache:
+    """Zeros of the cache's shape, laid out by :data:`CACHE_AXES`."""
+    zeros = jnp.zeros((layers, batch, max_len, kv_heads, head_dim), dtype)
+    return KVCache(constrain(zeros, CACHE_AXES), constrain(zeros, CACHE_AXES))
+
+
+def cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> int:
+    """Bytes one position of one sequence occupies in the cache (keys and values)."""
+    return 2 * layers * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """One layer's cache [B, L, K, D] with ``new`` [B, S, K, D] written at ``positions`` [B, S].
+
+    S > 1 is a prefill, whose positions must be ``0..S-1`` in every row: one slice update at
+    slot 0. S = 1 writes each row's key at its own position by a select over the slots (a
+    per-row scatter would be the same bytes, but a select keeps every device on its own rows).
+    """
+    new = new.astype(cache.dtype)
+    if new.shape[1] > 1:
+        return constrain(lax.dynamic_update_slice(cache, new, (0, 0, 0, 0)), UNIT_AXES)
+    slots = jnp.arange(cache.shape[1], dtype=positions.dtype)
+    here = (slots[None, :] == positions)[:, :, None, None]  # [B, L, 1, 1]
+    return constrain(jnp.where(here, new, cache), UNIT_AXES)
+
+
+def cached_attention(q: jax.Array, positions: jax.Array, k_cache: jax.Array,
+                     v_cache: jax.Array) -> jax.Array:
+    """Causal GQA of q [B, S, H, D] (at ``positions`` [B, S]) over the cache [B, L, K, D]:
+    query at position p sees slots 0..p. Scores and softmax in float32."""
+    b, s, h, d = q.shape
+    qg = group(q, k_cache.shape[2])  # [B, S, K, G, D]
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache.astype(q.dtype),
+                        preferred_element_type=jnp.float32) / math.sqrt(d)
+    slots = jnp.arange(k_cache.shape[1], dtype=positions.dtype)
+    visible = slots[None, None, :] <= positions[:, :, None]  # [B, S, L]
+    scores = jnp.where(visible[:, None, None], scores, NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v_cache.astype(q.dtype))
+    return out.reshape(b, s, h, d)
+
+
+class UnitCache:
+    """The cache of one scanned unit of layers (``moe.every`` blocks, else one) during one trace
+    of it: ``k``/``v`` [blocks, B, L, K, D]. Its :meth:`attend` is the attention hook: the i-th
+    attention layer the unit calls reads and writes block i (a prefill attends with
+    ``prefill``, the model's attention). :meth:`updated` returns the new slices, to be stacked
+    by the layer scan (they are values of the same trace)."""
+
+    def __init__(self, k: jax.Array, v: jax.Array, prefill: Attention = dense_attention):
+        self.k, self.v, self.prefill = k, v, prefill
+        self.new_k: list[jax.Array] = []
+        self.new_v: list[jax.Array] = []
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+               ) -> jax.Array:
+        i = len(self.new_k)
+        if i >= self.k.shape[0]:
+            raise ValueError(f"the unit called attention {i + 1} times for a cache of "
+                             f"{self.k.shape[0]} layers")
+        k_cache = write(constrain(self.k[i], UNIT_AXES), k, positions)
+        v_cache = write(constrain(self.v[i], UNIT_AXES), v, positions)
+        self.new_k.append(k_cache)
+        self.new_v.append(v_cache)
+        if q.shape[1] > 1:
+            return self.prefill(q, k, v, positions)
+        return cached_attention(q, positions, k_cache, v_cache)
+
+    def updated(self) -> tuple[jax.Array, jax.Array]:
+        if len(self.new_k) != self.k.shape[0]:
+            raise ValueError(f"the unit called attention {len(self.new_k)} times for a cache "
+                             f"of {self.k.shape[0]} layers")
+        return jnp.stack(self.new_k), jnp.stack(self.new_v)

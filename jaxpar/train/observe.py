@@ -1,0 +1,105 @@
+"""Seeing where a run's time goes: a ``jax.profiler`` trace of chosen steps (``train.profile``)
+and the ``metrics.jsonl`` rows as TensorBoard scalars (``logging.tensorboard``).
+
+Both write under ``run_dir`` on process 0 only, like ``metrics.jsonl``: a trace of one process
+shows every collective of the step (the others wait in the same ones), and one writer keeps the
+event files from being written twice. tensorboardX is an optional extra; its absence is a
+one-line config error before anything is written or compiled (:func:`require_tensorboard`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxpar.config import Config, ConfigError
+
+PROFILE_DIR = "profile"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def require_tensorboard(cfg: Config) -> None:
+    """With ``logging.tensorboard``, tensorboardX must import (checked before any compile)."""
+    if not cfg.logging.tensorboard:
+        return
+    try:
+        import tensorboardX  # noqa: F401, PLC0415  (optional extra)
+    except ImportError:
+        raise ConfigError("logging.tensorboard=true needs tensorboardX: pip install "
+                          "'jaxpar[tensorboard]' (or set logging.tensorboard=false)") from None
+
+
+class Observer:
+    """The profiler trace and the TensorBoard writer of one run, driven by the loop: around each
+    step (:meth:`before_step`, :meth:`after_step`), at each log row (:meth:`log`), and at the
+    end, whatever ended the run (:meth:`close`)."""
+
+    def __init__(self, cfg: Config, first_step: int, say: Callable[[str], None]):
+        """``first_step``: the first step this run takes (after a resume, not 1)."""
+        self.say = say
+        run_dir = Path(cfg.run_dir)
+        self.profile_dir = run_dir / PROFILE_DIR
+        profile = cfg.train.profile
+        speaks = jax.process_index() == 0
+        self.first = profile.start_step if profile.enabled and speaks else None
+        self.last = (profile.start_step or 0) + profile.steps - 1
+        self.tracing = False
+        self.start_line = (f"train.profile: steps {self.first}-{self.last} traced to "
+                           f"{self.profile_dir}" if self.first is not None else None)
+        if self.first is not None and self.first < first_step:
+            self.start_line = (f"train.profile: the run resumed at step {first_step}, after "
+                               f"train.profile.start_step={self.first}: no trace")
+            self.first = None
+        self.writer = None
+        if cfg.logging.tensorboard and speaks:
+            from tensorboardX import SummaryWriter  # noqa: PLC0415  (optional extra)
+
+            # A resumed run logs again the steps after its checkpoint: purge_step hides those
+            # the interrupted run wrote, as keep_through drops them from metrics.jsonl.
+            self.writer = SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR),
+                                        purge_step=first_step if first_step > 1 else None)
+
+    def before_step(self, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(str(self.profile_dir))
+            self.tracing = True
+
+    def after_step(self, step: int, outputs: Any) -> None:
+        """Stop the trace after its last step, once the device has finished it: steps are
+        dispatched asynchronously, so without the wait the trace would end before its work."""
+        if self.tracing and step == self.last:
+            jax.block_until_ready(outputs)
+            self._stop(f"steps {self.first}-{step}")
+
+    def log(self, row: dict[str, Any]) -> None:
+        """One ``metrics.jsonl`` row as scalars at its step; a list (MoE's tokens per expert)
+        as one scalar per element, ``name/i``; null values (a non-finite loss) are left out."""
+        if self.writer is None:
+            return
+        step = row["step"]
+        for key, value in row.items():
+            if key == "step" or value is None:
+                continue
+            values = value if isinstance(value, list) else [value]
+            names = [f"{key}/{i}" for i in range(len(values))] if isinstance(value, list) else [key]
+            for name, number in zip(names, values, strict=True):
+                self.writer.add_scalar(name, float(number), step)
+        self.writer.flush()  # a killed run keeps what it logged, as metrics.jsonl does
+
+    def close(self) -> None:
+        if self.tracing:  # a signal or an error ended the run inside the traced steps
+            self._stop(f"steps {self.first}- (cut short)")
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def _stop(self, steps: str) -> None:
+        jax.profiler.stop_trace()
+        self.tracing = False
+        traces = sorted(self.profile_dir.glob("plugins/profile/*/*.xplane.pb"))
+        where = traces[-1] if traces else self.profile_dir
+        self.say(f"profile of {steps} in {where} (open with xprof, or TensorBoard's profile "
+                 f"plugin: tensorboard --logdir {self.profile_dir})")
