@@ -207,3 +207,26 @@ def test_jaxpar_never_imports_torch_or_transformers():
             found += [f"{path.name}: {n}" for n in names
                       if n.split(".")[0] in ("torch", "transformers")]
     assert not found, found
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generation_from_an_import_is_transformers_greedy_decoding(imported, kind):
+    """``jaxpar generate``'s KV-cached decoding runs the imported weights as transformers does
+    (llama3 RoPE scaling, biases, tied embeddings included)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpar.config import Config
+    from jaxpar.generate import Generator
+    from jaxpar.train.saved_weights import read_weights
+
+    source, done, _ = imported[kind]
+    prompts = tokens(rows=2)[:, :20]
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=12,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[:, prompts.shape[1]:].tolist()
+    params, buffers, _ = read_weights(done.checkpoint)
+    generator = Generator(Config(model=done.model), params, buffers)
+    assert generator.generate(prompts.tolist(), max_tokens=12) == expected
