@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from hf_models import (
     LLAMA3,
+    SEQ,
+    VOCAB,
     hf_logits,
     jaxpar_logits,
     save_hf_model,
@@ -67,6 +69,24 @@ def test_imported_logits_match_transformers(imported, kind, overrides, devices):
     assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
     diff = np.abs(got - expected).max()
     assert diff <= TOLERANCE, (kind, overrides, diff)
+
+
+@pytest.mark.parametrize("kind", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_training_loss_of_an_import_under_a_pipeline_is_transformers(imported, kind):
+    """The train step's loss (pipeline executor over pipe=2, data=2) of the imported weights is
+    the cross-entropy of transformers' logits."""
+    source, done, _ = imported[kind]
+    ids = np.random.default_rng(7).integers(0, VOCAB, (4, SEQ + 1)).astype(np.int32)
+    logits = hf_logits(source, ids[:, :-1]).astype(np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+    expected = float(np.mean(log_z - target))
+    trainer, state = trainer_from_import(done.config_yaml, ["mesh.pipe=2",
+                                                            "train.microbatches=2"], 4)
+    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
+                               "mask": np.ones((4, SEQ), np.float32)})
+    loss, _ = trainer.loss_and_grads(state, batch)
+    assert abs(float(loss) - expected) <= 1e-5 * expected, (float(loss), expected)
 
 
 def test_init_from_converts_to_the_stored_dtype_and_refuses_another_model(imported):
