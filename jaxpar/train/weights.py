@@ -14,6 +14,7 @@ at step 0 with a fresh optimizer. Both read each array straight into the run's s
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,28 @@ def is_weights_only(path: Path) -> bool:
     return bool(read_meta(path).get("weights_only"))
 
 
+class _ChosenSettingNotes(logging.Filter):
+    """orbax's warnings about two settings :func:`save_weights` makes on purpose (numpy arrays
+    saved by a plain handler, no OCDBT): they would be the user's only output lines to ignore."""
+
+    NOTES = ("ArrayMetadata persistence is disabled", "Skipping merge of OCDBT")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(note in record.getMessage() for note in self.NOTES)
+
+
 def save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]) -> Path:
     """Write ``params`` (nested dict of host arrays) as the weights-only checkpoint
     ``out_dir/checkpoints/0``; returns that step directory."""
+    notes = _ChosenSettingNotes()
+    logging.getLogger("absl").addFilter(notes)
+    try:
+        return _save_weights(out_dir, cfg, params, meta)
+    finally:
+        logging.getLogger("absl").removeFilter(notes)
+
+
+def _save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]) -> Path:
     path = (out_dir / CHECKPOINTS / "0").absolute()
     largest = max(a.nbytes for a in jax.tree.leaves(params))
     # Nor should orbax copy each array before writing it (it does by default, in case the
