@@ -22,6 +22,7 @@ from jaxpar.inspect.hlo import (  # noqa: E402
     parse_collectives,
     summarize_collectives,
 )
+from jaxpar.inspect.hlo_buffers import largest_arrays  # noqa: E402
 from jaxpar.inspect.hlo_groups import parse_groups  # noqa: E402
 
 MESH = {"data": 2, "tensor": 4}
@@ -621,3 +622,28 @@ def test_unfused_collectives_sharing_a_channel_id_are_all_counted():
         f"  ROOT %b = f32[4]{{0}} collective-permute(%a), channel_id=1, {pairs}"
     )
     assert len(parse_collectives(text, MESH)) == 2
+
+
+def test_largest_arrays_are_buffers_outside_fusions_biggest_first():
+    hlo = """HloModule m, entry_computation_layout={()->f32[8]}
+
+%fused_computation (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %huge = f32[4096,4096]{1,0} broadcast(f32[8]{0} %p), dimensions={}
+  ROOT %r = f32[8]{0} slice(f32[4096,4096]{1,0} %huge), slice={[0:8], [0:1]}
+}
+
+ENTRY %main (a: f32[1024,1024]) -> f32[8] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %t = f32[1024,1024]{0,1} transpose(f32[1024,1024]{1,0} %a), dimensions={1,0}
+  %u = f32[1024,1024]{1,0} add(f32[1024,1024]{1,0} %t, f32[1024,1024]{1,0} %t)
+  %b = bf16[512,512]{1,0} convert(f32[512,512]{1,0} %a)
+  %v = f32[8]{0} slice(f32[1024,1024]{1,0} %u), slice={[0:8], [0:1]}
+  ROOT %f = f32[8]{0} fusion(f32[8]{0} %v), kind=kLoop, calls=%fused_computation
+}
+"""
+    rows = largest_arrays(hlo, count=2)
+    # Not the fused broadcast (never a buffer), not the parameter (the caller's buffer).
+    assert rows == [
+        {"array": "f32[1024,1024]", "bytes": 4 * 2**20, "instructions": 2, "opcode": "transpose"},
+        {"array": "bf16[512,512]", "bytes": 2**19, "instructions": 1, "opcode": "convert"}]

@@ -177,9 +177,12 @@ def test_splash_attention_compiles_for_tpu_without_a_sequence_square(tmp_path):
     hlo = (tmp_path / "step.hlo").read_text()
     assert "tpu_custom_call" in hlo and "splash" in hlo
     assert square_shapes(hlo, seq) == set()
+    memory = json.loads(result.stdout)["memory"]
+    # The memory report's largest arrays are O(S) (dense attention's would be its scores).
+    assert square_shapes(" ".join(row["array"] for row in memory["largest_arrays"]), seq) == set()
     rows, heads = 8 // 4, 8 // 2  # tiny: batch 8 over data=4, 8 heads over tensor=2
     score_matrices = rows * heads * seq * seq * 4
-    assert json.loads(result.stdout)["memory"]["temp_bytes"] < score_matrices / 2
+    assert memory["temp_bytes"] < score_matrices / 2
 
 
 # --------------------------------------------------------------------------------------------

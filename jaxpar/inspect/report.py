@@ -19,7 +19,8 @@ prints them as tables. Every number is **per device** unless it says "global".
    ``output_bytes`` (new train state + metrics), ``alias_bytes`` (outputs written into donated
    argument buffers, so not allocated twice), ``temp_bytes`` (activations, gathered weights,
    gradients and other scratch the step needs while it runs) and ``peak_bytes``, see
-   :func:`memory_report`.
+   :func:`memory_report`; ``largest_arrays``: the three largest array shapes the program
+   produces (:mod:`jaxpar.inspect.hlo_buffers`), e.g. an attention score matrix.
 4. ``collectives``: one row per (kind, mesh axes), from :mod:`jaxpar.inspect.hlo`: how many
    collectives run per step, their payload ``bytes`` per device, the ``wire_bytes`` a ring
    algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step
@@ -46,6 +47,7 @@ from rich.table import Table
 
 from jaxpar.config import Config
 from jaxpar.inspect.hlo import parse_collectives, summarize_collectives
+from jaxpar.inspect.hlo_buffers import largest_arrays
 from jaxpar.inspect.units import human_bytes
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline import describe
@@ -70,7 +72,9 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
     # What the arguments are made of, so the memory table can be read against the params table.
     memory["params_bytes"] = sum(row["bytes_per_device"] for row in params)
     memory["optimizer_bytes"] = _bytes_per_device(state.opt_state)
-    collectives = summarize_collectives(parse_collectives(compiled.as_text(), cfg.mesh_shape))
+    hlo = compiled.as_text()
+    memory["largest_arrays"] = largest_arrays(hlo)
+    collectives = summarize_collectives(parse_collectives(hlo, cfg.mesh_shape))
     t, p = cfg.train, cfg.parallel
     report = {
         "devices": devices,
@@ -328,6 +332,10 @@ def _print_memory(memory: Mapping[str, Any], console: Console, tpu: bool = False
                   "outputs written into donated arguments (not allocated twice)")
     table.add_row("temp", human_bytes(memory["temp_bytes"]),
                   "activations, gathered weights, gradients, scratch")
+    for row in memory.get("largest_arrays") or []:
+        table.add_row(f"  {row['array']}", human_bytes(row["bytes"]),
+                      f"one of the largest arrays: {row['instructions']} {row['opcode']} "
+                      f"instruction(s) produce one")
     if memory.get("generated_code_bytes"):
         table.add_row("generated code", human_bytes(memory["generated_code_bytes"]),
                       "the executable itself")
