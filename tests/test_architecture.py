@@ -19,8 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxpar"
 # {model, parallel, data} -> config/mesh/distributed. `parallel` may use `model`'s layer code
 # (the MoE dispatch runs the model's experts); nothing below `train` knows training exists.
 ALLOWED = {
-    "cli": {"inspect", "train", "generate", "model", "parallel", "data", "mesh", "distributed",
-            "config"},
+    "cli": {"cli_generate", "inspect", "train", "generate", "model", "parallel", "data", "mesh",
+            "distributed", "config"},
+    # `jaxpar generate`'s command line, beside cli.py.
+    "cli_generate": {"generate", "train", "data", "mesh", "config"},
     # Text generation runs the model with a KV cache on a mesh; the CLI loads its weights.
     "generate": {"model", "parallel", "config"},
     "inspect": {"train", "model", "parallel", "data", "mesh", "config"},
