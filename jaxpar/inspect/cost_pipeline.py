@@ -24,8 +24,10 @@ one spare slot. Time: compute x the executed-work factor = compute / (1 - bubble
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+from jaxpar.inspect.cost_params import ParamCost, entry_axes
 from jaxpar.inspect.cost_shapes import StepSizes
 
 if TYPE_CHECKING:
@@ -43,14 +45,39 @@ def pipeline_collectives(c: Ledger) -> None:
     sends = forward + backward - 1
     c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
-    whole = st.sent * (st.t if st.sp else 1)  # all-reduced activations are not scattered
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head")]
     sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
     c.add("all-reduce", ("pipe",), g * (forward + 3 * head + backward) + sums * len(vocab),
-          g * ((forward + 2 * head + backward) * whole + 3 * head * st.b * st.sl * 4)
+          g * ((forward + 2 * head + backward) * st.sent + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "
           "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
+    _tensor_gathers(c)
+
+
+def whole_over_tensor(c: Ledger, p: ParamCost) -> int:
+    """How many tensor shards of ``p`` a device holds inside the executor: all of them for a
+    parameter split over both ``fsdp`` (by hand) and ``tensor``, else 1 (module docstring:
+    XLA replicates the operands of the by-hand FSDP collectives over ``tensor``)."""
+    st = c.st
+    if st.pipeline is None or "fsdp" not in c.by_hand or p.gathered_bytes == p.bytes_per_device:
+        return 1
+    return math.prod(st.mesh[a] for e in p.spec for a in entry_axes(e) if a == "tensor")
+
+
+def _tensor_gathers(c: Ledger) -> None:
+    """The tensor gathers in front of the by-hand FSDP collectives: each weight's stored shard
+    before its FSDP gather, each gradient sum before its FSDP reduce-scatter, once per step."""
+    whole = [p for p in c.params if whole_over_tensor(c, p) > 1]
+    if not whole:
+        return
+    c.add("all-gather", ("tensor",), len(whole),
+          sum(c.moved(p, p.bytes_per_device * whole_over_tensor(c, p)) for p in whole),
+          "pipeline: stage weights gathered over tensor before the by-hand FSDP gather", True)
+    c.add("all-gather", ("tensor",), len(whole),
+          sum(c.grad(p, p.gathered_bytes * whole_over_tensor(c, p), by_hand=True)
+              for p in whole),
+          "pipeline: gradient sums gathered over tensor before the FSDP reduce-scatter", True)
 
 
 def pipeline_memory(st: StepSizes, residuals_per_layer: int) -> tuple[int, int]:
