@@ -213,8 +213,11 @@ def _flops(st: StepSizes) -> FlopsCost:
         # on XLA:CPU ragged_dot's lowering, a dense matmul masked per expert (all local ones).
         local = m.moe.num_experts // st.mesh["expert"]
         rows = st.expert_rows * (local if st.xla_cpu and m.moe.dispatch == "dropless" else 1)
-        padding = (m.n_moe_layers * st.accum * (rows - st.tokens * m.moe.top_k) * 6 * expert
-                   / st.t)
+        # Per run of a stage's MoE layers (every microbatch; in a pipeline every slot, masked
+        # ones too): forward 2 of the 6 flops per row and weight, backward 4.
+        slots = (st.executed("forward") + 2 * st.executed("backward")) / 3
+        padding = (st.moe_layers * st.runs * slots * (rows - st.tokens * m.moe.top_k) * 6
+                   * expert / st.t)
     # Useful attention is the causal half of the square, forward and backward: 1.5 x the
     # whole square's forward. Dense attention computes all of it (forward 1, backward 2);
     # flash attention the blocks computed (StepSizes.computed_share of the square), with a

@@ -341,23 +341,26 @@ def expert_collectives(c: Ledger) -> None:
     st, cfg = c.st, c.st.cfg
     if st.moe_exchange is None:
         return
-    moe, g = cfg.model.moe, st.accum
-    per_layer, rows = cfg.model.n_moe_layers * g, st.expert_rows
+    moe = cfg.model.moe
+    rows = st.expert_rows
     payload = rows * cfg.model.d_model * st.wire
     kind = "ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all"
-    forward = 2 if cfg.train.remat == "none" else 4
+    again = cfg.train.remat != "none"  # remat redoes the forward pair in the backward pass
+    # Per step: the stage's MoE layers x microbatches, x the slots they run in (pipeline).
+    forward = round(st.moe_layers * st.runs * (2 * c.forwards + 2 * again * c.backwards))
+    backward = round(st.moe_layers * st.runs * 2 * c.backwards)
     real = {"capacity": f"capacity buffer of {rows} rows per layer",
             "padded": f"worst-case blocks, {rows} rows per layer, "
                       f"{st.tokens * moe.top_k} of them tokens",
             "ragged": f"{rows} token rows per layer"}[st.moe_exchange]
-    c.add(kind, ("expert",), per_layer * forward, per_layer * forward * payload,
-          f"MoE dispatch + combine forward{', again in remat' if forward == 4 else ''} "
+    c.add(kind, ("expert",), forward, forward * payload,
+          f"MoE dispatch + combine forward{', again in remat' if again else ''} "
           f"({real})", False)
-    c.add(kind, ("expert",), per_layer * 2, per_layer * 2 * payload,
+    c.add(kind, ("expert",), backward, backward * payload,
           "MoE dispatch + combine backward", False)
     if st.moe_exchange == "padded":  # each row's int32 expert id travels with it
         ids = forward // 2
-        c.add("all-to-all", ("expert",), per_layer * ids, per_layer * ids * rows * 4,
+        c.add("all-to-all", ("expert",), ids, ids * rows * 4,
               "MoE expert ids of the padded rows (forward)", False)
 
 
@@ -370,7 +373,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     step with the head; divided here by the forward multiplicity, which ``add_act`` multiplies
     back)."""
     st, m = c.st, c.st.cfg.model
-    n_layers, n_moe = st.layers, m.n_moe_layers
+    n_layers, n_moe = st.layers, st.moe_layers
     shared = 1 if m.moe.num_shared_experts else 0
     rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
     moe_column = (3 + 1 + 2 * shared) if st.xla_cpu else (1 + 1 + shared)
