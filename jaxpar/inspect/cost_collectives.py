@@ -213,7 +213,7 @@ class Ledger:
         chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
         per backward step, of the head per head step) and the final norm's."""
         def size(p: ParamCost) -> int:
-            whole = p.gathered_bytes * whole_over_tensor(self, p)
+            whole = p.gathered_bytes * whole_over_tensor(self.st, p)
             return self.grad(p, whole if gathered else p.bytes_per_device, by_hand)
 
         layers = sum(size(p) for p in group if p.stacked)
@@ -253,7 +253,7 @@ def fsdp_collectives(c: Ledger) -> None:
         passes, runs = 1, (1 / st.layers if "fsdp" in c.by_hand
                            else st.accum * len(st.pipeline["stretches"]))
         c.add("all-gather", ("fsdp",), round(passes * st.layers * runs * len(layer)),
-              round(passes * runs * sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c, p))
+              round(passes * runs * sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p))
                                         for p in layer)),
               "stage weights gathered once, kept for every microbatch", True)
     else:
@@ -269,7 +269,7 @@ def fsdp_collectives(c: Ledger) -> None:
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
     c.add("all-gather", ("fsdp",), len(other),
-          sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c, p)) for p in other),
+          sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p)) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
     c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
           c.reduced(layer + other, gathered=True, by_hand="fsdp" in c.by_hand),

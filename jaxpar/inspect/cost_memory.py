@@ -72,6 +72,7 @@ class MemoryCost:
     working: int  # one layer's backward, the head's logits, FSDP-gathered weights
     update: int  # the optimizer update's temporaries (after activations are freed)
     stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
+    weight_copies: int = 0  # pipeline: XLA's copies of the stage's weights during the loops
     buffers: int = 0  # non-trainable model state (MoE router biases)
 
     @property
@@ -81,7 +82,8 @@ class MemoryCost:
     @property
     def peak(self) -> int:
         return (self.state + self.gradients + self.batch
-                + max(self.activations + self.stash + self.working, self.update))
+                + max(self.activations + self.stash + self.weight_copies + self.working,
+                      self.update))
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
@@ -114,7 +116,10 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     flash = b * s * (m.n_heads // t) * (d + 1) * 4 if st.flash else 0
     if remat == "full":
         return residual + flash
-    ffn = _moe_activations(st, remat) if moe else (5 if remat == "none" else 2) * mlp
+    # A pipeline stashes jax's VJP residuals as they are: the SwiGLU's six hidden-sized
+    # tensors, of which XLA keeps five when it sees the whole backward pass.
+    swiglu = 6 if st.pipeline is not None else 5
+    ffn = _moe_activations(st, remat) if moe else (swiglu if remat == "none" else 2) * mlp
     if remat == "dots":
         return residual + q + kv + full + ffn + flash
     # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
@@ -158,16 +163,23 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         kept_weights = sum(p.stored_bytes_per_device or p.bytes_per_device if p.resharded
                            else in_compute_dtype(p, p.gathered_bytes, st.a)
                            for p in params if p.stacked) // units
-    gathered = 0
-    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1:  # one layer's weights and gradient
+    gathered = 0  # (a pipeline stage's weights, gathered once per step: its weight copies)
+    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1 and st.pipeline is None:
+        # one layer's weights and gradient
         gathered = 2 * layer_weights + sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                                            for p in params if not p.stacked)
     if st.flash:  # one block's float32 scores, probabilities and their gradients
         head += 4 * st.b * (m.n_heads // st.t) * st.block * st.block * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
     per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
-    saved_layers, stash = (pipeline_memory(st, per_layer) if st.pipeline is not None
-                           else (units, 0))
+    # The backward pass's working set: one layer's remat=none set (recomputed, or its
+    # gradients); in a pipeline stage, the residuals of the chunk a slot is running, beside
+    # the stashed ones.
+    layer_set = max(_layer_activations(st, "none", moe) for moe in blocks)
+    saved_layers, stash, copies = units, 0, 0
+    if st.pipeline is not None:
+        saved_layers = 0
+        stash, copies, layer_set = pipeline_memory(st, params, per_layer)
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
@@ -175,8 +187,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),
-        working=(max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered
-                 + widened),
+        working=layer_set + head + gathered + widened,
         update=moments,
         stash=stash,
+        weight_copies=copies,
         buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))

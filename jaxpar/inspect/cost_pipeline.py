@@ -27,11 +27,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from jaxpar.inspect.cost_params import ParamCost, entry_axes
+from jaxpar.inspect.cost_params import ParamCost, entry_axes, in_compute_dtype
 from jaxpar.inspect.cost_shapes import StepSizes
 
 if TYPE_CHECKING:
     from jaxpar.inspect.cost_collectives import Ledger
+
+# Copies of the stage's weights (as read: compute dtype, FSDP-gathered) that XLA:CPU keeps
+# beside the stashes while the stretch loops run, for every schedule (module docstring).
+WEIGHT_COPIES = 2
 
 
 def pipeline_collectives(c: Ledger) -> None:
@@ -55,12 +59,12 @@ def pipeline_collectives(c: Ledger) -> None:
     _tensor_gathers(c)
 
 
-def whole_over_tensor(c: Ledger, p: ParamCost) -> int:
+def whole_over_tensor(st: StepSizes, p: ParamCost) -> int:
     """How many tensor shards of ``p`` a device holds inside the executor: all of them for a
-    parameter split over both ``fsdp`` (by hand) and ``tensor``, else 1 (module docstring:
-    XLA replicates the operands of the by-hand FSDP collectives over ``tensor``)."""
-    st = c.st
-    if st.pipeline is None or "fsdp" not in c.by_hand or p.gathered_bytes == p.bytes_per_device:
+    parameter split over both ``fsdp`` (by hand: dense models) and ``tensor``, else 1 (module
+    docstring: XLA replicates the operands of the by-hand FSDP collectives over ``tensor``)."""
+    by_hand = st.pipeline is not None and not st.cfg.model.moe.enabled and st.mesh["fsdp"] > 1
+    if not by_hand or p.gathered_bytes == p.bytes_per_device:
         return 1
     return math.prod(st.mesh[a] for e in p.spec for a in entry_axes(e) if a == "tensor")
 
@@ -68,29 +72,28 @@ def whole_over_tensor(c: Ledger, p: ParamCost) -> int:
 def _tensor_gathers(c: Ledger) -> None:
     """The tensor gathers in front of the by-hand FSDP collectives: each weight's stored shard
     before its FSDP gather, each gradient sum before its FSDP reduce-scatter, once per step."""
-    whole = [p for p in c.params if whole_over_tensor(c, p) > 1]
+    whole = [p for p in c.params if whole_over_tensor(c.st, p) > 1]
     if not whole:
         return
     c.add("all-gather", ("tensor",), len(whole),
-          sum(c.moved(p, p.bytes_per_device * whole_over_tensor(c, p)) for p in whole),
+          sum(c.moved(p, p.bytes_per_device * whole_over_tensor(c.st, p)) for p in whole),
           "pipeline: stage weights gathered over tensor before the by-hand FSDP gather", True)
     c.add("all-gather", ("tensor",), len(whole),
-          sum(c.grad(p, p.gathered_bytes * whole_over_tensor(c, p), by_hand=True)
+          sum(c.grad(p, p.gathered_bytes * whole_over_tensor(c.st, p), by_hand=True)
               for p in whole),
           "pipeline: gradient sums gathered over tensor before the FSDP reduce-scatter", True)
 
 
-def pipeline_memory(st: StepSizes, residuals_per_layer: int) -> tuple[int, int]:
-    """(layers whose activations are saved outside the stash, stash bytes). Between a chunk's F
-    and its backward its residuals wait in a stash slot (``residuals_per_layer``: what remat
-    saves for one layer), beside arrived inputs and output gradients; each stash has one spare
-    slot that masked writes go to. Nothing else is saved across steps. XLA copies the
-    output-gradient stash where one stretch's loop hands it to the next while the old one is
-    still read (seen on XLA:CPU), so that stash counts twice."""
-    chunk_layers = st.layers // st.cfg.parallel.virtual_stages
+def pipeline_memory(st: StepSizes, params: list[ParamCost],
+                    residuals_per_layer: int) -> tuple[int, int, int]:
+    """(stash bytes, weight copies' bytes, one chunk's residuals) of a stage (module
+    docstring, "Memory")."""
+    chunk = st.layers // st.cfg.parallel.virtual_stages * residuals_per_layer
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
-    return 0, (slots * st.act // (st.t if st.sp else 1)
-               + (st.pipeline["residual_slots"] + 1) * chunk_layers * residuals_per_layer)
+    stash = slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
+    weights = sum(in_compute_dtype(p, p.gathered_bytes * whole_over_tensor(st, p), st.a)
+                  for p in params)
+    return stash, WEIGHT_COPIES * weights, chunk
 
 
 def pipeline_compute(st: StepSizes, compute: float) -> float:
