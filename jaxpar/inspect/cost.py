@@ -35,7 +35,14 @@ whole square, flash attention (blockwise, ring or all-gather over ``context``) t
 busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of it without;
 (n+1)/(2n) of n x n blocks on one device -- with a flash-style backward (5 block matmuls against
 dense attention's 4; never recomputed by remat). Both compute at least the useful half, so the
-MFU bound below is at most 100%.
+MFU bound below is at most 100%. (The flash kernels skip a causal block behind a conditional;
+:func:`jaxpar.inspect.hlo_flops.dot_flops` cannot see which branch runs and counts every block,
+so for the zigzag layout its count of the compiled step exceeds these executed flops by the
+skipped blocks: (2c-1)/(4c) of the square.) A mixture of experts adds its padding: the rows its
+experts compute beyond the T x k slots (capacity slack, padded exchange blocks, and on XLA:CPU
+the dense masked matmul that lowers ``ragged_dot`` over all local experts), 6 flops per row
+and expert weight, for each of the stage's MoE layers and microbatches (in a pipeline, in
+every slot, masked ones too).
 
 Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
 as no kernel reaches it and memory-bound work is ignored); each collective takes

@@ -46,7 +46,9 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
   data parallelism outside the experts). Each MoE layer moves its slots with all-to-alls over
   ``expert``: dispatch and combine forward, the same two backward, and under remat the forward
-  pair again. A device routes T = b S/c tokens, k slots each; the ideal payload per all-to-all is
+  pair again (in a pipeline stage: its share of the MoE layers, per microbatch, in every slot,
+  masked ones too). A device routes T = b S/c tokens, k slots each; the ideal payload per
+  all-to-all is
   T k E a (the textbook ``tokens x top_k x d_model x 2 passes x 2 directions``, of which
   (G-1)/G crosses the wire for G = ``mesh.expert``). What travels has static shapes: with
   ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with

@@ -10,8 +10,9 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 - ``remat=none``: what autodiff keeps. Per RMSNorm (2) its input (r), its float32 normalised
   values (r x 4/a) and its output gathered to the full sequence (A); q, k, v after rotary
   (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a); gate, sigmoid(gate), silu(gate), up
-  and their product (5 b S/c F/t a); and two float32 score-sized tensors per head,
-  b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax output; S_k is
+  and their product (5 b S/c F/t a; 6 in a pipeline stage, whose stash holds jax's VJP
+  residuals as they are, the sigmoid's derivative too); and two float32 score-sized tensors per
+  head, b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax output; S_k is
   S, the keys each query sees), plus a compute-dtype copy of the probabilities under bfloat16.
 - ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
   the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
@@ -39,8 +40,11 @@ During the backward pass one layer's ``remat=none`` set exists at a time (recomp
 gradients); the head adds float32 logits and their gradient (b S/c V/t each, divided by the pieces
 the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t).
 Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
-embedding and lm_head stay gathered for the whole step. Peak = parameters + optimizer state +
-gradients + batch + max(activations + that working set, the optimizer update's temporaries).
+embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
+stashes, the residuals of the chunk it runs and copies of its weights
+(:mod:`~jaxpar.inspect.cost_pipeline`, "Memory of a stage"). Peak = parameters + optimizer
+state + gradients + batch + max(activations + stash + weight copies + that working set, the
+optimizer update's temporaries).
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     if remat == "full":
         return residual + flash
     # A pipeline stashes jax's VJP residuals as they are: the SwiGLU's six hidden-sized
-    # tensors, of which XLA keeps five when it sees the whole backward pass.
+    # tensors (with the sigmoid's derivative), of which XLA keeps five when it sees the whole
+    # backward pass.
     swiglu = 6 if st.pipeline is not None else 5
     ffn = _moe_activations(st, remat) if moe else (swiglu if remat == "none" else 2) * mlp
     if remat == "dots":
