@@ -12,8 +12,9 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
   (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a); gate, sigmoid(gate), silu(gate), up
   and their product (5 b S/c F/t a; 6 in a pipeline stage, whose stash holds jax's VJP
   residuals as they are, the sigmoid's derivative too); and two float32 score-sized tensors per
-  head, b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax output; S_k is
-  S, the keys each query sees), plus a compute-dtype copy of the probabilities under bfloat16.
+  head, b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax
+  output; S_k is S, the keys each query sees), plus a compute-dtype copy of the probabilities
+  under bfloat16.
 - ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
   the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
   projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
