@@ -76,8 +76,9 @@ LAYOUTS = {
                      {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",))}),
     # FSDP (by hand) and tensor with SP inside pipeline stages: the by-hand gathers and
     # reduce-scatters work on weights whole over tensor, and the pipe all-reduces keep SP's split.
+    # (Two layers per stage: the stacked weights are gathered once for both.)
     "pipe=2,fsdp=2,tensor=2,sp": (
-        ["mesh.pipe=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
+        ["mesh.pipe=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "model.n_layers=4",
          "parallel.sequence_parallel=true", "train.microbatches=4"],
         {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
          ("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-gather", ("tensor",)),
@@ -164,9 +165,11 @@ def test_compiled_collectives_have_the_predicted_kinds_axes_and_bytes_per_step(n
     assert set(actual) == LAYOUTS[name][1]
     assert set(predicted) == set(actual)
     for key, row in actual.items():
-        if key == ("all-gather", ("fsdp",)) and got["cfg"].mesh.pipe > 1:
-            # XLA hoists a stage's loop-invariant weight gathers out of the executor's loops;
-            # how many survive per stretch is its choice: the plan's figure is an upper bound.
+        if (key == ("all-gather", ("fsdp",)) and got["cfg"].mesh.pipe > 1
+                and got["cfg"].model.moe.enabled):
+            # With FSDP left to the partitioner (MoE models), XLA hoists a stage's
+            # loop-invariant weight gathers out of the executor's loops; how many survive per
+            # stretch is its choice: the plan's figure is an upper bound.
             assert row["bytes"] <= predicted[key]["bytes"] * (1 + COLLECTIVE_TOLERANCE), row
             continue
         assert close(predicted[key]["bytes"], row["bytes"], COLLECTIVE_TOLERANCE), (key, row)

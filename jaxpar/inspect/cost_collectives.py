@@ -252,11 +252,11 @@ def fsdp_collectives(c: Ledger) -> None:
         # By hand, the executor gathers a stage's weights once per step; else a stage's weights
         # do not change within a stretch of steps and XLA hoists their gathers out of the
         # stretch's loop (an upper bound: how many survive is its choice).
-        passes, runs = 1, (1 / st.layers if "fsdp" in c.by_hand
-                           else st.accum * len(st.pipeline["stretches"]))
-        c.add("all-gather", ("fsdp",), round(passes * st.layers * runs * len(layer)),
-              round(passes * runs * sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p))
-                                        for p in layer)),
+        # One gather per stacked weight (all the stage's layers at once) each time.
+        runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
+        c.add("all-gather", ("fsdp",), runs * len(layer),
+              runs * sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p))
+                         for p in layer),
               "stage weights gathered once, kept for every microbatch", True)
     else:
         # Reshard after forward: gathered again in the backward pass, except what remat=none
