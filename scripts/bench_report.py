@@ -7,7 +7,8 @@ from typing import Any
 
 from jaxpar.inspect.units import human_bytes
 
-COLUMNS = ("layout", "mesh", "compile s", "step s (median)", "spread (min-max)", "tokens/s",
+COLUMNS = ("layout", "mesh", "compile s", "recompiles", "step s (median)", "spread (min-max)",
+           "tokens/s",
            "peak mem/dev", "coll. bytes/dev", "step / 1-dev", "work / 1-dev",
            "step / work", "flops / plan", "mem / plan", "bytes / plan")
 
@@ -19,7 +20,7 @@ def _num(value: float | None, fmt: str = "{:.2f}") -> str:
 def _cells(row: Mapping[str, Any]) -> list[str]:
     """The table cells of one measured row."""
     step, ratios = row["step"], row["ratios"]
-    return [row["name"], row["mesh"], _num(row["compile_s"], "{:.1f}"),
+    return [row["name"], row["mesh"], _num(row["compile_s"], "{:.1f}"), str(row["recompiles"]),
             _num(step["median_s"], "{:.3f}"),
             f"{step['min_s']:.3f}-{step['max_s']:.3f}",
             _num(row["tokens_per_s"], "{:,.0f}"),
@@ -45,7 +46,9 @@ def markdown_table(results: Mapping[str, Any]) -> str:
             reason = row["reason"].replace("|", "/").replace("\n", " ")
             cells = [row["name"], f"{row['status']}: {reason}"] + [""] * (len(COLUMNS) - 2)
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "step / 1-dev: median step over the 1-device median of the same global batch. "
+    lines += ["", "recompiles: compilations after the first step (0: every later step ran the "
+              "first one's executable). step / 1-dev: median step over the 1-device median of "
+              "the same global batch. "
               "work / 1-dev: matmul flops all devices execute over the 1-device run's (virtual "
               "devices share the cores, so this is the step ratio with no overhead; a "
               "pipeline's masked slots make it its executed-work factor). step / work: their "

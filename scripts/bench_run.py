@@ -3,8 +3,10 @@
 A layout is measured from one compiled executable: its compile time, then ``jaxpar inspect``'s
 report of it (memory, collectives, flops; :func:`jaxpar.inspect.report.build_report`) and its
 comparison with the plan (:func:`jaxpar.inspect.report.compare_with_plan`), then its step times.
-Calling the ``Compiled`` object directly means no step after the first can recompile: a
-mismatched argument is an error, not a silent new compile.
+The steps run through ``Trainer.step``, the jitted step as training calls it, which reuses that
+executable (the first step compiles nothing); ``recompiles`` counts the compilations after the
+first step (:func:`bench_timing.step_times`): 0 unless a step's arguments changed layout, dtype
+or shape from one step to the next.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ def measure(cfg: Config, devices: Sequence[Any], *, steps: int, warmup: int) -> 
     report = build_report(CompiledStep(cfg, trainer, compiled, compile_s))
     compare = compare_with_plan(report, cfg)
     plan = estimate(cfg)
-    times = step_times(compiled, trainer.init(), random_batch(cfg, trainer),
-                       warmup=warmup, steps=steps)
+    times, recompiles = step_times(trainer.step, trainer.init(), random_batch(cfg, trainer),
+                                   warmup=warmup, steps=steps)
     timing = spread(times)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     compiled_bytes = sum(r["compiled_bytes"] or 0 for r in compare["collectives"])
@@ -49,6 +51,7 @@ def measure(cfg: Config, devices: Sequence[Any], *, steps: int, warmup: int) -> 
         "compile_s": round(compile_s, 2),
         "step": {k: round(v, 4) for k, v in timing.items()},
         "tokens_per_s": round(tokens / timing["median_s"], 1),
+        "recompiles": recompiles,
         "memory": {"peak_bytes": report["memory"]["peak_bytes"],
                    "temp_bytes": report["memory"]["temp_bytes"],
                    "plan_peak_bytes": compare["memory"]["predicted_peak_bytes"]},

@@ -2,6 +2,11 @@
 
 Every layout of a comparison must run the same global batch, so the batch comes from a fixed
 seed and the global shape alone; ``Trainer.put_batch`` lays it out for the layout's mesh.
+
+Compilations are counted by a listener on jax's backend-compile event (every XLA compile in
+this process, whatever triggers it): :func:`step_times` reports how many happened after the
+first step, i.e. whether a step recompiled (a state whose layout or dtype changed after one
+step, an argument that is not the same shape every time).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import time
 from typing import Any
 
 import jax
+import jax.monitoring
 import numpy as np
 
 from jaxpar.config import Config
@@ -27,24 +33,40 @@ def random_batch(cfg: Config, trainer: Trainer, seed: int = 0) -> Batch:
                               "mask": np.ones(shape, np.float32)})
 
 
-def step_times(step: Any, state: Any, batch: Batch, *, warmup: int, steps: int) -> list[float]:
-    """Wall seconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = [0]  # backend compilations in this process since the listener was registered
+
+
+def _count_compile(event: str, _seconds: float, **_: Any) -> None:
+    if event == COMPILE_EVENT:
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def step_times(step: Any, state: Any, batch: Batch, *, warmup: int,
+               steps: int) -> tuple[list[float], int]:
+    """Wall seconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, and the
+    number of compilations after the first call (0: no step recompiled).
 
     ``block_until_ready`` on the metrics ends each timed call only when the device work is done;
     the state is threaded through so every step runs on the previous one's (donated) buffers,
     as in training.
     """
-    for _ in range(warmup):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(steps):
+    times, by_first = [], _compiles[0]
+    for i in range(warmup + steps):
         start = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+        state, metrics = step(state, batch)  # compiles, if at all, before it returns
+        if i == 0:
+            by_first = _compiles[0]
+        if i >= warmup:
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        elif i == warmup - 1:
+            jax.block_until_ready(state)
     jax.block_until_ready(state)
-    return times
+    return times, _compiles[0] - by_first
 
 
 def spread(times: list[float]) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 For a preset and a device count (virtual CPU devices by default), each layout of a named matrix
 is compiled (timed), run for warm-up steps, then timed for ``--steps`` steps. Per layout it
-reports the compile time, the median and spread of the step time, tokens/s, compiled memory per
+reports the compile time, the compilations after the first step (``recompiles``: 0 unless a
+step recompiled), the median and spread of the step time, tokens/s, compiled memory per
 device, collective bytes per device, and compiled vs analytic flops -- and the ratios that
 still mean something on a noisy, shared CPU, because both sides come from the same run:
 

@@ -46,7 +46,7 @@ def step_seconds(overrides: list[str], devices: int, steps: int) -> float:
     cfg = validate(load_config("tiny", overrides), devices)
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
     batch = random_batch(cfg, trainer)
-    times = step_times(trainer.compile_step(), trainer.init(), batch, warmup=2, steps=steps)
+    times, _ = step_times(trainer.compile_step(), trainer.init(), batch, warmup=2, steps=steps)
     return statistics.median(times)
 
 

@@ -24,25 +24,34 @@ def _benchmark():
     return module
 
 
-def test_benchmark_rows_and_ratios(tmp_path, capsys):
+def test_benchmark_rows_ratios_and_no_recompiles(tmp_path, capsys):
+    """The quick matrix and the 16-device 5d row on the shrunk preset (16 sequences: the
+    pipelines' 4 microbatches x 4 data shards)."""
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
-    code = _benchmark().main(["--layouts", "data,fsdp,5d", "--steps", "1", "--warmup", "1",
-                              "--json", str(out), "--markdown", str(md), *TINY])
+    bench = _benchmark()
+    code = bench.main(["--layouts", ",".join([*bench.QUICK, "5d"]), "--steps", "2",
+                       "--warmup", "1", "--json", str(out), "--markdown", str(md), *TINY,
+                       "train.batch_size=16"])
     assert code == 0
     results = json.loads(out.read_text())
     rows = {row["name"]: row for row in results["rows"]}
-    assert list(rows) == ["1-device (dense)", "data", "fsdp", "5d"]
+    assert list(rows) == ["1-device (dense)", "data", "fsdp", "tensor_sp", "context_ring",
+                          "pipe_1f1b", "1-device (moe)", "expert", "pipe_fsdp_tensor_sp", "5d"]
     # 5d needs 16 devices: a row with the reason, and the run went on.
     assert rows["5d"]["status"] == "invalid" and "16" in rows["5d"]["reason"]
-    for name in ("1-device (dense)", "data", "fsdp"):
-        row = rows[name]
-        assert row["status"] == "ok", row.get("reason")
+    for name, row in rows.items():
+        if name == "5d":
+            continue
+        assert row["status"] == "ok", (name, row.get("reason"))
         assert row["compile_s"] > 0 and row["step"]["median_s"] > 0 and row["tokens_per_s"] > 0
         assert row["memory"]["peak_bytes"] > 0
-        ratios = row["ratios"]
-        assert set(ratios) == {"step_vs_1dev", "work_vs_1dev", "step_vs_1dev_per_work",
-                               "flops_vs_plan", "memory_vs_plan", "bytes_vs_plan"}
+        # Every later step ran the first step's executable (a listener counts compilations).
+        assert row["recompiles"] == 0, name
+        assert set(row["ratios"]) == {"step_vs_1dev", "work_vs_1dev", "step_vs_1dev_per_work",
+                                      "flops_vs_plan", "memory_vs_plan", "bytes_vs_plan"}
+    for name in ("1-device (dense)", "data", "fsdp"):
+        ratios = rows[name]["ratios"]
         assert 0.99 <= ratios["work_vs_1dev"] <= 1.01  # no layout here adds or drops matmuls
         # Data parallelism and FSDP add no matmul work: compiled flops match the plan.
         assert 0.95 <= ratios["flops_vs_plan"] <= 1.05
@@ -53,8 +62,25 @@ def test_benchmark_rows_and_ratios(tmp_path, capsys):
         assert rows[name]["collectives"]["bytes"] > 0
         assert 0.9 <= rows[name]["ratios"]["bytes_vs_plan"] <= 1.1
     table = capsys.readouterr().out
-    assert "| data | data=8 |" in table and "| fsdp | fsdp=8 |" in table
+    assert "| data | data=8 | " in table and "| fsdp | fsdp=8 | " in table
     assert md.read_text().strip() in table
+
+
+def test_step_times_counts_the_compilations_after_the_first_step():
+    """A step whose state grows every call compiles every call: each one after the first
+    counts."""
+    import jax
+    import jax.numpy as jnp
+
+    _benchmark()  # scripts/ on the path
+    from bench_timing import step_times
+
+    step = jax.jit(lambda state, batch: (jnp.concatenate([state, batch]), {"n": state.sum()}))
+    times, recompiles = step_times(step, jnp.zeros(1), jnp.ones(1), warmup=1, steps=2)
+    assert len(times) == 2 and recompiles == 2
+    _, recompiles = step_times(jax.jit(lambda s, b: (s + b, {})), jnp.zeros(1), jnp.ones(1),
+                               warmup=1, steps=2)
+    assert recompiles == 0
 
 
 def test_mfu_needs_an_accelerator(capsys):

@@ -35,7 +35,14 @@ whole square, flash attention (blockwise, ring or all-gather over ``context``) t
 busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of it without;
 (n+1)/(2n) of n x n blocks on one device -- with a flash-style backward (5 block matmuls against
 dense attention's 4; never recomputed by remat). Both compute at least the useful half, so the
-MFU bound below is at most 100%.
+MFU bound below is at most 100%. (The flash kernels skip a causal block behind a conditional;
+:func:`jaxpar.inspect.hlo_flops.dot_flops` cannot see which branch runs and counts every block,
+so for the zigzag layout its count of the compiled step exceeds these executed flops by the
+skipped blocks: (2c-1)/(4c) of the square.) A mixture of experts adds its padding: the rows its
+experts compute beyond the T x k slots (capacity slack, padded exchange blocks, and on XLA:CPU
+the dense masked matmul that lowers ``ragged_dot`` over all local experts), 6 flops per row
+and expert weight, for each of the stage's MoE layers and microbatches (in a pipeline, in
+every slot, masked ones too).
 
 Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
 as no kernel reaches it and memory-bound work is ignored); each collective takes
@@ -213,8 +220,11 @@ def _flops(st: StepSizes) -> FlopsCost:
         # on XLA:CPU ragged_dot's lowering, a dense matmul masked per expert (all local ones).
         local = m.moe.num_experts // st.mesh["expert"]
         rows = st.expert_rows * (local if st.xla_cpu and m.moe.dispatch == "dropless" else 1)
-        padding = (m.n_moe_layers * st.accum * (rows - st.tokens * m.moe.top_k) * 6 * expert
-                   / st.t)
+        # Per run of a stage's MoE layers (every microbatch; in a pipeline every slot, masked
+        # ones too): forward 2 of the 6 flops per row and weight, backward 4.
+        slots = (st.executed("forward") + 2 * st.executed("backward")) / 3
+        padding = (st.moe_layers * st.runs * slots * (rows - st.tokens * m.moe.top_k) * 6
+                   * expert / st.t)
     # Useful attention is the causal half of the square, forward and backward: 1.5 x the
     # whole square's forward. Dense attention computes all of it (forward 1, backward 2);
     # flash attention the blocks computed (StepSizes.computed_share of the square), with a

@@ -46,7 +46,9 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
   data parallelism outside the experts). Each MoE layer moves its slots with all-to-alls over
   ``expert``: dispatch and combine forward, the same two backward, and under remat the forward
-  pair again. A device routes T = b S/c tokens, k slots each; the ideal payload per all-to-all is
+  pair again (in a pipeline stage: its share of the MoE layers, per microbatch, in every slot,
+  masked ones too). A device routes T = b S/c tokens, k slots each; the ideal payload per
+  all-to-all is
   T k E a (the textbook ``tokens x top_k x d_model x 2 passes x 2 directions``, of which
   (G-1)/G crosses the wire for G = ``mesh.expert``). What travels has static shapes: with
   ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
@@ -84,7 +86,7 @@ from jaxpar.inspect.cost_params import (
     entry_axes,
     in_compute_dtype,
 )
-from jaxpar.inspect.cost_pipeline import pipeline_collectives
+from jaxpar.inspect.cost_pipeline import pipeline_collectives, whole_over_tensor
 from jaxpar.inspect.cost_shapes import StepSizes
 from jaxpar.parallel.zero import ZERO1_AXES, data_summed_by_hand
 
@@ -213,7 +215,8 @@ class Ledger:
         chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
         per backward step, of the head per head step) and the final norm's."""
         def size(p: ParamCost) -> int:
-            return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device, by_hand)
+            whole = p.gathered_bytes * whole_over_tensor(self.st, p)
+            return self.grad(p, whole if gathered else p.bytes_per_device, by_hand)
 
         layers = sum(size(p) for p in group if p.stacked)
         shared = sum(size(p) for p in group if not p.stacked)
@@ -249,10 +252,11 @@ def fsdp_collectives(c: Ledger) -> None:
         # By hand, the executor gathers a stage's weights once per step; else a stage's weights
         # do not change within a stretch of steps and XLA hoists their gathers out of the
         # stretch's loop (an upper bound: how many survive is its choice).
-        passes, runs = 1, (1 / st.layers if "fsdp" in c.by_hand
-                           else st.accum * len(st.pipeline["stretches"]))
-        c.add("all-gather", ("fsdp",), round(passes * st.layers * runs * len(layer)),
-              round(passes * runs * sum(c.moved(p, p.gathered_bytes) for p in layer)),
+        # One gather per stacked weight (all the stage's layers at once) each time.
+        runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
+        c.add("all-gather", ("fsdp",), runs * len(layer),
+              runs * sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p))
+                         for p in layer),
               "stage weights gathered once, kept for every microbatch", True)
     else:
         # Reshard after forward: gathered again in the backward pass, except what remat=none
@@ -266,7 +270,8 @@ def fsdp_collectives(c: Ledger) -> None:
                       round(passes * c.forwards * st.layers * st.runs * len(group)),
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
-    c.add("all-gather", ("fsdp",), len(other), sum(c.moved(p, p.gathered_bytes) for p in other),
+    c.add("all-gather", ("fsdp",), len(other),
+          sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p)) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
     c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
           c.reduced(layer + other, gathered=True, by_hand="fsdp" in c.by_hand),
@@ -338,23 +343,26 @@ def expert_collectives(c: Ledger) -> None:
     st, cfg = c.st, c.st.cfg
     if st.moe_exchange is None:
         return
-    moe, g = cfg.model.moe, st.accum
-    per_layer, rows = cfg.model.n_moe_layers * g, st.expert_rows
+    moe = cfg.model.moe
+    rows = st.expert_rows
     payload = rows * cfg.model.d_model * st.wire
     kind = "ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all"
-    forward = 2 if cfg.train.remat == "none" else 4
+    again = cfg.train.remat != "none"  # remat redoes the forward pair in the backward pass
+    # Per step: the stage's MoE layers x microbatches, x the slots they run in (pipeline).
+    forward = round(st.moe_layers * st.runs * (2 * c.forwards + 2 * again * c.backwards))
+    backward = round(st.moe_layers * st.runs * 2 * c.backwards)
     real = {"capacity": f"capacity buffer of {rows} rows per layer",
             "padded": f"worst-case blocks, {rows} rows per layer, "
                       f"{st.tokens * moe.top_k} of them tokens",
             "ragged": f"{rows} token rows per layer"}[st.moe_exchange]
-    c.add(kind, ("expert",), per_layer * forward, per_layer * forward * payload,
-          f"MoE dispatch + combine forward{', again in remat' if forward == 4 else ''} "
+    c.add(kind, ("expert",), forward, forward * payload,
+          f"MoE dispatch + combine forward{', again in remat' if again else ''} "
           f"({real})", False)
-    c.add(kind, ("expert",), per_layer * 2, per_layer * 2 * payload,
+    c.add(kind, ("expert",), backward, backward * payload,
           "MoE dispatch + combine backward", False)
     if st.moe_exchange == "padded":  # each row's int32 expert id travels with it
         ids = forward // 2
-        c.add("all-to-all", ("expert",), per_layer * ids, per_layer * ids * rows * 4,
+        c.add("all-to-all", ("expert",), ids, ids * rows * 4,
               "MoE expert ids of the padded rows (forward)", False)
 
 
@@ -367,7 +375,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     step with the head; divided here by the forward multiplicity, which ``add_act`` multiplies
     back)."""
     st, m = c.st, c.st.cfg.model
-    n_layers, n_moe = st.layers, m.n_moe_layers
+    n_layers, n_moe = st.layers, st.moe_layers
     shared = 1 if m.moe.num_shared_experts else 0
     rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
     moe_column = (3 + 1 + 2 * shared) if st.xla_cpu else (1 + 1 + shared)

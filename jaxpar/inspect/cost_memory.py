@@ -10,9 +10,11 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 - ``remat=none``: what autodiff keeps. Per RMSNorm (2) its input (r), its float32 normalised
   values (r x 4/a) and its output gathered to the full sequence (A); q, k, v after rotary
   (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a); gate, sigmoid(gate), silu(gate), up
-  and their product (5 b S/c F/t a); and two float32 score-sized tensors per head,
-  b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax output; S_k is
-  S, the keys each query sees), plus a compute-dtype copy of the probabilities under bfloat16.
+  and their product (5 b S/c F/t a; 6 in a pipeline stage, whose stash holds jax's VJP
+  residuals as they are, the sigmoid's derivative too); and two float32 score-sized tensors per
+  head, b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax
+  output; S_k is S, the keys each query sees), plus a compute-dtype copy of the probabilities
+  under bfloat16.
 - ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
   the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
   projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
@@ -39,8 +41,11 @@ During the backward pass one layer's ``remat=none`` set exists at a time (recomp
 gradients); the head adds float32 logits and their gradient (b S/c V/t each, divided by the pieces
 the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t).
 Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
-embedding and lm_head stay gathered for the whole step. Peak = parameters + optimizer state +
-gradients + batch + max(activations + that working set, the optimizer update's temporaries).
+embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
+stashes, the residuals of the chunk it runs and copies of its weights
+(:mod:`~jaxpar.inspect.cost_pipeline`, "Memory of a stage"). Peak = parameters + optimizer
+state + gradients + batch + max(activations + stash + weight copies + that working set, the
+optimizer update's temporaries).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class MemoryCost:
     working: int  # one layer's backward, the head's logits, FSDP-gathered weights
     update: int  # the optimizer update's temporaries (after activations are freed)
     stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
+    weight_copies: int = 0  # pipeline: XLA's copies of the stage's weights during the loops
     buffers: int = 0  # non-trainable model state (MoE router biases)
 
     @property
@@ -81,7 +87,8 @@ class MemoryCost:
     @property
     def peak(self) -> int:
         return (self.state + self.gradients + self.batch
-                + max(self.activations + self.stash + self.working, self.update))
+                + max(self.activations + self.stash + self.weight_copies + self.working,
+                      self.update))
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
@@ -114,7 +121,11 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     flash = b * s * (m.n_heads // t) * (d + 1) * 4 if st.flash else 0
     if remat == "full":
         return residual + flash
-    ffn = _moe_activations(st, remat) if moe else (5 if remat == "none" else 2) * mlp
+    # A pipeline stashes jax's VJP residuals as they are: the SwiGLU's six hidden-sized
+    # tensors (with the sigmoid's derivative), of which XLA keeps five when it sees the whole
+    # backward pass.
+    swiglu = 6 if st.pipeline is not None else 5
+    ffn = _moe_activations(st, remat) if moe else (swiglu if remat == "none" else 2) * mlp
     if remat == "dots":
         return residual + q + kv + full + ffn + flash
     # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
@@ -158,16 +169,23 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         kept_weights = sum(p.stored_bytes_per_device or p.bytes_per_device if p.resharded
                            else in_compute_dtype(p, p.gathered_bytes, st.a)
                            for p in params if p.stacked) // units
-    gathered = 0
-    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1:  # one layer's weights and gradient
+    gathered = 0  # (a pipeline stage's weights, gathered once per step: its weight copies)
+    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1 and st.pipeline is None:
+        # one layer's weights and gradient
         gathered = 2 * layer_weights + sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                                            for p in params if not p.stacked)
     if st.flash:  # one block's float32 scores, probabilities and their gradients
         head += 4 * st.b * (m.n_heads // st.t) * st.block * st.block * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
     per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
-    saved_layers, stash = (pipeline_memory(st, per_layer) if st.pipeline is not None
-                           else (units, 0))
+    # The backward pass's working set: one layer's remat=none set (recomputed, or its
+    # gradients); in a pipeline stage, the residuals of the chunk a slot is running, beside
+    # the stashed ones.
+    layer_set = max(_layer_activations(st, "none", moe) for moe in blocks)
+    saved_layers, stash, copies = units, 0, 0
+    if st.pipeline is not None:
+        saved_layers = 0
+        stash, copies, layer_set = pipeline_memory(st, params, per_layer)
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
@@ -175,8 +193,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),
-        working=(max(_layer_activations(st, "none", moe) for moe in blocks) + head + gathered
-                 + widened),
+        working=layer_set + head + gathered + widened,
         update=moments,
         stash=stash,
+        weight_copies=copies,
         buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))

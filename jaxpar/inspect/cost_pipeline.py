@@ -1,4 +1,4 @@
-"""The pipeline's share of the cost model: tick messages, stash memory, bubble time.
+"""The pipeline's share of the cost model: tick messages, FSDP by hand, memory, bubble time.
 
 Kept together because they follow the executor and its schedule tables
 (:mod:`jaxpar.parallel.pipeline`, :func:`~jaxpar.parallel.pipeline.describe`) and change with
@@ -10,26 +10,62 @@ on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding 
 ``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
 (the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss
 statistics; each step with a backward slot sends one gradient back and all-reduces chunk 0's
-input gradient. The last step's send is never read (XLA drops it). The vocabulary pieces'
-gradients (embedding, head) are summed over ``pipe`` once per micro-step. Inside the stages,
-every formula of :mod:`~jaxpar.inspect.cost_collectives` runs on the stage's layers once per
-executed slot (masked ones included: ``StepSizes.executed``); the executor sums gradients over
-``data`` / ``fsdp`` by hand once per micro-step and gathers FSDP weights once (for MoE models:
-in every backward slot, and once per stretch, where XLA hoists the gathers).
+input gradient. The all-reduced activations keep sequence parallelism's tensor split, like the
+sends (XLA:CPU's psums are [b/m, S/(c t), E]). The last step's send is never read (XLA drops
+it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
+micro-step. Inside the stages, every formula of :mod:`~jaxpar.inspect.cost_collectives` runs
+on the stage's layers (and its share of the MoE layers) once per executed slot (masked ones
+included: ``StepSizes.executed``); the executor sums gradients over ``data`` / ``fsdp`` by hand
+once per micro-step and gathers FSDP weights once (for MoE models: in every backward slot, and
+once per stretch, where XLA hoists the gathers).
+
+FSDP by hand with ``tensor`` (dense models): the executor's ``lax.all_gather`` and
+``psum_scatter`` over ``fsdp`` run inside a ``shard_map`` that leaves ``tensor`` automatic,
+and XLA's partitioner gives such a collective its operand replicated over the automatic axes.
+So each tensor-split weight is first gathered over ``tensor`` (its stored shard, t times), then
+over ``fsdp`` whole; each gradient sum is gathered over ``tensor`` before its reduce-scatter
+over ``fsdp``, which then scatters the whole gradient (:func:`whole_over_tensor`: t times the
+bytes a split weight would cost, once per step each). This is the executor's cost, not
+tensor parallelism's: sharding constraints around the collectives do not change it (tried);
+keeping ``tensor`` split needs the FSDP gather outside the manual region or ``tensor`` manual.
+
+Memory of a stage (the peak, inside the stretch loops):
+
+- the stashes: arrived inputs and output gradients (one activation per slot; the output-gradient
+  stash counts twice: XLA copies it where one stretch's loop hands it to the next while the old
+  one is still read) and forward residuals (what remat saves for a chunk's layers per slot),
+  each stash with one spare slot that masked writes go to. The residuals are jax's VJP residuals
+  as they are: under ``remat=none`` the SwiGLU saves six hidden-sized tensors (gate, its
+  sigmoid s, the sigmoid's derivative s(1-s), silu, up and the product), where XLA, seeing the
+  whole backward pass, keeps five without a pipeline;
+- the working set of the chunk a slot runs: its residuals, fresh from the forward or read back
+  for the backward (one chunk's stash slot), in place of the one-layer working set of a step
+  without a pipeline (nothing is recomputed);
+- ``WEIGHT_COPIES`` copies of the stage's weights as read (compute dtype, FSDP-gathered, whole
+  over tensor as above): XLA:CPU copies the loop-carried weights beside the stashes for every
+  schedule (seen in the buffer assignment of gpipe, 1F1B and interleaved steps). FSDP's
+  per-layer gathered working set does not exist in a stage: the weights are gathered once.
+
 Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
-fsdp=2 (tests/test_cost.py). Stash memory: arrived inputs and output gradients (one activation
-per slot) and forward residuals (what remat saves for a chunk's layers per slot), each stash with
-one spare slot. Time: compute x the executed-work factor = compute / (1 - bubble).
+fsdp=2, pipe=2 fsdp=2 tensor=2 with SP, a MoE model with pipe=2 expert=2 tensor=2, and the
+memory of sequences of 128 tokens (tests/test_cost.py). Time: compute x the executed-work
+factor = compute / (1 - bubble).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+from jaxpar.inspect.cost_params import ParamCost, entry_axes, in_compute_dtype
 from jaxpar.inspect.cost_shapes import StepSizes
 
 if TYPE_CHECKING:
     from jaxpar.inspect.cost_collectives import Ledger
+
+# Copies of the stage's weights (as read: compute dtype, FSDP-gathered) that XLA:CPU keeps
+# beside the stashes while the stretch loops run, for every schedule (module docstring).
+WEIGHT_COPIES = 2
 
 
 def pipeline_collectives(c: Ledger) -> None:
@@ -43,27 +79,51 @@ def pipeline_collectives(c: Ledger) -> None:
     sends = forward + backward - 1
     c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
-    whole = st.sent * (st.t if st.sp else 1)  # all-reduced activations are not scattered
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head")]
     sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
     c.add("all-reduce", ("pipe",), g * (forward + 3 * head + backward) + sums * len(vocab),
-          g * ((forward + 2 * head + backward) * whole + 3 * head * st.b * st.sl * 4)
+          g * ((forward + 2 * head + backward) * st.sent + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "
           "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
+    _tensor_gathers(c)
 
 
-def pipeline_memory(st: StepSizes, residuals_per_layer: int) -> tuple[int, int]:
-    """(layers whose activations are saved outside the stash, stash bytes). Between a chunk's F
-    and its backward its residuals wait in a stash slot (``residuals_per_layer``: what remat
-    saves for one layer), beside arrived inputs and output gradients; each stash has one spare
-    slot that masked writes go to. Nothing else is saved across steps. XLA copies the
-    output-gradient stash where one stretch's loop hands it to the next while the old one is
-    still read (seen on XLA:CPU), so that stash counts twice."""
-    chunk_layers = st.layers // st.cfg.parallel.virtual_stages
+def whole_over_tensor(st: StepSizes, p: ParamCost) -> int:
+    """How many tensor shards of ``p`` a device holds inside the executor: all of them for a
+    parameter split over both ``fsdp`` (by hand: dense models) and ``tensor``, else 1 (module
+    docstring: XLA replicates the operands of the by-hand FSDP collectives over ``tensor``)."""
+    by_hand = st.pipeline is not None and not st.cfg.model.moe.enabled and st.mesh["fsdp"] > 1
+    if not by_hand or p.gathered_bytes == p.bytes_per_device:
+        return 1
+    return math.prod(st.mesh[a] for e in p.spec for a in entry_axes(e) if a == "tensor")
+
+
+def _tensor_gathers(c: Ledger) -> None:
+    """The tensor gathers in front of the by-hand FSDP collectives: each weight's stored shard
+    before its FSDP gather, each gradient sum before its FSDP reduce-scatter, once per step."""
+    whole = [p for p in c.params if whole_over_tensor(c.st, p) > 1]
+    if not whole:
+        return
+    c.add("all-gather", ("tensor",), len(whole),
+          sum(c.moved(p, p.bytes_per_device * whole_over_tensor(c.st, p)) for p in whole),
+          "pipeline: stage weights gathered over tensor before the by-hand FSDP gather", True)
+    c.add("all-gather", ("tensor",), len(whole),
+          sum(c.grad(p, p.gathered_bytes * whole_over_tensor(c.st, p), by_hand=True)
+              for p in whole),
+          "pipeline: gradient sums gathered over tensor before the FSDP reduce-scatter", True)
+
+
+def pipeline_memory(st: StepSizes, params: list[ParamCost],
+                    residuals_per_layer: int) -> tuple[int, int, int]:
+    """(stash bytes, weight copies' bytes, one chunk's residuals) of a stage (module
+    docstring, "Memory")."""
+    chunk = st.layers // st.cfg.parallel.virtual_stages * residuals_per_layer
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
-    return 0, (slots * st.act // (st.t if st.sp else 1)
-               + (st.pipeline["residual_slots"] + 1) * chunk_layers * residuals_per_layer)
+    stash = slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
+    weights = sum(in_compute_dtype(p, p.gathered_bytes * whole_over_tensor(st, p), st.a)
+                  for p in params)
+    return stash, WEIGHT_COPIES * weights, chunk
 
 
 def pipeline_compute(st: StepSizes, compute: float) -> float:

@@ -52,6 +52,11 @@ class StepSizes:
         return self.cfg.model.n_layers // self.p
 
     @property
+    def moe_layers(self) -> int:
+        """MoE layers this device runs: its stage's share of them."""
+        return self.cfg.model.n_moe_layers // self.p
+
+    @property
     def runs(self) -> int:
         """How often a device runs its layers forward per step: micro-steps x microbatches."""
         return self.accum * self.m

@@ -270,6 +270,22 @@ def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int 
     return bound if _constant_int(comp, init.operands[index]) == 0 else None
 
 
+def called(module: Module, comp: Computation, instr: Instr) -> list[tuple[str, float, bool]]:
+    """The computations ``instr`` calls: (name, times per execution of ``instr``, whether it
+    is one branch of a conditional, of which each execution runs exactly one)."""
+    out = []
+    for m in _CALLED_RE.finditer(instr.attrs):
+        key = m.group("key")
+        names = ([m.group("name")] if m.group("name") else
+                 [b.strip().lstrip("%") for b in m.group("branches").split(",")])
+        times: float = 1
+        if key in ("body", "condition"):
+            times = instr.trip_count or _inferred_trip_count(module, comp, instr) or 1
+        branch = key in (None, "true_computation", "false_computation")
+        out.extend((name, times, branch) for name in names)
+    return out
+
+
 def computation_runs(module: Module) -> dict[str, float]:
     """How many times each computation runs per call of the entry computation.
 
@@ -279,15 +295,8 @@ def computation_runs(module: Module) -> dict[str, float]:
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # callee -> (caller, times)
     for comp in module.computations.values():
         for instr in comp.instrs.values():
-            for m in _CALLED_RE.finditer(instr.attrs):
-                names = ([m.group("name")] if m.group("name") else
-                         [b.strip().lstrip("%") for b in m.group("branches").split(",")])
-                times: float = 1
-                if m.group("key") in ("body", "condition"):
-                    times = (instr.trip_count or _inferred_trip_count(module, comp, instr)
-                             or 1)
-                for name in names:
-                    calls[name].append((comp.name, times))
+            for name, times, _ in called(module, comp, instr):
+                calls[name].append((comp.name, times))
     runs: dict[str, float] = {}
 
     def count(name: str, visiting: frozenset[str] = frozenset()) -> float:
