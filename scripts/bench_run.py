@@ -12,7 +12,7 @@ or shape from one step to the next.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -127,14 +127,15 @@ def is_valid(cfg_args: tuple[str, Sequence[str]], devices: int) -> bool:
 
 
 def run_matrix(preset: str, overrides: list[str], names: list[str], layouts: Mapping[str, Any],
-               models: Mapping[str, Sequence[str]], *, devices: int, steps: int,
-               warmup: int) -> dict[str, Any]:
+               models: Mapping[str, Callable[[Config], Sequence[str]]], *, devices: int,
+               steps: int, warmup: int) -> dict[str, Any]:
     """Every named layout on the first ``devices`` devices, after the 1-device run of its model.
 
-    ``layouts[name]`` has ``overrides`` and ``model``, a key of ``models`` (that model's
-    overrides); each model gets its own 1-device baseline, measured once, before its first
-    valid layout.
+    ``layouts[name]`` has ``overrides`` and ``model``, a key of ``models`` (a function of the
+    preset's config, with ``overrides``, giving that model's overrides); each model gets its
+    own 1-device baseline, measured once, before its first valid layout.
     """
+    base_cfg = load_config(preset, overrides)
     all_devices = jax.devices()
     baselines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
@@ -142,7 +143,7 @@ def run_matrix(preset: str, overrides: list[str], names: list[str], layouts: Map
         task = progress.add_task("benchmark", total=len(names), layout="")
         for name in names:
             layout = layouts[name]
-            model = [*overrides, *models[layout.model]]
+            model = [*overrides, *models[layout.model](base_cfg)]
             cfg_args = (preset, [*model, *layout.overrides])
             if layout.model not in baselines and is_valid(cfg_args, devices):
                 label = f"1-device ({layout.model})"

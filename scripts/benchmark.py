@@ -30,8 +30,12 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from jaxpar.config import Config
 
 DEFAULT_DEVICES = 8
 
@@ -43,12 +47,28 @@ class Layout(NamedTuple):
     model: str = "dense"
 
 
-MODELS: dict[str, tuple[str, ...]] = {
-    "dense": (),  # the preset's model
-    # For the expert layouts: 8 experts (so expert=8 divides them) in every second block,
-    # top-2, each half the dense MLP's width, so the active flops per token stay close.
-    "moe": ("model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.every=2",
-            "model.moe.d_ff_expert=512"),
+def _moe(cfg: Config) -> tuple[str, ...]:
+    # 8 experts (so expert=8 divides them) in every second block, top-2, each half the dense
+    # MLP's width, so the active flops per token stay close to the dense model's.
+    return ("model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.every=2",
+            f"model.moe.d_ff_expert={cfg.model.d_ff // 2}")
+
+
+def _long(cfg: Config) -> tuple[str, ...]:
+    # Context parallelism is for long sequences: the same tokens per step as one sequence, so
+    # that each of 8 devices holds a real piece of it (256 tokens with bench-cpu, not 16).
+    # Blocks of 128: on XLA:CPU the 1-device run of bench-cpu's 2048-token sequence takes
+    # 1.70 s with them and 2.47 s with the default 512 (the same matmul flops).
+    return ("train.batch_size=1", f"train.seq_len={cfg.train.batch_size * cfg.train.seq_len}",
+            "model.attention_block=128")
+
+
+# Each model is the preset plus these overrides (computed from the preset and the command
+# line's overrides), with its own 1-device baseline.
+MODELS: dict[str, Callable[[Config], tuple[str, ...]]] = {
+    "dense": lambda cfg: (),  # the preset's model
+    "moe": _moe,
+    "long": _long,
 }
 PIPE = ("mesh.pipe=2", "mesh.data=-1", "train.microbatches=4")
 
@@ -58,9 +78,10 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp": Layout(("mesh.data=1", "mesh.fsdp=-1")),
     "tensor": Layout(("mesh.data=1", "mesh.tensor=-1")),
     "tensor_sp": Layout(("mesh.data=1", "mesh.tensor=-1", "parallel.sequence_parallel=true")),
-    "context_ring": Layout(("mesh.data=1", "mesh.context=-1", "parallel.context_impl=ring")),
+    "context_ring": Layout(("mesh.data=1", "mesh.context=-1", "parallel.context_impl=ring"),
+                           "long"),
     "context_allgather": Layout(("mesh.data=1", "mesh.context=-1",
-                                 "parallel.context_impl=allgather")),
+                                 "parallel.context_impl=allgather"), "long"),
     "pipe_gpipe": Layout((*PIPE, "parallel.pipeline_schedule=gpipe")),
     "pipe_1f1b": Layout((*PIPE, "parallel.pipeline_schedule=1f1b")),
     "pipe_interleaved": Layout((*PIPE, "parallel.pipeline_schedule=interleaved",
@@ -84,7 +105,8 @@ LAYOUTS: dict[str, Layout] = {
                   "mesh.tensor=2", "parallel.sequence_parallel=true", "train.microbatches=4",
                   "parallel.pipeline_schedule=1f1b"), "moe"),
 }
-# Measured on 2 shared cores with bench-cpu: about 5 minutes (docs/performance.md).
+# Measured with bench-cpu: 2 min 14 s on 2 idle cores, about 5 minutes on 2 shared ones
+# (docs/performance.md).
 QUICK = ("data", "fsdp", "tensor_sp", "context_ring", "pipe_1f1b", "expert",
          "pipe_fsdp_tensor_sp")
 

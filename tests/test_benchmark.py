@@ -36,8 +36,11 @@ def test_benchmark_rows_ratios_and_no_recompiles(tmp_path, capsys):
     assert code == 0
     results = json.loads(out.read_text())
     rows = {row["name"]: row for row in results["rows"]}
-    assert list(rows) == ["1-device (dense)", "data", "fsdp", "tensor_sp", "context_ring",
-                          "pipe_1f1b", "1-device (moe)", "expert", "pipe_fsdp_tensor_sp", "5d"]
+    assert list(rows) == ["1-device (dense)", "data", "fsdp", "tensor_sp", "1-device (long)",
+                          "context_ring", "pipe_1f1b", "1-device (moe)", "expert",
+                          "pipe_fsdp_tensor_sp", "5d"]
+    # Context parallelism runs the same tokens as one sequence (16 x 32 = 512).
+    assert "train.seq_len=512" in rows["context_ring"]["overrides"]
     # 5d needs 16 devices: a row with the reason, and the run went on.
     assert rows["5d"]["status"] == "invalid" and "16" in rows["5d"]["reason"]
     for name, row in rows.items():

@@ -241,8 +241,17 @@ def gradient_sum_dtypes(tmp_path: Path, *overrides: str) -> dict[tuple, set[str]
     (["mesh.data=2", "mesh.fsdp=2", "mesh.pipe=2", "train.microbatches=2",
       "parallel.reduce_dtype=bfloat16"],
      {("reduce-scatter", ("fsdp",)): {"bf16"}, ("all-reduce", ("data",)): {"bf16"}}),
+    # Sums the partitioner takes (FSDP's reduce-scatter, the weight gradients' sum over
+    # context): bf16 matmuls produce f32 weight gradients for them (layers.project).
+    (["mesh.data=1", "mesh.fsdp=8", "train.dtype=bfloat16"],
+     {("reduce-scatter", ("fsdp",)): {"f32"}}),
+    (["mesh.data=1", "mesh.fsdp=8", "train.dtype=bfloat16", "parallel.reduce_dtype=bfloat16"],
+     {("reduce-scatter", ("fsdp",)): {"bf16", "f32"}}),  # f32: norm scales and lm_head
+    (["mesh.data=1", "mesh.fsdp=4", "mesh.context=2", "train.dtype=bfloat16"],
+     {("reduce-scatter", ("fsdp",)): {"f32"}, ("all-reduce", ("context",)): {"f32"}}),
 ], ids=["data8-bf16-compute-default", "data8-bf16-compute-reduce-bf16", "data8-reduce-bf16",
-        "pipe2-data2-fsdp2-default", "pipe2-data2-fsdp2-reduce-bf16"])
+        "pipe2-data2-fsdp2-default", "pipe2-data2-fsdp2-reduce-bf16", "fsdp8-bf16-default",
+        "fsdp8-bf16-reduce-bf16", "fsdp4-context2-bf16-default"])
 def test_reduce_dtype_is_the_dtype_of_the_gradient_sums_on_tpu(tmp_path, overrides, expected):
     needs_libtpu()
     found = gradient_sum_dtypes(tmp_path, *overrides)

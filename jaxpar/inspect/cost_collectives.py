@@ -86,7 +86,7 @@ from jaxpar.inspect.cost_params import (
     entry_axes,
     in_compute_dtype,
 )
-from jaxpar.inspect.cost_pipeline import pipeline_collectives, whole_over_tensor
+from jaxpar.inspect.cost_pipeline import pipeline_collectives
 from jaxpar.inspect.cost_shapes import StepSizes
 from jaxpar.parallel.zero import ZERO1_AXES, data_summed_by_hand
 
@@ -202,11 +202,18 @@ class Ledger:
         return in_compute_dtype(p, nbytes, self.st.wire)
 
     def grad(self, p: ParamCost, nbytes: int, by_hand: bool = False) -> int:
-        """Gradients the partitioner sums travel like their weights, but lm_head's: its matmul
-        yields float32. Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
+        """Gradients the partitioner sums travel like their weights, but lm_head's (its matmul
+        yields float32) and, outside a pipeline, the layer matrices' when
+        ``parallel.reduce_dtype`` is wider than the compute dtype (``layers.project`` produces
+        them in it). Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
+        in_reduce_dtype = nbytes * STORED_BYTES[self.st.cfg.parallel.reduce_dtype] // PARAM_BYTES
         if by_hand:
-            return nbytes * STORED_BYTES[self.st.cfg.parallel.reduce_dtype] // PARAM_BYTES
-        return nbytes if p.name == "lm_head" else self.moved(p, nbytes)
+            return in_reduce_dtype
+        if p.name == "lm_head":
+            return nbytes
+        if p.projected and self.st.pipeline is None:
+            return max(self.moved(p, nbytes), in_reduce_dtype)
+        return self.moved(p, nbytes)
 
     def reduced(self, group: list[ParamCost], gathered: bool = False,
                 by_hand: bool = False) -> int:
@@ -215,8 +222,7 @@ class Ledger:
         chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
         per backward step, of the head per head step) and the final norm's."""
         def size(p: ParamCost) -> int:
-            whole = p.gathered_bytes * whole_over_tensor(self.st, p)
-            return self.grad(p, whole if gathered else p.bytes_per_device, by_hand)
+            return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device, by_hand)
 
         layers = sum(size(p) for p in group if p.stacked)
         shared = sum(size(p) for p in group if not p.stacked)
@@ -255,8 +261,7 @@ def fsdp_collectives(c: Ledger) -> None:
         # One gather per stacked weight (all the stage's layers at once) each time.
         runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
         c.add("all-gather", ("fsdp",), runs * len(layer),
-              runs * sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p))
-                         for p in layer),
+              runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
               "stage weights gathered once, kept for every microbatch", True)
     else:
         # Reshard after forward: gathered again in the backward pass, except what remat=none
@@ -271,7 +276,7 @@ def fsdp_collectives(c: Ledger) -> None:
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
     c.add("all-gather", ("fsdp",), len(other),
-          sum(c.moved(p, p.gathered_bytes * whole_over_tensor(c.st, p)) for p in other),
+          sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
     c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
           c.reduced(layer + other, gathered=True, by_hand="fsdp" in c.by_hand),

@@ -125,6 +125,14 @@ class ParamCost:
         return self.stacked and not (self.expert or self.name.endswith("/moe/router"))
 
     @property
+    def projected(self) -> bool:
+        """A weight that goes through ``model/layers.py: project`` (the embedding, attention and
+        MLP matrices), whose gradient is produced in ``parallel.reduce_dtype`` when that is
+        wider than the compute dtype."""
+        return self.name == "embedding" or (self.resharded and self.matmul
+                                            and not self.name.endswith("_bias"))
+
+    @property
     def matmul(self) -> bool:
         """A weight the model casts to the compute dtype (everything but the norm scales and the
         MoE router, which routes in float32)."""

@@ -19,15 +19,9 @@ included: ``StepSizes.executed``); the executor sums gradients over ``data`` / `
 once per micro-step and gathers FSDP weights once (for MoE models: in every backward slot, and
 once per stretch, where XLA hoists the gathers).
 
-FSDP by hand with ``tensor`` (dense models): the executor's ``lax.all_gather`` and
-``psum_scatter`` over ``fsdp`` run inside a ``shard_map`` that leaves ``tensor`` automatic,
-and XLA's partitioner gives such a collective its operand replicated over the automatic axes.
-So each tensor-split weight is first gathered over ``tensor`` (its stored shard, t times), then
-over ``fsdp`` whole; each gradient sum is gathered over ``tensor`` before its reduce-scatter
-over ``fsdp``, which then scatters the whole gradient (:func:`whole_over_tensor`: t times the
-bytes a split weight would cost, once per step each). This is the executor's cost, not
-tensor parallelism's: sharding constraints around the collectives do not change it (tried);
-keeping ``tensor`` split needs the FSDP gather outside the manual region or ``tensor`` manual.
+FSDP by hand with ``tensor`` (dense models): the executor gathers and reduce-scatters each
+weight's own ``tensor`` shard over ``fsdp`` (``parallel/pipeline_by_hand.py: ByHand``), so those
+collectives move what they would without a pipeline, once per step.
 
 Memory of a stage (the peak, inside the stretch loops):
 
@@ -54,10 +48,9 @@ factor = compute / (1 - bubble).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
-from jaxpar.inspect.cost_params import ParamCost, entry_axes, in_compute_dtype
+from jaxpar.inspect.cost_params import ParamCost, in_compute_dtype
 from jaxpar.inspect.cost_shapes import StepSizes
 
 if TYPE_CHECKING:
@@ -86,32 +79,6 @@ def pipeline_collectives(c: Ledger) -> None:
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "
           "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
-    _tensor_gathers(c)
-
-
-def whole_over_tensor(st: StepSizes, p: ParamCost) -> int:
-    """How many tensor shards of ``p`` a device holds inside the executor: all of them for a
-    parameter split over both ``fsdp`` (by hand: dense models) and ``tensor``, else 1 (module
-    docstring: XLA replicates the operands of the by-hand FSDP collectives over ``tensor``)."""
-    by_hand = st.pipeline is not None and not st.cfg.model.moe.enabled and st.mesh["fsdp"] > 1
-    if not by_hand or p.gathered_bytes == p.bytes_per_device:
-        return 1
-    return math.prod(st.mesh[a] for e in p.spec for a in entry_axes(e) if a == "tensor")
-
-
-def _tensor_gathers(c: Ledger) -> None:
-    """The tensor gathers in front of the by-hand FSDP collectives: each weight's stored shard
-    before its FSDP gather, each gradient sum before its FSDP reduce-scatter, once per step."""
-    whole = [p for p in c.params if whole_over_tensor(c.st, p) > 1]
-    if not whole:
-        return
-    c.add("all-gather", ("tensor",), len(whole),
-          sum(c.moved(p, p.bytes_per_device * whole_over_tensor(c.st, p)) for p in whole),
-          "pipeline: stage weights gathered over tensor before the by-hand FSDP gather", True)
-    c.add("all-gather", ("tensor",), len(whole),
-          sum(c.grad(p, p.gathered_bytes * whole_over_tensor(c.st, p), by_hand=True)
-              for p in whole),
-          "pipeline: gradient sums gathered over tensor before the FSDP reduce-scatter", True)
 
 
 def pipeline_memory(st: StepSizes, params: list[ParamCost],
@@ -121,7 +88,7 @@ def pipeline_memory(st: StepSizes, params: list[ParamCost],
     chunk = st.layers // st.cfg.parallel.virtual_stages * residuals_per_layer
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
     stash = slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
-    weights = sum(in_compute_dtype(p, p.gathered_bytes * whole_over_tensor(st, p), st.a)
+    weights = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                   for p in params)
     return stash, WEIGHT_COPIES * weights, chunk
 

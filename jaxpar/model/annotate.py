@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from typing import Any
 
 import jax
 
@@ -37,6 +38,8 @@ _prepared: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_prepare
                                                                  default=False)
 _reshard: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_reshard_after_forward",
                                                                 default=False)
+_grad_dtype: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxpar_weight_grad_dtype",
+                                                                 default=None)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -104,6 +107,21 @@ def reshard_after_forward(on: bool) -> contextlib.AbstractContextManager[None]:
     """Within this block, layers keep only their stored weights for the backward pass and
     rebuild the used ones there. Needed where nothing else recomputes them (``remat=none``)."""
     return _setting(_reshard, on)
+
+
+def weight_grad_dtype() -> Any:
+    """The dtype layers produce their weight gradients in, if not their compute dtype
+    (:func:`jaxpar.model.layers.project`); None: the compute dtype."""
+    return _grad_dtype.get()
+
+
+def weight_grads_in(dtype: Any) -> contextlib.AbstractContextManager[None]:
+    """Within this block, layers produce weight gradients in ``dtype`` (None: their compute
+    dtype). The compiler sums a weight gradient over the devices that share the weight (FSDP's
+    reduce-scatter, the sums over ``context`` and ``expert``) in the dtype of the matmul that
+    produces it, so this is how ``parallel.reduce_dtype`` reaches the sums jaxpar does not take
+    by hand."""
+    return _setting(_grad_dtype, dtype)
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:

@@ -15,6 +15,7 @@ head, D head_dim, F d_ff.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from jaxpar.model.annotate import (
     constrain,
     relayout,
     resharding_after_forward,
+    weight_grad_dtype,
     weights_prepared,
 )
 from jaxpar.model.attention import dense_attention
@@ -60,45 +62,75 @@ def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
 
 
 def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
-    """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype,
-    resharded after the forward pass.
+    """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype.
 
-    Under ZeRO-3 autodiff would keep the gathered weight for the backward pass (``dx = dy w^T``
-    needs it), so without remat every layer's whole weights would stay alive from its forward to
-    its backward pass (torchtitan's ``reshard_after_forward`` fixes the same; ``remat`` dots and
-    full already recompute the gather). Where :func:`resharding_after_forward` says so, a custom
-    VJP keeps the stored shard instead and gathers it again in the backward pass: one more
-    all-gather of the layer's weights per step, and one layer's whole weights alive at a time.
+    Two things autodiff alone would get wrong for a large model, fixed by a custom VJP where
+    they apply:
+
+    - **Reshard after forward.** Under ZeRO-3 autodiff would keep the gathered weight for the
+      backward pass (``dx = dy w^T`` needs it), so without remat every layer's whole weights
+      would stay alive from its forward to its backward pass (torchtitan's
+      ``reshard_after_forward`` fixes the same; ``remat`` dots and full already recompute the
+      gather). Where :func:`resharding_after_forward` says so, the VJP keeps the stored shard
+      instead and gathers it again in the backward pass: one more all-gather of the layer's
+      weights per step, and one layer's whole weights alive at a time.
+    - **Gradient dtype.** The compiler sums a weight gradient over the devices that share the
+      weight (FSDP's reduce-scatter, sums over ``context``) where the matmul produces it, in
+      that matmul's dtype: bf16 in a bf16 run. Where :func:`weight_grad_dtype` asks for a
+      wider one (``parallel.reduce_dtype``), the VJP's weight-gradient matmul accumulates into
+      and returns it, so the sums travel in it.
+
     The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
     """
     if weights_prepared():  # a pipeline stage gathers its weights once per step for all slots
         return jnp.einsum(spec, x, param[...])
-    if not resharding_after_forward():
+    grad_dtype = weight_grad_dtype()
+    wider_grads = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > x.dtype.itemsize
+    if not (resharding_after_forward() or wider_grads):
         return jnp.einsum(spec, x, weight(param, names, x.dtype))
     stored = tuple("embed" if name == "act_embed" else name for name in names)
-    return _project(spec, tuple(names), stored, x, param[...])
+    w = param[...]
+    how = _ProjectVJP(spec, tuple(names), stored, resharding_after_forward(),
+                      jnp.dtype(grad_dtype if wider_grads else x.dtype), w.dtype)
+    return _project(how, x, w)
+
+
+class _ProjectVJP(NamedTuple):
+    """The static part of :func:`project`'s custom VJP."""
+
+    spec: str
+    names: tuple  # the weight's layout as used
+    stored: tuple  # ... and as stored
+    regather: bool  # keep the stored shard, not the used weight, for the backward pass
+    grad_dtype: Any  # the dtype of the weight gradient and of its sums
+    stored_dtype: Any  # the parameter's (train.param_dtype)
 
 
 def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
     return constrain(w.astype(dtype), names)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _project(spec: str, names: tuple, stored: tuple, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, x, _gathered(w, names, x.dtype))
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _project(how: _ProjectVJP, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(how.spec, x, _gathered(w, how.names, x.dtype))
 
 
-def _project_fwd(spec, names, stored, x, w):
-    return _project(spec, names, stored, x, w), (x, w)
+def _project_fwd(how, x, w):
+    wg = _gathered(w, how.names, x.dtype)
+    y = jnp.einsum(how.spec, x, wg)
+    return y, (x, w if how.regather else wg)
 
 
-def _project_bwd(spec, names, stored, residuals, dy):
-    x, w = residuals
-    wg = _gathered(w, names, x.dtype)
-    # The matmul is linear in each operand: transpose it in each (no forward recomputed).
-    (dx,) = jax.linear_transpose(lambda x_: jnp.einsum(spec, x_, wg), x)(dy)
-    (dw,) = jax.linear_transpose(lambda w_: jnp.einsum(spec, x, w_), wg)(dy)
-    return dx, constrain(dw.astype(w.dtype), stored)
+def _project_bwd(how, residuals, dy):
+    x, kept = residuals
+    wg = _gathered(kept, how.names, x.dtype) if how.regather else kept
+    # The matmul is linear in each operand: transpose it in x (no forward recomputed), and
+    # write the weight's gradient as its own matmul so that it accumulates in grad_dtype.
+    (dx,) = jax.linear_transpose(lambda x_: jnp.einsum(how.spec, x_, wg), x)(dy)
+    inputs, out = how.spec.split("->")
+    x_spec, w_spec = inputs.split(",")
+    dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, dy, preferred_element_type=how.grad_dtype)
+    return dx, constrain(dw.astype(how.stored_dtype), how.stored)
 
 
 _project.defvjp(_project_fwd, _project_bwd)

@@ -30,6 +30,7 @@ from jaxpar.model.layers import (
     RMSNorm,
     SwiGLU,
     _param,
+    project,
     weight,
 )
 from jaxpar.model.moe import LAYER_STACKED, MoE
@@ -141,8 +142,7 @@ class Transformer(nnx.Module):
         # table reduced over context under FSDP, an all-to-all over fsdp): not yet done.
         one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
         one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
-        table = weight(self.embedding, ("vocab", "act_embed"), dtype)
-        x = jnp.einsum("bsv,ve->bse", one_hot, table)
+        x = project("bsv,ve->bse", one_hot, self.embedding, ("vocab", "act_embed"))
         return constrain(x, ("batch", "residual_seq", "act_embed"))
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",

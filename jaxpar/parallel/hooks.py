@@ -3,7 +3,8 @@
 The model names logical axes and calls three hooks (:mod:`jaxpar.model.annotate`): activation
 constraints, attention (ring or all-gather attention over ``context``, else the implementation
 ``model.attention`` picks for the backend), and the experts' dispatch (all-to-all over
-``expert``). This module builds all three for a mesh shape. The train step installs them for the
+``expert``). This module builds all three for a mesh shape, and sets the dtype of the weight
+gradients the compiler sums (``parallel.reduce_dtype``). The train step installs them for the
 whole mesh; the pipeline executor installs them again inside its ``shard_map`` for the mesh that
 stays automatic there (the axes it handles by hand counted as 1).
 """
@@ -14,10 +15,16 @@ import contextlib
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import BATCH_AXES, Config
-from jaxpar.model.annotate import activation_sharding, use_attention, use_experts
+from jaxpar.model.annotate import (
+    activation_sharding,
+    use_attention,
+    use_experts,
+    weight_grads_in,
+)
 from jaxpar.model.attention import attention_fn, resolve
 from jaxpar.parallel.context import context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
@@ -43,6 +50,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     stack.enter_context(activation_sharding(activation_constrainer(rules, mesh_shape)))
     stack.enter_context(use_attention(attention))
     stack.enter_context(use_experts(experts))
+    # bf16 matmuls would otherwise hand the compiler bf16 weight gradients to sum.
+    stack.enter_context(weight_grads_in(jnp.dtype(cfg.parallel.reduce_dtype)))
     return stack
 
 

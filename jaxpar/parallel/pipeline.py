@@ -77,6 +77,7 @@ from jaxpar.model.annotate import constrain
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.pipeline_by_hand import ByHand
 from jaxpar.parallel.pipeline_program import Program, compile_program, describe
 from jaxpar.parallel.pipeline_schedules import schedule_steps, stage_layer_order
 from jaxpar.parallel.pipeline_stages import (
@@ -149,54 +150,6 @@ class _Residuals:
                                             for w in which])
 
 
-@dataclass(frozen=True)
-class ByHand:
-    """What the executor's ``shard_map`` splits by hand besides ``pipe``: the batch axes whose
-    gradient sums it takes once per step (``data``, ``fsdp``), and the parameters' splits over
-    them (PartitionSpecs holding only those axes and ``pipe``). ``hooks()`` installs the
-    model's hooks for the rest of the mesh, which stays automatic."""
-
-    axes: tuple[str, ...]
-    shared_specs: Any
-    layer_specs: Any
-    hooks: Callable
-    reduce_dtype: Any = jnp.float32  # parallel.reduce_dtype: the dtype gradients are summed in
-
-    def gather(self, tree: Any, specs: Any) -> Any:
-        """Each parameter whole over the axes split by hand (FSDP's gather, once per step)."""
-        def leaf(x: jax.Array, spec: PartitionSpec) -> jax.Array:
-            for dim, axes in self._split(spec):
-                x = lax.all_gather(x, axes, axis=dim, tiled=True)
-            return x
-        return jax.tree.map(leaf, tree, specs)
-
-    def reduce(self, tree: Any, specs: Any) -> Any:
-        """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
-        where the parameter is split (FSDP), an all-reduce where it is replicated (data)."""
-        def leaf(g: jax.Array, spec: PartitionSpec) -> jax.Array:
-            scattered, dtype = set(), g.dtype
-            g = g.astype(self.reduce_dtype)
-            for dim, axes in self._split(spec):
-                g = lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-                scattered |= set(axes)
-            rest = tuple(a for a in self.axes if a not in scattered)
-            return (lax.psum(g, rest) if rest else g).astype(dtype)
-        return jax.tree.map(leaf, tree, specs)
-
-    def total(self, x: Any) -> Any:
-        """Sums of per-device statistics (loss, MoE counts) over the batch split by hand."""
-        return jax.tree.map(lambda a: lax.psum(a, self.axes), x) if self.axes else x
-
-    def _split(self, spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
-        out = []
-        for dim, entry in enumerate(spec):
-            names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-            axes = tuple(a for a in names if a in self.axes)
-            if axes:
-                out.append((dim, axes))
-        return out
-
-
 def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
                             v: int, vocab_size: int, stash_spec: PartitionSpec,
                             layer_grad_specs: Any, shared_grad_specs: Any) -> Callable:
@@ -218,8 +171,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
 
     def per_device(shared, layers, consts, micro, loss_scale, aux_scale):
         with by_hand.hooks():
-            shared = by_hand.gather(shared, by_hand.shared_specs)
-            layers = by_hand.gather(layers, by_hand.layer_specs)
+            shared = by_hand.gather(shared, by_hand.shared_specs, by_hand.auto_shared_specs)
+            layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
             first = jax.tree.map(lambda a: a[0], micro)
             env = _Env.make(stages, shared, layers, consts, first, loss_scale, aux_scale, p=p,
                             v=v, vocab_size=vocab_size)
@@ -241,11 +194,13 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
         # The one reduction of the step over the batch axes split by hand. Then each stage's
         # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
         # is summed over pipe; the final norm's gradient is the same on every stage already.
-        shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs)
+        shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs,
+                                      by_hand.auto_shared_specs)
         shared_grads = {k: lax.psum(a, PIPE_AXIS) if k in ("embedding", "lm_head") else a
                         for k, a in shared_grads.items()}
         return (by_hand.total(loss), shared_grads,
-                by_hand.reduce(layer_grads, by_hand.layer_specs), by_hand.total(aux_sums),
+                by_hand.reduce(layer_grads, by_hand.layer_specs, by_hand.auto_layer_specs),
+                by_hand.total(aux_sums),
                 by_hand.total(aux_layers))
 
     def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
@@ -518,9 +473,11 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     auto = set(mesh_shape) - {PIPE_AXIS, *hand}
+    split_auto = {a for a in auto if mesh_shape[a] > 1}
     shared = {k: s for k, s in specs.items() if k != "layers"}
     by_hand = ByHand(hand, specs_of(shared, set(hand)),
                      specs_of(specs["layers"], {PIPE_AXIS, *hand}),
+                     specs_of(shared, split_auto), specs_of(specs["layers"], split_auto),
                      hooks=lambda: model_hooks(cfg, inner, platform),
                      reduce_dtype=DTYPES[cfg.parallel.reduce_dtype])
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))

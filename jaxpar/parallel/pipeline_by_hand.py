@@ -1,0 +1,96 @@
+"""The axes the pipeline executor splits by hand besides ``pipe``: ``data`` and ``fsdp``.
+
+Inside the executor's ``shard_map`` (:mod:`jaxpar.parallel.pipeline`) each device holds its own
+rows of the batch and its own FSDP shard of the stage's weights. Once per step it gathers the
+weights whole over ``fsdp`` (an all-gather of the stored shard: ``(f-1)/f`` of the stage's
+weights in the compute dtype arrive per device), sums its rows' gradients over every microbatch
+locally, and at the end reduces them once: a reduce-scatter over ``fsdp`` back to the stored
+shard (the same bytes as the gather, in ``parallel.reduce_dtype``) and an all-reduce over
+``data``. The rest of the mesh (``tensor``, ``context``, ``expert``) stays automatic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+
+@dataclass(frozen=True)
+class ByHand:
+    """What the executor's ``shard_map`` splits by hand besides ``pipe``: the batch axes whose
+    gradient sums it takes once per step (``data``, ``fsdp``), and the parameters' splits over
+    them (PartitionSpecs holding only those axes and ``pipe``). ``hooks()`` installs the
+    model's hooks for the rest of the mesh, which stays automatic; ``auto_shared_specs`` and
+    ``auto_layer_specs`` are the parameters' splits over those automatic axes (``tensor``...).
+
+    A collective over a manual axis takes its operand whole over the automatic ones: XLA's
+    partitioner would gather a tensor-split weight over ``tensor`` before gathering it over
+    ``fsdp`` (and a gradient before its reduce-scatter), moving and holding ``t`` times the
+    bytes. So each gather and sum below runs on the device's own shard, with the automatic
+    axes that split the parameter made manual around it (:meth:`_per_shard`)."""
+
+    axes: tuple[str, ...]
+    shared_specs: Any
+    layer_specs: Any
+    auto_shared_specs: Any
+    auto_layer_specs: Any
+    hooks: Callable
+    reduce_dtype: Any = jnp.float32  # parallel.reduce_dtype: the dtype gradients are summed in
+
+    def gather(self, tree: Any, specs: Any, auto_specs: Any) -> Any:
+        """Each parameter whole over the axes split by hand (FSDP's gather, once per step)."""
+        def leaf(x: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
+            split = self._split(spec)
+
+            def gather_shard(a: jax.Array) -> jax.Array:
+                for dim, axes in split:
+                    a = lax.all_gather(a, axes, axis=dim, tiled=True)
+                return a
+            return _per_shard(gather_shard, x, auto) if split else x
+        return jax.tree.map(leaf, tree, specs, auto_specs)
+
+    def reduce(self, tree: Any, specs: Any, auto_specs: Any) -> Any:
+        """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
+        where the parameter is split (FSDP), an all-reduce where it is replicated (data)."""
+        def leaf(g: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
+            split = self._split(spec)
+            rest = tuple(a for a in self.axes
+                         if a not in {axis for _, axes in split for axis in axes})
+
+            def sum_shard(a: jax.Array) -> jax.Array:
+                dtype = a.dtype
+                a = a.astype(self.reduce_dtype)
+                for dim, axes in split:
+                    a = lax.psum_scatter(a, axes, scatter_dimension=dim, tiled=True)
+                return (lax.psum(a, rest) if rest else a).astype(dtype)
+            return _per_shard(sum_shard, g, auto) if self.axes else g
+        return jax.tree.map(leaf, tree, specs, auto_specs)
+
+    def total(self, x: Any) -> Any:
+        """Sums of per-device statistics (loss, MoE counts) over the batch split by hand."""
+        return jax.tree.map(lambda a: lax.psum(a, self.axes), x) if self.axes else x
+
+    def _split(self, spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+        out = []
+        for dim, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+            axes = tuple(a for a in names if a in self.axes)
+            if axes:
+                out.append((dim, axes))
+        return out
+
+
+def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
+    """``fn`` on each device's own shard of ``x``, whose split over automatic mesh axes is
+    ``auto``: those axes become manual around ``fn`` (none: ``fn(x)``)."""
+    axes = frozenset(a for e in auto for a in (e if isinstance(e, tuple) else (e,) if e else ()))
+    if not axes:
+        return fn(x)
+    return jax.shard_map(fn, in_specs=auto, out_specs=auto, axis_names=axes,
+                         check_vma=False)(x)
