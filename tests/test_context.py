@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compiled_temp_bytes
+from helpers import compiled_temp_bytes, run_jaxpar
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
@@ -157,3 +157,17 @@ def test_plan_predicts_the_context_traffic_that_inspect_compiles(impl, kinds):
     assert all(0.9 <= row["ratio"] <= 1.1 for row in rows.values()), rows
     # The gradient reduction over data x context is one all-reduce in the plan; XLA:CPU splits it
     # into one over context and one over data, which --compare shows as rows on one side only.
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_eight_devices_train_a_2048_token_sequence_split_over_context(tmp_path, impl):
+    """The benchmark's context rows (scripts/benchmark.py, bench-cpu as one 2048-token sequence
+    over context=8), trained for two steps in their own process: XLA:CPU aborts a step whose
+    devices reach their collectives in different orders (docs/jax-notes.md, "Collectives under
+    control flow"), which an embedding change once caused for exactly this layout."""
+    result = run_jaxpar("train", "bench-cpu", "mesh.data=1", "mesh.context=8",
+                        f"parallel.context_impl={impl}", "train.batch_size=1",
+                        "train.seq_len=2048", "model.attention_block=128", "train.steps=2",
+                        f"run_dir={tmp_path / 'run'}", "logging.every=1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Termination timeout" not in result.stderr
