@@ -33,7 +33,7 @@ class ByHand:
     partitioner would gather a tensor-split weight over ``tensor`` before gathering it over
     ``fsdp`` (and a gradient before its reduce-scatter), moving and holding ``t`` times the
     bytes. So each gather and sum below runs on the device's own shard, with the automatic
-    axes that split the parameter made manual around it (:meth:`_per_shard`)."""
+    axes that split the parameter made manual around it (:func:`_per_shard`)."""
 
     axes: tuple[str, ...]
     shared_specs: Any
