@@ -74,7 +74,12 @@ PIPE = ("mesh.pipe=2", "mesh.data=-1", "train.microbatches=4")
 
 # "-1" takes the devices the other axes leave, so the pure layouts work for any device count.
 LAYOUTS: dict[str, Layout] = {
-    "data": Layout(("mesh.data=-1",)),
+    # Data parallelism as one runs it: ZeRO-1, each replica updating 1/N of the parameters
+    # (Adam state and summed gradients split, parameters gathered after the update).
+    "data": Layout(("mesh.data=-1", "parallel.zero=1")),
+    # Everything replicated: every virtual device repeats the whole optimizer update on the
+    # same cores, which on a GPU or TPU costs no time.
+    "data_replicated": Layout(("mesh.data=-1",)),
     "fsdp": Layout(("mesh.data=1", "mesh.fsdp=-1")),
     "tensor": Layout(("mesh.data=1", "mesh.tensor=-1")),
     "tensor_sp": Layout(("mesh.data=1", "mesh.tensor=-1", "parallel.sequence_parallel=true")),

@@ -197,7 +197,7 @@ def test_sequence_parallel_replaces_tensor_all_reduce_by_reduce_scatter_and_all_
     assert sp_all_reduce < activation < tp_all_reduce
 
 
-def test_zero1_shards_only_optimizer_state_and_gathers_updated_params():
+def test_zero1_shards_optimizer_state_and_gradients_and_gathers_updated_params():
     state = layout("data=4,zero1")["state"]
     for p in jax.tree.leaves(state.params):
         assert p.addressable_shards[0].data.shape == p.shape  # parameters stay whole
@@ -205,7 +205,11 @@ def test_zero1_shards_only_optimizer_state_and_gathers_updated_params():
     moments = sum(m.addressable_shards[0].data.nbytes for m in jax.tree.leaves(state.opt_state)
                   if m.ndim > 0)
     assert moments == pytest.approx(2 * total / 4, rel=0.01)
-    assert collectives("data=4,zero1", "all-reduce", ("data",))  # gradients
+    # Gradients are summed straight into each device's slice of the moments (ZeRO-2): a
+    # reduce-scatter of the whole gradient, no all-reduce of it.
+    scatters = collectives("data=4,zero1", "reduce-scatter", ("data",))
+    assert per_step_bytes(scatters) == pytest.approx(total, rel=0.01)
+    assert per_step_bytes(collectives("data=4,zero1", "all-reduce", ("data",))) < 0.01 * total
     gathers = collectives("data=4,zero1", "all-gather", ("data",))  # updated parameter slices
     assert per_step_bytes(gathers) == pytest.approx(total, rel=0.01)
 

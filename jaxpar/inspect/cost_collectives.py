@@ -20,9 +20,12 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   layers reshard after the forward pass (``model/layers.py: project``); under ``remat=none``
   the MoE router and the experts' weights stay gathered instead (L g). The embedding, lm_head
   and final norm once per step; reduce-scatter of the gradients every micro-step.
-- ZeRO-1 (``zero=1``): all-reduce of the whole (tensor-split) gradient over ``data`` x ``fsdp``
-  (x ``context``) every micro-step, then one float32 all-gather of the updated parameters over
-  ``data`` x ``fsdp``.
+- ZeRO-1 (``zero=1``): the (tensor-split) gradient is reduce-scattered over ``data`` x ``fsdp``
+  to the slices of the Adam moments every micro-step (all-reduced over ``context`` as well;
+  all-reduced whole in a pipeline, whose gradients keep the parameters' layout), then one
+  float32 all-gather of the updated parameters over ``data`` x ``fsdp``: the bytes of plain
+  data parallelism's all-reduce. (XLA:CPU all-reduces a MoE model's gradients over ``data`` x
+  ``expert`` and slices instead.)
 - ``context`` attention: ring attention passes K and V blocks (b S/c K/t D a each) around the
   ring: 2(c-1) collective-permutes per layer forward, 2(c-1) backward plus 2c dK/dV blocks
   travelling home (float32, but the last hop: XLA casts to the compute dtype before sending);
@@ -299,21 +302,36 @@ def data_collectives(c: Ledger) -> None:
         by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
     units = st.layers // cfg.model.moe.every if cfg.model.moe.enabled else st.layers
     for axes, group in by_replicas.items():
-        experts = all(p.expert for p in group)
-        by_hand = c.summed_by_hand(axes)
-        c.add("all-reduce", axes,
-              c.runs_over(axes) * (units * any(p.stacked for p in group)
-                                   + any(not p.stacked for p in group)),
-              c.reduced(group, by_hand=by_hand),
-              ("routed experts' " if experts else "")
-              + ("gradient shards" if cfg.parallel.zero == 3 else "ZeRO-1: whole gradients")
-              + " all-reduced, every "
-              + ("micro-step" if st.pipeline is None or by_hand else "backward slot"),
-              True)
+        experts = "routed experts' " if all(p.expert for p in group) else ""
+        count = c.runs_over(axes) * (units * any(p.stacked for p in group)
+                                     + any(not p.stacked for p in group))
+        payload = c.reduced(group, by_hand=c.summed_by_hand(axes))
+        every = "micro-step" if st.pipeline is None or c.summed_by_hand(axes) else "backward slot"
+        scattered = zero1_scatter_axes(c, axes, group)
+        if scattered:
+            c.add("reduce-scatter", scattered, count, payload,
+                  f"ZeRO-1: {experts}gradients reduce-scattered to the moments' slices, every "
+                  + every, True)
+            axes = tuple(a for a in axes if a not in scattered)
+        c.add("all-reduce", axes, count, payload,
+              f"{experts}gradient shards all-reduced, every {every}", True)
     if cfg.parallel.zero == 1:
         c.add("all-gather", ZERO1_AXES, len(c.params),
               sum(p.bytes_per_device for p in c.params),
               "ZeRO-1: updated parameters gathered from the optimizer shards", False)
+
+
+def zero1_scatter_axes(c: Ledger, axes: tuple[str, ...], group: list[ParamCost]
+                       ) -> tuple[str, ...]:
+    """The axes over which ZeRO-1 reduce-scatters ``group``'s gradients: outside a pipeline
+    the step lays gradients out like Adam's moments (train/step.py), so the sum over the
+    ZeRO-1 axes ends in the slices each device updates; the rest of ``axes`` (context, expert)
+    stays an all-reduce."""
+    if c.st.cfg.parallel.zero != 1 or c.st.pipeline is not None:
+        return ()
+    if not all(p.moment_bytes_per_device < p.bytes_per_device for p in group):
+        return ()
+    return tuple(a for a in ZERO1_AXES if a in axes and c.st.mesh[a] > 1)
 
 
 def context_collectives(c: Ledger) -> None:

@@ -2,7 +2,8 @@
 
 Parameters are float32 and split by the rules table: ``embed`` over ``fsdp`` (ZeRO-3), ``heads``,
 ``kv_heads``, ``mlp``, ``vocab`` over ``tensor``. Gradients are float32 and live where their
-parameters live (one more copy, the accumulator, when g > 1). AdamW keeps two float32 moments
+parameters live, or, under ZeRO-1 outside a pipeline, where the moments live (one more copy,
+the accumulator, when g > 1). AdamW keeps two float32 moments
 per parameter, split like the parameters (ZeRO-3) or with ``embed`` also split over ``data`` and
 ``fsdp`` (ZeRO-1). Saved activations per layer and micro-batch, with ``r = A/t`` under sequence
 parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
@@ -150,6 +151,9 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     widened = (sum(p.bytes_per_device for p in params if p.matmul)
                if cfg.train.param_dtype == "bfloat16" and st.a == 4 else 0)
     moments = sum(p.moment_bytes_per_device for p in params)
+    # ZeRO-1 outside a pipeline lays the gradients out like the moments (train/step.py).
+    gradient_bytes = (moments if cfg.parallel.zero == 1 and st.pipeline is None
+                      else param_bytes)
     # The loss's float32 logits and their gradient, one loss piece at a time, and the
     # embedding's one-hot input.
     head = (st.b * st.sl * (m.vocab_size // st.t) * (4 + 4) // st.loss_pieces
@@ -189,7 +193,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
-        gradients=param_bytes + accumulator,
+        gradients=gradient_bytes + accumulator,
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),

@@ -13,7 +13,10 @@ again in the backward pass), and gradients are reduce-scattered instead of all-r
 ZeRO-1 (``parallel.zero=1``) keeps parameters and gradients whole on every device and splits only
 the optimizer state (two fp32 moments = 2x parameter bytes, the largest part of training state)
 over every data-like axis (``data`` and ``fsdp``). This module builds those optimizer-state specs:
-the update runs on each device's slice, then the new parameters are all-gathered.
+the update runs on each device's slice, then the new parameters are all-gathered. Outside a
+pipeline the gradients take the moments' layout too (ZeRO-2): the gradient sum is a
+reduce-scatter to each device's slice, (N-1)/N x gradient bytes, and with the parameter gather
+ZeRO-1 moves what plain data parallelism's all-reduce does.
 """
 
 from __future__ import annotations
@@ -45,6 +48,29 @@ def _with_embed_split(spec: PartitionSpec, names: tuple[str, ...],
     return PartitionSpec(*entries)
 
 
+def moment_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
+    """PartitionSpecs of Adam's moments: the parameters' own (ZeRO-3), or with ``embed`` split
+    over ``data``/``fsdp`` as well (ZeRO-1)."""
+    if cfg.parallel.zero != 1:
+        return param_specs
+    return jax.tree.map(
+        lambda spec, names: _with_embed_split(spec, names, cfg.mesh_shape), param_specs,
+        logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec) or is_axes_leaf(x))
+
+
+def gradient_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
+    """PartitionSpecs the step gives the summed gradients.
+
+    Under ZeRO-1 without a pipeline, the moments' (ZeRO-2): each device updates only its slice,
+    so the partitioner ends the gradient sum over ``data``/``fsdp`` in a reduce-scatter to that
+    slice instead of an all-reduce of the whole gradient, and the gradients take 1/N of the
+    memory; with the all-gather of the updated parameters that is the bytes of one all-reduce.
+    Otherwise (and in a pipeline, whose executor sums gradients by hand) the parameters'."""
+    if cfg.parallel.zero != 1 or cfg.mesh.pipe > 1:
+        return param_specs
+    return moment_specs(cfg, param_specs, logical_axes)
+
+
 def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params: Any,
                           param_specs: Any, logical_axes: Any) -> Any:
     """PartitionSpecs for the optimizer state.
@@ -53,13 +79,7 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
     parameters' specs (ZeRO-3) or those specs with ``embed`` split over ``data``/``fsdp``
     (ZeRO-1); scalars such as the step count are replicated.
     """
-    mesh_shape = cfg.mesh_shape
-    if cfg.parallel.zero == 1:
-        moment_specs = jax.tree.map(
-            lambda spec, names: _with_embed_split(spec, names, mesh_shape), param_specs,
-            logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec) or is_axes_leaf(x))
-    else:
-        moment_specs = param_specs
+    moments = moment_specs(cfg, param_specs, logical_axes)
     params_structure = jax.tree.structure(abstract_params)
 
     def shaped_like_params(node: Any) -> bool:
@@ -67,7 +87,7 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
                 and jax.tree.structure(node) == params_structure)
 
     return jax.tree.map(
-        lambda node: moment_specs if shaped_like_params(node) else PartitionSpec(),
+        lambda node: moments if shaped_like_params(node) else PartitionSpec(),
         abstract_opt_state, is_leaf=shaped_like_params)
 
 

@@ -61,7 +61,7 @@ from jaxpar.parallel.rules import (
     param_specs,
     resolve_spec,
 )
-from jaxpar.parallel.zero import data_summed_by_hand, optimizer_state_specs
+from jaxpar.parallel.zero import data_summed_by_hand, gradient_specs, optimizer_state_specs
 
 Batch = dict[str, jax.Array]  # inputs, targets: int32 [B, S]; mask: float32 [B, S]
 
@@ -443,7 +443,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     else:
         grad_fn = plain_gradients(cfg, sh.graphdef, sh.state.params, platform)
         layer_order = program = None
-    loss_and_grads = loss_and_grads_fn(cfg, grad_fn, seq_order, sh.state.params, platform)
+    grad_shardings = named_shardings(mesh, gradient_specs(cfg, sh.param_specs, sh.logical_axes))
+    loss_and_grads = loss_and_grads_fn(cfg, grad_fn, seq_order, grad_shardings, platform)
 
     def init() -> TrainState:
         _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
