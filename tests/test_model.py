@@ -168,3 +168,36 @@ def test_loss_in_pieces_halves_the_step_memory_at_vocab_32k_and_4k_tokens():
 
     whole, pieces = temp(1), temp(0)
     assert whole > 2 * pieces, (whole, pieces)
+
+
+def test_embedding_gathers_rows_and_its_gradient_equals_the_gathers():
+    """Where vocab is not split the embedding is a gather (no one-hot matmul in the forward
+    pass), and its custom gradient (the one-hot matmul's, built in the backward pass) equals
+    autodiff's scatter-add gradient of ``jnp.take``; with bf16 rows and a float32
+    ``reduce_dtype`` the table's gradient comes out of a float32 matmul."""
+    from jaxpar.model.annotate import weight_grads_in
+    from jaxpar.model.layers import lookup
+
+    tokens = jax.random.randint(jax.random.key(0), (3, 11), 0, 97)
+    table = jax.random.normal(jax.random.key(1), (97, 24), jnp.float32)
+    cotangent = jax.random.normal(jax.random.key(2), (3, 11, 24), jnp.float32)
+
+    def ours(w, dtype=jnp.float32):
+        return lookup(tokens, nnx.Param(w), ("vocab", "act_embed"), dtype)
+
+    rows, pull = jax.vjp(ours, table)
+    want_rows, want_pull = jax.vjp(lambda w: jnp.take(w, tokens, axis=0), table)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_allclose(pull(cotangent)[0], want_pull(cotangent)[0], atol=1e-6)
+    assert "dot_general" not in str(jax.make_jaxpr(ours)(table).jaxpr.eqns[0].params["call_jaxpr"])
+
+    def bf16_grad(w):
+        return jax.vjp(lambda w_: ours(w_, jnp.bfloat16), w)[1](cotangent.astype(jnp.bfloat16))[0]
+    with weight_grads_in(jnp.float32):
+        hlo = jax.jit(bf16_grad).lower(table).as_text()
+        wide = jax.jit(bf16_grad)(table)
+    (matmul,) = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert matmul.endswith("-> tensor<97x24xf32>"), matmul
+    # bf16 one-hot x bf16 cotangent summed in f32: the exact scatter-add of the bf16 cotangent.
+    exact = want_pull(cotangent.astype(jnp.bfloat16).astype(jnp.float32))[0]
+    np.testing.assert_allclose(wide, exact, atol=1e-6)

@@ -28,14 +28,16 @@ Flops and time
 --------------
 Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
 counts; causal attention as half the S x S square, as MaxText counts it). Executed flops add
-the one-hot embedding matmul (2VE forward + 2VE weight gradient per token), the recomputation
-(``dots`` redoes attention's forward, 4 L H D S per token; ``full`` also each layer's matmuls, 2
-x their parameters) and attention's executed minus useful flops: dense attention computes the
-whole square, flash attention (blockwise, ring or all-gather over ``context``) the blocks the
-busiest device computes -- (2c+1)/(4c) of the square with the zigzag layout, all of it without;
-(n+1)/(2n) of n x n blocks on one device -- with a flash-style backward (5 block matmuls against
-dense attention's 4; never recomputed by remat). Both compute at least the useful half, so the
-MFU bound below is at most 100%. (The flash kernels skip a causal block behind a conditional;
+the one-hot embedding matmul (2VE weight gradient per token, and 2VE forward where the table is
+split by rows over ``tensor`` or in pipeline pieces; elsewhere the forward gathers), the
+recomputation (``dots`` redoes attention's forward, 4 L H D S per token; ``full`` also each
+layer's matmuls, 2 x their parameters) and attention's executed minus useful flops: dense
+attention computes the whole square, flash attention (blockwise, ring or all-gather over
+``context``) the blocks the busiest device computes -- (2c+1)/(4c) of the square with the
+zigzag layout, all of it without; (n+1)/(2n) of n x n blocks on one device -- with a
+flash-style backward (5 block matmuls against dense attention's 4; never recomputed by remat).
+Both compute at least the useful half, so the MFU bound below is at most 100%. (The flash
+kernels skip a causal block behind a conditional;
 :func:`jaxpar.inspect.hlo_flops.dot_flops` cannot see which branch runs and counts every block,
 so for the zigzag layout its count of the compiled step exceeds these executed flops by the
 skipped blocks: (2c-1)/(4c) of the square.) A mixture of experts adds its padding: the rows its
@@ -75,6 +77,7 @@ from jaxpar.inspect.cost_pipeline import pipeline_compute, pipeline_note
 from jaxpar.inspect.cost_shapes import StepSizes, step_sizes
 from jaxpar.inspect.hardware import HardwareProfile, get_profile
 from jaxpar.model.flops import matmul_params, train_flops_per_token
+from jaxpar.parallel.rules import logical_rules
 
 __all__ = ["CollectiveCost", "CostReport", "FlopsCost", "MemoryCost", "ParamCost", "TimeCost",
            "estimate", "wire_bytes"]
@@ -231,8 +234,13 @@ def _flops(st: StepSizes) -> FlopsCost:
     # backward of 5 block matmuls (scores recomputed) against dense attention's 4.
     executed_attention = (st.computed_share * attention_forward * (1 + 10 / 4) if st.flash
                           else 3 * attention_forward)
+    # The one-hot matmul runs forward only where the table is split by rows (vocab-parallel, or
+    # a pipeline's vocabulary pieces); elsewhere the forward is a gather (layers.lookup).
+    vocab_split = st.pipeline is not None or any(
+        st.mesh[a] > 1 for a in logical_rules(cfg)["vocab"])
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
-                     embedding_one_hot=4 * m.vocab_size * m.d_model * per_device,
+                     embedding_one_hot=(4 if vocab_split else 2) * m.vocab_size * m.d_model
+                     * per_device,
                      recompute=recompute * per_device,
                      attention_extra=(executed_attention - 1.5 * attention_forward)
                      * per_device,

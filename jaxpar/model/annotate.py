@@ -40,6 +40,8 @@ _reshard: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_reshard_
                                                                 default=False)
 _grad_dtype: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxpar_weight_grad_dtype",
                                                                  default=None)
+_split: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("jaxpar_split_names",
+                                                                       default=frozenset())
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -122,6 +124,17 @@ def weight_grads_in(dtype: Any) -> contextlib.AbstractContextManager[None]:
     produces it, so this is how ``parallel.reduce_dtype`` reaches the sums jaxpar does not take
     by hand."""
     return _setting(_grad_dtype, dtype)
+
+
+def is_split(name: str) -> bool:
+    """Whether the active layout splits the logical dimension ``name`` over devices (the
+    embedding asks about ``vocab``: a table split by rows needs the one-hot matmul)."""
+    return name in _split.get()
+
+
+def splitting(names: frozenset[str]) -> contextlib.AbstractContextManager[None]:
+    """Within this block, :func:`is_split` is true for ``names``."""
+    return _setting(_split, names)
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:

@@ -136,6 +136,56 @@ def _project_bwd(how, residuals, dy):
 _project.defvjp(_project_fwd, _project_bwd)
 
 
+def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
+    """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
+    ``tokens``, in ``dtype``: the embedding where the layout does not split ``vocab``.
+
+    The forward pass is a gather: no ``[tokens, vocab]`` one-hot and none of its 2 x vocab x
+    d_model flops a token. The backward pass is the one-hot matmul's weight gradient,
+    ``one_hot(tokens)^T dy``, built only then from the tokens (the only residual): the
+    compiler partitions and sums it like any weight gradient (a scatter-add gradient it laid
+    out differently per layout). In ``parallel.reduce_dtype`` where that is wider, as
+    :func:`project`'s.
+    """
+    w = param[...]
+    grad_dtype = weight_grad_dtype()
+    wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
+    stored = tuple("embed" if name == "act_embed" else name for name in names)
+    how = _LookupVJP(tuple(names), stored, w.shape[0], jnp.dtype(dtype),
+                     jnp.dtype(grad_dtype if wider else dtype), w.dtype)
+    return _lookup(how, tokens, w)
+
+
+class _LookupVJP(NamedTuple):
+    """The static part of :func:`lookup`'s custom VJP."""
+
+    names: tuple  # the table's layout as used
+    stored: tuple  # ... and as stored
+    vocab_size: int
+    dtype: Any  # the rows' (the compute dtype)
+    grad_dtype: Any
+    stored_dtype: Any
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.take(_gathered(w, how.names, how.dtype), tokens, axis=0)
+
+
+def _lookup_fwd(how, tokens, w):
+    return _lookup(how, tokens, w), tokens
+
+
+def _lookup_bwd(how, tokens, dy):
+    one_hot = constrain(jax.nn.one_hot(tokens, how.vocab_size, dtype=dy.dtype),
+                        ("batch", "seq", "vocab"))
+    dw = jnp.einsum("bsv,bse->ve", one_hot, dy, preferred_element_type=how.grad_dtype)
+    return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
 def stored_weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
     """A weight in the compute dtype but laid out as stored (``names``): the experts' weights,
     which the expert-parallel hook gathers itself."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import constrain, relayout, reshard_after_forward
+from jaxpar.model.annotate import constrain, is_split, relayout, reshard_after_forward
 from jaxpar.model.layers import (
     MATMUL_INPUT,
     RESIDUAL,
@@ -30,6 +30,7 @@ from jaxpar.model.layers import (
     RMSNorm,
     SwiGLU,
     _param,
+    lookup,
     project,
     weight,
 )
@@ -135,11 +136,13 @@ class Transformer(nnx.Module):
     def embed(self, tokens: jax.Array, *, dtype=jnp.float32) -> jax.Array:
         """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``."""
         tokens = constrain(tokens, ("batch", "seq"))
+        if not is_split("vocab"):  # the whole table on every device (after FSDP's gather)
+            x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype)
+            return constrain(x, ("batch", "residual_seq", "act_embed"))
         # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
         # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
-        # sequence under SP). A gather would avoid the one-hot's flops and memory, but its
-        # gradient's sums are laid out by the compiler differently per layout (seen: the whole
-        # table reduced over context under FSDP, an all-to-all over fsdp): not yet done.
+        # sequence under SP). (A gather from a table split by rows made XLA gather the whole
+        # table over tensor first.)
         one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
         one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
         x = project("bsv,ve->bse", one_hot, self.embedding, ("vocab", "act_embed"))

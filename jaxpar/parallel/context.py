@@ -50,6 +50,7 @@ from jaxpar.model.attention import (
     whole,
     zeros_like,
 )
+from jaxpar.parallel.collectives import ppermute_in_order
 
 CONTEXT_AXIS = "context"
 
@@ -87,7 +88,10 @@ def block_schedule(seq_len: int, n: int, zigzag: bool) -> np.ndarray:
 def _rotate(tree, n: int):
     """Send every array to the next device on the ring (device i -> i+1)."""
     ring = [(i, (i + 1) % n) for i in range(n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, CONTEXT_AXIS, ring), tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    # In order: independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
+    return jax.tree.unflatten(
+        treedef, ppermute_in_order(leaves, CONTEXT_AXIS, [ring] * len(leaves)))
 
 
 # --------------------------------------------------------------------------------------------

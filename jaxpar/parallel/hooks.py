@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import BATCH_AXES, Config
 from jaxpar.model.annotate import (
     activation_sharding,
+    splitting,
     use_attention,
     use_experts,
     weight_grads_in,
@@ -52,6 +53,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     stack.enter_context(use_experts(experts))
     # bf16 matmuls would otherwise hand the compiler bf16 weight gradients to sum.
     stack.enter_context(weight_grads_in(jnp.dtype(cfg.parallel.reduce_dtype)))
+    stack.enter_context(splitting(frozenset(
+        name for name, axes in rules.items() if any(mesh_shape[a] > 1 for a in axes))))
     return stack
 
 

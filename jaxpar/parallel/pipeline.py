@@ -75,6 +75,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
 from jaxpar.model.transformer import DTYPES
+from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline_by_hand import ByHand
@@ -405,12 +406,15 @@ def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry
             c = _embedding_backward(env, c, r, send_bwd)
     if "W" in kinds:
         c, _ = _backward_slot(env, c, r, "w", weights=True)
+    # Activations to the next stage, input gradients to the previous one; in one order on
+    # every device, since independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
+    sends = [(x, [(s, (s + step) % p) for s in range(p)])
+             for x, step in ((send_fwd, 1), (send_bwd, -1)) if x is not None]
+    arrived = iter(ppermute_in_order([x for x, _ in sends], PIPE_AXIS, [q for _, q in sends]))
     if send_fwd is not None:
-        arrived = lax.ppermute(send_fwd, PIPE_AXIS, [(s, (s + 1) % p) for s in range(p)])
-        c = c._replace(acts=_put(c.acts, r["recv_act"], arrived))
+        c = c._replace(acts=_put(c.acts, r["recv_act"], next(arrived)))
     if send_bwd is not None:
-        arrived = lax.ppermute(send_bwd, PIPE_AXIS, [(s, (s - 1) % p) for s in range(p)])
-        c = c._replace(grads=_put(c.grads, r["recv_grad"], arrived))
+        c = c._replace(grads=_put(c.grads, r["recv_grad"], next(arrived)))
     return c
 
 
