@@ -171,3 +171,25 @@ def test_eight_devices_train_a_2048_token_sequence_split_over_context(tmp_path, 
                         f"run_dir={tmp_path / 'run'}", "logging.every=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Termination timeout" not in result.stderr
+
+
+def test_ppermute_in_order_delivers_each_array_and_chains_the_sends():
+    """Two sends over one axis in opposite directions arrive where their permutations say, and
+    lowered step ties the second to the first with a barrier (parallel/collectives.py: XLA
+    removes it after scheduling, so only the lowered program shows it)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.parallel.collectives import ppermute_in_order
+
+    n = 4
+    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    up, down = [(i, (i + 1) % n) for i in range(n)], [(i, (i - 1) % n) for i in range(n)]
+    step = jax.jit(jax.shard_map(lambda a, b: tuple(ppermute_in_order([a, b], "x", [up, down])),
+                                 mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+    a = jnp.arange(n, dtype=jnp.float32)
+    b = 10 * jnp.arange(n, dtype=jnp.float32)
+    got_a, got_b = step(a, b)
+    np.testing.assert_array_equal(got_a, np.roll(np.asarray(a), 1))
+    np.testing.assert_array_equal(got_b, np.roll(np.asarray(b), -1))
+    assert "optimization_barrier" in step.lower(a, b).as_text()
