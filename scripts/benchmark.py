@@ -63,12 +63,22 @@ def _long(cfg: Config) -> tuple[str, ...]:
             "model.attention_block=128")
 
 
+def _moe_long(cfg: Config) -> tuple[str, ...]:
+    # The MoE model over long sequences, for the mix with context parallelism: two sequences
+    # (expert parallelism splits the batch like data parallelism outside the experts) holding
+    # the step's tokens.
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    return (*_moe(cfg), "train.batch_size=2", f"train.seq_len={tokens // 2}",
+            "model.attention_block=128")
+
+
 # Each model is the preset plus these overrides (computed from the preset and the command
 # line's overrides), with its own 1-device baseline.
 MODELS: dict[str, Callable[[Config], tuple[str, ...]]] = {
     "dense": lambda cfg: (),  # the preset's model
     "moe": _moe,
     "long": _long,
+    "moe_long": _moe_long,
 }
 PIPE = ("mesh.pipe=2", "mesh.data=-1", "train.microbatches=4")
 
@@ -99,7 +109,7 @@ LAYOUTS: dict[str, Layout] = {
                                    "parallel.sequence_parallel=true", "train.microbatches=4",
                                    "parallel.pipeline_schedule=1f1b")),
     "expert_context_tensor": Layout(("mesh.data=1", "mesh.expert=2", "mesh.context=2",
-                                     "mesh.tensor=-1"), "moe"),
+                                     "mesh.tensor=-1"), "moe_long"),
     "pipe_expert_tensor": Layout(("mesh.pipe=2", "mesh.data=1", "mesh.expert=2",
                                   "mesh.tensor=-1", "train.microbatches=4",
                                   "parallel.pipeline_schedule=1f1b"), "moe"),
