@@ -14,6 +14,7 @@ import pytest
 from helpers import (
     assert_grads_and_params_match,
     collectives_in_conditionals,
+    compiled_temp_bytes,
 )
 from test_parallel_layouts import per_step_bytes, run_layout
 
@@ -52,6 +53,11 @@ LAYOUTS = {
     **{f"{s},pipe=2,context=2,tensor=2,ring": pipeline(
         s, 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
         "parallel.context_impl=ring") for s in ("1f1b", "zero_bubble")},
+    # The head in 4 strided pieces of the sequence (train.loss_chunks), its vocabulary split
+    # over pipe and tensor and the sequence over context.
+    "1f1b,pipe=2,context=2,tensor=2,loss_chunks=4": pipeline(
+        "1f1b", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
+        "parallel.context_impl=allgather", "train.loss_chunks=4"),
 }
 
 
@@ -73,7 +79,8 @@ DEFAULT = {"gpipe,pipe=2,m=4", "1f1b,pipe=2,m=4", "interleaved,pipe=2,m=4",
            "zero_bubble,pipe=2,m=4", "interleaved,pipe=4,m=8", "zero_bubble,pipe=2,tensor=2,data=2",
            "1f1b,pipe=2,fsdp=2,context=2,dots", "gpipe,pipe=2,tensor=2,data=2,sp,full",
            "1f1b,pipe=2,data=2,grad_accum=2", "1f1b,pipe=2,context=2,tensor=2,ring",
-           "zero_bubble,pipe=2,context=2,tensor=2,ring"}
+           "zero_bubble,pipe=2,context=2,tensor=2,ring",
+           "1f1b,pipe=2,context=2,tensor=2,loss_chunks=4"}
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
@@ -245,3 +252,17 @@ def test_gradients_are_reduced_over_data_and_fsdp_once_per_step_whatever_the_mic
     assert four["rows"][("reduce-scatter", ("fsdp",))] == 2 * split
     assert four["rows"][("all-gather", ("fsdp",))] == 2 * split
     assert four["rows"].get(("all-reduce", ("fsdp",)), 0) < 1024  # the loss and a few scalars
+
+
+def test_the_pipeline_head_in_pieces_holds_one_pieces_logits_at_a_time():
+    """The head's float32 logits of a microbatch, [1, 256, 8192/2] per stage = 4 MiB, and their
+    gradient: in 8 pieces only one piece's are alive."""
+    def temp(chunks: int) -> int:
+        cfg = validate(load_config("tiny", [
+            "mesh.pipe=2", "mesh.data=1", "train.microbatches=2", "model.vocab_size=8192",
+            "train.seq_len=256", "train.batch_size=2", f"train.loss_chunks={chunks}"]), 2)
+        return compiled_temp_bytes(cfg, 2)
+
+    logits = 256 * 8192 // 2 * 4
+    whole, pieces = temp(1), temp(8)
+    assert whole - pieces > logits, (whole, pieces, logits)

@@ -156,8 +156,10 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
                       else param_bytes)
     # The loss's float32 logits and their gradient, one loss piece at a time, and the
     # embedding's one-hot input.
-    head = (st.b * st.sl * (m.vocab_size // st.t) * (4 + 4) // st.loss_pieces
-            + st.b * st.sl * (m.vocab_size // st.t) * st.a + 2 * st.act)
+    # (A pipeline's head and embedding are split over pipe as well: each stage its piece.)
+    vocab = m.vocab_size // st.t // (st.p if st.pipeline is not None else 1)
+    head = (st.b * st.sl * vocab * (4 + 4) // st.loss_pieces + st.b * st.sl * vocab * st.a
+            + 2 * st.act)
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
     # fsdp. remat=none keeps in every layer those it does not reshard after the forward pass
     # (all of them in a pipeline stage, which prepares its weights once per step).

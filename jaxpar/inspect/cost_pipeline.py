@@ -9,7 +9,8 @@ microbatch (:class:`jaxpar.inspect.cost_collectives.Ledger` counts those multipl
 on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding pieces over
 ``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
 (the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss
-statistics; each step with a backward slot sends one gradient back and all-reduces chunk 0's
+statistics (three per piece of the sequence under ``train.loss_chunks``, the same bytes);
+each step with a backward slot sends one gradient back and all-reduces chunk 0's
 input gradient. The all-reduced activations keep sequence parallelism's tensor split, like the
 sends (XLA:CPU's psums are [b/m, S/(c t), E]). The last step's send is never read (XLA drops
 it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
@@ -74,7 +75,8 @@ def pipeline_collectives(c: Ledger) -> None:
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head")]
     sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
-    c.add("all-reduce", ("pipe",), g * (forward + 3 * head + backward) + sums * len(vocab),
+    c.add("all-reduce", ("pipe",),
+          g * (forward + 3 * head * st.loss_pieces + backward) + sums * len(vocab),
           g * ((forward + 2 * head + backward) * st.sent + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "

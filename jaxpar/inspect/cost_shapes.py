@@ -87,8 +87,8 @@ class StepSizes:
 
     @property
     def loss_pieces(self) -> int:
-        """Pieces the loss is computed in (the pipeline's head has its own, vocabulary split)."""
-        return 1 if self.pipeline is not None else self.cfg.loss_pieces()
+        """Pieces of the sequence the loss (or the pipeline's head) is computed in."""
+        return self.cfg.loss_pieces()
 
     @property
     def ring(self) -> bool:

@@ -207,9 +207,8 @@ def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: j
     if pieces == 1:
         return jnp.sum(token_losses(head_logits(h, head), targets) * mask)
 
-    def strided(a: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, S/n, ...]
-        b, s = a.shape[:2]
-        return jnp.moveaxis(a.reshape(b, s // pieces, pieces, *a.shape[2:]), 2, 0)
+    def strided(a: jax.Array) -> jax.Array:
+        return sequence_pieces(a, pieces)
 
     @jax.checkpoint
     def one_piece(total: jax.Array, piece: tuple) -> tuple[jax.Array, None]:
@@ -220,6 +219,19 @@ def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: j
     total, _ = jax.lax.scan(one_piece, jnp.zeros((), jnp.float32),
                             (strided(h), strided(targets), strided(mask)))
     return total
+
+
+def sequence_pieces(a: jax.Array, n: int) -> jax.Array:
+    """[B, S, ...] -> [n, B, S/n, ...]: piece i holds tokens i, i + n, i + 2n, ... (a strided
+    cut, so a device's contiguous shard of the sequence keeps its tokens in every piece)."""
+    b, s = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, s // n, n, *a.shape[2:]), 2, 0)
+
+
+def joined_pieces(a: jax.Array) -> jax.Array:
+    """The inverse of :func:`sequence_pieces`: [n, B, S/n, ...] -> [B, S, ...]."""
+    n, b, s = a.shape[:3]
+    return jnp.moveaxis(a, 0, 2).reshape(b, s * n, *a.shape[3:])
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:

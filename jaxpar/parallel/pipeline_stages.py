@@ -22,6 +22,7 @@ from jaxpar.config import Config
 from jaxpar.model.annotate import constrain, use_prepared_weights
 from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
+from jaxpar.model.transformer import joined_pieces, sequence_pieces
 from jaxpar.parallel.rules import logical_rules
 
 PIPE_AXIS = "pipe"
@@ -54,6 +55,7 @@ class Stages:
     vocab_shards: int
     aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
     layer_stacked: tuple[str, ...] = ()
+    loss_pieces: int = 1  # the head runs over this many pieces of the sequence, one at a time
 
 
 class VocabPiece(NamedTuple):
@@ -107,15 +109,38 @@ def embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: j
 
 
 def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
-                   y: jax.Array, mb: dict, loss_scale: jax.Array) -> tuple:
+                  y: jax.Array, mb: dict, loss_scale: jax.Array) -> tuple:
     """Summed token loss of output ``y`` (the same on every stage), its gradient w.r.t. ``y``,
     and this stage's head-piece and final-norm gradients, with ``loss_scale`` per token.
 
-    Cross entropy over a vocabulary split ``p`` ways: log-sum-exp from the pieces' maxima and
-    sums (``pmax``/``psum`` of ``[B, S]``), the target logit from the piece holding it. Its
-    gradient w.r.t. the piece's logits is ``softmax - one_hot``, local to each piece.
+    The sequence goes through the head in ``stages.loss_pieces`` strided pieces, one after
+    another (a ``lax.scan``, as ``train.loss_chunks`` does without a pipeline): only one
+    piece's float32 logits ``[B, S/n, V/p]`` and their gradient exist at a time.
     """
     h, norm_vjp = jax.vjp(stages.final_norm, shared, y)
+    n = stages.loss_pieces
+    if n == 1:
+        loss, d_head, d_h = _piece_loss(head, piece, h, mb["targets"], mb["mask"], loss_scale)
+    else:
+        def one_piece(carry: tuple, xs: tuple) -> tuple:
+            loss_i, d_head_i, d_h_i = _piece_loss(head, piece, *xs, loss_scale)
+            return (carry[0] + loss_i, carry[1] + d_head_i), d_h_i
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
+        (loss, d_head), d_h = lax.scan(one_piece, zeros, (
+            sequence_pieces(h, n), sequence_pieces(mb["targets"], n),
+            sequence_pieces(mb["mask"], n)))
+        d_h, d_head = joined_pieces(d_h), d_head.astype(head.dtype)
+    d_shared, d_y = norm_vjp(sum_over_stages(d_h).astype(h.dtype))
+    return loss, d_y, d_head, d_shared
+
+
+def _piece_loss(head: jax.Array, piece: VocabPiece, h: jax.Array, targets: jax.Array,
+                mask: jax.Array, loss_scale: jax.Array) -> tuple:
+    """Cross entropy over a vocabulary split ``p`` ways, for hidden states ``h`` [B, s, E]:
+    log-sum-exp from the pieces' maxima and sums (``pmax``/``psum`` of ``[B, s]``), the target
+    logit from the piece holding it. Its gradient w.r.t. the piece's logits is ``softmax -
+    one_hot``, local to each piece. Returns (loss, d_head, d_h)."""
     logits, logits_vjp = jax.vjp(
         lambda w, h: jnp.einsum("bse,ev->bsv", h, w, preferred_element_type=jnp.float32),
         head, h)
@@ -123,15 +148,12 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
     top = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), PIPE_AXIS)
     exp_sum = lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), PIPE_AXIS)
     log_z = top + jnp.log(exp_sum)
-    is_target = piece.ids == mb["targets"][..., None]
+    is_target = piece.ids == targets[..., None]
     target = lax.psum(jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), PIPE_AXIS)
-    loss = jnp.sum((log_z - target) * mb["mask"])
-    d_logits = (jnp.exp(logits - log_z[..., None]) - is_target) * (mb["mask"] * loss_scale
-                                                                  )[..., None]
+    loss = jnp.sum((log_z - target) * mask)
+    d_logits = (jnp.exp(logits - log_z[..., None]) - is_target) * (mask * loss_scale)[..., None]
     d_head, d_h = logits_vjp(d_logits)
-    d_shared, d_y = norm_vjp(sum_over_stages(d_h).astype(h.dtype))
-    return loss, d_y, d_head, d_shared
-
+    return loss, d_head, d_h
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,4 +197,5 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
     return Stages(layers, final_norm, prepare, unprepare, dtype, cfg.model.tie_embeddings,
                   shards,
                   aux_loss=lambda aux: moe_loss(aux, moe),
-                  layer_stacked=LAYER_STACKED if moe.enabled else ())
+                  layer_stacked=LAYER_STACKED if moe.enabled else (),
+                  loss_pieces=cfg.loss_pieces())
