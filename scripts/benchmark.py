@@ -120,7 +120,7 @@ LAYOUTS: dict[str, Layout] = {
                   "mesh.tensor=2", "parallel.sequence_parallel=true", "train.microbatches=4",
                   "parallel.pipeline_schedule=1f1b"), "moe"),
 }
-# Measured with bench-cpu: 2 min 14 s on 2 idle cores, about 5 minutes on 2 shared ones
+# Measured with bench-cpu: 2 min 14-17 s on 2 cores, about 5 minutes on 2 busy shared ones
 # (docs/performance.md).
 QUICK = ("data", "fsdp", "tensor_sp", "context_ring", "pipe_1f1b", "expert",
          "pipe_fsdp_tensor_sp")
