@@ -48,6 +48,16 @@ LAYOUTS = {
     "data=4,fsdp=2,zero=1": (["mesh.data=4", "mesh.fsdp=2", "parallel.zero=1"],
                              {("reduce-scatter", ("data", "fsdp")),
                               ("all-gather", ("data", "fsdp"))}),
+    # ZeRO-1 beside context (the gradient's sum over context stays an all-reduce) and with the
+    # micro-steps' by-hand sum over data (its psum and slice become a reduce-scatter too).
+    "data=2,context=2,tensor=2,zero=1": (
+        ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.zero=1"],
+        {("reduce-scatter", ("data",)), ("all-reduce", ("context",)),
+         ("all-gather", ("data",)), ("all-reduce", ("tensor",)),
+         ("collective-permute", ("context",))}),
+    "data=8,grad_accum=2,zero=1": (["mesh.data=8", "train.grad_accum=2", "train.batch_size=16",
+                                    "parallel.zero=1"],
+                                   {("reduce-scatter", ("data",)), ("all-gather", ("data",))}),
     # FSDP x ring attention x tensor with SP, remat=dots (the dense demo). (No data axis:
     # XLA:CPU sometimes splits a data x context gradient all-reduce in two.)
     "fsdp=2,context=2,tensor=2,sp,dots": (
