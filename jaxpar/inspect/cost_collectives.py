@@ -305,8 +305,9 @@ def data_collectives(c: Ledger) -> None:
         experts = "routed experts' " if all(p.expert for p in group) else ""
         count = c.runs_over(axes) * (units * any(p.stacked for p in group)
                                      + any(not p.stacked for p in group))
-        payload = c.reduced(group, by_hand=c.summed_by_hand(axes))
-        every = "micro-step" if st.pipeline is None or c.summed_by_hand(axes) else "backward slot"
+        by_hand = c.summed_by_hand(axes)
+        payload = c.reduced(group, by_hand=by_hand)
+        every = "micro-step" if st.pipeline is None or by_hand else "backward slot"
         scattered = zero1_scatter_axes(c, axes, group)
         if scattered:
             c.add("reduce-scatter", scattered, count, payload,

@@ -207,9 +207,6 @@ def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: j
     if pieces == 1:
         return jnp.sum(token_losses(head_logits(h, head), targets) * mask)
 
-    def strided(a: jax.Array) -> jax.Array:
-        return sequence_pieces(a, pieces)
-
     @jax.checkpoint
     def one_piece(total: jax.Array, piece: tuple) -> tuple[jax.Array, None]:
         h_i, targets_i, mask_i = piece
@@ -217,7 +214,7 @@ def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: j
         return total + jnp.sum(token_losses(head_logits(h_i, head), targets_i) * mask_i), None
 
     total, _ = jax.lax.scan(one_piece, jnp.zeros((), jnp.float32),
-                            (strided(h), strided(targets), strided(mask)))
+                            tuple(sequence_pieces(a, pieces) for a in (h, targets, mask)))
     return total
 
 

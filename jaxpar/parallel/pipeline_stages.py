@@ -127,9 +127,8 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
             return (carry[0] + loss_i, carry[1] + d_head_i), d_h_i
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
-        (loss, d_head), d_h = lax.scan(one_piece, zeros, (
-            sequence_pieces(h, n), sequence_pieces(mb["targets"], n),
-            sequence_pieces(mb["mask"], n)))
+        (loss, d_head), d_h = lax.scan(one_piece, zeros, tuple(
+            sequence_pieces(a, n) for a in (h, mb["targets"], mb["mask"])))
         d_h, d_head = joined_pieces(d_h), d_head.astype(head.dtype)
     d_shared, d_y = norm_vjp(sum_over_stages(d_h).astype(h.dtype))
     return loss, d_y, d_head, d_shared

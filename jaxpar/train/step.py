@@ -359,7 +359,7 @@ def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Cal
 
 
 def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
-                      param_shardings: dict, platform: str) -> Callable:
+                      grad_shardings: dict, platform: str) -> Callable:
     """Step 3: ``(state, batch) -> (loss, grads, aux)`` with the parallel hooks installed."""
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
@@ -369,9 +369,10 @@ def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
         batch = dict(batch, positions=positions)
         with model_hooks(cfg, cfg.mesh_shape, platform):
             grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
-        # Gradients live where their parameters live: under FSDP this is what turns the
+        # Gradients live where their parameters live (under ZeRO-1, where the moments do:
+        # parallel/zero.py: gradient_specs): under FSDP and ZeRO-1 this is what turns the
         # gradient all-reduce into a reduce-scatter.
-        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         return loss_sum / valid, grads, aux
 
     return loss_and_grads
