@@ -180,6 +180,28 @@ def test_tensor_parallel_all_reduces_activations_over_tensor(name):
     assert grads == pytest.approx(stored, rel=0.01), (grads, stored)
 
 
+# As many kv heads as query heads: q, k and v have one shape and are projected by one matmul
+# where heads are split (tiny's grouped-query attention stacks only k and v).
+EQUAL_HEADS = ("model.n_kv_heads=8",)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_stacked_qkv_and_gate_up_match_one_device_and_reduce_each_input_gradient_once(sp):
+    got = run_layout((*EQUAL_HEADS, "mesh.data=2", "mesh.tensor=4",
+                      f"parallel.sequence_parallel={str(sp).lower()}"))
+    ref = run_layout((*EQUAL_HEADS, "mesh.data=1"))
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    assert_grads_and_params_match(got, ref)
+    cfg = got["cfg"]
+    activation = cfg.train.batch_size // cfg.mesh.data * cfg.train.seq_len * cfg.model.d_model * 4
+    kind = "reduce-scatter" if sp else "all-reduce"
+    big = [c for c in got["collectives"]
+           if c.kind == kind and c.axes == ("tensor",) and c.bytes >= activation]
+    # Per layer: the attention and MLP outputs forward, and backward one input gradient each
+    # for q+k+v and gate+up (not five); plus the embedding's output and the head's input grad.
+    assert sum(c.executions for c in big) == 4 * cfg.model.n_layers + 2, big
+
+
 def test_sequence_parallel_replaces_tensor_all_reduce_by_reduce_scatter_and_all_gather():
     sp, tp = "data=4,tensor=2,sp", "data=4,tensor=2"
     cfg = layout(sp)["cfg"]

@@ -33,17 +33,19 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   reduce-scatters their gradients.
 - ``tensor`` without sequence parallelism: all-reduce (payload A) of the attention and MLP outputs
   (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output), and of
-  the input gradients of the column-parallel matmuls in the backward pass: 5 per layer on
-  XLA:CPU (q, k, v, gate and up each reduced before they are summed), 2 on the TPU compiler
-  (q+k+v and gate+up, as Megatron); plus the vocab-parallel embedding (forward, A) and the
-  lm_head input gradient (backward, float32 like the logits), and two tiny all-reduces of b S/c
-  floats for the vocab-parallel loss (max, sum of exponentials).
+  the input gradients of the column-parallel matmuls in the backward pass: 2 per layer (the
+  model projects q+k+v and gate+up with one matmul each where they are split,
+  ``layers.project_stacked``, as Megatron), 3 on XLA:CPU with grouped-query attention (q, and
+  k+v: their shapes differ; the TPU compiler sums the two before reducing); plus the
+  vocab-parallel embedding (forward, A) and the lm_head input gradient (backward, float32 like
+  the logits), and two tiny all-reduces of b S/c floats for the vocab-parallel loss (max, sum
+  of exponentials).
 - ``tensor`` with sequence parallelism: each forward all-reduce becomes reduce-scatter (leaving a
   block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
-  forward, 2 all-gathers + 5 (XLA:CPU) or 2 reduce-scatters backward; ``remat=dots`` and ``full``
-  gather the inputs again (+2 all-gathers), ``full`` also redoes the attention reduce-scatter;
-  embedding and head add 2 of each; the norm scales' gradients are all-reduced over ``tensor``
-  (tiny).
+  forward, 2 all-gathers + 2 (3: XLA:CPU, grouped-query) reduce-scatters backward;
+  ``remat=dots`` and ``full`` gather the inputs again (+2 all-gathers), ``full`` also redoes
+  the attention reduce-scatter; embedding and head add 2 of each; the norm scales' gradients
+  are all-reduced over ``tensor`` (tiny).
 - ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
   are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
   ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
@@ -402,7 +404,8 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     n_layers, n_moe = st.layers, st.moe_layers
     shared = 1 if m.moe.num_shared_experts else 0
     rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
-    moe_column = (3 + 1 + 2 * shared) if st.xla_cpu else (1 + 1 + shared)
+    attention_columns = st.column_parallel_reductions - 1  # all but the MLP's gate+up
+    moe_column = attention_columns + 1 + shared
     columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
     row_outputs = st.runs * (rows_per_layer + n_layers * (st.cfg.train.remat == "full"))
     if st.pipeline is None:
@@ -422,7 +425,7 @@ def tensor_collectives(c: Ledger) -> None:
     remat, n_layers = cfg.train.remat, st.layers
     row_outputs, column_grads, embeds, heads = _tensor_counts(c)
     per_layer = n_layers * st.runs  # activation traffic: per microbatch
-    columns = ("q, k, v, gate, up" if st.column_parallel_reductions == 5 else "q+k+v, gate+up")
+    columns = ("q, k+v, gate+up" if st.column_parallel_reductions == 3 else "q+k+v, gate+up")
     fw, bw = c.forwards, c.backwards
 
     def add_act(kind: str, count: int, what: str, payload: int = act, times: int = 1) -> None:

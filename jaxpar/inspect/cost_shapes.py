@@ -68,9 +68,11 @@ class StepSizes:
 
     @property
     def column_parallel_reductions(self) -> int:
-        """Backward input-gradient reductions per layer over tensor: XLA:CPU reduces q, k, v,
-        gate and up one by one; the TPU compiler sums q/k/v and gate/up first, as Megatron."""
-        return 5 if self.xla_cpu else 2
+        """Backward input-gradient reductions per layer over tensor: q+k+v and gate+up, each
+        one matmul (``layers.project_stacked``); with grouped-query attention q and k+v are two,
+        which XLA:CPU reduces one by one and the TPU compiler sums first."""
+        m = self.cfg.model
+        return 3 if self.xla_cpu and m.n_kv_heads != m.n_heads else 2
 
     @property
     def t(self) -> int:

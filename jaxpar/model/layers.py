@@ -25,6 +25,7 @@ from jaxpar.config import ModelConfig, RopeScalingConfig
 from jaxpar.model.annotate import (
     attention_override,
     constrain,
+    is_split,
     relayout,
     resharding_after_forward,
     weight_grad_dtype,
@@ -55,10 +56,17 @@ def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
     bf16) and written down explicitly, so the compiler never chooses to move activations instead.
     Its gradient goes straight back to the stored layout: a reduce-scatter over ``fsdp``.
     """
+    return _used_weight(param[...], names, dtype)
+
+
+def _used_weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     if weights_prepared():
-        return param[...]
-    stored = tuple("embed" if name == "act_embed" else name for name in names)
-    return relayout(param[...].astype(dtype), stored, names)
+        return w
+    return relayout(w.astype(dtype), _stored_names(names), names)
+
+
+def _stored_names(names: tuple) -> tuple:
+    return tuple("embed" if name == "act_embed" else name for name in names)
 
 
 def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
@@ -82,15 +90,41 @@ def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...]) -
 
     The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
     """
+    return _projected(spec, x, param[...], tuple(names))
+
+
+def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
+                    names: tuple[str, ...]) -> tuple[jax.Array, ...]:
+    """Projections of the same ``x`` by weights of one shape, as one matmul over the weights
+    stacked on the letter ``t`` of ``spec`` (``"bse,ethd->bsthd"`` for q, k, v): one
+    :func:`project` each, laid out as ``names`` (without ``t``).
+
+    Why: each projection's input gradient is a partial sum where the weights are split by
+    output features (tensor parallelism), and the backward pass must sum it over ``tensor``
+    (all-reduce, or Megatron-SP's reduce-scatter). Summing the three (q, k, v) or two (gate,
+    up) gradients before that reduction is one collective instead of several; the TPU compiler
+    reassociates separate ones, XLA:CPU does not. One wider matmul also replaces narrow ones.
+    The cost is a copy of the weights into the stack, and of the output gradients into one
+    array for the backward matmul: the model does it only where the outputs are split.
+    """
+    w_spec, out = spec.split("->")[0].split(",")[1], spec.split("->")[1]
+    at = w_spec.index("t")
+    stacked_names = (*names[:at], None, *names[at:])
+    y = _projected(spec, x, jnp.stack([p[...] for p in params], axis=at), stacked_names)
+    # split (not indexing): its transpose is one concatenate, where slices' are pads and adds
+    return tuple(jnp.squeeze(part, out.index("t"))
+                 for part in jnp.split(y, len(params), axis=out.index("t")))
+
+
+def _projected(spec: str, x: jax.Array, w: jax.Array, names: tuple) -> jax.Array:
+    """:func:`project` of the weight value ``w`` (as stored)."""
     if weights_prepared():  # a pipeline stage gathers its weights once per step for all slots
-        return jnp.einsum(spec, x, param[...])
+        return jnp.einsum(spec, x, w)
     grad_dtype = weight_grad_dtype()
     wider_grads = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > x.dtype.itemsize
     if not (resharding_after_forward() or wider_grads):
-        return jnp.einsum(spec, x, weight(param, names, x.dtype))
-    stored = tuple("embed" if name == "act_embed" else name for name in names)
-    w = param[...]
-    how = _ProjectVJP(spec, tuple(names), stored, resharding_after_forward(),
+        return jnp.einsum(spec, x, _used_weight(w, names, x.dtype))
+    how = _ProjectVJP(spec, names, _stored_names(names), resharding_after_forward(),
                       jnp.dtype(grad_dtype if wider_grads else x.dtype), w.dtype)
     return _project(how, x, w)
 
@@ -150,7 +184,7 @@ def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype) -
     w = param[...]
     grad_dtype = weight_grad_dtype()
     wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
-    stored = tuple("embed" if name == "act_embed" else name for name in names)
+    stored = _stored_names(tuple(names))
     how = _LookupVJP(tuple(names), stored, w.shape[0], jnp.dtype(dtype),
                      jnp.dtype(grad_dtype if wider else dtype), w.dtype)
     return _lookup(how, tokens, w)
@@ -292,9 +326,7 @@ class Attention(nnx.Module):
         self.rope_scaling = cfg.rope_scaling
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        q = project("bse,ehd->bshd", x, self.wq, Q_WEIGHT)
-        k = project("bse,ekd->bskd", x, self.wk, KV_WEIGHT)
-        v = project("bse,ekd->bskd", x, self.wv, KV_WEIGHT)
+        q, k, v = self._qkv(x)
         if hasattr(self, "q_bias"):
             q = q + weight(self.q_bias, Q_BIAS, x.dtype)
             k = k + weight(self.k_bias, KV_BIAS, x.dtype)
@@ -311,6 +343,18 @@ class Attention(nnx.Module):
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
 
+    def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The q, k, v projections: one matmul where heads are split (three with equal heads,
+        else q and a k/v pair), see :func:`project_stacked`."""
+        if not is_split("heads"):
+            return (project("bse,ehd->bshd", x, self.wq, Q_WEIGHT),
+                    project("bse,ekd->bskd", x, self.wk, KV_WEIGHT),
+                    project("bse,ekd->bskd", x, self.wv, KV_WEIGHT))
+        if self.wq.shape == self.wk.shape:
+            return project_stacked("bse,ethd->bsthd", x, (self.wq, self.wk, self.wv), Q_WEIGHT)
+        k, v = project_stacked("bse,etkd->bstkd", x, (self.wk, self.wv), KV_WEIGHT)
+        return project("bse,ehd->bshd", x, self.wq, Q_WEIGHT), k, v
+
 
 class SwiGLU(nnx.Module):
     """gate/up are column-parallel (split on mlp), down is row-parallel. ``d_ff`` defaults to
@@ -324,7 +368,11 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = project("bse,ef->bsf", x, self.w_gate, ("act_embed", "mlp"))
-        up = project("bse,ef->bsf", x, self.w_up, ("act_embed", "mlp"))
+        if is_split("mlp"):  # one input-gradient sum over tensor, see project_stacked
+            gate, up = project_stacked("bse,etf->bstf", x, (self.w_gate, self.w_up),
+                                       ("act_embed", "mlp"))
+        else:
+            gate = project("bse,ef->bsf", x, self.w_gate, ("act_embed", "mlp"))
+            up = project("bse,ef->bsf", x, self.w_up, ("act_embed", "mlp"))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))
