@@ -199,7 +199,16 @@ def test_stacked_qkv_and_gate_up_match_one_device_and_reduce_each_input_gradient
            if c.kind == kind and c.axes == ("tensor",) and c.bytes >= activation]
     # Per layer: the attention and MLP outputs forward, and backward one input gradient each
     # for q+k+v and gate+up (not five); plus the embedding's output and the head's input grad.
-    assert sum(c.executions for c in big) == 4 * cfg.model.n_layers + 2, big
+    layers = cfg.model.n_layers
+    assert sum(c.executions for c in big) == 4 * layers + 2, big
+    if sp:
+        gathers = [c for c in got["collectives"]
+                   if c.kind == "all-gather" and c.axes == ("tensor",) and c.bytes >= activation]
+        # Entering attention and MLP forward, their output gradients backward, and each of
+        # the two stacked matmuls' inputs again for its weight gradient (Megatron-SP keeps
+        # each device's slice, not the gathered sequence); the head's input, the embedding's
+        # output gradient.
+        assert sum(c.executions for c in gathers) == 4 * layers + 2 * layers + 2, gathers
 
 
 def test_sequence_parallel_replaces_tensor_all_reduce_by_reduce_scatter_and_all_gather():

@@ -42,9 +42,11 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   of exponentials).
 - ``tensor`` with sequence parallelism: each forward all-reduce becomes reduce-scatter (leaving a
   block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
-  forward, 2 all-gathers + 2 (3: XLA:CPU, grouped-query) reduce-scatters backward;
-  ``remat=dots`` and ``full`` gather the inputs again (+2 all-gathers), ``full`` also redoes
-  the attention reduce-scatter; embedding and head add 2 of each; the norm scales' gradients
+  forward, 2 all-gathers + 2 (3: XLA:CPU, grouped-query) reduce-scatters backward; the
+  column-parallel matmuls gather their input again for their weight gradients (``remat=none``
+  outside a pipeline: +2 all-gathers, +3 with grouped-query attention, see
+  ``layers.project``), ``remat=dots`` and ``full`` recompute those gathers (+2), ``full`` also
+  redoes the attention reduce-scatter; embedding and head add 2 of each; the norm scales' gradients
   are all-reduced over ``tensor`` (tiny).
 - ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
   are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
@@ -415,6 +417,23 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     return row_outputs, st.runs * columns, embeds, heads
 
 
+def _input_regathers(c: Ledger) -> int:
+    """Megatron-SP's all-gathers of the column-parallel matmuls' inputs again in the backward
+    pass, per step: the remat policies recompute the attention and MLP inputs (2 per layer);
+    without remat ``layers.project`` keeps each matmul's slice and gathers it again (a pipeline
+    stage's prepared weights skip that VJP, and keep the gathered input)."""
+    st = c.st
+    remat, shared = st.cfg.train.remat, 1 if st.cfg.model.moe.num_shared_experts else 0
+    if remat in ("dots", "full"):
+        return 2 * st.layers * st.runs
+    if st.pipeline is not None:
+        return 0
+    attention = st.column_matmuls - 1  # a MoE layer's experts read their own token copies
+    per_step = (st.layers - st.moe_layers) * st.column_matmuls + st.moe_layers * (
+        attention + shared)
+    return per_step * st.runs
+
+
 def tensor_collectives(c: Ledger) -> None:
     """Tensor (and sequence) parallelism: activations, blocking. lm_head's input gradient is
     float32 (the logits are); everything else moves in the compute dtype."""
@@ -424,6 +443,7 @@ def tensor_collectives(c: Ledger) -> None:
     act, head_grad = st.tokens_x_embed(st.wire), st.tokens_x_embed(4)
     remat, n_layers = cfg.train.remat, st.layers
     row_outputs, column_grads, embeds, heads = _tensor_counts(c)
+    regathers = _input_regathers(c)
     per_layer = n_layers * st.runs  # activation traffic: per microbatch
     columns = ("q, k+v, gate+up" if st.column_parallel_reductions == 3 else "q+k+v, gate+up")
     fw, bw = c.forwards, c.backwards
@@ -442,10 +462,10 @@ def tensor_collectives(c: Ledger) -> None:
         add_act("all-reduce", heads, "lm_head input gradient backward", payload=head_grad,
                 times=bw)
     else:
-        gathers = 2 + 2 + (2 if remat in ("dots", "full") else 0)
-        add_act("all-gather", per_layer * gathers,
+        add_act("all-gather", per_layer * 4 + regathers,
                 "sequence gathered entering attention/MLP (forward; output gradients "
-                "backward" + ("; again in remat" if remat != "none" else "") + ")", times=fw)
+                "backward; inputs again for the weight gradients"
+                + (" in remat" if remat != "none" else "") + ")", times=fw)
         add_act("reduce-scatter", row_outputs,
                 "sequence scattered leaving attention/MLP forward", times=fw)
         add_act("reduce-scatter", column_grads,

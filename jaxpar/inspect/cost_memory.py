@@ -9,7 +9,8 @@ per parameter, split like the parameters (ZeRO-3) or with ``embed`` also split o
 parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 
 - ``remat=none``: what autodiff keeps. Per RMSNorm (2) its input (r), its float32 normalised
-  values (r x 4/a) and its output gathered to the full sequence (A); q, k, v after rotary
+  values (r x 4/a) and its output (r: the column-parallel matmuls keep their own slice and
+  gather it again, ``layers.project``; A, gathered, in a pipeline stage); q, k, v after rotary
   (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a); gate, sigmoid(gate), silu(gate), up
   and their product (5 b S/c F/t a; 6 in a pipeline stage, whose stash holds jax's VJP
   residuals as they are, the sigmoid's derivative too); and two float32 score-sized tensors per
@@ -130,11 +131,12 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     if remat == "dots":
         return residual + q + kv + full + ffn + flash
     # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
-    # values and the (gathered) output; rotated q, k and v; the attention output; gate, its
+    # values and the output; rotated q, k and v; the attention output; gate, its
     # sigmoid, silu(gate), up and their product; two float32 S x S tensors per head (XLA keeps
     # the masked scores alive next to the softmax output), plus a compute-dtype copy of the
     # probabilities for the weighted sum when that dtype is narrower.
-    norm = residual + residual * 4 // a + full
+    # The matmuls keep the norm output as split (and gather it again), except in a pipeline.
+    norm = residual + residual * 4 // a + (full if st.pipeline is not None else residual)
     keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
     probs = 0 if st.flash else b * (m.n_heads // t) * s * keys * (2 * 4 + (a if a < 4 else 0))
     return 2 * norm + q + kv + q + ffn + probs + flash

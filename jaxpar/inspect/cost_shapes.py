@@ -67,12 +67,17 @@ class StepSizes:
         return PARAM_BYTES if self.xla_cpu else self.a
 
     @property
+    def column_matmuls(self) -> int:
+        """Matmuls per dense layer reading the gathered input under tensor parallelism: q+k+v
+        and gate+up (``layers.project_stacked``), or q, k+v and gate+up with grouped-query
+        attention."""
+        return 2 if self.cfg.model.n_kv_heads == self.cfg.model.n_heads else 3
+
+    @property
     def column_parallel_reductions(self) -> int:
-        """Backward input-gradient reductions per layer over tensor: q+k+v and gate+up, each
-        one matmul (``layers.project_stacked``); with grouped-query attention q and k+v are two,
-        which XLA:CPU reduces one by one and the TPU compiler sums first."""
-        m = self.cfg.model
-        return 3 if self.xla_cpu and m.n_kv_heads != m.n_heads else 2
+        """Backward input-gradient reductions per layer over tensor: one per column matmul on
+        XLA:CPU; the TPU compiler sums grouped-query attention's q and k+v first."""
+        return self.column_matmuls if self.xla_cpu else 2
 
     @property
     def t(self) -> int:

@@ -35,6 +35,9 @@ from jaxpar.model.attention import dense_attention
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
+# The relayout (src, dst) that makes a column-parallel matmul's input: under Megatron-SP the
+# all-gather of the sequence over tensor (elsewhere the two layouts are one and it is a no-op).
+SEQUENCE_GATHER = (RESIDUAL, MATMUL_INPUT)
 Q_WEIGHT = ("act_embed", "heads", "head_dim")
 KV_WEIGHT = ("act_embed", "kv_heads", "head_dim")
 Q_BIAS = ("heads", "head_dim")
@@ -69,10 +72,11 @@ def _stored_names(names: tuple) -> tuple:
     return tuple("embed" if name == "act_embed" else name for name in names)
 
 
-def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
+def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *,
+            gathered: tuple[tuple, tuple] | None = None) -> jax.Array:
     """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype.
 
-    Two things autodiff alone would get wrong for a large model, fixed by a custom VJP where
+    Three things autodiff alone would get wrong for a large model, fixed by a custom VJP where
     they apply:
 
     - **Reshard after forward.** Under ZeRO-3 autodiff would keep the gathered weight for the
@@ -87,17 +91,25 @@ def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...]) -
       that matmul's dtype: bf16 in a bf16 run. Where :func:`weight_grad_dtype` asks for a
       wider one (``parallel.reduce_dtype``), the VJP's weight-gradient matmul accumulates into
       and returns it, so the sums travel in it.
+    - **Keep the sequence split** (``gathered``: the relayout ``(src, dst)`` that made ``x``,
+      :data:`SEQUENCE_GATHER` for the column-parallel matmuls). Under Megatron-SP ``x`` is the
+      whole sequence, all-gathered over ``tensor``, and autodiff would keep it for the weight
+      gradient (``dw = x^T dy``): every device the whole sequence, twice per layer. Where the
+      VJP applies (``remat=none``; the remat policies recompute the gather anyway) it keeps the
+      device's own slice (``src``, cut locally) and gathers it again in the backward pass, as
+      Megatron-SP does: one more all-gather per matmul and layer, 1/t of the memory.
 
     The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
     """
-    return _projected(spec, x, param[...], tuple(names))
+    return _projected(spec, x, param[...], tuple(names), gathered)
 
 
 def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
-                    names: tuple[str, ...]) -> tuple[jax.Array, ...]:
+                    names: tuple[str, ...], *, gathered: tuple[tuple, tuple] | None = None,
+                    ) -> tuple[jax.Array, ...]:
     """Projections of the same ``x`` by weights of one shape, as one matmul over the weights
     stacked on the letter ``t`` of ``spec`` (``"bse,ethd->bsthd"`` for q, k, v): one
-    :func:`project` each, laid out as ``names`` (without ``t``).
+    :func:`project` each, laid out as ``names`` (without ``t``), ``gathered`` as there.
 
     Why: each projection's input gradient is a partial sum where the weights are split by
     output features (tensor parallelism), and the backward pass must sum it over ``tensor``
@@ -110,13 +122,15 @@ def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
     w_spec, out = spec.split("->")[0].split(",")[1], spec.split("->")[1]
     at = w_spec.index("t")
     stacked_names = (*names[:at], None, *names[at:])
-    y = _projected(spec, x, jnp.stack([p[...] for p in params], axis=at), stacked_names)
+    y = _projected(spec, x, jnp.stack([p[...] for p in params], axis=at), stacked_names,
+                   gathered)
     # split (not indexing): its transpose is one concatenate, where slices' are pads and adds
     return tuple(jnp.squeeze(part, out.index("t"))
                  for part in jnp.split(y, len(params), axis=out.index("t")))
 
 
-def _projected(spec: str, x: jax.Array, w: jax.Array, names: tuple) -> jax.Array:
+def _projected(spec: str, x: jax.Array, w: jax.Array, names: tuple,
+               gathered: tuple[tuple, tuple] | None) -> jax.Array:
     """:func:`project` of the weight value ``w`` (as stored)."""
     if weights_prepared():  # a pipeline stage gathers its weights once per step for all slots
         return jnp.einsum(spec, x, w)
@@ -125,7 +139,7 @@ def _projected(spec: str, x: jax.Array, w: jax.Array, names: tuple) -> jax.Array
     if not (resharding_after_forward() or wider_grads):
         return jnp.einsum(spec, x, _used_weight(w, names, x.dtype))
     how = _ProjectVJP(spec, names, _stored_names(names), resharding_after_forward(),
-                      jnp.dtype(grad_dtype if wider_grads else x.dtype), w.dtype)
+                      jnp.dtype(grad_dtype if wider_grads else x.dtype), w.dtype, gathered)
     return _project(how, x, w)
 
 
@@ -138,6 +152,7 @@ class _ProjectVJP(NamedTuple):
     regather: bool  # keep the stored shard, not the used weight, for the backward pass
     grad_dtype: Any  # the dtype of the weight gradient and of its sums
     stored_dtype: Any  # the parameter's (train.param_dtype)
+    gathered: tuple | None  # keep x laid out as gathered[0], gather it to gathered[1] again
 
 
 def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
@@ -152,11 +167,14 @@ def _project(how: _ProjectVJP, x: jax.Array, w: jax.Array) -> jax.Array:
 def _project_fwd(how, x, w):
     wg = _gathered(w, how.names, x.dtype)
     y = jnp.einsum(how.spec, x, wg)
-    return y, (x, w if how.regather else wg)
+    kept_x = x if how.gathered is None else constrain(x, how.gathered[0])
+    return y, (kept_x, w if how.regather else wg)
 
 
 def _project_bwd(how, residuals, dy):
     x, kept = residuals
+    if how.gathered is not None:
+        x = constrain(x, how.gathered[1])
     wg = _gathered(kept, how.names, x.dtype) if how.regather else kept
     # The matmul is linear in each operand: transpose it in x (no forward recomputed), and
     # write the weight's gradient as its own matmul so that it accumulates in grad_dtype.
@@ -346,14 +364,16 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The q, k, v projections: one matmul where heads are split (three with equal heads,
         else q and a k/v pair), see :func:`project_stacked`."""
+        g = SEQUENCE_GATHER
         if not is_split("heads"):
-            return (project("bse,ehd->bshd", x, self.wq, Q_WEIGHT),
-                    project("bse,ekd->bskd", x, self.wk, KV_WEIGHT),
-                    project("bse,ekd->bskd", x, self.wv, KV_WEIGHT))
+            return (project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, gathered=g),
+                    project("bse,ekd->bskd", x, self.wk, KV_WEIGHT, gathered=g),
+                    project("bse,ekd->bskd", x, self.wv, KV_WEIGHT, gathered=g))
         if self.wq.shape == self.wk.shape:
-            return project_stacked("bse,ethd->bsthd", x, (self.wq, self.wk, self.wv), Q_WEIGHT)
-        k, v = project_stacked("bse,etkd->bstkd", x, (self.wk, self.wv), KV_WEIGHT)
-        return project("bse,ehd->bshd", x, self.wq, Q_WEIGHT), k, v
+            return project_stacked("bse,ethd->bsthd", x, (self.wq, self.wk, self.wv), Q_WEIGHT,
+                                   gathered=g)
+        k, v = project_stacked("bse,etkd->bstkd", x, (self.wk, self.wv), KV_WEIGHT, gathered=g)
+        return project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, gathered=g), k, v
 
 
 class SwiGLU(nnx.Module):
@@ -368,11 +388,12 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        w_names, g = ("act_embed", "mlp"), SEQUENCE_GATHER
         if is_split("mlp"):  # one input-gradient sum over tensor, see project_stacked
-            gate, up = project_stacked("bse,etf->bstf", x, (self.w_gate, self.w_up),
-                                       ("act_embed", "mlp"))
+            gate, up = project_stacked("bse,etf->bstf", x, (self.w_gate, self.w_up), w_names,
+                                       gathered=g)
         else:
-            gate = project("bse,ef->bsf", x, self.w_gate, ("act_embed", "mlp"))
-            up = project("bse,ef->bsf", x, self.w_up, ("act_embed", "mlp"))
+            gate = project("bse,ef->bsf", x, self.w_gate, w_names, gathered=g)
+            up = project("bse,ef->bsf", x, self.w_up, w_names, gathered=g)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))
