@@ -35,8 +35,9 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output), and of
   the input gradients of the column-parallel matmuls in the backward pass: 2 per layer (the
   model projects q+k+v and gate+up with one matmul each where they are split,
-  ``layers.project_stacked``, as Megatron), 3 on XLA:CPU with grouped-query attention (q, and
-  k+v: their shapes differ; the TPU compiler sums the two before reducing); plus the
+  ``layers.project_stacked``, as Megatron), on XLA:CPU 3 with grouped-query attention (q, and
+  k+v: their shapes differ) and 5 in a pipeline stage (its prepared weights are not stacked;
+  the TPU compiler sums them all before reducing, 2); plus the
   vocab-parallel embedding (forward, A) and the lm_head input gradient (backward, float32 like
   the logits), and two tiny all-reduces of b S/c floats for the vocab-parallel loss (max, sum
   of exponentials).
@@ -406,8 +407,8 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     n_layers, n_moe = st.layers, st.moe_layers
     shared = 1 if m.moe.num_shared_experts else 0
     rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
-    attention_columns = st.column_parallel_reductions - 1  # all but the MLP's gate+up
-    moe_column = attention_columns + 1 + shared
+    moe_column = (st.attention_matmuls + 1 + shared * st.mlp_matmuls if st.xla_cpu
+                  else 1 + 1 + shared)
     columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
     row_outputs = st.runs * (rows_per_layer + n_layers * (st.cfg.train.remat == "full"))
     if st.pipeline is None:
@@ -428,9 +429,9 @@ def _input_regathers(c: Ledger) -> int:
         return 2 * st.layers * st.runs
     if st.pipeline is not None:
         return 0
-    attention = st.column_matmuls - 1  # a MoE layer's experts read their own token copies
+    # a MoE layer's experts read their own token copies
     per_step = (st.layers - st.moe_layers) * st.column_matmuls + st.moe_layers * (
-        attention + shared)
+        st.attention_matmuls + shared * st.mlp_matmuls)
     return per_step * st.runs
 
 
@@ -445,7 +446,8 @@ def tensor_collectives(c: Ledger) -> None:
     row_outputs, column_grads, embeds, heads = _tensor_counts(c)
     regathers = _input_regathers(c)
     per_layer = n_layers * st.runs  # activation traffic: per microbatch
-    columns = ("q, k+v, gate+up" if st.column_parallel_reductions == 3 else "q+k+v, gate+up")
+    columns = {2: "q+k+v, gate+up", 3: "q, k+v, gate+up", 5: "q, k, v, gate, up"}[
+        st.column_parallel_reductions]
     fw, bw = c.forwards, c.backwards
 
     def add_act(kind: str, count: int, what: str, payload: int = act, times: int = 1) -> None:

@@ -67,16 +67,28 @@ class StepSizes:
         return PARAM_BYTES if self.xla_cpu else self.a
 
     @property
+    def attention_matmuls(self) -> int:
+        """The attention's column-parallel matmuls under tensor parallelism: q+k+v stacked
+        (``layers.project_stacked``), q and k+v with grouped-query attention; q, k and v in a
+        pipeline stage, whose prepared weights are not stacked."""
+        if self.pipeline is not None:
+            return 3
+        return 1 if self.cfg.model.n_kv_heads == self.cfg.model.n_heads else 2
+
+    @property
+    def mlp_matmuls(self) -> int:
+        """The SwiGLU's column-parallel matmuls: gate+up stacked, gate and up in a pipeline."""
+        return 2 if self.pipeline is not None else 1
+
+    @property
     def column_matmuls(self) -> int:
-        """Matmuls per dense layer reading the gathered input under tensor parallelism: q+k+v
-        and gate+up (``layers.project_stacked``), or q, k+v and gate+up with grouped-query
-        attention."""
-        return 2 if self.cfg.model.n_kv_heads == self.cfg.model.n_heads else 3
+        """Matmuls per dense layer reading the gathered input under tensor parallelism."""
+        return self.attention_matmuls + self.mlp_matmuls
 
     @property
     def column_parallel_reductions(self) -> int:
         """Backward input-gradient reductions per layer over tensor: one per column matmul on
-        XLA:CPU; the TPU compiler sums grouped-query attention's q and k+v first."""
+        XLA:CPU; the TPU compiler sums separate ones before reducing."""
         return self.column_matmuls if self.xla_cpu else 2
 
     @property

@@ -101,7 +101,7 @@ def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *
 
     The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
     """
-    return _projected(spec, x, param[...], tuple(names), gathered)
+    return _projected(spec, x, (param[...],), tuple(names), gathered)
 
 
 def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
@@ -117,30 +117,40 @@ def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
     up) gradients before that reduction is one collective instead of several; the TPU compiler
     reassociates separate ones, XLA:CPU does not. One wider matmul also replaces narrow ones.
     The cost is a copy of the weights into the stack, and of the output gradients into one
-    array for the backward matmul: the model does it only where the outputs are split.
+    array for the backward matmul: the model does it only where the outputs are split. The
+    stack is built inside the custom VJP, from the stored weights, so the backward pass keeps
+    those (and gathers them again under ZeRO-3), not a stacked copy.
     """
+    if weights_prepared():  # stacking a stage's prepared weights would stash a copy per slot
+        return tuple(project(spec.replace("t", ""), x, p, names) for p in params)
     w_spec, out = spec.split("->")[0].split(",")[1], spec.split("->")[1]
     at = w_spec.index("t")
-    stacked_names = (*names[:at], None, *names[at:])
-    y = _projected(spec, x, jnp.stack([p[...] for p in params], axis=at), stacked_names,
-                   gathered)
+    y = _projected(spec, x, tuple(p[...] for p in params), (*names[:at], None, *names[at:]),
+                   gathered, at)
     # split (not indexing): its transpose is one concatenate, where slices' are pads and adds
     return tuple(jnp.squeeze(part, out.index("t"))
                  for part in jnp.split(y, len(params), axis=out.index("t")))
 
 
-def _projected(spec: str, x: jax.Array, w: jax.Array, names: tuple,
-               gathered: tuple[tuple, tuple] | None) -> jax.Array:
-    """:func:`project` of the weight value ``w`` (as stored)."""
+def _projected(spec: str, x: jax.Array, ws: tuple[jax.Array, ...], names: tuple,
+               gathered: tuple[tuple, tuple] | None, stacked_at: int | None = None,
+               ) -> jax.Array:
+    """:func:`project` of the stored weight values ``ws``: one, or several stacked on axis
+    ``stacked_at`` (``names`` then has ``None`` there)."""
     if weights_prepared():  # a pipeline stage gathers its weights once per step for all slots
-        return jnp.einsum(spec, x, w)
+        return jnp.einsum(spec, x, ws[0])
     grad_dtype = weight_grad_dtype()
     wider_grads = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > x.dtype.itemsize
     if not (resharding_after_forward() or wider_grads):
-        return jnp.einsum(spec, x, _used_weight(w, names, x.dtype))
+        return jnp.einsum(spec, x, _used_weight(_stacked(ws, stacked_at), names, x.dtype))
     how = _ProjectVJP(spec, names, _stored_names(names), resharding_after_forward(),
-                      jnp.dtype(grad_dtype if wider_grads else x.dtype), w.dtype, gathered)
-    return _project(how, x, w)
+                      jnp.dtype(grad_dtype if wider_grads else x.dtype), ws[0].dtype, gathered,
+                      stacked_at)
+    return _project(how, x, *ws)
+
+
+def _stacked(ws: tuple[jax.Array, ...], at: int | None) -> jax.Array:
+    return ws[0] if at is None else jnp.stack(ws, axis=at)
 
 
 class _ProjectVJP(NamedTuple):
@@ -153,6 +163,7 @@ class _ProjectVJP(NamedTuple):
     grad_dtype: Any  # the dtype of the weight gradient and of its sums
     stored_dtype: Any  # the parameter's (train.param_dtype)
     gathered: tuple | None  # keep x laid out as gathered[0], gather it to gathered[1] again
+    stacked_at: int | None  # the weights' stacking axis (project_stacked), None: one weight
 
 
 def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
@@ -160,29 +171,33 @@ def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _project(how: _ProjectVJP, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(how.spec, x, _gathered(w, how.names, x.dtype))
+def _project(how: _ProjectVJP, x: jax.Array, *ws: jax.Array) -> jax.Array:
+    return jnp.einsum(how.spec, x, _gathered(_stacked(ws, how.stacked_at), how.names, x.dtype))
 
 
-def _project_fwd(how, x, w):
-    wg = _gathered(w, how.names, x.dtype)
+def _project_fwd(how, x, *ws):
+    wg = _gathered(_stacked(ws, how.stacked_at), how.names, x.dtype)
     y = jnp.einsum(how.spec, x, wg)
     kept_x = x if how.gathered is None else constrain(x, how.gathered[0])
-    return y, (kept_x, w if how.regather else wg)
+    return y, (kept_x, ws if how.regather else wg)
 
 
 def _project_bwd(how, residuals, dy):
     x, kept = residuals
     if how.gathered is not None:
         x = constrain(x, how.gathered[1])
-    wg = _gathered(kept, how.names, x.dtype) if how.regather else kept
+    wg = _gathered(_stacked(kept, how.stacked_at), how.names, x.dtype) if how.regather else kept
     # The matmul is linear in each operand: transpose it in x (no forward recomputed), and
     # write the weight's gradient as its own matmul so that it accumulates in grad_dtype.
     (dx,) = jax.linear_transpose(lambda x_: jnp.einsum(how.spec, x_, wg), x)(dy)
     inputs, out = how.spec.split("->")
     x_spec, w_spec = inputs.split(",")
     dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, dy, preferred_element_type=how.grad_dtype)
-    return dx, constrain(dw.astype(how.stored_dtype), how.stored)
+    dw = constrain(dw.astype(how.stored_dtype), how.stored)
+    if how.stacked_at is None:
+        return dx, dw
+    parts = jnp.split(dw, dw.shape[how.stacked_at], axis=how.stacked_at)
+    return dx, *(jnp.squeeze(part, how.stacked_at) for part in parts)
 
 
 _project.defvjp(_project_fwd, _project_bwd)
