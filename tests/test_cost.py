@@ -42,6 +42,11 @@ LAYOUTS = {
                                 {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",))}),
     "data=2,tensor=4": (["mesh.data=2", "mesh.tensor=4"],
                         {("all-reduce", ("data",)), ("all-reduce", ("tensor",))}),
+    # ZeRO-3 under tensor parallelism: the stacked q/k/v and gate/up weights are gathered for
+    # the forward pass and again for the backward one, like every other weight.
+    "data=2,fsdp=2,tensor=2": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+                               {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
+                                ("all-reduce", ("data",)), ("all-reduce", ("tensor",))}),
     "data=4,tensor=2,sp": (["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
                            {("all-reduce", ("data",)), ("all-gather", ("tensor",)),
                             ("reduce-scatter", ("tensor",))}),

@@ -45,10 +45,10 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
   forward, 2 all-gathers + 2 (3: XLA:CPU, grouped-query) reduce-scatters backward; the
   column-parallel matmuls gather their input again for their weight gradients (``remat=none``
-  outside a pipeline: +2 all-gathers, +3 with grouped-query attention, see
-  ``layers.project``), ``remat=dots`` and ``full`` recompute those gathers (+2), ``full`` also
-  redoes the attention reduce-scatter; embedding and head add 2 of each; the norm scales' gradients
-  are all-reduced over ``tensor`` (tiny).
+  outside a pipeline: +2 all-gathers, attention's and MLP's, see ``layers.project``),
+  ``remat=dots`` and ``full`` recompute those gathers (+2), ``full`` also redoes the attention
+  reduce-scatter; embedding and head add 2 of each; the norm scales' gradients are all-reduced
+  over ``tensor`` (tiny).
 - ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
   are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
   ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
@@ -429,9 +429,9 @@ def _input_regathers(c: Ledger) -> int:
         return 2 * st.layers * st.runs
     if st.pipeline is not None:
         return 0
-    # a MoE layer's experts read their own token copies
-    per_step = (st.layers - st.moe_layers) * st.column_matmuls + st.moe_layers * (
-        st.attention_matmuls + shared * st.mlp_matmuls)
+    # One gather per input, whatever the matmuls reading it (they share its kept slice); a MoE
+    # layer's experts read their own token copies.
+    per_step = (st.layers - st.moe_layers) * 2 + st.moe_layers * (1 + shared)
     return per_step * st.runs
 
 

@@ -35,9 +35,6 @@ from jaxpar.model.attention import dense_attention
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
-# The relayout (src, dst) that makes a column-parallel matmul's input: under Megatron-SP the
-# all-gather of the sequence over tensor (elsewhere the two layouts are one and it is a no-op).
-SEQUENCE_GATHER = (RESIDUAL, MATMUL_INPUT)
 Q_WEIGHT = ("act_embed", "heads", "head_dim")
 KV_WEIGHT = ("act_embed", "kv_heads", "head_dim")
 Q_BIAS = ("heads", "head_dim")
@@ -73,7 +70,7 @@ def _stored_names(names: tuple) -> tuple:
 
 
 def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *,
-            gathered: tuple[tuple, tuple] | None = None) -> jax.Array:
+            x_split: jax.Array | None = None) -> jax.Array:
     """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype.
 
     Three things autodiff alone would get wrong for a large model, fixed by a custom VJP where
@@ -91,25 +88,26 @@ def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *
       that matmul's dtype: bf16 in a bf16 run. Where :func:`weight_grad_dtype` asks for a
       wider one (``parallel.reduce_dtype``), the VJP's weight-gradient matmul accumulates into
       and returns it, so the sums travel in it.
-    - **Keep the sequence split** (``gathered``: the relayout ``(src, dst)`` that made ``x``,
-      :data:`SEQUENCE_GATHER` for the column-parallel matmuls). Under Megatron-SP ``x`` is the
-      whole sequence, all-gathered over ``tensor``, and autodiff would keep it for the weight
-      gradient (``dw = x^T dy``): every device the whole sequence, twice per layer. Where the
-      VJP applies (``remat=none``; the remat policies recompute the gather anyway) it keeps the
-      device's own slice (``src``, cut locally) and gathers it again in the backward pass, as
-      Megatron-SP does: one more all-gather per matmul and layer, 1/t of the memory.
+    - **Keep the sequence split** (``x_split``: ``x`` laid out as :data:`RESIDUAL`, given by
+      the column-parallel matmuls, whose ``x`` is :data:`MATMUL_INPUT`). Under Megatron-SP
+      ``x`` is the whole sequence, all-gathered over ``tensor``, and autodiff would keep it for
+      the weight gradient (``dw = x^T dy``): every device the whole sequence, twice per layer.
+      Where the VJP applies (``remat=none``; the remat policies recompute the gather anyway) it
+      keeps ``x_split``, the device's own slice (cut locally, once for all the matmuls reading
+      ``x``), and gathers it again in the backward pass, as Megatron-SP does: one more
+      all-gather per matmul and layer, 1/t of the memory. Without SP the two layouts are one.
 
     The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
     """
-    return _projected(spec, x, (param[...],), tuple(names), gathered)
+    return _projected(spec, x, (param[...],), tuple(names), x_split)
 
 
 def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
-                    names: tuple[str, ...], *, gathered: tuple[tuple, tuple] | None = None,
+                    names: tuple[str, ...], *, x_split: jax.Array | None = None,
                     ) -> tuple[jax.Array, ...]:
     """Projections of the same ``x`` by weights of one shape, as one matmul over the weights
     stacked on the letter ``t`` of ``spec`` (``"bse,ethd->bsthd"`` for q, k, v): one
-    :func:`project` each, laid out as ``names`` (without ``t``), ``gathered`` as there.
+    :func:`project` each, laid out as ``names`` (without ``t``), ``x_split`` as there.
 
     Why: each projection's input gradient is a partial sum where the weights are split by
     output features (tensor parallelism), and the backward pass must sum it over ``tensor``
@@ -126,14 +124,14 @@ def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
     w_spec, out = spec.split("->")[0].split(",")[1], spec.split("->")[1]
     at = w_spec.index("t")
     y = _projected(spec, x, tuple(p[...] for p in params), (*names[:at], None, *names[at:]),
-                   gathered, at)
+                   x_split, at)
     # split (not indexing): its transpose is one concatenate, where slices' are pads and adds
     return tuple(jnp.squeeze(part, out.index("t"))
                  for part in jnp.split(y, len(params), axis=out.index("t")))
 
 
 def _projected(spec: str, x: jax.Array, ws: tuple[jax.Array, ...], names: tuple,
-               gathered: tuple[tuple, tuple] | None, stacked_at: int | None = None,
+               x_split: jax.Array | None, stacked_at: int | None = None,
                ) -> jax.Array:
     """:func:`project` of the stored weight values ``ws``: one, or several stacked on axis
     ``stacked_at`` (``names`` then has ``None`` there)."""
@@ -144,9 +142,9 @@ def _projected(spec: str, x: jax.Array, ws: tuple[jax.Array, ...], names: tuple,
     if not (resharding_after_forward() or wider_grads):
         return jnp.einsum(spec, x, _used_weight(_stacked(ws, stacked_at), names, x.dtype))
     how = _ProjectVJP(spec, names, _stored_names(names), resharding_after_forward(),
-                      jnp.dtype(grad_dtype if wider_grads else x.dtype), ws[0].dtype, gathered,
-                      stacked_at)
-    return _project(how, x, *ws)
+                      jnp.dtype(grad_dtype if wider_grads else x.dtype), ws[0].dtype,
+                      x_split is not None, stacked_at)
+    return _project(how, x, x_split, *ws)
 
 
 def _stacked(ws: tuple[jax.Array, ...], at: int | None) -> jax.Array:
@@ -162,7 +160,7 @@ class _ProjectVJP(NamedTuple):
     regather: bool  # keep the stored shard, not the used weight, for the backward pass
     grad_dtype: Any  # the dtype of the weight gradient and of its sums
     stored_dtype: Any  # the parameter's (train.param_dtype)
-    gathered: tuple | None  # keep x laid out as gathered[0], gather it to gathered[1] again
+    split_input: bool  # keep x_split, not x, and gather it to MATMUL_INPUT again
     stacked_at: int | None  # the weights' stacking axis (project_stacked), None: one weight
 
 
@@ -171,21 +169,21 @@ def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _project(how: _ProjectVJP, x: jax.Array, *ws: jax.Array) -> jax.Array:
+def _project(how: _ProjectVJP, x: jax.Array, x_split: jax.Array | None, *ws: jax.Array,
+             ) -> jax.Array:
     return jnp.einsum(how.spec, x, _gathered(_stacked(ws, how.stacked_at), how.names, x.dtype))
 
 
-def _project_fwd(how, x, *ws):
+def _project_fwd(how, x, x_split, *ws):
     wg = _gathered(_stacked(ws, how.stacked_at), how.names, x.dtype)
     y = jnp.einsum(how.spec, x, wg)
-    kept_x = x if how.gathered is None else constrain(x, how.gathered[0])
-    return y, (kept_x, ws if how.regather else wg)
+    return y, (x_split if how.split_input else x, ws if how.regather else wg)
 
 
 def _project_bwd(how, residuals, dy):
     x, kept = residuals
-    if how.gathered is not None:
-        x = constrain(x, how.gathered[1])
+    if how.split_input:
+        x = constrain(x, MATMUL_INPUT)
     wg = _gathered(_stacked(kept, how.stacked_at), how.names, x.dtype) if how.regather else kept
     # The matmul is linear in each operand: transpose it in x (no forward recomputed), and
     # write the weight's gradient as its own matmul so that it accumulates in grad_dtype.
@@ -194,10 +192,12 @@ def _project_bwd(how, residuals, dy):
     x_spec, w_spec = inputs.split(",")
     dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, dy, preferred_element_type=how.grad_dtype)
     dw = constrain(dw.astype(how.stored_dtype), how.stored)
+    # x_split only stands in for x: its gradient flows through x
+    d_split = jnp.zeros(x.shape, x.dtype) if how.split_input else None
     if how.stacked_at is None:
-        return dx, dw
+        return dx, d_split, dw
     parts = jnp.split(dw, dw.shape[how.stacked_at], axis=how.stacked_at)
-    return dx, *(jnp.squeeze(part, how.stacked_at) for part in parts)
+    return dx, d_split, *(jnp.squeeze(part, how.stacked_at) for part in parts)
 
 
 _project.defvjp(_project_fwd, _project_bwd)
@@ -379,16 +379,16 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The q, k, v projections: one matmul where heads are split (three with equal heads,
         else q and a k/v pair), see :func:`project_stacked`."""
-        g = SEQUENCE_GATHER
+        s = constrain(x, RESIDUAL)  # each device's slice of the sequence (Megatron-SP)
         if not is_split("heads"):
-            return (project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, gathered=g),
-                    project("bse,ekd->bskd", x, self.wk, KV_WEIGHT, gathered=g),
-                    project("bse,ekd->bskd", x, self.wv, KV_WEIGHT, gathered=g))
+            return (project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, x_split=s),
+                    project("bse,ekd->bskd", x, self.wk, KV_WEIGHT, x_split=s),
+                    project("bse,ekd->bskd", x, self.wv, KV_WEIGHT, x_split=s))
         if self.wq.shape == self.wk.shape:
             return project_stacked("bse,ethd->bsthd", x, (self.wq, self.wk, self.wv), Q_WEIGHT,
-                                   gathered=g)
-        k, v = project_stacked("bse,etkd->bstkd", x, (self.wk, self.wv), KV_WEIGHT, gathered=g)
-        return project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, gathered=g), k, v
+                                   x_split=s)
+        k, v = project_stacked("bse,etkd->bstkd", x, (self.wk, self.wv), KV_WEIGHT, x_split=s)
+        return project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, x_split=s), k, v
 
 
 class SwiGLU(nnx.Module):
@@ -403,12 +403,12 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w_names, g = ("act_embed", "mlp"), SEQUENCE_GATHER
+        w_names, s = ("act_embed", "mlp"), constrain(x, RESIDUAL)  # s: see Attention._qkv
         if is_split("mlp"):  # one input-gradient sum over tensor, see project_stacked
             gate, up = project_stacked("bse,etf->bstf", x, (self.w_gate, self.w_up), w_names,
-                                       gathered=g)
+                                       x_split=s)
         else:
-            gate = project("bse,ef->bsf", x, self.w_gate, w_names, gathered=g)
-            up = project("bse,ef->bsf", x, self.w_up, w_names, gathered=g)
+            gate = project("bse,ef->bsf", x, self.w_gate, w_names, x_split=s)
+            up = project("bse,ef->bsf", x, self.w_up, w_names, x_split=s)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))
