@@ -95,7 +95,7 @@ def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *
       Where the VJP applies (``remat=none``; the remat policies recompute the gather anyway) it
       keeps ``x_split``, the device's own slice (cut locally, once for all the matmuls reading
       ``x``), and gathers it again in the backward pass, as Megatron-SP does: one more
-      all-gather per matmul and layer, 1/t of the memory. Without SP the two layouts are one.
+      all-gather per input and layer, 1/t of the memory. Without SP the two layouts are one.
 
     The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
     """
