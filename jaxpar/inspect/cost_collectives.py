@@ -421,7 +421,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
 def _input_regathers(c: Ledger) -> int:
     """Megatron-SP's all-gathers of the column-parallel matmuls' inputs again in the backward
     pass, per step: the remat policies recompute the attention and MLP inputs (2 per layer);
-    without remat ``layers.project`` keeps each matmul's slice and gathers it again (a pipeline
+    without remat ``layers.project`` keeps each input's slice and gathers it again (a pipeline
     stage's prepared weights skip that VJP, and keep the gathered input)."""
     st = c.st
     remat, shared = st.cfg.train.remat, 1 if st.cfg.model.moe.num_shared_experts else 0
