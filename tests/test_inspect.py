@@ -227,7 +227,7 @@ def test_plan_search_ranks_layouts_and_rejects_bad_hardware_in_one_line():
 def test_fsdp_without_remat_reshards_each_layer_after_its_forward_pass_as_planned():
     """ZeRO-3 with remat=none, on a model whose weights outweigh its activations: each layer's
     weights are gathered for its forward pass and again for its backward pass
-    (``layers.project``), so the step never holds every layer's whole weights at once. Before,
+    (``project_all``), so the step never holds every layer's whole weights at once. Before,
     autodiff kept them all: peak 66.6 MiB here, now 37.7 MiB; ``plan`` predicts both."""
     layer = 4 * 256 * 256 + 3 * 256 * 1024  # one layer's matmul weights (floats): 1.05 M
     result = run_jaxpar("inspect", "tiny", "mesh.data=1", "mesh.fsdp=8", "model.d_model=256",

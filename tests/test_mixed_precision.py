@@ -242,7 +242,7 @@ def gradient_sum_dtypes(tmp_path: Path, *overrides: str) -> dict[tuple, set[str]
       "parallel.reduce_dtype=bfloat16"],
      {("reduce-scatter", ("fsdp",)): {"bf16"}, ("all-reduce", ("data",)): {"bf16"}}),
     # Sums the partitioner takes (FSDP's reduce-scatter, the weight gradients' sum over
-    # context): bf16 matmuls produce f32 weight gradients for them (layers.project).
+    # context): bf16 matmuls produce f32 weight gradients for them (projection.project_all).
     (["mesh.data=1", "mesh.fsdp=8", "train.dtype=bfloat16"],
      {("reduce-scatter", ("fsdp",)): {"f32"}}),
     (["mesh.data=1", "mesh.fsdp=8", "train.dtype=bfloat16", "parallel.reduce_dtype=bfloat16"],

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,7 +180,7 @@ def test_embedding_gathers_rows_and_its_gradient_equals_the_gathers():
     autodiff's scatter-add gradient of ``jnp.take``; with bf16 rows and a float32
     ``reduce_dtype`` the table's gradient comes out of a float32 matmul."""
     from jaxpar.model.annotate import weight_grads_in
-    from jaxpar.model.layers import lookup
+    from jaxpar.model.projection import lookup
 
     tokens = jax.random.randint(jax.random.key(0), (3, 11), 0, 97)
     table = jax.random.normal(jax.random.key(1), (97, 24), jnp.float32)
@@ -201,3 +205,67 @@ def test_embedding_gathers_rows_and_its_gradient_equals_the_gathers():
     # bf16 one-hot x bf16 cotangent summed in f32: the exact scatter-add of the bf16 cotangent.
     exact = want_pull(cotangent.astype(jnp.bfloat16).astype(jnp.float32))[0]
     np.testing.assert_allclose(wide, exact, atol=1e-6)
+
+
+def test_norm_gated_silu_and_weighted_values_vjps_equal_autodiff_of_their_formulas():
+    """The custom VJPs that keep less (``rms_norm``: x and 1/rms; ``gated_silu``: gate and up;
+    ``weighted_values``: the probabilities and v) give autodiff's gradients of the plain
+    formulas, masked scores included."""
+    from jaxpar.model.attention import weighted_values
+    from jaxpar.model.layers import gated_silu, rms_norm
+
+    keys = iter(jax.random.split(jax.random.key(0), 16))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape, jnp.float32)
+
+    def plain_norm(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+    def plain_weighted(scores, v):
+        return jnp.einsum("bkgst,btkd->bskgd", jax.nn.softmax(scores, axis=-1), v)
+
+    causal = jnp.tril(jnp.ones((7, 7), bool))
+    scores = jnp.where(causal, 3 * normal(2, 2, 3, 7, 7), -1e30)
+    cases = [(lambda x, g: rms_norm(x, g, 1e-5), plain_norm, (normal(2, 5, 16), normal(16))),
+             (gated_silu, lambda g, u: jax.nn.silu(g) * u, (normal(2, 5, 16), normal(2, 5, 16))),
+             (weighted_values, plain_weighted, (scores, normal(2, 7, 2, 4)))]
+    for ours, plain, args in cases:
+        out, pull = jax.vjp(ours, *args)
+        want, want_pull = jax.vjp(plain, *args)
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+        cotangent = normal(*out.shape)
+        for got, expected in zip(pull(cotangent), want_pull(cotangent), strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_block_keeps_its_two_residual_stream_inputs_three_mlp_and_one_score_array():
+    """What a block keeps for its backward pass under remat=none, by size: of the residual
+    stream's [B, S, E] only the two norms' inputs (their outputs are rebuilt for the matmuls'
+    weight gradients); of the MLP's [B, S, F] gate, up and their product; of the scores one
+    float32 array per head (the probabilities). Autodiff alone kept 6, 6 and 2."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxpar.model.annotate import reshard_after_forward
+    from jaxpar.model.transformer import Block
+
+    cfg = validate(load_config("tiny", BASE), 1).model
+    with nnx.use_eager_sharding(False):
+        graph, state = nnx.split(Block(cfg, nnx.Rngs(0)))
+    b, s = 2, 16
+    x = jax.random.normal(jax.random.key(1), (b, s, cfg.d_model), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+
+    def loss(state, x):
+        with reshard_after_forward(True):
+            return jnp.sum(nnx.merge(graph, state)(x, positions)[0])
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(loss, state, x)
+    kept = [tuple(int(n) for n in dims.split(",")) for dims in
+            re.findall(r"^f32\[([\d,]+)\] (?!from the argument state)", printed.getvalue(), re.M)]
+    heads = cfg.n_heads // cfg.n_kv_heads
+    assert kept.count((b, s, cfg.d_model)) == 2, kept
+    assert kept.count((b, s, cfg.d_ff)) == 3, kept
+    assert kept.count((b, cfg.n_kv_heads, heads, s, s)) == 1, kept

@@ -233,8 +233,8 @@ def _check_reduce_dtype(cfg: Config, mesh: MeshConfig) -> None:
     pipeline executor's over data and fsdp, and without a pipeline the sum over data
     (parallel/zero.py: data_summed_by_hand). The partitioner's own reductions (FSDP's
     reduce-scatter outside a pipeline, a mixture's sums) run in the weight-gradient matmul's
-    dtype, which ``layers.project`` widens to ``reduce_dtype`` but never narrows: bfloat16 there
-    with float32 matmuls would be ignored."""
+    dtype, which ``projection.project_all`` widens to ``reduce_dtype`` but never narrows:
+    bfloat16 there with float32 matmuls would be ignored."""
     if cfg.parallel.reduce_dtype == "float32" or mesh.pipe > 1 or cfg.train.dtype == "bfloat16":
         return
     _require(mesh.fsdp == 1 and not (cfg.model.moe.enabled and mesh.data > 1),

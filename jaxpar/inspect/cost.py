@@ -235,7 +235,7 @@ def _flops(st: StepSizes) -> FlopsCost:
     executed_attention = (st.computed_share * attention_forward * (1 + 10 / 4) if st.flash
                           else 3 * attention_forward)
     # The one-hot matmul runs forward only where the table is split by rows (vocab-parallel, or
-    # a pipeline's vocabulary pieces); elsewhere the forward is a gather (layers.lookup).
+    # a pipeline's vocabulary pieces); elsewhere the forward is a gather (projection.lookup).
     vocab_split = st.pipeline is not None or any(
         st.mesh[a] > 1 for a in logical_rules(cfg)["vocab"])
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,

@@ -17,7 +17,7 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   axis, which doubles these bytes, while the TPU compiler keeps one).
 - ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and again in the
   backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
-  layers reshard after the forward pass (``model/layers.py: project``); under ``remat=none``
+  layers reshard after the forward pass (``model/projection.py: project_all``); under ``remat=none``
   the MoE router and the experts' weights stay gathered instead (L g). The embedding, lm_head
   and final norm once per step; reduce-scatter of the gradients every micro-step.
 - ZeRO-1 (``zero=1``): the (tensor-split) gradient is reduce-scattered over ``data`` x ``fsdp``
@@ -35,9 +35,10 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output), and of
   the input gradients of the column-parallel matmuls in the backward pass: 2 per layer (the
   model projects q+k+v and gate+up with one matmul each where they are split,
-  ``layers.project_stacked``, as Megatron), on XLA:CPU 3 with grouped-query attention (q, and
-  k+v: their shapes differ) and 5 in a pipeline stage (its prepared weights are not stacked;
-  the TPU compiler sums them all before reducing, 2); plus the
+  ``projection.project_all``, as Megatron), on XLA:CPU 3 with grouped-query attention (q, and
+  k+v: their shapes differ; the partitioner reduces each matmul's partial sums where it makes
+  them, even where one VJP adds them) and 5 in a pipeline stage (its prepared weights are not
+  stacked; the TPU compiler sums them all before reducing, 2); plus the
   vocab-parallel embedding (forward, A) and the lm_head input gradient (backward, float32 like
   the logits), and two tiny all-reduces of b S/c floats for the vocab-parallel loss (max, sum
   of exponentials).
@@ -45,7 +46,7 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
   forward, 2 all-gathers + 2 (3: XLA:CPU, grouped-query) reduce-scatters backward; the
   column-parallel matmuls gather their input again for their weight gradients (``remat=none``
-  outside a pipeline: +2 all-gathers, attention's and MLP's, see ``layers.project``),
+  outside a pipeline: +2 all-gathers, attention's and MLP's, see ``projection.project_all``),
   ``remat=dots`` and ``full`` recompute those gathers (+2), ``full`` also redoes the attention
   reduce-scatter; embedding and head add 2 of each; the norm scales' gradients are all-reduced
   over ``tensor`` (tiny).
@@ -70,7 +71,7 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
 
 Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
 layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
-(``jaxpar.model.layers.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
+(``projection.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
 gradient before casting it back to float32 (seen in the TPU compiler's HLO via ``jaxpar inspect
 --target``; GPU is expected to match, not checked). Norm scales stay float32, as do lm_head's
 gradient (its matmul returns float32 logits) and ZeRO-1's gather of the updated parameters.
@@ -212,8 +213,8 @@ class Ledger:
     def grad(self, p: ParamCost, nbytes: int, by_hand: bool = False) -> int:
         """Gradients the partitioner sums travel like their weights, but lm_head's (its matmul
         yields float32) and, outside a pipeline, the layer matrices' when
-        ``parallel.reduce_dtype`` is wider than the compute dtype (``layers.project`` produces
-        them in it). Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
+        ``parallel.reduce_dtype`` is wider than the compute dtype (``project_all`` produces them
+        in it). Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
         in_reduce_dtype = nbytes * STORED_BYTES[self.st.cfg.parallel.reduce_dtype] // PARAM_BYTES
         if by_hand:
             return in_reduce_dtype
@@ -273,7 +274,7 @@ def fsdp_collectives(c: Ledger) -> None:
               "stage weights gathered once, kept for every microbatch", True)
     else:
         # Reshard after forward: gathered again in the backward pass, except what remat=none
-        # keeps (the router and the experts, which do not go through layers.project).
+        # keeps (the router and the experts, which do not go through projection.project_all).
         kept = [p for p in layer if cfg.train.remat == "none" and not p.resharded]
         for group, passes, what in ((kept, 1, "MoE weights gathered, kept for the backward"),
                                     ([p for p in layer if p not in kept], 2,
@@ -421,7 +422,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
 def _input_regathers(c: Ledger) -> int:
     """Megatron-SP's all-gathers of the column-parallel matmuls' inputs again in the backward
     pass, per step: the remat policies recompute the attention and MLP inputs (2 per layer);
-    without remat ``layers.project`` keeps each input's slice and gathers it again (a pipeline
+    without remat ``project_all`` keeps each input's slice and gathers it again (a pipeline
     stage's prepared weights skip that VJP, and keep the gathered input)."""
     st = c.st
     remat, shared = st.cfg.train.remat, 1 if st.cfg.model.moe.num_shared_experts else 0

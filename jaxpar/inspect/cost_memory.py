@@ -8,22 +8,21 @@ per parameter, split like the parameters (ZeRO-3) or with ``embed`` also split o
 ``fsdp`` (ZeRO-1). Saved activations per layer and micro-batch, with ``r = A/t`` under sequence
 parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
 
-- ``remat=none``: what autodiff keeps. Per RMSNorm (2) its input (r), its float32 normalised
-  values (r x 4/a) and its output (r: the column-parallel matmuls keep their own slice and
-  gather it again, ``layers.project``; A, gathered, in a pipeline stage); q, k, v after rotary
-  (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a); gate, sigmoid(gate), silu(gate), up
-  and their product (5 b S/c F/t a; 6 in a pipeline stage, whose stash holds jax's VJP
-  residuals as they are, the sigmoid's derivative too); and two float32 score-sized tensors per
-  head, b (H/t) S/c S_k x 8 bytes (XLA keeps the masked scores alive next to the softmax
-  output; S_k is S, the keys each query sees), plus a compute-dtype copy of the probabilities
-  under bfloat16.
+- ``remat=none``: what the layers' custom VJPs and autodiff keep. Per RMSNorm (2) its input
+  (r) and float32 reciprocal rms (r x 4/(E a)); the column-parallel matmuls rebuild the norm's
+  output from them (``project_all``), except in a pipeline stage, whose matmuls keep it (A,
+  gathered); q, k, v after rotary (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a);
+  gate, up and their SwiGLU product (3 b S/c F/t a: ``layers.gated_silu`` recomputes the
+  sigmoid); and one float32 score-sized tensor per head, the probabilities (b (H/t) S/c S_k x
+  4 bytes, ``attention.softmax``; S_k is S, the keys each query sees), plus a compute-dtype
+  copy of them under bfloat16.
 - ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
   the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
   projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
   norms and the SwiGLU product are recomputed.
 - ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
 - Weights: under ``remat=none`` the layers reshard after the forward pass
-  (``model/layers.py: project``): each keeps its stored weight shard for the backward pass (the
+  (``projection.project_all``): each keeps its stored weight shard for the backward pass (the
   scan stacks it: one more copy of the layer weights as stored, 1/fsdp of them), not the weights
   as its matmuls read them (cast to the compute dtype and, under FSDP, gathered whole). The MoE
   router and routed experts, and a pipeline stage's weights (prepared once per step), are kept
@@ -34,13 +33,14 @@ parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
   time (``model.attention_block`` squared, at most one zigzag chunk's).
 - A MoE layer keeps, instead of the SwiGLU's tensors, the router's float32 logits, probabilities
   and choices, the k copies of each token and their outputs, the rows sent, received and
-  returned by its all-to-alls and the experts' five hidden-sized tensors per row (see
+  returned by its all-to-alls and the experts' three hidden-sized tensors per row (see
   ``_moe_activations``); with ``every = n`` a "layer" in these sums is a group of n blocks.
 - Parameters include every expert of every MoE layer (1/G of them per device); the router
   biases of ``router=sigmoid_bias`` are float32 buffers outside the optimizer.
 
 During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
-gradients); the head adds float32 logits and their gradient (b S/c V/t each, divided by the pieces
+gradients), with the norm output its matmuls rebuild (A); the head adds float32 logits and
+their gradient (b S/c V/t each, divided by the pieces
 the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t).
 Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
 embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
@@ -96,10 +96,10 @@ class MemoryCost:
 def _moe_activations(st: StepSizes, remat: str) -> int:
     """Bytes a MoE layer's feed-forward part saves, one micro-batch (in place of the SwiGLU's):
     router logits, probabilities and one-hot choices (float32); the k copies of each token and
-    their outputs; the rows sent, received and returned ([expert_rows, E]); the experts' five
-    hidden-sized tensors per row; the shared experts like a SwiGLU. ``dots`` keeps only the
-    router logits and the shared experts' matmul outputs: the routed experts' ragged or batched
-    dots are recomputed, with their all-to-alls."""
+    their outputs; the rows sent, received and returned ([expert_rows, E]); the experts' three
+    hidden-sized tensors per row (gate, up, product); the shared experts like a SwiGLU.
+    ``dots`` keeps only the router logits and the shared experts' matmul outputs: the routed
+    experts' ragged or batched dots are recomputed, with their all-to-alls."""
     m, moe, a, t = st.cfg.model, st.cfg.model.moe, st.a, st.t
     tokens, e = st.tokens, m.d_model
     shared = tokens * moe.num_shared_experts * m.resolved_d_ff_expert // t * a
@@ -107,7 +107,7 @@ def _moe_activations(st: StepSizes, remat: str) -> int:
         return tokens * moe.num_experts * 4 + 2 * shared
     rows = st.expert_rows
     return (3 * tokens * moe.num_experts * 4 + 2 * tokens * moe.top_k * e * a
-            + 3 * rows * e * a + 5 * rows * m.resolved_d_ff_expert // t * a + 5 * shared)
+            + 3 * rows * e * a + 3 * rows * m.resolved_d_ff_expert // t * a + 3 * shared)
 
 
 def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
@@ -123,22 +123,16 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     flash = b * s * (m.n_heads // t) * (d + 1) * 4 if st.flash else 0
     if remat == "full":
         return residual + flash
-    # A pipeline stashes jax's VJP residuals as they are: the SwiGLU's six hidden-sized
-    # tensors (with the sigmoid's derivative), of which XLA keeps five when it sees the whole
-    # backward pass.
-    swiglu = 6 if st.pipeline is not None else 5
-    ffn = _moe_activations(st, remat) if moe else (swiglu if remat == "none" else 2) * mlp
+    ffn = _moe_activations(st, remat) if moe else (3 if remat == "none" else 2) * mlp
     if remat == "dots":
         return residual + q + kv + full + ffn + flash
-    # What autodiff keeps (jax's residuals): per RMSNorm its input, the float32 normalised
-    # values and the output; rotated q, k and v; the attention output; gate, its
-    # sigmoid, silu(gate), up and their product; two float32 S x S tensors per head (XLA keeps
-    # the masked scores alive next to the softmax output), plus a compute-dtype copy of the
-    # probabilities for the weighted sum when that dtype is narrower.
-    # The matmuls keep the norm output as split (and gather it again), except in a pipeline.
-    norm = residual + residual * 4 // a + (full if st.pipeline is not None else residual)
+    # Per RMSNorm its input and float32 reciprocal rms (the matmuls rebuild its output from
+    # them, except in a pipeline, whose matmuls keep it gathered); rotated q, k and v; the
+    # attention output; gate, up and their product; the float32 probabilities, plus a
+    # compute-dtype copy for the weighted sum when that dtype is narrower.
+    norm = residual + residual * 4 // (m.d_model * a) + (full if st.pipeline is not None else 0)
     keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
-    probs = 0 if st.flash else b * (m.n_heads // t) * s * keys * (2 * 4 + (a if a < 4 else 0))
+    probs = 0 if st.flash else b * (m.n_heads // t) * s * keys * (4 + (a if a < 4 else 0))
     return 2 * norm + q + kv + q + ffn + probs + flash
 
 
@@ -187,9 +181,9 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
     per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
     # The backward pass's working set: one layer's remat=none set (recomputed, or its
-    # gradients); in a pipeline stage, the residuals of the chunk a slot is running, beside
-    # the stashed ones.
-    layer_set = max(_layer_activations(st, "none", moe) for moe in blocks)
+    # gradients) and the norm output its matmuls rebuild (A); in a pipeline stage, the
+    # residuals of the chunk a slot is running, beside the stashed ones.
+    layer_set = max(_layer_activations(st, "none", moe) for moe in blocks) + st.act
     saved_layers, stash, copies = units, 0, 0
     if st.pipeline is not None:
         saved_layers = 0

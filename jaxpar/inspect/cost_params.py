@@ -120,13 +120,13 @@ class ParamCost:
     @property
     def resharded(self) -> bool:
         """Whether a layer without remat gathers it again for the backward pass rather than
-        keeping it gathered (``model/layers.py: project``): all layer weights but the MoE
+        keeping it gathered (``model/projection.py: project_all``): all layer weights but the MoE
         router's and the routed experts', which do not go through ``project``."""
         return self.stacked and not (self.expert or self.name.endswith("/moe/router"))
 
     @property
     def projected(self) -> bool:
-        """A weight that goes through ``model/layers.py: project`` (the embedding, attention and
+        """A weight that goes through ``projection.project_all`` (the embedding, attention and
         MLP matrices), whose gradient is produced in ``parallel.reduce_dtype`` when that is
         wider than the compute dtype."""
         return self.name == "embedding" or (self.resharded and self.matmul

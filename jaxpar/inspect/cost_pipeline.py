@@ -30,9 +30,8 @@ Memory of a stage (the peak, inside the stretch loops):
   stash counts twice: XLA copies it where one stretch's loop hands it to the next while the old
   one is still read) and forward residuals (what remat saves for a chunk's layers per slot),
   each stash with one spare slot that masked writes go to. The residuals are jax's VJP residuals
-  as they are: under ``remat=none`` the SwiGLU saves six hidden-sized tensors (gate, its
-  sigmoid s, the sigmoid's derivative s(1-s), silu, up and the product), where XLA, seeing the
-  whole backward pass, keeps five without a pipeline;
+  as they are: a stage's matmuls keep their inputs (the norms' outputs too, which outside a
+  pipeline are rebuilt from the norms' inputs);
 - the working set of the chunk a slot runs: its residuals, fresh from the forward or read back
   for the backward (one chunk's stash slot), in place of the one-layer working set of a step
   without a pipeline (nothing is recomputed);

@@ -69,8 +69,9 @@ class StepSizes:
     @property
     def attention_matmuls(self) -> int:
         """The attention's column-parallel matmuls under tensor parallelism: q+k+v stacked
-        (``layers.project_stacked``), q and k+v with grouped-query attention; q, k and v in a
-        pipeline stage, whose prepared weights are not stacked."""
+        (``projection.project_all``), q and k+v with grouped-query attention (their input
+        gradients, summed in one VJP, are still reduced one by one on XLA:CPU); q, k and v in
+        a pipeline stage, whose prepared weights are not stacked."""
         if self.pipeline is not None:
             return 3
         return 1 if self.cfg.model.n_kv_heads == self.cfg.model.n_heads else 2

@@ -101,7 +101,7 @@ def use_prepared_weights() -> contextlib.AbstractContextManager[None]:
 
 def resharding_after_forward() -> bool:
     """Whether layers must not keep their weights as used (cast, gathered) for the backward
-    pass (:func:`jaxpar.model.layers.project`)."""
+    pass (:func:`jaxpar.model.projection.project_all`)."""
     return _reshard.get()
 
 
@@ -113,7 +113,7 @@ def reshard_after_forward(on: bool) -> contextlib.AbstractContextManager[None]:
 
 def weight_grad_dtype() -> Any:
     """The dtype layers produce their weight gradients in, if not their compute dtype
-    (:func:`jaxpar.model.layers.project`); None: the compute dtype."""
+    (:func:`jaxpar.model.projection.project_all`); None: the compute dtype."""
     return _grad_dtype.get()
 
 

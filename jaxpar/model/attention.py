@@ -122,9 +122,35 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     # and a broadcast of zeros as residuals ([B, K, G, S, S] each), which a pipeline would
     # stash per microbatch; an addition keeps nothing.
     scores = scores + jnp.where(causal, 0.0, NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
+    return weighted_values(scores, v).reshape(b, s, h, d)
+
+
+@jax.custom_vjp
+def weighted_values(scores: jax.Array, v: jax.Array) -> jax.Array:
+    """``softmax(scores) @ v`` for grouped scores ``[B, K, G, S, T]`` and values ``[B, T, K, D]``
+    -> ``[B, S, K, G, D]``, the probabilities in ``v``'s dtype.
+
+    A custom VJP whose backward pass keeps only the float32 probabilities ``p`` and ``v``:
+    ``dv = p^T do``, ``dp = do v^T``, ``ds = p (dp - rowsum(dp p))``. Autodiff would also keep
+    the exponentials (and, in bfloat16, a copy of ``p`` in that dtype): one or two more
+    ``[S, T]`` arrays per head and layer."""
+    return _weighted_values_fwd(scores, v)[0]
+
+
+def _weighted_values_fwd(scores, v):
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v), (probs, v)
+
+
+def _weighted_values_bwd(residuals, d_out):
+    probs, v = residuals
+    d_v = jnp.einsum("bkgst,bskgd->btkd", probs.astype(v.dtype), d_out)
+    d_probs = jnp.einsum("bskgd,btkd->bkgst", d_out, v, preferred_element_type=jnp.float32)
+    d_scores = probs * (d_probs - jnp.sum(d_probs * probs, axis=-1, keepdims=True))
+    return d_scores.astype(probs.dtype), d_v
+
+
+weighted_values.defvjp(_weighted_values_fwd, _weighted_values_bwd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,12 +1,18 @@
 """Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
 
 (The decoder block that puts them together, and the mixture of experts that can replace its
-SwiGLU, are in :mod:`jaxpar.model.transformer` and :mod:`jaxpar.model.moe`.)
+SwiGLU, are in :mod:`jaxpar.model.transformer` and :mod:`jaxpar.model.moe`; the weight matmuls
+they all use in :mod:`jaxpar.model.projection`.)
 
 Every parameter is created in float32 and carries logical axis names in its ``out_sharding``
 metadata (``("embed", "heads", "head_dim")``...); :mod:`jaxpar.parallel.rules` turns those names
 into mesh axes. Inside a layer, weights are cast to the compute dtype, while norms, softmax and
 the loss stay in float32.
+
+The norm and the SwiGLU activation have custom VJPs that keep only what their backward pass
+cannot rebuild in one pass over its inputs (:func:`rms_norm`, :func:`gated_silu`), and the
+norm's output is rebuilt, not kept, for the matmuls that read it (:meth:`RMSNorm.for_matmul`):
+per layer the residual stream is kept twice (the two norms' inputs), not six times.
 
 Shapes use: B batch, S sequence, E d_model, H query heads, K kv heads, G = H/K query heads per kv
 head, D head_dim, F d_ff.
@@ -15,7 +21,7 @@ head, D head_dim, F d_ff.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +33,20 @@ from jaxpar.model.annotate import (
     constrain,
     is_split,
     relayout,
-    resharding_after_forward,
-    weight_grad_dtype,
     weights_prepared,
 )
 from jaxpar.model.attention import dense_attention
+from jaxpar.model.projection import (
+    MATMUL_INPUT,
+    RESIDUAL,
+    Projection,
+    Rebuild,
+    project,
+    project_all,
+    sequence_slice,
+    weight,
+)
 
-RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
-MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
 Q_WEIGHT = ("act_embed", "heads", "head_dim")
 KV_WEIGHT = ("act_embed", "kv_heads", "head_dim")
 Q_BIAS = ("heads", "head_dim")
@@ -45,212 +57,6 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
            ) -> nnx.Param:
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
     return nnx.Param(value, out_sharding=names)
-
-
-def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
-    """A weight as a layer multiplies with it: in the compute dtype, laid out as ``names``.
-
-    Layers name the model dimension of their weights ``act_embed`` here (whole, as activations
-    keep it), where the stored parameter says ``embed`` (split over ``fsdp`` under ZeRO-3). The
-    change of layout is FSDP's per-layer all-gather, done in the compute dtype (half the bytes in
-    bf16) and written down explicitly, so the compiler never chooses to move activations instead.
-    Its gradient goes straight back to the stored layout: a reduce-scatter over ``fsdp``.
-    """
-    return _used_weight(param[...], names, dtype)
-
-
-def _used_weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
-    if weights_prepared():
-        return w
-    return relayout(w.astype(dtype), _stored_names(names), names)
-
-
-def _stored_names(names: tuple) -> tuple:
-    return tuple("embed" if name == "act_embed" else name for name in names)
-
-
-def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *,
-            x_split: jax.Array | None = None) -> jax.Array:
-    """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype.
-
-    Three things autodiff alone would get wrong for a large model, fixed by a custom VJP where
-    they apply:
-
-    - **Reshard after forward.** Under ZeRO-3 autodiff would keep the gathered weight for the
-      backward pass (``dx = dy w^T`` needs it), so without remat every layer's whole weights
-      would stay alive from its forward to its backward pass (torchtitan's
-      ``reshard_after_forward`` fixes the same; ``remat`` dots and full already recompute the
-      gather). Where :func:`resharding_after_forward` says so, the VJP keeps the stored shard
-      instead and gathers it again in the backward pass: one more all-gather of the layer's
-      weights per step, and one layer's whole weights alive at a time.
-    - **Gradient dtype.** The compiler sums a weight gradient over the devices that share the
-      weight (FSDP's reduce-scatter, sums over ``context``) where the matmul produces it, in
-      that matmul's dtype: bf16 in a bf16 run. Where :func:`weight_grad_dtype` asks for a
-      wider one (``parallel.reduce_dtype``), the VJP's weight-gradient matmul accumulates into
-      and returns it, so the sums travel in it.
-    - **Keep the sequence split** (``x_split``: ``x`` laid out as :data:`RESIDUAL`, given by
-      the column-parallel matmuls, whose ``x`` is :data:`MATMUL_INPUT`). Under Megatron-SP
-      ``x`` is the whole sequence, all-gathered over ``tensor``, and autodiff would keep it for
-      the weight gradient (``dw = x^T dy``): every device the whole sequence, twice per layer.
-      Where the VJP applies (``remat=none``; the remat policies recompute the gather anyway) it
-      keeps ``x_split``, the device's own slice (cut locally, once for all the matmuls reading
-      ``x``), and gathers it again in the backward pass, as Megatron-SP does: one more
-      all-gather per input and layer, 1/t of the memory. Without SP the two layouts are one.
-
-    The gradient goes back to the stored layout as :func:`weight`'s does (reduce-scatter).
-    """
-    return _projected(spec, x, (param[...],), tuple(names), x_split)
-
-
-def project_stacked(spec: str, x: jax.Array, params: tuple[nnx.Param, ...],
-                    names: tuple[str, ...], *, x_split: jax.Array | None = None,
-                    ) -> tuple[jax.Array, ...]:
-    """Projections of the same ``x`` by weights of one shape, as one matmul over the weights
-    stacked on the letter ``t`` of ``spec`` (``"bse,ethd->bsthd"`` for q, k, v): one
-    :func:`project` each, laid out as ``names`` (without ``t``), ``x_split`` as there.
-
-    Why: each projection's input gradient is a partial sum where the weights are split by
-    output features (tensor parallelism), and the backward pass must sum it over ``tensor``
-    (all-reduce, or Megatron-SP's reduce-scatter). Summing the three (q, k, v) or two (gate,
-    up) gradients before that reduction is one collective instead of several; the TPU compiler
-    reassociates separate ones, XLA:CPU does not. One wider matmul also replaces narrow ones.
-    The cost is a copy of the weights into the stack, and of the output gradients into one
-    array for the backward matmul: the model does it only where the outputs are split. The
-    stack is built inside the custom VJP, from the stored weights, so the backward pass keeps
-    those (and gathers them again under ZeRO-3), not a stacked copy.
-    """
-    if weights_prepared():  # stacking a stage's prepared weights would stash a copy per slot
-        return tuple(project(spec.replace("t", ""), x, p, names) for p in params)
-    w_spec, out = spec.split("->")[0].split(",")[1], spec.split("->")[1]
-    at = w_spec.index("t")
-    y = _projected(spec, x, tuple(p[...] for p in params), (*names[:at], None, *names[at:]),
-                   x_split, at)
-    # split (not indexing): its transpose is one concatenate, where slices' are pads and adds
-    return tuple(jnp.squeeze(part, out.index("t"))
-                 for part in jnp.split(y, len(params), axis=out.index("t")))
-
-
-def _projected(spec: str, x: jax.Array, ws: tuple[jax.Array, ...], names: tuple,
-               x_split: jax.Array | None, stacked_at: int | None = None,
-               ) -> jax.Array:
-    """:func:`project` of the stored weight values ``ws``: one, or several stacked on axis
-    ``stacked_at`` (``names`` then has ``None`` there)."""
-    if weights_prepared():  # a pipeline stage gathers its weights once per step for all slots
-        return jnp.einsum(spec, x, ws[0])
-    grad_dtype = weight_grad_dtype()
-    wider_grads = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > x.dtype.itemsize
-    if not (resharding_after_forward() or wider_grads):
-        return jnp.einsum(spec, x, _used_weight(_stacked(ws, stacked_at), names, x.dtype))
-    how = _ProjectVJP(spec, names, _stored_names(names), resharding_after_forward(),
-                      jnp.dtype(grad_dtype if wider_grads else x.dtype), ws[0].dtype,
-                      x_split is not None, stacked_at)
-    return _project(how, x, x_split, *ws)
-
-
-def _stacked(ws: tuple[jax.Array, ...], at: int | None) -> jax.Array:
-    return ws[0] if at is None else jnp.stack(ws, axis=at)
-
-
-class _ProjectVJP(NamedTuple):
-    """The static part of :func:`project`'s custom VJP."""
-
-    spec: str
-    names: tuple  # the weight's layout as used
-    stored: tuple  # ... and as stored
-    regather: bool  # keep the stored shard, not the used weight, for the backward pass
-    grad_dtype: Any  # the dtype of the weight gradient and of its sums
-    stored_dtype: Any  # the parameter's (train.param_dtype)
-    split_input: bool  # keep x_split, not x, and gather it to MATMUL_INPUT again
-    stacked_at: int | None  # the weights' stacking axis (project_stacked), None: one weight
-
-
-def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
-    return constrain(w.astype(dtype), names)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _project(how: _ProjectVJP, x: jax.Array, x_split: jax.Array | None, *ws: jax.Array,
-             ) -> jax.Array:
-    return jnp.einsum(how.spec, x, _gathered(_stacked(ws, how.stacked_at), how.names, x.dtype))
-
-
-def _project_fwd(how, x, x_split, *ws):
-    wg = _gathered(_stacked(ws, how.stacked_at), how.names, x.dtype)
-    y = jnp.einsum(how.spec, x, wg)
-    return y, (x_split if how.split_input else x, ws if how.regather else wg)
-
-
-def _project_bwd(how, residuals, dy):
-    x, kept = residuals
-    if how.split_input:
-        x = constrain(x, MATMUL_INPUT)
-    wg = _gathered(_stacked(kept, how.stacked_at), how.names, x.dtype) if how.regather else kept
-    # The matmul is linear in each operand: transpose it in x (no forward recomputed), and
-    # write the weight's gradient as its own matmul so that it accumulates in grad_dtype.
-    (dx,) = jax.linear_transpose(lambda x_: jnp.einsum(how.spec, x_, wg), x)(dy)
-    inputs, out = how.spec.split("->")
-    x_spec, w_spec = inputs.split(",")
-    dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, dy, preferred_element_type=how.grad_dtype)
-    dw = constrain(dw.astype(how.stored_dtype), how.stored)
-    # x_split only stands in for x: its gradient flows through x
-    d_split = jnp.zeros(x.shape, x.dtype) if how.split_input else None
-    if how.stacked_at is None:
-        return dx, d_split, dw
-    parts = jnp.split(dw, dw.shape[how.stacked_at], axis=how.stacked_at)
-    return dx, d_split, *(jnp.squeeze(part, how.stacked_at) for part in parts)
-
-
-_project.defvjp(_project_fwd, _project_bwd)
-
-
-def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
-    """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
-    ``tokens``, in ``dtype``: the embedding where the layout does not split ``vocab``.
-
-    The forward pass is a gather: no ``[tokens, vocab]`` one-hot and none of its 2 x vocab x
-    d_model flops a token. The backward pass is the one-hot matmul's weight gradient,
-    ``one_hot(tokens)^T dy``, built only then from the tokens (the only residual): the
-    compiler partitions and sums it like any weight gradient (a scatter-add gradient it laid
-    out differently per layout). In ``parallel.reduce_dtype`` where that is wider, as
-    :func:`project`'s.
-    """
-    w = param[...]
-    grad_dtype = weight_grad_dtype()
-    wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
-    stored = _stored_names(tuple(names))
-    how = _LookupVJP(tuple(names), stored, w.shape[0], jnp.dtype(dtype),
-                     jnp.dtype(grad_dtype if wider else dtype), w.dtype)
-    return _lookup(how, tokens, w)
-
-
-class _LookupVJP(NamedTuple):
-    """The static part of :func:`lookup`'s custom VJP."""
-
-    names: tuple  # the table's layout as used
-    stored: tuple  # ... and as stored
-    vocab_size: int
-    dtype: Any  # the rows' (the compute dtype)
-    grad_dtype: Any
-    stored_dtype: Any
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.take(_gathered(w, how.names, how.dtype), tokens, axis=0)
-
-
-def _lookup_fwd(how, tokens, w):
-    return _lookup(how, tokens, w), tokens
-
-
-def _lookup_bwd(how, tokens, dy):
-    one_hot = constrain(jax.nn.one_hot(tokens, how.vocab_size, dtype=dy.dtype),
-                        ("batch", "seq", "vocab"))
-    dw = jnp.einsum("bsv,bse->ve", one_hot, dy, preferred_element_type=how.grad_dtype)
-    return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
-
-
-_lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def stored_weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
@@ -291,9 +97,77 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+    def for_matmul(self, x: jax.Array) -> tuple[jax.Array, Rebuild]:
+        """The norm of the residual stream ``x`` (:data:`RESIDUAL`) laid out to enter the
+        column-parallel matmuls (:data:`MATMUL_INPUT`), and how they rebuild it rather than
+        keep it (:func:`project`'s ``x_from``)."""
+        rebuild = Rebuild(_NormedInput(self.eps), (x, self.scale[...]))
+        return rebuild.fn(*rebuild.kept), rebuild
+
+
+class _NormedInput(NamedTuple):
+    """:meth:`RMSNorm.for_matmul`'s output rebuilt from the norm's input and scale."""
+
+    eps: float
+
+    def __call__(self, x: jax.Array, scale: jax.Array) -> jax.Array:
+        return relayout(rms_norm(x, scale, self.eps), RESIDUAL, MATMUL_INPUT)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """``x / rms(x) * scale`` over the last axis, in float32, returned in ``x``'s dtype.
+
+    A custom VJP so that the backward pass keeps only ``x`` and the float32 reciprocal rms
+    (one number per row): autodiff would also keep the float32 normalised ``x`` and its scaled
+    copy, two more arrays of ``x``'s size per norm, which the backward pass rebuilds with one
+    multiply."""
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * rstd * scale).astype(x.dtype), (x, rstd, scale)
+
+
+def _rms_norm_bwd(eps, residuals, dy):
+    x, rstd, scale = residuals
+    normed = x.astype(jnp.float32) * rstd
+    dy32 = dy.astype(jnp.float32)
+    d_scale = jnp.sum(dy32 * normed, axis=tuple(range(x.ndim - 1)))
+    d_normed = dy32 * scale
+    dx = rstd * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@jax.custom_vjp
+def gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``, the SwiGLU MLP's activation. A custom VJP so that the backward
+    pass keeps only ``gate`` and ``up`` (it recomputes the sigmoid): autodiff would also keep
+    the sigmoid, ``silu(gate)`` and more, each as large as ``gate`` -- the widest activations
+    of a block."""
+    return jax.nn.silu(gate) * up
+
+
+def _gated_silu_fwd(gate, up):
+    return gated_silu(gate, up), (gate, up)
+
+
+def _gated_silu_bwd(residuals, d_hidden):
+    gate, up = residuals
+    sig = jax.nn.sigmoid(gate)
+    d_up = d_hidden * gate * sig
+    d_gate = d_hidden * up * sig * (1 + gate * (1 - sig))
+    return d_gate, d_up
+
+
+gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
 
 
 def rope_frequencies(head_dim: int, theta: float,
@@ -358,8 +232,9 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        q, k, v = self._qkv(x)
+    def __call__(self, x: jax.Array, positions: jax.Array, x_from: Rebuild | None = None,
+                 ) -> jax.Array:
+        q, k, v = self._qkv(x, x_from)
         if hasattr(self, "q_bias"):
             q = q + weight(self.q_bias, Q_BIAS, x.dtype)
             k = k + weight(self.k_bias, KV_BIAS, x.dtype)
@@ -376,19 +251,19 @@ class Attention(nnx.Module):
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
 
-    def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The q, k, v projections: one matmul where heads are split (three with equal heads,
-        else q and a k/v pair), see :func:`project_stacked`."""
-        s = constrain(x, RESIDUAL)  # each device's slice of the sequence (Megatron-SP)
+    def _qkv(self, x: jax.Array, x_from: Rebuild | None,
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The q, k, v projections, one VJP for the three (:func:`project_all`). Where heads
+        are split they are stacked into one matmul (equal heads) or two (q, and k with v)."""
+        q = Projection("bse,ehd->bshd", (self.wq,), Q_WEIGHT)
         if not is_split("heads"):
-            return (project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, x_split=s),
-                    project("bse,ekd->bskd", x, self.wk, KV_WEIGHT, x_split=s),
-                    project("bse,ekd->bskd", x, self.wv, KV_WEIGHT, x_split=s))
-        if self.wq.shape == self.wk.shape:
-            return project_stacked("bse,ethd->bsthd", x, (self.wq, self.wk, self.wv), Q_WEIGHT,
-                                   x_split=s)
-        k, v = project_stacked("bse,etkd->bstkd", x, (self.wk, self.wv), KV_WEIGHT, x_split=s)
-        return project("bse,ehd->bshd", x, self.wq, Q_WEIGHT, x_split=s), k, v
+            kv = (Projection("bse,ekd->bskd", (self.wk,), KV_WEIGHT),
+                  Projection("bse,ekd->bskd", (self.wv,), KV_WEIGHT))
+        elif self.wq.shape == self.wk.shape:
+            kv, q = (), Projection("bse,ethd->bsthd", (self.wq, self.wk, self.wv), Q_WEIGHT)
+        else:
+            kv = (Projection("bse,etkd->bstkd", (self.wk, self.wv), KV_WEIGHT),)
+        return project_all(x, (q, *kv), x_from=x_from or sequence_slice(x))
 
 
 class SwiGLU(nnx.Module):
@@ -402,13 +277,13 @@ class SwiGLU(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        w_names, s = ("act_embed", "mlp"), constrain(x, RESIDUAL)  # s: see Attention._qkv
-        if is_split("mlp"):  # one input-gradient sum over tensor, see project_stacked
-            gate, up = project_stacked("bse,etf->bstf", x, (self.w_gate, self.w_up), w_names,
-                                       x_split=s)
+    def __call__(self, x: jax.Array, x_from: Rebuild | None = None) -> jax.Array:
+        w_names = ("act_embed", "mlp")
+        if is_split("mlp"):  # one wider matmul, see project_all
+            both = (Projection("bse,etf->bstf", (self.w_gate, self.w_up), w_names),)
         else:
-            gate = project("bse,ef->bsf", x, self.w_gate, w_names, x_split=s)
-            up = project("bse,ef->bsf", x, self.w_up, w_names, x_split=s)
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+            both = (Projection("bse,ef->bsf", (self.w_gate,), w_names),
+                    Projection("bse,ef->bsf", (self.w_up,), w_names))
+        gate, up = project_all(x, both, x_from=x_from or sequence_slice(x))
+        hidden = constrain(gated_silu(gate, up), ("batch", "seq", "mlp"))
         return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))

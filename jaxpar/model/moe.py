@@ -66,7 +66,8 @@ from jax import lax
 
 from jaxpar.config import ModelConfig, MoEConfig
 from jaxpar.model.annotate import constrain, experts_override
-from jaxpar.model.layers import SwiGLU, _param, stored_weight, weight
+from jaxpar.model.layers import SwiGLU, _param, gated_silu, stored_weight
+from jaxpar.model.projection import weight
 
 Weights = tuple[jax.Array, jax.Array, jax.Array]  # w_gate [X,E,F], w_up [X,E,F], w_down [X,F,E]
 Exchange = Callable[[jax.Array], jax.Array]  # [groups, ...] -> [groups, ...] (an all-to-all)
@@ -115,7 +116,7 @@ def choice_major_positions(expert_ids: jax.Array, num_experts: int) -> jax.Array
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
            matmul: Callable) -> jax.Array:
     """SwiGLU with the three matmuls done by ``matmul(x, w)`` (grouped or batched)."""
-    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+    return matmul(gated_silu(matmul(x, w_gate), matmul(x, w_up)), w_down)
 
 
 def grouped_swiglu(rows: jax.Array, row_expert: jax.Array, weights: Weights) -> jax.Array:

@@ -22,19 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import constrain, is_split, relayout, reshard_after_forward
-from jaxpar.model.layers import (
-    MATMUL_INPUT,
-    RESIDUAL,
-    Attention,
-    RMSNorm,
-    SwiGLU,
-    _param,
-    lookup,
-    project,
-    weight,
-)
+from jaxpar.model.annotate import constrain, is_split, reshard_after_forward
+from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.moe import LAYER_STACKED, MoE
+from jaxpar.model.projection import RESIDUAL, lookup, project, weight
 
 Aux = dict[str, jax.Array]  # float32 statistics and losses of the MoE layers ({} when dense)
 
@@ -69,13 +60,13 @@ class Block(nnx.Module):
             self.mlp = SwiGLU(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Aux]:
-        h = relayout(self.attn_norm(x), RESIDUAL, MATMUL_INPUT)
-        x = x + constrain(self.attn(h, positions), RESIDUAL)
-        h = relayout(self.mlp_norm(x), RESIDUAL, MATMUL_INPUT)
+        h, h_from = self.attn_norm.for_matmul(x)
+        x = x + constrain(self.attn(h, positions, h_from), RESIDUAL)
+        h, h_from = self.mlp_norm.for_matmul(x)
         if hasattr(self, "moe"):
             out, aux = self.moe(h)
         else:
-            out, aux = self.mlp(h), {}
+            out, aux = self.mlp(h, h_from), {}
         return x + constrain(out, RESIDUAL), aux
 
 

@@ -330,7 +330,7 @@ def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> 
     return out
 
 
-def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array]:
+def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, list]:
     table = env.piece.cut(env.table())
     entering = env.microbatch(r["embed_mb"])
     x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]))
@@ -341,7 +341,7 @@ def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array]:
     c = c._replace(res=[_put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
                                                                            strict=True)],
                    aux=_add_aux(env, c.aux, aux, r["f_chunk"], on))
-    return c, y
+    return c, y, res
 
 
 def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
@@ -362,10 +362,13 @@ def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
                       shared_grads=shared_grads)
 
 
-def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool
-                  ) -> tuple[_Carry, jax.Array]:
+def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool,
+                   fresh: list | None) -> tuple[_Carry, jax.Array]:
     on, j = r[f"{prefix}_on"] == 1, r[f"{prefix}_chunk"]
     stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
+    if fresh is not None:  # this step's forward wrote them: if to this slot, take them as made
+        same = r[f"{prefix}_res"] == r["f_res"]
+        stashed = [jnp.where(same, new, old) for new, old in zip(fresh, stashed, strict=True)]
     d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
     if weights:
         d_layers = env.stages.unprepare(d_layers)
@@ -394,18 +397,18 @@ def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry
     holds every field for every stage; each device reads its own column."""
     p = env.piece.p
     r = {k: a[env.stage] for k, a in row.items()}
-    send_fwd = send_bwd = None
+    send_fwd = send_bwd = fresh = None
     if "F" in kinds:
-        c, y = _forward_slot(env, c, r)
+        c, y, fresh = _forward_slot(env, c, r)
         if "H" in kinds:
             c = _head_slot(env, c, r, y)
         send_fwd = y
     for kind in ("B", "I"):
         if kind in kinds:
-            c, send_bwd = _backward_slot(env, c, r, "b", weights=kind == "B")
+            c, send_bwd = _backward_slot(env, c, r, "b", weights=kind == "B", fresh=fresh)
             c = _embedding_backward(env, c, r, send_bwd)
     if "W" in kinds:
-        c, _ = _backward_slot(env, c, r, "w", weights=True)
+        c, _ = _backward_slot(env, c, r, "w", weights=True, fresh=fresh)
     # Activations to the next stage, input gradients to the previous one; in one order on
     # every device, since independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
     sends = [(x, [(s, (s + step) % p) for s in range(p)])

@@ -1,0 +1,297 @@
+"""How layers multiply by their weights: :func:`weight`, :func:`project` and
+:func:`project_all` (the weight matmuls, with the custom VJP that keeps the backward pass's
+memory and collectives to what they must be), and :func:`lookup` (the embedding's gather).
+
+The model names logical axes only; these functions turn a parameter as stored (float32, the
+model dimension named ``embed``: split over ``fsdp`` under ZeRO-3) into the weight a matmul
+reads (the compute dtype, ``act_embed``: whole) where the compiler places FSDP's gather, and
+send its gradient back to the stored layout (FSDP's reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.model.annotate import (
+    constrain,
+    relayout,
+    resharding_after_forward,
+    weight_grad_dtype,
+    weights_prepared,
+)
+
+RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
+MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
+
+
+def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
+    """A weight as a layer multiplies with it: in the compute dtype, laid out as ``names``.
+
+    Layers name the model dimension of their weights ``act_embed`` here (whole, as activations
+    keep it), where the stored parameter says ``embed`` (split over ``fsdp`` under ZeRO-3). The
+    change of layout is FSDP's per-layer all-gather, done in the compute dtype (half the bytes in
+    bf16) and written down explicitly, so the compiler never chooses to move activations instead.
+    Its gradient goes straight back to the stored layout: a reduce-scatter over ``fsdp``.
+    """
+    return _used_weight(param[...], names, dtype)
+
+
+def _used_weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
+    if weights_prepared():
+        return w
+    return relayout(w.astype(dtype), _stored_names(names), names)
+
+
+def _stored_names(names: tuple) -> tuple:
+    return tuple("embed" if name == "act_embed" else name for name in names)
+
+
+def _stored_names(names: tuple) -> tuple:
+    return tuple("embed" if name == "act_embed" else name for name in names)
+
+
+class Projection(NamedTuple):
+    """One weight matmul ``einsum(spec, x, weight)``, the weight laid out as ``names`` (see
+    :func:`weight`). With several ``params`` of one shape, ``spec`` has the letter ``t`` in
+    the weight and the output, and the weights are stacked on it: one matmul for all (its
+    ``names`` leave ``t`` out)."""
+
+    spec: str
+    params: tuple[nnx.Param, ...]
+    names: tuple[str, ...]
+
+
+class Rebuild(NamedTuple):
+    """How a matmul's backward pass gets its input ``x`` back instead of keeping it:
+    ``fn(*kept)`` (``fn`` hashable, compared by value)."""
+
+    fn: Any
+    kept: tuple
+
+
+def _matmul_input(s: jax.Array) -> jax.Array:
+    return constrain(s, MATMUL_INPUT)
+
+
+def sequence_slice(x: jax.Array) -> Rebuild:
+    """Keep each device's slice of the sequence of ``x`` (:data:`MATMUL_INPUT`) and gather it
+    again for the backward pass: for a matmul input that no norm made (Megatron-SP)."""
+    return Rebuild(_matmul_input, (constrain(x, RESIDUAL),))
+
+
+def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *,
+            x_from: Rebuild | None = None) -> jax.Array:
+    """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype:
+    :func:`project_all` of one projection."""
+    return project_all(x, (Projection(spec, (param,), tuple(names)),), x_from=x_from)[0]
+
+
+def project_all(x: jax.Array, projections: tuple[Projection, ...], *,
+                x_from: Rebuild | None = None) -> tuple[jax.Array, ...]:
+    """Every projection of the same ``x`` (q, k and v; gate and up), in ``x``'s dtype: one
+    output per parameter, in order (a stacked projection's output split on ``t``).
+
+    Four things autodiff alone would get wrong for a large model, fixed by one custom VJP for
+    them all where it applies:
+
+    - **Reshard after forward.** Under ZeRO-3 autodiff would keep the gathered weight for the
+      backward pass (``dx = dy w^T`` needs it), so without remat every layer's whole weights
+      would stay alive from its forward to its backward pass (torchtitan's
+      ``reshard_after_forward`` fixes the same; ``remat`` dots and full already recompute the
+      gather). Where :func:`resharding_after_forward` says so, the VJP keeps the stored shard
+      instead and gathers it again in the backward pass: one more all-gather of the layer's
+      weights per step, and one layer's whole weights alive at a time.
+    - **Gradient dtype.** The compiler sums a weight gradient over the devices that share the
+      weight (FSDP's reduce-scatter, sums over ``context``) where the matmul produces it, in
+      that matmul's dtype: bf16 in a bf16 run. Where :func:`weight_grad_dtype` asks for a
+      wider one (``parallel.reduce_dtype``), the VJP's weight-gradient matmul accumulates into
+      and returns it, so the sums travel in it.
+    - **Fewer input-gradient reductions.** Where the weights are split by output features
+      (tensor parallelism) each matmul's input gradient is a partial sum that the backward
+      pass reduces over ``tensor`` (all-reduce, or Megatron-SP's reduce-scatter). XLA:CPU
+      reduces each matmul's where the matmul makes it (the TPU compiler adds them first), so
+      weights of one shape are stacked (several ``params`` in one :class:`Projection`): one
+      wider matmul and one reduction instead of several. The stack is built inside the VJP
+      from the stored weights, so the backward pass keeps those (and gathers them again under
+      ZeRO-3), not a stacked copy.
+    - **Keep less than x** (``x_from``). Autodiff would keep ``x`` for the weight gradients
+      (``dw = x^T dy``). Where the VJP applies (``remat=none``; the remat policies recompute
+      ``x`` anyway) it keeps ``x_from.kept`` and rebuilds ``x`` once in the backward pass for
+      all the projections. The blocks' ``x`` is an RMSNorm's output
+      (:meth:`jaxpar.model.layers.RMSNorm.for_matmul`), so what is kept is the norm's input,
+      which the norm's own backward pass keeps too: the rebuild costs one pass over it and
+      ``x`` costs no memory. And that input is laid out as :data:`RESIDUAL`: under Megatron-SP
+      ``x`` is the whole sequence, all-gathered over ``tensor``, while the kept input is each
+      device's slice, gathered again in the backward pass as Megatron-SP does (one more
+      all-gather per input and layer, 1/t of the memory).
+
+    The gradients go back to the stored layout as :func:`weight`'s does (reduce-scatter). In
+    a pipeline stage (:func:`weights_prepared`: its weights gathered once per step for all its
+    slots) each parameter is a plain matmul: stacking them would stash a copy per slot.
+    """
+    if weights_prepared():
+        return tuple(jnp.einsum(p.spec.replace("t", ""), x, param[...])
+                     for p in projections for param in p.params)
+    parts = tuple(_Part.of(p) for p in projections)
+    ws = tuple(param[...] for p in projections for param in p.params)
+    grad_dtype = weight_grad_dtype()
+    wider_grads = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > x.dtype.itemsize
+    if resharding_after_forward() or wider_grads:
+        how = _ProjectVJP(parts, resharding_after_forward(),
+                          jnp.dtype(grad_dtype if wider_grads else x.dtype), ws[0].dtype,
+                          x_from.fn if x_from is not None else None)
+        ys = _project(how, x, x_from.kept if x_from is not None else None, *ws)
+    else:
+        ys = tuple(jnp.einsum(part.spec, x, _used_weight(_stacked(w, part.at), part.names,
+                                                         x.dtype))
+                   for part, w in zip(parts, _per_part(parts, ws), strict=True))
+    return tuple(out for part, y in zip(parts, ys, strict=True) for out in part.unstacked(y))
+
+
+class _Part(NamedTuple):
+    """A :class:`Projection` as the VJP sees it (hashable)."""
+
+    spec: str
+    names: tuple  # the weight's layout as used (None on the stacking axis)
+    at: int | None  # the weights' stacking axis; None: one weight
+    count: int
+
+    @classmethod
+    def of(cls, p: Projection) -> _Part:
+        if len(p.params) == 1:
+            return cls(p.spec, tuple(p.names), None, 1)
+        at = p.spec.split("->")[0].split(",")[1].index("t")
+        return cls(p.spec, (*p.names[:at], None, *p.names[at:]), at, len(p.params))
+
+    def unstacked(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        if self.at is None:
+            return (y,)
+        axis = self.spec.split("->")[1].index("t")
+        # split (not indexing): its transpose is one concatenate, where slices' are pads and adds
+        return tuple(jnp.squeeze(part, axis) for part in jnp.split(y, self.count, axis=axis))
+
+
+def _per_part(parts: tuple[_Part, ...], ws: tuple) -> list[tuple]:
+    out, i = [], 0
+    for part in parts:
+        out.append(ws[i:i + part.count])
+        i += part.count
+    return out
+
+
+def _stacked(ws: tuple[jax.Array, ...], at: int | None) -> jax.Array:
+    return ws[0] if at is None else jnp.stack(ws, axis=at)
+
+
+class _ProjectVJP(NamedTuple):
+    """The static part of :func:`project_all`'s custom VJP."""
+
+    parts: tuple[_Part, ...]
+    regather: bool  # keep the stored shards, not the used weights, for the backward pass
+    grad_dtype: Any  # the dtype of the weight gradients and of their sums
+    stored_dtype: Any  # the parameters' (train.param_dtype)
+    rebuild: Any  # keep its arguments, not x, and rebuild x from them (None: keep x)
+
+
+def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
+    return constrain(w.astype(dtype), names)
+
+
+def _used_weights(how: _ProjectVJP, ws: tuple, dtype) -> list[jax.Array]:
+    return [_gathered(_stacked(w, part.at), part.names, dtype)
+            for part, w in zip(how.parts, _per_part(how.parts, ws), strict=True)]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _project(how: _ProjectVJP, x: jax.Array, x_kept: tuple | None, *ws: jax.Array,
+             ) -> tuple[jax.Array, ...]:
+    return tuple(jnp.einsum(part.spec, x, wg)
+                 for part, wg in zip(how.parts, _used_weights(how, ws, x.dtype), strict=True))
+
+
+def _project_fwd(how, x, x_kept, *ws):
+    wgs = _used_weights(how, ws, x.dtype)
+    ys = tuple(jnp.einsum(part.spec, x, wg) for part, wg in zip(how.parts, wgs, strict=True))
+    return ys, (x_kept if how.rebuild else x, ws if how.regather else tuple(wgs))
+
+
+def _project_bwd(how, residuals, dys):
+    x_or_kept, w_kept = residuals
+    x = how.rebuild(*x_or_kept) if how.rebuild else x_or_kept
+    wgs = _used_weights(how, w_kept, x.dtype) if how.regather else w_kept
+    dx, dws = None, []
+    for part, wg, dy in zip(how.parts, wgs, dys, strict=True):
+        # The matmul is linear in each operand: transpose it in x (no forward recomputed),
+        # and write the weight's gradient as its own matmul, accumulating in grad_dtype.
+        (dx_part,) = jax.linear_transpose(lambda x_, wg=wg, part=part:
+                                          jnp.einsum(part.spec, x_, wg), x)(dy)
+        dx = dx_part if dx is None else dx + dx_part
+        inputs, out = part.spec.split("->")
+        x_spec, w_spec = inputs.split(",")
+        dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, dy, preferred_element_type=how.grad_dtype)
+        dw = constrain(dw.astype(how.stored_dtype), _stored_names(part.names))
+        if part.at is None:
+            dws.append(dw)
+        else:
+            dws.extend(jnp.squeeze(d, part.at) for d in jnp.split(dw, part.count, axis=part.at))
+    # what rebuilds x only stands in for it: the gradient flows through x
+    d_kept = jax.tree.map(jnp.zeros_like, x_or_kept) if how.rebuild else None
+    return dx, d_kept, *dws
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
+def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
+    """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
+    ``tokens``, in ``dtype``: the embedding where the layout does not split ``vocab``.
+
+    The forward pass is a gather: no ``[tokens, vocab]`` one-hot and none of its 2 x vocab x
+    d_model flops a token. The backward pass is the one-hot matmul's weight gradient,
+    ``one_hot(tokens)^T dy``, built only then from the tokens (the only residual): the
+    compiler partitions and sums it like any weight gradient (a scatter-add gradient it laid
+    out differently per layout). In ``parallel.reduce_dtype`` where that is wider, as
+    :func:`project`'s.
+    """
+    w = param[...]
+    grad_dtype = weight_grad_dtype()
+    wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
+    stored = _stored_names(tuple(names))
+    how = _LookupVJP(tuple(names), stored, w.shape[0], jnp.dtype(dtype),
+                     jnp.dtype(grad_dtype if wider else dtype), w.dtype)
+    return _lookup(how, tokens, w)
+
+
+class _LookupVJP(NamedTuple):
+    """The static part of :func:`lookup`'s custom VJP."""
+
+    names: tuple  # the table's layout as used
+    stored: tuple  # ... and as stored
+    vocab_size: int
+    dtype: Any  # the rows' (the compute dtype)
+    grad_dtype: Any
+    stored_dtype: Any
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.take(_gathered(w, how.names, how.dtype), tokens, axis=0)
+
+
+def _lookup_fwd(how, tokens, w):
+    return _lookup(how, tokens, w), tokens
+
+
+def _lookup_bwd(how, tokens, dy):
+    one_hot = constrain(jax.nn.one_hot(tokens, how.vocab_size, dtype=dy.dtype),
+                        ("batch", "seq", "vocab"))
+    dw = jnp.einsum("bsv,bse->ve", one_hot, dy, preferred_element_type=how.grad_dtype)
+    return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
