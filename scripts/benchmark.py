@@ -120,7 +120,7 @@ LAYOUTS: dict[str, Layout] = {
                   "mesh.tensor=2", "parallel.sequence_parallel=true", "train.microbatches=4",
                   "parallel.pipeline_schedule=1f1b"), "moe"),
 }
-# Measured with bench-cpu: 2 min 14-17 s on 2 cores, about 5 minutes on 2 busy shared ones
+# Measured with bench-cpu: 2 min 44 s on 2 cores (the whole matrix: 5 min 57 s)
 # (docs/performance.md).
 QUICK = ("data", "fsdp", "tensor_sp", "context_ring", "pipe_1f1b", "expert",
          "pipe_fsdp_tensor_sp")

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-TINY = ["model.d_model=64", "model.d_ff=128", "train.seq_len=32", "train.batch_size=8"]
+TINY = ["model.d_model=64", "model.d_ff=128", "model.n_layers=4", "train.seq_len=32",
+        "train.batch_size=8"]
 
 
 def _benchmark():

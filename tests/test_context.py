@@ -168,6 +168,7 @@ def test_eight_devices_train_a_2048_token_sequence_split_over_context(tmp_path, 
     result = run_jaxpar("train", "bench-cpu", "mesh.data=1", "mesh.context=8",
                         f"parallel.context_impl={impl}", "train.batch_size=1",
                         "train.seq_len=2048", "model.attention_block=128", "train.steps=2",
+                        "model.n_layers=4",
                         f"run_dir={tmp_path / 'run'}", "logging.every=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Termination timeout" not in result.stderr
