@@ -51,10 +51,6 @@ def _stored_names(names: tuple) -> tuple:
     return tuple("embed" if name == "act_embed" else name for name in names)
 
 
-def _stored_names(names: tuple) -> tuple:
-    return tuple("embed" if name == "act_embed" else name for name in names)
-
-
 class Projection(NamedTuple):
     """One weight matmul ``einsum(spec, x, weight)``, the weight laid out as ``names`` (see
     :func:`weight`). With several ``params`` of one shape, ``spec`` has the letter ``t`` in

@@ -7,6 +7,12 @@ constraints, attention (ring or all-gather attention over ``context``, else the 
 gradients the compiler sums (``parallel.reduce_dtype``). The train step installs them for the
 whole mesh; the pipeline executor installs them again inside its ``shard_map`` for the mesh that
 stays automatic there (the axes it handles by hand counted as 1).
+
+Context attention and the experts' dispatch each open a ``shard_map`` of their own; inside a
+pipeline stage that one is nested in the executor's. XLA:CPU compiles and runs that, the TPU
+compiler (libtpu 0.0.42.1) aborts the process on it ("Check failed: target.IsManualSubgroup() ==
+sharding().IsManualSubgroup()", in the backward pass's copy of the inner ``shard_map``), so on
+the platforms in :data:`NO_SHARD_MAP_IN_STAGES` those layouts are a config error instead.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import BATCH_AXES, Config
+from jaxpar.config import BATCH_AXES, Config, ConfigError
 from jaxpar.model.annotate import (
     activation_sharding,
     splitting,
@@ -31,11 +37,16 @@ from jaxpar.parallel.context import context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 
+# Backends whose compiler aborts on a shard_map nested in the pipeline executor's (module
+# docstring; docs/jax-notes.md has what was tried).
+NO_SHARD_MAP_IN_STAGES = ("tpu",)
 
-def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
-                ) -> contextlib.ExitStack:
+
+def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
+                in_stage: bool = False) -> contextlib.ExitStack:
     """A context manager installing the constraint, attention and expert hooks for a mesh of
-    ``mesh_shape`` (axes of size 1 split nothing and are left out)."""
+    ``mesh_shape`` (axes of size 1 split nothing and are left out). ``in_stage``: for the
+    layers of a pipeline stage, inside the executor's ``shard_map``."""
     rules = logical_rules(cfg)
     n_context = mesh_shape["context"]
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
@@ -47,6 +58,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
     experts = (expert_parallel(mesh_shape, rules, platform=platform)
                if cfg.model.moe.enabled and split_axes else None)
+    if in_stage and platform in NO_SHARD_MAP_IN_STAGES:
+        _refuse_nested_shard_maps(cfg, n_context, split_axes if experts else [], mesh_shape)
     stack = contextlib.ExitStack()
     stack.enter_context(activation_sharding(activation_constrainer(rules, mesh_shape)))
     stack.enter_context(use_attention(attention))
@@ -56,6 +69,25 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str,
     stack.enter_context(splitting(frozenset(
         name for name, axes in rules.items() if any(mesh_shape[a] > 1 for a in axes))))
     return stack
+
+
+def _refuse_nested_shard_maps(cfg: Config, n_context: int, expert_split: list[str],
+                              mesh_shape: Mapping[str, int]) -> None:
+    """The one-line error for a pipeline stage that would open a ``shard_map`` (see
+    :data:`NO_SHARD_MAP_IN_STAGES`): context attention, or the experts' dispatch (which a
+    pipelined MoE model needs once any axis but ``pipe`` splits its tokens or experts)."""
+    pipe = f"mesh.pipe={cfg.mesh.pipe}"
+    if n_context > 1:
+        raise ConfigError(f"{pipe} with mesh.context={n_context}: the TPU compiler (libtpu "
+                          f"0.0.42.1) aborts on context attention's shard_map inside a pipeline "
+                          f"stage; on TPU use context parallelism with mesh.pipe=1, or the "
+                          f"pipeline with mesh.context=1")
+    if expert_split:
+        axes = " ".join(f"mesh.{a}={mesh_shape[a]}" for a in expert_split)
+        raise ConfigError(f"{pipe} with a mixture of experts and {axes}: the TPU compiler "
+                          f"(libtpu 0.0.42.1) aborts on the experts' dispatch shard_map inside a "
+                          f"pipeline stage; on TPU a pipelined MoE model needs every other mesh "
+                          f"axis at 1 (or mesh.pipe=1)")
 
 
 def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],

@@ -440,7 +440,6 @@ def _finish(env: _Env, c: _Carry) -> tuple:
     return c.loss, shared_grads, layer_grads, aux_sums, aux_layers
 
 
-
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
                         dtype: Any, remat: str, platform: str,
                         ) -> tuple[Callable, np.ndarray | None, Program]:
@@ -463,6 +462,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     hand = () if cfg.model.moe.enabled else tuple(
         a for a in rules["batch"] if a in ("data", "fsdp") and mesh_shape[a] > 1)
     inner = {**mesh_shape, **{a: 1 for a in hand}}
+    model_hooks(cfg, inner, platform, in_stage=True).close()  # a layout error before any trace
     micro_rows = cfg.train.batch_size // (accum * m)
     stash_spec = resolve_spec("pipeline stash", (None, "batch", "residual_seq", "act_embed"),
                               (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
@@ -485,7 +485,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     by_hand = ByHand(hand, specs_of(shared, set(hand)),
                      specs_of(specs["layers"], {PIPE_AXIS, *hand}),
                      specs_of(shared, split_auto), specs_of(specs["layers"], split_auto),
-                     hooks=lambda: model_hooks(cfg, inner, platform),
+                     hooks=lambda: model_hooks(cfg, inner, platform, in_stage=True),
                      reduce_dtype=DTYPES[cfg.parallel.reduce_dtype])
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)
