@@ -157,37 +157,47 @@ def test_moe_dropless_exchange_compiles_to_ragged_all_to_all_for_tpu(tmp_path):
     assert ragged["count"] >= 2 * 4
 
 
-NESTED = {
-    "context": ("tiny", "mesh.data=2", "mesh.pipe=2", "mesh.context=2", "train.microbatches=2"),
-    "experts": ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.expert=4",
-                "train.microbatches=2"),
+NESTED_EXPERTS = {
+    "data": ("moe-tiny", "mesh.data=4", "mesh.pipe=2", "train.microbatches=2"),
+    "expert": ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.expert=4", "train.microbatches=2"),
 }
 
 
-@pytest.mark.parametrize("layout, needles", [
-    ("context", ("mesh.pipe=2 with mesh.context=2", "context attention's shard_map")),
-    ("experts", ("mesh.pipe=2 with a mixture of experts and mesh.expert=4",
-                 "experts' dispatch shard_map")),
-])
-def test_pipeline_stages_that_would_nest_a_shard_map_are_a_one_line_error_for_tpu(
-        tmp_path, layout, needles):
+@pytest.mark.parametrize("split", ["data", "expert"])
+def test_a_pipelined_moe_model_that_would_nest_a_shard_map_is_a_one_line_error_for_tpu(
+        tmp_path, split):
     """libtpu aborts the process on a shard_map nested in the pipeline executor's (the canary
-    below): jaxpar refuses those layouts for a TPU before compiling, as XLA:CPU runs them."""
+    below): a MoE model's expert dispatch inside pipeline stages is refused for a TPU before
+    compiling, as XLA:CPU runs it."""
     needs_libtpu()
-    result = run_inspect(*NESTED[layout], "--target", TARGET, cwd=tmp_path)
-    assert_one_line_error(result, *needles, "libtpu 0.0.42.1", empty_stdout=True)
+    result = run_inspect(*NESTED_EXPERTS[split], "--target", TARGET, cwd=tmp_path)
+    assert_one_line_error(result, f"mesh.pipe=2 with a mixture of experts and mesh.{split}=",
+                          "experts' dispatch shard_map", "libtpu 0.0.42.1", empty_stdout=True)
 
 
-def test_libtpu_still_aborts_on_context_attention_nested_in_a_pipeline_stage(tmp_path):
+def test_libtpu_still_aborts_on_the_expert_dispatch_nested_in_a_pipeline_stage(tmp_path):
     """The canary for the error above: with jaxpar's refusal switched off, the TPU compiler
     aborts. When a libtpu upgrade makes this fail, the refusal
     (``jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES``) can go."""
     needs_libtpu()
-    result = run_inspect(*NESTED["context"], "--target", TARGET, cwd=tmp_path,
+    result = run_inspect(*NESTED_EXPERTS["expert"], "--target", TARGET, cwd=tmp_path,
                          preamble="import jaxpar.parallel.hooks as h\n"
                                   "h.NO_SHARD_MAP_IN_STAGES = ()\n")
     assert result.returncode < 0 or result.returncode == 134, result.returncode
     assert "target.IsManualSubgroup() == sharding().IsManualSubgroup()" in result.stderr
+
+
+def test_context_parallelism_inside_pipeline_stages_compiles_for_tpu(tmp_path):
+    """The pipeline splits the sequence over context by hand, so ring attention runs in the
+    executor's own shard_map (a nested one aborts libtpu, as above): K/V ride the ring over
+    context, activations cross pipe, and the gradients are summed over context once."""
+    needs_libtpu()
+    result = run_inspect("tiny", "mesh.data=1", "mesh.pipe=2", "mesh.context=2",
+                         "mesh.tensor=2", "train.microbatches=2", "parallel.context_impl=ring",
+                         "--target", TARGET, "--json", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kinds = {(r["kind"], tuple(r["axes"])) for r in json.loads(result.stdout)["collectives"]}
+    assert {("collective-permute", ("context",)), ("collective-permute", ("pipe",))} <= kinds
 
 
 def square_shapes(hlo: str, seq: int) -> set[str]:

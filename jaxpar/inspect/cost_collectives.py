@@ -12,9 +12,10 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
 2(N-1)/N, all-gather and reduce-scatter (N-1)/N of it, collective-permute all of it.
 
 - ``data`` and ``context``: parameters are replicated over both, so each device's gradient shard
-  is all-reduced over both together, every micro-step (XLA reduces inside the accumulation loop
-  rather than once after it; XLA:CPU sometimes splits the reduction into one all-reduce per
-  axis, which doubles these bytes, while the TPU compiler keeps one).
+  is all-reduced over both together, every micro-step (once per step where jaxpar sums by
+  hand: ``Ledger.by_hand``; XLA reduces inside the accumulation loop rather than once after
+  it; XLA:CPU sometimes splits the reduction into one all-reduce per axis, which doubles these
+  bytes, while the TPU compiler keeps one).
 - ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and again in the
   backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
   layers reshard after the forward pass (``model/projection.py: project_all``); under ``remat=none``
@@ -169,15 +170,15 @@ class Ledger:
 
     @property
     def by_hand(self) -> tuple[str, ...]:
-        """The batch axes whose gradient sums are taken once per step, by hand: ``data`` and
-        ``fsdp`` in the pipeline executor, ``data`` under gradient accumulation (not for MoE
-        models, whose load-balance loss needs whole-micro-batch statistics)."""
+        """The axes whose gradient sums are taken once per step, by hand: ``data``, ``fsdp``
+        and ``context`` in the pipeline executor, ``data`` under gradient accumulation (not for
+        MoE models, whose load-balance loss needs whole-micro-batch statistics)."""
         st = self.st
         if st.pipeline is None:  # parallel/zero.py: data_summed_by_hand
             return ("data",) if data_summed_by_hand(st.cfg, st.xla_cpu) else ()
         if st.cfg.model.moe.enabled:
             return ()
-        return tuple(a for a in ("data", "fsdp") if st.mesh[a] > 1)
+        return tuple(a for a in ("data", "fsdp", "context") if st.mesh[a] > 1)
 
     def summed_by_hand(self, axes: tuple[str, ...]) -> bool:
         live = tuple(a for a in axes if self.st.mesh[a] > 1)

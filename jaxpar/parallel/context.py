@@ -3,7 +3,8 @@
 Everything outside attention is per token, so splitting the sequence over N devices splits those
 activations N ways for free. Attention is the one place a token needs the others' keys and
 values. Two ways to provide them, both inside ``shard_map`` over ``context`` only (``data``,
-``fsdp`` and ``tensor`` stay automatic, so heads can be tensor-split at the same time):
+``fsdp`` and ``tensor`` stay automatic, so heads can be tensor-split at the same time; inside a
+pipeline stage ``context`` is manual already and the per-device function runs directly):
 
 ``ring`` (default). Each device keeps its queries and passes its key/value block around a ring
 with ``ppermute``: N steps, each combining one block into running (max, sum, output) statistics
@@ -174,7 +175,18 @@ def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ..
     its own rows, which keeps the compiler from gathering the batch around the K/V collectives),
     and the heads left to the compiler (tensor parallelism). Both implementations work
     ``block`` queries x ``block`` keys at a time (default: one zigzag chunk)."""
-    manual = (CONTEXT_AXIS, *batch_axes)
+    rows = batch_axes or None
+    seq = P(rows, CONTEXT_AXIS)
+    seq4 = P(rows, CONTEXT_AXIS, None, None)
+    return jax.shard_map(local_context_attention(impl, n, zigzag, block),
+                         in_specs=(seq4, seq4, seq4, seq), out_specs=seq4,
+                         axis_names=frozenset((CONTEXT_AXIS, *batch_axes)))
+
+
+def local_context_attention(impl: str, n: int, zigzag: bool, block: int | None = None
+                            ) -> Callable:
+    """The same attention on one device's piece of the sequence, where ``context`` is already
+    manual (inside a pipeline stage, which splits the sequence by hand): q [B,S/n,H,D]."""
 
     def local(q, k, v, positions):
         qg = group(q, k.shape[2])
@@ -185,8 +197,4 @@ def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ..
             out = _allgather_attention_local(qg, k, v, positions, positions, size)
         return out.reshape(q.shape)
 
-    rows = batch_axes or None
-    seq = P(rows, CONTEXT_AXIS)
-    seq4 = P(rows, CONTEXT_AXIS, None, None)
-    return jax.shard_map(local, in_specs=(seq4, seq4, seq4, seq), out_specs=seq4,
-                         axis_names=frozenset(manual))
+    return local

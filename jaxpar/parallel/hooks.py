@@ -33,7 +33,7 @@ from jaxpar.model.annotate import (
     weight_grads_in,
 )
 from jaxpar.model.attention import attention_fn, resolve
-from jaxpar.parallel.context import context_attention, local_tokens
+from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 
@@ -43,23 +43,30 @@ NO_SHARD_MAP_IN_STAGES = ("tpu",)
 
 
 def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
-                in_stage: bool = False) -> contextlib.ExitStack:
+                in_stage: bool = False, hand_context: int = 1) -> contextlib.ExitStack:
     """A context manager installing the constraint, attention and expert hooks for a mesh of
     ``mesh_shape`` (axes of size 1 split nothing and are left out). ``in_stage``: for the
-    layers of a pipeline stage, inside the executor's ``shard_map``."""
+    layers of a pipeline stage, inside the executor's ``shard_map``; ``hand_context``: the
+    ``context`` devices that split the sequence there by hand (``context`` is manual already,
+    so attention runs on the device's own piece without a ``shard_map`` of its own)."""
     rules = logical_rules(cfg)
     n_context = mesh_shape["context"]
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
     head_axes = {name: tuple(a for a in rules[name] if mesh_shape[a] > 1)
                  for name in ("heads", "kv_heads")}
-    attention = _attention(cfg, n_context, batch_axes, head_axes, platform)
+    if hand_context > 1:
+        p = cfg.parallel
+        attention = local_context_attention(p.context_impl, hand_context, p.zigzag,
+                                            _context_block(cfg, hand_context))
+    else:
+        attention = _attention(cfg, n_context, batch_axes, head_axes, platform)
     # MoE layers route each device's own tokens (and exchange them over `expert`): without the
     # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
     experts = (expert_parallel(mesh_shape, rules, platform=platform)
                if cfg.model.moe.enabled and split_axes else None)
     if in_stage and platform in NO_SHARD_MAP_IN_STAGES:
-        _refuse_nested_shard_maps(cfg, n_context, split_axes if experts else [], mesh_shape)
+        _refuse_nested_shard_maps(cfg, split_axes if experts else [], mesh_shape)
     stack = contextlib.ExitStack()
     stack.enter_context(activation_sharding(activation_constrainer(rules, mesh_shape)))
     stack.enter_context(use_attention(attention))
@@ -71,23 +78,19 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     return stack
 
 
-def _refuse_nested_shard_maps(cfg: Config, n_context: int, expert_split: list[str],
+def _refuse_nested_shard_maps(cfg: Config, nested: list[str],
                               mesh_shape: Mapping[str, int]) -> None:
     """The one-line error for a pipeline stage that would open a ``shard_map`` (see
-    :data:`NO_SHARD_MAP_IN_STAGES`): context attention, or the experts' dispatch (which a
-    pipelined MoE model needs once any axis but ``pipe`` splits its tokens or experts)."""
-    pipe = f"mesh.pipe={cfg.mesh.pipe}"
-    if n_context > 1:
-        raise ConfigError(f"{pipe} with mesh.context={n_context}: the TPU compiler (libtpu "
-                          f"0.0.42.1) aborts on context attention's shard_map inside a pipeline "
-                          f"stage; on TPU use context parallelism with mesh.pipe=1, or the "
-                          f"pipeline with mesh.context=1")
-    if expert_split:
-        axes = " ".join(f"mesh.{a}={mesh_shape[a]}" for a in expert_split)
-        raise ConfigError(f"{pipe} with a mixture of experts and {axes}: the TPU compiler "
-                          f"(libtpu 0.0.42.1) aborts on the experts' dispatch shard_map inside a "
-                          f"pipeline stage; on TPU a pipelined MoE model needs every other mesh "
-                          f"axis at 1 (or mesh.pipe=1)")
+    :data:`NO_SHARD_MAP_IN_STAGES`) over the axes ``nested``: the experts' dispatch of a MoE
+    model, whose batch and sequence the executor leaves to the compiler (a dense model's it
+    splits by hand, so its context attention opens none)."""
+    if not nested:
+        return
+    axes = " ".join(f"mesh.{a}={mesh_shape[a]}" for a in nested)
+    raise ConfigError(f"mesh.pipe={cfg.mesh.pipe} with a mixture of experts and {axes}: the TPU "
+                      f"compiler (libtpu 0.0.42.1) aborts on the experts' dispatch shard_map "
+                      f"inside a pipeline stage; on TPU a pipelined MoE model needs every other "
+                      f"mesh axis at 1 (or mesh.pipe=1)")
 
 
 def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],
@@ -96,13 +99,19 @@ def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],
     by the blockwise kernel), else the implementation ``model.attention`` resolves to here."""
     m, seq_len = cfg.model, cfg.train.seq_len
     if n_context > 1:
-        block = min(m.attention_block, local_tokens(seq_len, n_context, cfg.parallel.zigzag))
         return context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
-                                 batch_axes, block)
+                                 batch_axes, _context_block(cfg, n_context))
     name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
                    cfg.splash_possible())
     attend = attention_fn(name, min(m.attention_block, seq_len))
     return per_device(attend, batch_axes, head_axes) if name == "splash" else attend
+
+
+def _context_block(cfg: Config, n_context: int) -> int:
+    """Context attention's tile: ``model.attention_block``, at most one piece of the device's
+    sequence (one zigzag chunk)."""
+    return min(cfg.model.attention_block,
+               local_tokens(cfg.train.seq_len, n_context, cfg.parallel.zigzag))
 
 
 def per_device(attend, batch_axes: tuple[str, ...], head_axes: Mapping[str, tuple[str, ...]]):

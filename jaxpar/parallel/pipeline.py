@@ -52,11 +52,14 @@ are stored replicated over ``pipe``; each stage reads its vocabulary piece of th
 step the stage's weights are cast to the compute dtype and FSDP-gathered (:class:`ByHand`), so
 the VJPs save those very arrays and the stash leaves them out.
 
-One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data`` and ``fsdp`` by hand
-(dense models): each device sums its own rows' weight gradients over every microbatch of every
-micro-step (``train.grad_accum``), and one all-reduce over ``data`` and one reduce-scatter over
-``fsdp`` per step add them up. The cost: the stage's weights whole (compute dtype) and its
-gradient sums whole (float32) on every device for the step.
+One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data`` and ``fsdp`` (the
+batch rows) and ``context`` (the sequence) by hand (dense models): each device sums its own
+tokens' weight gradients over every microbatch of every micro-step (``train.grad_accum``), and
+one all-reduce over ``data`` and ``context`` and one reduce-scatter over ``fsdp`` per step add
+them up. The cost: the stage's weights whole (compute dtype) and its gradient sums whole
+(float32) on every device for the step. With ``context`` manual here, context attention runs on
+each device's piece of the sequence directly, with no ``shard_map`` of its own nested in this
+one (which the TPU compiler aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
 """
 
 from __future__ import annotations
@@ -206,8 +209,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
 
     def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
         stacked_keys = {k: PartitionSpec(PIPE_AXIS) for k in stages.layer_stacked}
-        # [micro-steps, m, B/(accum m), ...]: the batch rows split by hand
-        rows = PartitionSpec(None, None, by_hand.axes or None)
+        # [micro-steps, m, B/(accum m), S]: the batch rows and the sequence split by hand
+        rows = by_hand.microbatch_spec
         loss, shared_grads, layer_grads, aux_sums, aux_layers = jax.shard_map(
             per_device,
             in_specs=(by_hand.shared_specs, by_hand.layer_specs,
@@ -455,14 +458,22 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     accum = cfg.train.grad_accum
     program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
-    # Gradients are summed over data and fsdp once per step: the executor splits those axes
-    # by hand, so inside it they look like axes of size 1. Not for a mixture of experts: its
-    # load-balance loss is a product of statistics over the whole micro-batch, which a device
-    # holding part of the batch by hand cannot compute alone.
+    # Gradients are summed over data, fsdp and context once per step: the executor splits
+    # those axes by hand (the batch rows, the sequence), so inside it they look like axes of
+    # size 1, and context attention runs on each device's piece of the sequence with no
+    # shard_map nested in the executor's. Not for a mixture of experts: its load-balance loss
+    # is a product of statistics over the whole micro-batch, which a device holding part of the
+    # batch by hand cannot compute alone.
     hand = () if cfg.model.moe.enabled else tuple(
-        a for a in rules["batch"] if a in ("data", "fsdp") and mesh_shape[a] > 1)
+        a for a in (*rules["batch"], "context")
+        if a in ("data", "fsdp", "context") and mesh_shape[a] > 1)
     inner = {**mesh_shape, **{a: 1 for a in hand}}
-    model_hooks(cfg, inner, platform, in_stage=True).close()  # a layout error before any trace
+
+    def hooks() -> Any:
+        return model_hooks(cfg, inner, platform, in_stage=True,
+                           hand_context=mesh_shape["context"] if "context" in hand else 1)
+
+    hooks().close()  # a layout the hooks refuse fails here, before any trace
     micro_rows = cfg.train.batch_size // (accum * m)
     stash_spec = resolve_spec("pipeline stash", (None, "batch", "residual_seq", "act_embed"),
                               (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
@@ -485,7 +496,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     by_hand = ByHand(hand, specs_of(shared, set(hand)),
                      specs_of(specs["layers"], {PIPE_AXIS, *hand}),
                      specs_of(shared, split_auto), specs_of(specs["layers"], split_auto),
-                     hooks=lambda: model_hooks(cfg, inner, platform, in_stage=True),
+                     hooks=hooks,
                      reduce_dtype=DTYPES[cfg.parallel.reduce_dtype])
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)

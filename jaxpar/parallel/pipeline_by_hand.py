@@ -1,12 +1,14 @@
-"""The axes the pipeline executor splits by hand besides ``pipe``: ``data`` and ``fsdp``.
+"""The axes the pipeline executor splits by hand besides ``pipe``: ``data``, ``fsdp`` and
+``context``.
 
 Inside the executor's ``shard_map`` (:mod:`jaxpar.parallel.pipeline`) each device holds its own
-rows of the batch and its own FSDP shard of the stage's weights. Once per step it gathers the
-weights whole over ``fsdp`` (an all-gather of the stored shard: ``(f-1)/f`` of the stage's
-weights in the compute dtype arrive per device), sums its rows' gradients over every microbatch
-locally, and at the end reduces them once: a reduce-scatter over ``fsdp`` back to the stored
-shard (the same bytes as the gather, in ``parallel.reduce_dtype``) and an all-reduce over
-``data``. The rest of the mesh (``tensor``, ``context``, ``expert``) stays automatic.
+rows of the batch, its own piece of their sequence (``context``) and its own FSDP shard of the
+stage's weights. Once per step it gathers the weights whole over ``fsdp`` (an all-gather of the
+stored shard: ``(f-1)/f`` of the stage's weights in the compute dtype arrive per device), sums
+its tokens' gradients over every microbatch locally, and at the end reduces them once: a
+reduce-scatter over ``fsdp`` back to the stored shard (the same bytes as the gather, in
+``parallel.reduce_dtype``) and an all-reduce over ``data`` and ``context``. The rest of the mesh
+(``tensor``, ``expert``) stays automatic.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from jax.sharding import PartitionSpec
 
 @dataclass(frozen=True)
 class ByHand:
-    """What the executor's ``shard_map`` splits by hand besides ``pipe``: the batch axes whose
-    gradient sums it takes once per step (``data``, ``fsdp``), and the parameters' splits over
-    them (PartitionSpecs holding only those axes and ``pipe``). ``hooks()`` installs the
-    model's hooks for the rest of the mesh, which stays automatic; ``auto_shared_specs`` and
-    ``auto_layer_specs`` are the parameters' splits over those automatic axes (``tensor``...).
+    """What the executor's ``shard_map`` splits by hand besides ``pipe``: the axes whose
+    gradient sums it takes once per step (``data``, ``fsdp``, ``context``), and the
+    parameters' splits over them (PartitionSpecs holding only those axes and ``pipe``).
+    ``hooks()`` installs the model's hooks for the rest of the mesh, which stays automatic;
+    ``auto_shared_specs`` and ``auto_layer_specs`` are the parameters' splits over those
+    automatic axes (``tensor``...).
 
     A collective over a manual axis takes its operand whole over the automatic ones: XLA's
     partitioner would gather a tensor-split weight over ``tensor`` before gathering it over
@@ -71,6 +74,14 @@ class ByHand:
                 return (lax.psum(a, rest) if rest else a).astype(dtype)
             return _per_shard(sum_shard, g, auto) if self.axes else g
         return jax.tree.map(leaf, tree, specs, auto_specs)
+
+    @property
+    def microbatch_spec(self) -> PartitionSpec:
+        """The microbatches' split ([micro-steps, m, rows, S]): rows over the batch axes, the
+        sequence over ``context``."""
+        rows = tuple(a for a in self.axes if a != "context")
+        return PartitionSpec(None, None, rows or None,
+                             "context" if "context" in self.axes else None)
 
     def total(self, x: Any) -> Any:
         """Sums of per-device statistics (loss, MoE counts) over the batch split by hand."""
