@@ -215,11 +215,14 @@ def test_bfloat16_sums_the_partitioner_would_ignore_are_refused():
 
 
 def gradient_sum_dtypes(tmp_path: Path, *overrides: str) -> dict[tuple, set[str]]:
-    """The tiny preset's train step compiled by the TPU compiler for tpu-v5e:2x4: the dtypes of
-    its all-reduces and reduce-scatters, by (kind, mesh axes); scalars (the loss, token counts)
-    left out."""
+    """The tiny preset's (or the preset named first) train step compiled by the TPU compiler for
+    tpu-v5e:2x4: the dtypes of its all-reduces and reduce-scatters, by (kind, mesh axes);
+    scalars (the loss, token counts) left out."""
+    preset = "tiny"
+    if overrides and "=" not in overrides[0]:
+        preset, *overrides = overrides
     hlo = tmp_path / "step.hlo"
-    result = run_inspect("tiny", *overrides, "--target", "tpu-v5e:2x4", "--json", "-",
+    result = run_inspect(preset, *overrides, "--target", "tpu-v5e:2x4", "--json", "-",
                          "--hlo", str(hlo), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     mesh = json.loads(result.stdout)["mesh"]
@@ -249,9 +252,18 @@ def gradient_sum_dtypes(tmp_path: Path, *overrides: str) -> dict[tuple, set[str]
      {("reduce-scatter", ("fsdp",)): {"bf16", "f32"}}),  # f32: norm scales and lm_head
     (["mesh.data=1", "mesh.fsdp=4", "mesh.context=2", "train.dtype=bfloat16"],
      {("reduce-scatter", ("fsdp",)): {"f32"}, ("all-reduce", ("context",)): {"f32"}}),
+    # The q/k/v biases' sums over the tokens' devices (projection.add_bias: bf16 before).
+    (["mesh.data=1", "mesh.fsdp=4", "mesh.context=2", "train.dtype=bfloat16",
+      "model.qkv_bias=true"], {("all-reduce", ("fsdp", "context")): {"f32"}}),
+    # The experts' weights, gathered in bf16 inside the expert-parallel shard_map: their
+    # reduce-scatter over fsdp and sum over context (expert.used_expert_weight: bf16 before).
+    (["moe-tiny", "mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.fsdp=2",
+      "train.dtype=bfloat16"],
+     {("reduce-scatter", ("fsdp",)): {"f32"}, ("all-reduce", ("context",)): {"f32"}}),
 ], ids=["data8-bf16-compute-default", "data8-bf16-compute-reduce-bf16", "data8-reduce-bf16",
         "pipe2-data2-fsdp2-default", "pipe2-data2-fsdp2-reduce-bf16", "fsdp8-bf16-default",
-        "fsdp8-bf16-reduce-bf16", "fsdp4-context2-bf16-default"])
+        "fsdp8-bf16-reduce-bf16", "fsdp4-context2-bf16-default", "qkv-bias-fsdp4-context2-bf16",
+        "moe-expert2-context2-fsdp2-bf16"])
 def test_reduce_dtype_is_the_dtype_of_the_gradient_sums_on_tpu(tmp_path, overrides, expected):
     needs_libtpu()
     found = gradient_sum_dtypes(tmp_path, *overrides)

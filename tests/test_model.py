@@ -239,6 +239,35 @@ def test_norm_gated_silu_and_weighted_values_vjps_equal_autodiff_of_their_formul
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_bias_vjp_sums_the_gradient_over_tokens_in_the_wider_dtype():
+    """``projection.add_bias``: y + b as autodiff sees it, its bias gradient the sum of dy over
+    the tokens, taken in float32 for bf16 activations under ``parallel.reduce_dtype=float32``
+    (and in the activations' dtype without the setting)."""
+    from flax import nnx
+
+    from jaxpar.model.annotate import weight_grads_in
+    from jaxpar.model.projection import add_bias
+
+    keys = jax.random.split(jax.random.key(1), 3)
+    y = jax.random.normal(keys[0], (2, 5, 4, 8), jnp.float32)
+    b = nnx.Param(jax.random.normal(keys[1], (4, 8), jnp.float32))
+    dy = jax.random.normal(keys[2], y.shape, jnp.float32)
+    out, pull = jax.vjp(lambda y, b_: add_bias(y, nnx.Param(b_), (None, None)), y, b[...])
+    np.testing.assert_allclose(out, y + b[...], rtol=1e-6)
+    dy_got, db_got = pull(dy)
+    np.testing.assert_array_equal(dy_got, dy)
+    np.testing.assert_allclose(db_got, dy.sum(axis=(0, 1)), rtol=1e-5, atol=1e-6)
+    for wider, summed in ((jnp.float32, "f32[4,8]"), (None, "bf16[4,8]")):
+        with weight_grads_in(wider):
+            grad = jax.grad(lambda b_: jnp.sum(
+                add_bias(y.astype(jnp.bfloat16), nnx.Param(b_), (None, None))
+                .astype(jnp.float32) * dy))
+            jaxpr = str(jax.make_jaxpr(grad)(b[...]))
+        token_sums = [line.split("=")[0].strip() for line in jaxpr.splitlines()
+                      if "reduce_sum[axes=(0, 1) " in line]
+        assert [t.split(":")[1] for t in token_sums] == [summed], (wider, token_sums)
+
+
 def test_a_block_keeps_its_two_residual_stream_inputs_three_mlp_and_one_score_array():
     """What a block keeps for its backward pass under remat=none, by size: of the residual
     stream's [B, S, E] only the two norms' inputs (their outputs are rebuilt for the matmuls'

@@ -296,3 +296,16 @@ def test_gradient_accumulation_sums_over_data_once_per_step():
                          "train.batch_size=8"))["state"].params
     grads = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
     assert grads <= one[("all-reduce", ("data",))] <= grads + 1024
+
+
+def test_qkv_biases_match_one_device_over_fsdp_context_and_tensor():
+    # Their gradient is a sum over the tokens that projection.add_bias's VJP takes itself (in
+    # parallel.reduce_dtype); the compiler completes it over the devices holding the tokens.
+    bias = ("model.qkv_bias=true",)
+    ref = run_layout(("mesh.data=1", *bias))
+    got = run_layout(("mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", *bias))
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    assert_grads_and_params_match(got, ref)
+    biases = [k for k in ref["grads"]["layers"]["attn"] if k.endswith("_bias")]
+    assert sorted(biases) == ["k_bias", "q_bias", "v_bias"]
+    assert all(np.abs(ref["grads"]["layers"]["attn"][k]).max() > 0 for k in biases)

@@ -41,10 +41,10 @@ from jaxpar.model.projection import (
     RESIDUAL,
     Projection,
     Rebuild,
+    add_bias,
     project,
     project_all,
     sequence_slice,
-    weight,
 )
 
 Q_WEIGHT = ("act_embed", "heads", "head_dim")
@@ -59,12 +59,12 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, out_sharding=names)
 
 
-def stored_weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
-    """A weight in the compute dtype but laid out as stored (``names``): the experts' weights,
-    which the expert-parallel hook gathers itself."""
+def stored_weight(param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
+    """A weight as stored (dtype and layout ``names``; as prepared inside a pipeline stage): the
+    experts' weights, which the experts function casts and the expert-parallel hook gathers."""
     if weights_prepared():
         return param[...]
-    return constrain(param[...].astype(dtype), names)
+    return constrain(param[...], names)
 
 
 # Parameters a layer uses in float32 whatever the compute dtype: norm scales and the router.
@@ -236,9 +236,9 @@ class Attention(nnx.Module):
                  ) -> jax.Array:
         q, k, v = self._qkv(x, x_from)
         if hasattr(self, "q_bias"):
-            q = q + weight(self.q_bias, Q_BIAS, x.dtype)
-            k = k + weight(self.k_bias, KV_BIAS, x.dtype)
-            v = v + weight(self.v_bias, KV_BIAS, x.dtype)
+            q = add_bias(q, self.q_bias, Q_BIAS)
+            k = add_bias(k, self.k_bias, KV_BIAS)
+            v = add_bias(v, self.v_bias, KV_BIAS)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))

@@ -207,13 +207,15 @@ def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                   dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
-    """The experts on one device: x [B, S, E], expert_ids/gates [B, S, k] -> ([B, S, E], stats).
+    """The experts on one device: x [B, S, E], expert_ids/gates [B, S, k] -> ([B, S, E], stats),
+    ``weights`` as stored (cast to x's dtype here).
 
     This is the signature of the :func:`~jaxpar.model.annotate.experts_override` hook too.
     """
     b, s, e = x.shape
     k = expert_ids.shape[-1]
     tokens, ids, g = x.reshape(b * s, e), expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
+    weights = tuple(w.astype(x.dtype) for w in weights)
     if dispatch == "dropless":
         y, stats = dropless_experts(tokens, ids, g, weights)
     else:
@@ -277,7 +279,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, S, E] (laid out as a matmul input) -> (y [B, S, E], this layer's aux dict)."""
-        moe, dtype = self.config, x.dtype
+        moe = self.config
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32),
                             weight(self.router, ("act_embed", None), jnp.float32))
         logits = constrain(logits, ("batch", "seq", None))
@@ -292,13 +294,12 @@ class MoE(nnx.Module):
         balance = moe.num_experts * jnp.sum(counts / slots * jnp.mean(probs, axis=(0, 1)))
         z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
-        # In the compute dtype, but still laid out as stored: on one device that is all there
-        # is; the expert-parallel hook all-gathers the fsdp split of ``embed`` per device, so that
-        # autodiff turns it into a reduce-scatter of the gradient (as `weight` does for the
-        # other layers, outside shard_map).
-        weights = (stored_weight(self.w_gate, EXPERT_IN, dtype),
-                   stored_weight(self.w_up, EXPERT_IN, dtype),
-                   stored_weight(self.w_down, EXPERT_OUT, dtype))
+        # As stored: on one device the experts cast them to x's dtype; the expert-parallel hook
+        # casts and all-gathers the fsdp split of ``embed`` per device, and sums the gradient
+        # back (reduce-scatter) in parallel.reduce_dtype, as `weight` does for the other layers.
+        weights = (stored_weight(self.w_gate, EXPERT_IN),
+                   stored_weight(self.w_up, EXPERT_IN),
+                   stored_weight(self.w_down, EXPERT_OUT))
         experts = experts_override() or local_experts
         y, stats = experts(x, expert_ids, gates, weights, dispatch=moe.dispatch,
                            capacity_factor=moe.capacity_factor)

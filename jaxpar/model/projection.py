@@ -41,6 +41,14 @@ def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
     return _used_weight(param[...], names, dtype)
 
 
+def summed_grad_dtype(dtype) -> jnp.dtype:
+    """The dtype a layer computing in ``dtype`` hands its weight gradients to the sums in:
+    :func:`weight_grad_dtype` (``parallel.reduce_dtype``) where that is wider, else ``dtype``."""
+    grad_dtype = weight_grad_dtype()
+    wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
+    return jnp.dtype(grad_dtype if wider else dtype)
+
+
 def _used_weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     if weights_prepared():
         return w
@@ -135,11 +143,9 @@ def project_all(x: jax.Array, projections: tuple[Projection, ...], *,
                      for p in projections for param in p.params)
     parts = tuple(_Part.of(p) for p in projections)
     ws = tuple(param[...] for p in projections for param in p.params)
-    grad_dtype = weight_grad_dtype()
-    wider_grads = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > x.dtype.itemsize
-    if resharding_after_forward() or wider_grads:
-        how = _ProjectVJP(parts, resharding_after_forward(),
-                          jnp.dtype(grad_dtype if wider_grads else x.dtype), ws[0].dtype,
+    grad_dtype = summed_grad_dtype(x.dtype)
+    if resharding_after_forward() or grad_dtype != x.dtype:
+        how = _ProjectVJP(parts, resharding_after_forward(), grad_dtype, ws[0].dtype,
                           x_from.fn if x_from is not None else None)
         ys = _project(how, x, x_from.kept if x_from is not None else None, *ws)
     else:
@@ -255,11 +261,9 @@ def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype) -
     :func:`project`'s.
     """
     w = param[...]
-    grad_dtype = weight_grad_dtype()
-    wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
     stored = _stored_names(tuple(names))
     how = _LookupVJP(tuple(names), stored, w.shape[0], jnp.dtype(dtype),
-                     jnp.dtype(grad_dtype if wider else dtype), w.dtype)
+                     summed_grad_dtype(dtype), w.dtype)
     return _lookup(how, tokens, w)
 
 
@@ -291,3 +295,40 @@ def _lookup_bwd(how, tokens, dy):
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def add_bias(y: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
+    """``y`` plus the bias ``param`` (laid out as ``names``, the trailing dimensions of ``y``),
+    in ``y``'s dtype. The bias gradient is a sum over the tokens, which the compiler completes
+    across the devices holding them; it is taken in :func:`summed_grad_dtype` (autodiff would
+    sum bf16 in a bf16 run)."""
+    b = param[...]
+    if weights_prepared():
+        return y + b
+    return _add_bias(_BiasVJP(tuple(names), summed_grad_dtype(y.dtype), b.dtype), y, b)
+
+
+class _BiasVJP(NamedTuple):
+    """The static part of :func:`add_bias`'s custom VJP."""
+
+    names: tuple
+    grad_dtype: Any
+    stored_dtype: Any
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _add_bias(how: _BiasVJP, y: jax.Array, b: jax.Array) -> jax.Array:
+    return y + _used_weight(b, how.names, y.dtype)
+
+
+def _add_bias_fwd(how, y, b):
+    return _add_bias(how, y, b), None
+
+
+def _add_bias_bwd(how, _, dy):
+    tokens = tuple(range(dy.ndim - len(how.names)))
+    db = jnp.sum(dy, axis=tokens, dtype=how.grad_dtype)
+    return dy, constrain(db.astype(how.stored_dtype), _stored_names(how.names))
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)

@@ -49,6 +49,8 @@ device returns the global count.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,7 @@ from jaxpar.model.moe import (
     grouped_swiglu,
     slot_positions,
 )
+from jaxpar.model.projection import summed_grad_dtype
 
 EXPERT_AXIS = "expert"
 # XLA:CPU has no ragged-all-to-all ("UNIMPLEMENTED"): backends listed here use the padded one.
@@ -154,6 +157,54 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 
 # --------------------------------------------------------------------------------------------
+# The experts' weights as used: FSDP's gather, with its gradient sums in parallel.reduce_dtype
+
+
+class _Used(NamedTuple):
+    """The static part of :func:`used_expert_weight`."""
+
+    embed: tuple[str, ...]  # the axes splitting the weight's model dimension (fsdp)
+    replicated: tuple[str, ...]  # the token axes the weight is replicated over (data, context)
+    axis: int  # the model dimension
+    dtype: Any  # the compute dtype
+    sum_dtype: Any  # the gradient sums' (summed_grad_dtype)
+    stored_dtype: Any
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def used_expert_weight(how: _Used, w: jax.Array) -> jax.Array:
+    """This device's experts, stored ``w``, in the compute dtype and with the whole model
+    dimension: all-gathered over ``how.embed`` (FSDP), marked varying over ``how.replicated``.
+
+    Autodiff would sum the gradient in the compute dtype (bf16 on an accelerator), each
+    collective the transpose of one above. This backward pass takes the device's gradient (the
+    weight-gradient matmul's, in the compute dtype) to ``how.sum_dtype`` first, then
+    reduce-scatters it over ``embed`` and sums it over ``replicated``: the sum after the
+    scatter, on the 1/fsdp shard.
+    """
+    w = w.astype(how.dtype)
+    if how.replicated:
+        w = lax.pcast(w, how.replicated, to="varying")
+    return lax.all_gather(w, how.embed, axis=how.axis, tiled=True) if how.embed else w
+
+
+def _used_fwd(how: _Used, w: jax.Array) -> tuple[jax.Array, None]:
+    return used_expert_weight(how, w), None
+
+
+def _used_bwd(how: _Used, _: None, dw: jax.Array) -> tuple[jax.Array]:
+    dw = dw.astype(how.sum_dtype)
+    if how.embed:
+        dw = lax.psum_scatter(dw, how.embed, scatter_dimension=how.axis, tiled=True)
+    if how.replicated:
+        dw = lax.psum(dw, how.replicated)
+    return (dw.astype(how.stored_dtype),)
+
+
+used_expert_weight.defvjp(_used_fwd, _used_bwd)
+
+
+# --------------------------------------------------------------------------------------------
 # Entry point used by the model's MoE layers
 
 
@@ -188,12 +239,12 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     mesh: per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
     all-to-alls over ``expert`` when it has more than one device.
 
-    ``weights`` arrive as stored (rules table: ``experts`` over ``expert``, ``embed`` over
-    ``fsdp``, ``mlp`` over ``tensor``); each device all-gathers its experts' ``embed`` split,
-    whose transpose in the backward pass is the reduce-scatter of their gradient, as FSDP does
-    for every other weight. ``ragged`` picks the dropless exchange: ``ragged_all_to_all``
-    (default off the platforms in :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded
-    ``all_to_all``.
+    ``weights`` arrive as stored (dtype, and layout by the rules table: ``experts`` over
+    ``expert``, ``embed`` over ``fsdp``, ``mlp`` over ``tensor``); each device casts them to the
+    compute dtype and all-gathers its experts' ``embed`` split (:func:`used_expert_weight`),
+    whose backward pass reduce-scatters their gradient, as FSDP does for every other weight.
+    ``ragged`` picks the dropless exchange: ``ragged_all_to_all`` (default off the platforms in
+    :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded ``all_to_all``.
     """
     groups = mesh_shape[EXPERT_AXIS]
     batch = tuple(a for a in BATCH_AXES if mesh_shape[a] > 1)
@@ -216,19 +267,16 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     w_in, w_out = P(x_dim, e_dim, tensor), P(x_dim, tensor, e_dim)
 
     # Token axes over which the weights are replicated (data, context, ...): their gradients
-    # are summed over these. Marking the weights as varying over them *before* the fsdp gather
-    # puts that sum after the reduce-scatter in the backward pass, on the 1/fsdp shard.
+    # are summed over these.
     replicated = tuple(a for a in token_axes if a not in embed + expert_dim)
-
-    def gathered(w: jax.Array, axis: int) -> jax.Array:
-        """This device's experts with the whole model dimension (FSDP's gather)."""
-        if replicated:
-            w = lax.pcast(w, replicated, to="varying")
-        return lax.all_gather(w, embed, axis=axis, tiled=True) if embed else w
 
     def experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                 dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
         num_experts = weights[0].shape[0]
+        dtypes = (jnp.dtype(x.dtype), summed_grad_dtype(x.dtype), jnp.dtype(weights[0].dtype))
+
+        def gathered(w: jax.Array, axis: int) -> jax.Array:
+            return used_expert_weight(_Used(embed, replicated, axis, *dtypes), w)
 
         def local(x, expert_ids, gates, w_gate, w_up, w_down):
             b, s, e = x.shape
