@@ -276,6 +276,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
         dtypes = (jnp.dtype(x.dtype), summed_grad_dtype(x.dtype), jnp.dtype(weights[0].dtype))
 
         def gathered(w: jax.Array, axis: int) -> jax.Array:
+            if not (embed or replicated):  # nothing to gather or sum: the weight itself, which a
+                return w.astype(x.dtype)   # pipeline stage's stash then leaves out
             return used_expert_weight(_Used(embed, replicated, axis, *dtypes), w)
 
         def local(x, expert_ids, gates, w_gate, w_up, w_down):
