@@ -9,10 +9,12 @@ whole mesh; the pipeline executor installs them again inside its ``shard_map`` f
 stays automatic there (the axes it handles by hand counted as 1).
 
 Context attention and the experts' dispatch each open a ``shard_map`` of their own; inside a
-pipeline stage that one is nested in the executor's. XLA:CPU compiles and runs that, the TPU
+pipeline stage that one would nest in the executor's. XLA:CPU compiles and runs that, the TPU
 compiler (libtpu 0.0.42.1) aborts the process on it ("Check failed: target.IsManualSubgroup() ==
-sharding().IsManualSubgroup()", in the backward pass's copy of the inner ``shard_map``), so on
-the platforms in :data:`NO_SHARD_MAP_IN_STAGES` those layouts are a config error instead.
+sharding().IsManualSubgroup()", in the backward pass's copy of the inner ``shard_map``). So the
+executor splits a dense model's sequence over ``context`` by hand, and attention there runs on
+the device's piece directly (``hand_context``); a MoE model's dispatch still nests, which on the
+platforms in :data:`NO_SHARD_MAP_IN_STAGES` is a config error instead.
 """
 
 from __future__ import annotations
