@@ -122,7 +122,7 @@ def test_payload_bytes_follow_element_width(dtype, nbytes):
     assert c.wire_bytes == nbytes  # 2(N-1)/N with N=2
 
 
-def test_mixed_tuple_all_reduce_sums_operands_and_names_largest_dtype():
+def test_mixed_tuple_all_reduce_sums_operands_and_names_every_dtype_most_bytes_first():
     text = module(
         "  %a = s8[7]{0} parameter(0)\n  %b = bf16[3,5]{1,0} parameter(1)\n"
         "  %c = pred[9]{0} parameter(2)\n"
@@ -131,7 +131,7 @@ def test_mixed_tuple_all_reduce_sums_operands_and_names_largest_dtype():
         "to_apply=%add"
     )
     c = only(parse_collectives(text, MESH))
-    assert (c.bytes, c.dtype) == (7 + 30 + 9, "bf16")
+    assert (c.bytes, c.dtype) == (7 + 30 + 9, "bf16+pred+s8")
 
 
 @pytest.mark.parametrize(
@@ -269,7 +269,9 @@ def test_combined_all_reduce_sliced_per_tuple_element_is_a_reduce_scatter():
         "  ROOT %t = (f32[4]{0}, bf16[2,4]{1,0}) tuple(%d0, %d1)"
     )
     c = only(parse_collectives(text, MESH))
-    assert (c.kind, c.axes, c.bytes, c.dtype) == ("reduce-scatter", ("data",), 32 + 32, "f32")
+    # equal bytes of each: the first operand's dtype first
+    assert (c.kind, c.axes, c.bytes, c.dtype) == ("reduce-scatter", ("data",), 32 + 32,
+                                                  "f32+bf16")
 
 
 def test_combined_all_reduce_is_split_into_its_sliced_and_whole_elements():
@@ -451,6 +453,7 @@ def test_summary_has_one_row_per_kind_and_axes():
             "wire_bytes": 1,
             "axes": ["data", "tensor"],
             "lowered_as": ["all-reduce-start"],
+            "dtypes": ["f32"],
         },
         {
             "kind": "all-reduce",
@@ -460,6 +463,7 @@ def test_summary_has_one_row_per_kind_and_axes():
             "wire_bytes": 2,
             "axes": ["tensor"],
             "lowered_as": ["all-reduce"],
+            "dtypes": ["f32"],
         },
         {
             "kind": "reduce-scatter",
@@ -469,6 +473,7 @@ def test_summary_has_one_row_per_kind_and_axes():
             "wire_bytes": 16,
             "axes": ["data"],
             "lowered_as": ["all-reduce+dynamic-slice", "reduce-scatter"],
+            "dtypes": ["f32"],
         },
     ]
 

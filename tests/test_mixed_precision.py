@@ -229,7 +229,7 @@ def gradient_sum_dtypes(tmp_path: Path, *overrides: str) -> dict[tuple, set[str]
     out: dict[tuple, set[str]] = {}
     for c in parse_collectives(hlo.read_text(), mesh):
         if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 64:
-            out.setdefault((c.kind, c.axes), set()).add(c.dtype)
+            out.setdefault((c.kind, c.axes), set()).update(c.dtype.split("+"))
     return out
 
 

@@ -75,6 +75,15 @@ def test_tpu_compiler_gathers_weights_in_bf16_asynchronously(fsdp8_on_v5e):
     assert "AsyncCollectiveStart" in hlo  # overlapped with compute, not a blocking op
 
 
+def test_the_collectives_table_names_what_each_kind_sends(fsdp8_on_v5e):
+    # inspect's `dtypes`: the weights go out in bf16 (the gather above), the float32
+    # parameters' gradients come back reduce-scattered in f32 (XLA:CPU's program is all f32,
+    # bf16 collectives included, so only the TPU compile shows the difference).
+    _, report, _ = fsdp8_on_v5e
+    assert "bf16" in rows(report, "all-gather", ["fsdp"])[0]["dtypes"]
+    assert rows(report, "reduce-scatter", ["fsdp"])[0]["dtypes"] == ["f32"]
+
+
 def test_memory_is_the_tpu_compilers_per_chip_hbm_plan(fsdp8_on_v5e):
     _, report, _ = fsdp8_on_v5e
     memory = report["memory"]

@@ -77,7 +77,9 @@ class Collective:
     kind: str  # one of KINDS
     lowered_as: str  # spelling in the HLO, e.g. 'all-reduce-start', 'all-reduce+dynamic-slice'
     name: str  # HLO instruction name (of the fusion for TPU's all-reduce-scatter)
-    dtype: str  # dtype of the largest operand, e.g. 'f32', 'bf16'
+    # Operand dtypes, most bytes first, '+'-joined where a combined collective mixes them:
+    # 'f32', 'bf16', 'f32+bf16' (XLA's combiners merge gradient sums of both kinds into one).
+    dtype: str
     # Logical payload per device: all-reduce, all-to-all, permute: the operands; all-gather: the
     # gathered result; reduce-scatter: the unscattered input; ragged-all-to-all: its input buffer.
     bytes: int
@@ -188,7 +190,7 @@ def _split_combined(
                 kind=kind,
                 lowered_as=lowered_as,
                 name=f"{instr.name}[{','.join(map(str, elements))}]",
-                dtype=max(arrays, key=lambda a: a.bytes).dtype if arrays else "",
+                dtype=_dtypes(arrays),
                 bytes=payload,
                 wire_bytes=_wire_bytes(kind, lowered_as, payload, n),
                 group_size=n,
@@ -221,10 +223,15 @@ def _payload_bytes(comp: Computation, instr: Instr, base: str) -> tuple[int, str
     elif base == "collective-permute" and "slice_sizes=" in instr.attrs:
         indices = range(1)  # in-place form (input, output, input/output start indices)
     arrays = [a for i in indices for a in operand_arrays(comp, instr, i)]
-    if not arrays:
-        return 0, ""
-    largest = max(arrays, key=lambda a: a.bytes)  # max() keeps the first of equal ones
-    return sum(a.bytes for a in arrays), largest.dtype
+    return sum(a.bytes for a in arrays), _dtypes(arrays)
+
+
+def _dtypes(arrays: list) -> str:
+    """The arrays' dtypes, most bytes first (ties: first seen), '+'-joined."""
+    total: dict[str, int] = {}
+    for a in arrays:
+        total[a.dtype] = total.get(a.dtype, 0) + a.bytes
+    return "+".join(sorted(total, key=lambda d: -total[d]))
 
 
 def _wire_bytes(kind: str, lowered_as: str, payload: int, n: int) -> int:
@@ -374,6 +381,7 @@ def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
                 "wire_bytes": 0,
                 "axes": list(c.axes),
                 "lowered_as": set(),
+                "dtypes": set(),
             },
         )
         row["count"] += c.executions
@@ -381,8 +389,10 @@ def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
         row["bytes"] += c.bytes * c.executions
         row["wire_bytes"] += c.wire_bytes * c.executions
         row["lowered_as"].add(c.lowered_as)
+        row["dtypes"].update(d for d in c.dtype.split("+") if d)
     for row in rows.values():
         row["lowered_as"] = sorted(row["lowered_as"])
+        row["dtypes"] = sorted(row["dtypes"])
         # Averages over pipeline stages can be fractional; JSON keeps whole numbers.
         for key in ("count", "bytes", "wire_bytes"):
             row[key] = round(row[key])

@@ -358,12 +358,13 @@ def _print_collectives(rows: Sequence[Mapping[str, Any]], console: Console,
     table = Table(title="collectives per device, one step (ops in the layer loop count once per "
                   "layer)", title_justify="left")
     for name, justify in (("kind", "left"), ("axes", "left"), ("count", "right"),
-                          ("bytes", "right"), ("wire bytes", "right"), ("lowered as", "left")):
+                          ("bytes", "right"), ("wire bytes", "right"), ("dtypes", "left"),
+                          ("lowered as", "left")):
         table.add_column(name, justify=justify, no_wrap=name != "lowered as")
     for row in rows:
         table.add_row(row["kind"], ",".join(row["axes"]) or "-", str(row["count"]),
                       human_bytes(row["bytes"]), human_bytes(row.get("wire_bytes")),
-                      ", ".join(row.get("lowered_as", [])))
+                      ",".join(row.get("dtypes", [])), ", ".join(row.get("lowered_as", [])))
     console.print(table)
     console.print("bytes: payload per device (all-gather: the gathered result; reduce-scatter: "
                   "the unscattered input); wire bytes: what a ring algorithm sends per device.")
