@@ -84,7 +84,7 @@ class ByHand:
                              "context" if "context" in self.axes else None)
 
     def total(self, x: Any) -> Any:
-        """Sums of per-device statistics (loss, MoE counts) over the batch split by hand."""
+        """Sums of per-device statistics (loss, MoE counts) over the axes split by hand."""
         return jax.tree.map(lambda a: lax.psum(a, self.axes), x) if self.axes else x
 
     def _split(self, spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
