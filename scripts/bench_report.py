@@ -8,7 +8,7 @@ from typing import Any
 from jaxpar.inspect.units import human_bytes
 
 COLUMNS = ("layout", "mesh", "compile s", "recompiles", "step s (median)", "spread (min-max)",
-           "tokens/s",
+           "1-dev step s alongside", "tokens/s",
            "peak mem/dev", "coll. bytes/dev", "step / 1-dev", "work / 1-dev",
            "step / work", "flops / plan", "mem / plan", "bytes / plan")
 
@@ -23,6 +23,7 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
     return [row["name"], row["mesh"], _num(row["compile_s"], "{:.1f}"), str(row["recompiles"]),
             _num(step["median_s"], "{:.3f}"),
             f"{step['min_s']:.3f}-{step['max_s']:.3f}",
+            _num(row.get("baseline_step", {}).get("median_s"), "{:.3f}"),
             _num(row["tokens_per_s"], "{:,.0f}"),
             human_bytes(row["memory"]["peak_bytes"]),
             human_bytes(row["collectives"]["bytes"]) if row["collectives"]["bytes"] else "0",
@@ -47,8 +48,9 @@ def markdown_table(results: Mapping[str, Any]) -> str:
             cells = [row["name"], f"{row['status']}: {reason}"] + [""] * (len(COLUMNS) - 2)
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "recompiles: compilations after the first step (0: every later step ran the "
-              "first one's executable). step / 1-dev: median step over the 1-device median of "
-              "the same global batch. "
+              "first one's executable). 1-dev step s alongside: the median of the 1-device "
+              "steps of the same global batch run one after each of the layout's timed steps. "
+              "step / 1-dev: the layout's median step over that median. "
               "work / 1-dev: matmul flops all devices execute over the 1-device run's (virtual "
               "devices share the cores, so this is the step ratio with no overhead; a "
               "pipeline's masked slots make it its executed-work factor). step / work: their "

@@ -6,7 +6,8 @@ comparison with the plan (:func:`jaxpar.inspect.report.compare_with_plan`), then
 The steps run through ``Trainer.step``, the jitted step as training calls it, which reuses that
 executable (the first step compiles nothing); ``recompiles`` counts the compilations after the
 first step (:func:`bench_timing.step_times`): 0 unless a step's arguments changed layout, dtype
-or shape from one step to the next.
+or shape from one step to the next. Each timed step of a layout is followed by one of its
+1-device baseline, whose times (``baseline_step``) are the denominator of ``step_vs_1dev``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-from bench_timing import random_batch, spread, step_times
+from bench_timing import Stepper, random_batch, spread, step_times
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxpar.config import Config, ConfigError, load_config, validate
@@ -30,8 +31,11 @@ from jaxpar.train.metrics import mesh_text
 from jaxpar.train.step import build_trainer
 
 
-def measure(cfg: Config, devices: Sequence[Any], *, steps: int, warmup: int) -> dict[str, Any]:
-    """Compile, inspect and time the train step of validated ``cfg`` on ``devices``."""
+def measure(cfg: Config, devices: Sequence[Any], *, steps: int, warmup: int,
+            baseline: Stepper | None = None) -> dict[str, Any]:
+    """Compile, inspect and time the train step of validated ``cfg`` on ``devices``, its steps
+    alternated with ``baseline``'s (a 1-device run's); without one (a baseline itself) the row
+    keeps its own :class:`Stepper` as ``_stepper``."""
     trainer = build_trainer(cfg, make_mesh(cfg, devices=list(devices)))
     start = time.perf_counter()
     compiled = trainer.compile_step()
@@ -39,9 +43,14 @@ def measure(cfg: Config, devices: Sequence[Any], *, steps: int, warmup: int) -> 
     report = build_report(CompiledStep(cfg, trainer, compiled, compile_s))
     compare = compare_with_plan(report, cfg)
     plan = estimate(cfg)
-    times, recompiles = step_times(trainer.step, trainer.init(), random_batch(cfg, trainer),
-                                   warmup=warmup, steps=steps)
+    batch = random_batch(cfg, trainer)
+    times, recompiles = step_times(trainer.step, trainer.init(), batch, warmup=warmup,
+                                   steps=steps, alongside=baseline)
     timing = spread(times)
+    if baseline is None:  # a baseline: its step, for the layouts' steps to alternate with
+        paired = {"_stepper": Stepper(trainer.step, trainer.init(), batch)}
+    else:
+        paired = {"baseline_step": {k: round(v, 4) for k, v in spread(baseline.times).items()}}
     tokens = cfg.train.batch_size * cfg.train.seq_len
     compiled_bytes = sum(r["compiled_bytes"] or 0 for r in compare["collectives"])
     plan_bytes = sum(r["predicted_bytes"] or 0 for r in compare["collectives"])
@@ -62,6 +71,7 @@ def measure(cfg: Config, devices: Sequence[Any], *, steps: int, warmup: int) -> 
                   "xla_cost_analysis": report["flops"]["compiled"]},
         "work_factor": _work_factor(cfg),
         "_memory_ratio": compare["memory"]["peak_ratio"],
+        **paired,
     }
 
 
@@ -88,7 +98,8 @@ def add_ratios(row: dict[str, Any], baseline: Mapping[str, Any] | None) -> None:
     experts split over devices (XLA:CPU's grouped matmul pads fewer rows per device).
     """
     ok = baseline is not None and baseline.get("status") == "ok"
-    step = _ratio(row["step"]["median_s"], baseline["step"]["median_s"] if ok else None)
+    base_step = row.get("baseline_step", baseline["step"] if ok else {})
+    step = _ratio(row["step"]["median_s"], base_step.get("median_s") if ok else None)
     work = _ratio(row["flops"]["compiled_dot"] * row["devices"],
                   baseline["flops"]["compiled_dot"] if ok else None)
     row["ratios"] = {
@@ -102,7 +113,7 @@ def add_ratios(row: dict[str, Any], baseline: Mapping[str, Any] | None) -> None:
 
 
 def run_one(name: str, cfg_args: tuple[str, Sequence[str]], devices: Sequence[Any], *,
-            steps: int, warmup: int) -> dict[str, Any]:
+            steps: int, warmup: int, baseline: Stepper | None = None) -> dict[str, Any]:
     """One row: measured, or ``status`` invalid/failed with the reason (never an exception)."""
     preset, overrides = cfg_args
     row: dict[str, Any] = {"name": name, "overrides": list(overrides)}
@@ -111,7 +122,7 @@ def run_one(name: str, cfg_args: tuple[str, Sequence[str]], devices: Sequence[An
     except ConfigError as err:
         return {**row, "status": "invalid", "reason": str(err)}
     try:
-        row.update(measure(cfg, devices, steps=steps, warmup=warmup))
+        row.update(measure(cfg, devices, steps=steps, warmup=warmup, baseline=baseline))
     except Exception as err:  # noqa: BLE001  (a row that says why beats a lost matrix)
         return {**row, "status": "failed", "reason": f"{type(err).__name__}: {err}"[:500]}
     return {**row, "status": "ok"}
@@ -138,6 +149,7 @@ def run_matrix(preset: str, overrides: list[str], names: list[str], layouts: Map
     base_cfg = load_config(preset, overrides)
     all_devices = jax.devices()
     baselines: dict[str, dict[str, Any]] = {}
+    steppers: dict[str, Stepper] = {}  # each baseline's step, run alongside its layouts'
     rows: list[dict[str, Any]] = []
     with _progress() as progress:
         task = progress.add_task("benchmark", total=len(names), layout="")
@@ -151,11 +163,13 @@ def run_matrix(preset: str, overrides: list[str], names: list[str], layouts: Map
                 base = run_one(label, (preset, [*model, "mesh.data=1"]), all_devices[:1],
                                steps=steps, warmup=warmup)
                 if base["status"] == "ok":
+                    steppers[layout.model] = base.pop("_stepper")
                     add_ratios(base, base)
                 baselines[layout.model] = base
                 rows.append(base)
             progress.update(task, layout=name)
-            row = run_one(name, cfg_args, all_devices[:devices], steps=steps, warmup=warmup)
+            row = run_one(name, cfg_args, all_devices[:devices], steps=steps, warmup=warmup,
+                          baseline=steppers.get(layout.model))
             if row["status"] == "ok":
                 add_ratios(row, baselines[layout.model])
             rows.append(row)

@@ -7,9 +7,11 @@ step recompiled), the median and spread of the step time, tokens/s, compiled mem
 device, collective bytes per device, and compiled vs analytic flops -- and the ratios that
 still mean something on a noisy, shared CPU, because both sides come from the same run:
 
-- step time / the 1-device step of the same global batch (virtual devices share the same cores,
-  so a layout that adds no redundant work sits near 1; a pipeline also executes its masked
-  slots, so its target is its executed-work factor, shown beside it);
+- step time / the 1-device step of the same global batch, each timed step of the layout
+  followed by one of the 1-device run, so that both come from the same minutes of a machine
+  whose speed drifts (virtual devices share the same cores, so a layout that adds no redundant
+  work sits near 1; a pipeline also executes its masked slots, so its target is its
+  executed-work factor, shown beside it);
 - compiled / analytic flops: matmul flops of the optimized HLO, loop trip counts included
   (:func:`jaxpar.inspect.hlo_flops.dot_flops`), over the plan's executed flops
   (:func:`jaxpar.inspect.cost.estimate`);

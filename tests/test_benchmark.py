@@ -61,6 +61,14 @@ def test_benchmark_rows_ratios_and_no_recompiles(tmp_path, capsys):
         assert 0.95 <= ratios["flops_vs_plan"] <= 1.05
         assert 0.5 <= ratios["memory_vs_plan"] <= 2.0
     assert rows["1-device (dense)"]["ratios"]["step_vs_1dev"] == 1.0
+    # A layout's steps alternate with its 1-device baseline's: the ratio's denominator is the
+    # median of those, one after each timed step.
+    for name in ("data", "context_ring", "expert"):
+        alongside = rows[name]["baseline_step"]
+        assert alongside["n"] == 2 and alongside["median_s"] > 0
+        assert rows[name]["ratios"]["step_vs_1dev"] == round(
+            rows[name]["step"]["median_s"] / alongside["median_s"], 3)
+    assert "baseline_step" not in rows["1-device (dense)"]
     assert rows["1-device (dense)"]["collectives"]["bytes"] == 0
     for name in ("data", "fsdp"):  # the plan predicts XLA:CPU's collectives
         assert rows[name]["collectives"]["bytes"] > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import numpy as np
@@ -38,7 +39,11 @@ LAYOUTS = {
     "data=2,tensor=4": ["mesh.data=2", "mesh.tensor=4"],
     "data=4,tensor=2": ["mesh.data=4", "mesh.tensor=2"],
     "data=2,fsdp=2,tensor=2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    # SP splits each device's 2 rows over tensor (whole sequences, see rules.py)...
     "data=4,tensor=2,sp": ["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
+    # ... and with 1 row per device and micro-step, the sequence (Megatron's layout).
+    "data=4,tensor=2,sp,grad_accum=2": ["mesh.data=4", "mesh.tensor=2",
+                                        "parallel.sequence_parallel=true", "train.grad_accum=2"],
     "data=4,zero1": ["mesh.data=4", "parallel.zero=1"],
     "data=2,grad_accum=4": ["mesh.data=2", "train.grad_accum=4"],
     "context=4": ["mesh.data=1", "mesh.context=4"],
@@ -95,6 +100,7 @@ def run_layout(overrides: tuple[str, ...]) -> dict:
         "last_loss": float(metrics["loss"]),
         "state": state,
         "collectives": parse_collectives(step.as_text(), cfg.mesh_shape),
+        "hlo": step.as_text(),
     }
 
 
@@ -226,6 +232,25 @@ def test_sequence_parallel_replaces_tensor_all_reduce_by_reduce_scatter_and_all_
     sp_all_reduce = per_step_bytes(collectives(sp, "all-reduce", ("tensor",)))
     tp_all_reduce = per_step_bytes(collectives(tp, "all-reduce", ("tensor",)))
     assert sp_all_reduce < activation < tp_all_reduce
+
+
+def activation_gathers(name: str) -> list[str]:
+    """The HLO all-gathers of [rows, seq, d_model] activations (the tiny model's d_model: 64)."""
+    return re.findall(r"= f32\[\d+,\d+,64\]\{([\d,]+)\} all-gather\(.*dimensions=\{(\d)\}",
+                      layout(name)["hlo"])
+
+
+@pytest.mark.parametrize(("name", "dimension"), [("data=4,tensor=2,sp", "0"),
+                                                 ("data=4,tensor=2,sp,grad_accum=2", "1")])
+def test_sequence_parallelism_gathers_whole_rows_where_each_devices_rows_divide(name, dimension):
+    # Rows: each device's piece is contiguous, gathered straight into the row-major layout the
+    # matmuls read. The sequence (one row per device): a strided piece of the row, which XLA
+    # gathers sequence-major ({2,0,1}) and copies back.
+    gathers = activation_gathers(name)
+    assert len(gathers) >= 4 * layout(name)["cfg"].model.n_layers, gathers
+    assert {d for _, d in gathers} == {dimension}
+    if dimension == "0":
+        assert {lay for lay, _ in gathers} == {"2,1,0"}
 
 
 def test_zero1_shards_optimizer_state_and_gradients_and_gathers_updated_params():

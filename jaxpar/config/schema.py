@@ -15,8 +15,8 @@ BATCH_AXES = ("data", "fsdp", "expert")
 """Mesh axes the global batch is split over (``expert`` is extra data parallelism outside MoE)."""
 
 LOGICAL_AXES = (
-    "batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads", "head_dim",
-    "mlp", "vocab", "experts", "layers", "stage",
+    "batch", "residual_batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads",
+    "head_dim", "mlp", "vocab", "experts", "layers", "stage",
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
 

@@ -25,7 +25,7 @@ from jaxpar.model.annotate import (
     weights_prepared,
 )
 
-RESIDUAL = ("batch", "residual_seq", "act_embed")  # between blocks
+RESIDUAL = ("residual_batch", "residual_seq", "act_embed")  # between blocks
 MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel matmuls
 
 

@@ -44,8 +44,8 @@ class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + ffn(norm(x)), where ffn is the SwiGLU
     MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`).
 
-    Between blocks the residual stream is laid out as ``residual_seq`` (sharded over ``tensor`` too
-    under sequence parallelism); the matmul inputs are laid out as ``seq``. The change of layout
+    Between blocks the residual stream is laid out as ``RESIDUAL`` (its tokens split over
+    ``tensor`` too under sequence parallelism); the matmul inputs are laid out as ``seq``. The change of layout
     is where the compiler puts the all-gather (entering) and reduce-scatter (leaving) of
     Megatron-SP, or, without SP, the all-reduce of the row-parallel output.
     """
@@ -129,7 +129,7 @@ class Transformer(nnx.Module):
         tokens = constrain(tokens, ("batch", "seq"))
         if not is_split("vocab"):  # the whole table on every device (after FSDP's gather)
             x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype)
-            return constrain(x, ("batch", "residual_seq", "act_embed"))
+            return constrain(x, RESIDUAL)
         # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
         # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
         # sequence under SP). (A gather from a table split by rows made XLA gather the whole
@@ -137,7 +137,7 @@ class Transformer(nnx.Module):
         one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
         one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
         x = project("bsv,ve->bse", one_hot, self.embedding, ("vocab", "act_embed"))
-        return constrain(x, ("batch", "residual_seq", "act_embed"))
+        return constrain(x, RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
                    ) -> tuple[jax.Array, Aux]:

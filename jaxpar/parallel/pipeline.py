@@ -77,6 +77,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
+from jaxpar.model.projection import RESIDUAL
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.hooks import model_hooks
@@ -337,7 +338,7 @@ def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, lis
     table = env.piece.cut(env.table())
     entering = env.microbatch(r["embed_mb"])
     x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]))
-    x0 = constrain(x0, ("batch", "residual_seq", "act_embed"))
+    x0 = constrain(x0, RESIDUAL)
     x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
     on = r["f_on"] == 1
     (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
@@ -475,7 +476,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
 
     hooks().close()  # a layout the hooks refuse fails here, before any trace
     micro_rows = cfg.train.batch_size // (accum * m)
-    stash_spec = resolve_spec("pipeline stash", (None, "batch", "residual_seq", "act_embed"),
+    stash_spec = resolve_spec("pipeline stash", (None, *RESIDUAL),
                               (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
                               inner)
 
