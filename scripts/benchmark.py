@@ -122,7 +122,8 @@ LAYOUTS: dict[str, Layout] = {
                   "mesh.tensor=2", "parallel.sequence_parallel=true", "train.microbatches=4",
                   "parallel.pipeline_schedule=1f1b"), "moe"),
 }
-# Measured with bench-cpu: 2 min 44 s on 2 cores (the whole matrix: 5 min 57 s)
+# Measured with bench-cpu on 2 cores: 2 min 44 s on 2026-12-03, 6 min 7 s on slower cores on
+# 2026-12-04 with the 1-device steps alternated (the whole matrix: 5 min 57 s, 12 min 32 s)
 # (docs/performance.md).
 QUICK = ("data", "fsdp", "tensor_sp", "context_ring", "pipe_1f1b", "expert",
          "pipe_fsdp_tensor_sp")

@@ -33,17 +33,17 @@ BASE = ["train.steps=3", "train.warmup_steps=1", "train.batch_size=8", "train.se
         "train.eps=1e-6"]
 STEPS = 3
 
+# Sequence parallelism splits each device's 2 rows over tensor (whole sequences, see rules.py)
+# ... and with 1 row per device and micro-step (grad_accum=2), the sequence (Megatron's layout).
+SP = ["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
     "fsdp=8": ["mesh.data=1", "mesh.fsdp=8"],
     "data=2,tensor=4": ["mesh.data=2", "mesh.tensor=4"],
     "data=4,tensor=2": ["mesh.data=4", "mesh.tensor=2"],
     "data=2,fsdp=2,tensor=2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    # SP splits each device's 2 rows over tensor (whole sequences, see rules.py)...
-    "data=4,tensor=2,sp": ["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
-    # ... and with 1 row per device and micro-step, the sequence (Megatron's layout).
-    "data=4,tensor=2,sp,grad_accum=2": ["mesh.data=4", "mesh.tensor=2",
-                                        "parallel.sequence_parallel=true", "train.grad_accum=2"],
+    "data=4,tensor=2,sp": SP,
+    "data=4,tensor=2,sp,grad_accum=2": [*SP, "train.grad_accum=2"],
     "data=4,zero1": ["mesh.data=4", "parallel.zero=1"],
     "data=2,grad_accum=4": ["mesh.data=2", "train.grad_accum=4"],
     "context=4": ["mesh.data=1", "mesh.context=4"],

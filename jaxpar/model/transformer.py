@@ -45,9 +45,9 @@ class Block(nnx.Module):
     MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`).
 
     Between blocks the residual stream is laid out as ``RESIDUAL`` (its tokens split over
-    ``tensor`` too under sequence parallelism); the matmul inputs are laid out as ``seq``. The change of layout
-    is where the compiler puts the all-gather (entering) and reduce-scatter (leaving) of
-    Megatron-SP, or, without SP, the all-reduce of the row-parallel output.
+    ``tensor`` too under sequence parallelism); the matmul inputs are laid out as ``seq``. The
+    change of layout is where the compiler puts the all-gather (entering) and reduce-scatter
+    (leaving) of Megatron-SP, or, without SP, the all-reduce of the row-parallel output.
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
