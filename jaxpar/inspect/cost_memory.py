@@ -44,10 +44,11 @@ their gradient (b S/c V/t each, divided by the pieces
 the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t).
 Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
 embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
-stashes, the residuals of the chunk it runs and copies of its weights
-(:mod:`~jaxpar.inspect.cost_pipeline`, "Memory of a stage"). Peak = parameters + optimizer
-state + gradients + batch + max(activations + stash + weight copies + that working set, the
-optimizer update's temporaries).
+stashes, the residuals of the chunk it runs, copies of its weights and, under FSDP, the
+float32 gradient sums of its gathered weights (:mod:`~jaxpar.inspect.cost_pipeline`, "Memory
+of a stage"). Peak = parameters + optimizer state + gradients + batch + max(activations +
+stash + weight copies + gradient sums + that working set, the optimizer update's
+temporaries).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from jaxpar.inspect.cost_params import (
     model_buffers,
     unit_blocks,
 )
-from jaxpar.inspect.cost_pipeline import pipeline_memory
+from jaxpar.inspect.cost_pipeline import pipeline_gradient_sums, pipeline_memory
 from jaxpar.inspect.cost_shapes import StepSizes
 
 
@@ -80,6 +81,7 @@ class MemoryCost:
     update: int  # the optimizer update's temporaries (after activations are freed)
     stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
     weight_copies: int = 0  # pipeline: XLA's copies of the stage's weights during the loops
+    gradient_sums: int = 0  # pipeline with FSDP: float32 sums of the gathered weights' gradients
     buffers: int = 0  # non-trainable model state (MoE router biases)
 
     @property
@@ -89,8 +91,8 @@ class MemoryCost:
     @property
     def peak(self) -> int:
         return (self.state + self.gradients + self.batch
-                + max(self.activations + self.stash + self.weight_copies + self.working,
-                      self.update))
+                + max(self.activations + self.stash + self.weight_copies + self.gradient_sums
+                      + self.working, self.update))
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
@@ -199,4 +201,5 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         update=moments,
         stash=stash,
         weight_copies=copies,
+        gradient_sums=pipeline_gradient_sums(st, params),
         buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))
