@@ -396,17 +396,18 @@ def test_search_tries_every_layout_and_ranks_the_valid_ones_by_step_time():
 
 def test_search_never_ranks_a_layout_that_replicates_the_gradients_when_they_do_not_fit():
     """llama-1b with one kv head (no tensor parallelism possible) on 8 x TPU v5e (16 GiB): a
-    layout that splits neither parameters (FSDP) nor gradients (ZeRO-1, which lays gradients out
-    like the moments) holds float32 parameters and gradients whole on every device, 8.8 GB
-    before activations, and dense attention's scores do not fit beside them. ZeRO-3 ranks
-    first: ZeRO-1's parameter gather waits for the whole update."""
+    layout that does not split the parameters (FSDP) holds float32 parameters and gradients
+    whole on every device, 8.8 GB before activations. ZeRO-1 does too: the TPU compiler
+    reduce-scatters its gradients to the moments' layout after the layer loop, so they are
+    whole at the end of the backward pass (compiled for tpu-v5e:2x4 at data=8 ZeRO-1: a peak
+    of 15.6 GiB of the chip's 15.75, beyond the plan's margin). Only FSDP layouts rank."""
     cfg = load_config("llama-1b", ["model.n_kv_heads=1", "model.attention=dense"])
     candidates = search(cfg, DEVICES, "tpu-v5e")
     ranked = [c for c in candidates if c.fits]
-    assert ranked and all(c.fsdp > 1 or c.zero == 1 for c in ranked)
-    assert ranked[0].zero == 3 and any(c.zero == 1 and c.fsdp == 1 for c in ranked)
+    assert ranked and all(c.fsdp > 1 for c in ranked)
+    assert ranked[0].zero == 3
     for c in candidates:
-        if c.fsdp == 1 and c.zero == 3:
+        if c.fsdp == 1:
             assert not c.fits
             assert ("HBM" in c.reason and c.reason.startswith("needs ")
                     or "not divisible by mesh.tensor" in c.reason), c.reason
