@@ -44,8 +44,8 @@ Memory of a stage (the peak, inside the stretch loops):
   embedding, head and final norm whole), kept for the whole step and reduce-scattered to the
   stored shards once at its end, so they are a buffer of their own beside those shards (the
   shards are the step's gradients). Without FSDP the sums are the gradients. (On llama-1b with
-  pipe=2 fsdp=4 that is 1.8 GiB per device that the plan missed: the TPU compiler's peak was
-  1.23x the plan's, 0.97x with the sums.)
+  pipe=2 fsdp=4 that is 2.3 GiB per device that the plan missed: the TPU compiler's peak was
+  1.23x the plan's, 0.88x with the sums.)
 
 Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
 fsdp=2, pipe=2 fsdp=2 tensor=2 with SP, a MoE model with pipe=2 expert=2 tensor=2, and the
