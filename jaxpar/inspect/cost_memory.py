@@ -6,12 +6,12 @@ parameters live, or, under ZeRO-1 outside a pipeline, where the moments live (on
 the accumulator, when g > 1). ZeRO-1's reduce-scatter to the moments' layout runs per layer
 inside the layer loop on XLA:CPU, but after it on the GPU/TPU compilers: there every layer's
 whole gradient is alive at the end of the backward pass, beside the scattered ones (tpu-v5e,
-bench-cpu data=8: compiled peak / plan 1.23 -> 1.01; llama-1b in bf16: 1.67 -> 1.10, the rest
-the compiler's bf16 copy of the whole layer stack, cast once before the loop). AdamW keeps two
-float32 moments
-per parameter, split like the parameters (ZeRO-3) or with ``embed`` also split over ``data`` and
-``fsdp`` (ZeRO-1). Saved activations per layer and micro-batch, with ``r = A/t`` under sequence
-parallelism (else ``r = A``: the residual stream is replicated over ``tensor``):
+bench-cpu data=8: compiled peak / plan 1.23 -> 0.98; llama-1b in bf16: 1.67 -> 1.05, the rest
+the compiler's bf16 copy of the whole layer stack, cast once before the loop, not modelled).
+AdamW keeps two float32 moments per parameter, split like the parameters (ZeRO-3) or with
+``embed`` also split over ``data`` and ``fsdp`` (ZeRO-1). Saved activations per layer and
+micro-batch, with ``r = A/t`` under sequence parallelism (else ``r = A``: the residual stream
+is replicated over ``tensor``):
 
 - ``remat=none``: what the layers' custom VJPs and autodiff keep. Per RMSNorm (2) its input
   (r) and float32 reciprocal rms (r x 4/(E a)); the column-parallel matmuls rebuild the norm's
