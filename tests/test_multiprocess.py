@@ -258,9 +258,12 @@ def test_a_killed_process_ends_the_other_within_60_s(env, tmp_path, timeout_s):
     assert "[launch] process 0 ended by itself" in text, text[-3000:]  # not killed by us
     print(f"the other process ended {elapsed:.1f} s after the kill (timeout_s={timeout_s})")
     assert elapsed < min(60, 2 * timeout_s), elapsed
-    # The runtime's own line (heartbeats stopped: process 1), or ours (a collective failed).
+    # The runtime's own line (heartbeats stopped: process 1), ours (a collective failed), or
+    # gloo's abort on the message the killed process left half sent (seen once in CI: process
+    # 0 ended 0.1 s after the kill: "Received data size doesn't match expected size").
     assert ("stopped sending heartbeats):\n[p0] 1\n" in text
-            or "jaxpar: error: process 0 of 2: process 1 is gone" in text), text[-3000:]
+            or "jaxpar: error: process 0 of 2: process 1 is gone" in text
+            or "gloo/transport/tcp" in text), text[-3000:]
 
 
 def test_an_error_on_one_process_ends_the_other_at_once(env, tmp_path):
