@@ -21,7 +21,8 @@ import pytest
 from helpers import assert_one_line_error, needs_libtpu, run_inspect
 from rich.console import Console
 
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.inspect.cost import estimate
 from jaxpar.inspect.report import print_report
 from jaxpar.inspect.tpu import GENERATIONS, INSTALL_HINT, parse_target
 
@@ -232,8 +233,6 @@ def test_pipeline_with_fsdp_peak_memory_is_the_plans_for_tpu(tmp_path, layout):
     compiled = report["memory"]["xla_peak_bytes"]
     predicted = report["compare"]["memory"]["predicted_peak_bytes"]
     assert abs(compiled / predicted - 1) <= 0.10, (compiled, predicted)
-    from jaxpar.config import load_config, validate
-    from jaxpar.inspect.cost import estimate
     sums = estimate(validate(load_config("tiny", [*HEAVY_WEIGHTS, *layout]), 8),
                     "tpu-v5e").memory.gradient_sums
     assert compiled / (predicted - sums) > 1.10  # the plan without them falls short
