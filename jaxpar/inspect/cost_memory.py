@@ -6,8 +6,9 @@ parameters live, or, under ZeRO-1 outside a pipeline, where the moments live (on
 the accumulator, when g > 1). ZeRO-1's reduce-scatter to the moments' layout runs per layer
 inside the layer loop on XLA:CPU, but after it on the GPU/TPU compilers: there every layer's
 whole gradient is alive at the end of the backward pass, beside the scattered ones (tpu-v5e,
-bench-cpu data=8: compiled peak / plan 1.23 -> 0.98; llama-1b in bf16: 1.67 -> 1.05, the rest
-the compiler's bf16 copy of the whole layer stack, cast once before the loop, not modelled).
+llama-1b data=8 in bf16: compiled peak / plan 1.67 -> 1.05, and 0.90 with the cast below).
+In bf16 compute outside a pipeline the GPU/TPU compilers also cast the whole stored layer stack
+once, before the loop, and keep the copy through the backward pass (``weight_copies``).
 AdamW keeps two float32 moments per parameter, split like the parameters (ZeRO-3) or with
 ``embed`` also split over ``data`` and ``fsdp`` (ZeRO-1). Saved activations per layer and
 micro-batch, with ``r = A/t`` under sequence parallelism (else ``r = A``: the residual stream
@@ -85,7 +86,7 @@ class MemoryCost:
     working: int  # one layer's backward, the head's logits, FSDP-gathered weights
     update: int  # the optimizer update's temporaries (after activations are freed)
     stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
-    weight_copies: int = 0  # pipeline: XLA's copies of the stage's weights during the loops
+    weight_copies: int = 0  # the weights as read, copied once per step (pipeline stage; cast stack)
     gradient_sums: int = 0  # pipeline with FSDP: float32 sums of the gathered weights' gradients
     buffers: int = 0  # non-trainable model state (MoE router biases)
 
@@ -143,6 +144,18 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     return 2 * norm + q + kv + q + ffn + probs + flash
 
 
+def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
+    """The layer stack as its matmuls read it, cast once per step: outside a pipeline the
+    GPU/TPU compilers turn the cast of each layer's float32 weights inside the layer loop into
+    one cast of the whole stored stack before it (a shard of it under FSDP, gathered layer by
+    layer after), kept for the backward pass (libtpu 0.0.42.1; XLA:CPU casts layer by layer)."""
+    if (st.pipeline is not None or st.xla_cpu or st.a == PARAM_BYTES
+            or st.cfg.train.param_dtype != "float32"):
+        return 0
+    return sum(in_compute_dtype(p, p.stored_bytes_per_device or p.bytes_per_device, st.a)
+               for p in params if p.stacked and p.matmul)
+
+
 def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     """Bytes per device of one step (the module docstring's accounting)."""
     cfg, m = st.cfg, st.cfg.model
@@ -193,7 +206,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     # gradients) and the norm output its matmuls rebuild (A); in a pipeline stage, the
     # residuals of the chunk a slot is running, beside the stashed ones.
     layer_set = max(_layer_activations(st, "none", moe) for moe in blocks) + st.act
-    saved_layers, stash, copies = units, 0, 0
+    saved_layers, stash, copies = units, 0, _cast_stack(st, params)
     if st.pipeline is not None:
         saved_layers = 0
         stash, copies, layer_set = pipeline_memory(st, params, per_layer)

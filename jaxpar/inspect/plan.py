@@ -212,9 +212,10 @@ def _memory_table(report: CostReport, hw: HardwareProfile) -> Table:
         ("working", m.working, "one layer's backward, logits, gathered weights"),
         *([("pipeline stash", m.stash, f"{report.pipeline['activation_slots']} stage inputs + "
             f"{report.pipeline['gradient_slots']} output gradients held "
-            f"({report.pipeline['schedule']})"),
-           ("weight copies", m.weight_copies, "the stage's weights as its matmuls read them, "
-            "copied beside the stashes")] if report.pipeline else []),
+            f"({report.pipeline['schedule']})")] if report.pipeline else []),
+        *([("weight copies", m.weight_copies, "the stage's weights as its matmuls read them, "
+            "copied beside the stashes" if report.pipeline else "the layer stack cast to "
+            f"{cfg.train.dtype} once, before the layer loop")] if m.weight_copies else []),
         *([("gradient sums", m.gradient_sums, "float32, of the weights as gathered over fsdp; "
             "reduce-scattered once per step")] if m.gradient_sums else []),
         ("batch", m.batch, "inputs, targets, mask"),

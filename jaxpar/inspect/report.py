@@ -168,9 +168,11 @@ def memory_report(stats: Any, platform: str = "cpu") -> dict[str, Any]:
     libtpu 0.0.42.1 (tiny model, d_model 256, fsdp over tpu-v5e:2x2): for seq_len 64, 256, 1024
     XLA's peak is 28, 77, 287 MiB while temp is 4.2, 4.5, 298 MiB (temp is 0 on tpu-v6e:2x2 at
     seq_len 64 under a 28 MiB peak); llama-1b on tpu-v5e:4x4 has 0.79 GiB of arguments and
-    3.95 GiB of temp under a 3.52 GiB XLA peak. Small temporaries evidently live outside the
-    temp buffer (many carry the TPU's on-chip memory space ``S(1)`` in the HLO), and big ones are
-    not all live at once; which of the two a TPU finally allocates could not be checked here.
+    3.95 GiB of temp under a 3.52 GiB XLA peak. Small temporaries live outside the temp buffer,
+    in the chip's on-core vector memory (``S(1)`` in the HLO; VMEM, 128 MiB on v5e), which XLA's
+    peak counts: for narrow models (d_model 256) it reads about ``argument`` + that memory, not
+    HBM (the compiler's dump of its memory spaces shows it; docs/jax-notes.md). Big
+    temporaries are not all live at once.
     """
     if stats is None:  # some backends have no analysis
         return {k: None for k in ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes")}
