@@ -41,6 +41,8 @@ is replicated over ``tensor``):
   and choices, the k copies of each token and their outputs, the rows sent, received and
   returned by its all-to-alls and the experts' three hidden-sized tensors per row (see
   ``_moe_activations``); with ``every = n`` a "layer" in these sums is a group of n blocks.
+  On XLA:CPU its dropless grouped matmul runs dense over every local expert, which adds
+  float32 products of all rows with every expert to the working set (``_dense_ragged_dot``).
 - Parameters include every expert of every MoE layer (1/G of them per device); the router
   biases of ``router=sigmoid_bias`` are float32 buffers outside the optimizer.
 
@@ -144,6 +146,20 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     return 2 * norm + q + kv + q + ffn + probs + flash
 
 
+def _dense_ragged_dot(st: StepSizes) -> int:
+    """XLA:CPU's working set for ``ragged_dot`` (dropless dispatch): it lowers the grouped
+    matmul to a dense one over every local expert, masked, so the backward pass of a MoE layer
+    holds float32 products of all its rows with every local expert's weights: about four
+    [rows, X, F] and one [rows, X, E] at once (fitted to the 1-device compiles of bench-cpu
+    with 4-16 experts, d_ff_expert 256-512, top-1 and top-2: 4.4-5.2 of [rows, X, F] before
+    the [rows, X, E] term; GPU and TPU run the grouped matmul itself)."""
+    m = st.cfg.model
+    if not (st.xla_cpu and m.moe.enabled and m.moe.dispatch == "dropless"):
+        return 0
+    local = m.moe.num_experts // st.mesh["expert"]
+    return st.expert_rows * local * (4 * m.resolved_d_ff_expert // st.t + m.d_model) * 4
+
+
 def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
     """The layer stack as its matmuls read it, cast once per step: outside a pipeline the
     GPU/TPU compilers turn the cast of each layer's float32 weights inside the layer loop into
@@ -217,7 +233,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),
-        working=layer_set + head + gathered + widened,
+        working=layer_set + head + gathered + widened + _dense_ragged_dot(st),
         update=moments,
         stash=stash,
         weight_copies=copies,
