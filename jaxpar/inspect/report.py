@@ -288,7 +288,10 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
     if run.get("target"):
         console.print("TPU memory is laid out in tiles (f32: 8 x 128): small or narrow arrays "
                       "take more HBM than their shape says, so argument can exceed parameters + "
-                      "optimizer state.")
+                      "optimizer state. The TPU compiler's peak also counts the chip's "
+                      "on-core vector memory (VMEM, 128 MiB on v5e), where it puts most "
+                      "temporaries of a narrow model: below a few hundred MiB per chip it "
+                      "overstates the HBM a step needs.")
     _print_collectives(report["collectives"], console, tpu=bool(run.get("target")))
     if report.get("pipeline"):
         console.print(pipeline_line(report["pipeline"]))
