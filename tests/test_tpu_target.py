@@ -225,12 +225,13 @@ def tpu_peak_and_plan(tmp_path, layout: tuple[str, ...], *hlo: str):
                          *hlo, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
-    plan = estimate(validate(load_config("tiny", overrides), 8), "tpu-v5e").memory
-    return report["memory"]["xla_peak_bytes"], report["compare"]["memory"][
-        "predicted_peak_bytes"], plan
+    compiled = report["memory"]["xla_peak_bytes"]
+    predicted = report["compare"]["memory"]["predicted_peak_bytes"]
+    return compiled, predicted, estimate(validate(load_config("tiny", overrides), 8),
+                                         "tpu-v5e").memory
 
 
-def near_and_above(compiled: int, predicted: int) -> bool:
+def plan_covers_closely(compiled: int, predicted: int) -> bool:
     """The plan at most 5% under the compiler (it must not say "fits" where a chip runs out)
     and at most 20% over it."""
     return 0.80 <= compiled / predicted <= 1.05
@@ -250,7 +251,7 @@ def test_pipeline_with_fsdp_peak_memory_is_the_plans_for_tpu(tmp_path, layout):
     the plan's without them)."""
     needs_libtpu()
     compiled, predicted, plan = tpu_peak_and_plan(tmp_path, (*PIPE_FSDP, *layout))
-    assert near_and_above(compiled, predicted), (compiled, predicted)
+    assert plan_covers_closely(compiled, predicted), (compiled, predicted)
     assert compiled / (predicted - plan.gradient_sums) > 1.10  # the plan without them falls short
 
 
@@ -263,7 +264,7 @@ def test_zero1_peak_memory_is_the_plans_for_tpu(tmp_path, layout):
     1.67-1.70 of the plan's without it)."""
     needs_libtpu()
     compiled, predicted, plan = tpu_peak_and_plan(tmp_path, (*layout, "parallel.zero=1"))
-    assert near_and_above(compiled, predicted), (compiled, predicted)
+    assert plan_covers_closely(compiled, predicted), (compiled, predicted)
     whole_gradients = plan.params  # float32, whole under ZeRO-1
     assert compiled / (predicted - whole_gradients) > 1.10  # the plan without them falls short
 
@@ -277,7 +278,7 @@ def test_bf16_compute_keeps_a_cast_of_the_whole_layer_stack_and_the_plan_counts_
     compiled, predicted, plan = tpu_peak_and_plan(
         tmp_path, ("train.dtype=bfloat16", "mesh.data=4", "mesh.fsdp=2", "parallel.zero=1"),
         "--hlo", "step.hlo")
-    assert near_and_above(compiled, predicted), (compiled, predicted)
+    assert plan_covers_closely(compiled, predicted), (compiled, predicted)
     entry = (tmp_path / "step.hlo").read_text().split("\nENTRY ", 1)[1]  # outside every loop
     stack_casts = re.findall(r"= (bf16\[16,[0-9,]+\])\{[^}]*\} convert\(", entry)
     mlp = ["bf16[16,1024,4096]", "bf16[16,1024,4096]", "bf16[16,4096,1024]"]  # gate, up, down
