@@ -161,7 +161,7 @@ def test_loss_in_pieces_holds_one_piece_of_logits_at_a_time():
 def test_loss_in_pieces_halves_the_step_memory_at_vocab_32k_and_4k_tokens():
     """Issue 14's sizes: vocab 32k, d_model 256, one 4096-token sequence. The whole float32
     logits and their gradient are 2 x 512 MiB; in pieces of at most 64 MiB (the default) the
-    step's compiled temp memory drops more than 2x (measured 2301.8 -> 1073.9 MiB; what is left
+    step's compiled temp memory drops more than 2x (measured 2225.7 -> 933.9 MiB; what is left
     is mostly the one-hot embedding's gradient, [4096, 32768] and its transpose)."""
     def temp(chunks: int) -> int:
         cfg = validate(load_config("tiny", [

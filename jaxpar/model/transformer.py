@@ -25,7 +25,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import constrain, is_split, reshard_after_forward
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.moe import LAYER_STACKED, MoE
-from jaxpar.model.projection import RESIDUAL, lookup, project, weight
+from jaxpar.model.projection import RESIDUAL, float32_logits, lookup, project, weight
 
 Aux = dict[str, jax.Array]  # float32 statistics and losses of the MoE layers ({} when dense)
 
@@ -180,8 +180,7 @@ class Transformer(nnx.Module):
 
 def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
     """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model]."""
-    logits = jnp.einsum("bse,ev->bsv", h, head, preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "seq", "vocab"))
+    return constrain(float32_logits(h, head), ("batch", "seq", "vocab"))
 
 
 def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,

@@ -22,6 +22,7 @@ from jaxpar.config import Config
 from jaxpar.model.annotate import constrain, use_prepared_weights
 from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
+from jaxpar.model.projection import float32_logits
 from jaxpar.model.transformer import joined_pieces, sequence_pieces
 from jaxpar.parallel.rules import logical_rules
 
@@ -140,9 +141,7 @@ def _piece_loss(head: jax.Array, piece: VocabPiece, h: jax.Array, targets: jax.A
     log-sum-exp from the pieces' maxima and sums (``pmax``/``psum`` of ``[B, s]``), the target
     logit from the piece holding it. Its gradient w.r.t. the piece's logits is ``softmax -
     one_hot``, local to each piece. Returns (loss, d_head, d_h)."""
-    logits, logits_vjp = jax.vjp(
-        lambda w, h: jnp.einsum("bse,ev->bsv", h, w, preferred_element_type=jnp.float32),
-        head, h)
+    logits, logits_vjp = jax.vjp(lambda w, h: float32_logits(h, w), head, h)
     logits = constrain(logits, ("batch", "seq", "vocab"))
     top = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), PIPE_AXIS)
     exp_sum = lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), PIPE_AXIS)
