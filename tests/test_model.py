@@ -76,6 +76,37 @@ def test_remat_policies_give_identical_loss_and_gradients():
                      results[policy][1], results["none"][1])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_weight_gradients_are_their_own_matmul_equal_to_autodiffs(dtype):
+    """A pipeline stage's matmuls (``_matmul``) and the loss's logits (``float32_logits``) give
+    autodiff's gradients, with the weight gradient written as ``x^T dy``: no transpose in the
+    backward jaxpr (autodiff's form transposes a product with the wide operand, which XLA:CPU
+    runs as a copy plus a slower matmul)."""
+    from jaxpar.model.projection import _matmul, float32_logits
+
+    kx, kw, kc = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(kx, (2, 16, 32)).astype(dtype)
+    w = jax.random.normal(kw, (32, 48)).astype(dtype)
+    ours = {"stage matmul": lambda x, w: _matmul("bse,ef->bsf", None, x, w),
+            "logits": float32_logits}
+    plain = {"stage matmul": lambda x, w: jnp.einsum("bse,ef->bsf", x, w),
+             "logits": lambda x, w: jnp.einsum("bse,ef->bsf", x, w,
+                                               preferred_element_type=jnp.float32)}
+    for name, fn in ours.items():
+        y, pull = jax.vjp(fn, x, w)
+        want_y, want_pull = jax.vjp(plain[name], x, w)
+        assert y.dtype == want_y.dtype, name
+        dy = jax.random.normal(kc, y.shape).astype(y.dtype)
+        for got, want in zip(pull(dy), want_pull(dy), strict=True):
+            assert got.dtype == want.dtype, name
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                       rtol=1e-5 if dtype == jnp.float32 else 2e-2, atol=1e-5)
+        backward = jax.make_jaxpr(lambda dy, fn=fn: jax.vjp(fn, x, w)[1](dy))(dy)
+        assert "transpose" not in str(backward), name
+        assert "transpose" in str(jax.make_jaxpr(  # the test can tell: autodiff's form has one
+            lambda dy, fn=plain[name]: jax.vjp(fn, x, w)[1](dy))(dy)), name
+
+
 def count_ops(trainer, op: str) -> int:
     with jax.set_mesh(trainer.mesh):
         text = trainer._step.lower(trainer.abstract_state, trainer.abstract_batch()).as_text()
