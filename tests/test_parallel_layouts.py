@@ -125,12 +125,37 @@ def collectives(name: str, kind: str, axes: tuple[str, ...]):
     return [c for c in layout(name)["collectives"] if c.kind == kind and c.axes == axes]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# Ring attention with a contiguous split is also checked against dense attention in
+# tests/test_context.py; its whole train step runs with `pytest -m slow`.
+SLOW = {"context=4,contiguous"}
+
+
+@pytest.mark.parametrize("name", [n if n not in SLOW else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_layout_matches_single_device_loss_grads_and_params(name):
     got, ref = layout(name), reference()
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
     assert_grads_and_params_match(got, ref)
     assert abs(got["last_loss"] - ref["last_loss"]) / ref["last_loss"] < 1e-5
+
+
+@pytest.mark.parametrize("accum, pieces", [(1, 8), (2, 4)])
+def test_loss_pieces_and_embedding_gradient_slices_match_one_device(monkeypatch, accum, pieces):
+    """At scale the loss runs in pieces of the sequence and the whole table's gradient in
+    slices of the vocabulary (``Config.loss_pieces``, ``embedding_grad_pieces``); a 4 KiB
+    budget makes the tiny model do both (8 pieces, 8 slices of 32 ids; with 2 micro-steps,
+    whose sum over data is taken by hand, 4 and 4) under data x fsdp x context, against the
+    reference in one piece and one slice."""
+    from jaxpar.config import schema
+
+    ref = reference()  # built (or cached) under the default budget: one piece, one slice
+    monkeypatch.setattr(schema, "LOSS_CHUNK_BYTES", 4096)
+    overrides = ("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", f"train.grad_accum={accum}")
+    cfg = validate(load_config("tiny", [*BASE, *overrides]), 8)
+    assert (cfg.loss_pieces(), cfg.embedding_grad_pieces()) == (pieces, pieces)
+    got = run_layout.__wrapped__(overrides)  # not cached: the budget differs
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    assert_grads_and_params_match(got, ref)
 
 
 def test_reference_params_actually_change_over_three_steps():

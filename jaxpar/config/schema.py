@@ -275,5 +275,14 @@ class Config:
         return next(n for n in range(1, local_seq + 1)
                     if local_seq % n == 0 and (logits // n <= LOSS_CHUNK_BYTES or n == local_seq))
 
+    def embedding_grad_pieces(self) -> int:
+        """Slices of the vocabulary the embedding's gradient is built in where the table is not
+        split over ``tensor`` (``model.projection.lookup``): the fewest whose one-hot
+        [V/n, b, S/c] in the compute dtype fits in LOSS_CHUNK_BYTES. Validated configs only."""
+        t, v = self.train, self.model.vocab_size
+        rows = t.batch_size // (t.grad_accum * t.microbatches * self.batch_shards())
+        one_hot = v * rows * (t.seq_len // self.mesh.context) * (2 if t.dtype == "bfloat16" else 4)
+        return min(v, -(-one_hot // LOSS_CHUNK_BYTES))
+
     def batch_shards(self) -> int:
         return math.prod(getattr(self.mesh, a) for a in BATCH_AXES)

@@ -111,6 +111,11 @@ class StepSizes:
         return self.cfg.loss_pieces()
 
     @property
+    def embedding_grad_pieces(self) -> int:
+        """Slices of the vocabulary the embedding's gradient is built in (a whole table)."""
+        return self.cfg.embedding_grad_pieces()
+
+    @property
     def ring(self) -> bool:
         return self.c > 1 and self.cfg.parallel.context_impl == "ring"
 

@@ -287,7 +287,8 @@ def _matmul_grads(spec: str, out_dtype, x: jax.Array, w: jax.Array, dy: jax.Arra
     return dx, jnp.einsum(f"{x_spec},{out}->{w_spec}", x, dy, preferred_element_type=grad_dtype)
 
 
-def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
+def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype,
+           pieces: int = 1) -> jax.Array:
     """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
     ``tokens``, in ``dtype``: the embedding where the layout does not split ``vocab``.
 
@@ -295,12 +296,13 @@ def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype) -
     d_model flops a token. The backward pass is the one-hot matmul's weight gradient,
     ``one_hot(tokens)^T dy``, built only then from the tokens (the only residual): the
     compiler partitions and sums it like any weight gradient (a scatter-add gradient it laid
-    out differently per layout). In ``parallel.reduce_dtype`` where that is wider, as
-    :func:`project`'s.
+    out differently per layout). It is built for ``pieces`` slices of the vocabulary one after
+    another, so that only one slice's one-hot ([vocab/pieces, tokens]) is alive at a time; the
+    flops are the same. In ``parallel.reduce_dtype`` where that is wider, as :func:`project`'s.
     """
     w = param[...]
     stored = _stored_names(tuple(names))
-    how = _LookupVJP(tuple(names), stored, w.shape[0], jnp.dtype(dtype),
+    how = _LookupVJP(tuple(names), stored, w.shape[0], pieces, jnp.dtype(dtype),
                      summed_grad_dtype(dtype), w.dtype)
     return _lookup(how, tokens, w)
 
@@ -311,6 +313,7 @@ class _LookupVJP(NamedTuple):
     names: tuple  # the table's layout as used
     stored: tuple  # ... and as stored
     vocab_size: int
+    pieces: int  # slices of the vocabulary the gradient is built in, one after another
     dtype: Any  # the rows' (the compute dtype)
     grad_dtype: Any
     stored_dtype: Any
@@ -326,9 +329,21 @@ def _lookup_fwd(how, tokens, w):
 
 
 def _lookup_bwd(how, tokens, dy):
-    one_hot = constrain(jax.nn.one_hot(tokens, how.vocab_size, dtype=dy.dtype),
-                        ("batch", "seq", "vocab"))
-    dw = jnp.einsum("bsv,bse->ve", one_hot, dy, preferred_element_type=how.grad_dtype)
+    rows = -(-how.vocab_size // how.pieces)  # the last slice is padded with ids past the vocab
+
+    def slice_grad(first_id: jax.Array) -> jax.Array:
+        """Rows first_id ... first_id + rows - 1 of the table's gradient. The one-hot is built
+        vocab-major, as the matmul reads it (no transposed copy)."""
+        ids = first_id + jnp.arange(rows, dtype=tokens.dtype)
+        one_hot = constrain((ids[:, None, None] == tokens[None]).astype(dy.dtype),
+                            ("vocab", "batch", "seq"))
+        return jnp.einsum("vbs,bse->ve", one_hot, dy, preferred_element_type=how.grad_dtype)
+
+    if how.pieces == 1:
+        dw = slice_grad(jnp.zeros((), tokens.dtype))
+    else:
+        starts = jnp.arange(how.pieces, dtype=tokens.dtype) * rows
+        dw = jax.lax.map(slice_grad, starts).reshape(-1, dy.shape[-1])[:how.vocab_size]
     return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
 
 

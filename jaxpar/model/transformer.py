@@ -124,11 +124,14 @@ class Transformer(nnx.Module):
     # stage runs its slice of ``layers`` (a model merged with fewer stacked layers runs just
     # those), the last computes the logits.
 
-    def embed(self, tokens: jax.Array, *, dtype=jnp.float32) -> jax.Array:
-        """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``."""
+    def embed(self, tokens: jax.Array, *, dtype=jnp.float32, grad_pieces: int = 1
+              ) -> jax.Array:
+        """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``. Where the table
+        is whole, its gradient is built for ``grad_pieces`` slices of the vocabulary one after
+        another (:func:`~jaxpar.model.projection.lookup`)."""
         tokens = constrain(tokens, ("batch", "seq"))
         if not is_split("vocab"):  # the whole table on every device (after FSDP's gather)
-            x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype)
+            x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype, grad_pieces)
             return constrain(x, RESIDUAL)
         # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
         # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
@@ -223,14 +226,40 @@ def joined_pieces(a: jax.Array) -> jax.Array:
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-token cross entropy in float32. With logits split on vocab, the max and the sum of
-    exponentials each become a small all-reduce over the vocab shards (vocab-parallel loss)."""
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
+    exponentials each become a small all-reduce over the vocab shards (vocab-parallel loss).
+
+    The gradient, ``softmax(logits) - one_hot(targets)``, is one pass over the logits and their
+    log-partition ``log_z`` (the residuals): autodiff of ``logsumexp`` would keep the
+    exponentials as well, a third logits-sized float32 array beside the logits and their
+    gradient."""
+    return _token_losses(logits.astype(jnp.float32), targets)
+
+
+@jax.custom_vjp
+def _token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    return _token_losses_fwd(logits, targets)[0]
+
+
+def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
     # A one-hot select rather than a gather keeps the vocab dimension elementwise, so each shard
     # picks its own target logits and only a [B, S] partial sum crosses devices.
-    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
-    target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
-    return log_z - target_logit
+    return jnp.arange(logits.shape[-1]) == targets[..., None]
+
+
+def _token_losses_fwd(logits, targets):
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.sum(jnp.where(_is_target(logits, targets), logits, 0.0), axis=-1)
+    return log_z - target_logit, (logits, targets, log_z)
+
+
+def _token_losses_bwd(residuals, g):
+    logits, targets, log_z = residuals
+    probs = jnp.exp(logits - log_z[..., None])
+    d_logits = (probs - _is_target(logits, targets).astype(jnp.float32)) * g[..., None]
+    return d_logits, None  # None: integer targets have no gradient
+
+
+_token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 def create_model(cfg: ModelConfig, seed: int) -> Transformer:

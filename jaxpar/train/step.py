@@ -129,12 +129,14 @@ def stored_params(params: dict, param_dtype: str) -> dict:
 
 
 def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
-                     dtype: Any, remat: str, loss_pieces: int) -> tuple[jax.Array, dict]:
+                     dtype: Any, remat: str, loss_pieces: int, embedding_grad_pieces: int = 1
+                     ) -> tuple[jax.Array, dict]:
     """Sum over valid tokens of the cross entropy (normalised later by the global count), the
-    logits made ``loss_pieces`` pieces at a time, and the MoE layers' aux dict (``{}`` for a
-    dense model)."""
+    logits made ``loss_pieces`` pieces at a time (the embedding's gradient
+    ``embedding_grad_pieces`` slices of the vocabulary at a time), and the MoE layers' aux dict
+    (``{}`` for a dense model)."""
     model = nnx.merge(graphdef, params, buffers)
-    x = model.embed(batch["inputs"], dtype=dtype)
+    x = model.embed(batch["inputs"], dtype=dtype, grad_pieces=embedding_grad_pieces)
     x, aux = model.run_layers(x, batch["positions"], remat=remat)
     return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
                              batch["mask"], loss_pieces), aux
@@ -286,14 +288,15 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
     by hand and sums in the reduce dtype. (``fsdp`` keeps its per-micro-step gathers and
     reduce-scatters: one layer's weights whole at a time is what FSDP is for.)"""
     dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
-    moe, pieces = cfg.model.moe, cfg.loss_pieces()
+    moe, pieces, embedding_pieces = cfg.model.moe, cfg.loss_pieces(), cfg.embedding_grad_pieces()
 
     def objective(params: dict, buffers: dict, batch: Batch, valid: jax.Array
                   ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
         """What one micro-step differentiates; returns the summed token loss and the aux dict
         beside it."""
         loss_sum, aux = batch_token_loss(params, buffers, graphdef, batch, dtype=dtype,
-                                         remat=remat, loss_pieces=pieces)
+                                         remat=remat, loss_pieces=pieces,
+                                         embedding_grad_pieces=embedding_pieces)
         return loss_sum / valid + moe_loss(aux, moe) / accum, (loss_sum, aux)
 
     grad_fn = jax.grad(objective, has_aux=True)
