@@ -20,6 +20,7 @@ import time
 from jaxpar.config import DistributedConfig
 
 FAILURE_KEY = "jaxpar/failed"
+WATCH_POLL_S = 1.0  # how often the other processes read FAILURE_KEY
 
 
 class DistributedError(RuntimeError):
@@ -131,17 +132,22 @@ def _client():
 
 def announce_failure(reason: str) -> None:
     """Tell the other processes that this one fails, and why (best effort: the runtime may be
-    gone already)."""
+    gone already), then give their watchers two polls to end them before this one leaves.
+
+    Leaving at once let a process vanish in the middle of a collective's message, which made
+    gloo abort the others (``Received data size doesn't match expected size``, exit 134)
+    before their watcher read the reason; process 0 also hosts the key-value store."""
     client = _client()
     if client is None:
         return
     try:
         client.key_value_set(FAILURE_KEY, f"{process_label()}: {reason}")
     except Exception:  # noqa: BLE001  (the failure being reported may be the runtime's own)
-        pass
+        return
+    time.sleep(2 * WATCH_POLL_S)
 
 
-def watch_for_failures(poll_s: float = 1.0) -> None:
+def watch_for_failures(poll_s: float = WATCH_POLL_S) -> None:
     """Start a daemon thread that ends this process (exit 1, one line on stderr) as soon as
     another process announces a failure; nothing in a one-process run."""
     client = _client()

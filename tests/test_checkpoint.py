@@ -345,7 +345,9 @@ def test_restore_onto_other_meshes_gives_equal_state_and_eval_loss(saved, target
                 trainer.state_shardings), strict=True):
             assert array.sharding == sharding, (source, target)
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), host)
-        assert abs(eval_loss(trainer, state) - loss) <= 1e-6, (source, target)
+        # The same parameters; the meshes sum in different orders (a few float32 ulps: 1.9e-6
+        # of 5.5 measured from data2-context2-tensor2-sp to 1 device).
+        assert eval_loss(trainer, state) == pytest.approx(loss, rel=1e-6), (source, target)
 
 
 def test_export_writes_safetensors_equal_to_the_params(saved, tmp_path):

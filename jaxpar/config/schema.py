@@ -276,13 +276,20 @@ class Config:
                     if local_seq % n == 0 and (logits // n <= LOSS_CHUNK_BYTES or n == local_seq))
 
     def embedding_grad_pieces(self) -> int:
-        """Slices of the vocabulary the embedding's gradient is built in where the table is not
-        split over ``tensor`` (``model.projection.lookup``): the fewest whose one-hot
-        [V/n, b, S/c] in the compute dtype fits in LOSS_CHUNK_BYTES. Validated configs only."""
+        """Slices of the vocabulary the embedding's gradient is built in
+        (``model.projection.lookup``): the fewest whose one-hot [V/(t n), b, S/c] in the compute
+        dtype fits in LOSS_CHUNK_BYTES per device; with the vocab split over ``tensor``, the
+        fewest dividing each shard's V/t rows. Validated configs only."""
         t, v = self.train, self.model.vocab_size
         rows = t.batch_size // (t.grad_accum * t.microbatches * self.batch_shards())
-        one_hot = v * rows * (t.seq_len // self.mesh.context) * (2 if t.dtype == "bfloat16" else 4)
-        return min(v, -(-one_hot // LOSS_CHUNK_BYTES))
+        local_vocab = v // self.mesh.tensor
+        one_hot = (local_vocab * rows * (t.seq_len // self.mesh.context)
+                   * (2 if t.dtype == "bfloat16" else 4))
+        if self.mesh.tensor == 1:
+            return min(v, -(-one_hot // LOSS_CHUNK_BYTES))
+        return next(n for n in range(1, local_vocab + 1)
+                    if local_vocab % n == 0
+                    and (one_hot // n <= LOSS_CHUNK_BYTES or n == local_vocab))
 
     def batch_shards(self) -> int:
         return math.prod(getattr(self.mesh, a) for a in BATCH_AXES)

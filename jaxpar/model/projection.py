@@ -288,21 +288,26 @@ def _matmul_grads(spec: str, out_dtype, x: jax.Array, w: jax.Array, dy: jax.Arra
 
 
 def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype,
-           pieces: int = 1) -> jax.Array:
+           pieces: int = 1, *, vocab_split: bool = False) -> jax.Array:
     """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
-    ``tokens``, in ``dtype``: the embedding where the layout does not split ``vocab``.
+    ``tokens``, in ``dtype``: the embedding.
 
-    The forward pass is a gather: no ``[tokens, vocab]`` one-hot and none of its 2 x vocab x
-    d_model flops a token. The backward pass is the one-hot matmul's weight gradient,
-    ``one_hot(tokens)^T dy``, built only then from the tokens (the only residual): the
-    compiler partitions and sums it like any weight gradient (a scatter-add gradient it laid
-    out differently per layout). It is built for ``pieces`` slices of the vocabulary one after
-    another, so that only one slice's one-hot ([vocab/pieces, tokens]) is alive at a time; the
-    flops are the same. In ``parallel.reduce_dtype`` where that is wider, as :func:`project`'s.
+    Where the layout does not split ``vocab`` the forward pass is a gather: no ``[tokens,
+    vocab]`` one-hot and none of its 2 x vocab x d_model flops a token. Where it does
+    (``vocab_split``: vocab-parallel, the table split by rows over ``tensor``) it is the
+    one-hot matmul: each shard multiplies by the rows it owns and the compiler sums the partial
+    rows over ``tensor`` (a gather from a row-split table made XLA gather the whole table
+    first). Either way the backward pass is the one-hot matmul's weight gradient,
+    ``one_hot(tokens)^T dy``, built from the tokens (the only residual: no ``[tokens, vocab]``
+    array is kept from the forward pass), which the compiler partitions and sums like any
+    weight gradient (a scatter-add gradient it laid out differently per layout). It is built
+    for ``pieces`` slices of the vocabulary one after another, so that only one slice's one-hot
+    ([vocab/pieces, tokens], split like the table) is alive at a time; the flops are the same.
+    In ``parallel.reduce_dtype`` where that is wider, as :func:`project`'s.
     """
     w = param[...]
     stored = _stored_names(tuple(names))
-    how = _LookupVJP(tuple(names), stored, w.shape[0], pieces, jnp.dtype(dtype),
+    how = _LookupVJP(tuple(names), stored, w.shape[0], pieces, vocab_split, jnp.dtype(dtype),
                      summed_grad_dtype(dtype), w.dtype)
     return _lookup(how, tokens, w)
 
@@ -314,6 +319,7 @@ class _LookupVJP(NamedTuple):
     stored: tuple  # ... and as stored
     vocab_size: int
     pieces: int  # slices of the vocabulary the gradient is built in, one after another
+    vocab_split: bool  # a one-hot matmul forward pass, not a gather
     dtype: Any  # the rows' (the compute dtype)
     grad_dtype: Any
     stored_dtype: Any
@@ -321,7 +327,12 @@ class _LookupVJP(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.take(_gathered(w, how.names, how.dtype), tokens, axis=0)
+    table = _gathered(w, how.names, how.dtype)
+    if not how.vocab_split:
+        return jnp.take(table, tokens, axis=0)
+    one_hot = constrain(jax.nn.one_hot(tokens, how.vocab_size, dtype=how.dtype),
+                        ("batch", "seq", "vocab"))
+    return jnp.einsum("bsv,ve->bse", one_hot, table)
 
 
 def _lookup_fwd(how, tokens, w):
@@ -329,21 +340,26 @@ def _lookup_fwd(how, tokens, w):
 
 
 def _lookup_bwd(how, tokens, dy):
-    rows = -(-how.vocab_size // how.pieces)  # the last slice is padded with ids past the vocab
+    # Slice k holds ids k, k + n, k + 2n, ... (n = pieces; the last rows padded with ids past
+    # the vocab): a strided cut, so that a device's rows of every slice are ids of its own
+    # shard of the table and the slices interleave back into it without moving (with the
+    # vocab split, Config.embedding_grad_pieces makes n divide each shard's rows).
+    n = how.pieces
+    rows = -(-how.vocab_size // n)
 
-    def slice_grad(first_id: jax.Array) -> jax.Array:
-        """Rows first_id ... first_id + rows - 1 of the table's gradient. The one-hot is built
-        vocab-major, as the matmul reads it (no transposed copy)."""
-        ids = first_id + jnp.arange(rows, dtype=tokens.dtype)
+    def slice_grad(k: jax.Array) -> jax.Array:
+        """The gradient of the table's rows k, k + n, ... The one-hot is built vocab-major,
+        as the matmul reads it (no transposed copy)."""
+        ids = k + n * jnp.arange(rows, dtype=tokens.dtype)
         one_hot = constrain((ids[:, None, None] == tokens[None]).astype(dy.dtype),
                             ("vocab", "batch", "seq"))
         return jnp.einsum("vbs,bse->ve", one_hot, dy, preferred_element_type=how.grad_dtype)
 
-    if how.pieces == 1:
+    if n == 1:
         dw = slice_grad(jnp.zeros((), tokens.dtype))
-    else:
-        starts = jnp.arange(how.pieces, dtype=tokens.dtype) * rows
-        dw = jax.lax.map(slice_grad, starts).reshape(-1, dy.shape[-1])[:how.vocab_size]
+    else:  # [n, rows, E] -> [rows, n, E]: id r n + k in row r n + k
+        dw = jax.lax.map(slice_grad, jnp.arange(n, dtype=tokens.dtype))
+        dw = jnp.moveaxis(dw, 0, 1).reshape(rows * n, -1)[:how.vocab_size]
     return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
 
 

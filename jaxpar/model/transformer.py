@@ -25,7 +25,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import constrain, is_split, reshard_after_forward
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.moe import LAYER_STACKED, MoE
-from jaxpar.model.projection import RESIDUAL, float32_logits, lookup, project, weight
+from jaxpar.model.projection import RESIDUAL, float32_logits, lookup, weight
 
 Aux = dict[str, jax.Array]  # float32 statistics and losses of the MoE layers ({} when dense)
 
@@ -126,20 +126,13 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens: jax.Array, *, dtype=jnp.float32, grad_pieces: int = 1
               ) -> jax.Array:
-        """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``. Where the table
-        is whole, its gradient is built for ``grad_pieces`` slices of the vocabulary one after
-        another (:func:`~jaxpar.model.projection.lookup`)."""
+        """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``: a gather from the
+        whole table, or a one-hot matmul where ``vocab`` is split over devices; the table's
+        gradient is built for ``grad_pieces`` slices of the vocabulary one after another
+        (:func:`~jaxpar.model.projection.lookup`)."""
         tokens = constrain(tokens, ("batch", "seq"))
-        if not is_split("vocab"):  # the whole table on every device (after FSDP's gather)
-            x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype, grad_pieces)
-            return constrain(x, RESIDUAL)
-        # Vocab-parallel embedding as a one-hot matmul: each tensor shard multiplies by the rows
-        # of the table it owns, and the partial sums are all-reduced (reduce-scattered over the
-        # sequence under SP). (A gather from a table split by rows made XLA gather the whole
-        # table over tensor first.)
-        one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
-        one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
-        x = project("bsv,ve->bse", one_hot, self.embedding, ("vocab", "act_embed"))
+        x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype, grad_pieces,
+                   vocab_split=is_split("vocab"))
         return constrain(x, RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
