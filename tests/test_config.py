@@ -439,3 +439,23 @@ def test_distributed_enabled_on_and_off_survive_yaml_booleans(tmp_path, text, ex
     path.write_text(f"distributed:\n  enabled: {text}\n")
     assert load_config(str(path)).distributed.enabled == expected
     assert load_config("tiny", [f"distributed.enabled={text}"]).distributed.enabled == expected
+
+
+@pytest.mark.parametrize("overrides, devices, expected", [
+    # 1 x 4096 float32 one-hot rows of 32768 ids: 512 MiB, in 64 MiB slices.
+    ((), 1, 8),
+    (("train.dtype=bfloat16",), 1, 4),
+    # A vocab that no slice count divides: the last slice is short (ceil(V/n) rows).
+    (("model.vocab_size=32771",), 1, 9),
+    # Split over tensor: each shard's 16384 rows, in the fewest slices dividing them.
+    (("mesh.tensor=2",), 2, 4),
+    (("mesh.tensor=2", "model.vocab_size=24576"), 2, 3),
+    # Small: one slice.
+    (("model.vocab_size=256",), 1, 1),
+])
+def test_embedding_gradient_slices_fit_the_budget_and_divide_a_split_vocab(overrides, devices,
+                                                                           expected):
+    cfg = validate(load_config("tiny", ["mesh.data=1", "model.vocab_size=32768",
+                                        "train.seq_len=4096", "train.batch_size=1",
+                                        *overrides]), devices)
+    assert cfg.embedding_grad_pieces() == expected
