@@ -112,7 +112,7 @@ class StepSizes:
 
     @property
     def embedding_grad_pieces(self) -> int:
-        """Slices of the vocabulary the embedding's gradient is built in (a whole table)."""
+        """Slices of the vocabulary the embedding's gradient is built in (outside a pipeline)."""
         return self.cfg.embedding_grad_pieces()
 
     @property

@@ -348,8 +348,8 @@ def _lookup_bwd(how, tokens, dy):
     rows = -(-how.vocab_size // n)
 
     def slice_grad(k: jax.Array) -> jax.Array:
-        """The gradient of the table's rows k, k + n, ... The one-hot is built vocab-major,
-        as the matmul reads it (no transposed copy)."""
+        """The gradient of the table's rows k, k + n, ... (the one-hot built vocab-major, as
+        the matmul reads it)."""
         ids = k + n * jnp.arange(rows, dtype=tokens.dtype)
         one_hot = constrain((ids[:, None, None] == tokens[None]).astype(dy.dtype),
                             ("vocab", "batch", "seq"))
