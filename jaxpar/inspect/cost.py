@@ -28,8 +28,9 @@ Flops and time
 --------------
 Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
 counts; causal attention as half the S x S square, as MaxText counts it). Executed flops add
-the one-hot embedding matmul (2VE weight gradient per token, and 2VE forward where the table is
-split by rows over ``tensor`` or in pipeline pieces; elsewhere the forward gathers), the
+the one-hot embedding matmul (2VE weight gradient per token, and 2VE forward in a pipeline's
+vocabulary pieces; elsewhere the forward gathers, from each device's rows where the table is
+split over ``tensor``), the
 recomputation (``dots`` redoes attention's forward, 4 L H D S per token; ``full`` also each
 layer's matmuls, 2 x their parameters) and attention's executed minus useful flops: dense
 attention computes the whole square, flash attention (blockwise, ring or all-gather over
@@ -77,7 +78,6 @@ from jaxpar.inspect.cost_pipeline import pipeline_compute, pipeline_note
 from jaxpar.inspect.cost_shapes import StepSizes, step_sizes
 from jaxpar.inspect.hardware import HardwareProfile, get_profile
 from jaxpar.model.flops import matmul_params, train_flops_per_token
-from jaxpar.parallel.rules import logical_rules
 
 __all__ = ["CollectiveCost", "CostReport", "FlopsCost", "MemoryCost", "ParamCost", "TimeCost",
            "estimate", "wire_bytes"]
@@ -234,12 +234,12 @@ def _flops(st: StepSizes) -> FlopsCost:
     # backward of 5 block matmuls (scores recomputed) against dense attention's 4.
     executed_attention = (st.computed_share * attention_forward * (1 + 10 / 4) if st.flash
                           else 3 * attention_forward)
-    # The one-hot matmul runs forward only where the table is split by rows (vocab-parallel, or
-    # a pipeline's vocabulary pieces); elsewhere the forward is a gather (projection.lookup).
-    vocab_split = st.pipeline is not None or any(
-        st.mesh[a] > 1 for a in logical_rules(cfg)["vocab"])
+    # The one-hot matmul runs forward only in a pipeline (each stage's vocabulary piece);
+    # elsewhere the forward is a gather, from each device's rows where vocab is split
+    # (projection.lookup).
+    one_hot_forward = st.pipeline is not None
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
-                     embedding_one_hot=(4 if vocab_split else 2) * m.vocab_size * m.d_model
+                     embedding_one_hot=(4 if one_hot_forward else 2) * m.vocab_size * m.d_model
                      * per_device,
                      recompute=recompute * per_device,
                      attention_extra=(executed_attention - 1.5 * attention_forward)

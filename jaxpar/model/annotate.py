@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -40,8 +41,8 @@ _reshard: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_reshard_
                                                                 default=False)
 _grad_dtype: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxpar_weight_grad_dtype",
                                                                  default=None)
-_split: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("jaxpar_split_names",
-                                                                       default=frozenset())
+_split: contextvars.ContextVar[Mapping[str, int]] = contextvars.ContextVar(
+    "jaxpar_split_counts", default=MappingProxyType({}))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -126,15 +127,20 @@ def weight_grads_in(dtype: Any) -> contextlib.AbstractContextManager[None]:
     return _setting(_grad_dtype, dtype)
 
 
+def split_count(name: str) -> int:
+    """Over how many devices the active layout splits the logical dimension ``name`` (1: not
+    split). The embedding asks about ``vocab``: each device gathers the rows it owns."""
+    return _split.get().get(name, 1)
+
+
 def is_split(name: str) -> bool:
-    """Whether the active layout splits the logical dimension ``name`` over devices (the
-    embedding asks about ``vocab``: a table split by rows needs the one-hot matmul)."""
-    return name in _split.get()
+    """Whether the active layout splits the logical dimension ``name`` over devices."""
+    return split_count(name) > 1
 
 
-def splitting(names: frozenset[str]) -> contextlib.AbstractContextManager[None]:
-    """Within this block, :func:`is_split` is true for ``names``."""
-    return _setting(_split, names)
+def splitting(counts: Mapping[str, int]) -> contextlib.AbstractContextManager[None]:
+    """Within this block, :func:`split_count` reads ``counts`` (logical name -> devices)."""
+    return _setting(_split, MappingProxyType(dict(counts)))
 
 
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:

@@ -288,26 +288,29 @@ def _matmul_grads(spec: str, out_dtype, x: jax.Array, w: jax.Array, dy: jax.Arra
 
 
 def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype,
-           pieces: int = 1, *, vocab_split: bool = False) -> jax.Array:
+           pieces: int = 1, *, vocab_shards: int = 1) -> jax.Array:
     """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
     ``tokens``, in ``dtype``: the embedding.
 
-    Where the layout does not split ``vocab`` the forward pass is a gather: no ``[tokens,
-    vocab]`` one-hot and none of its 2 x vocab x d_model flops a token. Where it does
-    (``vocab_split``: vocab-parallel, the table split by rows over ``tensor``) it is the
-    one-hot matmul: each shard multiplies by the rows it owns and the compiler sums the partial
-    rows over ``tensor`` (a gather from a row-split table made XLA gather the whole table
-    first). Either way the backward pass is the one-hot matmul's weight gradient,
-    ``one_hot(tokens)^T dy``, built from the tokens (the only residual: no ``[tokens, vocab]``
-    array is kept from the forward pass), which the compiler partitions and sums like any
-    weight gradient (a scatter-add gradient it laid out differently per layout). It is built
-    for ``pieces`` slices of the vocabulary one after another, so that only one slice's one-hot
+    The forward pass is a gather: no ``[tokens, vocab]`` one-hot and none of its 2 x vocab x
+    d_model flops a token. Where the layout splits the table by rows over ``vocab_shards``
+    devices (vocab-parallel: ``vocab`` over ``tensor``), each device gathers the rows of the
+    ids it owns and zeros for the others, and the sum over the shards completes every row: an
+    all-reduce of the ``[tokens, d_model]`` output over ``tensor`` (a reduce-scatter where
+    sequence parallelism splits the residual stream), the bytes a row-parallel matmul's output
+    costs. (A plain gather from a row-split table made XLA gather the whole table first.)
+
+    The backward pass is the one-hot matmul's weight gradient, ``one_hot(tokens)^T dy``, built
+    from the tokens (the only residual: nothing ``[tokens, vocab]``-sized is kept from the
+    forward pass), which the compiler partitions and sums like any weight gradient (a
+    scatter-add gradient it laid out differently per layout). It is built for ``pieces``
+    slices of the vocabulary one after another, so that only one slice's one-hot
     ([vocab/pieces, tokens], split like the table) is alive at a time; the flops are the same.
     In ``parallel.reduce_dtype`` where that is wider, as :func:`project`'s.
     """
     w = param[...]
     stored = _stored_names(tuple(names))
-    how = _LookupVJP(tuple(names), stored, w.shape[0], pieces, vocab_split, jnp.dtype(dtype),
+    how = _LookupVJP(tuple(names), stored, w.shape[0], pieces, vocab_shards, jnp.dtype(dtype),
                      summed_grad_dtype(dtype), w.dtype)
     return _lookup(how, tokens, w)
 
@@ -319,7 +322,7 @@ class _LookupVJP(NamedTuple):
     stored: tuple  # ... and as stored
     vocab_size: int
     pieces: int  # slices of the vocabulary the gradient is built in, one after another
-    vocab_split: bool  # a one-hot matmul forward pass, not a gather
+    vocab_shards: int  # devices the table's rows are split over (1: whole)
     dtype: Any  # the rows' (the compute dtype)
     grad_dtype: Any
     stored_dtype: Any
@@ -328,11 +331,25 @@ class _LookupVJP(NamedTuple):
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
     table = _gathered(w, how.names, how.dtype)
-    if not how.vocab_split:
+    if how.vocab_shards == 1:
         return jnp.take(table, tokens, axis=0)
-    one_hot = constrain(jax.nn.one_hot(tokens, how.vocab_size, dtype=how.dtype),
-                        ("batch", "seq", "vocab"))
-    return jnp.einsum("bsv,ve->bse", one_hot, table)
+    return _rows_by_owner(how, table, tokens)
+
+
+def _rows_by_owner(how: _LookupVJP, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The vocab-parallel gather: the table as ``[shards, V/shards, E]``, the shards' dimension
+    split like ``vocab``, so that shard k's gather of its local ids runs on the device holding
+    it; each token's row comes from its owner's gather and zeros from the others', and the sum
+    over the shards is the one collective."""
+    shards = how.vocab_shards
+    rows = how.vocab_size // shards
+    per_shard = constrain(table.reshape(shards, rows, table.shape[-1]),
+                          ("vocab", None, how.names[-1]))
+    owner, local_id = jnp.divmod(tokens, rows)
+    gathered = jax.vmap(lambda shard: jnp.take(shard, local_id, axis=0))(per_shard)
+    gathered = constrain(gathered, ("vocab", "batch", "seq", how.names[-1]))
+    mine = owner[None] == jnp.arange(shards, dtype=owner.dtype)[:, None, None]
+    return jnp.sum(jnp.where(mine[..., None], gathered, 0), axis=0)
 
 
 def _lookup_fwd(how, tokens, w):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.annotate import constrain, is_split, reshard_after_forward
+from jaxpar.model.annotate import constrain, reshard_after_forward, split_count
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.moe import LAYER_STACKED, MoE
 from jaxpar.model.projection import RESIDUAL, float32_logits, lookup, weight
@@ -126,13 +126,13 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens: jax.Array, *, dtype=jnp.float32, grad_pieces: int = 1
               ) -> jax.Array:
-        """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``: a gather from the
-        whole table, or a one-hot matmul where ``vocab`` is split over devices; the table's
+        """int32 [B, S] -> the residual stream [B, S, d_model] in ``dtype``: a gather (from each
+        device's rows and summed where ``vocab`` is split over devices); the table's
         gradient is built for ``grad_pieces`` slices of the vocabulary one after another
         (:func:`~jaxpar.model.projection.lookup`)."""
         tokens = constrain(tokens, ("batch", "seq"))
         x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype, grad_pieces,
-                   vocab_split=is_split("vocab"))
+                   vocab_shards=split_count("vocab"))
         return constrain(x, RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",

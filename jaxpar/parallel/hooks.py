@@ -20,6 +20,7 @@ platforms in :data:`NO_SHARD_MAP_IN_STAGES` is a config error instead.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 
 import jax
@@ -75,8 +76,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     stack.enter_context(use_experts(experts))
     # bf16 matmuls would otherwise hand the compiler bf16 weight gradients to sum.
     stack.enter_context(weight_grads_in(jnp.dtype(cfg.parallel.reduce_dtype)))
-    stack.enter_context(splitting(frozenset(
-        name for name, axes in rules.items() if any(mesh_shape[a] > 1 for a in axes))))
+    stack.enter_context(splitting({name: math.prod(mesh_shape[a] for a in axes)
+                                   for name, axes in rules.items()}))
     return stack
 
 
