@@ -119,6 +119,9 @@ FLOPS = {
     # The vocab-parallel embedding gathers each device's rows: a one-hot matmul forward pass
     # would add 2 V/t E flops a token, a fifth of this step's (old code: 1.20 of the plan).
     "data=4,tensor=2,vocab=4096": ["mesh.data=4", "mesh.tensor=2", "model.vocab_size=4096"],
+    # ... as does each pipeline stage from its vocabulary piece.
+    "pipe=2,data=4,vocab=4096": ["mesh.pipe=2", "mesh.data=4", "train.microbatches=2",
+                                 "parallel.pipeline_schedule=1f1b", "model.vocab_size=4096"],
 }
 FLOPS_TOLERANCE = 0.10
 
@@ -258,7 +261,7 @@ def test_tiny_fsdp8_bytes_and_flops_by_hand():
     # (half the square) 6 * 2 layers * 8 heads * 8 * 32 = 540,672 + 24,576 = 565,248; 256
     # tokens over 8 devices.
     assert report.flops.model == 565_248 * 256 / 8
-    # The weight gradient's one-hot matmul; the forward gathers rows (vocab is not split).
+    # The weight gradient's one-hot matmul; the forward gathers rows.
     assert report.flops.embedding_one_hot == 2 * 256 * 64 * 256 / 8
     # Time on an H100 (NVLink: 450 GB/s each way; fsdp=8 fits one node): the bytes overlap,
     # and 1 MB of ring traffic takes longer than 21 MFLOP at 989 TFLOP/s; each collective

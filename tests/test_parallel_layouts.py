@@ -139,25 +139,28 @@ def test_layout_matches_single_device_loss_grads_and_params(name):
     assert abs(got["last_loss"] - ref["last_loss"]) / ref["last_loss"] < 1e-5
 
 
-@pytest.mark.parametrize("split, pieces", [
-    (("mesh.fsdp=2", "train.grad_accum=1"), 8),
-    (("mesh.fsdp=2", "train.grad_accum=2"), 4),  # the sum over data taken by hand
-    (("mesh.tensor=2", "train.grad_accum=1"), 8),  # the vocab split over tensor
-], ids=["fsdp", "fsdp,grad_accum=2", "tensor"])
-def test_loss_pieces_and_embedding_gradient_slices_match_one_device(monkeypatch, split, pieces):
+@pytest.mark.parametrize("overrides, pieces", [
+    (("mesh.data=2", "mesh.context=2", "mesh.fsdp=2"), (8, 8)),
+    (("mesh.data=2", "mesh.context=2", "mesh.fsdp=2", "train.grad_accum=2"), (4, 4)),  # by hand
+    (("mesh.data=2", "mesh.context=2", "mesh.tensor=2"), (8, 8)),  # the vocab split over tensor
+    # A pipeline's head and embedding gradient, each stage's vocabulary piece split over tensor.
+    (("mesh.data=1", "mesh.context=2", "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=2",
+      "parallel.pipeline_schedule=1f1b"), (8, 4)),
+], ids=["fsdp", "fsdp,grad_accum=2", "tensor", "pipe,tensor"])
+def test_loss_pieces_and_embedding_gradient_slices_match_one_device(monkeypatch, overrides,
+                                                                    pieces):
     """At scale the loss runs in pieces of the sequence and the embedding's gradient in slices
     of the vocabulary (``Config.loss_pieces``, ``embedding_grad_pieces``); a 4 KiB budget
-    makes the tiny model do both (8 pieces, 8 slices; with 2 micro-steps 4 and 4) under data
-    x context x fsdp or tensor, against the reference in one piece and one slice. With the
-    vocab split over tensor the strided slices are each device's own rows: nothing but the
-    usual collectives moves them."""
+    makes the tiny model do both (8 pieces, 8 slices; with 2 micro-steps 4 and 4; in a
+    pipeline, 4 slices of each stage's piece) under context x fsdp, tensor or pipe, against the
+    reference in one piece and one slice. With the vocab split over tensor the strided slices
+    are each device's own rows: nothing but the usual collectives moves them."""
     from jaxpar.config import schema
 
     ref = reference()  # built (or cached) under the default budget: one piece, one slice
     monkeypatch.setattr(schema, "LOSS_CHUNK_BYTES", 4096)
-    overrides = ("mesh.data=2", "mesh.context=2", *split)
     cfg = validate(load_config("tiny", [*BASE, *overrides]), 8)
-    assert (cfg.loss_pieces(), cfg.embedding_grad_pieces()) == (pieces, pieces)
+    assert (cfg.loss_pieces(), cfg.embedding_grad_pieces()) == pieces
     got = run_layout.__wrapped__(overrides)  # not cached: the budget differs
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
     assert_grads_and_params_match(got, ref)

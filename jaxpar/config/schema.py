@@ -277,15 +277,17 @@ class Config:
 
     def embedding_grad_pieces(self) -> int:
         """Slices of the vocabulary the embedding's gradient is built in
-        (``model.projection.lookup``): the fewest whose one-hot [V/(t n), b, S/c] in the compute
-        dtype fits in LOSS_CHUNK_BYTES per device; with the vocab split over ``tensor``, the
-        fewest dividing each shard's V/t rows. Validated configs only."""
+        (``model.projection.one_hot_weight_grad``): the fewest whose one-hot [V/(t p n), b,
+        S/c] in the compute dtype fits in LOSS_CHUNK_BYTES per device; with the vocab split
+        over ``tensor`` or into a pipeline's pieces, the fewest dividing each device's V/(t p)
+        rows. Validated configs only."""
         t, v = self.train, self.model.vocab_size
         rows = t.batch_size // (t.grad_accum * t.microbatches * self.batch_shards())
-        local_vocab = v // self.mesh.tensor
+        split = self.mesh.tensor * self.mesh.pipe
+        local_vocab = v // split
         one_hot = (local_vocab * rows * (t.seq_len // self.mesh.context)
                    * (2 if t.dtype == "bfloat16" else 4))
-        if self.mesh.tensor == 1:
+        if split == 1:
             return min(v, -(-one_hot // LOSS_CHUNK_BYTES))
         return next(n for n in range(1, local_vocab + 1)
                     if local_vocab % n == 0

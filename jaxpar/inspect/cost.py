@@ -28,9 +28,8 @@ Flops and time
 --------------
 Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
 counts; causal attention as half the S x S square, as MaxText counts it). Executed flops add
-the one-hot embedding matmul (2VE weight gradient per token, and 2VE forward in a pipeline's
-vocabulary pieces; elsewhere the forward gathers, from each device's rows where the table is
-split over ``tensor``), the
+the one-hot embedding matmul's weight gradient (2VE per token; the forward pass gathers, from
+each device's rows where the table is split over ``tensor`` or ``pipe``), the
 recomputation (``dots`` redoes attention's forward, 4 L H D S per token; ``full`` also each
 layer's matmuls, 2 x their parameters) and attention's executed minus useful flops: dense
 attention computes the whole square, flash attention (blockwise, ring or all-gather over
@@ -88,7 +87,7 @@ class FlopsCost:
     """FLOPs per device per step."""
 
     model: float  # useful work (what MFU counts): flops.train_flops_per_token x tokens
-    embedding_one_hot: float  # the one-hot embedding matmul, forward + weight gradient
+    embedding_one_hot: float  # the embedding's weight gradient, a one-hot matmul
     recompute: float  # remat's extra forward work
     # Attention's executed minus useful flops: the masked causal blocks computed, and under
     # flash attention the scores recomputed backward.
@@ -234,12 +233,13 @@ def _flops(st: StepSizes) -> FlopsCost:
     # backward of 5 block matmuls (scores recomputed) against dense attention's 4.
     executed_attention = (st.computed_share * attention_forward * (1 + 10 / 4) if st.flash
                           else 3 * attention_forward)
-    # The one-hot matmul runs forward only in a pipeline (each stage's vocabulary piece);
-    # elsewhere the forward is a gather, from each device's rows where vocab is split
-    # (projection.lookup).
-    one_hot_forward = st.pipeline is not None
+    # The embedding's forward pass is a gather, from each device's rows where vocab is split
+    # (projection.lookup, pipeline_stages.embed_partial); only its weight gradient is a matmul,
+    # which a pipeline stage runs in every backward step, once per microbatch usefully.
+    embedding_runs = (1.0 if st.pipeline is None
+                      else st.pipeline["backward_steps"] / st.pipeline["microbatches"])
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
-                     embedding_one_hot=(4 if one_hot_forward else 2) * m.vocab_size * m.d_model
+                     embedding_one_hot=2 * m.vocab_size * m.d_model * embedding_runs
                      * per_device,
                      recompute=recompute * per_device,
                      attention_extra=(executed_attention - 1.5 * attention_forward)

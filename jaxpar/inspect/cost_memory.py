@@ -50,9 +50,8 @@ During the backward pass one layer's ``remat=none`` set exists at a time (recomp
 gradients), with the norm output its matmuls rebuild (A); the head adds float32 logits and
 their gradient (b S/c V/t each, divided by the pieces
 the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t,
-built for its gradient in slices of the vocabulary that fit in ``LOSS_CHUNK_BYTES``; outside
-a pipeline the forward pass gathers rows, or with the vocab split builds the whole one-hot
-then, before the layers' activations exist).
+built for its gradient in slices of the vocabulary that fit in ``LOSS_CHUNK_BYTES``; the
+forward pass gathers rows).
 Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
 embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
 stashes, the residuals of the chunk it runs, copies of its weights and, under FSDP, the
@@ -192,12 +191,10 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     whole_before_scatter = param_bytes if zero1 and not st.xla_cpu else 0
     gradient_bytes = moments if zero1 else param_bytes
     # The loss's float32 logits and their gradient, one loss piece at a time, and the
-    # embedding's one-hot input, built for its gradient one slice of the vocabulary at a time
-    # (a pipeline's, whole).
+    # embedding's one-hot input, built for its gradient one slice of the vocabulary at a time.
     # (A pipeline's head and embedding are split over pipe as well: each stage its piece.)
     vocab = m.vocab_size // st.t // (st.p if st.pipeline is not None else 1)
-    one_hot = st.b * st.sl * vocab * st.a // (st.embedding_grad_pieces
-                                              if st.pipeline is None else 1)
+    one_hot = st.b * st.sl * vocab * st.a // st.embedding_grad_pieces
     head = st.b * st.sl * vocab * (4 + 4) // st.loss_pieces + one_hot + 2 * st.act
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
     # fsdp. remat=none keeps in every layer those it does not reshard after the forward pass

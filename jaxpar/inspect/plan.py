@@ -254,7 +254,7 @@ def _timing_table(report: CostReport) -> Table:
     timing.add_column("note")
     timing.add_row("model flops", human_flops(f.model),
                    "useful work (what MFU counts; causal attention as half the square)")
-    extra = (f"+ one-hot embedding {human_flops(f.embedding_one_hot)}, remat recompute "
+    extra = (f"+ one-hot embedding gradient {human_flops(f.embedding_one_hot)}, remat recompute "
              f"{human_flops(f.recompute)}")
     if f.attention_extra:
         extra += (f", attention beyond the causal half {human_flops(f.attention_extra)} "

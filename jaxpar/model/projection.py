@@ -337,18 +337,26 @@ def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _rows_by_owner(how: _LookupVJP, table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The vocab-parallel gather: the table as ``[shards, V/shards, E]``, the shards' dimension
-    split like ``vocab``, so that shard k's gather of its local ids runs on the device holding
-    it; each token's row comes from its owner's gather and zeros from the others', and the sum
-    over the shards is the one collective."""
-    shards = how.vocab_shards
-    rows = how.vocab_size // shards
-    per_shard = constrain(table.reshape(shards, rows, table.shape[-1]),
-                          ("vocab", None, how.names[-1]))
+    """The vocab-parallel gather: the table as ``[shards, V/shards, E]`` (shard k: ids k
+    V/shards, ...), each token's row from its owner's block."""
+    rows = how.vocab_size // how.vocab_shards
     owner, local_id = jnp.divmod(tokens, rows)
-    gathered = jax.vmap(lambda shard: jnp.take(shard, local_id, axis=0))(per_shard)
-    gathered = constrain(gathered, ("vocab", "batch", "seq", how.names[-1]))
-    mine = owner[None] == jnp.arange(shards, dtype=owner.dtype)[:, None, None]
+    blocks = table.reshape(how.vocab_shards, rows, table.shape[-1])
+    return owned_rows(blocks, owner, local_id, how.names[-1])
+
+
+def owned_rows(blocks: jax.Array, owner: jax.Array, local_id: jax.Array,
+               embed_name: str = "act_embed") -> jax.Array:
+    """Rows of a table split by rows into ``blocks`` [k, rows, E], the first dimension split
+    like ``vocab``: token ``t``'s row is ``blocks[owner[t], local_id[t]]``, zeros where
+    ``owner`` names no block (-1). Each block's gather of the local ids runs on the device that
+    holds the block (a gather with the block as a batch dimension, which the compiler keeps
+    local), and the sum over the blocks is the one collective: the tokens' rows, ``[tokens,
+    E]``, summed over the devices splitting ``vocab`` (no whole table is gathered)."""
+    blocks = constrain(blocks, ("vocab", None, embed_name))
+    gathered = jax.vmap(lambda block: jnp.take(block, local_id, axis=0))(blocks)
+    gathered = constrain(gathered, ("vocab", "batch", "seq", embed_name))
+    mine = owner[None] == jnp.arange(blocks.shape[0], dtype=owner.dtype)[:, None, None]
     return jnp.sum(jnp.where(mine[..., None], gathered, 0), axis=0)
 
 
@@ -357,27 +365,35 @@ def _lookup_fwd(how, tokens, w):
 
 
 def _lookup_bwd(how, tokens, dy):
-    # Slice k holds ids k, k + n, k + 2n, ... (n = pieces; the last rows padded with ids past
-    # the vocab): a strided cut, so that a device's rows of every slice are ids of its own
-    # shard of the table and the slices interleave back into it without moving (with the
-    # vocab split, Config.embedding_grad_pieces makes n divide each shard's rows).
-    n = how.pieces
-    rows = -(-how.vocab_size // n)
+    # Ids past the vocab pad the last slice (they match no token).
+    rows = -(-how.vocab_size // how.pieces) * how.pieces
+    dw = one_hot_weight_grad(jnp.arange(rows, dtype=tokens.dtype), tokens, dy, how.pieces,
+                             how.grad_dtype)[:how.vocab_size]
+    return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
 
-    def slice_grad(k: jax.Array) -> jax.Array:
-        """The gradient of the table's rows k, k + n, ... (the one-hot built vocab-major, as
-        the matmul reads it)."""
-        ids = k + n * jnp.arange(rows, dtype=tokens.dtype)
+
+def one_hot_weight_grad(row_ids: jax.Array, tokens: jax.Array, dy: jax.Array, pieces: int,
+                        grad_dtype: Any) -> jax.Array:
+    """The gradient of the rows ``row_ids`` [R] of an embedding table from the rows' gradients
+    ``dy`` [B, S, E] of int ``tokens`` [B, S]: ``one_hot(tokens)^T dy`` [R, E], in
+    ``grad_dtype``, built for ``pieces`` (dividing R) slices of the rows one after another.
+
+    Slice k holds rows k, k + n, k + 2n, ... (n = pieces): a strided cut, so that where the
+    rows are split over devices in blocks that n divides, a device's rows of every slice are
+    rows of its own block, and the slices interleave back into the table without moving. The
+    one-hot is built vocab-major, as the matmul reads it."""
+    n = pieces
+
+    def slice_grad(ids: jax.Array) -> jax.Array:
         one_hot = constrain((ids[:, None, None] == tokens[None]).astype(dy.dtype),
                             ("vocab", "batch", "seq"))
-        return jnp.einsum("vbs,bse->ve", one_hot, dy, preferred_element_type=how.grad_dtype)
+        return jnp.einsum("vbs,bse->ve", one_hot, dy, preferred_element_type=grad_dtype)
 
     if n == 1:
-        dw = slice_grad(jnp.zeros((), tokens.dtype))
-    else:  # [n, rows, E] -> [rows, n, E]: id r n + k in row r n + k
-        dw = jax.lax.map(slice_grad, jnp.arange(n, dtype=tokens.dtype))
-        dw = jnp.moveaxis(dw, 0, 1).reshape(rows * n, -1)[:how.vocab_size]
-    return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
+        return slice_grad(row_ids)
+    per_slice = row_ids.reshape(-1, n).T  # [n, R/n]: slice k is row_ids[k::n]
+    dw = jax.lax.map(slice_grad, per_slice)  # [n, R/n, E] -> [R/n, n, E]: row r n + k
+    return jnp.moveaxis(dw, 0, 1).reshape(row_ids.shape[0], -1)
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)

@@ -15,9 +15,10 @@ gathers) is reached by all its participants, on every backend.
 A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
 
 1. *Embed* (steps with a forward slot). The vocabulary is cut into ``p`` pieces, one per
-   stage (and each piece split over the axes that split ``vocab``). Each stage multiplies the
-   one-hot tokens of the microbatch entering chunk 0 with its piece of the table and a ``psum``
-   over ``pipe`` adds the pieces: one all-reduce of one activation. Stage 0 uses the sum.
+   stage (and each piece split over the axes that split ``vocab``). Each stage gathers the
+   rows of the tokens of the microbatch entering chunk 0 that fall in its piece (zeros for the
+   others) and a ``psum`` over ``pipe`` adds the pieces: one all-reduce of one activation.
+   Stage 0 uses the sum.
 2. *Forward slot*. Run the chunk's layers on the input (the embedding, or an activation that
    arrived earlier) under ``jax.vjp``; keep the VJP's residuals in a stash slot. Nothing is
    recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
@@ -77,7 +78,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
-from jaxpar.model.projection import RESIDUAL
+from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.hooks import model_hooks
@@ -388,9 +389,10 @@ def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
     into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
     dx0 = sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)))
     tokens = env.microbatch(r["eback_mb"])["inputs"]
-    one_hot = (tokens[..., None] == env.piece.ids).astype(dx0.dtype)
-    one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
-    d_table = jnp.einsum("bsv,bse->ve", one_hot, dx0, preferred_element_type=jnp.float32)
+    # The strided slices keep each tensor block's rows on its device (the piece's rows are
+    # [shards, block] and the pieces divide the block).
+    d_table = one_hot_weight_grad(env.piece.ids, tokens, dx0, env.stages.embedding_grad_pieces,
+                                  jnp.float32)
     grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table)})
     return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
 

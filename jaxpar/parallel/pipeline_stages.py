@@ -22,7 +22,7 @@ from jaxpar.config import Config
 from jaxpar.model.annotate import constrain, use_prepared_weights
 from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
-from jaxpar.model.projection import float32_logits
+from jaxpar.model.projection import float32_logits, owned_rows
 from jaxpar.model.transformer import joined_pieces, sequence_pieces
 from jaxpar.parallel.rules import logical_rules
 
@@ -57,6 +57,7 @@ class Stages:
     aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
     layer_stacked: tuple[str, ...] = ()
     loss_pieces: int = 1  # the head runs over this many pieces of the sequence, one at a time
+    embedding_grad_pieces: int = 1  # ... the embedding's gradient over this many vocab slices
 
 
 class VocabPiece(NamedTuple):
@@ -101,12 +102,17 @@ def vocab_piece(vocab_size: int, shards: int, p: int, stage: jax.Array) -> Vocab
 
 
 def embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: jax.Array,
-                   ) -> jax.Array:
-    """This stage's share of the embeddings of ``tokens``: one-hot over its vocab piece times
-    its rows of the table (the stages' shares add up over ``pipe``)."""
-    one_hot = (tokens[..., None] == piece.ids).astype(stages.dtype)
-    one_hot = constrain(one_hot, ("batch", "seq", "vocab"))
-    return jnp.einsum("bsv,ve->bse", one_hot, table)
+                  ) -> jax.Array:
+    """This stage's share of the embeddings of ``tokens``: the rows of those in its vocab piece
+    (``table``: its rows), zeros for the others; the stages' shares add up over ``pipe``. A
+    gather, from each ``tensor`` block's own rows where those split the piece."""
+    v = piece.ids.shape[0] * piece.p
+    block = v // (piece.shards * piece.p)
+    shard, within = jnp.divmod(tokens, v // piece.shards)
+    stage, local_id = jnp.divmod(within, block)
+    owner = jnp.where(stage == piece.stage, shard, -1)
+    return owned_rows(table.astype(stages.dtype).reshape(piece.shards, block, -1), owner,
+                      local_id)
 
 
 def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
@@ -196,4 +202,5 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
                   shards,
                   aux_loss=lambda aux: moe_loss(aux, moe),
                   layer_stacked=LAYER_STACKED if moe.enabled else (),
-                  loss_pieces=cfg.loss_pieces())
+                  loss_pieces=cfg.loss_pieces(),
+                  embedding_grad_pieces=cfg.embedding_grad_pieces())
