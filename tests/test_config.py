@@ -450,6 +450,10 @@ def test_distributed_enabled_on_and_off_survive_yaml_booleans(tmp_path, text, ex
     # Split over tensor: each shard's 16384 rows, in the fewest slices dividing them.
     (("mesh.tensor=2",), 2, 4),
     (("mesh.tensor=2", "model.vocab_size=24576"), 2, 3),
+    # A pipeline stage's piece of V/p rows (split over tensor too: V/(t p) per device).
+    (("mesh.pipe=2", "train.batch_size=2", "train.microbatches=2"), 2, 4),
+    (("mesh.pipe=2", "mesh.tensor=2", "model.vocab_size=24576", "train.batch_size=2",
+      "train.microbatches=2"), 4, 2),
     # Small: one slice.
     (("model.vocab_size=256",), 1, 1),
 ])
