@@ -112,7 +112,8 @@ class StepSizes:
 
     @property
     def embedding_grad_pieces(self) -> int:
-        """Slices of the vocabulary the embedding's gradient is built in (outside a pipeline)."""
+        """Slices of the vocabulary the embedding's gradient is built in (a pipeline stage: of its
+        piece)."""
         return self.cfg.embedding_grad_pieces()
 
     @property
