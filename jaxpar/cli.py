@@ -169,6 +169,16 @@ INSPECT_HELP = ("compile one train step without running it and show, per device,
                 "shardings, memory, collectives and flops")
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -209,6 +219,11 @@ def _add_inspect(commands) -> None:
     sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")
     sub.add_argument("--compare", action="store_true", help="print `jaxpar plan`'s predicted "
                      "memory and collective bytes beside the compiled ones, with their ratio")
+    sub.add_argument("--strict", action="store_true", help="compare (as --compare) and exit 1, "
+                     "naming the rows, when a collective (kind, axes) or the peak memory differs from "
+                     "the plan by more than --tolerance (rows under 1 MiB per device aside)")
+    sub.add_argument("--tolerance", metavar="T", type=_tolerance, default=0.1,
+                     help="relative difference --strict allows (default 0.1: 10%%)")
     sub.add_argument("--png", metavar="FILE", help="draw the mesh, how each parameter group is "
                      "split over it, and the collectives per axis (needs matplotlib: "
                      "pip install -e '.[plot]')")
@@ -353,12 +368,8 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     """Compile, report, write files. ``devices`` (with ``target``): the TPU slice's devices."""
     from rich.console import Console  # noqa: PLC0415
 
-    from jaxpar.inspect.report import (  # noqa: PLC0415
-        build_report,
-        compare_with_plan,
-        print_comparison,
-        print_report,
-    )
+    from jaxpar.inspect.compare import compare_with_plan, mismatches, print_comparison  # noqa: PLC0415
+    from jaxpar.inspect.report import build_report, print_report  # noqa: PLC0415
     from jaxpar.mesh import make_mesh  # noqa: PLC0415
     from jaxpar.train.compiled import compiled_step  # noqa: PLC0415
 
@@ -367,8 +378,9 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     report = build_report(step)
     if target is not None:
         report["run"].update(report_fields(target, devices))
-    if args.compare:
+    if args.compare or args.strict:  # --strict compares
         report["compare"] = compare_with_plan(report, cfg)
+        report["compare"]["mismatches"] = mismatches(report["compare"], args.tolerance)
     # With --json - stdout carries only the JSON; anything else said goes to stderr.
     console = Console(stderr=json_to_stdout, soft_wrap=True)
     if not console.is_terminal:  # a file or pipe has no width: don't squeeze the tables to 80
@@ -377,8 +389,8 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
         print(json.dumps(report, indent=2))
     else:
         print_report(report, console)
-        if args.compare:
-            print_comparison(report["compare"], console)
+        if "compare" in report:
+            print_comparison(report["compare"], console, args.tolerance)
     if args.json and not json_to_stdout:
         Path(args.json).expanduser().write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote the report to {args.json}")
@@ -390,7 +402,19 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
 
         draw_report(report, Path(args.png).expanduser())
         console.print(f"drew the report to {args.png}")
+    if args.strict:
+        return _strict_verdict(report["compare"]["mismatches"], args.tolerance)
     return 0
+
+
+def _strict_verdict(rows: list[str], tolerance: float) -> int:
+    """``inspect --compare --strict``: exit 1 naming every row off the plan, else 0."""
+    if not rows:
+        print(f"strict: every collective and the peak memory within {tolerance:.0%} of the plan")
+        return 0
+    print(f"strict: {len(rows)} row(s) differ from the plan by more than {tolerance:.0%}: "
+          + "; ".join(rows), file=sys.stderr)
+    return 1
 
 
 def run_export(args: argparse.Namespace) -> int:

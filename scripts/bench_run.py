@@ -2,7 +2,7 @@
 
 A layout is measured from one compiled executable: its compile time, then ``jaxpar inspect``'s
 report of it (memory, collectives, flops; :func:`jaxpar.inspect.report.build_report`) and its
-comparison with the plan (:func:`jaxpar.inspect.report.compare_with_plan`), then its step times.
+comparison with the plan (:func:`jaxpar.inspect.compare.compare_with_plan`), then its step times.
 The steps run through ``Trainer.step``, the jitted step as training calls it, which reuses that
 executable (the first step compiles nothing); ``recompiles`` counts the compilations after the
 first step (:func:`bench_timing.step_times`): 0 unless a step's arguments changed layout, dtype
@@ -21,9 +21,10 @@ from bench_timing import Stepper, random_batch, spread, step_times
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxpar.config import Config, ConfigError, load_config, validate
+from jaxpar.inspect.compare import compare_with_plan
 from jaxpar.inspect.cost import estimate
 from jaxpar.inspect.hlo_flops import dot_flops
-from jaxpar.inspect.report import build_report, compare_with_plan
+from jaxpar.inspect.report import build_report
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel.pipeline import describe
 from jaxpar.train.compiled import CompiledStep

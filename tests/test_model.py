@@ -16,7 +16,8 @@ from helpers import compiled_temp_bytes
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.model.attention import dense_attention as causal_attention
-from jaxpar.model.transformer import create_model, summed_token_loss
+from jaxpar.model.loss import summed_token_loss
+from jaxpar.model.transformer import create_model
 from jaxpar.train.step import build_trainer
 
 BASE = ["mesh.data=1", "train.batch_size=2", "train.seq_len=16"]

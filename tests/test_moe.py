@@ -26,8 +26,9 @@ from test_parallel_layouts import make_batches
 
 import jaxpar.parallel.expert as expert_module
 from jaxpar.config import MoEConfig, load_config, validate
+from jaxpar.inspect.compare import compare_with_plan
 from jaxpar.inspect.cost import estimate
-from jaxpar.inspect.report import build_report, compare_with_plan
+from jaxpar.inspect.report import build_report
 from jaxpar.mesh import make_mesh
 from jaxpar.model.annotate import use_experts
 from jaxpar.model.moe import MoE, update_router_bias

@@ -368,12 +368,12 @@ def _lookup_bwd(how, tokens, dy):
     # Ids past the vocab pad the last slice (they match no token).
     rows = -(-how.vocab_size // how.pieces) * how.pieces
     dw = one_hot_weight_grad(jnp.arange(rows, dtype=tokens.dtype), tokens, dy, how.pieces,
-                             how.grad_dtype)[:how.vocab_size]
+                             how.grad_dtype, how.stored)[:how.vocab_size]
     return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
 
 
 def one_hot_weight_grad(row_ids: jax.Array, tokens: jax.Array, dy: jax.Array, pieces: int,
-                        grad_dtype: Any) -> jax.Array:
+                        grad_dtype: Any, names: tuple | None = None) -> jax.Array:
     """The gradient of the rows ``row_ids`` [R] of an embedding table from the rows' gradients
     ``dy`` [B, S, E] of int ``tokens`` [B, S]: ``one_hot(tokens)^T dy`` [R, E], in
     ``grad_dtype``, built for ``pieces`` (dividing R) slices of the rows one after another.
@@ -381,13 +381,18 @@ def one_hot_weight_grad(row_ids: jax.Array, tokens: jax.Array, dy: jax.Array, pi
     Slice k holds rows k, k + n, k + 2n, ... (n = pieces): a strided cut, so that where the
     rows are split over devices in blocks that n divides, a device's rows of every slice are
     rows of its own block, and the slices interleave back into the table without moving. The
-    one-hot is built vocab-major, as the matmul reads it."""
+    one-hot is built vocab-major, as the matmul reads it.
+
+    Each slice is laid out as ``names`` (the table's stored layout) as soon as it is made: its
+    sum over the devices holding the tokens is then a reduce-scatter of that slice (FSDP), and
+    no whole unreduced [R, E] gradient exists (at Llama-3-8B widths, 2 GiB per device)."""
     n = pieces
 
     def slice_grad(ids: jax.Array) -> jax.Array:
         one_hot = constrain((ids[:, None, None] == tokens[None]).astype(dy.dtype),
                             ("vocab", "batch", "seq"))
-        return jnp.einsum("vbs,bse->ve", one_hot, dy, preferred_element_type=grad_dtype)
+        dw = jnp.einsum("vbs,bse->ve", one_hot, dy, preferred_element_type=grad_dtype)
+        return dw if names is None else constrain(dw, names)
 
     if n == 1:
         return slice_grad(row_ids)

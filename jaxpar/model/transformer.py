@@ -24,8 +24,9 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import constrain, reshard_after_forward, split_count
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
+from jaxpar.model.loss import HIDDEN, head_logits
 from jaxpar.model.moe import LAYER_STACKED, MoE
-from jaxpar.model.projection import RESIDUAL, float32_logits, lookup, weight
+from jaxpar.model.projection import RESIDUAL, lookup, weight
 
 Aux = dict[str, jax.Array]  # float32 statistics and losses of the MoE layers ({} when dense)
 
@@ -166,93 +167,12 @@ class Transformer(nnx.Module):
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         """The residual stream after the final norm: what the output head multiplies."""
-        return constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
+        return constrain(self.final_norm(x), HIDDEN)
 
     def head(self, dtype=jnp.float32) -> jax.Array:
         """The output head [d_model, vocab] in ``dtype`` (the embedding's transpose if tied)."""
         return (weight(self.embedding, ("vocab", "act_embed"), dtype).T if self.cfg.tie_embeddings
                 else weight(self.lm_head, ("act_embed", "vocab"), dtype))
-
-
-def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
-    """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model]."""
-    return constrain(float32_logits(h, head), ("batch", "seq", "vocab"))
-
-
-def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
-                      pieces: int = 1) -> jax.Array:
-    """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``,
-    computed over ``pieces`` pieces of the sequence one after another: only one piece's float32
-    logits ([B, S/pieces, vocab]) and their gradient are alive at a time; the backward pass
-    recomputes each piece's logits (one more head matmul, 2 x d_model x vocab flops a token).
-
-    Piece i holds tokens i, i + n, i + 2n, ... (n = ``pieces``): a strided cut, so each
-    device's contiguous shard of the sequence (context parallelism) keeps its own tokens in
-    every piece and nothing moves between devices. The sum does not depend on the order.
-    """
-    if pieces == 1:
-        return jnp.sum(token_losses(head_logits(h, head), targets) * mask)
-
-    @jax.checkpoint
-    def one_piece(total: jax.Array, piece: tuple) -> tuple[jax.Array, None]:
-        h_i, targets_i, mask_i = piece
-        h_i = constrain(h_i, ("batch", "seq", "act_embed"))
-        return total + jnp.sum(token_losses(head_logits(h_i, head), targets_i) * mask_i), None
-
-    total, _ = jax.lax.scan(one_piece, jnp.zeros((), jnp.float32),
-                            tuple(sequence_pieces(a, pieces) for a in (h, targets, mask)))
-    return total
-
-
-def sequence_pieces(a: jax.Array, n: int) -> jax.Array:
-    """[B, S, ...] -> [n, B, S/n, ...]: piece i holds tokens i, i + n, i + 2n, ... (a strided
-    cut, so a device's contiguous shard of the sequence keeps its tokens in every piece)."""
-    b, s = a.shape[:2]
-    return jnp.moveaxis(a.reshape(b, s // n, n, *a.shape[2:]), 2, 0)
-
-
-def joined_pieces(a: jax.Array) -> jax.Array:
-    """The inverse of :func:`sequence_pieces`: [n, B, S/n, ...] -> [B, S, ...]."""
-    n, b, s = a.shape[:3]
-    return jnp.moveaxis(a, 0, 2).reshape(b, s * n, *a.shape[3:])
-
-
-def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Per-token cross entropy in float32. With logits split on vocab, the max and the sum of
-    exponentials each become a small all-reduce over the vocab shards (vocab-parallel loss).
-
-    The gradient, ``softmax(logits) - one_hot(targets)``, is one pass over the logits and their
-    log-partition ``log_z`` (the residuals): autodiff of ``logsumexp`` would keep the
-    exponentials as well, a third logits-sized float32 array beside the logits and their
-    gradient."""
-    return _token_losses(logits.astype(jnp.float32), targets)
-
-
-@jax.custom_vjp
-def _token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    return _token_losses_fwd(logits, targets)[0]
-
-
-def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    # A one-hot select rather than a gather keeps the vocab dimension elementwise, so each shard
-    # picks its own target logits and only a [B, S] partial sum crosses devices.
-    return jnp.arange(logits.shape[-1]) == targets[..., None]
-
-
-def _token_losses_fwd(logits, targets):
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.sum(jnp.where(_is_target(logits, targets), logits, 0.0), axis=-1)
-    return log_z - target_logit, (logits, targets, log_z)
-
-
-def _token_losses_bwd(residuals, g):
-    logits, targets, log_z = residuals
-    probs = jnp.exp(logits - log_z[..., None])
-    d_logits = (probs - _is_target(logits, targets).astype(jnp.float32)) * g[..., None]
-    return d_logits, None  # None: integer targets have no gradient
-
-
-_token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 def create_model(cfg: ModelConfig, seed: int) -> Transformer:

@@ -21,9 +21,9 @@ from jax import lax
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain, use_prepared_weights
 from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
+from jaxpar.model.loss import joined_pieces, sequence_pieces
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
 from jaxpar.model.projection import float32_logits, owned_rows
-from jaxpar.model.transformer import joined_pieces, sequence_pieces
 from jaxpar.parallel.rules import logical_rules
 
 PIPE_AXIS = "pipe"

@@ -42,12 +42,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config import Config, ConfigError, TrainConfig
 from jaxpar.mesh import process_batch_rows
 from jaxpar.model.layers import FULL_PRECISION
+from jaxpar.model.loss import summed_token_loss
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import (
     DTYPES,
     abstract_model,
     create_model,
-    summed_token_loss,
 )
 from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.hooks import model_hooks

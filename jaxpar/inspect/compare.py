@@ -1,0 +1,116 @@
+"""Compiled vs planned (``jaxpar inspect --compare [--strict --tolerance T]``).
+
+The analytic plan (:mod:`jaxpar.inspect.cost`) says what a layout must move and hold; the
+compiled step says what XLA made of it. Rows are matched by collective (kind, mesh axes); a row
+only one side has is exactly what a user should look at: a collective the partitioner inserted
+that the layout does not need, or one the plan expects that XLA lowered differently. ``--strict``
+turns the comparison into a check a user can run in their own CI: every collective row and the
+peak memory within ``tolerance`` of the plan, rows under :data:`FLOOR_BYTES` per device aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from jaxpar.config import Config
+from jaxpar.inspect.units import human_bytes
+
+FLOOR_BYTES = 2**20
+"""Collective rows under this many bytes per device per step are not checked: scalars (the
+loss, token counts) and norm gradients, which the compilers combine in ways not worth modelling."""
+
+TOLERANCE = 0.1
+
+
+def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
+    """The analytic plan's numbers beside the compiled ones, row by row, with their ratio.
+
+    The plan predicts XLA:CPU's program for CPU devices and the accelerator compilers' (bf16
+    wires, combined reductions) otherwise.
+    """
+    from jaxpar.inspect.cost import estimate  # noqa: PLC0415
+
+    kind = str(report.get("run", {}).get("device_kind", "cpu")).lower()
+    plan = estimate(cfg, None if kind == "cpu" else "h100")
+    predicted = {(r["kind"], tuple(r["axes"])): r for r in plan.collective_rows()}
+    compiled = {(r["kind"], tuple(r["axes"])): r for r in report["collectives"]}
+    rows = []
+    for key in sorted(set(predicted) | set(compiled)):
+        got, want = compiled.get(key, {}), predicted.get(key, {})
+        rows.append({"kind": key[0], "axes": list(key[1]),
+                     "compiled_bytes": got.get("bytes"), "predicted_bytes": want.get("bytes"),
+                     "ratio": _ratio(got.get("bytes"), want.get("bytes"))})
+    state = report["memory"]["params_bytes"] + report["memory"]["optimizer_bytes"]
+    memory = {"compiled_state_bytes": state, "predicted_state_bytes": plan.memory.state,
+              "ratio": _ratio(state, plan.memory.state),
+              "compiled_peak_bytes": report["memory"]["peak_bytes"],
+              "predicted_peak_bytes": plan.memory.peak,
+              "peak_ratio": _ratio(report["memory"]["peak_bytes"], plan.memory.peak)}
+    return {"collectives": rows, "memory": memory}
+
+
+def _ratio(compiled: float | None, predicted: float | None) -> float | None:
+    return round(compiled / predicted, 4) if compiled and predicted else None
+
+
+def _within(ratio: float | None, tolerance: float) -> bool:
+    return ratio is not None and abs(ratio - 1) <= tolerance
+
+
+def mismatches(comparison: Mapping[str, Any], tolerance: float = TOLERANCE,
+               floor: int = FLOOR_BYTES) -> list[str]:
+    """One line per row of ``comparison`` that differs from the plan by more than ``tolerance``
+    (relative): a collective (kind, axes) at or above ``floor`` bytes on either side, the train
+    state, or the peak memory. Empty when the compiled step is the planned one."""
+    out = []
+    for row in comparison["collectives"]:
+        got, want = row["compiled_bytes"] or 0, row["predicted_bytes"] or 0
+        if max(got, want) < floor or _within(row["ratio"], tolerance):
+            continue
+        name = f"{row['kind']} over {','.join(row['axes']) or '-'}"
+        out.append(f"{name}: compiled {human_bytes(got) if got else 'none'}, planned "
+                   f"{human_bytes(want) if want else 'none'}")
+    memory = comparison["memory"]
+    for what, key, ratio in (("train state", "state", memory["ratio"]),
+                             ("peak memory", "peak", memory["peak_ratio"])):
+        if not _within(ratio, tolerance):
+            out.append(f"{what}: compiled {human_bytes(memory[f'compiled_{key}_bytes'])}, "
+                       f"planned {human_bytes(memory[f'predicted_{key}_bytes'])}")
+    return out
+
+
+def print_comparison(comparison: Mapping[str, Any], console: Console,
+                     tolerance: float = TOLERANCE) -> None:
+    table = Table(title="compiled vs predicted by `jaxpar plan` (per device, one step)",
+                  title_justify="left")
+    for name, justify in (("what", "left"), ("axes", "left"), ("compiled", "right"),
+                          ("predicted", "right"), ("compiled / predicted", "right")):
+        table.add_column(name, justify=justify)
+    memory = comparison["memory"]
+    table.add_row("train state (params + optimizer)", "-",
+                  human_bytes(memory["compiled_state_bytes"]),
+                  human_bytes(memory["predicted_state_bytes"]),
+                  _ratio_text(memory["ratio"], tolerance))
+    table.add_row("peak memory", "-", human_bytes(memory["compiled_peak_bytes"]),
+                  human_bytes(memory["predicted_peak_bytes"]),
+                  _ratio_text(memory["peak_ratio"], tolerance))
+    for row in comparison["collectives"]:
+        table.add_row(row["kind"], ",".join(row["axes"]) or "-",
+                      human_bytes(row["compiled_bytes"]) if row["compiled_bytes"] else "none",
+                      human_bytes(row["predicted_bytes"]) if row["predicted_bytes"] else "none",
+                      _ratio_text(row["ratio"], tolerance))
+    console.print(table)
+    console.print("Far from 1, or 'none' on one side: XLA did something the plan does not model "
+                  "(an extra collective, a different lowering, a memory blow-up). Rows under "
+                  f"{human_bytes(FLOOR_BYTES)} (scalars, norm gradients) are often combined "
+                  "differently; --strict does not check them.")
+
+
+def _ratio_text(ratio: float | None, tolerance: float) -> str:
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}" + ("" if _within(ratio, tolerance) else "  <-")

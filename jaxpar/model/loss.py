@@ -1,0 +1,179 @@
+"""The token loss: cross entropy of the output head's float32 logits, whole or in pieces of the
+sequence, and the one rule its weight gradient follows whatever the piece count.
+
+**One reduction of the head's gradient per step.** The head's gradient ``h^T d_logits`` is a
+sum over every token; each device holds some tokens (rows over the batch axes, a slice of the
+sequence over ``context``), so each device's product is a partial sum that the devices sharing
+the head must add (FSDP's reduce-scatter, the sum over ``context``). Computed piece by piece in a
+loop, the compiler adds the partial sums where the loop carry needs them: once per piece, the
+whole [d_model, V/t] float32 gradient each time (Llama-3-8B widths, 32 pieces: 32 x 2 GiB per
+device where one reduce-scatter of 2 GiB suffices). So the loop keeps each device's partial sum
+apart, as a dimension of its own per token shard (:func:`per_shard_weight_grad`, split like the
+tokens: nothing moves), and the shards are added once after the loop (:func:`summed_shards`).
+The pipeline's vocabulary-piece loss accumulates its head gradient the same way.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.model.annotate import constrain, split_count
+from jaxpar.model.projection import float32_logits
+
+HIDDEN = ("batch", "seq", "act_embed")  # the final norm's output, entering the head
+HEAD = ("act_embed", "vocab")  # the head as the loss multiplies with it
+STORED_HEAD = ("embed", "vocab")  # ... and as stored (split over fsdp under ZeRO-3)
+
+
+def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+    """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model]."""
+    return constrain(float32_logits(h, head), ("batch", "seq", "vocab"))
+
+
+def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
+                      pieces: int = 1) -> jax.Array:
+    """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``,
+    computed over ``pieces`` pieces of the sequence one after another: only one piece's float32
+    logits ([B, S/pieces, vocab]) and their gradient are alive at a time; the backward pass
+    recomputes each piece's logits (one more head matmul, 2 x d_model x vocab flops a token)
+    and reduces the head's gradient once (module docstring).
+
+    Piece i holds tokens i, i + n, i + 2n, ... (n = ``pieces``): a strided cut, so each
+    device's contiguous shard of the sequence (context parallelism) keeps its own tokens in
+    every piece and nothing moves between devices. The sum does not depend on the order.
+    """
+    if pieces == 1:
+        return jnp.sum(token_losses(head_logits(h, head), targets) * mask)
+    return _loss_in_pieces(pieces, h, head, targets, mask)
+
+
+def _pieces(n: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(sequence_pieces(a, n) for a in arrays)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loss_in_pieces(pieces: int, h: jax.Array, head: jax.Array, targets: jax.Array,
+                    mask: jax.Array) -> jax.Array:
+    def one_piece(total: jax.Array, piece: tuple) -> tuple[jax.Array, None]:
+        h_i, targets_i, mask_i = piece
+        logits = head_logits(constrain(h_i, HIDDEN), head)
+        return total + jnp.sum(token_losses(logits, targets_i) * mask_i), None
+
+    total, _ = jax.lax.scan(one_piece, jnp.zeros((), jnp.float32),
+                            _pieces(pieces, h, targets, mask))
+    return total
+
+
+def _loss_in_pieces_fwd(pieces, h, head, targets, mask):
+    return _loss_in_pieces(pieces, h, head, targets, mask), (h, head, targets, mask)
+
+
+def _loss_in_pieces_bwd(pieces, residuals, g):
+    h, head, targets, mask = residuals
+
+    def one_piece(partial_sums: jax.Array, piece: tuple) -> tuple[jax.Array, jax.Array]:
+        h_i, targets_i, mask_i = piece
+        h_i = constrain(h_i, HIDDEN)
+        logits, logits_vjp = jax.vjp(lambda x: head_logits(x, head), h_i)
+        d_logits = token_loss_grad(logits, targets_i, mask_i * g)
+        (d_h,) = logits_vjp(d_logits)  # its weight gradient, unused, is left out by XLA
+        return partial_sums + per_shard_weight_grad(h_i, d_logits), d_h
+
+    zeros = jnp.zeros(per_shard_weight_grad_shape(h, head), jnp.float32)
+    partial_sums, d_h = jax.lax.scan(one_piece, constrain(zeros, _PER_SHARD),
+                                     _pieces(pieces, h, targets, mask))
+    d_head = summed_shards(partial_sums, STORED_HEAD).astype(head.dtype)
+    return joined_pieces(d_h), d_head, None, None  # None: targets and mask have none
+
+
+_loss_in_pieces.defvjp(_loss_in_pieces_fwd, _loss_in_pieces_bwd)
+
+# A weight gradient's partial sums, one per (batch shard, sequence shard) of the tokens.
+_PER_SHARD = ("batch", "seq", "act_embed", "vocab")
+
+
+def per_shard_weight_grad_shape(h: jax.Array, w: jax.Array) -> tuple[int, ...]:
+    """The shape :func:`per_shard_weight_grad` gives for tokens ``h`` and a weight ``w``."""
+    return (split_count("batch"), split_count("seq"), *w.shape)
+
+
+def per_shard_weight_grad(h: jax.Array, dy: jax.Array) -> jax.Array:
+    """``h^T dy`` (``h`` [B, S, E], ``dy`` [B, S, V] in float32) as one partial sum per shard of
+    the tokens, ``[batch shards, sequence shards, E, V]`` split like the tokens: each device
+    contracts only its own tokens, and no collective is needed until :func:`summed_shards`."""
+    nb, ns = split_count("batch"), split_count("seq")
+    b, s = h.shape[:2]
+    h = constrain(h.reshape(nb, b // nb, ns, s // ns, h.shape[-1]),
+                  ("batch", None, "seq", None, "act_embed"))
+    dy = constrain(dy.reshape(nb, b // nb, ns, s // ns, dy.shape[-1]),
+                   ("batch", None, "seq", None, "vocab"))
+    dw = jnp.einsum("abcde,abcdv->acev", h, dy, preferred_element_type=jnp.float32)
+    return constrain(dw, _PER_SHARD)
+
+
+def summed_shards(partial_sums: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """The sum of :func:`per_shard_weight_grad`'s partial sums, laid out as ``names``: one
+    reduction over the devices holding the tokens (a reduce-scatter where ``names`` splits a
+    dimension over them, as FSDP does)."""
+    return constrain(jnp.sum(partial_sums, axis=(0, 1)), names)
+
+
+def sequence_pieces(a: jax.Array, n: int) -> jax.Array:
+    """[B, S, ...] -> [n, B, S/n, ...]: piece i holds tokens i, i + n, i + 2n, ... (a strided
+    cut, so a device's contiguous shard of the sequence keeps its tokens in every piece)."""
+    b, s = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, s // n, n, *a.shape[2:]), 2, 0)
+
+
+def joined_pieces(a: jax.Array) -> jax.Array:
+    """The inverse of :func:`sequence_pieces`: [n, B, S/n, ...] -> [B, S, ...]."""
+    n, b, s = a.shape[:3]
+    return jnp.moveaxis(a, 0, 2).reshape(b, s * n, *a.shape[3:])
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token cross entropy in float32. With logits split on vocab, the max and the sum of
+    exponentials each become a small all-reduce over the vocab shards (vocab-parallel loss).
+
+    The gradient, ``softmax(logits) - one_hot(targets)``, is one pass over the logits and their
+    log-partition ``log_z`` (the residuals): autodiff of ``logsumexp`` would keep the
+    exponentials as well, a third logits-sized float32 array beside the logits and their
+    gradient."""
+    return _token_losses(logits.astype(jnp.float32), targets)
+
+
+def token_loss_grad(logits: jax.Array, targets: jax.Array, scale: jax.Array) -> jax.Array:
+    """The gradient of ``sum(token_losses(logits, targets) * scale)`` w.r.t. float32 ``logits``:
+    ``(softmax(logits) - one_hot(targets)) * scale``."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    return _token_losses_bwd((logits, targets, log_z), scale)[0]
+
+
+@jax.custom_vjp
+def _token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    return _token_losses_fwd(logits, targets)[0]
+
+
+def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    # A one-hot select rather than a gather keeps the vocab dimension elementwise, so each shard
+    # picks its own target logits and only a [B, S] partial sum crosses devices.
+    return jnp.arange(logits.shape[-1]) == targets[..., None]
+
+
+def _token_losses_fwd(logits, targets):
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.sum(jnp.where(_is_target(logits, targets), logits, 0.0), axis=-1)
+    return log_z - target_logit, (logits, targets, log_z)
+
+
+def _token_losses_bwd(residuals, g):
+    logits, targets, log_z = residuals
+    probs = jnp.exp(logits - log_z[..., None])
+    d_logits = (probs - _is_target(logits, targets).astype(jnp.float32)) * g[..., None]
+    return d_logits, None  # None: integer targets have no gradient
+
+
+_token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
