@@ -220,8 +220,8 @@ def _add_inspect(commands) -> None:
     sub.add_argument("--compare", action="store_true", help="print `jaxpar plan`'s predicted "
                      "memory and collective bytes beside the compiled ones, with their ratio")
     sub.add_argument("--strict", action="store_true", help="compare (as --compare) and exit 1, "
-                     "naming the rows, when a collective (kind, axes) or the peak memory differs from "
-                     "the plan by more than --tolerance (rows under 1 MiB per device aside)")
+                     "naming the rows, when a collective (kind, axes) or the peak memory differs "
+                     "from the plan by more than --tolerance (rows under 1 MiB per device aside)")
     sub.add_argument("--tolerance", metavar="T", type=_tolerance, default=0.1,
                      help="relative difference --strict allows (default 0.1: 10%%)")
     sub.add_argument("--png", metavar="FILE", help="draw the mesh, how each parameter group is "
