@@ -97,9 +97,12 @@ class Collective:
 # Classification
 # --------------------------------------------------------------------------------------------
 
-# Ops that forward a value without reading it as data (TPU copies asynchronously).
+# Ops that forward a value without reading it as data (TPU copies asynchronously), or read it
+# element by element (a dtype cast: XLA:CPU may cast the whole all-reduced bf16 result before
+# the fusion that slices it).
 _PASS_THROUGH = {
     "bitcast",
+    "convert",
     "copy",
     "copy-start",
     "copy-done",

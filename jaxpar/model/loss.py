@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.model.annotate import constrain, split_count
-from jaxpar.model.projection import float32_logits
+from jaxpar.model.projection import RESIDUAL, float32_logits
 
 HIDDEN = ("batch", "seq", "act_embed")  # the final norm's output, entering the head
 HEAD = ("act_embed", "vocab")  # the head as the loss multiplies with it
@@ -80,7 +80,7 @@ def _loss_in_pieces_bwd(pieces, residuals, g):
         logits, logits_vjp = jax.vjp(lambda x: head_logits(x, head), h_i)
         d_logits = token_loss_grad(logits, targets_i, mask_i * g)
         (d_h,) = logits_vjp(d_logits)  # its weight gradient, unused, is left out by XLA
-        return partial_sums + per_shard_weight_grad(h_i, d_logits), d_h
+        return partial_sums + per_shard_weight_grad(h_i, d_logits), _as_residual(d_h)
 
     zeros = jnp.zeros(per_shard_weight_grad_shape(h, head), jnp.float32)
     partial_sums, d_h = jax.lax.scan(one_piece, constrain(zeros, _PER_SHARD),
@@ -90,6 +90,16 @@ def _loss_in_pieces_bwd(pieces, residuals, g):
 
 
 _loss_in_pieces.defvjp(_loss_in_pieces_fwd, _loss_in_pieces_bwd)
+
+
+def _as_residual(d_h: jax.Array) -> jax.Array:
+    """A piece's input gradient in the residual stream's layout where its tokens divide: with
+    the vocabulary split over ``tensor`` it is a partial sum over ``tensor``, which sequence
+    parallelism then reduce-scatters straight into its piece of the stream (an all-reduce of
+    the whole piece otherwise, and a slice after the loop)."""
+    if d_h.shape[0] % split_count("residual_batch") or d_h.shape[1] % split_count("residual_seq"):
+        return d_h
+    return constrain(d_h, RESIDUAL)
 
 # A weight gradient's partial sums, one per (batch shard, sequence shard) of the tokens.
 _PER_SHARD = ("batch", "seq", "act_embed", "vocab")

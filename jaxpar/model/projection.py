@@ -168,6 +168,14 @@ class _Part(NamedTuple):
         at = p.spec.split("->")[0].split(",")[1].index("t")
         return cls(p.spec, (*p.names[:at], None, *p.names[at:]), at, len(p.params))
 
+    def operand_names(self) -> tuple[tuple, tuple]:
+        """The logical layouts of ``x`` and of the output, letter by letter: ``b`` and ``s``
+        the tokens' (``batch``, ``seq``), every other letter its weight dimension's name."""
+        inputs, out = self.spec.split("->")
+        x_spec, w_spec = inputs.split(",")
+        name = {"b": "batch", "s": "seq", **dict(zip(w_spec, self.names, strict=True))}
+        return tuple(name[c] for c in x_spec), tuple(name[c] for c in out)
+
     def unstacked(self, y: jax.Array) -> tuple[jax.Array, ...]:
         if self.at is None:
             return (y,)
@@ -226,7 +234,13 @@ def _project_bwd(how, residuals, dys):
     wgs = _used_weights(how, w_kept, x.dtype) if how.regather else w_kept
     dx, dws = None, []
     for part, wg, dy in zip(how.parts, wgs, dys, strict=True):
-        dx_part, dw = _matmul_grads(part.spec, None, x, wg, dy, how.grad_dtype)
+        # x and dy as the forward pass laid them out, so that the weight gradient contracts
+        # each device's own tokens (then a reduce-scatter to the weight's layout): left free,
+        # the partitioner may gather a whole operand over the batch axes instead (Megatron-SP
+        # at 64 x 4096 tokens: the whole f32[64, 4096, 4096] residual stream per matmul).
+        x_names, y_names = part.operand_names()
+        dx_part, dw = _matmul_grads(part.spec, None, constrain(x, x_names), wg,
+                                    constrain(dy, y_names), how.grad_dtype)
         dx = dx_part if dx is None else dx + dx_part
         dw = constrain(dw.astype(how.stored_dtype), _stored_names(part.names))
         if part.at is None:
@@ -367,6 +381,7 @@ def _lookup_fwd(how, tokens, w):
 def _lookup_bwd(how, tokens, dy):
     # Ids past the vocab pad the last slice (they match no token).
     rows = -(-how.vocab_size // how.pieces) * how.pieces
+    dy = constrain(dy, ("batch", "seq", how.names[-1]))  # each device's tokens (see _project_bwd)
     dw = one_hot_weight_grad(jnp.arange(rows, dtype=tokens.dtype), tokens, dy, how.pieces,
                              how.grad_dtype, how.stored)[:how.vocab_size]
     return None, constrain(dw.astype(how.stored_dtype), how.stored)  # None: ints have none
