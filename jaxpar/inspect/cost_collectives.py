@@ -363,8 +363,8 @@ def context_collectives(c: Ledger) -> None:
         c.add("all-gather", ("context",), 2 * per_layer * fw, 2 * per_layer * fw * gathered,
               "context allgather attention: K, V of the whole sequence forward", False)
         c.add("reduce-scatter", ("context",), 2 * per_layer * bw,
-              2 * per_layer * bw * gathered, "context allgather attention: dK, dV backward",
-              False)
+              2 * per_layer * bw * st.kv_block * st.c * 4,
+              "context allgather attention: dK, dV backward (float32)", False)
 
 
 def expert_collectives(c: Ledger) -> None:

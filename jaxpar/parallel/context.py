@@ -16,7 +16,8 @@ blocks, one more hop to bring them home. Saved activations per device stay O(S/N
 ``allgather`` (as in Llama 3 training). All-gather K and V over ``context`` once per layer (cheap
 under grouped-query attention: K heads instead of H), attend the local queries to them; autodiff
 turns the gather into a reduce-scatter of dK/dV in the backward pass. Each device holds the full
-K/V of one layer: (N-1)/N x ``B x S x K x D`` x2 elements gathered.
+K/V of one layer: (N-1)/N x ``B x S x K x D`` x2 elements gathered, and their gradients
+reduce-scattered in float32.
 
 Causal load balance (zigzag). With a contiguous split, device i's queries see i+1 of the N key
 blocks, so the last device works N times as hard as the first. Cutting the sequence into 2N
@@ -151,11 +152,33 @@ _ring_attention_local.defvjp(_ring_fwd, _ring_bwd)
 
 def _allgather_attention_local(q, k, v, q_pos, k_pos, block: int):
     """Local queries against the whole sequence's K/V, gathered once, with the blockwise
-    kernel; autodiff turns the gathers into reduce-scatters of dK/dV."""
-    k_all = lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)
-    v_all = lax.all_gather(v, CONTEXT_AXIS, axis=1, tiled=True)
+    kernel; the backward pass reduce-scatters dK/dV (:func:`_gathered_sequence`)."""
+    k_all = _gathered_sequence(k)
+    v_all = _gathered_sequence(v)
     kpos_all = lax.all_gather(k_pos, CONTEXT_AXIS, axis=1, tiled=True)
     return blockwise(q, k_all, v_all, q_pos, kpos_all, block)
+
+
+@jax.custom_vjp
+def _gathered_sequence(x: jax.Array) -> jax.Array:
+    """``x`` [B, s, ...] all-gathered over ``context`` along the sequence, in its dtype. Its
+    gradient is reduce-scattered back in float32, as the ring's dK/dV travel: the sum of N
+    devices' partial gradients keeps float32 precision (and XLA:CPU aborts compiling the bf16
+    reduce-scatter autodiff would write: "Invalid binary instruction opcode copy")."""
+    return lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
+
+
+def _gathered_sequence_fwd(x):
+    return _gathered_sequence(x), None
+
+
+def _gathered_sequence_bwd(_, dx_all):
+    summed = lax.psum_scatter(dx_all.astype(jnp.float32), CONTEXT_AXIS, scatter_dimension=1,
+                              tiled=True)
+    return (summed.astype(dx_all.dtype),)
+
+
+_gathered_sequence.defvjp(_gathered_sequence_fwd, _gathered_sequence_bwd)
 
 
 # --------------------------------------------------------------------------------------------
