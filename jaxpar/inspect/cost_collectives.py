@@ -360,8 +360,11 @@ def context_collectives(c: Ledger) -> None:
               True)
     elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
         gathered, fw, bw = st.kv_block * st.c * st.wire, c.forwards, c.backwards
+        # remat (dots or full) recomputes attention in the backward pass, the gathers with it
+        fw += bw if st.cfg.train.remat != "none" else 0
         c.add("all-gather", ("context",), 2 * per_layer * fw, 2 * per_layer * fw * gathered,
-              "context allgather attention: K, V of the whole sequence forward", False)
+              "context allgather attention: K, V of the whole sequence (forward, and again "
+              "where remat recomputes attention)", False)
         c.add("reduce-scatter", ("context",), 2 * per_layer * bw,
               2 * per_layer * bw * st.kv_block * st.c * 4,
               "context allgather attention: dK, dV backward (float32)", False)

@@ -5,8 +5,9 @@ default that does nothing, so the model runs unsharded on one device. The train 
 :func:`activation_sharding` with a function, built by :mod:`jaxpar.parallel.rules`, that turns the
 names into a sharding constraint on the current mesh. Likewise, attention asks
 :func:`attention_override` whether a parallel implementation (ring attention over ``context``)
-replaces its dense one, and the mixture-of-experts layer asks :func:`experts_override` whether
-its tokens are dispatched to experts on other devices (all-to-all over ``expert``). These are the
+replaces its dense one, the mixture-of-experts layer asks :func:`experts_override` whether
+its tokens are dispatched to experts on other devices (all-to-all over ``expert``), and the loss
+sums its per-shard head gradient through :func:`sum_over_token_shards`. These are the
 only pieces of global state the model reads, and they only live for the duration of a trace.
 """
 
@@ -41,6 +42,8 @@ _reshard: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_reshard_
                                                                 default=False)
 _grad_dtype: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxpar_weight_grad_dtype",
                                                                  default=None)
+_token_sum: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "jaxpar_token_shard_sum", default=None)
 _split: contextvars.ContextVar[Mapping[str, int]] = contextvars.ContextVar(
     "jaxpar_split_counts", default=MappingProxyType({}))
 
@@ -86,6 +89,23 @@ def experts_override() -> Experts | None:
 def use_experts(fn: Experts | None) -> contextlib.AbstractContextManager[None]:
     """Within this block, the model's MoE layers send their tokens to experts through ``fn``."""
     return _setting(_experts, fn)
+
+
+def sum_over_token_shards(partial_sums: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """``partial_sums`` [batch shards, sequence shards, ...] (one partial sum of a weight
+    gradient per shard of the tokens, laid out as ``("batch", "seq", ...)``) summed over both
+    shard dimensions and laid out as ``names``. By default a sum and a constraint; the active
+    layout may install an explicit one (:func:`use_token_shard_sum`) that reduce-scatters
+    into ``names`` first and sums the rest on each device's slice."""
+    fn = _token_sum.get()
+    if fn is not None:
+        return fn(partial_sums, tuple(names))
+    return constrain(jax.numpy.sum(partial_sums, axis=(0, 1)), names)
+
+
+def use_token_shard_sum(fn: Callable | None) -> contextlib.AbstractContextManager[None]:
+    """Within this block, :func:`sum_over_token_shards` calls ``fn(partial_sums, names)``."""
+    return _setting(_token_sum, fn)
 
 
 def weights_prepared() -> bool:

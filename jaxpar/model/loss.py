@@ -9,7 +9,9 @@ loop, the compiler adds the partial sums where the loop carry needs them: once p
 whole [d_model, V/t] float32 gradient each time (Llama-3-8B widths, 32 pieces: 32 x 2 GiB per
 device where one reduce-scatter of 2 GiB suffices). So the loop keeps each device's partial sum
 apart, as a dimension of its own per token shard (:func:`per_shard_weight_grad`, split like the
-tokens: nothing moves), and the shards are added once after the loop (:func:`summed_shards`).
+tokens: nothing moves), and the shards are added once after the loop
+(:func:`~jaxpar.model.annotate.sum_over_token_shards`: reduce-scatter into the head's layout,
+then the other token axes on each device's slice).
 The pipeline's vocabulary-piece loss accumulates its head gradient the same way.
 """
 
@@ -20,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxpar.model.annotate import constrain, split_count
+from jaxpar.model.annotate import constrain, split_count, sum_over_token_shards
 from jaxpar.model.projection import RESIDUAL, float32_logits
 
 HIDDEN = ("batch", "seq", "act_embed")  # the final norm's output, entering the head
@@ -85,7 +87,7 @@ def _loss_in_pieces_bwd(pieces, residuals, g):
     zeros = jnp.zeros(per_shard_weight_grad_shape(h, head), jnp.float32)
     partial_sums, d_h = jax.lax.scan(one_piece, constrain(zeros, _PER_SHARD),
                                      _pieces(pieces, h, targets, mask))
-    d_head = summed_shards(partial_sums, STORED_HEAD).astype(head.dtype)
+    d_head = sum_over_token_shards(partial_sums, STORED_HEAD).astype(head.dtype)
     return joined_pieces(d_h), d_head, None, None  # None: targets and mask have none
 
 
@@ -113,7 +115,7 @@ def per_shard_weight_grad_shape(h: jax.Array, w: jax.Array) -> tuple[int, ...]:
 def per_shard_weight_grad(h: jax.Array, dy: jax.Array) -> jax.Array:
     """``h^T dy`` (``h`` [B, S, E], ``dy`` [B, S, V] in float32) as one partial sum per shard of
     the tokens, ``[batch shards, sequence shards, E, V]`` split like the tokens: each device
-    contracts only its own tokens, and no collective is needed until :func:`summed_shards`."""
+    contracts only its own tokens, and no collective is needed until they are summed."""
     nb, ns = split_count("batch"), split_count("seq")
     b, s = h.shape[:2]
     h = constrain(h.reshape(nb, b // nb, ns, s // ns, h.shape[-1]),
@@ -124,14 +126,6 @@ def per_shard_weight_grad(h: jax.Array, dy: jax.Array) -> jax.Array:
     return constrain(dw, _PER_SHARD)
 
 
-def summed_shards(partial_sums: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """The sum of :func:`per_shard_weight_grad`'s partial sums, laid out as ``names``: one
-    reduction over the devices holding the tokens. First over the batch shards, straight into
-    ``names``' layout (FSDP's reduce-scatter), then over the sequence shards (``context``) on
-    each device's slice only: summed the other way round, the partitioner all-reduced the whole
-    gradient over ``context`` (2 GiB at Llama-3-8B widths, where 1/fsdp of it suffices)."""
-    by_seq_shard = constrain(jnp.sum(partial_sums, axis=0), ("seq", *names))
-    return constrain(jnp.sum(by_seq_shard, axis=0), names)
 
 
 def sequence_pieces(a: jax.Array, n: int) -> jax.Array:

@@ -1,9 +1,10 @@
 """The parallel layout's hooks into the model, installed for one trace.
 
-The model names logical axes and calls three hooks (:mod:`jaxpar.model.annotate`): activation
+The model names logical axes and calls four hooks (:mod:`jaxpar.model.annotate`): activation
 constraints, attention (ring or all-gather attention over ``context``, else the implementation
-``model.attention`` picks for the backend), and the experts' dispatch (all-to-all over
-``expert``). This module builds all three for a mesh shape, and sets the dtype of the weight
+``model.attention`` picks for the backend), the experts' dispatch (all-to-all over
+``expert``) and the sum of the loss's per-shard head gradient (``parallel/zero.py``). This
+module builds them for a mesh shape, and sets the dtype of the weight
 gradients the compiler sums (``parallel.reduce_dtype``). The train step installs them for the
 whole mesh; the pipeline executor installs them again inside its ``shard_map`` for the mesh that
 stays automatic there (the axes it handles by hand counted as 1).
@@ -33,12 +34,14 @@ from jaxpar.model.annotate import (
     splitting,
     use_attention,
     use_experts,
+    use_token_shard_sum,
     weight_grads_in,
 )
 from jaxpar.model.attention import attention_fn, resolve
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
+from jaxpar.parallel.zero import token_shard_sum
 
 # Backends whose compiler aborts on a shard_map nested in the pipeline executor's (module
 # docstring; docs/jax-notes.md has what was tried).
@@ -74,6 +77,9 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     stack.enter_context(activation_sharding(activation_constrainer(rules, mesh_shape)))
     stack.enter_context(use_attention(attention))
     stack.enter_context(use_experts(experts))
+    # (A pipeline stage's loss sums its head gradient itself: no shard_map nested there.)
+    stack.enter_context(use_token_shard_sum(None if in_stage else token_shard_sum(mesh_shape,
+                                                                                   rules)))
     # bf16 matmuls would otherwise hand the compiler bf16 weight gradients to sum.
     stack.enter_context(weight_grads_in(jnp.dtype(cfg.parallel.reduce_dtype)))
     stack.enter_context(splitting({name: math.prod(mesh_shape[a] for a in axes)

@@ -17,6 +17,13 @@ the update runs on each device's slice, then the new parameters are all-gathered
 pipeline the gradients take the moments' layout too (ZeRO-2): the gradient sum is a
 reduce-scatter to each device's slice, (N-1)/N x gradient bytes, and with the parameter gather
 ZeRO-1 moves what plain data parallelism's all-reduce does.
+
+Weight gradients the model accumulates by hand (the loss's head, over its pieces of the
+sequence) arrive as one partial sum per shard of the tokens; :func:`token_shard_sum` adds them
+explicitly: a reduce-scatter over the axes that split the weight as stored (``fsdp``: 1/N of the
+gradient bytes each way), then an all-reduce of each device's slice over the other token axes
+(``data``, ``expert``, ``context``). Summed in one go, the partitioner all-reduces the whole
+gradient over every token axis and slices it afterwards.
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.parallel.rules import is_axes_leaf, logical_rules
+from jaxpar.parallel.rules import is_axes_leaf, logical_rules, resolve_spec
 
 ZERO1_AXES = ("data", "fsdp")
 
@@ -111,3 +119,36 @@ def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
     matmul_dtype = "float32" if xla_cpu else cfg.train.dtype
     all_float32 = cfg.parallel.reduce_dtype == matmul_dtype == "float32"
     return cfg.train.grad_accum > 1 or not all_float32
+
+
+def token_shard_sum(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]]):
+    """The :func:`jaxpar.model.annotate.sum_over_token_shards` hook for a mesh (None when no
+    token axis splits anything): ``(partial_sums, names) -> sum`` in ``shard_map`` manual over
+    the token axes (those of ``batch`` and ``seq``), each device holding its own partial sum."""
+    token_axes = tuple(a for name in ("batch", "seq") for a in rules[name] if mesh_shape[a] > 1)
+    if not token_axes:
+        return None
+
+    def per_shard_spec(name: str) -> tuple[str, ...] | None:
+        return tuple(a for a in rules[name] if mesh_shape[a] > 1) or None
+
+    def summed(partial_sums: jax.Array, names: tuple) -> jax.Array:
+        stored = resolve_spec("weight gradient", names, partial_sums.shape[2:], rules, mesh_shape)
+        # Per dimension, the token axes that split it as stored: scattered into, not all-reduced.
+        scatter = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in token_axes)
+                   for e in stored]
+        rest = tuple(a for a in token_axes if all(a not in axes for axes in scatter))
+
+        def local(x: jax.Array) -> jax.Array:
+            x = x.reshape(x.shape[2:])
+            for dim, axes in enumerate(scatter):
+                if axes:
+                    x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+            return lax.psum(x, rest) if rest else x
+
+        in_spec = PartitionSpec(per_shard_spec("batch"), per_shard_spec("seq"))
+        out_spec = PartitionSpec(*(axes or None for axes in scatter))
+        return jax.shard_map(local, in_specs=(in_spec,), out_specs=out_spec,
+                             axis_names=frozenset(token_axes))(partial_sums)
+
+    return summed
