@@ -91,20 +91,22 @@ def use_experts(fn: Experts | None) -> contextlib.AbstractContextManager[None]:
     return _setting(_experts, fn)
 
 
-def sum_over_token_shards(partial_sums: jax.Array, names: Sequence[str | None]) -> jax.Array:
+def sum_over_token_shards(partial_sums: jax.Array, used: Sequence[str | None],
+                          stored: Sequence[str | None]) -> jax.Array:
     """``partial_sums`` [batch shards, sequence shards, ...] (one partial sum of a weight
-    gradient per shard of the tokens, laid out as ``("batch", "seq", ...)``) summed over both
-    shard dimensions and laid out as ``names``. By default a sum and a constraint; the active
+    gradient per shard of the tokens, laid out as ``("batch", "seq", *used)``) summed over both
+    shard dimensions and laid out as ``stored``. By default a sum and a constraint; the active
     layout may install an explicit one (:func:`use_token_shard_sum`) that reduce-scatters
-    into ``names`` first and sums the rest on each device's slice."""
+    into ``stored`` first and sums the rest on each device's slice."""
     fn = _token_sum.get()
     if fn is not None:
-        return fn(partial_sums, tuple(names))
-    return constrain(jax.numpy.sum(partial_sums, axis=(0, 1)), names)
+        return fn(partial_sums, tuple(used), tuple(stored))
+    return constrain(jax.numpy.sum(partial_sums, axis=(0, 1)), stored)
 
 
 def use_token_shard_sum(fn: Callable | None) -> contextlib.AbstractContextManager[None]:
-    """Within this block, :func:`sum_over_token_shards` calls ``fn(partial_sums, names)``."""
+    """Within this block, :func:`sum_over_token_shards` calls ``fn(partial_sums, used,
+    stored)``."""
     return _setting(_token_sum, fn)
 
 

@@ -87,7 +87,7 @@ def _loss_in_pieces_bwd(pieces, residuals, g):
     zeros = jnp.zeros(per_shard_weight_grad_shape(h, head), jnp.float32)
     partial_sums, d_h = jax.lax.scan(one_piece, constrain(zeros, _PER_SHARD),
                                      _pieces(pieces, h, targets, mask))
-    d_head = sum_over_token_shards(partial_sums, STORED_HEAD).astype(head.dtype)
+    d_head = sum_over_token_shards(partial_sums, HEAD, STORED_HEAD).astype(head.dtype)
     return joined_pieces(d_h), d_head, None, None  # None: targets and mask have none
 
 
@@ -104,7 +104,7 @@ def _as_residual(d_h: jax.Array) -> jax.Array:
     return constrain(d_h, RESIDUAL)
 
 # A weight gradient's partial sums, one per (batch shard, sequence shard) of the tokens.
-_PER_SHARD = ("batch", "seq", "act_embed", "vocab")
+_PER_SHARD = ("batch", "seq", *HEAD)
 
 
 def per_shard_weight_grad_shape(h: jax.Array, w: jax.Array) -> tuple[int, ...]:

@@ -123,21 +123,27 @@ def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
 
 def token_shard_sum(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]]):
     """The :func:`jaxpar.model.annotate.sum_over_token_shards` hook for a mesh (None when no
-    token axis splits anything): ``(partial_sums, names) -> sum`` in ``shard_map`` manual over
-    the token axes (those of ``batch`` and ``seq``), each device holding its own partial sum."""
+    token axis splits anything): ``(partial_sums, used, stored) -> sum`` in ``shard_map``
+    manual over the token axes (those of ``batch`` and ``seq``) and those splitting the
+    weight, each device holding its own partial sum of its own slice of the weight."""
     token_axes = tuple(a for name in ("batch", "seq") for a in rules[name] if mesh_shape[a] > 1)
     if not token_axes:
         return None
 
-    def per_shard_spec(name: str) -> tuple[str, ...] | None:
-        return tuple(a for a in rules[name] if mesh_shape[a] > 1) or None
+    def axes_of(entry) -> tuple[str, ...]:
+        return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
-    def summed(partial_sums: jax.Array, names: tuple) -> jax.Array:
-        stored = resolve_spec("weight gradient", names, partial_sums.shape[2:], rules, mesh_shape)
-        # Per dimension, the token axes that split it as stored: scattered into, not all-reduced.
-        scatter = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in token_axes)
-                   for e in stored]
-        rest = tuple(a for a in token_axes if all(a not in axes for axes in scatter))
+    def spec(what: str, names: tuple, shape: tuple) -> list[tuple[str, ...]]:
+        return [axes_of(e) for e in resolve_spec(what, names, shape, rules, mesh_shape)]
+
+    def summed(partial_sums: jax.Array, used: tuple, stored: tuple) -> jax.Array:
+        shape = partial_sums.shape[2:]
+        held = spec("weight gradient (per token shard)", used, shape)
+        kept = spec("weight gradient", stored, shape)
+        # Per dimension, the token axes that split it as stored but not as held: scattered.
+        scatter = [tuple(a for a in k if a not in h) for h, k in zip(held, kept, strict=True)]
+        rest = tuple(a for a in token_axes if all(a not in axes for axes in kept))
+        manual = frozenset(token_axes).union(*held, *kept)
 
         def local(x: jax.Array) -> jax.Array:
             x = x.reshape(x.shape[2:])
@@ -146,9 +152,12 @@ def token_shard_sum(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
                     x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
             return lax.psum(x, rest) if rest else x
 
-        in_spec = PartitionSpec(per_shard_spec("batch"), per_shard_spec("seq"))
-        out_spec = PartitionSpec(*(axes or None for axes in scatter))
-        return jax.shard_map(local, in_specs=(in_spec,), out_specs=out_spec,
-                             axis_names=frozenset(token_axes))(partial_sums)
+        def entries(dims: list[tuple[str, ...]]) -> list:
+            return [d[0] if len(d) == 1 else d or None for d in dims]
+
+        token_dims = [tuple(a for a in rules[n] if mesh_shape[a] > 1) for n in ("batch", "seq")]
+        return jax.shard_map(local, in_specs=(PartitionSpec(*entries(token_dims + held)),),
+                             out_specs=PartitionSpec(*entries(kept)),
+                             axis_names=manual)(partial_sums)
 
     return summed
