@@ -4,6 +4,7 @@ as one table of peak memory and collective bytes per device, compiled / planned.
 
     python scripts/real_size.py                       # the whole matrix, ~3 minutes on 2 cores
     python scripts/real_size.py --cases fsdp,fsdp-70b --markdown out.md --json out.json
+    python scripts/real_size.py --target tpu-v5p:4x4x4     # the TPU compiler's program instead
 
 Rows outside the 10% bound are marked; the exit code is 1 when any case has one (as
 ``jaxpar inspect --compare --strict``), 0 otherwise.
@@ -44,7 +45,14 @@ def main() -> int:
                         + ", ".join(c.name for c in CPU_CASES))
     parser.add_argument("--markdown", metavar="FILE", help="write the table as Markdown")
     parser.add_argument("--json", metavar="FILE", help="write every case's comparison as JSON")
+    parser.add_argument("--target", metavar="TPU", help="compile for a TPU slice of 64 chips "
+                        "instead (e.g. tpu-v5p:4x4x4; needs the tpu extra)")
     args = parser.parse_args()
+    devices = None
+    if args.target:
+        from jaxpar.inspect.tpu import parse_target, topology_devices
+
+        devices = topology_devices(parse_target(args.target))
     wanted = None if args.cases is None else set(args.cases.split(","))
     cases = [c for c in CPU_CASES if wanted is None or c.name in wanted]
     if wanted is not None and len(cases) != len(wanted):
@@ -54,7 +62,7 @@ def main() -> int:
     rows, out, failed = [], {}, 0
     for i, case in enumerate(cases, 1):
         start = time.perf_counter()
-        report = compile_case(case)
+        report = compile_case(case, devices)
         comparison = report["compare"]
         out[case.name] = comparison
         rows += summary_rows(case, comparison)

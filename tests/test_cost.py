@@ -448,3 +448,20 @@ def test_plan_says_when_a_layout_does_not_fit():
     report = estimate(validate(cfg, DEVICES), "tpu-v5e")
     assert report.memory.peak > PROFILES["tpu-v5e"].hbm_bytes
     assert math.isclose(report.memory.state, 4 * (1 + 2) * 1_104_218_112 + 12)
+
+
+@pytest.mark.parametrize("layout", [["mesh.data=1", "mesh.fsdp=8"],
+                                    ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2"]])
+def test_loss_pieces_reduce_the_head_gradient_once_whatever_their_count(layout):
+    """The head's gradient is summed over the token shards once per step, not once per piece of
+    the loss: the same collective bytes in 1 and in 8 pieces (each piece's partial sum stays
+    on its device), as the plan says."""
+    vocab = ["model.vocab_size=1024"]  # the head's gradient is most of the gradient bytes
+    whole = significant(compiled_step((*layout, *vocab, "train.loss_chunks=1"))["rows"])
+    pieces = compiled_step((*layout, *vocab, "train.loss_chunks=8"))
+    assert set(significant(pieces["rows"])) == set(whole)
+    for key, row in significant(pieces["rows"]).items():
+        assert close(row["bytes"], whole[key]["bytes"], 0.02), (key, row, whole[key])
+    predicted = significant(estimate(pieces["cfg"]).collective_rows())
+    for key, row in significant(pieces["rows"]).items():
+        assert close(predicted[key]["bytes"], row["bytes"], COLLECTIVE_TOLERANCE), key

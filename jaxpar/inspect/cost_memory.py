@@ -128,6 +128,9 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     d = m.resolved_head_dim
     full = b * s * m.d_model * a  # A
     residual = full // t if st.sp else full
+    # XLA:CPU runs bf16 matmuls in float32 and the dots policy saves their float32 outputs
+    # (a pipeline stage's matmuls, a custom VJP of their own, it does not save).
+    a = 4 if st.xla_cpu and remat == "dots" and st.pipeline is None else a
     q = b * s * (m.n_heads // t) * d * a
     kv = 2 * b * s * (m.n_kv_heads // t) * d * a
     mlp = b * s * (m.d_ff // t) * a
@@ -137,7 +140,7 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
         return residual + flash
     ffn = _moe_activations(st, remat) if moe else (3 if remat == "none" else 2) * mlp
     if remat == "dots":
-        return residual + q + kv + full + ffn + flash
+        return residual + q + kv + full * a // st.a + ffn + flash
     # Per RMSNorm its input and float32 reciprocal rms (the matmuls rebuild its output from
     # them, except in a pipeline, whose matmuls keep it gathered); rotated q, k and v; the
     # attention output; gate, up and their product; the float32 probabilities, plus a
@@ -160,6 +163,19 @@ def _dense_ragged_dot(st: StepSizes) -> int:
         return 0
     local = m.moe.num_experts // st.mesh["expert"]
     return st.expert_rows * local * (4 * m.resolved_d_ff_expert // st.t + m.d_model) * 4
+
+
+def _head_backward(st: StepSizes, vocab: int) -> int:
+    """What the loss's backward pass holds beside the logits, outside a pipeline: with the loss
+    in pieces, the head gradient's float32 partial sums, accumulated over the pieces and
+    reduced once (``model/loss.py``); on XLA:CPU also each piece's product before it is added
+    and, in bf16 compute, a float32 copy of the head for the input gradient's matmul (XLA:CPU
+    runs bf16 matmuls in float32)."""
+    if st.pipeline is not None:
+        return 0
+    head_f32 = st.cfg.model.d_model * vocab * 4
+    partial_sums = head_f32 * (1 + st.xla_cpu) if st.loss_pieces > 1 else 0
+    return partial_sums + (head_f32 if st.xla_cpu and st.a < 4 else 0)
 
 
 def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
@@ -195,7 +211,11 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     # (A pipeline's head and embedding are split over pipe as well: each stage its piece.)
     vocab = m.vocab_size // st.t // (st.p if st.pipeline is not None else 1)
     one_hot = st.b * st.sl * vocab * st.a // st.embedding_grad_pieces
-    head = st.b * st.sl * vocab * (4 + 4) // st.loss_pieces + one_hot + 2 * st.act
+    logits = st.b * st.sl * vocab * (4 + 4) // st.loss_pieces
+    head = logits + one_hot + 2 * st.act
+    # The loss's backward pass, a phase of its own (before any layer's): the logits, the head
+    # as read, and what its gradient needs (_head_backward).
+    loss_phase = logits + 2 * st.act + m.d_model * vocab * st.a + _head_backward(st, vocab)
     # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
     # fsdp. remat=none keeps in every layer those it does not reshard after the forward pass
     # (all of them in a pipeline stage, which prepares its weights once per step).
@@ -235,7 +255,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
                                         for moe in blocks) + kept_weights),
-        working=layer_set + head + gathered + widened + _dense_ragged_dot(st),
+        working=max(layer_set + head + gathered + widened + _dense_ragged_dot(st), loss_phase),
         update=moments,
         stash=stash,
         weight_copies=copies,

@@ -1,0 +1,99 @@
+"""Real sizes: the layouts users train, compiled (never run) at real model widths on 64 virtual
+devices, move the bytes and hold the memory that the plan says (``scripts/real_size.py``, the
+matrix of :mod:`jaxpar.inspect.real_size`); and ``jaxpar inspect --strict`` as a user's check.
+
+Tiny models hide what the partitioner does at scale: before these checks the loss pieces
+reduced the head's gradient once per piece (12x the planned reduce-scatter at Llama-3-8B
+widths), and sequence parallelism gathered the whole residual stream over fsdp and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import env_without_device_flags, run_jaxpar
+
+from jaxpar.inspect.compare import mismatches
+from jaxpar.inspect.real_size import CPU_CASES
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "real_size.py"
+
+# Cases whose collectives match the plan but whose compiled peak memory does not yet (the
+# reasons are in docs/performance.md, "Real sizes"). Strict: a fix makes these fail, so that
+# the entry is removed.
+PEAK_OFF_PLAN = {
+    "fsdp-tensor": "XLA:CPU keeps float32 row-parallel partial sums beside the recomputed "
+                   "attention (compiled 8.16 GiB, plan 5.41 GiB)",
+    "pipe-fsdp-tensor-1f1b": "the plan over-counts a stage's stash at real widths (0.88)",
+    "pipe-fsdp-tensor-interleaved": "the plan over-counts a stage's stash at real widths (0.80)",
+}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("real_size") / "matrix.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], capture_output=True,
+                         text=True, timeout=1200, env=env_without_device_flags())
+    assert out.exists(), run.stdout[-2000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _collective_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if not line.startswith(("peak memory", "train state"))]
+
+
+@pytest.mark.parametrize("case", [c.name for c in CPU_CASES])
+def test_every_collective_at_real_size_moves_the_planned_bytes(matrix, case):
+    """Each (kind, axes) row within 10% of the plan, and none the plan lacks (1 MiB floor)."""
+    assert _collective_lines(matrix[case]["mismatches"]) == [], matrix[case]["collectives"]
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c.name, marks=pytest.mark.xfail(reason=PEAK_OFF_PLAN[c.name], strict=True))
+    if c.name in PEAK_OFF_PLAN else c.name for c in CPU_CASES])
+def test_peak_memory_at_real_size_is_the_planned_one(matrix, case):
+    memory = matrix[case]["memory"]
+    assert abs(memory["peak_ratio"] - 1) <= 0.1, memory
+    assert abs(memory["ratio"] - 1) <= 0.1, memory
+
+
+def test_mismatches_name_rows_off_plan_and_skip_small_ones():
+    comparison = {
+        "collectives": [
+            {"kind": "all-gather", "axes": ["fsdp"], "compiled_bytes": 1050 * 2**20,
+             "predicted_bytes": 1000 * 2**20, "ratio": 1.05},
+            {"kind": "reduce-scatter", "axes": ["fsdp"], "compiled_bytes": 12 * 2**30,
+             "predicted_bytes": 2**30, "ratio": 12.0},
+            {"kind": "all-reduce", "axes": ["fsdp", "tensor"], "compiled_bytes": 3 * 2**30,
+             "predicted_bytes": None, "ratio": None},
+            {"kind": "all-reduce", "axes": ["tensor"], "compiled_bytes": 2**19,
+             "predicted_bytes": None, "ratio": None},
+        ],
+        "memory": {"compiled_state_bytes": 100, "predicted_state_bytes": 100, "ratio": 1.0,
+                   "compiled_peak_bytes": 130, "predicted_peak_bytes": 100, "peak_ratio": 1.3},
+    }
+    lines = mismatches(comparison)
+    assert lines == ["reduce-scatter over fsdp: compiled 12.00 GiB, planned 1.00 GiB",
+                     "all-reduce over fsdp,tensor: compiled 3.00 GiB, planned none",
+                     "peak memory: compiled 130 B, planned 100 B"]
+    assert mismatches(comparison, tolerance=0.5)[-1].startswith("all-reduce over fsdp,tensor")
+    assert len(mismatches(comparison, floor=2**40)) == 1  # only the peak is above any floor
+
+
+def test_inspect_strict_exits_1_naming_the_rows_and_0_within_the_tolerance(tmp_path):
+    args = ("inspect", "tiny", "--devices", "8", "mesh.data=1", "mesh.fsdp=8", "--strict")
+    off = run_jaxpar(*args, "--tolerance", "0", cwd=tmp_path, env=env_without_device_flags(),
+                     timeout=300)
+    assert off.returncode == 1, off.stderr[-2000:]
+    assert "differ from the plan by more than 0%" in off.stderr
+    assert "peak memory: compiled" in off.stderr
+    loose = run_jaxpar(*args, "--tolerance", "0.99", "--json", "-", cwd=tmp_path,
+                       env=env_without_device_flags(), timeout=300)
+    assert loose.returncode == 0, loose.stderr[-2000:]
+    assert json.loads(loose.stdout)["compare"]["mismatches"] == []
+    bad = run_jaxpar(*args, "--tolerance", "2", cwd=tmp_path, env=env_without_device_flags())
+    assert bad.returncode == 2 and "--tolerance" in bad.stderr
