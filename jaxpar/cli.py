@@ -403,14 +403,16 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
         draw_report(report, Path(args.png).expanduser())
         console.print(f"drew the report to {args.png}")
     if args.strict:
-        return _strict_verdict(report["compare"]["mismatches"], args.tolerance)
+        return _strict_verdict(report["compare"]["mismatches"], args.tolerance,
+                               sys.stderr if json_to_stdout else sys.stdout)
     return 0
 
 
-def _strict_verdict(rows: list[str], tolerance: float) -> int:
+def _strict_verdict(rows: list[str], tolerance: float, out) -> int:
     """``inspect --compare --strict``: exit 1 naming every row off the plan, else 0."""
     if not rows:
-        print(f"strict: every collective and the peak memory within {tolerance:.0%} of the plan")
+        print(f"strict: every collective and the peak memory within {tolerance:.0%} of the plan",
+              file=out)
         return 0
     print(f"strict: {len(rows)} row(s) differ from the plan by more than {tolerance:.0%}: "
           + "; ".join(rows), file=sys.stderr)
