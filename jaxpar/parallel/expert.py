@@ -73,6 +73,9 @@ from jaxpar.model.projection import summed_grad_dtype
 EXPERT_AXIS = "expert"
 # XLA:CPU has no ragged-all-to-all ("UNIMPLEMENTED"): backends listed here use the padded one.
 PADDED_ALL_TO_ALL_PLATFORMS = ("cpu",)
+# Platforms whose compiler aborts on the sums over ``tensor`` below in bf16 inside a pipeline
+# stage (XLA:CPU 0.10: "Invalid binary instruction opcode copy"); there they run in float32.
+FLOAT32_TENSOR_SUM_PLATFORMS = ("cpu",)
 # The collective itself, looked up at call time (a test substitutes an emulation of its
 # documented semantics to check the offsets on CPU).
 ragged_all_to_all = lax.ragged_all_to_all
@@ -262,6 +265,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
                           "split over expert")
     if ragged is None:
         ragged = platform not in PADDED_ALL_TO_ALL_PLATFORMS
+    wide_sums = platform in FLOAT32_TENSOR_SUM_PLATFORMS
     tokens_spec = P(batch or None, context, None)
     x_dim, e_dim = expert_dim or None, embed or None
     w_in, w_out = P(x_dim, e_dim, tensor), P(x_dim, tensor, e_dim)
@@ -286,12 +290,12 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
             tokens = x.reshape(b * s, e)
             ids, g = expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
             if tensor:  # backward: one all-reduce of d(tokens) over tensor, not one per slot
-                tokens = lax.pcast(tokens, tensor, to="varying")
+                tokens = _tensor_varying(tokens, tensor, wide_sums)
             w = (gathered(w_gate, 1), gathered(w_up, 1), gathered(w_down, 2))
             y, stats = _dispatch(tokens, ids, g, w, dispatch, capacity_factor, num_experts,
                                  groups, ragged)
             if tensor:  # the experts' hidden units were split: sum the partial outputs
-                y = lax.psum(y, tensor)
+                y = _tensor_sum(y, tensor, wide_sums)
             if token_axes:  # global counts: every device reports the same numbers. (A count
                 # that is the same on every device, such as a buffer size, is multiplied by the
                 # number of devices: psum of a value invariant over an axis.)
@@ -306,3 +310,17 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
 
     return experts
 
+
+def _tensor_varying(x: jax.Array, tensor: str, wide: bool) -> jax.Array:
+    """``x`` marked varying over ``tensor`` (its gradient is summed over ``tensor``: in float32
+    where ``wide``, the cast's transpose taking the sum there and back)."""
+    if not wide:
+        return lax.pcast(x, tensor, to="varying")
+    return lax.pcast(x.astype(jnp.float32), tensor, to="varying").astype(x.dtype)
+
+
+def _tensor_sum(y: jax.Array, tensor: str, wide: bool) -> jax.Array:
+    """``psum`` of ``y`` over ``tensor`` (in float32 where ``wide``)."""
+    if not wide:
+        return lax.psum(y, tensor)
+    return lax.psum(y.astype(jnp.float32), tensor).astype(y.dtype)
