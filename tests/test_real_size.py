@@ -31,6 +31,13 @@ PEAK_OFF_PLAN = {
     "pipe-fsdp-tensor-gpipe": "the plan over-counts a stage's stash at real widths (0.89)",
     "pipe-fsdp-tensor-1f1b": "the plan over-counts a stage's stash at real widths (0.88)",
     "pipe-fsdp-tensor-interleaved": "the plan over-counts a stage's stash at real widths (0.80)",
+    "five-axes": "the experts' weights are gathered per microbatch (1.36)",
+}
+# Cases whose collectives are still off the plan (docs/performance.md, "Real sizes").
+COLLECTIVES_OFF_PLAN = {
+    "five-axes": "a pipelined MoE stage gathers its experts' weights over fsdp in every "
+                 "microbatch slot and again in remat (3x the plan), and the head's gradient "
+                 "is summed per loss piece over expert x context",
 }
 
 
@@ -47,15 +54,18 @@ def _collective_lines(lines: list[str]) -> list[str]:
     return [line for line in lines if not line.startswith(("peak memory", "train state"))]
 
 
-@pytest.mark.parametrize("case", [c.name for c in CPU_CASES])
+def _cases(known_off: dict[str, str]) -> list:
+    return [pytest.param(c.name, marks=pytest.mark.xfail(reason=known_off[c.name], strict=True))
+            if c.name in known_off else c.name for c in CPU_CASES]
+
+
+@pytest.mark.parametrize("case", _cases(COLLECTIVES_OFF_PLAN))
 def test_every_collective_at_real_size_moves_the_planned_bytes(matrix, case):
     """Each (kind, axes) row within 10% of the plan, and none the plan lacks (1 MiB floor)."""
     assert _collective_lines(matrix[case]["mismatches"]) == [], matrix[case]["collectives"]
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c.name, marks=pytest.mark.xfail(reason=PEAK_OFF_PLAN[c.name], strict=True))
-    if c.name in PEAK_OFF_PLAN else c.name for c in CPU_CASES])
+@pytest.mark.parametrize("case", _cases(PEAK_OFF_PLAN))
 def test_peak_memory_at_real_size_is_the_planned_one(matrix, case):
     memory = matrix[case]["memory"]
     assert abs(memory["peak_ratio"] - 1) <= 0.1, memory

@@ -53,6 +53,10 @@ CPU_CASES: tuple[Case, ...] = (
             "parallel.pipeline_schedule=1f1b", layers=4),
     _layout("pipe-fsdp-tensor-interleaved", "llama3-8b", *_PIPE,
             "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2", layers=8),
+    _layout("five-axes", "mixtral-8x7b", "mesh.pipe=2", "mesh.fsdp=2", "mesh.expert=2",
+            "mesh.context=4", "mesh.tensor=2", "parallel.sequence_parallel=true",
+            "parallel.pipeline_schedule=1f1b", "train.microbatches=4", "train.batch_size=16",
+            "train.seq_len=8192", layers=4),
 )
 
 
