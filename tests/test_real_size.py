@@ -26,8 +26,6 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "real_size.py"
 # reasons are in docs/performance.md, "Real sizes"). Strict: a fix makes these fail, so that
 # the entry is removed.
 PEAK_OFF_PLAN = {
-    "fsdp-tensor": "XLA:CPU keeps float32 row-parallel partial sums beside the recomputed "
-                   "attention (compiled 8.16 GiB, plan 5.41 GiB)",
     "pipe-fsdp-tensor-gpipe": "the plan over-counts a stage's stash at real widths (0.89)",
     "pipe-fsdp-tensor-1f1b": "the plan over-counts a stage's stash at real widths (0.88)",
     "pipe-fsdp-tensor-interleaved": "the plan over-counts a stage's stash at real widths (0.80)",

@@ -178,6 +178,17 @@ def _head_backward(st: StepSizes, vocab: int) -> int:
     return partial_sums + (head_f32 if st.xla_cpu and st.a < 4 else 0)
 
 
+def _float32_norm_temporaries(st: StepSizes) -> int:
+    """XLA:CPU computes bf16 elementwise work in float32: recomputing a layer's norms and
+    residual adds in the backward pass holds five float32 copies of the replicated residual
+    stream at once (the live set at the step's peak, Llama-3-8B widths, fsdp=8 x tensor=8 with
+    8 rows per device: two products, two sums and an add of [8, 4096, 4096], 512 MiB each).
+    Sequence parallelism splits that stream; the GPU/TPU compilers fuse the work."""
+    if not st.xla_cpu or st.a == 4 or st.sp or st.pipeline is not None:
+        return 0
+    return 5 * st.b * st.sl * st.cfg.model.d_model * 4
+
+
 def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
     """The layer stack as its matmuls read it, cast once per step: outside a pipeline the
     GPU/TPU compilers turn the cast of each layer's float32 weights inside the layer loop into
@@ -243,7 +254,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     # The backward pass's working set: one layer's remat=none set (recomputed, or its
     # gradients) and the norm output its matmuls rebuild (A); in a pipeline stage, the
     # residuals of the chunk a slot is running, beside the stashed ones.
-    layer_set = max(_layer_activations(st, "none", moe) for moe in blocks) + st.act
+    layer_set = (max(_layer_activations(st, "none", moe) for moe in blocks) + st.act
+                 + _float32_norm_temporaries(st))
     saved_layers, stash, copies = units, 0, _cast_stack(st, params)
     if st.pipeline is not None:
         saved_layers = 0
