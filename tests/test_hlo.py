@@ -326,6 +326,74 @@ def test_slice_keeping_more_than_one_shard_stays_an_all_reduce():
     assert only(parse_collectives(text, MESH)).kind == "all-reduce"
 
 
+# The TPU compiler's FSDP weight gather on a v5p 4x4x4 slice (libtpu 0.0.42.1, trimmed): no
+# all-gather, but each device's shard written into zeros by a fused dynamic-update-slice and
+# summed by an all-reduce over the fsdp devices.
+_PADDED_FUSION = """%fused_pad (param_0.1: bf16[1,64,16], param_1.1: u32[], param_2.1: bf16[2,16,16], param_3.1: s32[]) -> bf16[1,64,16] {
+  %param_0.1 = bf16[1,64,16]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %param_2.1 = bf16[2,16,16]{2,1,0:T(8,128)(2,1)S(1)} parameter(2)
+  %param_3.1 = s32[]{:T(128)} parameter(3)
+  %constant.1 = s32[]{:T(128)} constant(0)
+  %dynamic-slice.1 = bf16[1,16,16]{2,1,0:T(8,128)(2,1)} dynamic-slice(%param_2.1, %param_3.1, %constant.1, %constant.1), dynamic_slice_sizes={1,16,16}
+  %constant.2 = u32[]{:T(128)} constant(0)
+  %param_1.1 = u32[]{:T(128)S(6)} parameter(1)
+  ROOT %dynamic-update-slice.1 = bf16[1,64,16]{2,1,0:T(8,128)(2,1)} dynamic-update-slice(%param_0.1, %dynamic-slice.1, %constant.2, %param_1.1, %constant.2)
+}"""  # noqa: E501
+
+
+def _padded_gather(zero: str = "0", shard_rows: int = 16) -> str:
+    fusion = (_PADDED_FUSION.replace("[2,16,16]", f"[2,{shard_rows},16]")
+              .replace("[1,16,16]", f"[1,{shard_rows},16]")
+              .replace("={1,16,16}", f"={{1,{shard_rows},16}}"))
+    return module(
+        f"  %w = bf16[2,{shard_rows},16]{{2,1,0}} parameter(0)\n  %layer = s32[] parameter(1)\n"
+        "  %off = u32[] partition-id()\n"
+        f"  %constant.371..sunk.1 = bf16[]{{:T(256)}} constant({zero})\n"
+        "  %broadcast.5 = bf16[1,64,16]{2,1,0} broadcast(%constant.371..sunk.1), dimensions={}\n"
+        "  %fusion.421 = bf16[1,64,16]{2,1,0} fusion(%broadcast.5, %off, %w, %layer), "
+        "kind=kLoop, calls=%fused_pad\n"
+        "  ROOT %all-reduce.144 = bf16[1,64,16]{2,1,0} all-reduce(%fusion.421), channel_id=8, "
+        "replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=1] {'axis_1'}, "
+        "use_global_device_ids=true, to_apply=%add",
+        fusion,
+        partitions=4,
+    )
+
+
+def test_all_reduce_of_shards_written_into_zeros_is_an_all_gather():
+    c = only(parse_collectives(_padded_gather(), {"fsdp": 4}))
+    assert (c.kind, c.lowered_as, c.axes) == (
+        "all-gather", "all-reduce+dynamic-update-slice", ("fsdp",))
+    assert (c.bytes, c.dtype) == (64 * 16 * 2, "bf16")  # the gathered result, as all-gather's
+    assert c.wire_bytes == c.bytes * 2 * 3 // 4  # but it runs as an all-reduce
+
+
+def test_all_reduce_of_a_padded_shard_is_a_sum_unless_padded_with_zeros_one_nth_each():
+    assert only(parse_collectives(_padded_gather(zero="1"), {"fsdp": 4})).kind == "all-reduce"
+    # each device writes half the array: the writes overlap, so the sum is no gather
+    assert only(parse_collectives(_padded_gather(shard_rows=32), {"fsdp": 4})).kind == "all-reduce"
+
+
+def test_padded_f32_shards_summed_into_a_bf16_result_gather_the_bf16_result():
+    # The embedding table on v5p 4x4x4: the f32 master shard padded at top level, the cast to
+    # bf16 moved into the all-reduce (its result is bf16), here combined with a real sum.
+    text = module(
+        "  %p = f32[8,4]{1,0} parameter(0)\n  %loss = f32[] parameter(1)\n"
+        "  %off = u32[] partition-id()\n  %z = f32[] constant(0)\n"
+        "  %copy.1 = f32[] copy(%z)\n"
+        "  %broadcast.1 = f32[8,16]{1,0} broadcast(%copy.1), dimensions={}\n"
+        "  %dus = f32[8,16]{1,0} dynamic-update-slice(%broadcast.1, %p, %z, %off)\n"
+        "  ROOT %ar = (bf16[8,16]{1,0}, f32[]) all-reduce(%dus, %loss), channel_id=31, "
+        "replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add",
+        partitions=4,
+    )
+    cs = parse_collectives(text, {"fsdp": 4})
+    assert [(c.kind, c.name, c.dtype, c.bytes) for c in cs] == [
+        ("all-gather", "ar[0]", "bf16", 8 * 16 * 2),
+        ("all-reduce", "ar[1]", "f32", 4),
+    ]
+
+
 def test_tpu_all_reduce_scatter_fusion_is_one_reduce_scatter():
     # Trimmed from a v5e:2x4 compile (libtpu 0.0.42.1) of a data-sharded sum.
     tiled = "{1,0:T(8,128)(2,1)}"

@@ -21,6 +21,13 @@ XLA version, and users ask about the communication, not the spelling.
   keep at most 1/N of the N-way reduction (exactly 1/N, or less when the output is also sharded
   over axes the input was replicated on); an all-reduce over (data, fsdp) of which each device
   keeps 1/fsdp is a mix of both and stays an `all-reduce`.
+- All-gather as a sum. The SPMD partitioner can gather by having each device write its shard
+  into zeros (`dynamic-update-slice` of 1/N of the elements into a `broadcast` of 0, on TPU
+  fused into a kLoop fusion) and all-reducing the padded buffers. The TPU compiler gathers FSDP
+  weights this way on a v5p 4x4x4 slice (libtpu 0.0.42.1; for the f32 embedding it even sums
+  f32 shards into a bf16 result). That is reported as an `all-gather` of the gathered result (in
+  the all-reduce's result dtype), `lowered_as` 'all-reduce+dynamic-update-slice', with the
+  all-reduce's wire bytes, since that is what runs.
 - Replica groups: every spelling is expanded to explicit groups and mapped onto the user's mesh
   (:mod:`jaxpar.inspect.hlo_groups`).
 
@@ -85,7 +92,8 @@ class Collective:
     bytes: int
     # What each device sends with ring algorithms over N devices: all-reduce 2(N-1)/N * bytes,
     # all-gather, reduce-scatter and all-to-all (N-1)/N, permute all of it. An all-reduce +
-    # dynamic-slice reduce-scatter pays the all-reduce's 2(N-1)/N, since that is what runs.
+    # dynamic-slice reduce-scatter, or an all-reduce + dynamic-update-slice all-gather, pays the
+    # all-reduce's 2(N-1)/N, since that is what runs.
     wire_bytes: int
     group_size: int  # N: devices per replica group (permute: the largest connected set)
     axes: tuple[str, ...]  # mesh axes the groups span, in mesh order; size-1 axes never appear
@@ -176,23 +184,102 @@ def _sliced_elements(module: Module, comp: Computation, instr: Instr, n: int) ->
     }
 
 
+def _padded_elements(module: Module, comp: Computation, instr: Instr, n: int) -> set[int]:
+    """Which operands of an all-reduce are one device's shard written into zeros, 1/n of them:
+    an all-gather spelled as a sum (see `_is_padded_shard`)."""
+    return {i for i, name in enumerate(instr.operands)
+            if _is_padded_shard(module, comp, name, n)}
+
+
+# Ops read backwards to the value they forward unchanged (for zeros: also a cast or broadcast).
+_FORWARDING = {"bitcast", "copy", "copy-start", "copy-done", "reshape", "convert"}
+
+
+def _source(module: Module, comp: Computation, name: str,
+            entered: tuple[tuple[Computation, Instr], ...] = (),
+            through: frozenset[str] = frozenset(_FORWARDING),
+            ) -> tuple[Computation, Instr | None, tuple[tuple[Computation, Instr], ...]]:
+    """The instruction that produces `name`, read back through `through` ops, into the root of a
+    fusion that produces it, and out of a fused computation's parameters to the fusion's operand
+    (`entered`: the fusions stepped into, outermost first)."""
+    for _ in range(64):
+        instr = comp.instrs.get(name)
+        if instr is None:
+            return comp, None, entered
+        if instr.opcode in through and instr.operands:
+            name = instr.operands[0]
+        elif instr.opcode == "fusion" and (callee := _callee(module, instr)) and callee.root:
+            comp, name, entered = callee, callee.root, (*entered, (comp, instr))
+        elif instr.opcode == "parameter" and entered:
+            number = int(instr.operands[0])
+            outer, fusion = entered[-1]
+            if number >= len(fusion.operands):
+                return comp, None, entered
+            comp, name, entered = outer, fusion.operands[number], entered[:-1]
+        else:
+            return comp, instr, entered
+    return comp, None, entered
+
+
+def _is_zero(module: Module, comp: Computation, name: str,
+             entered: tuple[tuple[Computation, Instr], ...]) -> bool:
+    comp, instr, _ = _source(module, comp, name, entered, frozenset(_FORWARDING | {"broadcast"}))
+    if instr is None or instr.opcode != "constant" or not instr.operands:
+        return False
+    try:
+        return float(instr.operands[0]) == 0
+    except ValueError:  # an array literal `{...}`: not worth reading
+        return False
+
+
+def _is_padded_shard(module: Module, comp: Computation, name: str, n: int) -> bool:
+    """Is `name` a `dynamic-update-slice` of 1/n of its elements into a buffer of zeros?
+
+    The SPMD partitioner's fallback for an all-gather (and the TPU compiler's choice for FSDP
+    weights on some slices): each device writes its shard at its own offset into zeros, and an
+    all-reduce over the n devices sums the shards into the whole array. On TPU the update is
+    usually fused (a kLoop fusion whose root is the dynamic-update-slice, the zeros passed in
+    as a broadcast operand). The offsets are not checked, as for `_only_sliced`.
+    """
+    comp, instr, entered = _source(module, comp, name)
+    if instr is None or instr.opcode != "dynamic-update-slice" or len(instr.operands) < 2:
+        return False
+    full = instr.arrays[0].elements if instr.arrays else 0
+    update = operand_arrays(comp, instr, 1)
+    if not full or not update or update[0].elements * n != full:
+        return False
+    return _is_zero(module, comp, instr.operands[0], entered)
+
+
 def _split_combined(
-    comp: Computation, instr: Instr, sliced: set[int], n: int, axes: tuple[str, ...]
+    comp: Computation, instr: Instr, kinds: dict[int, str], n: int, axes: tuple[str, ...]
 ) -> list[Collective]:
-    """One logical collective for the sliced elements of a combined all-reduce, one for the rest."""
+    """One logical collective per kind among the elements of an all-reduce (`kinds`: element ->
+    'all-gather' for zero-padded shards, 'reduce-scatter' for sliced results, 'all-reduce');
+    a combined all-reduce whose elements differ is split, its parts named by element."""
     out = []
-    for kind, elements in (
-        ("reduce-scatter", sorted(sliced)),
-        ("all-reduce", sorted(set(range(len(instr.operands))) - sliced)),
-    ):
-        arrays = [a for i in elements for a in operand_arrays(comp, instr, i)]
+    whole = len(set(kinds.values())) == 1
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        elements = sorted(i for i, k in kinds.items() if k == kind)
+        if not elements:
+            continue
+        if kind == "all-gather":
+            # The gathered result, in the all-reduce's result dtype (TPU may sum f32 shards
+            # into a bf16 result: the cast to bf16 for the matmul, moved into the collective).
+            results = instr.arrays if len(instr.arrays) == len(instr.operands) else None
+            arrays = [a for i in elements
+                      for a in ((results[i],) if results else operand_arrays(comp, instr, i))]
+        else:
+            arrays = [a for i in elements for a in operand_arrays(comp, instr, i)]
         payload = sum(a.bytes for a in arrays)
-        lowered_as = f"{instr.opcode}+dynamic-slice" if kind == "reduce-scatter" else instr.opcode
+        lowered_as = {"all-gather": f"{instr.opcode}+dynamic-update-slice",
+                      "reduce-scatter": f"{instr.opcode}+dynamic-slice",
+                      "all-reduce": instr.opcode}[kind]
         out.append(
             Collective(
                 kind=kind,
                 lowered_as=lowered_as,
-                name=f"{instr.name}[{','.join(map(str, elements))}]",
+                name=instr.name if whole else f"{instr.name}[{','.join(map(str, elements))}]",
                 dtype=_dtypes(arrays),
                 bytes=payload,
                 wire_bytes=_wire_bytes(kind, lowered_as, payload, n),
@@ -242,7 +329,7 @@ def _wire_bytes(kind: str, lowered_as: str, payload: int, n: int) -> int:
         return 0
     if kind == "collective-permute":
         return payload
-    if kind == "all-reduce" or lowered_as.endswith("+dynamic-slice"):
+    if kind == "all-reduce" or lowered_as.endswith(("+dynamic-slice", "+dynamic-update-slice")):
         return payload * 2 * (n - 1) // n  # reduce-scatter + all-gather ring
     return payload * (n - 1) // n
 
@@ -294,13 +381,16 @@ def _collectives_of(module: Module, comp: Computation, instr: Instr, base: str, 
         n, axes = group_axes(mesh, groups)
     kind, lowered_as = base, instr.opcode
     if base == "all-reduce" and n > 1:
-        sliced = _sliced_elements(module, comp, instr, n)
-        if 0 < len(sliced) < len(instr.operands):
-            # XLA's combiner merged reductions that are logically different: report the
-            # sliced elements as a reduce-scatter and the rest as an all-reduce.
-            return _split_combined(comp, instr, sliced, n, axes)
-        if sliced:
-            kind, lowered_as = "reduce-scatter", f"{instr.opcode}+dynamic-slice"
+        # XLA's combiner merges reductions that are logically different into one all-reduce:
+        # each element is judged on its own (zero-padded shards first: a gathered weight that
+        # is then sliced is still a gather), and a mixed one is split.
+        padded = _padded_elements(module, comp, instr, n)
+        sliced = _sliced_elements(module, comp, instr, n) - padded
+        if padded or sliced:
+            kinds = {i: "all-gather" if i in padded else
+                     "reduce-scatter" if i in sliced else "all-reduce"
+                     for i in range(len(instr.operands))}
+            return _split_combined(comp, instr, kinds, n, axes)
     if base == "all-gather":
         payload *= n  # the gathered result
     return [Collective(kind=kind, lowered_as=lowered_as, name=instr.name, dtype=dtype,
