@@ -90,8 +90,26 @@ def make_mesh(cfg: Config, devices=None):
     import jax  # noqa: PLC0415
 
     shape = tuple(getattr(cfg.mesh, axis) for axis in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
-                         devices=devices)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU slice whose torus axes cannot each be given whole to one mesh axis: tensor=8 and
+        # fsdp=8 on a 4x4x4 v5p slice ("Failed to find assignment for logical_axis_index ...").
+        # Then a mesh axis may span parts of several torus axes (tensor over 4 x 2 chips), as
+        # jax.make_mesh itself allows on v5e; the devices of each axis still form a sub-torus.
+        return jax.sharding.Mesh(split_device_mesh(shape, devices), MESH_AXES,
+                                 axis_types=axis_types)
+
+
+def split_device_mesh(shape: tuple[int, ...], devices=None) -> np.ndarray:
+    """``mesh_utils.create_device_mesh`` with ``allow_split_physical_axes=True``: the device
+    array for ``shape`` when a mesh axis must split a physical (torus) axis."""
+    import jax  # noqa: PLC0415
+    from jax.experimental import mesh_utils  # noqa: PLC0415
+
+    devices = list(jax.devices() if devices is None else devices)[: int(np.prod(shape))]
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
 
 
 def process_batch_rows(sharding, shape: tuple[int, ...]) -> np.ndarray:

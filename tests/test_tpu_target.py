@@ -154,6 +154,30 @@ def test_mesh_minus_one_resolves_against_the_slice(tmp_path):
     assert_one_line_error(result, "train.batch_size=8", "16", empty_stdout=True)
 
 
+def test_mesh_axes_that_must_split_a_torus_axis_still_build_a_mesh(tmp_path):
+    # fsdp=8 x tensor=8 on a 4x4x4 v5p slice: no torus axis has 8 chips, so jax.make_mesh's
+    # plain assignment fails ("Failed to find assignment for logical_axis_index 5 of size 8");
+    # jaxpar then lets tensor span 4 x 2 chips. Only the mesh is built: no compile.
+    needs_libtpu()
+    preamble = (
+        "from jaxpar.config import load_config, validate\n"
+        "from jaxpar.inspect.tpu import parse_target, topology_devices\n"
+        "from jaxpar.mesh import make_mesh\n"
+        "devices = topology_devices(parse_target('tpu-v5p:4x4x4'))\n"
+        "cfg = validate(load_config('llama3-8b', ['mesh.fsdp=8', 'mesh.tensor=8']), 64)\n"
+        "mesh = make_mesh(cfg, devices=devices)\n"
+        "tensor = mesh.devices.reshape(-1, 8)\n"
+        "coords = [sorted(tuple(d.coords) for d in row) for row in tensor]\n"
+        "print(dict(mesh.shape), len({d.id for d in mesh.devices.flat}),\n"
+        "      max(len({c[a] for c in row}) for row in coords for a in range(3)))\n"
+        "sys.exit(0)\n")
+    result = run_inspect("tiny", cwd=tmp_path, preamble=preamble)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shape, distinct, widest = result.stdout.strip().rsplit(" ", 2)
+    assert "'fsdp': 8" in shape and "'tensor': 8" in shape and distinct == "64"
+    assert widest == "4"  # each tensor group spans 4 chips of one torus axis and 2 of another
+
+
 def test_moe_dropless_exchange_compiles_to_ragged_all_to_all_for_tpu(tmp_path):
     """The dropless expert-parallel path that XLA:CPU cannot compile (jaxpar/parallel/expert.py
     picks ragged_all_to_all off CPU): the TPU compiler takes it. Compiled, never run."""
