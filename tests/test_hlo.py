@@ -664,6 +664,27 @@ def test_loop_without_known_trip_count_reads_i_less_than_n_from_its_condition():
     assert only(parse_collectives(module(from_one, body), MESH)).executions == 1
 
 
+def test_loop_whose_body_adds_k_to_its_counter_runs_n_over_k_times():
+    # TPU's windowed-einsum loops (collective matmuls) are unrolled by two: `i < 16`, `i += 2`
+    # runs 8 times, not 16 (tpu-v5p:4x4x2, fsdp=32: the weight-gradient permute rings).
+    def loop(bound: int, step: int, reversed_add: bool = False) -> str:
+        add = "add(%two, %i)" if reversed_add else "add(%i, %two)"
+        body = (_LOOP_BODY_AND_CONDITION.replace("constant(N)", f"constant({bound})")
+                .replace("  ROOT %out = (s32[], f32[8]{0}) tuple(%i, %ar)",
+                         f"  %two = s32[]{{:T(128)}} constant({step})\n"
+                         f"  %next = s32[]{{:T(128)}} {add}\n"
+                         "  ROOT %out = (s32[], f32[8]{0}) tuple(%next, %ar)"))
+        entry = ("  %zero = s32[] constant(0)\n  %x = f32[8]{0} parameter(0)\n"
+                 "  %init = (s32[], f32[8]{0}) tuple(%zero, %x)\n"
+                 "  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body")
+        return module(entry, body)
+
+    assert only(parse_collectives(loop(16, 2), MESH)).executions == 8
+    assert only(parse_collectives(loop(16, 2, reversed_add=True), MESH)).executions == 8
+    assert only(parse_collectives(loop(5, 2), MESH)).executions == 3  # i = 0, 2, 4
+    assert only(parse_collectives(loop(4, 1), MESH)).executions == 4
+
+
 def test_one_channel_placed_in_several_computations_is_one_collective():
     # TPU places an async all-gather in its start fusion and in the fusions it overlaps with.
     start = """%start_fusion (p: f32[4]) -> f32[16] {

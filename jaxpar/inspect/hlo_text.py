@@ -9,7 +9,9 @@ computation runs per call of the program: the product of the `known_trip_count`s
 around it, summed over call sites. XLA:CPU records a loop's trip count in the while op's
 backend_config (`known_trip_count`); TPU's compiler does not, so there it is read off the loop
 itself: a condition `i < N` on a counter that starts at the constant 0 (the form `lax.scan` and
-`fori_loop` lower to) runs N times. A loop whose trip count is found neither way counts once.
+`fori_loop` lower to) runs N times, or ceil(N / k) times when the body adds a constant k to the
+counter (TPU's windowed-einsum loops, unrolled by two, add 2). A loop whose trip count is found
+neither way counts once.
 `bytes` and `wire_bytes` are per execution; `summarize_collectives` multiplies, so its rows are
 per-step totals.
 """
@@ -253,8 +255,35 @@ def _constant_int(comp: Computation, name: str) -> int | None:
         return None
 
 
+def _loop_step(module: Module, loop: Instr, index: int) -> int:
+    """How much the loop body adds to tuple element `index` per iteration: k for a root tuple
+    whose element is `add(get-tuple-element(param, index), constant k)`, else 1.
+
+    The TPU compiler unrolls windowed-einsum loops (collective matmuls) by two: the body does two
+    steps and adds 2 to the counter, while the condition still reads `i < N`.
+    """
+    body = module.computations.get((attr(loop, "body") or "").lstrip("%"))
+    root = body.instrs.get(body.root) if body and body.root else None
+    if root is None or root.opcode != "tuple" or index >= len(root.operands):
+        return 1
+    update = _value_through_copies(body, root.operands[index])
+    if update is None or update.opcode != "add" or len(update.operands) != 2:
+        return 1
+    for counter, other in (update.operands, update.operands[::-1]):
+        read = _value_through_copies(body, counter)
+        step = _constant_int(body, other)
+        if (read is not None and read.opcode == "get-tuple-element" and step is not None
+                and step > 0 and int(attr(read, "index") or 0) == index
+                and (source := body.instrs.get(read.operands[0])) is not None
+                and source.opcode == "parameter"):
+            return step
+    return 1
+
+
 def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int | None:
-    """N for a loop `for (i = 0; i < N; i++)`, read from its condition and initial tuple."""
+    """The trip count of a loop `for (i = 0; i < N; i += k)`: ceil(N / k), read from its
+    condition, its initial tuple and its body's update of the counter (k = 1 unless the body
+    visibly adds another constant)."""
     cond = module.computations.get((attr(loop, "condition") or "").lstrip("%"))
     root = cond.instrs.get(cond.root) if cond and cond.root else None
     if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
@@ -267,7 +296,9 @@ def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int 
     index = int(attr(counter, "index") or 0)
     if init is None or init.opcode != "tuple" or index >= len(init.operands):
         return None
-    return bound if _constant_int(comp, init.operands[index]) == 0 else None
+    if _constant_int(comp, init.operands[index]) != 0:
+        return None
+    return -(-bound // _loop_step(module, loop, index))
 
 
 def called(module: Module, comp: Computation, instr: Instr) -> list[tuple[str, float, bool]]:
