@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import env_without_device_flags, run_jaxpar
+from helpers import env_without_device_flags, needs_libtpu, run_jaxpar
 
 from jaxpar.inspect.compare import mismatches
 from jaxpar.inspect.real_size import CPU_CASES
@@ -43,6 +43,24 @@ COLLECTIVES_OFF_PLAN = {
 def matrix(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("real_size") / "matrix.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], capture_output=True,
+                         text=True, timeout=1200, env=env_without_device_flags())
+    assert out.exists(), run.stdout[-2000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+# The TPU compiler's program for a 64-chip v5p slice: the cases whose every collective row is
+# the plan's there (docs/performance.md, "On the TPU compiler", has the others and why). Each
+# compile takes about a minute on 2 cores.
+TPU_TARGET = "tpu-v5p:4x4x4"
+TPU_CASES = ("data", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def tpu_matrix(tmp_path_factory) -> dict:
+    needs_libtpu()
+    out = tmp_path_factory.mktemp("real_size_tpu") / "matrix.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--target", TPU_TARGET, "--cases",
+                          ",".join(TPU_CASES), "--json", str(out)], capture_output=True,
                          text=True, timeout=1200, env=env_without_device_flags())
     assert out.exists(), run.stdout[-2000:] + run.stderr[-3000:]
     return json.loads(out.read_text())
@@ -106,3 +124,16 @@ def test_inspect_strict_exits_1_naming_the_rows_and_0_within_the_tolerance(tmp_p
     assert json.loads(loose.stdout)["compare"]["mismatches"] == []
     bad = run_jaxpar(*args, "--tolerance", "2", cwd=tmp_path, env=env_without_device_flags())
     assert bad.returncode == 2 and "--tolerance" in bad.stderr
+
+
+@pytest.mark.parametrize("case", TPU_CASES)
+def test_the_tpu_compiler_moves_the_planned_bytes_at_real_size(tpu_matrix, case):
+    """On the TPU target too, every collective (kind, axes) within 10% of the plan: at fsdp=64
+    the compiler gathers the weights as all-reduces of zero-padded shards, which the HLO reader
+    reports as the all-gathers they are."""
+    comparison = tpu_matrix[case]
+    assert _collective_lines(comparison["mismatches"]) == [], comparison["collectives"]
+    if case == "fsdp":
+        lowered = {spelling for row in comparison["compiled_collectives"]
+                   if row["kind"] == "all-gather" for spelling in row["lowered_as"]}
+        assert "all-reduce+dynamic-update-slice" in lowered, lowered
