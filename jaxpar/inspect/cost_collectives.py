@@ -415,17 +415,21 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     moe_column = (st.attention_matmuls + 1 + shared * st.mlp_matmuls if st.xla_cpu
                   else 1 + 1 + shared)
     columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
-    # Recomputing attention in the backward pass reduces its output again: remat=full, and
-    # remat=dots in a pipeline stage, whose matmuls' custom VJP (``projection._matmul``) the
-    # dots policy does not save (measured: Llama-3-8B widths, pipe=4 x fsdp=4 x tensor=4).
-    again = st.cfg.train.remat == "full" or (st.cfg.train.remat == "dots"
-                                             and st.pipeline is not None)
-    row_outputs = st.runs * (rows_per_layer + n_layers * again)
+    row_outputs = st.runs * (rows_per_layer + n_layers * _attention_again(st))
     if st.pipeline is None:
         return row_outputs, st.runs * columns, st.runs, st.runs
     embeds, heads = (round(st.accum * st.pipeline[k] / st.executed("forward"))
                      for k in ("forward_steps", "head_steps"))
     return row_outputs, st.runs * columns, embeds, heads
+
+
+def _attention_again(st: StepSizes) -> bool:
+    """Whether the backward pass recomputes attention's output, and so reduces it again:
+    remat=full, and remat=dots in a pipeline stage, whose matmuls' custom VJP
+    (``projection._matmul``) the dots policy does not save (measured: Llama-3-8B widths,
+    pipe=4 x fsdp=4 x tensor=4)."""
+    remat = st.cfg.train.remat
+    return remat == "full" or (remat == "dots" and st.pipeline is not None)
 
 
 def _input_regathers(c: Ledger) -> int:
@@ -467,8 +471,7 @@ def tensor_collectives(c: Ledger) -> None:
 
     if not st.sp:
         add_act("all-reduce", row_outputs, "row-parallel outputs (attention, MLP) forward"
-                + (", attention again in remat" if remat == "full" or (
-                    remat == "dots" and st.pipeline is not None) else ""), times=fw)
+                + (", attention again in remat" if _attention_again(st) else ""), times=fw)
         add_act("all-reduce", column_grads,
                 f"column-parallel input gradients backward ({columns})", times=bw)
         add_act("all-reduce", embeds, "vocab-parallel embedding forward", times=fw)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpar.inspect.compare import TOLERANCE, compare_with_plan, mismatches
+from jaxpar.inspect.compare import compare_with_plan, mismatches
 
 DEVICES = 64
 
@@ -94,6 +94,3 @@ def summary_rows(case: Case, comparison: Mapping[str, Any]) -> list[dict[str, An
                      "compiled": row["compiled_bytes"], "planned": row["predicted_bytes"],
                      "ratio": row["ratio"]})
     return rows
-
-
-__all__ = ["CPU_CASES", "DEVICES", "TOLERANCE", "Case", "compile_case", "summary_rows"]

@@ -84,7 +84,7 @@ def _loss_in_pieces_bwd(pieces, residuals, g):
         (d_h,) = logits_vjp(d_logits)  # its weight gradient, unused, is left out by XLA
         return partial_sums + per_shard_weight_grad(h_i, d_logits), _as_residual(d_h)
 
-    zeros = jnp.zeros(per_shard_weight_grad_shape(h, head), jnp.float32)
+    zeros = jnp.zeros((split_count("batch"), split_count("seq"), *head.shape), jnp.float32)
     partial_sums, d_h = jax.lax.scan(one_piece, constrain(zeros, _PER_SHARD),
                                      _pieces(pieces, h, targets, mask))
     d_head = sum_over_token_shards(partial_sums, HEAD, STORED_HEAD).astype(head.dtype)
@@ -103,13 +103,9 @@ def _as_residual(d_h: jax.Array) -> jax.Array:
         return d_h
     return constrain(d_h, RESIDUAL)
 
-# A weight gradient's partial sums, one per (batch shard, sequence shard) of the tokens.
+
+# The head gradient's partial sums, one per (batch shard, sequence shard) of the tokens.
 _PER_SHARD = ("batch", "seq", *HEAD)
-
-
-def per_shard_weight_grad_shape(h: jax.Array, w: jax.Array) -> tuple[int, ...]:
-    """The shape :func:`per_shard_weight_grad` gives for tokens ``h`` and a weight ``w``."""
-    return (split_count("batch"), split_count("seq"), *w.shape)
 
 
 def per_shard_weight_grad(h: jax.Array, dy: jax.Array) -> jax.Array:

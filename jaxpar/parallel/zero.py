@@ -126,7 +126,8 @@ def token_shard_sum(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     token axis splits anything): ``(partial_sums, used, stored) -> sum`` in ``shard_map``
     manual over the token axes (those of ``batch`` and ``seq``) and those splitting the
     weight, each device holding its own partial sum of its own slice of the weight."""
-    token_axes = tuple(a for name in ("batch", "seq") for a in rules[name] if mesh_shape[a] > 1)
+    batch, seq = (tuple(a for a in rules[name] if mesh_shape[a] > 1) for name in ("batch", "seq"))
+    token_axes = batch + seq
     if not token_axes:
         return None
 
@@ -155,8 +156,7 @@ def token_shard_sum(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
         def entries(dims: list[tuple[str, ...]]) -> list:
             return [d[0] if len(d) == 1 else d or None for d in dims]
 
-        token_dims = [tuple(a for a in rules[n] if mesh_shape[a] > 1) for n in ("batch", "seq")]
-        return jax.shard_map(local, in_specs=(PartitionSpec(*entries(token_dims + held)),),
+        return jax.shard_map(local, in_specs=(PartitionSpec(*entries([batch, seq, *held])),),
                              out_specs=PartitionSpec(*entries(kept)),
                              axis_names=manual)(partial_sums)
 
