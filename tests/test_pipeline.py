@@ -204,6 +204,23 @@ def test_moe_pipeline_with_expert_parallelism_matches_one_device_with_as_many_mi
     assert ("all-to-all", ("expert",)) in kinds and ("collective-permute", ("pipe",)) in kinds
 
 
+def test_moe_load_statistics_add_up_over_the_devices_a_stage_splits_by_hand():
+    # pipe x fsdp x context: each device of a stage holds its own rows and sequence piece; its
+    # MoE layers sum the expert load over the others and add their share of the balance and
+    # z-losses (weighted up so that a wrong share shows in the gradients), and the experts'
+    # weights are gathered and their gradients summed once per step.
+    weights = ("model.moe.aux_loss_weight=1.0", "model.moe.z_loss_weight=0.1")
+    ref = run_layout(("mesh.data=1", "train.grad_accum=2", *MOE, *weights))
+    got = run_layout(("mesh.pipe=2", "mesh.fsdp=2", "mesh.context=2", "mesh.data=1",
+                      "train.microbatches=2", "parallel.pipeline_schedule=1f1b", *MOE, *weights))
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    assert_grads_and_params_match(got, ref)
+    jax.tree.map(np.testing.assert_allclose, jax.device_get(got["state"].buffers),
+                 jax.device_get(ref["state"].buffers))
+    gathers = [c for c in got["collectives"] if c.kind == "all-gather" and c.axes == ("fsdp",)]
+    assert gathers and all(c.executions == 1 for c in gathers)
+
+
 @pytest.mark.parametrize("overrides", [("mesh.fsdp=4", "train.remat=none"),
                                        ("mesh.data=4", "train.dtype=bfloat16")],
                          ids=["fsdp-gathered", "bf16-cast"])

@@ -16,11 +16,11 @@ sends (XLA:CPU's psums are [b/m, S/(c t), E]). The last step's send is never rea
 it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
 micro-step. Inside the stages, every formula of :mod:`~jaxpar.inspect.cost_collectives` runs
 on the stage's layers (and its share of the MoE layers) once per executed slot (masked ones
-included: ``StepSizes.executed``); the executor sums gradients over ``data`` / ``fsdp`` by hand
-once per micro-step and gathers FSDP weights once (for MoE models: in every backward slot, and
-once per stretch, where XLA hoists the gathers).
+included: ``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp`` and
+``context`` by hand once per step and gathers FSDP weights (the experts' too) once. The sums
+over ``expert`` of the weights outside the experts stay the partitioner's: every backward slot.
 
-FSDP by hand with ``tensor`` (dense models): the executor gathers and reduce-scatters each
+FSDP by hand with ``tensor``: the executor gathers and reduce-scatters each
 weight's own ``tensor`` shard over ``fsdp`` (``parallel/pipeline_by_hand.py: ByHand``), so those
 collectives move what they would without a pipeline, once per step.
 
@@ -39,7 +39,7 @@ Memory of a stage (the peak, inside the stretch loops):
   over tensor as above): XLA:CPU copies the loop-carried weights beside the stashes for every
   schedule (seen in the buffer assignment of gpipe, 1F1B and interleaved steps). FSDP's
   per-layer gathered working set does not exist in a stage: the weights are gathered once.
-- with FSDP by hand (dense models), the gradient sums: the executor adds every microbatch's
+- with FSDP by hand, the gradient sums: the executor adds every microbatch's
   weight gradients into float32 sums of the weights as gathered (the stage's layers, and the
   embedding, head and final norm whole), kept for the whole step and reduce-scattered to the
   stored shards once at its end, so they are a buffer of their own beside those shards (the
@@ -92,8 +92,8 @@ def pipeline_collectives(c: Ledger) -> None:
 def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
     """Bytes of the executor's float32 gradient sums where they are not the step's gradients:
     under FSDP by hand, whole over ``fsdp`` (module docstring, "Memory")."""
-    if st.pipeline is None or st.mesh["fsdp"] == 1 or st.cfg.model.moe.enabled:
-        return 0  # (a MoE model leaves FSDP to the partitioner: its sums are the shards)
+    if st.pipeline is None or st.mesh["fsdp"] == 1:
+        return 0
     return sum(p.gathered_bytes for p in params)
 
 

@@ -6,8 +6,10 @@ default that does nothing, so the model runs unsharded on one device. The train 
 names into a sharding constraint on the current mesh. Likewise, attention asks
 :func:`attention_override` whether a parallel implementation (ring attention over ``context``)
 replaces its dense one, the mixture-of-experts layer asks :func:`experts_override` whether
-its tokens are dispatched to experts on other devices (all-to-all over ``expert``), and the loss
-sums its per-shard head gradient through :func:`sum_over_token_shards`. These are the
+its tokens are dispatched to experts on other devices (all-to-all over ``expert``), the loss
+sums its per-shard head gradient through :func:`sum_over_token_shards`, and the MoE layer's
+batch statistics reach the tokens of other devices through :func:`sum_over_hand_split` where a
+pipeline stage holds only its own (:func:`hand_split_devices`). These are the
 only pieces of global state the model reads, and they only live for the duration of a trace.
 """
 
@@ -46,6 +48,8 @@ _token_sum: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "jaxpar_token_shard_sum", default=None)
 _split: contextvars.ContextVar[Mapping[str, int]] = contextvars.ContextVar(
     "jaxpar_split_counts", default=MappingProxyType({}))
+_hand_split: contextvars.ContextVar[tuple[Callable, int] | None] = contextvars.ContextVar(
+    "jaxpar_hand_split_tokens", default=None)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -108,6 +112,29 @@ def use_token_shard_sum(fn: Callable | None) -> contextlib.AbstractContextManage
     """Within this block, :func:`sum_over_token_shards` calls ``fn(partial_sums, used,
     stored)``."""
     return _setting(_token_sum, fn)
+
+
+def hand_split_devices() -> int:
+    """Over how many devices the micro-batch's tokens are split by hand (1: none). The
+    compiler sums a statistic over a sharded batch itself; inside a pipeline stage, which
+    holds only its device's rows and sequence piece (:mod:`jaxpar.parallel.pipeline_by_hand`),
+    a layer sees its own tokens alone."""
+    hand = _hand_split.get()
+    return 1 if hand is None else hand[1]
+
+
+def sum_over_hand_split(x: jax.Array) -> jax.Array:
+    """``x`` summed over the devices that split the tokens by hand (:func:`hand_split_devices`;
+    none: ``x``). Forward statistics only: the sum passes no gradient back."""
+    hand = _hand_split.get()
+    return x if hand is None else hand[0](jax.lax.stop_gradient(x))
+
+
+def use_hand_split(sum_fn: Callable[[jax.Array], jax.Array], devices: int,
+                   ) -> contextlib.AbstractContextManager[None]:
+    """Within this block, the tokens are split by hand over ``devices`` devices and
+    :func:`sum_over_hand_split` calls ``sum_fn``."""
+    return _setting(_hand_split, (sum_fn, devices) if devices > 1 else None)
 
 
 def weights_prepared() -> bool:

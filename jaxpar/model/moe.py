@@ -65,7 +65,12 @@ from flax import nnx
 from jax import lax
 
 from jaxpar.config import ModelConfig, MoEConfig
-from jaxpar.model.annotate import constrain, experts_override
+from jaxpar.model.annotate import (
+    constrain,
+    experts_override,
+    hand_split_devices,
+    sum_over_hand_split,
+)
 from jaxpar.model.layers import SwiGLU, _param, gated_silu, stored_weight
 from jaxpar.model.projection import weight
 
@@ -287,12 +292,19 @@ class MoE(nnx.Module):
         expert_ids, gates, probs = route(logits, moe, bias)
 
         # Statistics over the whole micro-batch: plain sums over sharded dimensions, which the
-        # compiler turns into all-reduces of X floats, so no layout changes the numbers.
+        # compiler turns into all-reduces of X floats, so no layout changes the numbers. Where
+        # the tokens are split by hand over n devices (a pipeline stage), each device sees its
+        # own: the load's counts are summed over the others (they carry no gradient), and each
+        # device adds its share of the mean probabilities and of the z-loss, 1/n of its local
+        # means; the shares add up (over the devices, as the step's aux sums do) to the terms
+        # of the whole micro-batch, and each device's gradient is its share's.
+        n = hand_split_devices()
         slots = math.prod(expert_ids.shape)
         counts = jnp.sum(jax.nn.one_hot(expert_ids, moe.num_experts, dtype=jnp.float32),
                          axis=(0, 1, 2))
-        balance = moe.num_experts * jnp.sum(counts / slots * jnp.mean(probs, axis=(0, 1)))
-        z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        load = sum_over_hand_split(counts) / (slots * n)
+        balance = moe.num_experts * jnp.sum(load * jnp.mean(probs, axis=(0, 1))) / n
+        z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2) / n
 
         # As stored: on one device the experts cast them to x's dtype; the expert-parallel hook
         # casts and all-gathers the fsdp split of ``embed`` per device, and sums the gradient

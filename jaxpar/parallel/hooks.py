@@ -23,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
+from functools import partial
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import BATCH_AXES, Config, ConfigError
@@ -34,6 +37,7 @@ from jaxpar.model.annotate import (
     splitting,
     use_attention,
     use_experts,
+    use_hand_split,
     use_token_shard_sum,
     weight_grads_in,
 )
@@ -49,13 +53,16 @@ NO_SHARD_MAP_IN_STAGES = ("tpu",)
 
 
 def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
-                in_stage: bool = False, hand_context: int = 1) -> contextlib.ExitStack:
+                in_stage: bool = False, by_hand: Mapping[str, int] = MappingProxyType({}),
+                ) -> contextlib.ExitStack:
     """A context manager installing the constraint, attention and expert hooks for a mesh of
     ``mesh_shape`` (axes of size 1 split nothing and are left out). ``in_stage``: for the
-    layers of a pipeline stage, inside the executor's ``shard_map``; ``hand_context``: the
-    ``context`` devices that split the sequence there by hand (``context`` is manual already,
-    so attention runs on the device's own piece without a ``shard_map`` of its own)."""
+    layers of a pipeline stage, inside the executor's ``shard_map``; ``by_hand``: the axes
+    (and their sizes) that split the tokens by hand there, manual already: attention runs on
+    the device's own piece of a sequence split over ``context`` without a ``shard_map`` of its
+    own, and the MoE layers' batch statistics are summed over them."""
     rules = logical_rules(cfg)
+    hand_context = by_hand.get("context", 1)
     n_context = mesh_shape["context"]
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
     head_axes = {name: tuple(a for a in rules[name] if mesh_shape[a] > 1)
@@ -84,6 +91,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     stack.enter_context(weight_grads_in(jnp.dtype(cfg.parallel.reduce_dtype)))
     stack.enter_context(splitting({name: math.prod(mesh_shape[a] for a in axes)
                                    for name, axes in rules.items()}))
+    stack.enter_context(use_hand_split(partial(lax.psum, axis_name=tuple(by_hand)),
+                                       math.prod(by_hand.values())))
     return stack
 
 

@@ -54,10 +54,12 @@ step the stage's weights are cast to the compute dtype and FSDP-gathered (:class
 the VJPs save those very arrays and the stash leaves them out.
 
 One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data`` and ``fsdp`` (the
-batch rows) and ``context`` (the sequence) by hand (dense models): each device sums its own
-tokens' weight gradients over every microbatch of every micro-step (``train.grad_accum``), and
-one all-reduce over ``data`` and ``context`` and one reduce-scatter over ``fsdp`` per step add
-them up. The cost: the stage's weights whole (compute dtype) and its gradient sums whole
+batch rows) and ``context`` (the sequence) by hand: each device sums its own tokens' weight
+gradients over every microbatch of every micro-step (``train.grad_accum``), and one all-reduce
+over ``data`` and ``context`` and one reduce-scatter over ``fsdp`` per step add them up. (A MoE
+layer sums its load statistics over those axes itself, :func:`jaxpar.model.moe.MoE`; ``expert``
+stays the partitioner's, so the weights outside the experts are summed over it in every
+backward slot.) The cost: the stage's weights whole (compute dtype) and its gradient sums whole
 (float32) on every device for the step. With ``context`` manual here, context attention runs on
 each device's piece of the sequence directly, with no ``shard_map`` of its own nested in this
 one (which the TPU compiler aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
@@ -464,17 +466,16 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     # Gradients are summed over data, fsdp and context once per step: the executor splits
     # those axes by hand (the batch rows, the sequence), so inside it they look like axes of
     # size 1, and context attention runs on each device's piece of the sequence with no
-    # shard_map nested in the executor's. Not for a mixture of experts: its load-balance loss
-    # is a product of statistics over the whole micro-batch, which a device holding part of the
-    # batch by hand cannot compute alone.
-    hand = () if cfg.model.moe.enabled else tuple(
-        a for a in (*rules["batch"], "context")
-        if a in ("data", "fsdp", "context") and mesh_shape[a] > 1)
+    # shard_map nested in the executor's. The experts' weights too are gathered once per step
+    # and their gradients summed once; the MoE layers sum their load statistics over these
+    # axes themselves (the by_hand hook).
+    hand = tuple(a for a in (*rules["batch"], "context")
+                 if a in ("data", "fsdp", "context") and mesh_shape[a] > 1)
     inner = {**mesh_shape, **{a: 1 for a in hand}}
 
     def hooks() -> Any:
         return model_hooks(cfg, inner, platform, in_stage=True,
-                           hand_context=mesh_shape["context"] if "context" in hand else 1)
+                           by_hand={a: mesh_shape[a] for a in hand})
 
     hooks().close()  # a layout the hooks refuse fails here, before any trace
     micro_rows = cfg.train.batch_size // (accum * m)
