@@ -192,21 +192,33 @@ def test_moe_dropless_exchange_compiles_to_ragged_all_to_all_for_tpu(tmp_path):
 
 
 NESTED_EXPERTS = {
-    "data": ("moe-tiny", "mesh.data=4", "mesh.pipe=2", "train.microbatches=2"),
     "expert": ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.expert=4", "train.microbatches=2"),
+    "tensor": ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.tensor=4", "train.microbatches=2"),
 }
 
 
-@pytest.mark.parametrize("split", ["data", "expert"])
+@pytest.mark.parametrize("split", ["expert", "tensor"])
 def test_a_pipelined_moe_model_that_would_nest_a_shard_map_is_a_one_line_error_for_tpu(
         tmp_path, split):
     """libtpu aborts the process on a shard_map nested in the pipeline executor's (the canary
-    below): a MoE model's expert dispatch inside pipeline stages is refused for a TPU before
-    compiling, as XLA:CPU runs it."""
+    below): a MoE model's expert dispatch inside pipeline stages (over ``expert``, or the
+    experts' hidden units over ``tensor``) is refused for a TPU before compiling, as XLA:CPU
+    runs it."""
     needs_libtpu()
     result = run_inspect(*NESTED_EXPERTS[split], "--target", TARGET, cwd=tmp_path)
     assert_one_line_error(result, f"mesh.pipe=2 with a mixture of experts and mesh.{split}=",
                           "experts' dispatch shard_map", "libtpu 0.0.42.1", empty_stdout=True)
+
+
+def test_a_pipelined_moe_model_over_data_compiles_for_tpu(tmp_path):
+    """The executor splits a MoE model's batch by hand as a dense one's, so its MoE layers
+    route each device's tokens with no shard_map of their own: nothing nests."""
+    needs_libtpu()
+    result = run_inspect("moe-tiny", "mesh.data=4", "mesh.pipe=2", "train.microbatches=2",
+                         "--target", TARGET, "--json", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kinds = {(r["kind"], tuple(r["axes"])) for r in json.loads(result.stdout)["collectives"]}
+    assert {("all-reduce", ("data",)), ("collective-permute", ("pipe",))} <= kinds
 
 
 def test_libtpu_still_aborts_on_the_expert_dispatch_nested_in_a_pipeline_stage(tmp_path):

@@ -13,9 +13,10 @@ Context attention and the experts' dispatch each open a ``shard_map`` of their o
 pipeline stage that one would nest in the executor's. XLA:CPU compiles and runs that, the TPU
 compiler (libtpu 0.0.42.1) aborts the process on it ("Check failed: target.IsManualSubgroup() ==
 sharding().IsManualSubgroup()", in the backward pass's copy of the inner ``shard_map``). So the
-executor splits a dense model's sequence over ``context`` by hand, and attention there runs on
-the device's piece directly (``hand_context``); a MoE model's dispatch still nests, which on the
-platforms in :data:`NO_SHARD_MAP_IN_STAGES` is a config error instead.
+executor splits the batch and the sequence by hand, attention there runs on the device's piece
+directly, and a MoE layer routes the device's tokens with no ``shard_map`` unless ``expert`` or
+``tensor`` split its experts: that dispatch still nests, which on the platforms in
+:data:`NO_SHARD_MAP_IN_STAGES` is a config error instead.
 """
 
 from __future__ import annotations
@@ -100,15 +101,15 @@ def _refuse_nested_shard_maps(cfg: Config, nested: list[str],
                               mesh_shape: Mapping[str, int]) -> None:
     """The one-line error for a pipeline stage that would open a ``shard_map`` (see
     :data:`NO_SHARD_MAP_IN_STAGES`) over the axes ``nested``: the experts' dispatch of a MoE
-    model, whose batch and sequence the executor leaves to the compiler (a dense model's it
-    splits by hand, so its context attention opens none)."""
+    model split over ``expert`` or ``tensor`` (the executor splits the batch and sequence by
+    hand, so those open none)."""
     if not nested:
         return
     axes = " ".join(f"mesh.{a}={mesh_shape[a]}" for a in nested)
     raise ConfigError(f"mesh.pipe={cfg.mesh.pipe} with a mixture of experts and {axes}: the TPU "
                       f"compiler (libtpu 0.0.42.1) aborts on the experts' dispatch shard_map "
-                      f"inside a pipeline stage; on TPU a pipelined MoE model needs every other "
-                      f"mesh axis at 1 (or mesh.pipe=1)")
+                      f"inside a pipeline stage; on TPU a pipelined MoE model needs mesh.expert=1 "
+                      f"and mesh.tensor=1 (or mesh.pipe=1)")
 
 
 def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],
