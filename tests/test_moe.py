@@ -251,6 +251,10 @@ def emulated_ragged_all_to_all(groups: int):
 
     def ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                axis_name):
+        # The real collective's result has the receive buffer's type, which the computed one
+        # here would not show: a buffer invariant where the rows vary makes autodiff sum the
+        # received rows' gradient over those axes (not compilable on CPU, so checked here).
+        assert jax.typeof(operand).mat.varying <= jax.typeof(output).mat.varying
         me = lax.axis_index(axis_name)
         everyone = lax.all_gather(operand, axis_name)
         starts, sizes, lands = (lax.all_gather(v, axis_name)

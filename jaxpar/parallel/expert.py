@@ -146,7 +146,13 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     worst = groups * t * min(k, local)  # static: every slot of every device could come here
 
     def there(x, fill):
-        out = jnp.full((worst, *x.shape[1:]), fill, x.dtype)
+        # The collective's result takes the receive buffer's type. A buffer made invariant
+        # (jnp.full) would type what each device received as the same everywhere: autodiff
+        # then sums its gradient over the token axes (the transpose of the implicit pvary
+        # where it meets the varying weights), a [worst, E] all-reduce that also mixes other
+        # devices' rows into this one's gradient. Shaped like ``x``, it varies as ``x`` does;
+        # the pvary that puts on a constant has no gradient to transpose.
+        out = jnp.full_like(x, fill, shape=(worst, *x.shape[1:]))
         return ragged_all_to_all(x, out, send_offsets, send_sizes, landing, recv_sizes,
                                  axis_name=EXPERT_AXIS)
 
