@@ -426,13 +426,18 @@ def test_tpu_all_reduce_scatter_fusion_is_one_reduce_scatter():
     assert c.wire_bytes == c.bytes // 2  # a real reduce-scatter: (N-1)/N
 
 
-def test_ragged_all_to_all_payload_is_its_input_buffer():
+@pytest.mark.parametrize("rows_in, rows_out", [(64, 256), (256, 64)],
+                         ids=["dispatch", "combine"])
+def test_ragged_all_to_all_payload_is_the_smaller_of_its_buffers(rows_in, rows_out):
+    # One of the two buffers is sized for the worst case (every row to one device); on
+    # average a device moves at most the smaller: the rows it sends, or those it gets back.
     text = module(
-        "  %in = bf16[64,32]{1,0} parameter(0)\n  %out = bf16[64,32]{1,0} parameter(1)\n"
+        f"  %in = bf16[{rows_in},32]{{1,0}} parameter(0)\n"
+        f"  %out = bf16[{rows_out},32]{{1,0}} parameter(1)\n"
         "  %io = s64[4]{0} parameter(2)\n  %ss = s64[4]{0} parameter(3)\n"
         "  %oo = s64[4]{0} parameter(4)\n  %rs = s64[4]{0} parameter(5)\n"
-        "  ROOT %r = bf16[64,32]{1,0} ragged-all-to-all(%in, %out, %io, %ss, %oo, %rs), "
-        "channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}"
+        f"  ROOT %r = bf16[{rows_out},32]{{1,0}} ragged-all-to-all(%in, %out, %io, %ss, %oo, "
+        "%rs), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}"
     )
     c = only(parse_collectives(text, MESH))
     assert (c.kind, c.bytes, c.wire_bytes, c.axes) == (

@@ -191,34 +191,22 @@ def test_moe_dropless_exchange_compiles_to_ragged_all_to_all_for_tpu(tmp_path):
     assert ragged["count"] >= 2 * 4
 
 
-NESTED_EXPERTS = {
-    "expert": ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.expert=4", "train.microbatches=2"),
-    "tensor": ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.tensor=4", "train.microbatches=2"),
-}
+NESTED_EXPERTS = ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.tensor=4",
+                  "train.microbatches=2")
+PIPELINED_EXPERTS = ("moe-tiny", "mesh.data=1", "mesh.pipe=2", "mesh.expert=4",
+                     "train.microbatches=2")
 
 
-@pytest.mark.parametrize("split", ["expert", "tensor"])
 def test_a_pipelined_moe_model_that_would_nest_a_shard_map_is_a_one_line_error_for_tpu(
-        tmp_path, split):
+        tmp_path):
     """libtpu aborts the process on a shard_map nested in the pipeline executor's (the canary
-    below): a MoE model's expert dispatch inside pipeline stages (over ``expert``, or the
-    experts' hidden units over ``tensor``) is refused for a TPU before compiling, as XLA:CPU
-    runs it."""
+    below): a MoE model's expert dispatch with the experts' hidden units split over
+    ``tensor`` inside pipeline stages is refused for a TPU before compiling, as XLA:CPU runs
+    it."""
     needs_libtpu()
-    result = run_inspect(*NESTED_EXPERTS[split], "--target", TARGET, cwd=tmp_path)
-    assert_one_line_error(result, f"mesh.pipe=2 with a mixture of experts and mesh.{split}=",
+    result = run_inspect(*NESTED_EXPERTS, "--target", TARGET, cwd=tmp_path)
+    assert_one_line_error(result, "mesh.pipe=2 with a mixture of experts and mesh.tensor=",
                           "experts' dispatch shard_map", "libtpu 0.0.42.1", empty_stdout=True)
-
-
-def test_a_pipelined_moe_model_over_data_compiles_for_tpu(tmp_path):
-    """The executor splits a MoE model's batch by hand as a dense one's, so its MoE layers
-    route each device's tokens with no shard_map of their own: nothing nests."""
-    needs_libtpu()
-    result = run_inspect("moe-tiny", "mesh.data=4", "mesh.pipe=2", "train.microbatches=2",
-                         "--target", TARGET, "--json", "-", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    kinds = {(r["kind"], tuple(r["axes"])) for r in json.loads(result.stdout)["collectives"]}
-    assert {("all-reduce", ("data",)), ("collective-permute", ("pipe",))} <= kinds
 
 
 def test_libtpu_still_aborts_on_the_expert_dispatch_nested_in_a_pipeline_stage(tmp_path):
@@ -226,11 +214,45 @@ def test_libtpu_still_aborts_on_the_expert_dispatch_nested_in_a_pipeline_stage(t
     aborts. When a libtpu upgrade makes this fail, the refusal
     (``jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES``) can go."""
     needs_libtpu()
-    result = run_inspect(*NESTED_EXPERTS["expert"], "--target", TARGET, cwd=tmp_path,
+    result = run_inspect(*NESTED_EXPERTS, "--target", TARGET, cwd=tmp_path,
                          preamble="import jaxpar.parallel.hooks as h\n"
                                   "h.NO_SHARD_MAP_IN_STAGES = ()\n")
     assert result.returncode < 0 or result.returncode == 134, result.returncode
     assert "target.IsManualSubgroup() == sharding().IsManualSubgroup()" in result.stderr
+
+
+def test_a_pipelined_dropless_moe_over_expert_is_a_one_line_error_for_tpu(tmp_path):
+    """The executor splits ``expert`` by hand, so the dispatch nests nothing, but libtpu fails
+    on the dropless dispatch's ragged all-to-all in a stage (the canary below): refused."""
+    needs_libtpu()
+    result = run_inspect(*PIPELINED_EXPERTS, "--target", TARGET, cwd=tmp_path)
+    assert_one_line_error(result, "mesh.expert=4 and model.moe.dispatch=dropless",
+                          "ragged all-to-all", "model.moe.dispatch=dropping", empty_stdout=True)
+
+
+def test_libtpu_still_fails_on_a_ragged_all_to_all_in_a_pipeline_stage(tmp_path):
+    """The canary for the error above (``jaxpar.parallel.hooks.NO_RAGGED_IN_STAGES``)."""
+    needs_libtpu()
+    result = run_inspect(*PIPELINED_EXPERTS, "--target", TARGET, cwd=tmp_path,
+                         preamble="import jaxpar.parallel.hooks as h\n"
+                                  "h.NO_RAGGED_IN_STAGES = ()\n")
+    assert result.returncode != 0 and "MaskAggregator" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("layout", [("mesh.data=4",),
+                                    ("mesh.data=1", "mesh.expert=4",
+                                     "model.moe.dispatch=dropping")],
+                         ids=["data", "expert-dropping"])
+def test_a_pipelined_moe_model_split_by_hand_compiles_for_tpu(tmp_path, layout):
+    """The executor splits a MoE model's batch by hand (``expert`` too), so its MoE layers
+    route each device's tokens with no shard_map of their own: nothing nests."""
+    needs_libtpu()
+    result = run_inspect("moe-tiny", *layout, "mesh.pipe=2", "train.microbatches=2",
+                         "--target", TARGET, "--json", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kinds = {(r["kind"], tuple(r["axes"])) for r in json.loads(result.stdout)["collectives"]}
+    assert ("collective-permute", ("pipe",)) in kinds
+    assert ("all-reduce", ("data",)) in kinds or ("all-to-all", ("expert",)) in kinds
 
 
 def test_context_parallelism_inside_pipeline_stages_compiles_for_tpu(tmp_path):

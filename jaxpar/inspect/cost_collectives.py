@@ -64,11 +64,12 @@ unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: 
   ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
   ``dropless`` on XLA:CPU a worst-case block of T min(k, X/G) rows per destination (G T min(k,
   X/G) rows, plus an int32 expert id per row forward); with ``dropless`` on GPU/TPU a
-  ``ragged-all-to-all`` of the T k real rows (``jaxpar inspect`` counts a ragged op's whole
-  input buffer, some of which is sized for the worst case, so it reports more; not checked
-  beyond compiling for TPU). Blocking: the experts wait for their rows. Under
-  ``tensor`` a MoE layer reduces its summed expert outputs forward and its tokens' gradient
-  backward once each ([T, E]), plus the shared experts' like a SwiGLU.
+  ``ragged-all-to-all`` of the T k real rows (``jaxpar inspect`` counts the smaller of a ragged
+  op's input and output buffers, the other being sized for the worst case: T k rows, plus the
+  expert ids, which the TPU compiler pads to 128 lanes; not checked beyond compiling for TPU).
+  Blocking: the experts wait for their rows. Under ``tensor`` a MoE layer reduces its summed
+  expert outputs forward and its tokens' gradient backward once each ([T, E]), plus the shared
+  experts' like a SwiGLU.
 
 Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
 layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
@@ -170,14 +171,14 @@ class Ledger:
 
     @property
     def by_hand(self) -> tuple[str, ...]:
-        """The axes whose gradient sums are taken once per step, by hand: ``data``, ``fsdp``
-        and ``context`` in the pipeline executor, ``data`` under gradient accumulation (not for
-        MoE models outside a pipeline, whose load-balance loss needs whole-micro-batch
-        statistics: the executor's MoE layers sum theirs over the devices themselves)."""
+        """The axes whose gradient sums are taken once per step, by hand: ``data``, ``fsdp``,
+        ``expert`` and ``context`` in the pipeline executor, ``data`` under gradient
+        accumulation (not for MoE models outside a pipeline, whose load-balance loss needs
+        whole-micro-batch statistics: the executor's MoE layers sum theirs themselves)."""
         st = self.st
         if st.pipeline is None:  # parallel/zero.py: data_summed_by_hand
             return ("data",) if data_summed_by_hand(st.cfg, st.xla_cpu) else ()
-        return tuple(a for a in ("data", "fsdp", "context") if st.mesh[a] > 1)
+        return tuple(a for a in ("data", "fsdp", "expert", "context") if st.mesh[a] > 1)
 
     def summed_by_hand(self, axes: tuple[str, ...]) -> bool:
         live = tuple(a for a in axes if self.st.mesh[a] > 1)
@@ -331,9 +332,8 @@ def data_collectives(c: Ledger) -> None:
 
 def _summed_how(c: Ledger, axes: tuple[str, ...]) -> list[tuple[tuple[str, ...], bool]]:
     """The gradient sums over the replica ``axes``, each with whether it is taken by hand.
-    The pipeline executor sums its own axes once per step and leaves the rest (``expert``,
-    for the weights outside the experts) to the partitioner, in every backward slot; outside
-    a pipeline one sum covers them all."""
+    The pipeline executor sums its own axes once per step and would leave any other to the
+    partitioner, in every backward slot; outside a pipeline one sum covers them all."""
     if c.st.pipeline is None:
         return [(axes, c.summed_by_hand(axes))]
     return [(tuple(a for a in axes if a in c.by_hand), True),

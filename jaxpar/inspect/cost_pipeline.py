@@ -16,9 +16,9 @@ sends (XLA:CPU's psums are [b/m, S/(c t), E]). The last step's send is never rea
 it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
 micro-step. Inside the stages, every formula of :mod:`~jaxpar.inspect.cost_collectives` runs
 on the stage's layers (and its share of the MoE layers) once per executed slot (masked ones
-included: ``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp`` and
-``context`` by hand once per step and gathers FSDP weights (the experts' too) once. The sums
-over ``expert`` of the weights outside the experts stay the partitioner's: every backward slot.
+included: ``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp``,
+``expert`` and ``context`` by hand once per step and gathers FSDP weights (the experts' too)
+once.
 
 FSDP by hand with ``tensor``: the executor gathers and reduce-scatters each
 weight's own ``tensor`` shard over ``fsdp`` (``parallel/pipeline_by_hand.py: ByHand``), so those

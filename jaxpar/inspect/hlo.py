@@ -88,7 +88,8 @@ class Collective:
     # 'f32', 'bf16', 'f32+bf16' (XLA's combiners merge gradient sums of both kinds into one).
     dtype: str
     # Logical payload per device: all-reduce, all-to-all, permute: the operands; all-gather: the
-    # gathered result; reduce-scatter: the unscattered input; ragged-all-to-all: its input buffer.
+    # gathered result; reduce-scatter: the unscattered input; ragged-all-to-all: the smaller of
+    # its input and output buffers (the average a device moves at most).
     bytes: int
     # What each device sends with ring algorithms over N devices: all-reduce 2(N-1)/N * bytes,
     # all-gather, reduce-scatter and all-to-all (N-1)/N, permute all of it. An all-reduce +
@@ -309,8 +310,14 @@ def _payload_bytes(comp: Computation, instr: Instr, base: str) -> tuple[int, str
     which for `-start` ops is a tuple of operand and output buffers)."""
     indices = range(len(instr.operands))
     if base == "ragged-all-to-all":
-        indices = range(1)  # (input, output, offsets and sizes...): the input is the payload
-    elif base == "collective-permute" and "slice_sizes=" in instr.attrs:
+        # (input, output, offsets and sizes...). The sizes are data, so what travels is not
+        # in the text: a device sends at most its input buffer and receives at most its output
+        # buffer, and all devices together send what they receive, so on average a device
+        # moves at most the smaller of the two (one of them is sized for the worst case).
+        sent, received = (operand_arrays(comp, instr, i) for i in (0, 1))
+        smaller = min(sent, received, key=lambda arrays: sum(a.bytes for a in arrays))
+        return sum(a.bytes for a in smaller), _dtypes(smaller)
+    if base == "collective-permute" and "slice_sizes=" in instr.attrs:
         indices = range(1)  # in-place form (input, output, input/output start indices)
     arrays = [a for i in indices for a in operand_arrays(comp, instr, i)]
     return sum(a.bytes for a in arrays), _dtypes(arrays)

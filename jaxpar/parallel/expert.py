@@ -243,7 +243,8 @@ def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, d
 
 
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
-                    platform: str = "cpu", ragged: bool | None = None) -> Experts:
+                    platform: str = "cpu", ragged: bool | None = None,
+                    hand_groups: int = 1) -> Experts:
     """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a
     mesh: per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
     all-to-alls over ``expert`` when it has more than one device.
@@ -254,24 +255,33 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     whose backward pass reduce-scatters their gradient, as FSDP does for every other weight.
     ``ragged`` picks the dropless exchange: ``ragged_all_to_all`` (default off the platforms in
     :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded ``all_to_all``.
+
+    ``hand_groups`` > 1: ``expert`` is manual already, over that many devices, and split by
+    hand (a pipeline stage, whose ``mesh_shape`` counts it as 1): the tokens are the device's
+    own, the weights arrive as its own experts, and the all-to-alls run over ``expert`` as
+    they are, in no ``shard_map`` of their own unless ``tensor`` splits the experts.
     """
-    groups = mesh_shape[EXPERT_AXIS]
+    groups = hand_groups if hand_groups > 1 else mesh_shape[EXPERT_AXIS]
     batch = tuple(a for a in BATCH_AXES if mesh_shape[a] > 1)
     context = "context" if mesh_shape["context"] > 1 else None
     token_axes = batch + ((context,) if context else ())
     expert_dim = _split_axes(rules, mesh_shape, "experts", (EXPERT_AXIS,))
+    if hand_groups > 1 and EXPERT_AXIS not in rules["experts"]:
+        raise ConfigError("parallel.rules.experts: mesh.expert > 1 needs the experts dimension "
+                          "split over expert")
     embed = _split_axes(rules, mesh_shape, "embed", token_axes)
     hidden = _split_axes(rules, mesh_shape, "mlp", ("tensor",))
     # Only when the experts' hidden units are split does tensor need manual handling; otherwise
     # it stays automatic and every tensor shard computes the same (replicated) result.
     tensor = "tensor" if hidden else None
     manual = token_axes + ((tensor,) if tensor else ())
-    if groups > 1 and not expert_dim:
+    if hand_groups == 1 and groups > 1 and not expert_dim:
         raise ConfigError("parallel.rules.experts: mesh.expert > 1 needs the experts dimension "
                           "split over expert")
     if ragged is None:
         ragged = platform not in PADDED_ALL_TO_ALL_PLATFORMS
     wide_sums = platform in FLOAT32_TENSOR_SUM_PLATFORMS
+    nested = hand_groups > 1  # inside the pipeline executor's shard_map
     tokens_spec = P(batch or None, context, None)
     x_dim, e_dim = expert_dim or None, embed or None
     w_in, w_out = P(x_dim, e_dim, tensor), P(x_dim, tensor, e_dim)
@@ -282,7 +292,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
 
     def experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                 dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
-        num_experts = weights[0].shape[0]
+        num_experts = weights[0].shape[0] * hand_groups  # (by hand: this device's experts)
         dtypes = (jnp.dtype(x.dtype), summed_grad_dtype(x.dtype), jnp.dtype(weights[0].dtype))
 
         def gathered(w: jax.Array, axis: int) -> jax.Array:
@@ -293,10 +303,10 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
         def local(x, expert_ids, gates, w_gate, w_up, w_down):
             b, s, e = x.shape
             k = expert_ids.shape[-1]
-            tokens = x.reshape(b * s, e)
+            tokens = x.reshape(b * s, e).astype(dtypes[0])
             ids, g = expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
-            if tensor:  # backward: one all-reduce of d(tokens) over tensor, not one per slot
-                tokens = _tensor_varying(tokens, tensor, wide_sums)
+            if tensor and not nested:  # backward: one all-reduce of d(tokens) over tensor,
+                tokens = _tensor_varying(tokens, tensor, wide_sums)  # not one per slot
             w = (gathered(w_gate, 1), gathered(w_up, 1), gathered(w_down, 2))
             y, stats = _dispatch(tokens, ids, g, w, dispatch, capacity_factor, num_experts,
                                  groups, ragged)
@@ -308,11 +318,20 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
                 stats = {name: lax.psum(v, token_axes) for name, v in stats.items()}
             return y.reshape(b, s, e), stats
 
+        if not manual:  # every axis it needs is manual already (split by hand)
+            return local(x, expert_ids, gates, *weights)
         stats_specs = {"dropped": P(), "a2a_rows": P(), "a2a_padding": P()}
+        # Nested in the pipeline executor's shard_map, whose values carry no varying-axes
+        # types, this one cannot check them either. Without the types, the boundary sums the
+        # tokens' gradient over tensor itself (they enter whole over it; psum's transpose
+        # then passes its cotangent through): in float32 where the sums must be, so the
+        # tokens enter in float32.
+        entering = x.astype(jnp.float32) if nested and wide_sums else x
         return jax.shard_map(
             local, in_specs=(tokens_spec, tokens_spec, tokens_spec, w_in, w_in, w_out),
             out_specs=(tokens_spec, stats_specs), axis_names=frozenset(manual),
-        )(x, expert_ids, gates, *weights)
+            check_vma=not nested,
+        )(entering, expert_ids, gates, *weights)
 
     return experts
 

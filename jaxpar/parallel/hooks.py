@@ -14,9 +14,9 @@ pipeline stage that one would nest in the executor's. XLA:CPU compiles and runs 
 compiler (libtpu 0.0.42.1) aborts the process on it ("Check failed: target.IsManualSubgroup() ==
 sharding().IsManualSubgroup()", in the backward pass's copy of the inner ``shard_map``). So the
 executor splits the batch and the sequence by hand, attention there runs on the device's piece
-directly, and a MoE layer routes the device's tokens with no ``shard_map`` unless ``expert`` or
-``tensor`` split its experts: that dispatch still nests, which on the platforms in
-:data:`NO_SHARD_MAP_IN_STAGES` is a config error instead.
+directly, and a MoE layer routes the device's tokens (exchanging them over ``expert``, manual
+there too) with no ``shard_map`` unless ``tensor`` splits its experts: that dispatch still
+nests, which on the platforms in :data:`NO_SHARD_MAP_IN_STAGES` is a config error instead.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ from jaxpar.parallel.zero import token_shard_sum
 # Backends whose compiler aborts on a shard_map nested in the pipeline executor's (module
 # docstring; docs/jax-notes.md has what was tried).
 NO_SHARD_MAP_IN_STAGES = ("tpu",)
+# Backends whose compiler fails on a ragged all-to-all (the dropless dispatch over ``expert``)
+# inside the pipeline executor's loops (libtpu 0.0.42.1: a RET_CHECK in its
+# "MaskAggregatorBlock" lowering); the capacity dispatch's all-to-all compiles there.
+NO_RAGGED_IN_STAGES = ("tpu",)
 
 
 def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
@@ -77,10 +81,17 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     # MoE layers route each device's own tokens (and exchange them over `expert`): without the
     # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
-    experts = (expert_parallel(mesh_shape, rules, platform=platform)
-               if cfg.model.moe.enabled and split_axes else None)
+    hand_groups = by_hand.get("expert", 1)
+    experts = (expert_parallel(mesh_shape, rules, platform=platform, hand_groups=hand_groups)
+               if cfg.model.moe.enabled and (split_axes or hand_groups > 1) else None)
     if in_stage and platform in NO_SHARD_MAP_IN_STAGES:
         _refuse_nested_shard_maps(cfg, split_axes if experts else [], mesh_shape)
+    if (in_stage and platform in NO_RAGGED_IN_STAGES and hand_groups > 1
+            and cfg.model.moe.dispatch == "dropless"):
+        raise ConfigError(f"mesh.pipe={cfg.mesh.pipe} with mesh.expert={hand_groups} and "
+                          f"model.moe.dispatch=dropless: the TPU compiler (libtpu 0.0.42.1) "
+                          f"fails on the ragged all-to-all inside a pipeline stage; use "
+                          f"model.moe.dispatch=dropping there (or mesh.pipe=1)")
     stack = contextlib.ExitStack()
     stack.enter_context(activation_sharding(activation_constrainer(rules, mesh_shape)))
     stack.enter_context(use_attention(attention))
@@ -101,15 +112,15 @@ def _refuse_nested_shard_maps(cfg: Config, nested: list[str],
                               mesh_shape: Mapping[str, int]) -> None:
     """The one-line error for a pipeline stage that would open a ``shard_map`` (see
     :data:`NO_SHARD_MAP_IN_STAGES`) over the axes ``nested``: the experts' dispatch of a MoE
-    model split over ``expert`` or ``tensor`` (the executor splits the batch and sequence by
-    hand, so those open none)."""
+    model whose experts ``tensor`` splits (the executor splits the batch, ``expert`` and the
+    sequence by hand, so those open none)."""
     if not nested:
         return
     axes = " ".join(f"mesh.{a}={mesh_shape[a]}" for a in nested)
     raise ConfigError(f"mesh.pipe={cfg.mesh.pipe} with a mixture of experts and {axes}: the TPU "
                       f"compiler (libtpu 0.0.42.1) aborts on the experts' dispatch shard_map "
-                      f"inside a pipeline stage; on TPU a pipelined MoE model needs mesh.expert=1 "
-                      f"and mesh.tensor=1 (or mesh.pipe=1)")
+                      f"inside a pipeline stage; on TPU a pipelined MoE model needs mesh.tensor=1 "
+                      f"(or mesh.pipe=1)")
 
 
 def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],

@@ -53,16 +53,18 @@ are stored replicated over ``pipe``; each stage reads its vocabulary piece of th
 step the stage's weights are cast to the compute dtype and FSDP-gathered (:class:`ByHand`), so
 the VJPs save those very arrays and the stash leaves them out.
 
-One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data`` and ``fsdp`` (the
-batch rows) and ``context`` (the sequence) by hand: each device sums its own tokens' weight
-gradients over every microbatch of every micro-step (``train.grad_accum``), and one all-reduce
-over ``data`` and ``context`` and one reduce-scatter over ``fsdp`` per step add them up. (A MoE
-layer sums its load statistics over those axes itself, :func:`jaxpar.model.moe.MoE`; ``expert``
-stays the partitioner's, so the weights outside the experts are summed over it in every
-backward slot.) The cost: the stage's weights whole (compute dtype) and its gradient sums whole
-(float32) on every device for the step. With ``context`` manual here, context attention runs on
-each device's piece of the sequence directly, with no ``shard_map`` of its own nested in this
-one (which the TPU compiler aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
+One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data``, ``fsdp`` and
+``expert`` (the batch rows) and ``context`` (the sequence) by hand: each device sums its own
+tokens' weight gradients over every microbatch of every micro-step (``train.grad_accum``), and
+one all-reduce over the axes a weight is replicated over and one reduce-scatter over ``fsdp``
+per step add them up. The experts are each device's own: never gathered over ``expert``, nor
+summed over it. A MoE layer sums its load statistics over these axes itself
+(:class:`jaxpar.model.moe.MoE`) and exchanges its tokens over ``expert`` directly
+(:func:`jaxpar.parallel.expert.expert_parallel`, ``hand_groups``). The cost: the stage's
+weights whole (compute dtype) and its gradient sums whole (float32) on every device for the
+step. With ``context`` manual here, context attention runs on each device's piece of the
+sequence directly, with no ``shard_map`` of its own nested in this one (which the TPU compiler
+aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
 """
 
 from __future__ import annotations
@@ -463,14 +465,14 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     accum = cfg.train.grad_accum
     program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
-    # Gradients are summed over data, fsdp and context once per step: the executor splits
-    # those axes by hand (the batch rows, the sequence), so inside it they look like axes of
-    # size 1, and context attention runs on each device's piece of the sequence with no
-    # shard_map nested in the executor's. The experts' weights too are gathered once per step
-    # and their gradients summed once; the MoE layers sum their load statistics over these
-    # axes themselves (the by_hand hook).
+    # Gradients are summed over data, fsdp, expert and context once per step: the executor
+    # splits those axes by hand (the batch rows, the sequence), so inside it they look like
+    # axes of size 1, and context attention runs on each device's piece of the sequence with
+    # no shard_map nested in the executor's. The experts' weights too are gathered once per
+    # step and their gradients summed once; the MoE layers sum their load statistics over
+    # these axes themselves and exchange their tokens over expert directly (the hooks).
     hand = tuple(a for a in (*rules["batch"], "context")
-                 if a in ("data", "fsdp", "context") and mesh_shape[a] > 1)
+                 if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
     inner = {**mesh_shape, **{a: 1 for a in hand}}
 
     def hooks() -> Any:
@@ -501,7 +503,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                      specs_of(specs["layers"], {PIPE_AXIS, *hand}),
                      specs_of(shared, split_auto), specs_of(specs["layers"], split_auto),
                      hooks=hooks,
-                     reduce_dtype=DTYPES[cfg.parallel.reduce_dtype])
+                     reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
+                     owned=tuple(a for a in hand if a == "expert"))
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)
     stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat)

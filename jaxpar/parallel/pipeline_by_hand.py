@@ -1,14 +1,16 @@
-"""The axes the pipeline executor splits by hand besides ``pipe``: ``data``, ``fsdp`` and
-``context``.
+"""The axes the pipeline executor splits by hand besides ``pipe``: ``data``, ``fsdp``,
+``expert`` and ``context``.
 
 Inside the executor's ``shard_map`` (:mod:`jaxpar.parallel.pipeline`) each device holds its own
-rows of the batch, its own piece of their sequence (``context``) and its own FSDP shard of the
-stage's weights. Once per step it gathers the weights whole over ``fsdp`` (an all-gather of the
-stored shard: ``(f-1)/f`` of the stage's weights in the compute dtype arrive per device), sums
-its tokens' gradients over every microbatch locally, and at the end reduces them once: a
-reduce-scatter over ``fsdp`` back to the stored shard (the same bytes as the gather, in
-``parallel.reduce_dtype``) and an all-reduce over ``data`` and ``context``. The rest of the mesh
-(``tensor``, ``expert``) stays automatic.
+rows of the batch (``data``, ``fsdp``, ``expert``), its own piece of their sequence
+(``context``), its own FSDP shard of the stage's weights and its own experts. Once per step it
+gathers the weights whole over ``fsdp`` (an all-gather of the stored shard: ``(f-1)/f`` of the
+stage's weights in the compute dtype arrive per device), sums its tokens' gradients over every
+microbatch locally, and at the end reduces them once: a reduce-scatter over ``fsdp`` back to the
+stored shard (the same bytes as the gather, in ``parallel.reduce_dtype``) and an all-reduce over
+the axes the weight is replicated over (``data``, ``context``, and ``expert`` for all but the
+experts, which are each device's own: never gathered, never summed over ``expert``). The rest of
+the mesh (``tensor``) stays automatic.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class ByHand:
     auto_layer_specs: Any
     hooks: Callable
     reduce_dtype: Any = jnp.float32  # parallel.reduce_dtype: the dtype gradients are summed in
+    # Axes of ``axes`` whose split of a parameter is the device's own part of the model (the
+    # experts over ``expert``), not a shard of a replicated weight: never gathered, and the
+    # gradient of a parameter split over them is not summed over them.
+    owned: tuple[str, ...] = ()
 
     def gather(self, tree: Any, specs: Any, auto_specs: Any) -> Any:
         """Each parameter whole over the axes split by hand (FSDP's gather, once per step)."""
@@ -63,8 +69,7 @@ class ByHand:
         where the parameter is split (FSDP), an all-reduce where it is replicated (data)."""
         def leaf(g: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
             split = self._split(spec)
-            rest = tuple(a for a in self.axes
-                         if a not in {axis for _, axes in split for axis in axes})
+            rest = tuple(a for a in self.axes if a not in _axes_of(spec))
 
             def sum_shard(a: jax.Array) -> jax.Array:
                 dtype = a.dtype
@@ -91,16 +96,20 @@ class ByHand:
         out = []
         for dim, entry in enumerate(spec):
             names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-            axes = tuple(a for a in names if a in self.axes)
+            axes = tuple(a for a in names if a in self.axes and a not in self.owned)
             if axes:
                 out.append((dim, axes))
         return out
 
 
+def _axes_of(spec: PartitionSpec) -> set[str]:
+    return {a for e in spec for a in (e if isinstance(e, tuple) else (e,) if e else ())}
+
+
 def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
     """``fn`` on each device's own shard of ``x``, whose split over automatic mesh axes is
     ``auto``: those axes become manual around ``fn`` (none: ``fn(x)``)."""
-    axes = frozenset(a for e in auto for a in (e if isinstance(e, tuple) else (e,) if e else ()))
+    axes = frozenset(_axes_of(auto))
     if not axes:
         return fn(x)
     return jax.shard_map(fn, in_specs=auto, out_specs=auto, axis_names=axes,
