@@ -26,10 +26,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "real_size.py"
 # reasons are in docs/performance.md, "Real sizes"). Strict: a fix makes these fail, so that
 # the entry is removed.
 PEAK_OFF_PLAN = {
-    "pipe-fsdp-tensor-gpipe": "the plan over-counts a stage's stash at real widths (0.89)",
-    "pipe-fsdp-tensor-1f1b": "the plan over-counts a stage's stash at real widths (0.88)",
-    "pipe-fsdp-tensor-interleaved": "the plan over-counts a stage's stash at real widths (0.80)",
-    "five-axes": "the plan misses part of a pipelined MoE stage's working set (1.29)",
+    "five-axes": "the plan misses part of a pipelined MoE stage's working set",
 }
 # Cases whose collectives are still off the plan (docs/performance.md, "Real sizes").
 COLLECTIVES_OFF_PLAN = {

@@ -25,7 +25,9 @@ is replicated over ``tensor``):
 - ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
   the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
   projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
-  norms and the SwiGLU product are recomputed.
+  norms and the SwiGLU product are recomputed. In a pipeline stage, whose matmuls are a custom
+  VJP of their own that the policy does not save, only the block input, as under ``full``
+  (and a MoE router's float32 logits).
 - ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
 - Weights: under ``remat=none`` the layers reshard after the forward pass
   (``projection.project_all``): each keeps its stored weight shard for the backward pass (the
@@ -54,11 +56,14 @@ built for its gradient in slices of the vocabulary that fit in ``LOSS_CHUNK_BYTE
 forward pass gathers rows).
 Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
 embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
-stashes, the residuals of the chunk it runs, copies of its weights and, under FSDP, the
-float32 gradient sums of its gathered weights (:mod:`~jaxpar.inspect.cost_pipeline`, "Memory
-of a stage"). Peak = parameters + optimizer state + gradients + batch + max(activations +
-stash + weight copies + gradient sums + that working set, the optimizer update's
-temporaries).
+stashes, the residuals of the chunk it runs (or the layer it recomputes) and its head step's
+vocabulary pieces, its weights as read and, under FSDP, the float32 gradient sums of its
+gathered weights, which stand in for the gradients until after the stretch loops; before the
+loops it holds the vocabulary gathered whole (:mod:`~jaxpar.inspect.cost_pipeline`, "Memory of
+a stage"). Peak = parameters + optimizer state + batch + max(gradients (a pipeline's sums) +
+activations + stash + weight copies + that working set; a pipeline's sums + stash + its
+vocabulary before the loops; gradients + the optimizer update's temporaries, or the sums being
+reduce-scattered).
 """
 
 from __future__ import annotations
@@ -74,7 +79,12 @@ from jaxpar.inspect.cost_params import (
     model_buffers,
     unit_blocks,
 )
-from jaxpar.inspect.cost_pipeline import pipeline_gradient_sums, pipeline_memory
+from jaxpar.inspect.cost_pipeline import (
+    before_loops,
+    pipeline_gradient_sums,
+    pipeline_memory,
+    stage_head,
+)
 from jaxpar.inspect.cost_shapes import StepSizes
 
 
@@ -92,6 +102,7 @@ class MemoryCost:
     stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
     weight_copies: int = 0  # the weights as read, copied once per step (pipeline stage; cast stack)
     gradient_sums: int = 0  # pipeline with FSDP: float32 sums of the gathered weights' gradients
+    before_loops: int = 0  # pipeline: the vocabulary gathered whole before the stretch loops
     buffers: int = 0  # non-trainable model state (MoE router biases)
 
     @property
@@ -100,9 +111,13 @@ class MemoryCost:
 
     @property
     def peak(self) -> int:
-        return (self.state + self.gradients + self.batch
-                + max(self.activations + self.stash + self.weight_copies + self.gradient_sums
-                      + self.working, self.update))
+        # A pipeline's gradient sums stand in for the gradients until they are reduce-scattered
+        # into them, after the stretch loops.
+        during = self.gradient_sums or self.gradients
+        return (self.state + self.batch
+                + max(during + self.activations + self.stash + self.weight_copies + self.working,
+                      during + self.stash + self.before_loops,
+                      self.gradients + max(self.gradient_sums, self.update)))
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
@@ -122,15 +137,28 @@ def _moe_activations(st: StepSizes, remat: str) -> int:
             + 3 * rows * e * a + 3 * rows * m.resolved_d_ff_expert // t * a + 3 * shared)
 
 
+def _norms(st: StepSizes) -> int:
+    """Bytes the two RMSNorms of a layer keep under ``remat=none`` (module docstring): each its
+    input and float32 reciprocal rms, and in a pipeline stage its output (A, gathered)."""
+    full = st.b * st.sl * st.cfg.model.d_model * st.a  # A
+    residual = full // st.t if st.sp else full
+    return 2 * (residual + residual * 4 // (st.cfg.model.d_model * st.a)
+                + (full if st.pipeline is not None else 0))
+
+
 def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     """Bytes one layer saves for the backward pass, one micro-batch (module docstring)."""
     m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
     d = m.resolved_head_dim
     full = b * s * m.d_model * a  # A
     residual = full // t if st.sp else full
-    # XLA:CPU runs bf16 matmuls in float32 and the dots policy saves their float32 outputs
-    # (a pipeline stage's matmuls, a custom VJP of their own, it does not save).
-    a = 4 if st.xla_cpu and remat == "dots" and st.pipeline is None else a
+    if st.pipeline is not None and remat != "none":
+        # A stage's matmuls are a custom VJP of their own, which the dots policy does not
+        # save: only the block input, as under full (and a MoE router's float32 logits).
+        router = st.tokens * m.moe.num_experts * 4 if moe and remat == "dots" else 0
+        return residual + router
+    # XLA:CPU runs bf16 matmuls in float32 and the dots policy saves their float32 outputs.
+    a = 4 if st.xla_cpu and remat == "dots" else a
     q = b * s * (m.n_heads // t) * d * a
     kv = 2 * b * s * (m.n_kv_heads // t) * d * a
     mlp = b * s * (m.d_ff // t) * a
@@ -141,14 +169,32 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     ffn = _moe_activations(st, remat) if moe else (3 if remat == "none" else 2) * mlp
     if remat == "dots":
         return residual + q + kv + full * a // st.a + ffn + flash
-    # Per RMSNorm its input and float32 reciprocal rms (the matmuls rebuild its output from
-    # them, except in a pipeline, whose matmuls keep it gathered); rotated q, k and v; the
-    # attention output; gate, up and their product; the float32 probabilities, plus a
-    # compute-dtype copy for the weighted sum when that dtype is narrower.
-    norm = residual + residual * 4 // (m.d_model * a) + (full if st.pipeline is not None else 0)
+    # The norms (_norms); rotated q, k and v; the attention output; gate, up and their product;
+    # the float32 probabilities, plus a compute-dtype copy for the weighted sum when that dtype
+    # is narrower.
     keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
     probs = 0 if st.flash else b * (m.n_heads // t) * s * keys * (4 + (a if a < 4 else 0))
-    return 2 * norm + q + kv + q + ffn + probs + flash
+    return _norms(st) + q + kv + q + ffn + probs + flash
+
+
+def _stage_layer(st: StepSizes, moe: bool) -> int:
+    """A stage's backward slot under ``remat=dots``/``full``: one recomputed layer's
+    ``remat=none`` set and the norm output its matmuls read (A), as outside a pipeline. On
+    XLA:CPU in bf16 its residual stream is float32 instead: ten float32 ``[b, S, E]`` in place
+    of the norms' tensors (the recomputed norms and residual adds, their gradients, the head's
+    input: the next microbatch's forward and head run beside the backward slot), and the inputs
+    of the weight-gradient matmuls (both norms' outputs, the SwiGLU product, the attention
+    output) transposed to float32; the attention's and the SwiGLU's tensors as in the set.
+    Counted in the live set at the peak of gpipe, 1F1B and interleaved steps at Llama-3-8B widths
+    (2 and 1 rows a microbatch, tensor 4 and 2). Not for MoE layers, nor under sequence
+    parallelism, whose live set differs (two float32 ``[b, S, E]`` gathered, the rest split: the
+    set as outside a pipeline leaves the plan 9% under the compiled peak there)."""
+    layer = _layer_activations(st, "none", moe) + st.act
+    if not st.xla_cpu or st.a == 4 or moe or st.sp:
+        return layer
+    m, tokens = st.cfg.model, st.b * st.sl
+    transposed = tokens * (2 * m.d_model + (m.d_ff + m.n_heads * m.resolved_head_dim) // st.t)
+    return layer - _norms(st) - st.act + (10 * m.d_model * tokens + transposed) * 4
 
 
 def _dense_ragged_dot(st: StepSizes) -> int:
@@ -253,13 +299,17 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
     # The backward pass's working set: one layer's remat=none set (recomputed, or its
     # gradients) and the norm output its matmuls rebuild (A); in a pipeline stage, the
-    # residuals of the chunk a slot is running, beside the stashed ones.
+    # residuals of the chunk a slot is running (remat=none) or the layer it recomputes, and
+    # what the head's step adds (cost_pipeline, "Memory of a stage").
     layer_set = (max(_layer_activations(st, "none", moe) for moe in blocks) + st.act
                  + _float32_norm_temporaries(st))
-    saved_layers, stash, copies = units, 0, _cast_stack(st, params)
+    saved_layers, stash, copies, before = units, 0, _cast_stack(st, params), 0
     if st.pipeline is not None:
-        saved_layers = 0
-        stash, copies, layer_set = pipeline_memory(st, params, per_layer)
+        saved_layers, before = 0, before_loops(st, params)
+        recomputed = (None if cfg.train.remat == "none"
+                      else max(_stage_layer(st, moe) for moe in blocks))
+        stash, copies, layer_set = pipeline_memory(st, params, per_layer, recomputed)
+        head += stage_head(st)
     return MemoryCost(
         params=param_bytes,
         optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
@@ -272,4 +322,5 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         stash=stash,
         weight_copies=copies,
         gradient_sums=pipeline_gradient_sums(st, params),
+        before_loops=before,
         buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))
