@@ -135,7 +135,7 @@ MEMORY = {
     "pipe=2,data=4,gpipe": [*LONG, "mesh.pipe=2", "mesh.data=4", "train.microbatches=4",
                             "parallel.pipeline_schedule=gpipe"],
     "pipe=2,data=4,interleaved": LAYOUTS["pipe=2,data=4,interleaved"][0],
-    "moe,pipe=2,expert=2,tensor=2": LAYOUTS["moe,pipe=2,expert=2,tensor=2"][0],
+    "moe,pipe=2,expert=2,tensor=2": [*LAYOUTS["moe,pipe=2,expert=2,tensor=2"][0], *LONG],
 }
 MEMORY_TOLERANCE = 0.10
 
