@@ -22,6 +22,7 @@ from jaxpar.mesh import use_host_devices
 
 use_host_devices(64)  # before anything imports jax
 
+from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.inspect.real_size import CPU_CASES, compile_case, summary_rows  # noqa: E402
 from jaxpar.inspect.units import human_bytes  # noqa: E402
 
@@ -62,7 +63,13 @@ def main() -> int:
     rows, out, failed = [], {}, 0
     for i, case in enumerate(cases, 1):
         start = time.perf_counter()
-        report = compile_case(case, devices)
+        try:
+            report = compile_case(case, devices)
+        except ConfigError as e:  # a layout this target refuses (its one-line reason)
+            failed += 1
+            out[case.name] = {"refused": str(e)}
+            print(f"[{i}/{len(cases)}] {case.name}: REFUSED: {e}", flush=True)
+            continue
         comparison = report["compare"]
         # Beside the comparison, what a reader needs to judge a row off the plan: the compiled
         # rows with their wire bytes and spellings (lowered_as), and both memory figures.

@@ -221,6 +221,21 @@ def test_moe_load_statistics_add_up_over_the_devices_a_stage_splits_by_hand():
     assert gathers and all(c.executions == 1 for c in gathers)
 
 
+@pytest.mark.parametrize("dispatch", ["dropless", "dropping"])
+def test_moe_pipeline_with_experts_split_over_tensor_and_sequence_parallel_matches(dispatch):
+    # The experts' hidden units split over tensor inside a stage: the dispatch's shard_map over
+    # tensor nests in the executor's (expert split by hand), and under sequence parallelism the
+    # tokens' gradient must be summed over tensor exactly once.
+    ref = run_layout(("mesh.data=1", "train.grad_accum=2", *MOE,
+                      f"model.moe.dispatch={dispatch}", "model.moe.capacity_factor=8"))
+    got = run_layout(("mesh.pipe=2", "mesh.expert=2", "mesh.tensor=2", "mesh.data=1",
+                      "parallel.sequence_parallel=true", "train.microbatches=2",
+                      "parallel.pipeline_schedule=1f1b", *MOE, f"model.moe.dispatch={dispatch}",
+                      "model.moe.capacity_factor=8"))
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    assert_grads_and_params_match(got, ref)
+
+
 @pytest.mark.parametrize("overrides", [("mesh.fsdp=4", "train.remat=none"),
                                        ("mesh.data=4", "train.dtype=bfloat16")],
                          ids=["fsdp-gathered", "bf16-cast"])

@@ -359,14 +359,16 @@ def context_collectives(c: Ledger) -> None:
     per_layer = st.layers * st.runs
     if st.ring:
         n, blk = st.c, st.kv_block
-        c.add("collective-permute", ("context",), per_layer * 2 * (n - 1),
-              per_layer * 2 * (n - 1) * blk * st.wire, "ring attention: K, V blocks forward",
+        # (In a pipeline stage: every slot that runs, masked ones too.)
+        fw, bw = per_layer * c.forwards, per_layer * c.backwards
+        c.add("collective-permute", ("context",), round(fw * 2 * (n - 1)),
+              round(fw * 2 * (n - 1) * blk * st.wire), "ring attention: K, V blocks forward",
               True)
-        c.add("collective-permute", ("context",), per_layer * 2 * (n - 1),
-              per_layer * 2 * (n - 1) * blk * st.wire, "ring attention: K, V blocks backward",
+        c.add("collective-permute", ("context",), round(bw * 2 * (n - 1)),
+              round(bw * 2 * (n - 1) * blk * st.wire), "ring attention: K, V blocks backward",
               True)
-        c.add("collective-permute", ("context",), per_layer * 2 * n,
-              per_layer * 2 * ((n - 1) * blk * 4 + blk * st.wire),
+        c.add("collective-permute", ("context",), round(bw * 2 * n),
+              round(bw * 2 * ((n - 1) * blk * 4 + blk * st.wire)),
               "ring attention: dK, dV travelling home backward (float32, the last hop cast)",
               True)
     elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered

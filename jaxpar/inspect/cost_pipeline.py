@@ -12,8 +12,10 @@ on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding 
 statistics (three per piece of the sequence under ``train.loss_chunks``, the same bytes);
 each step with a backward slot sends one gradient back and all-reduces chunk 0's
 input gradient. The all-reduced activations keep sequence parallelism's tensor split, like the
-sends (XLA:CPU's psums are [b/m, S/(c t), E]). The last step's send is never read (XLA drops
-it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
+sends (XLA:CPU's psums are [b/m, S/(c t), E]). They travel in the compute dtype (one stage's
+value, zeros from the others: exact), except the head's input gradient, whose pieces all
+contribute: float32 (``pipeline_stages.head_and_loss``). The last step's send is never read
+(XLA drops it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
 micro-step. Inside the stages, every formula of :mod:`~jaxpar.inspect.cost_collectives` runs
 on the stage's layers (and its share of the MoE layers) once per executed slot (masked ones
 included: ``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp``,
@@ -111,7 +113,8 @@ def pipeline_collectives(c: Ledger) -> None:
     sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
     c.add("all-reduce", ("pipe",),
           g * (forward + 3 * head * st.loss_pieces + backward) + sums * len(vocab),
-          g * ((forward + 2 * head + backward) * st.sent + 3 * head * st.b * st.sl * 4)
+          g * ((forward + head + backward) * st.sent + head * st.sent * 4 // st.wire
+               + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "
           "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)

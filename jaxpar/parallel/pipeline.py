@@ -342,7 +342,8 @@ def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> 
 def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, list]:
     table = env.piece.cut(env.table())
     entering = env.microbatch(r["embed_mb"])
-    x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]))
+    x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]),
+                         env.stages.handover_dtype)
     x0 = constrain(x0, RESIDUAL)
     x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
     on = r["f_on"] == 1
@@ -355,7 +356,8 @@ def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, lis
 
 def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
     on = r["head_on"] == 1
-    y_last = sum_over_stages(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)))
+    y_last = sum_over_stages(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)),
+                             env.stages.handover_dtype)
     norm_params = {k: a for k, a in env.shared.items() if k not in ("embedding", "lm_head")}
     loss, dy, d_head, d_norm = head_and_loss(env.stages, norm_params, env.head(), env.piece,
                                               y_last, env.microbatch(r["head_mb"]),
@@ -391,7 +393,8 @@ def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool,
 
 def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
     into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
-    dx0 = sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)))
+    dx0 = sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)),
+                          env.stages.handover_dtype)
     tokens = env.microbatch(r["eback_mb"])["inputs"]
     # The strided slices keep each tensor block's rows on its device (the piece's rows are
     # [shards, block] and the pieces divide the block).
@@ -507,7 +510,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                      owned=tuple(a for a in hand if a == "expert"))
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)
-    stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat)
+    stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat,
+                          platform=platform)
     run = pipeline_loss_and_grads(program, stages, by_hand,
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,

@@ -27,6 +27,9 @@ from jaxpar.model.projection import float32_logits, owned_rows
 from jaxpar.parallel.rules import logical_rules
 
 PIPE_AXIS = "pipe"
+# Platforms whose compiler aborts on the executor's bf16 all-reduces over ``pipe`` (XLA:CPU
+# 0.10: "Invalid binary instruction opcode copy"): there they run in float32.
+FLOAT32_STAGE_SUM_PLATFORMS = ("cpu",)
 
 # --------------------------------------------------------------------------------------------
 # What a stage computes
@@ -57,6 +60,10 @@ class Stages:
     aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
     layer_stacked: tuple[str, ...] = ()
     loss_pieces: int = 1  # the head runs over this many pieces of the sequence, one at a time
+    # The dtype of the sums over ``pipe`` that hand one stage's value to all (the others add
+    # zeros: exact in any dtype): None keeps the value's (the compute dtype); float32 on
+    # XLA:CPU, which aborts on this program's bf16 all-reduces (FLOAT32_STAGE_SUM_PLATFORMS).
+    handover_dtype: Any = None
     embedding_grad_pieces: int = 1  # ... the embedding's gradient over this many vocab slices
 
 
@@ -88,10 +95,9 @@ class VocabPiece(NamedTuple):
         return blocks.reshape(v, *piece.shape[1:])
 
 
-def sum_over_stages(x: jax.Array) -> jax.Array:
-    """``psum`` over ``pipe`` in float32, returned in ``x``'s dtype. (The pieces of a sum add
-    without bf16 round-off; and XLA:CPU 0.10 aborts on this program's bf16 all-reduces.)"""
-    return lax.psum(x.astype(jnp.float32), PIPE_AXIS).astype(x.dtype)
+def sum_over_stages(x: jax.Array, dtype: Any = None) -> jax.Array:
+    """``psum`` over ``pipe`` in ``dtype`` (None: ``x``'s), returned in ``x``'s dtype."""
+    return lax.psum(x.astype(dtype or x.dtype), PIPE_AXIS).astype(x.dtype)
 
 
 def vocab_piece(vocab_size: int, shards: int, p: int, stage: jax.Array) -> VocabPiece:
@@ -137,7 +143,9 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
         (loss, d_head), d_h = lax.scan(one_piece, zeros, tuple(
             sequence_pieces(a, n) for a in (h, mb["targets"], mb["mask"])))
         d_h, d_head = joined_pieces(d_h), d_head.astype(head.dtype)
-    d_shared, d_y = norm_vjp(sum_over_stages(d_h).astype(h.dtype))
+    # The pieces' contributions to d_h all differ from zero: summed in float32, without bf16
+    # round-off.
+    d_shared, d_y = norm_vjp(sum_over_stages(d_h, jnp.float32).astype(h.dtype))
     return loss, d_y, d_head, d_shared
 
 
@@ -165,7 +173,7 @@ def _piece_loss(head: jax.Array, piece: VocabPiece, h: jax.Array, targets: jax.A
 
 
 def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
-                 ) -> Stages:
+                 platform: str = "cpu") -> Stages:
     """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
     the logical names of the stacked layer parameters (``layers`` first)."""
 
@@ -203,4 +211,6 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
                   aux_loss=lambda aux: moe_loss(aux, moe),
                   layer_stacked=LAYER_STACKED if moe.enabled else (),
                   loss_pieces=cfg.loss_pieces(),
-                  embedding_grad_pieces=cfg.embedding_grad_pieces())
+                  embedding_grad_pieces=cfg.embedding_grad_pieces(),
+                  handover_dtype=(jnp.float32 if platform in FLOAT32_STAGE_SUM_PLATFORMS
+                                  else None))
