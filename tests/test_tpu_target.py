@@ -24,7 +24,7 @@ from rich.console import Console
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.inspect.cost import estimate
 from jaxpar.inspect.report import print_report
-from jaxpar.inspect.tpu import GENERATIONS, INSTALL_HINT, parse_target
+from jaxpar.inspect.tpu import GENERATIONS, INSTALL_HINT, parse_target, torus_wrap
 
 TARGET = "tpu-v5e:2x4"
 
@@ -39,6 +39,17 @@ def fsdp8_on_v5e(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, s
     assert result.returncode == 0, result.stderr[-4000:]
     return result, json.loads(result.stdout), (tmp / "step.hlo").read_text()
 
+
+
+@pytest.mark.parametrize("generation, dims, wrap", [
+    ("v5p", (4, 4, 4), (True, True, True)), ("v5p", (8, 8, 16), (True, True, True)),
+    ("v5p", (4, 4, 2), (False, False, False)), ("v4", (2, 2, 1), (False, False, False)),
+    ("v5e", (16, 16, 1), (True, True, False)), ("v5e", (8, 16, 1), (False, True, False)),
+    ("v6e", (4, 4, 1), (False, False, False))])
+def test_a_target_slice_wraps_where_real_slices_do(generation, dims, wrap):
+    """libtpu's compile-only topology has no wraparound unless asked; real slices have it on
+    full rings (without it the compiler turns a whole-slice all-gather into an all-reduce)."""
+    assert torus_wrap(GENERATIONS[generation], dims) == wrap
 
 def rows(report: dict, kind: str, axes: list[str]) -> list[dict]:
     return [r for r in report["collectives"] if r["kind"] == kind and r["axes"] == axes]

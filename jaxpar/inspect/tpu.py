@@ -20,8 +20,12 @@ Limits, because nothing runs:
 - One slice only: the devices are linked by ICI; multi-slice (DCN) layouts are not modelled.
 - One device per chip (v4 and v5p as "megacore"), except v7x, whose two TensorCores per chip
   are two devices, as on a v7x VM: there the mesh spans 2 x chips devices.
-- Torus wraparound is libtpu's default for the slice (checked for tpu-v5e:16x16: passing
-  ``wrap`` explicitly compiles the identical program).
+- Torus wraparound: libtpu's compile-only topology has none unless asked (its default equals
+  ``wrap=(False, False, False)`` for every generation and size), while real slices wrap where
+  a side is a full ring: v4/v5p/v7x slices of 4x4x4 and larger on all three axes, v5e/v6e on
+  each side of 16 (:func:`torus_wrap`; MaxText's AOT table and GKE's TPU plugin use the same
+  rule). Without it the TPU compiler lowers an all-gather over a whole 3D slice as an
+  all-reduce, twice the wire bytes a real slice moves.
 
 libtpu is loaded in-process but never opens a TPU: ``JAX_PLATFORMS=cpu`` keeps jax's default
 backend on the CPU, and :func:`quiet_libtpu_env` tells libtpu what it would otherwise probe the
@@ -170,6 +174,7 @@ def topology_devices(target: TpuTarget) -> list[Any]:
     kwargs: dict[str, Any] = {}
     if generation.chip_config:
         kwargs["chip_config_name"] = generation.chip_config
+    kwargs["wrap"] = torus_wrap(generation, dims3)
     if any(d < h for d, h in zip(dims3, _DEFAULT_CHIPS_PER_HOST, strict=True)):
         # A slice smaller than a 2x2 host (tpu-v5e:1x1): libtpu needs the smaller host spelled
         # out, else it rejects the layout as "not divisible by chips_per_host_bounds".
@@ -183,6 +188,16 @@ def topology_devices(target: TpuTarget) -> list[Any]:
         raise ConfigError(f"--target {target.name}: libtpu rejects topology "
                           f"{target.topology_name!r}: {message}") from err
     return list(topology.devices)
+
+
+def torus_wrap(generation: Generation, dims3: tuple[int, ...]) -> tuple[bool, bool, bool]:
+    """Which axes of a slice of chips ``dims3`` close into a ring, as on real hardware: every
+    axis of a 3D-torus slice whose sides are all 4 or more (v4, v5p, v7x), each side of 16 of
+    a 2D one (v5e, v6e: a full pod's row or column)."""
+    if generation.dims == 3:
+        ring = all(d >= 4 for d in dims3)
+        return (ring, ring, ring)
+    return tuple(d == 16 for d in dims3[:2]) + (False,)
 
 
 def report_fields(target: TpuTarget, devices: list[Any]) -> dict[str, Any]:
