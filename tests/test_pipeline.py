@@ -221,7 +221,7 @@ def test_moe_load_statistics_add_up_over_the_devices_a_stage_splits_by_hand():
     assert gathers and all(c.executions == 1 for c in gathers)
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "dropping"])
+@pytest.mark.parametrize("dispatch", ["dropless", pytest.param("dropping", marks=pytest.mark.slow)])
 def test_moe_pipeline_with_experts_split_over_tensor_and_sequence_parallel_matches(dispatch):
     # The experts' hidden units split over tensor inside a stage: the dispatch's shard_map over
     # tensor nests in the executor's (expert split by hand), and under sequence parallelism the
