@@ -227,6 +227,42 @@ def _split_axes(rules: Mapping[str, tuple[str, ...]], mesh_shape: Mapping[str, i
     return axes
 
 
+class _Layout(NamedTuple):
+    """How :func:`expert_parallel`'s ``shard_map`` splits a MoE layer's tokens and weights."""
+
+    groups: int  # devices the experts are spread over
+    token_axes: tuple[str, ...]  # the axes splitting the tokens (batch axes, context)
+    tensor: str | None  # "tensor" where it splits the experts' hidden units
+    embed: tuple[str, ...]  # the axes splitting the weights' model dimension (fsdp)
+    replicated: tuple[str, ...]  # token axes the weights are replicated over: summed over
+    manual: tuple[str, ...]  # the shard_map's axes
+    tokens: P  # tokens, expert ids, gates
+    w_in: P  # w_gate, w_up [X, E, F]
+    w_out: P  # w_down [X, F, E]
+
+
+def _layout(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]],
+            hand_groups: int) -> _Layout:
+    groups = hand_groups if hand_groups > 1 else mesh_shape[EXPERT_AXIS]
+    if groups > 1 and EXPERT_AXIS not in rules["experts"]:
+        raise ConfigError("parallel.rules.experts: mesh.expert > 1 needs the experts dimension "
+                          "split over expert")
+    batch = tuple(a for a in BATCH_AXES if mesh_shape[a] > 1)
+    context = "context" if mesh_shape["context"] > 1 else None
+    token_axes = batch + ((context,) if context else ())
+    expert_dim = _split_axes(rules, mesh_shape, "experts", (EXPERT_AXIS,))
+    embed = _split_axes(rules, mesh_shape, "embed", token_axes)
+    # Only when the experts' hidden units are split does tensor need manual handling; otherwise
+    # it stays automatic and every tensor shard computes the same (replicated) result.
+    tensor = "tensor" if _split_axes(rules, mesh_shape, "mlp", ("tensor",)) else None
+    x_dim, e_dim = expert_dim or None, embed or None
+    return _Layout(groups, token_axes, tensor, embed,
+                   tuple(a for a in token_axes if a not in embed + expert_dim),
+                   token_axes + ((tensor,) if tensor else ()),
+                   P(batch or None, context, None),
+                   P(x_dim, e_dim, tensor), P(x_dim, tensor, e_dim))
+
+
 def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, dispatch: str,
               capacity_factor: float, num_experts: int, groups: int, ragged: bool
               ) -> tuple[jax.Array, dict]:
@@ -261,34 +297,13 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     own, the weights arrive as its own experts, and the all-to-alls run over ``expert`` as
     they are, in no ``shard_map`` of their own unless ``tensor`` splits the experts.
     """
-    groups = hand_groups if hand_groups > 1 else mesh_shape[EXPERT_AXIS]
-    batch = tuple(a for a in BATCH_AXES if mesh_shape[a] > 1)
-    context = "context" if mesh_shape["context"] > 1 else None
-    token_axes = batch + ((context,) if context else ())
-    expert_dim = _split_axes(rules, mesh_shape, "experts", (EXPERT_AXIS,))
-    if hand_groups > 1 and EXPERT_AXIS not in rules["experts"]:
-        raise ConfigError("parallel.rules.experts: mesh.expert > 1 needs the experts dimension "
-                          "split over expert")
-    embed = _split_axes(rules, mesh_shape, "embed", token_axes)
-    hidden = _split_axes(rules, mesh_shape, "mlp", ("tensor",))
-    # Only when the experts' hidden units are split does tensor need manual handling; otherwise
-    # it stays automatic and every tensor shard computes the same (replicated) result.
-    tensor = "tensor" if hidden else None
-    manual = token_axes + ((tensor,) if tensor else ())
-    if hand_groups == 1 and groups > 1 and not expert_dim:
-        raise ConfigError("parallel.rules.experts: mesh.expert > 1 needs the experts dimension "
-                          "split over expert")
+    lay = _layout(mesh_shape, rules, hand_groups)
+    groups, token_axes, tensor, embed, replicated = (lay.groups, lay.token_axes, lay.tensor,
+                                                      lay.embed, lay.replicated)
     if ragged is None:
         ragged = platform not in PADDED_ALL_TO_ALL_PLATFORMS
     wide_sums = platform in FLOAT32_TENSOR_SUM_PLATFORMS
     nested = hand_groups > 1  # inside the pipeline executor's shard_map
-    tokens_spec = P(batch or None, context, None)
-    x_dim, e_dim = expert_dim or None, embed or None
-    w_in, w_out = P(x_dim, e_dim, tensor), P(x_dim, tensor, e_dim)
-
-    # Token axes over which the weights are replicated (data, context, ...): their gradients
-    # are summed over these.
-    replicated = tuple(a for a in token_axes if a not in embed + expert_dim)
 
     def experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                 dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
@@ -318,7 +333,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
                 stats = {name: lax.psum(v, token_axes) for name, v in stats.items()}
             return y.reshape(b, s, e), stats
 
-        if not manual:  # every axis it needs is manual already (split by hand)
+        if not lay.manual:  # every axis it needs is manual already (split by hand)
             return local(x, expert_ids, gates, *weights)
         stats_specs = {"dropped": P(), "a2a_rows": P(), "a2a_padding": P()}
         # Nested in the pipeline executor's shard_map, whose values carry no varying-axes
@@ -328,8 +343,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
         # tokens enter in float32.
         entering = x.astype(jnp.float32) if nested and wide_sums else x
         return jax.shard_map(
-            local, in_specs=(tokens_spec, tokens_spec, tokens_spec, w_in, w_in, w_out),
-            out_specs=(tokens_spec, stats_specs), axis_names=frozenset(manual),
+            local, in_specs=(lay.tokens, lay.tokens, lay.tokens, lay.w_in, lay.w_in, lay.w_out),
+            out_specs=(lay.tokens, stats_specs), axis_names=frozenset(lay.manual),
             check_vma=not nested,
         )(entering, expert_ids, gates, *weights)
 
