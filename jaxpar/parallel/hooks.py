@@ -1,13 +1,14 @@
 """The parallel layout's hooks into the model, installed for one trace.
 
-The model names logical axes and calls four hooks (:mod:`jaxpar.model.annotate`): activation
+The model names logical axes and calls five hooks (:mod:`jaxpar.model.annotate`): activation
 constraints, attention (ring or all-gather attention over ``context``, else the implementation
 ``model.attention`` picks for the backend), the experts' dispatch (all-to-all over
-``expert``) and the sum of the loss's per-shard head gradient (``parallel/zero.py``). This
-module builds them for a mesh shape, and sets the dtype of the weight
-gradients the compiler sums (``parallel.reduce_dtype``). The train step installs them for the
-whole mesh; the pipeline executor installs them again inside its ``shard_map`` for the mesh that
-stays automatic there (the axes it handles by hand counted as 1).
+``expert``), the sum of the loss's per-shard head gradient (``parallel/zero.py``) and the sum
+of a MoE layer's load over the devices that split the tokens by hand. This module builds them
+for a mesh shape, and sets the dtype of the weight gradients the compiler sums
+(``parallel.reduce_dtype``). The train step installs them for the whole mesh; the pipeline
+executor installs them again inside its ``shard_map`` for the mesh that stays automatic there
+(the axes it handles by hand counted as 1, and named in ``by_hand``).
 
 Context attention and the experts' dispatch each open a ``shard_map`` of their own; inside a
 pipeline stage that one would nest in the executor's. XLA:CPU compiles and runs that, the TPU
