@@ -308,36 +308,25 @@ def data_collectives(c: Ledger) -> None:
         split = {a for entry in p.spec for a in entry_axes(entry)}
         by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
     units = st.layers // cfg.model.moe.every if cfg.model.moe.enabled else st.layers
-    for replica_axes, group in by_replicas.items():
+    for axes, group in by_replicas.items():
         experts = "routed experts' " if all(p.expert for p in group) else ""
-        for axes, by_hand in _summed_how(c, replica_axes):
-            count = (1 if by_hand else c.grad_runs) * (units * any(p.stacked for p in group)
-                                                       + any(not p.stacked for p in group))
-            payload = c.reduced(group, by_hand=by_hand)
-            every = "micro-step" if st.pipeline is None else "backward slot"
-            every = "step" if by_hand and st.pipeline is not None else every
-            scattered = zero1_scatter_axes(c, axes, group)
-            if scattered:
-                c.add("reduce-scatter", scattered, count, payload,
-                      f"ZeRO-1: {experts}gradients reduce-scattered to the moments' slices, "
-                      f"every {every}", True)
-                axes = tuple(a for a in axes if a not in scattered)
-            c.add("all-reduce", axes, count, payload,
-                  f"{experts}gradient shards all-reduced, every {every}", True)
+        count = c.runs_over(axes) * (units * any(p.stacked for p in group)
+                                     + any(not p.stacked for p in group))
+        by_hand = c.summed_by_hand(axes)
+        payload = c.reduced(group, by_hand=by_hand)
+        every = "micro-step" if st.pipeline is None or by_hand else "backward slot"
+        scattered = zero1_scatter_axes(c, axes, group)
+        if scattered:
+            c.add("reduce-scatter", scattered, count, payload,
+                  f"ZeRO-1: {experts}gradients reduce-scattered to the moments' slices, every "
+                  + every, True)
+            axes = tuple(a for a in axes if a not in scattered)
+        c.add("all-reduce", axes, count, payload,
+              f"{experts}gradient shards all-reduced, every {every}", True)
     if cfg.parallel.zero == 1:
         c.add("all-gather", ZERO1_AXES, len(c.params),
               sum(p.bytes_per_device for p in c.params),
               "ZeRO-1: updated parameters gathered from the optimizer shards", False)
-
-
-def _summed_how(c: Ledger, axes: tuple[str, ...]) -> list[tuple[tuple[str, ...], bool]]:
-    """The gradient sums over the replica ``axes``, each with whether it is taken by hand.
-    The pipeline executor sums its own axes once per step and would leave any other to the
-    partitioner, in every backward slot; outside a pipeline one sum covers them all."""
-    if c.st.pipeline is None:
-        return [(axes, c.summed_by_hand(axes))]
-    return [(tuple(a for a in axes if a in c.by_hand), True),
-            (tuple(a for a in axes if a not in c.by_hand), False)]
 
 
 def zero1_scatter_axes(c: Ledger, axes: tuple[str, ...], group: list[ParamCost]
