@@ -326,7 +326,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
             y, stats = _dispatch(tokens, ids, g, w, dispatch, capacity_factor, num_experts,
                                  groups, ragged)
             if tensor:  # the experts' hidden units were split: sum the partial outputs
-                y = _tensor_sum(y, tensor, wide_sums)
+                y = _tensor_sum(y, tensor, wide_sums, unchecked=nested)
             if token_axes:  # global counts: every device reports the same numbers. (A count
                 # that is the same on every device, such as a buffer size, is multiplied by the
                 # number of devices: psum of a value invariant over an axis.)
@@ -359,8 +359,33 @@ def _tensor_varying(x: jax.Array, tensor: str, wide: bool) -> jax.Array:
     return lax.pcast(x.astype(jnp.float32), tensor, to="varying").astype(x.dtype)
 
 
-def _tensor_sum(y: jax.Array, tensor: str, wide: bool) -> jax.Array:
-    """``psum`` of ``y`` over ``tensor`` (in float32 where ``wide``)."""
+def _tensor_sum(y: jax.Array, tensor: str, wide: bool, unchecked: bool) -> jax.Array:
+    """``psum`` of ``y`` over ``tensor`` (in float32 where ``wide``).
+
+    ``unchecked``: in a ``shard_map`` with ``check_vma=False`` whose output leaves ``tensor``
+    out of its spec, the transpose divides the output's cotangent by the axis size and
+    ``psum``'s transpose sums it back: an all-reduce of [T, E] per layer in the backward pass
+    for a value that is the same on every device. :func:`_sum_of_replicated` multiplies instead.
+    """
+    total = _sum_of_replicated if unchecked else lax.psum
     if not wide:
-        return lax.psum(y, tensor)
-    return lax.psum(y.astype(jnp.float32), tensor).astype(y.dtype)
+        return total(y, tensor)
+    return total(y.astype(jnp.float32), tensor).astype(y.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _sum_of_replicated(y: jax.Array, axis: str) -> jax.Array:
+    """``psum`` over ``axis`` of a result whose cotangent is the same on every device of
+    ``axis``: the sum of the cotangents is the axis size times one of them, no all-reduce."""
+    return lax.psum(y, axis)
+
+
+def _sum_of_replicated_fwd(y: jax.Array, axis: str) -> tuple[jax.Array, None]:
+    return lax.psum(y, axis), None
+
+
+def _sum_of_replicated_bwd(axis: str, _: None, ct: jax.Array) -> tuple[jax.Array]:
+    return (ct * lax.axis_size(axis),)
+
+
+_sum_of_replicated.defvjp(_sum_of_replicated_fwd, _sum_of_replicated_bwd)
