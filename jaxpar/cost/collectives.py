@@ -7,10 +7,10 @@ pipeline (:mod:`jaxpar.cost.pipeline`).
 Collectives
 -----------
 Per step (= per micro-step x g, as :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`
-counts them);
-``bytes`` is the logical payload per device (all-gather: the gathered result, reduce-scatter: the
-unscattered input), ``wire_bytes`` what a ring sends over an axis of N devices: all-reduce
-2(N-1)/N, all-gather and reduce-scatter (N-1)/N of it, collective-permute all of it.
+counts them); ``bytes`` is the logical payload per device (all-gather: the gathered result,
+reduce-scatter: the unscattered input), ``wire_bytes`` what a ring sends over an axis of N
+devices: all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N of it, collective-permute all
+of it.
 
 - ``data`` and ``context``: parameters are replicated over both, so each device's gradient shard
   is all-reduced over both together, every micro-step (once per step where jaxpar sums by

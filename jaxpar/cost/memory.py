@@ -300,7 +300,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     # The backward pass's working set: one layer's remat=none set (recomputed, or its
     # gradients) and the norm output its matmuls rebuild (A); in a pipeline stage, the
     # residuals of the chunk a slot is running (remat=none) or the layer it recomputes, and
-    # what the head's step adds (cost_pipeline, "Memory of a stage").
+    # what the head's step adds (cost/pipeline.py, "Memory of a stage").
     layer_set = (max(_layer_activations(st, "none", moe) for moe in blocks) + st.act
                  + _float32_norm_temporaries(st))
     saved_layers, stash, copies, before = units, 0, _cast_stack(st, params), 0

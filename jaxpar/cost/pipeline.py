@@ -2,27 +2,24 @@
 
 Kept together because they follow the executor and its schedule tables
 (:mod:`jaxpar.parallel.pipeline.executor`, :func:`~jaxpar.parallel.pipeline.executor.describe`) and
-change with
-them. Inside the stages every other parallelism's formula runs on the stage's layers once per
-microbatch (:class:`jaxpar.cost.collectives.Ledger` counts those multiplicities).
+change with them. Inside the stages every other parallelism's formula runs on the stage's layers
+once per microbatch (:class:`jaxpar.cost.ledger.Ledger` counts those multiplicities).
 
 ``pipe`` (``parallel/pipeline/executor.py``): each executor step with a forward slot sends one
-activation
-on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding pieces over
-``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
-(the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss
-statistics (three per piece of the sequence under ``train.loss_chunks``, the same bytes);
-each step with a backward slot sends one gradient back and all-reduces chunk 0's
-input gradient. The all-reduced activations keep sequence parallelism's tensor split, like the
-sends (XLA:CPU's psums are [b/m, S/(c t), E]). They travel in the compute dtype (one stage's
-value, zeros from the others: exact), except the head's input gradient, whose pieces all
-contribute: float32 (``pipeline_stages.head_and_loss``). The last step's send is never read
-(XLA drops it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
-micro-step. Inside the stages, every formula of :mod:`~jaxpar.cost.collectives` runs
-on the stage's layers (and its share of the MoE layers) once per executed slot (masked ones
-included: ``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp``,
-``expert`` and ``context`` by hand once per step and gathers FSDP weights (the experts' too)
-once.
+activation on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding pieces
+over ``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
+(the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss statistics
+(three per piece of the sequence under ``train.loss_chunks``, the same bytes); each step with a
+backward slot sends one gradient back and all-reduces chunk 0's input gradient. The all-reduced
+activations keep sequence parallelism's tensor split, like the sends (XLA:CPU's psums are [b/m, S/(c
+t), E]). They travel in the compute dtype (one stage's value, zeros from the others: exact), except
+the head's input gradient, whose pieces all contribute: float32 (``parallel/pipeline/stages.py: head_and_loss``).
+The last step's send is never read (XLA drops it). The vocabulary pieces' gradients (embedding,
+head) are summed over ``pipe`` once per micro-step. Inside the stages, every formula of
+:mod:`~jaxpar.cost.collectives` runs on the stage's layers (and its share of the MoE layers) once
+per executed slot (masked ones included: ``StepSizes.executed``); the executor sums gradients over
+``data``, ``fsdp``, ``expert`` and ``context`` by hand once per step and gathers FSDP weights (the
+experts' too) once.
 
 FSDP by hand with ``tensor``: the executor gathers and reduce-scatters each
 weight's own ``tensor`` shard over ``fsdp`` (``parallel/manual.py: ByHand``), so those
@@ -52,7 +49,7 @@ What each part holds:
 - the working set of a backward slot: under ``remat=none`` its chunk's residuals, fresh from the
   forward or read back (nothing is recomputed); under ``dots``/``full`` one recomputed layer's
   ``remat=none`` set, as outside a pipeline (on XLA:CPU in bf16 its residual stream in float32:
-  ``cost_memory._stage_layer``);
+  ``cost/memory.py: _stage_layer``);
 - the head's step (``stage_head``): beside the logits, the embedding gradient of the stage's
   vocabulary piece (float32, built slice by slice into one buffer) and the head gradient's float32
   partial sums over the loss pieces; on XLA:CPU also each loss piece's product before it is added

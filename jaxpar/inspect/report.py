@@ -22,12 +22,11 @@ prints them as tables. Every number is **per device** unless it says "global".
    :func:`memory_report`; ``largest_arrays``: the three largest array shapes the program
    produces (:mod:`jaxpar.inspect.hlo.buffers`), e.g. an attention score matrix.
 4. ``collectives``: one row per (kind, mesh axes), from :mod:`jaxpar.inspect.hlo.collectives`: how
-many
-   collectives run per step, their payload ``bytes`` per device, the ``wire_bytes`` a ring
-   algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step
-   totals: a collective inside the scanned layer stack (or the gradient-accumulation loop) counts
-   once per iteration, using the loop trip counts XLA records; ``instructions`` is how many
-   collective instructions the program text holds.
+many collectives run per step, their payload ``bytes`` per device, the ``wire_bytes`` a ring
+algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step totals: a
+collective inside the scanned layer stack (or the gradient-accumulation loop) counts once per
+iteration, using the loop trip counts XLA records; ``instructions`` is how many collective
+instructions the program text holds.
 5. ``flops`` per device: ``compiled`` is XLA's ``cost_analysis()['flops']``, ``analytic`` is the
    model's useful work (:func:`jaxpar.model.flops.train_flops_per_token` x tokens / devices). See
    :func:`flops_report` for why XLA's number must be compared with ``analytic_loops_once``.

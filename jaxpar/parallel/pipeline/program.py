@@ -2,11 +2,10 @@
 
 :func:`compile_program` walks a schedule's steps (:mod:`jaxpar.parallel.pipeline.schedules`) and
 writes, for every step and stage, what the executor (:mod:`jaxpar.parallel.pipeline.executor`)
-reads:
-which microbatch and chunk each slot runs, which stash slot it reads and writes, and where what
-arrives at the end of the step is kept. Slots come from per-stage free lists, lowest first, so a
-stash holds exactly the schedule's peak in flight (plus one spare slot that masked writes go
-to). Consecutive steps of one kind form a *stretch*, which the executor runs as one scan.
+reads: which microbatch and chunk each slot runs, which stash slot it reads and writes, and where
+what arrives at the end of the step is kept. Slots come from per-stage free lists, lowest first, so
+a stash holds exactly the schedule's peak in flight (plus one spare slot that masked writes go to).
+Consecutive steps of one kind form a *stretch*, which the executor runs as one scan.
 """
 
 from __future__ import annotations

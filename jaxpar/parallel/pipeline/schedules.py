@@ -9,14 +9,13 @@ forward ``F`` and backward ``B`` (or its halves ``I``, input gradient, and ``W``
 gradient) of each (microbatch, chunk).
 
 One program on every stage. The executor (:mod:`jaxpar.parallel.pipeline.executor`) is SPMD: at
-every
-*step* every device runs the same operations, and the schedule only chooses the data (which
-microbatch, which chunk, which stash slot) and masks the slots a stage has no work for. A step
-has up to three *slots*, run in this order: a forward slot ``F``, then a backward slot ``B`` (or
-``I``), then a weight-gradient slot ``W``. Which slots a step has varies over time but never over
-stages: warm-up steps of 1F1B run only ``F``, steady steps ``F`` and ``B``, cool-down steps only
-``B``. (A collective inside a conditional that only some devices take deadlocks; here no
-collective is ever conditional.)
+every *step* every device runs the same operations, and the schedule only chooses the data (which
+microbatch, which chunk, which stash slot) and masks the slots a stage has no work for. A step has
+up to three *slots*, run in this order: a forward slot ``F``, then a backward slot ``B`` (or ``I``),
+then a weight-gradient slot ``W``. Which slots a step has varies over time but never over stages:
+warm-up steps of 1F1B run only ``F``, steady steps ``F`` and ``B``, cool-down steps only ``B``. (A
+collective inside a conditional that only some devices take deadlocks; here no collective is ever
+conditional.)
 
 Timing (:func:`as_soon_as_possible`). Each stage runs its *order* of actions (all a schedule is)
 as early as possible: at each step a stage takes its next actions in order, at most one per slot

@@ -1,8 +1,7 @@
 """What a pipeline stage computes: the model cut into chunks, and the vocabulary cut into pieces.
 
 Every stage runs the same program (:mod:`jaxpar.parallel.pipeline.executor`), so the embedding and
-the
-output head cannot live on the first and last stage alone: the vocabulary is cut into one piece
+the output head cannot live on the first and last stage alone: the vocabulary is cut into one piece
 per stage, and every stage embeds and scores its piece, the pieces combined over ``pipe``. The
 head's weights and work are split ``p`` ways, not repeated.
 """
