@@ -234,8 +234,9 @@ def _flops(st: StepSizes) -> FlopsCost:
     executed_attention = (st.computed_share * attention_forward * (1 + 10 / 4) if st.flash
                           else 3 * attention_forward)
     # The embedding's forward pass is a gather, from each device's rows where vocab is split
-    # (projection.lookup, parallel/pipeline/stages.py: embed_partial); only its weight gradient is a matmul,
-    # which a pipeline stage runs in every backward step, once per microbatch usefully.
+    # (model/projection.py: lookup, parallel/pipeline/stages.py: embed_partial); only its weight
+    # gradient is a matmul, which a pipeline stage runs in every backward step, once per
+    # microbatch usefully.
     embedding_runs = (1.0 if st.pipeline is None
                       else st.pipeline["backward_steps"] / st.pipeline["microbatches"])
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,

@@ -11,15 +11,15 @@ over ``pipe``; each step with the head (a stage's forward is the last chunk) all
 (the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss statistics
 (three per piece of the sequence under ``train.loss_chunks``, the same bytes); each step with a
 backward slot sends one gradient back and all-reduces chunk 0's input gradient. The all-reduced
-activations keep sequence parallelism's tensor split, like the sends (XLA:CPU's psums are [b/m, S/(c
-t), E]). They travel in the compute dtype (one stage's value, zeros from the others: exact), except
-the head's input gradient, whose pieces all contribute: float32 (``parallel/pipeline/stages.py: head_and_loss``).
-The last step's send is never read (XLA drops it). The vocabulary pieces' gradients (embedding,
-head) are summed over ``pipe`` once per micro-step. Inside the stages, every formula of
-:mod:`~jaxpar.cost.collectives` runs on the stage's layers (and its share of the MoE layers) once
-per executed slot (masked ones included: ``StepSizes.executed``); the executor sums gradients over
-``data``, ``fsdp``, ``expert`` and ``context`` by hand once per step and gathers FSDP weights (the
-experts' too) once.
+activations keep sequence parallelism's tensor split, like the sends (XLA:CPU's psums are [b/m,
+S/(c t), E]). They travel in the compute dtype (one stage's value, zeros from the others: exact),
+except the head's input gradient, whose pieces all contribute: float32
+(``parallel/pipeline/stages.py: head_and_loss``). The last step's send is never read (XLA drops
+it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
+micro-step. Inside the stages, every formula of :mod:`~jaxpar.cost.collectives` runs on the stage's
+layers (and its share of the MoE layers) once per executed slot (masked ones included:
+``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp``, ``expert`` and
+``context`` by hand once per step and gathers FSDP weights (the experts' too) once.
 
 FSDP by hand with ``tensor``: the executor gathers and reduce-scatters each
 weight's own ``tensor`` shard over ``fsdp`` (``parallel/manual.py: ByHand``), so those
