@@ -52,16 +52,18 @@ class SubParser(Parser):
             self._in_intermixed = False
 
 
-def config_command(commands, name: str, text: str,
-                    example: str | None = None) -> argparse.ArgumentParser:
+def config_command(commands, name: str, text: str, example: str | None = None,
+                   config_optional: bool = False) -> argparse.ArgumentParser:
     """A subcommand that reads CONFIG and ``key=value`` overrides. With an ``example`` (added to
-    the epilog) it also takes options among the overrides, in any order (intermixed)."""
+    the epilog) it also takes options among the overrides, in any order (intermixed).
+    ``config_optional``: an option can stand in for CONFIG (the command checks which)."""
     options = example is not None
     sub = commands.add_parser(name, help=text, description=text + ("." if options else ""),
                               intermixed=options,
                               epilog=EPILOG.format(presets=presets()) + (example or ""),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name")
+    sub.add_argument("config", metavar="CONFIG", help="YAML path or preset name",
+                     **({"nargs": "?"} if config_optional else {}))
     # default=[]: else intermixed parsing calls the overrides required when CONFIG is missing.
     sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides",
                      **({"default": []} if options else {}))

@@ -16,7 +16,7 @@ from jaxpar.cli.common import (
     require_matplotlib,
     tolerance,
 )
-from jaxpar.config import Config, load_config, validate
+from jaxpar.config import Config, ConfigError, load_config, validate
 from jaxpar.inspect.tpu import (
     TpuTarget,
     parse_target,
@@ -35,7 +35,9 @@ def add_inspect(commands) -> None:
                           "inspect tiny --devices 64 mesh.data=8 mesh.fsdp=8 "
                           "train.batch_size=64\nExample (what the TPU compiler makes of FSDP on "
                           "a v5e-8 slice):\n  jaxpar inspect tiny mesh.data=1 mesh.fsdp=8 "
-                          "--target tpu-v5e:2x4")
+                          "--target tpu-v5e:2x4\nExample (any XLA dump, no CONFIG):\n  jaxpar "
+                          "inspect --hlo-file dump/module_0001.jit_step.after_optimizations.txt "
+                          "--mesh data=4,fsdp=8", config_optional=True)
     sub.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to stdout, "
                      "instead of the tables)")
     sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")
@@ -49,6 +51,12 @@ def add_inspect(commands) -> None:
     sub.add_argument("--png", metavar="FILE", help="draw the mesh, how each parameter group is "
                      "split over it, and the collectives per axis (needs matplotlib: "
                      "pip install -e '.[plot]')")
+    sub.add_argument("--hlo-file", metavar="DUMP", help="tally an optimized HLO dump instead of "
+                     "compiling a CONFIG (any program, e.g. another trainer's, from "
+                     "XLA_FLAGS=--xla_dump_to=DIR): its collectives by kind and mesh axes, and "
+                     "its memory when XLA's buffer assignment file lies beside it; needs --mesh")
+    sub.add_argument("--mesh", metavar="AXES", help="with --hlo-file: the mesh the dump's device "
+                     "ids form, names and sizes in order, row-major (e.g. data=2,fsdp=16)")
     devices = sub.add_mutually_exclusive_group()
     devices.add_argument("--devices", metavar="N", type=positive_int,
                          help="compile for N virtual CPU devices (overrides host_devices); "
@@ -129,7 +137,12 @@ def _strict_verdict(rows: list[str], tolerance: float, out) -> int:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    """Check the output paths and the target before anything compiles, then inspect."""
+    """Check the output paths and the target before anything compiles, then inspect (or, with
+    ``--hlo-file``, tally the dump)."""
+    if args.hlo_file is not None or args.mesh is not None:
+        return dump_command(args)
+    if args.config is None:
+        raise ConfigError("inspect needs CONFIG (or --hlo-file DUMP --mesh AXES)")
     overrides = list(args.overrides)
     check_output_dir("--json", args.json)
     check_output_dir("--hlo", args.hlo)
@@ -144,3 +157,45 @@ def inspect_command(args: argparse.Namespace) -> int:
         cfg, devices = load_for_target(args.config, overrides, target)
         return run_inspect(args, cfg, devices, target)
     return run_inspect(args, load_validated(args.config, overrides))
+
+
+def dump_command(args: argparse.Namespace) -> int:
+    """``--hlo-file DUMP --mesh AXES``: the dump's collectives and memory
+    (:mod:`jaxpar.inspect.dump`)."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from jaxpar.inspect.dump import buffer_assignment_beside, dump_report, parse_mesh  # noqa: PLC0415
+    from jaxpar.inspect.report import print_dump  # noqa: PLC0415
+
+    if args.hlo_file is None or args.mesh is None:
+        raise ConfigError("--hlo-file and --mesh go together: --hlo-file DUMP --mesh data=2,fsdp=4")
+    unused = [name for name, value in (("CONFIG", args.config), ("key=value", args.overrides),
+                                       ("--devices", args.devices), ("--target", args.target),
+                                       ("--compare", args.compare), ("--strict", args.strict),
+                                       ("--hlo", args.hlo), ("--png", args.png)) if value]
+    if unused:
+        raise ConfigError(f"--hlo-file reads a dump, with no {', '.join(unused)}")
+    check_output_dir("--json", args.json)
+    dump = Path(args.hlo_file).expanduser()
+    if not dump.is_file():
+        raise ConfigError(f"--hlo-file {args.hlo_file}: no such file")
+    mesh = parse_mesh(args.mesh)
+    buffers = buffer_assignment_beside(dump)
+    try:
+        report = dump_report(dump.read_text(), mesh, buffers.read_text() if buffers else None)
+    except ConfigError:
+        raise
+    except ValueError as err:  # text the reader cannot parse: one line, no traceback
+        raise ConfigError(f"--hlo-file {args.hlo_file}: {err}") from None
+    report["source"] = {"hlo_file": str(dump), "buffer_assignment": str(buffers or "")}
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+        return 0
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console.width = max(console.width, 120)
+    print_dump(report, console)
+    if args.json:
+        Path(args.json).expanduser().write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote the report to {args.json}")
+    return 0

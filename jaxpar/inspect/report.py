@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -298,6 +299,21 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
     _print_flops(report["flops"], run, console)
 
 
+def print_dump(report: Mapping[str, Any], console: Console) -> None:
+    """Print ``inspect --hlo-file``'s report (:mod:`jaxpar.inspect.dump`): its source, memory
+    (where the buffer assignment was found) and collectives."""
+    source = report["source"]
+    console.print(f"[bold]jaxpar inspect[/bold] {source['hlo_file']} | {report['devices']} "
+                  f"devices | mesh {mesh_text(report['mesh'])}")
+    if report["memory"] is None:
+        console.print("memory: no buffer assignment beside the dump (XLA writes "
+                      "*-buffer-assignment.txt with --xla_dump_to)")
+    else:
+        _print_memory(report["memory"], console, title="memory per device (the dump's buffer "
+                      f"assignment: {Path(source['buffer_assignment']).name})")
+    _print_collectives(report["collectives"], console)
+
+
 def _print_params(report: Mapping[str, Any], console: Console) -> None:
     mesh = report["mesh"]
     table = Table(title="parameters (per device: the shard this device holds)",
@@ -321,18 +337,23 @@ def _print_params(report: Mapping[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def _print_memory(memory: Mapping[str, Any], console: Console, tpu: bool = False) -> None:
-    table = Table(title="memory per device (compiled.memory_analysis())", title_justify="left")
+def _print_memory(memory: Mapping[str, Any], console: Console, tpu: bool = False,
+                  title: str = "memory per device (compiled.memory_analysis())") -> None:
+    table = Table(title=title, title_justify="left")
     table.add_column("buffer", no_wrap=True)
     table.add_column("bytes", justify="right", no_wrap=True)
     table.add_column("what it holds")
+    step = "params_bytes" in memory  # jaxpar's own step, not a dump of another program
     table.add_row("argument", human_bytes(memory["argument_bytes"]),
-                  "train state + batch, live for the whole step")
-    table.add_row("  parameters", human_bytes(memory.get("params_bytes")),
-                  "the shards in the table above")
-    table.add_row("  optimizer state", human_bytes(memory.get("optimizer_bytes")),
-                  "AdamW moments (+ step counters)")
-    table.add_row("output", human_bytes(memory["output_bytes"]), "new train state + metrics")
+                  "train state + batch, live for the whole step" if step
+                  else "the program's inputs, live for the whole call")
+    if step:
+        table.add_row("  parameters", human_bytes(memory.get("params_bytes")),
+                      "the shards in the table above")
+        table.add_row("  optimizer state", human_bytes(memory.get("optimizer_bytes")),
+                      "AdamW moments (+ step counters)")
+    table.add_row("output", human_bytes(memory["output_bytes"]),
+                  "new train state + metrics" if step else "the program's outputs")
     table.add_row("alias", human_bytes(memory.get("alias_bytes")),
                   "outputs written into donated arguments (not allocated twice)")
     table.add_row("temp", human_bytes(memory["temp_bytes"]),

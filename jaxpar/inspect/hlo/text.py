@@ -77,12 +77,12 @@ def _parse_arrays(type_text: str) -> tuple[Array, ...]:
 # `[ROOT] %name = TYPE opcode(operands), attrs`. TYPE is the shortest text before the first
 # ` opcode(`: types never contain a space followed by an identifier and `(`.
 _INSTR_RE = re.compile(
-    r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+"
+    r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-#]+)\s*=\s*(?P<type>.+?)\s+"
     r"(?P<opcode>[a-z][\w\-]*)\((?P<rest>.*)$"
 )
-_HEAD_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s")
+_HEAD_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-#]+\s*=\s")
 # `[ENTRY] %name (params) -> result {`, or hand-written `add {`.
-_COMP_RE = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_COMP_RE = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-#]+)\s*(?:\(.*)?\{\s*$")
 _STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
 _TRIP_COUNT_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 # Attributes naming computations that run as part of an instruction (reductions' `to_apply` runs
@@ -104,6 +104,8 @@ class Instr:
     attrs: str  # attribute text with string literals blanked out
     root: bool
     trip_count: int | None = None  # while loops: XLA's known_trip_count
+    # A tuple result's top-level elements, each flattened (empty for an array result).
+    elements: tuple[tuple[Array, ...], ...] = ()
 
 
 @dataclass
@@ -172,7 +174,17 @@ def _parse_instr(line: str) -> Instr | None:
         attrs=_STRING_RE.sub('""', attrs),
         root=bool(m.group("root")),
         trip_count=int(t.group(1)) if (t := _TRIP_COUNT_RE.search(attrs)) else None,
+        elements=_tuple_elements(m.group("type")),
     )
+
+
+def _tuple_elements(type_text: str) -> tuple[tuple[Array, ...], ...]:
+    """The top-level elements of a tuple type ``(f32[2], (s32[], f32[4]))``, each flattened."""
+    text = type_text.strip()
+    if not text.startswith("("):
+        return ()
+    inner, _ = split_balanced(text[1:])
+    return tuple(_parse_arrays(part) for part in _split_top_level(inner))
 
 
 def _open_brackets(line: str) -> int:
@@ -228,6 +240,8 @@ def parse_module(text: str) -> Module:
         if instr is None:
             continue
         current.instrs[instr.name] = instr
+        for operand in instr.operands:
+            _add_element_reference(current, operand)
         for index, operand in enumerate(instr.operands):
             current.users[operand].append((instr, index))
         if instr.opcode == "parameter":
@@ -235,6 +249,23 @@ def parse_module(text: str) -> Module:
         if instr.root:
             current.root = instr.name
     return Module(computations, replica_count, num_partitions, entry)
+
+
+def _add_element_reference(comp: Computation, operand: str) -> None:
+    """Newer XLA may name element ``k`` of a tuple-shaped value ``%name#k`` where older XLA wrote
+    a ``get-tuple-element``: such a reference becomes that ``get-tuple-element`` (same name), so
+    that the rest of the reader sees one form."""
+    base, hash_, index = operand.rpartition("#")
+    if not hash_ or not index.isdigit() or operand in comp.instrs or base not in comp.instrs:
+        return
+    source = comp.instrs[base]
+    elements = source.elements or (source.arrays,)
+    k = int(index)
+    element = elements[k] if k < len(elements) else ()
+    comp.instrs[operand] = Instr(name=operand, opcode="get-tuple-element", arrays=element,
+                                 operands=[base], inline_types=[None], attrs=f"index={k}",
+                                 root=False)
+    comp.users[base].append((comp.instrs[operand], 0))
 
 
 def _value_through_copies(comp: Computation, name: str) -> Instr | None:
