@@ -94,3 +94,67 @@ def test_no_cycle_between_layers():
     edges = {layer: set().union(*modules.values()) for layer, modules in layer_imports().items()}
     cycles = sorted((a, b) for a in edges for b in edges[a] if a < b and a in edges.get(b, ()))
     assert not cycles
+
+
+def imported_modules(source: str) -> set[str]:
+    """The ``jaxpar`` modules a source imports, dotted (``from jaxpar.cost import ledger`` names
+    ``jaxpar.cost.ledger`` when that is a module, else ``jaxpar.cost``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("jaxpar.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                (node.module or "").startswith("jaxpar"):
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if _module_path(child) else node.module)
+    return found
+
+
+def _module_path(dotted: str) -> Path | None:
+    rel = Path(*dotted.split(".")[1:])
+    for path in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the jaxpar modules it imports (packages' ``__init__`` count as modules)."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[name] = {m for m in imported_modules(path.read_text()) if _module_path(m)}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (the modules on it, the first repeated at the end), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_back():
+    # Counting every import (inside functions and under TYPE_CHECKING too): two modules that
+    # import each other are one module, or the thing they share belongs in a third.
+    assert find_cycle(module_graph()) == []
