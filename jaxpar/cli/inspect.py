@@ -31,13 +31,13 @@ INSPECT_HELP = ("compile one train step without running it and show, per device,
 
 def add_inspect(commands) -> None:
     sub = config_command(commands, "inspect", INSPECT_HELP,
-                          "\nExample (a 64-device layout, compiled on this machine):\n  jaxpar "
-                          "inspect tiny --devices 64 mesh.data=8 mesh.fsdp=8 "
-                          "train.batch_size=64\nExample (what the TPU compiler makes of FSDP on "
-                          "a v5e-8 slice):\n  jaxpar inspect tiny mesh.data=1 mesh.fsdp=8 "
-                          "--target tpu-v5e:2x4\nExample (any XLA dump, no CONFIG):\n  jaxpar "
-                          "inspect --hlo-file dump/module_0001.jit_step.after_optimizations.txt "
-                          "--mesh data=4,fsdp=8", config_optional=True)
+                         "\nExample (a 64-device layout, compiled on this machine):\n  jaxpar "
+                         "inspect tiny --devices 64 mesh.data=8 mesh.fsdp=8 "
+                         "train.batch_size=64\nExample (what the TPU compiler makes of FSDP on "
+                         "a v5e-8 slice):\n  jaxpar inspect tiny mesh.data=1 mesh.fsdp=8 "
+                         "--target tpu-v5e:2x4\nExample (any XLA dump, no CONFIG):\n  jaxpar "
+                         "inspect --hlo-file dump/module_0001.jit_step.after_optimizations.txt "
+                         "--mesh data=4,fsdp=8", config_optional=True)
     sub.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to stdout, "
                      "instead of the tables)")
     sub.add_argument("--hlo", metavar="FILE", help="write the optimized HLO text of the step")

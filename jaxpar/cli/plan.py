@@ -16,7 +16,7 @@ def add_plan(commands) -> None:
     from jaxpar.hardware import PROFILES  # noqa: PLC0415  (plain data, no jax)
 
     sub = config_command(commands, "plan", PLAN_HELP, "\nExample:\n  jaxpar plan llama-1b "
-                          "--search --devices 64 --hardware h100")
+                         "--search --devices 64 --hardware h100")
     sub.add_argument("--hardware", default="h100", choices=sorted(PROFILES),
                      help="hardware profile: peak flops, HBM and link bandwidths (default h100)")
     sub.add_argument("--search", action="store_true",
