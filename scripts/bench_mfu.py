@@ -4,7 +4,7 @@ UNTESTED: written without an accelerator. It reuses the CPU matrix's measurement
 (:func:`bench_run.measure`) on all local devices, with ``model.attention=auto`` (cuDNN on a GPU
 in bf16; see :mod:`jaxpar.model.attention`), and computes MFU as the train loop does: useful
 flops per device (``train_flops_per_token`` x tokens / devices) per second over the dense bf16
-peak :func:`jaxpar.train.metrics.peak_flops` assumes for the device kind, which it prints.
+peak :func:`jaxpar.hardware.peak_flops` assumes for the device kind, which it prints.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 
 from jaxpar.config import load_config, validate
-from jaxpar.train.metrics import peak_flops
+from jaxpar.hardware import peak_flops
 
 MFU_OVERRIDES = ["train.dtype=bfloat16", "model.attention=auto"]
 

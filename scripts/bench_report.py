@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxpar.inspect.units import human_bytes
+from jaxpar.units import human_bytes
 
 COLUMNS = ("layout", "mesh", "compile s", "recompiles", "step s (median)", "spread (min-max)",
            "1-dev step s alongside", "tokens/s",

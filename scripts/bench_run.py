@@ -21,12 +21,12 @@ from bench_timing import Stepper, random_batch, spread, step_times
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxpar.config import Config, ConfigError, load_config, validate
+from jaxpar.cost.estimate import estimate
 from jaxpar.inspect.compare import compare_with_plan
-from jaxpar.inspect.cost import estimate
-from jaxpar.inspect.hlo_flops import dot_flops
+from jaxpar.inspect.hlo.flops import dot_flops
 from jaxpar.inspect.report import build_report
 from jaxpar.mesh import make_mesh
-from jaxpar.parallel.pipeline import describe
+from jaxpar.parallel.pipeline.executor import describe
 from jaxpar.train.compiled import CompiledStep
 from jaxpar.train.metrics import mesh_text
 from jaxpar.train.step import build_trainer

@@ -13,8 +13,8 @@ still mean something on a noisy, shared CPU, because both sides come from the sa
   work sits near 1; a pipeline also executes its masked slots, so its target is its
   executed-work factor, shown beside it);
 - compiled / analytic flops: matmul flops of the optimized HLO, loop trip counts included
-  (:func:`jaxpar.inspect.hlo_flops.dot_flops`), over the plan's executed flops
-  (:func:`jaxpar.inspect.cost.estimate`);
+  (:func:`jaxpar.inspect.hlo.flops.dot_flops`), over the plan's executed flops
+  (:func:`jaxpar.cost.estimate.estimate`);
 - memory / plan and bytes / plan: ``jaxpar inspect --compare``'s peak-memory ratio and the
   summed collective bytes of the compiled step over the plan's.
 

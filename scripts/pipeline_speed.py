@@ -27,7 +27,7 @@ from bench_timing import random_batch, step_times  # noqa: E402
 
 from jaxpar.config import load_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
-from jaxpar.parallel.pipeline import describe  # noqa: E402
+from jaxpar.parallel.pipeline.executor import describe  # noqa: E402
 from jaxpar.train.step import build_trainer  # noqa: E402
 
 MODEL = ["model.d_model=256", "model.d_ff=1024", "model.n_layers=4", "model.n_heads=8",

@@ -24,7 +24,7 @@ use_host_devices(64)  # before anything imports jax
 
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.inspect.real_size import CPU_CASES, compile_case, summary_rows  # noqa: E402
-from jaxpar.inspect.units import human_bytes  # noqa: E402
+from jaxpar.units import human_bytes  # noqa: E402
 
 
 def _markdown(rows: list[dict]) -> str:

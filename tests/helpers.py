@@ -247,6 +247,6 @@ def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False,
            and (not k.startswith("TPU_") or (k == "TPU_LIBRARY_PATH" and not hide_libtpu))}
     if hide_libtpu:
         preamble = "sys.modules['libtpu'] = None\n" + preamble
-    code = f"import sys\n{preamble}from jaxpar.cli import main\nsys.exit(main(sys.argv[1:]))"
+    code = f"import sys\n{preamble}from jaxpar.cli.main import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "inspect", *args], capture_output=True,
                           text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)

@@ -97,10 +97,10 @@ def jaxpar_logits(trainer, state, ids: np.ndarray) -> np.ndarray:
 def trainer_from_import(config_yaml: Path, overrides: list[str], devices: int):
     """A Trainer of the config ``jaxpar import-hf`` wrote, on the first ``devices`` devices,
     and its state started from the imported weights (``train.init_from``)."""
+    from jaxpar.checkpoint.weights_only import step_dir
     from jaxpar.config import load_config, validate
     from jaxpar.mesh import make_mesh
-    from jaxpar.train import weights
-    from jaxpar.train.saved_weights import step_dir
+    from jaxpar.train.init_from import initial_state
     from jaxpar.train.step import build_trainer
 
     cfg = validate(load_config(str(config_yaml), [
@@ -108,4 +108,4 @@ def trainer_from_import(config_yaml: Path, overrides: list[str], devices: int):
         f"train.batch_size={max(devices, 2)}", *overrides]), devices)
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
     source = step_dir(Path(cfg.train.init_from))
-    return trainer, weights.initial_state(trainer, source)
+    return trainer, initial_state(trainer, source)

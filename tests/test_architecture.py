@@ -15,18 +15,28 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxpar"
 
-# Each layer and the layers it may import. Everything points down: cli -> inspect -> train ->
-# {model, parallel, data} -> config/mesh/distributed. `parallel` may use `model`'s layer code
-# (the MoE dispatch runs the model's experts); nothing below `train` knows training exists.
+# Each layer and the layers it may import. Everything points down: cli -> {inspect, pictures,
+# hf} -> train -> checkpoint -> {model, parallel, data} -> config/mesh/distributed. `parallel`
+# may use `model`'s layer code (the MoE dispatch runs the model's experts); nothing below
+# `train` knows training exists. The cost model (`cost`, `hardware`, `units`) describes the
+# layers without being imported by them: it imports no layer above `model` and `parallel`.
 ALLOWED = {
-    "cli": {"cli_generate", "inspect", "train", "generate", "model", "parallel", "data", "mesh",
-            "distributed", "config"},
-    # `jaxpar generate`'s command line, beside cli.py.
-    "cli_generate": {"generate", "train", "data", "mesh", "config"},
+    "cli": {"inspect", "pictures", "cost", "hardware", "hf", "train", "checkpoint", "generate",
+            "model", "parallel", "data", "mesh", "distributed", "config", "units"},
+    # What the compiler made (HLO, memory, TPU targets), compared with the cost model's plan.
+    "inspect": {"cost", "hardware", "units", "train", "model", "parallel", "data", "mesh",
+                "config"},
+    "pictures": {"units"},
+    "cost": {"hardware", "units", "model", "parallel", "config"},
+    "hardware": {"config"},
+    "units": set(),
+    # Hugging Face checkpoints in and out: jaxpar's weights-only checkpoints on one side.
+    "hf": {"checkpoint", "model", "parallel", "config"},
     # Text generation runs the model with a KV cache on a mesh; the CLI loads its weights.
     "generate": {"model", "parallel", "config"},
-    "inspect": {"train", "model", "parallel", "data", "mesh", "config"},
-    "train": {"model", "parallel", "data", "mesh", "distributed", "config"},
+    "train": {"checkpoint", "hardware", "model", "parallel", "data", "mesh", "distributed",
+              "config"},
+    "checkpoint": {"model", "parallel", "config"},
     "parallel": {"model", "config"},
     "model": {"config"},
     "data": {"config"},

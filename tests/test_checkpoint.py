@@ -35,10 +35,10 @@ from helpers import (
     trainer_for,
 )
 
+from jaxpar.checkpoint import state as checkpoint
+from jaxpar.checkpoint import weights as weights_only
+from jaxpar.checkpoint.state import CheckpointError, complete_steps
 from jaxpar.config import load_config, to_dict, validate
-from jaxpar.train import checkpoint
-from jaxpar.train import weights as weights_only
-from jaxpar.train.checkpoint import CheckpointError, complete_steps
 
 TIMEOUT_S = 240
 COMMON = ["logging.every=1", "logging.progress=false"]
@@ -64,7 +64,7 @@ BLOCKING_DRIVER = textwrap.dedent("""
         return original(self)
 
     DataIterator.__next__ = next_or_block
-    from jaxpar.cli import main
+    from jaxpar.cli.main import main
     sys.exit(main(sys.argv[3:]))
 """)
 

@@ -28,10 +28,10 @@ from helpers import (
     trainer_for,
 )
 
+from jaxpar.checkpoint import integrity
+from jaxpar.checkpoint import state as checkpoint
+from jaxpar.checkpoint.state import DamagedCheckpointError, complete_steps
 from jaxpar.config import load_config, validate
-from jaxpar.train import checkpoint
-from jaxpar.train import checkpoint_integrity as integrity
-from jaxpar.train.checkpoint import DamagedCheckpointError, complete_steps
 
 SAVE_MESH = ["mesh.data=8"]
 OTHER_MESH = ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]

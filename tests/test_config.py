@@ -424,7 +424,7 @@ def test_unvalidated_config_round_trips_too():
 
 def test_config_module_imports_neither_jax_nor_flax():
     """host_devices must be read before jax starts, so the config layer may not import it."""
-    code = ("import sys, jaxpar.config, jaxpar.cli; "
+    code = ("import sys, jaxpar.config, jaxpar.cli.main; "
             "bad = [m for m in ('jax', 'flax', 'optax') if m in sys.modules]; "
             "assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

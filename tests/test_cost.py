@@ -2,7 +2,7 @@
 
 The compiled checks build each layout's train step once (module-level cache) on the 8 virtual CPU
 devices of conftest.py and compare, per (kind, mesh axes), the per-step collective bytes of the
-optimized HLO with :func:`jaxpar.inspect.cost.estimate`, and the step's argument bytes with the
+optimized HLO with :func:`jaxpar.cost.estimate.estimate`, and the step's argument bytes with the
 predicted parameter + optimizer state. Collective rows smaller than ``SMALL`` of the step's total
 collective bytes are scalars (loss, token counts, gradient-norm partial sums) and norm-scale
 gradients; the model leaves them out or only approximates them, so both sides drop them.
@@ -17,10 +17,9 @@ import pytest
 from rich.console import Console
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.inspect.cost import estimate, wire_bytes
-from jaxpar.inspect.hardware import GB, PROFILES, get_profile
-from jaxpar.inspect.plan import format_search, layouts, plan_main, search
-from jaxpar.train.metrics import peak_flops
+from jaxpar.cost.estimate import estimate, wire_bytes
+from jaxpar.cost.plan import format_search, layouts, plan_main, search
+from jaxpar.hardware import GB, PROFILES, get_profile, peak_flops
 
 DEVICES = 8
 # tiny with 8 experts (top-2, 64 hidden units) in every second of 4 blocks
@@ -148,8 +147,8 @@ def tiny(*overrides: str):
 def compiled_step(overrides: tuple[str, ...]) -> dict:
     """Compile tiny's train step with ``overrides`` once: its per-step collective rows, memory
     and matmul flops."""
-    from jaxpar.inspect.hlo import parse_collectives, summarize_collectives
-    from jaxpar.inspect.hlo_flops import dot_flops
+    from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
+    from jaxpar.inspect.hlo.flops import dot_flops
     from jaxpar.mesh import make_mesh
     from jaxpar.train.step import build_trainer
 

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
 
-from jaxpar.cli import main
+from jaxpar.cli.main import main
 from jaxpar.config import Config, MeshConfig, ModelConfig, MoEConfig, config_from_dict
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.generate import Generator, Sampling, generate, sample
@@ -279,7 +279,7 @@ def trained(tmp_path_factory):
 
 
 def test_generate_cli_streams_what_the_library_generates(trained, tmp_path):
-    from jaxpar.train.saved_weights import read_weights, saved_config, step_dir
+    from jaxpar.checkpoint.weights_only import read_weights, saved_config, step_dir
 
     run_dir, env = trained
     path = step_dir(run_dir)
@@ -312,8 +312,8 @@ def test_weights_that_fail_their_checksum_are_refused(trained, tmp_path):
     import json
     import shutil
 
-    from jaxpar.train.checkpoint import DamagedCheckpointError
-    from jaxpar.train.saved_weights import read_weights, step_dir
+    from jaxpar.checkpoint.state import DamagedCheckpointError
+    from jaxpar.checkpoint.weights_only import read_weights, step_dir
 
     path = shutil.copytree(step_dir(trained[0]), tmp_path / "3")
     params, _, step = read_weights(path)  # intact: verified, read

@@ -20,8 +20,8 @@ from hf_models import (
 )
 
 from jaxpar.config import RopeScalingConfig
-from jaxpar.train.hf_config import HFConfigError, model_config_from_hf
-from jaxpar.train.hf_import import import_hf
+from jaxpar.hf.config import HFConfigError, model_config_from_hf
+from jaxpar.hf.importer import import_hf
 
 pytest.importorskip("transformers")
 
@@ -92,8 +92,8 @@ def test_training_loss_of_an_import_under_a_pipeline_is_transformers(imported, k
 def test_init_from_converts_to_the_stored_dtype_and_refuses_another_model(imported):
     import jax.numpy as jnp
 
-    from jaxpar.train.checkpoint import CheckpointError
-    from jaxpar.train.saved_weights import read_weights
+    from jaxpar.checkpoint.state import CheckpointError
+    from jaxpar.checkpoint.weights_only import read_weights
 
     done = imported["llama"][1]
     _, state = trainer_from_import(done.config_yaml, ["train.param_dtype=bfloat16"], 1)
@@ -143,7 +143,7 @@ def test_bfloat16_weights_import_exactly_as_float32(tmp_path):
     import torch
     from hf_models import build_hf_model
 
-    from jaxpar.train.saved_weights import read_weights
+    from jaxpar.checkpoint.weights_only import read_weights
 
     model = build_hf_model("qwen2").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "src")
@@ -236,9 +236,9 @@ def test_generation_from_an_import_is_transformers_greedy_decoding(imported, kin
     import torch
     from transformers import AutoModelForCausalLM
 
+    from jaxpar.checkpoint.weights_only import read_weights
     from jaxpar.config import Config
     from jaxpar.generate import Generator
-    from jaxpar.train.saved_weights import read_weights
 
     source, done, _ = imported[kind]
     prompts = tokens(rows=2)[:, :20]

@@ -13,9 +13,9 @@ import pytest
 from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
 from hf_models import hf_logits, jaxpar_logits, save_hf_model, tokens, trainer_from_import
 
-from jaxpar.train.hf_export import export_hf, parse_size, shard_plan
-from jaxpar.train.hf_import import import_hf
-from jaxpar.train.saved_weights import read_weights, step_dir
+from jaxpar.checkpoint.weights_only import read_weights, step_dir
+from jaxpar.hf.exporter import export_hf, parse_size, shard_plan
+from jaxpar.hf.importer import import_hf
 
 pytest.importorskip("transformers")
 
@@ -153,7 +153,7 @@ def test_init_from_and_a_named_checkpoint_to_resume_contradict():
 
 def test_export_refuses_a_model_transformers_has_no_class_for():
     from jaxpar.config import ModelConfig, MoEConfig
-    from jaxpar.train.hf_config import HFConfigError, hf_config_from_model
+    from jaxpar.hf.config import HFConfigError, hf_config_from_model
 
     for moe, field in ((MoEConfig(num_experts=4), "model.moe.norm_topk=False"),
                        (MoEConfig(num_experts=4, norm_topk=True, every=2), "model.moe.every=2"),

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 MEASURE = """
 import gc, json, sys
 from pathlib import Path
-from jaxpar.train.hf_import import import_hf
+from jaxpar.hf.importer import import_hf
 
 def status(key):
     for line in Path("/proc/self/status").read_text().splitlines():

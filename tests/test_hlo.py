@@ -1,4 +1,5 @@
-"""jaxpar.inspect.hlo: collectives of compiled HLO, on hand-written snippets and real programs."""
+"""jaxpar.inspect.hlo.collectives: collectives of compiled HLO, on hand-written snippets and real
+programs."""
 
 import os
 
@@ -17,13 +18,13 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpar.inspect.hlo import (  # noqa: E402
+from jaxpar.inspect.hlo.buffers import largest_arrays  # noqa: E402
+from jaxpar.inspect.hlo.collectives import (  # noqa: E402
     Collective,
     parse_collectives,
     summarize_collectives,
 )
-from jaxpar.inspect.hlo_buffers import largest_arrays  # noqa: E402
-from jaxpar.inspect.hlo_groups import parse_groups  # noqa: E402
+from jaxpar.inspect.hlo.groups import parse_groups  # noqa: E402
 
 MESH = {"data": 2, "tensor": 4}
 MESH_5D = {"pipe": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}

@@ -23,11 +23,11 @@ import pytest
 from helpers import needs_libtpu, random_state, run_inspect, trainer_for
 
 import jaxpar.parallel.hooks as hooks
+from jaxpar.checkpoint import state as checkpoint
+from jaxpar.checkpoint import weights as weights_only
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.inspect.hlo import parse_collectives
+from jaxpar.inspect.hlo.collectives import parse_collectives
 from jaxpar.mesh import make_mesh
-from jaxpar.train import checkpoint
-from jaxpar.train import weights as weights_only
 from jaxpar.train.step import build_trainer
 
 BASE = ["train.seq_len=64", "train.steps=30", "train.lr=1e-2", "train.warmup_steps=3",

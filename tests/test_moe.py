@@ -26,8 +26,8 @@ from test_parallel_layouts import make_batches
 
 import jaxpar.parallel.expert as expert_module
 from jaxpar.config import MoEConfig, load_config, validate
+from jaxpar.cost.estimate import estimate
 from jaxpar.inspect.compare import compare_with_plan
-from jaxpar.inspect.cost import estimate
 from jaxpar.inspect.report import build_report
 from jaxpar.mesh import make_mesh
 from jaxpar.model.annotate import use_experts
@@ -438,7 +438,7 @@ def all_to_all_lines(name: str) -> list[str]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_all_to_all_over_expert_forward_and_backward(name):
-    from jaxpar.inspect.hlo import parse_collectives
+    from jaxpar.inspect.hlo.collectives import parse_collectives
 
     got = run_layout(LAYOUTS[name])
     cfg = got["cfg"]

@@ -21,7 +21,7 @@ from helpers import (  # max_relative_error: test_pipeline.py imports it from he
 )
 
 from jaxpar.config import load_config, validate
-from jaxpar.inspect.hlo import parse_collectives, summarize_collectives
+from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.train.step import build_trainer
 

@@ -1,4 +1,4 @@
-"""``jaxpar.inspect.picture``: the PNG of an inspect report (mesh, parameter splits, collectives).
+"""``jaxpar.pictures.figures``: the PNG of an inspect report (mesh, parameter splits, collectives).
 
 One real report (the tiny preset compiled on data=2 x tensor=4, 8 virtual CPU devices from
 conftest.py) and hand-written reports in the same shape: 3 split axes like demo-5d, all 6 axes
@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from jaxpar.inspect.picture import draw_report, report_figure  # noqa: E402
-from jaxpar.inspect.picture_tables import param_rows  # noqa: E402
+from jaxpar.pictures.figures import draw_report, report_figure  # noqa: E402
+from jaxpar.pictures.tables import param_rows  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MESH_AXES = ["pipe", "data", "fsdp", "expert", "context", "tensor"]

@@ -19,9 +19,9 @@ from helpers import (
 from test_parallel_layouts import per_step_bytes, run_layout
 
 from jaxpar.config import load_config, validate
-from jaxpar.inspect.hlo_flops import dot_flops
-from jaxpar.parallel.pipeline import describe
-from jaxpar.parallel.pipeline_schedules import stage_layer_order
+from jaxpar.inspect.hlo.flops import dot_flops
+from jaxpar.parallel.pipeline.executor import describe
+from jaxpar.parallel.pipeline.schedules import stage_layer_order
 
 MODEL = ("model.n_layers=8",)
 REFERENCE = ("mesh.data=1", *MODEL)
@@ -243,7 +243,7 @@ def test_a_stashed_microbatch_holds_activations_but_no_copy_of_the_weights(monke
     # The stage's weights are cast and gathered once per step; the forward's VJP saves those
     # very arrays, which the stash leaves out and the backward takes from the weights again.
     from jaxpar.mesh import make_mesh
-    from jaxpar.parallel import pipeline
+    from jaxpar.parallel.pipeline import executor as pipeline
     from jaxpar.train.step import build_trainer
 
     seen = {}
@@ -269,7 +269,7 @@ def test_a_stashed_microbatch_holds_activations_but_no_copy_of_the_weights(monke
 def test_compiled_matmul_flops_are_the_executed_work_factor_times_the_one_device_step(schedule):
     # remat=none: a pipelined step must do the 1-device step's matmuls times the factor of
     # slots it executes (masked ones included) and nothing more: no forward is recomputed.
-    # Counted per loop iteration (jaxpar.inspect.hlo_flops), all stages together.
+    # Counted per loop iteration (jaxpar.inspect.hlo.flops), all stages together.
     name = f"{schedule},pipe=2,m=4"
     got, ref = run_layout(LAYOUTS[name]), run_layout(REFERENCE)
     cfg = got["cfg"]

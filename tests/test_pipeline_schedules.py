@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from jaxpar.parallel.pipeline_schedules import (
+from jaxpar.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
     Table,

@@ -14,8 +14,8 @@ import pytest
 from helpers import compiled_temp_bytes, run_jaxpar
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.parallel.pipeline_program import compile_program, executed_kinds, step_kind
-from jaxpar.parallel.pipeline_schedules import (
+from jaxpar.parallel.pipeline.program import compile_program, executed_kinds, step_kind
+from jaxpar.parallel.pipeline.schedules import (
     peak_in_flight,
     schedule_steps,
     schedule_table,
@@ -92,7 +92,7 @@ def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight
 
 def temp_and_planned_stash(schedule: str, m: int) -> tuple[int, int]:
     """(compiled temp bytes, plan's stash bytes) of a pipe=2 step with ``m`` microbatches."""
-    from jaxpar.inspect.cost import estimate
+    from jaxpar.cost.estimate import estimate
 
     cfg = validate(load_config("tiny", [
         "mesh.data=1", "mesh.pipe=2", "model.n_layers=2", "model.d_model=128",
@@ -154,7 +154,7 @@ def test_inspect_compare_agrees_with_the_plan_on_a_pipeline_and_reports_the_bubb
 
 
 def test_plan_predicts_the_stash_and_the_bubble_of_each_schedule():
-    from jaxpar.inspect.cost import estimate
+    from jaxpar.cost.estimate import estimate
 
     for schedule, bubble in [("gpipe", 3 / 11), ("1f1b", 3 / 11), ("zero_bubble", 3 / 11)]:
         cfg = validate(load_config("tiny", [
@@ -172,7 +172,7 @@ def test_plan_predicts_the_stash_and_the_bubble_of_each_schedule():
 
 def test_schedule_command_prints_the_table_and_draws_it(tmp_path):
     pytest.importorskip("matplotlib")
-    from jaxpar.inspect.picture import schedule_figure
+    from jaxpar.pictures.figures import schedule_figure
 
     png = tmp_path / "schedule.png"
     result = run_jaxpar("schedule", "tiny", "mesh.pipe=4", "mesh.data=2", "model.n_layers=4",

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from jaxpar.config import load_config, validate
-from jaxpar.inspect.cost import estimate
-from jaxpar.inspect.hardware import get_profile
-from jaxpar.inspect.plan import search
+from jaxpar.cost.estimate import estimate
+from jaxpar.cost.plan import search
+from jaxpar.hardware import get_profile
 from jaxpar.model.flops import (
     causal_attention_flops_per_token,
     matmul_params,

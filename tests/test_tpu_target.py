@@ -22,7 +22,7 @@ from helpers import assert_one_line_error, needs_libtpu, run_inspect
 from rich.console import Console
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.inspect.cost import estimate
+from jaxpar.cost.estimate import estimate
 from jaxpar.inspect.report import print_report
 from jaxpar.inspect.tpu import GENERATIONS, INSTALL_HINT, parse_target, torus_wrap
 

@@ -168,11 +168,11 @@ class TrainConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # Start from these weights (a checkpoint step, run or checkpoints directory, or the output
     # of `jaxpar import-hf`) with a fresh optimizer at step 0; a checkpoint that train.resume
-    # finds wins (so a rerun continues), see train/weights.py.
+    # finds wins (so a rerun continues), see checkpoint/weights.py.
     init_from: str | None = None
     # auto: continue from the newest complete checkpoint in run_dir/checkpoints, if any;
     # never: start fresh; N: run_dir/checkpoints/N; else a path (a step directory, or a
-    # checkpoints/ or run directory whose newest checkpoint is taken). See train/checkpoint.py.
+    # checkpoints/ or run directory whose newest checkpoint is taken). See checkpoint/state.py.
     resume: str = "auto"
     # A non-finite loss or gradient norm: skip drops that update (counted as skipped_steps in
     # metrics.jsonl); stop exits 1 naming the step, saving nothing after it.

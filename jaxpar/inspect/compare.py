@@ -1,6 +1,6 @@
 """Compiled vs planned (``jaxpar inspect --compare [--strict --tolerance T]``).
 
-The analytic plan (:mod:`jaxpar.inspect.cost`) says what a layout must move and hold; the
+The analytic plan (:mod:`jaxpar.cost.estimate`) says what a layout must move and hold; the
 compiled step says what XLA made of it. Rows are matched by collective (kind, mesh axes); a row
 only one side has is exactly what a user should look at: a collective the partitioner inserted
 that the layout does not need, or one the plan expects that XLA lowered differently. ``--strict``
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxpar.config import Config
-from jaxpar.inspect.units import human_bytes
+from jaxpar.units import human_bytes
 
 FLOOR_BYTES = 2**20
 """Collective rows under this many bytes per device per step are not checked: scalars (the
@@ -32,7 +32,7 @@ def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
     The plan predicts XLA:CPU's program for CPU devices and the accelerator compilers' (bf16
     wires, combined reductions) otherwise.
     """
-    from jaxpar.inspect.cost import estimate  # noqa: PLC0415
+    from jaxpar.cost.estimate import estimate  # noqa: PLC0415
 
     kind = str(report.get("run", {}).get("device_kind", "cpu")).lower()
     plan = estimate(cfg, None if kind == "cpu" else "h100")

@@ -20,13 +20,13 @@ prints them as tables. Every number is **per device** unless it says "global".
    argument buffers, so not allocated twice), ``temp_bytes`` (activations, gathered weights,
    gradients and other scratch the step needs while it runs) and ``peak_bytes``, see
    :func:`memory_report`; ``largest_arrays``: the three largest array shapes the program
-   produces (:mod:`jaxpar.inspect.hlo_buffers`), e.g. an attention score matrix.
-4. ``collectives``: one row per (kind, mesh axes), from :mod:`jaxpar.inspect.hlo`: how many
-   collectives run per step, their payload ``bytes`` per device, the ``wire_bytes`` a ring
-   algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step
-   totals: a collective inside the scanned layer stack (or the gradient-accumulation loop) counts
-   once per iteration, using the loop trip counts XLA records; ``instructions`` is how many
-   collective instructions the program text holds.
+   produces (:mod:`jaxpar.inspect.hlo.buffers`), e.g. an attention score matrix.
+4. ``collectives``: one row per (kind, mesh axes), from :mod:`jaxpar.inspect.hlo.collectives`: how
+many collectives run per step, their payload ``bytes`` per device, the ``wire_bytes`` a ring
+algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step totals: a
+collective inside the scanned layer stack (or the gradient-accumulation loop) counts once per
+iteration, using the loop trip counts XLA records; ``instructions`` is how many collective
+instructions the program text holds.
 5. ``flops`` per device: ``compiled`` is XLA's ``cost_analysis()['flops']``, ``analytic`` is the
    model's useful work (:func:`jaxpar.model.flops.train_flops_per_token` x tokens / devices). See
    :func:`flops_report` for why XLA's number must be compared with ``analytic_loops_once``.
@@ -46,14 +46,14 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxpar.config import Config
-from jaxpar.inspect.hlo import parse_collectives, summarize_collectives
-from jaxpar.inspect.hlo_buffers import largest_arrays
-from jaxpar.inspect.units import human_bytes
+from jaxpar.inspect.hlo.buffers import largest_arrays
+from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
 from jaxpar.model.flops import param_count, train_flops_per_token
-from jaxpar.parallel.pipeline import describe
+from jaxpar.parallel.pipeline.executor import describe
 from jaxpar.parallel.rules import param_name
 from jaxpar.train.compiled import CompiledStep, compiled_step
 from jaxpar.train.metrics import mesh_text, pipeline_line
+from jaxpar.units import human_bytes
 
 
 def inspect_step(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:

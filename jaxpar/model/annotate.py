@@ -117,7 +117,7 @@ def use_token_shard_sum(fn: Callable | None) -> contextlib.AbstractContextManage
 def hand_split_devices() -> int:
     """Over how many devices the micro-batch's tokens are split by hand (1: none). The
     compiler sums a statistic over a sharded batch itself; inside a pipeline stage, which
-    holds only its device's rows and sequence piece (:mod:`jaxpar.parallel.pipeline_by_hand`),
+    holds only its device's rows and sequence piece (:mod:`jaxpar.parallel.manual`),
     a layer sees its own tokens alone."""
     hand = _hand_split.get()
     return 1 if hand is None else hand[1]

@@ -197,7 +197,7 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
     """Rotate pairs (first half, second half) of the head dim by position-dependent angles.
 
     This pairing ("rotate half") is the one Hugging Face's Llama-family models use, so their q/k
-    projection weights load unpermuted (``jaxpar/train/hf_names.py``).
+    projection weights load unpermuted (``jaxpar/hf/names.py``).
     x: [B, S, N, D]; positions: [B, S] (explicit, so a sequence shard knows its offsets).
     """
     inv_freq = rope_frequencies(x.shape[-1], theta, scaling)

@@ -1,5 +1,18 @@
 """The token loss: cross entropy of the output head's float32 logits, whole or in pieces of the
-sequence, and the one rule its weight gradient follows whatever the piece count.
+sequence, or over a vocabulary cut into pieces across devices (a pipeline's stages), and the
+one rule the head's weight gradient follows whatever the piece count.
+
+**One derivation.** For logits ``z`` [V] of a token whose target is ``t``, the loss is
+``log_z - z_t`` with ``log_z = m + log sum_v exp(z_v - m)`` (``m`` any upper bound, the max for
+stability), and its gradient ``dL/dz = exp(z - log_z) - one_hot(t) = softmax(z) - one_hot(t)``.
+Both losses here compute exactly that (:func:`_d_logits` is the gradient of both):
+
+- :func:`token_losses`: ``z`` whole, or split over ``tensor`` by the partitioner (the max and
+  the sum of exponentials each a small all-reduce of ``[B, S]``);
+- :func:`vocab_piece_loss`: ``z`` cut into pieces across the devices of a manual axis (each
+  pipeline stage scores its piece of the vocabulary): ``m`` is the ``pmax`` of the pieces'
+  maxima, the sum of exponentials a ``psum`` of the pieces' sums, ``z_t`` a ``psum`` of the
+  one piece holding ``t``; the gradient is local to each piece.
 
 **One reduction of the head's gradient per step.** The head's gradient ``h^T d_logits`` is a
 sum over every token; each device holds some tokens (rows over the batch axes, a slice of the
@@ -174,9 +187,36 @@ def _token_losses_fwd(logits, targets):
 
 def _token_losses_bwd(residuals, g):
     logits, targets, log_z = residuals
+    return _d_logits(logits, log_z, _is_target(logits, targets), g), None  # None: integer
+    # targets have no gradient
+
+
+def _d_logits(logits: jax.Array, log_z: jax.Array, is_target: jax.Array,
+              scale: jax.Array) -> jax.Array:
+    """``(softmax(logits) - one_hot(target)) * scale``: the gradient of the scaled token loss
+    (module docstring, "One derivation")."""
     probs = jnp.exp(logits - log_z[..., None])
-    d_logits = (probs - _is_target(logits, targets).astype(jnp.float32)) * g[..., None]
-    return d_logits, None  # None: integer targets have no gradient
+    return (probs - is_target.astype(jnp.float32)) * scale[..., None]
 
 
 _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
+
+
+def vocab_piece_loss(head: jax.Array, ids: jax.Array, h: jax.Array, targets: jax.Array,
+                     mask: jax.Array, scale: jax.Array, axis: str) -> tuple:
+    """Cross entropy over a vocabulary cut into pieces across the devices of the manual
+    ``axis``: this device holds the head's columns ``head`` [E, V/p] of the token ids ``ids``
+    [V/p]; ``h`` [B, s, E] are the (same) hidden states on every device. The log-partition
+    from the pieces' maxima and sums (``pmax``/``psum`` of ``[B, s]``), the target logit from
+    the piece holding it; the gradient w.r.t. the piece's logits is local (module docstring).
+    Returns (summed loss, d_head, d_h) with ``mask * scale`` per token."""
+    logits, logits_vjp = jax.vjp(lambda w, h: float32_logits(h, w), head, h)
+    logits = constrain(logits, ("batch", "seq", "vocab"))
+    top = jax.lax.pmax(jnp.max(jax.lax.stop_gradient(logits), axis=-1), axis)
+    exp_sum = jax.lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), axis)
+    log_z = top + jnp.log(exp_sum)
+    is_target = ids == targets[..., None]
+    target = jax.lax.psum(jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), axis)
+    loss = jnp.sum((log_z - target) * mask)
+    d_head, d_h = logits_vjp(_d_logits(logits, log_z, is_target, mask * scale))
+    return loss, d_head, d_h

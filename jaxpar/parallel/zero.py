@@ -101,7 +101,7 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
 
 def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
     """Whether a run without a pipeline sums its gradients over ``data`` by hand, once per step
-    (train/step.py: sum_over_data_once), rather than leaving it to the partitioner.
+    (parallel/manual.py: sum_over_data_once), rather than leaving it to the partitioner.
 
     The partitioner all-reduces each weight gradient where its matmul produces it, in that
     matmul's dtype: ``train.dtype`` on GPU/TPU (float32 for lm_head and the norm scales),

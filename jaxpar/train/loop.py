@@ -37,16 +37,19 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from jaxpar.checkpoint import state as checkpoint
+from jaxpar.checkpoint import weights
+from jaxpar.checkpoint.weights_only import step_dir
 from jaxpar.config import Config, ConfigError, DistributedConfig, to_yaml
 from jaxpar.data import DataIterator, build_dataset, dataset_line, make_tokenizer
 from jaxpar.distributed import barrier
+from jaxpar.hardware import peak_flops
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
-from jaxpar.parallel.pipeline import describe as describe_schedule
-from jaxpar.train import checkpoint, weights
-from jaxpar.train.metrics import MetricsFile, mesh_text, peak_flops, pipeline_line
+from jaxpar.parallel.pipeline.executor import describe as describe_schedule
+from jaxpar.train.init_from import initial_state
+from jaxpar.train.metrics import MetricsFile, mesh_text, pipeline_line
 from jaxpar.train.observe import Observer, require_tensorboard
-from jaxpar.train.saved_weights import step_dir
 from jaxpar.train.step import Trainer, build_trainer
 
 
@@ -261,7 +264,7 @@ class _Run:
             state = trainer.from_model_order(restored.state)
             skipped = int(restored.meta.get("skipped_steps", 0))
         elif init_from is not None:
-            state = weights.initial_state(trainer, init_from)
+            state = initial_state(trainer, init_from)
             step_there = checkpoint.read_meta(init_from)["step"]
             console.print(f"weights from {init_from} (step {step_there} there); fresh optimizer, "
                           "step 0", markup=False)

@@ -1,7 +1,8 @@
 """Throughput, MFU, the metrics file, and the lines that describe a run.
 
-MFU compares achieved model flops per device with the device's dense bf16 peak from the table
-below (matched against ``jax.Device.device_kind``). CPUs have no meaningful peak here, so MFU is
+MFU compares achieved model flops per device with the device's dense bf16 peak
+(:func:`jaxpar.hardware.peak_flops`, matched against ``jax.Device.device_kind``). CPUs have no
+meaningful peak here, so MFU is
 reported as n/a for them rather than as a made-up number.
 """
 
@@ -11,26 +12,6 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-# Dense bf16 peak FLOP/s per chip, from the vendors' data sheets.
-PEAK_FLOPS: dict[str, float] = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "TPU v6 lite": 918e12,  # v6e
-    "TPU v5p": 459e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5": 459e12,
-    "TPU v4": 275e12,
-}
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """Peak FLOP/s of one device of this kind, or None if the table does not know it."""
-    for name, flops in PEAK_FLOPS.items():  # most specific names come first
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
 
 
 class MetricsFile:

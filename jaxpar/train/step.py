@@ -51,8 +51,9 @@ from jaxpar.model.transformer import (
 )
 from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.manual import sum_over_data_once
 from jaxpar.parallel.microbatch import split_micro_steps
-from jaxpar.parallel.pipeline import Program, pipelined_gradients
+from jaxpar.parallel.pipeline.executor import Program, pipelined_gradients
 from jaxpar.parallel.rules import (
     logical_rules,
     named_shardings,
@@ -332,33 +333,6 @@ def accumulate_micro_steps(objective: Callable, grad_fn: Callable, param_shardin
         return grads, summed
 
     return accumulated
-
-
-def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Callable:
-    """``accumulated`` run inside ``shard_map`` manual over ``data``: each data shard sums its
-    micro-steps' gradients locally, and one all-reduce over ``data`` per step adds them (the
-    compiler alone would all-reduce every micro-step's gradient), in ``parallel.reduce_dtype``
-    (each gradient cast to it before the sum and back after). Inside, the model's hooks see the
-    rest of the mesh, ``data`` counted as 1."""
-    inner = {**cfg.mesh_shape, "data": 1}
-    reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
-
-    def per_shard(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
-        with model_hooks(cfg, inner, platform):
-            grads, (loss_sum, aux) = accumulated(params, buffers, batch, valid)
-        grads = jax.tree.map(
-            lambda g: jax.lax.psum(g.astype(reduce_dtype), "data").astype(g.dtype), grads)
-        # The loss and the MoE statistics are sums of float32 counts: summed as they are.
-        return grads, jax.tree.map(lambda a: jax.lax.psum(a, "data"), (loss_sum, aux))
-
-    def run(params: dict, buffers: dict, batch: Batch, valid: jax.Array) -> tuple:
-        rows = PartitionSpec("data")
-        return jax.shard_map(
-            per_shard, in_specs=(PartitionSpec(), PartitionSpec(), rows, PartitionSpec()),
-            out_specs=PartitionSpec(), axis_names=frozenset({"data"}), check_vma=False,
-        )(params, buffers, batch, valid)
-
-    return run
 
 
 def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,

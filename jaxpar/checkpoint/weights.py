@@ -1,0 +1,171 @@
+"""Weights without the rest of a training state: ``jaxpar export``'s flat format, weights-only
+checkpoints (what ``jaxpar import-hf`` writes), and starting a run from weights
+(``train.init_from``). Reading a checkpoint's weights onto the host is
+:mod:`jaxpar.checkpoint.weights_only`'s (``jaxpar generate`` uses it too).
+
+A weights-only checkpoint is an orbax step directory ``<dir>/checkpoints/0`` with the items
+``state`` (``{"params": ...}``, float32, layers stacked in model order as in a run's
+checkpoint), ``config`` (a jaxpar config whose ``model`` section describes them) and ``meta``
+(``{"step": 0, "weights_only": true, ...}``). It has no optimizer state and no data position,
+so ``train.resume`` refuses it; ``train.init_from`` takes it, or a run's checkpoint, and starts
+at step 0 with a fresh optimizer. Both read each array straight into the run's shardings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxpar.checkpoint.integrity import leaf_name
+from jaxpar.checkpoint.state import (
+    CHECKPOINTS,
+    CheckpointError,
+    check_compatible,
+    corrupt_error,
+    item_handlers,
+    quiet_failed_reads,
+    read_config,
+    read_meta,
+)
+from jaxpar.checkpoint.weights_only import read_weights, step_dir
+from jaxpar.config import Config, config_from_dict, to_dict
+
+# Arrays orbax may be writing at once (in bytes, a multiple of the largest; its default is
+# 96 GB): each write holds a copy of its array, so writing a whole model at once would double
+# the host memory a weights-only save needs.
+ARRAYS_IN_FLIGHT = 1
+# Arrays are written in chunks of at most this many bytes: the encoded copy of a chunk that
+# tensorstore makes on the way to the file stays small.
+CHUNK_BYTES = 4 * 2**20
+
+
+def is_weights_only(path: Path) -> bool:
+    return bool(read_meta(path).get("weights_only"))
+
+
+class _ChosenSettingNotes(logging.Filter):
+    """orbax's warnings about two settings :func:`save_weights` makes on purpose (numpy arrays
+    saved by a plain handler, no OCDBT): they would be the user's only output lines to ignore."""
+
+    NOTES = ("ArrayMetadata persistence is disabled", "Skipping merge of OCDBT")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(note in record.getMessage() for note in self.NOTES)
+
+
+def save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]) -> Path:
+    """Write ``params`` (nested dict of host arrays) as the weights-only checkpoint
+    ``out_dir/checkpoints/0``; returns that step directory."""
+    notes = _ChosenSettingNotes()
+    logging.getLogger("absl").addFilter(notes)
+    try:
+        return _save_weights(out_dir, cfg, params, meta)
+    finally:
+        logging.getLogger("absl").removeFilter(notes)
+
+
+def _save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]) -> Path:
+    path = (out_dir / CHECKPOINTS / "0").absolute()
+    largest = max(a.nbytes for a in jax.tree.leaves(params))
+    # Nor should orbax copy each array before writing it (it does by default, in case the
+    # caller changes them while a save goes on in the background; these are written in the
+    # foreground and dropped after).
+    arrays = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler(
+        save_concurrent_gb=(ARRAYS_IN_FLIGHT * largest + 1) / 1e9,
+        # One zarr directory per array: OCDBT's shared data files buffer much more (measured
+        # on a 104 MB model: +85 MB against +25 MB).
+        use_ocdbt=False,
+        type_handler_registry=ocp.type_handlers.create_type_handler_registry(
+            (np.ndarray, arrays))))
+    for name in ("data", "checksums"):
+        handlers.pop(name)
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        checkpointer.save(path, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave({"params": params}, save_args={"params": jax.tree.map(
+                lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)}),
+            config=ocp.args.JsonSave(to_dict(cfg)),
+            meta=ocp.args.JsonSave({"step": 0, "weights_only": True, **meta})))
+    finally:
+        checkpointer.close()
+    return path
+
+
+def restore_params(source: Path, wanted: Any) -> Any:
+    """The parameters of checkpoint ``source`` (a run's, or weights-only; any mesh saved them),
+    read straight into ``wanted``'s shapes, dtypes and shardings (a tree of
+    ``jax.ShapeDtypeStruct`` with shardings). Only the parameters are read."""
+
+    def shapes(tree: Any) -> dict[str, tuple]:  # shapes only: any stored dtype converts
+        return {f"params/{leaf_name(p)}": (tuple(a.shape), "")
+                for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        with quiet_failed_reads():
+            saved = checkpointer.metadata(source.absolute()).item_metadata["state"]["params"]
+        check_compatible(shapes(saved), shapes(wanted), source)
+        args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(
+            sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), wanted)
+        # PyTreeCheckpointHandler (not Standard) can restore a part of the tree.
+        only_params = ocp.args.PyTreeRestore(item={"params": wanted},
+                                             restore_args={"params": args}, partial_restore=True)
+        with quiet_failed_reads():
+            return checkpointer.restore(source.absolute(), args=ocp.args.Composite(
+                state=only_params))["state"]["params"]
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
+        raise corrupt_error(source, err) from None
+    finally:
+        checkpointer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Export in jaxpar's own flat format.
+
+
+def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
+    """Write ``model.safetensors`` (float32 parameters, slash names such as
+    ``layers/attn/wq``) and ``config.json`` (the model config, each parameter's shape and
+    logical axes, and the step) into ``out_dir``. Returns both paths and the step.
+
+    ``source`` is a step directory, or a ``checkpoints`` or run directory (newest checkpoint).
+    Only the parameters are read (verified against their checksums where the checkpoint has
+    them), as host numpy arrays; no mesh or optimizer state is needed.
+    Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415  (only export needs it)
+
+    from jaxpar.model.transformer import abstract_model  # noqa: PLC0415
+    from jaxpar.parallel.rules import param_logical_axes  # noqa: PLC0415
+
+    path = step_dir(source)
+    cfg = config_from_dict(read_config(path))
+    params, _, step = read_weights(path)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    # float32 whatever train.param_dtype stored (bf16 -> f32 is exact; safetensors' numpy
+    # writer and most readers expect a numpy dtype).
+    tensors = {leaf_name(p): np.ascontiguousarray(v, dtype=np.float32) for p, v in leaves}
+    axes = jax.tree_util.tree_flatten_with_path(
+        param_logical_axes(abstract_model(cfg.model)),
+        is_leaf=lambda x: isinstance(x, tuple))[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights, config_json = out_dir / "model.safetensors", out_dir / "config.json"
+    save_file(tensors, str(weights), metadata={"format": "np", "step": str(step)})
+    info = {"model": to_dict(cfg)["model"], "step": step, "source": str(path),
+            "dtype": "float32",
+            "params": {name: {"shape": list(tensors[name].shape)} for name in tensors}}
+    for p, names in axes:
+        if leaf_name(p) in info["params"]:
+            info["params"][leaf_name(p)]["axes"] = list(names)
+    config_json.write_text(json.dumps(info, indent=2) + "\n")
+    return weights, config_json, step

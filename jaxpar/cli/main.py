@@ -1,0 +1,76 @@
+"""``jaxpar`` command line: ``train``, ``config``, ``inspect``, ``plan``, ``schedule``,
+``export``, ``import-hf`` and ``generate``.
+
+The config is read and checked before jax is imported, so ``host_devices`` can still choose the
+number of virtual CPU devices, and a bad key or value costs no compile. Exit codes: 0 done,
+2 bad usage/config/input, 1 failure while running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxpar.cli.common import (
+    EPILOG,
+    Parser,
+    SubParser,
+    config_command,
+    load_validated,
+    positive_int,
+    presets,
+)
+from jaxpar.cli.generate import add_generate, run_generate
+from jaxpar.cli.hf import add_hf, run_hf
+from jaxpar.cli.inspect import add_inspect, inspect_command
+from jaxpar.cli.plan import add_plan, plan_command
+from jaxpar.cli.schedule import add_schedule, schedule_command
+from jaxpar.cli.train import train_command
+from jaxpar.config import ConfigError, to_yaml
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="jaxpar", description="Train transformer LMs with 5D parallelism in "
+                     "JAX, and see what the compiler did.",
+                     epilog=EPILOG.format(presets=presets()),
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=SubParser)
+    for name, text in (("train", "train a model (writes run_dir/config.yaml, metrics.jsonl)"),
+                       ("config", "print the resolved, validated config as YAML")):
+        config_command(commands, name, text)
+    add_inspect(commands)
+    add_plan(commands)
+    add_schedule(commands)
+    add_hf(commands)
+    add_generate(commands, positive_int)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in ("export", "import-hf"):
+            return run_hf(args)
+        if args.command == "generate":
+            return run_generate(args)
+        if args.command == "schedule":
+            return schedule_command(args)
+        if args.command == "inspect":
+            return inspect_command(args)
+        if args.command == "plan":
+            return plan_command(args)
+        if args.command == "train":
+            return train_command(args)
+        print(to_yaml(load_validated(args.config, list(args.overrides))), end="")  # config
+        return 0
+    except ConfigError as err:
+        print(f"jaxpar: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jaxpar: interrupted", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The collectives of one train step, per device: one function per parallelism, as ``parallel/``.
+
+Each function adds the communication its mesh axis causes to a :class:`Ledger`, in the order
+:func:`collectives` calls them: ZeRO-3/FSDP, data (and ZeRO-1), context, expert, tensor, and the
+pipeline (:mod:`jaxpar.cost.pipeline`).
+
+Collectives
+-----------
+Per step (= per micro-step x g, as :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`
+counts them); ``bytes`` is the logical payload per device (all-gather: the gathered result,
+reduce-scatter: the unscattered input), ``wire_bytes`` what a ring sends over an axis of N
+devices: all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N of it, collective-permute all
+of it.
+
+- ``data`` and ``context``: parameters are replicated over both, so each device's gradient shard
+  is all-reduced over both together, every micro-step (once per step where jaxpar sums by
+  hand: ``Ledger.by_hand``; XLA reduces inside the accumulation loop rather than once after
+  it; XLA:CPU sometimes splits the reduction into one all-reduce per axis, which doubles these
+  bytes, while the TPU compiler keeps one).
+- ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and again in the
+  backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
+  layers reshard after the forward pass (``model/projection.py: project_all``); under ``remat=none``
+  the MoE router and the experts' weights stay gathered instead (L g). The embedding, lm_head
+  and final norm once per step; reduce-scatter of the gradients every micro-step.
+- ZeRO-1 (``zero=1``): the (tensor-split) gradient is reduce-scattered over ``data`` x ``fsdp``
+  to the slices of the Adam moments every micro-step (all-reduced over ``context`` as well;
+  all-reduced whole in a pipeline, whose gradients keep the parameters' layout), then one
+  float32 all-gather of the updated parameters over ``data`` x ``fsdp``: the bytes of plain
+  data parallelism's all-reduce. (XLA:CPU all-reduces a MoE model's gradients over ``data`` x
+  ``expert`` and slices instead.)
+- ``context`` attention: ring attention passes K and V blocks (b S/c K/t D a each) around the
+  ring: 2(c-1) collective-permutes per layer forward, 2(c-1) backward plus 2c dK/dV blocks
+  travelling home (float32, but the last hop: XLA casts to the compute dtype before sending);
+  ``context_impl=allgather`` instead all-gathers K and V (2 per layer, b S K/t D a gathered) and
+  reduce-scatters their gradients.
+- ``tensor`` without sequence parallelism: all-reduce (payload A) of the attention and MLP outputs
+  (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output), and of
+  the input gradients of the column-parallel matmuls in the backward pass: 2 per layer (the
+  model projects q+k+v and gate+up with one matmul each where they are split,
+  ``projection.project_all``, as Megatron), on XLA:CPU 3 with grouped-query attention (q, and
+  k+v: their shapes differ; the partitioner reduces each matmul's partial sums where it makes
+  them, even where one VJP adds them) and 5 in a pipeline stage (its prepared weights are not
+  stacked; the TPU compiler sums them all before reducing, 2); plus the
+  vocab-parallel embedding (forward, A) and the lm_head input gradient (backward, float32 like
+  the logits), and two tiny all-reduces of b S/c floats for the vocab-parallel loss (max, sum
+  of exponentials).
+- ``tensor`` with sequence parallelism: each forward all-reduce becomes reduce-scatter (leaving a
+  block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
+  forward, 2 all-gathers + 2 (3: XLA:CPU, grouped-query) reduce-scatters backward; the
+  column-parallel matmuls gather their input again for their weight gradients (``remat=none``
+  outside a pipeline: +2 all-gathers, attention's and MLP's, see ``projection.project_all``),
+  ``remat=dots`` and ``full`` recompute those gathers (+2), ``full`` also redoes the attention
+  reduce-scatter; embedding and head add 2 of each; the norm scales' gradients are all-reduced
+  over ``tensor`` (tiny).
+- ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
+  are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
+  ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
+  data parallelism outside the experts). Each MoE layer moves its slots with all-to-alls over
+  ``expert``: dispatch and combine forward, the same two backward, and under remat the forward
+  pair again (in a pipeline stage: its share of the MoE layers, per microbatch, in every slot,
+  masked ones too). A device routes T = b S/c tokens, k slots each; the ideal payload per
+  all-to-all is
+  T k E a (the textbook ``tokens x top_k x d_model x 2 passes x 2 directions``, of which
+  (G-1)/G crosses the wire for G = ``mesh.expert``). What travels has static shapes: with
+  ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
+  ``dropless`` on XLA:CPU a worst-case block of T min(k, X/G) rows per destination (G T min(k,
+  X/G) rows, plus an int32 expert id per row forward); with ``dropless`` on GPU/TPU a
+  ``ragged-all-to-all`` of the T k real rows (``jaxpar inspect`` counts the smaller of a ragged
+  op's input and output buffers, the other being sized for the worst case: T k rows, plus the
+  expert ids, which the TPU compiler pads to 128 lanes; not checked beyond compiling for TPU).
+  Blocking: the experts wait for their rows. Under ``tensor`` a MoE layer reduces its summed
+  expert outputs forward and its tokens' gradient backward once each ([T, E]), plus the shared
+  experts' like a SwiGLU.
+
+Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
+layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
+(``projection.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
+gradient before casting it back to float32 (seen in the TPU compiler's HLO via ``jaxpar inspect
+--target``; GPU is expected to match, not checked). Norm scales stay float32, as do lm_head's
+gradient (its matmul returns float32 logits) and ZeRO-1's gather of the updated parameters.
+XLA:CPU computes bfloat16 dots in float32 and so moves float32 everywhere, which the estimate
+for XLA:CPU does too. Scalars (loss, token counts, gradient-norm partial sums) are left out: a
+few bytes each.
+
+"""
+
+from __future__ import annotations
+
+from jaxpar.cost.ledger import CollectiveCost, Ledger
+from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
+from jaxpar.cost.pipeline import pipeline_collectives
+from jaxpar.cost.shapes import StepSizes
+from jaxpar.parallel.zero import ZERO1_AXES
+
+ROW_PARALLEL_MATMULS = 2  # attention output, down projection
+
+
+def collectives(st: StepSizes, params: list[ParamCost]) -> list[CollectiveCost]:
+    """Every collective of one step, per device (the module docstring's formulas)."""
+    ledger = Ledger(st, params)
+    for parallelism in (fsdp_collectives, data_collectives, context_collectives,
+                        expert_collectives, tensor_collectives, pipeline_collectives):
+        parallelism(ledger)
+    return ledger.out
+
+
+def fsdp_collectives(c: Ledger) -> None:
+    """ZeRO-3 / FSDP: weights gathered where used, gradients reduce-scattered to their shards."""
+    st, cfg = c.st, c.st.cfg
+    if cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1:
+        return
+    layer = [p for p in c.layer if p.gathered_bytes != p.bytes_per_device]
+    other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device]
+    if "fsdp" in c.by_hand or st.pipeline is not None:
+        # By hand, the executor gathers a stage's weights once per step; else a stage's weights
+        # do not change within a stretch of steps and XLA hoists their gathers out of the
+        # stretch's loop (an upper bound: how many survive is its choice).
+        # One gather per stacked weight (all the stage's layers at once) each time.
+        runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
+        c.add("all-gather", ("fsdp",), runs * len(layer),
+              runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
+              "stage weights gathered once, kept for every microbatch", True)
+    else:
+        # Reshard after forward: gathered again in the backward pass, except what remat=none
+        # keeps (the router and the experts, which do not go through projection.project_all).
+        kept = [p for p in layer if cfg.train.remat == "none" and not p.resharded]
+        for group, passes, what in ((kept, 1, "MoE weights gathered, kept for the backward"),
+                                    ([p for p in layer if p not in kept], 2,
+                                     "layer weights gathered before use, and again backward")):
+            if group:
+                c.add("all-gather", ("fsdp",),
+                      round(passes * c.forwards * st.layers * st.runs * len(group)),
+                      round(passes * c.forwards * st.runs
+                            * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
+    c.add("all-gather", ("fsdp",), len(other),
+          sum(c.moved(p, p.gathered_bytes) for p in other),
+          "embedding, lm_head and final norm gathered once per step", True)
+    c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
+          c.reduced(layer + other, gathered=True, by_hand="fsdp" in c.by_hand),
+          "gradients reduce-scattered to their shards, every micro-step", True)
+
+
+def data_collectives(c: Ledger) -> None:
+    """Data (and context, and expert outside the experts) parallelism: gradients summed over
+    the replicas, every micro-step; ZeRO-1 then gathers the parameters each device updated for
+    its slice of the moments."""
+    st, cfg = c.st, c.st.cfg
+    # Parameters are replicated over data, expert and context (and fsdp under ZeRO-1), except
+    # the routed experts' weights, which are split over expert: one all-reduce per set of axes
+    # sums the gradient shards.
+    replicas = (("data", "expert", "context") if cfg.parallel.zero == 3 else
+                (*ZERO1_AXES, "expert", "context"))
+    by_replicas: dict[tuple[str, ...], list[ParamCost]] = {}
+    for p in c.params:
+        split = {a for entry in p.spec for a in entry_axes(entry)}
+        by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
+    units = st.layers // cfg.model.moe.every if cfg.model.moe.enabled else st.layers
+    for axes, group in by_replicas.items():
+        experts = "routed experts' " if all(p.expert for p in group) else ""
+        count = c.runs_over(axes) * (units * any(p.stacked for p in group)
+                                     + any(not p.stacked for p in group))
+        by_hand = c.summed_by_hand(axes)
+        payload = c.reduced(group, by_hand=by_hand)
+        every = "micro-step" if st.pipeline is None or by_hand else "backward slot"
+        scattered = zero1_scatter_axes(c, axes, group)
+        if scattered:
+            c.add("reduce-scatter", scattered, count, payload,
+                  f"ZeRO-1: {experts}gradients reduce-scattered to the moments' slices, every "
+                  + every, True)
+            axes = tuple(a for a in axes if a not in scattered)
+        c.add("all-reduce", axes, count, payload,
+              f"{experts}gradient shards all-reduced, every {every}", True)
+    if cfg.parallel.zero == 1:
+        c.add("all-gather", ZERO1_AXES, len(c.params),
+              sum(p.bytes_per_device for p in c.params),
+              "ZeRO-1: updated parameters gathered from the optimizer shards", False)
+
+
+def zero1_scatter_axes(c: Ledger, axes: tuple[str, ...], group: list[ParamCost]
+                       ) -> tuple[str, ...]:
+    """The axes over which ZeRO-1 reduce-scatters ``group``'s gradients: outside a pipeline
+    the step lays gradients out like Adam's moments (train/step.py), so the sum over the
+    ZeRO-1 axes ends in the slices each device updates; the rest of ``axes`` (context, expert)
+    stays an all-reduce."""
+    if c.st.cfg.parallel.zero != 1 or c.st.pipeline is not None:
+        return ()
+    if not all(p.moment_bytes_per_device < p.bytes_per_device for p in group):
+        return ()
+    return tuple(a for a in ZERO1_AXES if a in axes and c.st.mesh[a] > 1)
+
+
+def context_collectives(c: Ledger) -> None:
+    """Context parallelism (``parallel/context.py``): attention's keys and values."""
+    st = c.st
+    per_layer = st.layers * st.runs
+    if st.ring:
+        n, blk = st.c, st.kv_block
+        # (In a pipeline stage: every slot that runs, masked ones too.)
+        fw, bw = per_layer * c.forwards, per_layer * c.backwards
+        c.add("collective-permute", ("context",), round(fw * 2 * (n - 1)),
+              round(fw * 2 * (n - 1) * blk * st.wire), "ring attention: K, V blocks forward",
+              True)
+        c.add("collective-permute", ("context",), round(bw * 2 * (n - 1)),
+              round(bw * 2 * (n - 1) * blk * st.wire), "ring attention: K, V blocks backward",
+              True)
+        c.add("collective-permute", ("context",), round(bw * 2 * n),
+              round(bw * 2 * ((n - 1) * blk * 4 + blk * st.wire)),
+              "ring attention: dK, dV travelling home backward (float32, the last hop cast)",
+              True)
+    elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
+        gathered, fw, bw = st.kv_block * st.c * st.wire, c.forwards, c.backwards
+        # remat (dots or full) recomputes attention in the backward pass, the gathers with it
+        fw += bw if st.cfg.train.remat != "none" else 0
+        c.add("all-gather", ("context",), 2 * per_layer * fw, 2 * per_layer * fw * gathered,
+              "context allgather attention: K, V of the whole sequence (forward, and again "
+              "where remat recomputes attention)", False)
+        c.add("reduce-scatter", ("context",), 2 * per_layer * bw,
+              2 * per_layer * bw * st.kv_block * st.c * 4,
+              "context allgather attention: dK, dV backward (float32)", False)
+
+
+def expert_collectives(c: Ledger) -> None:
+    """Expert parallelism (``parallel/expert.py``): each MoE layer's slots travel to their
+    experts' devices and back (dispatch, combine), and again in the backward pass; remat
+    recomputes the forward pair."""
+    st, cfg = c.st, c.st.cfg
+    if st.moe_exchange is None:
+        return
+    moe = cfg.model.moe
+    rows = st.expert_rows
+    payload = rows * cfg.model.d_model * st.wire
+    kind = "ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all"
+    again = cfg.train.remat != "none"  # remat redoes the forward pair in the backward pass
+    # Per step: the stage's MoE layers x microbatches, x the slots they run in (pipeline).
+    forward = round(st.moe_layers * st.runs * (2 * c.forwards + 2 * again * c.backwards))
+    backward = round(st.moe_layers * st.runs * 2 * c.backwards)
+    real = {"capacity": f"capacity buffer of {rows} rows per layer",
+            "padded": f"worst-case blocks, {rows} rows per layer, "
+                      f"{st.tokens * moe.top_k} of them tokens",
+            "ragged": f"{rows} token rows per layer"}[st.moe_exchange]
+    c.add(kind, ("expert",), forward, forward * payload,
+          f"MoE dispatch + combine forward{', again in remat' if again else ''} "
+          f"({real})", False)
+    c.add(kind, ("expert",), backward, backward * payload,
+          "MoE dispatch + combine backward", False)
+    if st.moe_exchange == "padded":  # each row's int32 expert id travels with it
+        ids = forward // 2
+        c.add("all-to-all", ("expert",), ids, ids * rows * 4,
+              "MoE expert ids of the padded rows (forward)", False)
+
+
+def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
+    """Per step, over all layers: row-parallel outputs forward (attention and MLP, or the
+    experts' summed outputs and the shared experts'), column-parallel input gradients backward
+    (a MoE layer's tokens enter its experts once: one reduction, see jaxpar.parallel.expert),
+    and the runs of the embedding and of the head (under a pipeline every stage runs its
+    vocabulary piece of the embedding in every step with a forward slot, of the head in every
+    step with the head; divided here by the forward multiplicity, which ``add_act`` multiplies
+    back)."""
+    st, m = c.st, c.st.cfg.model
+    n_layers, n_moe = st.layers, st.moe_layers
+    shared = 1 if m.moe.num_shared_experts else 0
+    rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
+    moe_column = (st.attention_matmuls + 1 + shared * st.mlp_matmuls if st.xla_cpu
+                  else 1 + 1 + shared)
+    columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
+    row_outputs = st.runs * (rows_per_layer + n_layers * _attention_again(st))
+    if st.pipeline is None:
+        return row_outputs, st.runs * columns, st.runs, st.runs
+    embeds, heads = (round(st.accum * st.pipeline[k] / st.executed("forward"))
+                     for k in ("forward_steps", "head_steps"))
+    return row_outputs, st.runs * columns, embeds, heads
+
+
+def _attention_again(st: StepSizes) -> bool:
+    """Whether the backward pass recomputes attention's output, and so reduces it again:
+    remat=full, and remat=dots in a pipeline stage, whose matmuls' custom VJP
+    (``projection._matmul``) the dots policy does not save (measured: Llama-3-8B widths,
+    pipe=4 x fsdp=4 x tensor=4)."""
+    remat = st.cfg.train.remat
+    return remat == "full" or (remat == "dots" and st.pipeline is not None)
+
+
+def _input_regathers(c: Ledger) -> int:
+    """Megatron-SP's all-gathers of the column-parallel matmuls' inputs again in the backward
+    pass, per step: the remat policies recompute the attention and MLP inputs (2 per layer);
+    without remat ``project_all`` keeps each input's slice and gathers it again (a pipeline
+    stage's prepared weights skip that VJP, and keep the gathered input)."""
+    st = c.st
+    remat, shared = st.cfg.train.remat, 1 if st.cfg.model.moe.num_shared_experts else 0
+    if remat in ("dots", "full"):
+        return 2 * st.layers * st.runs
+    if st.pipeline is not None:
+        return 0
+    # One gather per input, whatever the matmuls reading it (they share its kept slice); a MoE
+    # layer's experts read their own token copies.
+    per_step = (st.layers - st.moe_layers) * 2 + st.moe_layers * (1 + shared)
+    return per_step * st.runs
+
+
+def tensor_collectives(c: Ledger) -> None:
+    """Tensor (and sequence) parallelism: activations, blocking. lm_head's input gradient is
+    float32 (the logits are); everything else moves in the compute dtype."""
+    st, cfg = c.st, c.st.cfg
+    if st.t == 1:
+        return
+    act, head_grad = st.tokens_x_embed(st.wire), st.tokens_x_embed(4)
+    remat, n_layers = cfg.train.remat, st.layers
+    row_outputs, column_grads, embeds, heads = _tensor_counts(c)
+    regathers = _input_regathers(c)
+    per_layer = n_layers * st.runs  # activation traffic: per microbatch
+    columns = {2: "q+k+v, gate+up", 3: "q, k+v, gate+up", 5: "q, k, v, gate, up"}[
+        st.column_parallel_reductions]
+    fw, bw = c.forwards, c.backwards
+
+    def add_act(kind: str, count: int, what: str, payload: int = act, times: int = 1) -> None:
+        """``times``: the forward (fw) or backward (bw) multiplicity under a pipeline."""
+        count = round(count * times)
+        c.add(kind, ("tensor",), count, count * payload, what, False)
+
+    if not st.sp:
+        add_act("all-reduce", row_outputs, "row-parallel outputs (attention, MLP) forward"
+                + (", attention again in remat" if _attention_again(st) else ""), times=fw)
+        add_act("all-reduce", column_grads,
+                f"column-parallel input gradients backward ({columns})", times=bw)
+        add_act("all-reduce", embeds, "vocab-parallel embedding forward", times=fw)
+        add_act("all-reduce", heads, "lm_head input gradient backward", payload=head_grad,
+                times=bw)
+    else:
+        add_act("all-gather", per_layer * 4 + regathers,
+                "sequence gathered entering attention/MLP (forward; output gradients "
+                "backward; inputs again for the weight gradients"
+                + (" in remat" if remat != "none" else "") + ")", times=fw)
+        add_act("reduce-scatter", row_outputs,
+                "sequence scattered leaving attention/MLP forward", times=fw)
+        add_act("reduce-scatter", column_grads,
+                f"column-parallel input gradients backward ({columns})", times=bw)
+        add_act("all-gather", heads + embeds,
+                "lm_head input forward, embedding output gradient backward", times=fw)
+        add_act("reduce-scatter", embeds, "vocab-parallel embedding forward", times=fw)
+        add_act("reduce-scatter", heads, "lm_head input gradient backward", payload=head_grad,
+                times=bw)
+        c.add("all-reduce", ("tensor",), (n_layers + 1) * c.grad_runs,
+              c.grad_runs * (2 * n_layers + 1) * cfg.model.d_model * PARAM_BYTES,
+              "norm-scale gradients of the sequence shards", False)
+    add_act("all-reduce", 2 * heads, "vocab-parallel loss: max and sum of exponentials",
+            payload=st.b * st.sl * 4, times=fw)

@@ -1,0 +1,275 @@
+"""The analytic cost of one train step, per device: memory, collectives, flops and time.
+
+:func:`estimate` reads a validated :class:`~jaxpar.config.Config` and predicts, without compiling
+anything, what ``jaxpar inspect`` would measure from the compiled step, plus how long the step
+would take on a :mod:`~jaxpar.hardware` profile. It is plain arithmetic on the model's own
+parameter shapes and logical axes (:func:`jaxpar.model.transformer.abstract_model`) split by the
+rules table (:func:`jaxpar.parallel.rules.resolve_spec`), so each parameter is split exactly as
+training splits it. (No backend is started and nothing is compiled.)
+
+Which compiler: the collectives differ a little between XLA:CPU and the accelerators' compilers,
+so the estimate follows the platform asked about. Without a hardware profile (or with ``cpu``)
+it predicts XLA:CPU's program, what ``jaxpar inspect`` compiles on this machine; the tests check
+it against that. With a GPU or TPU profile it predicts the accelerator compiler's, checked by
+hand against the TPU compiler (``jaxpar inspect --target tpu-v5e:2x4``, libtpu 0.0.42.1) and
+assumed for GPUs. Where XLA does something other than the textbook schedule, the formulas follow
+XLA and say so.
+
+The parts, one module each, read in this order:
+
+- :mod:`~jaxpar.cost.params`: the parameters and their split per device;
+- :mod:`~jaxpar.cost.shapes`: the sizes every formula uses, and their notation;
+- :mod:`~jaxpar.cost.memory`: memory per device;
+- :mod:`~jaxpar.cost.collectives`: the collectives, one function per parallelism;
+- :mod:`~jaxpar.cost.pipeline`: what a pipeline adds (tick messages, stash, bubble);
+- this module: flops, time on a hardware profile, and :func:`estimate`, which puts them together.
+
+Flops and time
+--------------
+Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
+counts; causal attention as half the S x S square, as MaxText counts it). Executed flops add
+the one-hot embedding matmul's weight gradient (2VE per token; the forward pass gathers, from
+each device's rows where the table is split over ``tensor`` or ``pipe``), the
+recomputation (``dots`` redoes attention's forward, 4 L H D S per token; ``full`` also each
+layer's matmuls, 2 x their parameters) and attention's executed minus useful flops: dense
+attention computes the whole square, flash attention (blockwise, ring or all-gather over
+``context``) the blocks the busiest device computes -- (2c+1)/(4c) of the square with the
+zigzag layout, all of it without; (n+1)/(2n) of n x n blocks on one device -- with a
+flash-style backward (5 block matmuls against dense attention's 4; never recomputed by remat).
+Both compute at least the useful half, so the MFU bound below is at most 100%. (The flash
+kernels skip a causal block behind a conditional;
+:func:`jaxpar.inspect.hlo.flops.dot_flops` cannot see which branch runs and counts every block,
+so for the zigzag layout its count of the compiled step exceeds these executed flops by the
+skipped blocks: (2c-1)/(4c) of the square.) A mixture of experts adds its padding: the rows its
+experts compute beyond the T x k slots (capacity slack, padded exchange blocks, and on XLA:CPU
+the dense masked matmul that lowers ``ragged_dot`` over all local experts), 6 flops per row
+and expert weight, for each of the stage's MoE layers and microbatches (in a pipeline, in
+every slot, masked ones too).
+
+Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
+as no kernel reaches it and memory-bound work is ignored); each collective takes
+``wire_bytes / bandwidth`` of the link its axes use, plus a fixed latency per launch
+(``count x latency`` of that link, :mod:`~jaxpar.hardware`). Overlap rule: the bytes of
+collectives over ``data``, ``fsdp`` and ``context`` (weight gathers, gradient reductions, ring
+steps sent while the previous block is computed) hide behind compute; ``tensor`` collectives and
+allgather attention sit between dependent ops, and ZeRO-1's parameter gather comes after all
+compute, so those add to the step. Latency is never hidden: it is what a collective costs when
+its bytes are few, i.e. exactly where the compute beside it (a ring hop's block of a few hundred
+tokens) is too short to cover it, so every launch adds it to the step::
+
+    step = compute + blocking + latency + max(0, overlappable - compute)
+    MFU  = useful flops / (step * peak)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jaxpar.config import Config, ConfigError
+from jaxpar.cost.collectives import collectives as all_collectives
+from jaxpar.cost.ledger import CollectiveCost, summarize, wire_bytes
+from jaxpar.cost.memory import MemoryCost
+from jaxpar.cost.memory import memory as step_memory
+from jaxpar.cost.params import ParamCost, param_costs
+from jaxpar.cost.pipeline import pipeline_compute, pipeline_note
+from jaxpar.cost.shapes import StepSizes, step_sizes
+from jaxpar.hardware import HardwareProfile, get_profile
+from jaxpar.model.flops import matmul_params, train_flops_per_token
+
+__all__ = ["CollectiveCost", "CostReport", "FlopsCost", "MemoryCost", "ParamCost", "TimeCost",
+           "estimate", "wire_bytes"]
+
+
+@dataclass(frozen=True)
+class FlopsCost:
+    """FLOPs per device per step."""
+
+    model: float  # useful work (what MFU counts): flops.train_flops_per_token x tokens
+    embedding_one_hot: float  # the embedding's weight gradient, a one-hot matmul
+    recompute: float  # remat's extra forward work
+    # Attention's executed minus useful flops: the masked causal blocks computed, and under
+    # flash attention the scores recomputed backward.
+    attention_extra: float = 0.0
+    expert_padding: float = 0.0  # MoE rows computed that carry no token (and XLA:CPU's ragged_dot)
+
+    @property
+    def executed(self) -> float:
+        return (self.model + self.embedding_one_hot + self.recompute + self.attention_extra
+                + self.expert_padding)
+
+
+@dataclass(frozen=True)
+class TimeCost:
+    """Seconds per step on one hardware profile (see the overlap rule in the docstring)."""
+
+    hardware: str
+    compute: float
+    comm_by_axis: dict[str, float]  # "tensor (NVLink)" -> seconds, bytes and latency
+    blocking_comm: float
+    overlapped_comm: float
+    exposed_comm: float  # the part of overlapped_comm that compute does not hide
+    latency: float  # count x latency of every collective (never hidden)
+    step: float
+    tokens_per_s: float
+    mfu: float
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """Everything :func:`estimate` predicts for one config; ``time`` needs a hardware profile."""
+
+    cfg: Config  # validated
+    devices: int
+    mesh: dict[str, int]
+    params: list[ParamCost]
+    memory: MemoryCost
+    collectives: list[CollectiveCost]
+    flops: FlopsCost
+    time: TimeCost | None
+    notes: list[str] = field(default_factory=list)
+    micro_batch: int = 0  # sequences per device per micro-step (per microbatch with pipe)
+    tokens_per_step: int = 0  # global
+    pipeline: dict | None = None  # parallel.pipeline.describe(): schedule, ticks, bubble, slots
+
+    def collective_rows(self) -> list[dict[str, Any]]:
+        """One row per (kind, axes) like ``summarize_collectives`` (per step totals)."""
+        return summarize(self.collectives)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts and lists, for ``json.dumps``."""
+        out = asdict(self)
+        out["memory"].update(state=self.memory.state, peak=self.memory.peak)
+        out["flops"]["executed"] = self.flops.executed
+        out["collective_rows"] = self.collective_rows()
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate
+
+
+def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> CostReport:
+    """The cost of one step of ``cfg`` (validated: mesh resolved), per device.
+
+    With ``hardware`` (a profile or its name in :data:`jaxpar.hardware.PROFILES`) the
+    report also has step time and MFU, and its collectives are those of that platform's
+    compiler: without one (or with ``cpu``) they are XLA:CPU's, i.e. what ``jaxpar inspect``
+    compiles on this machine (module docstring). Raises ConfigError if the mesh still has a -1
+    axis or a rule does not divide a parameter.
+    """
+    if any(size < 1 for size in cfg.mesh_shape.values()):
+        raise ConfigError("estimate: the config must be validated first (mesh has a -1 axis)")
+    hw = get_profile(hardware) if hardware is not None else None
+    st = step_sizes(cfg, xla_cpu=hw is None or hw.name == "cpu",
+                    platform="cpu" if hw is None else hw.platform)
+    params = param_costs(cfg)
+    collectives = all_collectives(st, params)
+    flops = _flops(st)
+    memory = step_memory(st, params)
+    time = _time(st, collectives, flops, hw) if hw is not None else None
+    return CostReport(cfg=cfg, devices=math.prod(st.mesh.values()), mesh=st.mesh, params=params,
+                      memory=memory, collectives=collectives, flops=flops, time=time,
+                      notes=_notes(st), micro_batch=st.b,
+                      tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+                      pipeline=st.pipeline)
+
+
+def _notes(st: StepSizes) -> list[str]:
+    notes = []
+    if st.cfg.parallel.rules:
+        notes.append("parallel.rules overrides: parameter bytes follow them, collectives assume "
+                     "the default table")
+    if st.cfg.train.dtype == "float32":
+        notes.append("train.dtype=float32: compute timed at the dense bf16 peak (optimistic)")
+    if st.accum > 1:
+        notes.append(f"grad_accum={st.accum}: gradients are reduced every micro-step, as the "
+                     "compiled step does")
+    if st.pipeline is not None:
+        notes.append(pipeline_note(st))
+    if st.moe_exchange is not None:
+        moe, slots = st.cfg.model.moe, st.tokens * st.cfg.model.moe.top_k
+        notes.append(f"MoE all-to-alls carry {st.expert_rows:,} rows per layer and device, "
+                     f"{slots:,} of them tokens ({1 - slots / st.expert_rows:.0%} padding; "
+                     + ("dropping: unused capacity" if moe.dispatch == "dropping" else
+                        "padded all-to-all: worst-case blocks" if st.moe_exchange == "padded"
+                        else "ragged: load imbalance not modelled") + ")")
+    return notes
+
+
+def _flops(st: StepSizes) -> FlopsCost:
+    m, cfg = st.cfg.model, st.cfg
+    per_device = cfg.train.batch_size * cfg.train.seq_len / math.prod(st.mesh.values())
+    attention_forward = 4 * m.n_layers * m.n_heads * m.resolved_head_dim * st.s  # per token
+    layer_matmuls = matmul_params(m) - m.d_model * m.vocab_size
+    # Flash attention runs inside a custom VJP whose outputs are kept: remat never redoes it.
+    recomputed_attention = 0 if st.flash else attention_forward
+    # The routed experts' matmuls (ragged or batched dots) are not what `dots` saves.
+    expert = 3 * m.d_model * m.resolved_d_ff_expert if m.moe.enabled else 0
+    recomputed_experts = 2 * m.n_moe_layers * m.moe.top_k * expert
+    recompute = {"none": 0, "dots": recomputed_attention + recomputed_experts,
+                 "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
+    if st.loss_pieces > 1:  # each piece's logits are made again in the backward pass
+        recompute += 2 * m.d_model * m.vocab_size
+    # The pipeline executor recomputes nothing (the forward's residuals wait in its stash), but
+    # every stage runs every slot of a step: masked forward and backward slots execute too.
+    recompute += ((st.executed("forward") - 1) * (2 * layer_matmuls + attention_forward)
+                  + (st.executed("backward") - 1) * 2 * (2 * layer_matmuls + attention_forward))
+    padding = 0.0
+    if m.moe.enabled:
+        # Rows the experts compute beyond the T x k slots: capacity slack, padded blocks, and
+        # on XLA:CPU ragged_dot's lowering, a dense matmul masked per expert (all local ones).
+        local = m.moe.num_experts // st.mesh["expert"]
+        rows = st.expert_rows * (local if st.xla_cpu and m.moe.dispatch == "dropless" else 1)
+        # Per run of a stage's MoE layers (every microbatch; in a pipeline every slot, masked
+        # ones too): forward 2 of the 6 flops per row and weight, backward 4.
+        slots = (st.executed("forward") + 2 * st.executed("backward")) / 3
+        padding = (st.moe_layers * st.runs * slots * (rows - st.tokens * m.moe.top_k) * 6
+                   * expert / st.t)
+    # Useful attention is the causal half of the square, forward and backward: 1.5 x the
+    # whole square's forward. Dense attention computes all of it (forward 1, backward 2);
+    # flash attention the blocks computed (StepSizes.computed_share of the square), with a
+    # backward of 5 block matmuls (scores recomputed) against dense attention's 4.
+    executed_attention = (st.computed_share * attention_forward * (1 + 10 / 4) if st.flash
+                          else 3 * attention_forward)
+    # The embedding's forward pass is a gather, from each device's rows where vocab is split
+    # (model/projection.py: lookup, parallel/pipeline/stages.py: embed_partial); only its weight
+    # gradient is a matmul, which a pipeline stage runs in every backward step, once per
+    # microbatch usefully.
+    embedding_runs = (1.0 if st.pipeline is None
+                      else st.pipeline["backward_steps"] / st.pipeline["microbatches"])
+    return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
+                     embedding_one_hot=2 * m.vocab_size * m.d_model * embedding_runs
+                     * per_device,
+                     recompute=recompute * per_device,
+                     attention_extra=(executed_attention - 1.5 * attention_forward)
+                     * per_device,
+                     expert_padding=padding)
+
+
+def _time(st: StepSizes, collectives: list[CollectiveCost], flops: FlopsCost,
+          hw: HardwareProfile) -> TimeCost:
+    compute = flops.executed / hw.peak_flops
+    if st.pipeline is not None:
+        compute = pipeline_compute(st, compute)
+    by_axis: dict[str, float] = {}
+    blocking = overlapped = latency = 0.0
+    for c in collectives:
+        link, bandwidth = hw.axis_link(st.mesh, c.axes)
+        seconds = c.wire_bytes / bandwidth
+        launches = c.count * hw.axis_latency(st.mesh, c.axes)
+        label = f"{'+'.join(c.axes)} ({link})"
+        by_axis[label] = by_axis.get(label, 0.0) + seconds + launches
+        latency += launches
+        if c.overlapped:
+            overlapped += seconds
+        else:
+            blocking += seconds
+    exposed = max(0.0, overlapped - compute)
+    step = compute + blocking + latency + exposed
+    tokens = st.cfg.train.batch_size * st.s
+    return TimeCost(hardware=hw.name, compute=compute, comm_by_axis=by_axis,
+                    blocking_comm=blocking, overlapped_comm=overlapped, exposed_comm=exposed,
+                    latency=latency, step=step, tokens_per_s=tokens / step,
+                    mfu=flops.model / (step * hw.peak_flops))

@@ -1,0 +1,162 @@
+"""The bookkeeping every parallelism's collectives formula writes into: a :class:`Ledger` of
+:class:`CollectiveCost` rows, and the ring :func:`wire_bytes` of a payload over a group.
+
+The formulas themselves are in :mod:`jaxpar.cost.collectives` (data, FSDP, context, expert,
+tensor) and :mod:`jaxpar.cost.pipeline` (``pipe``); both add to one ledger.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxpar.cost.params import PARAM_BYTES, STORED_BYTES, ParamCost, in_compute_dtype
+from jaxpar.cost.shapes import StepSizes
+from jaxpar.parallel.zero import data_summed_by_hand
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """One logical communication of the step, per device, summed over the step."""
+
+    kind: str  # all-reduce, all-gather, reduce-scatter (as jaxpar.inspect.hlo.collectives.KINDS)
+    axes: tuple[str, ...]  # mesh axes its groups span
+    count: int  # executions per step
+    bytes: int  # payload per device per step
+    wire_bytes: int  # ring bytes sent per device per step
+    what: str  # which tensors, and why
+    overlapped: bool  # hidden behind compute by the overlap rule (jaxpar.cost.estimate)
+
+
+def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
+    """One row per (kind, axes), like
+    :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`."""
+    rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+    for c in collectives:
+        row = rows.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": list(c.axes),
+                                                 "count": 0, "bytes": 0, "wire_bytes": 0})
+        row["count"] += c.count
+        row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
+    return [rows[key] for key in sorted(rows)]
+
+
+def wire_bytes(kind: str, payload: int, group: int) -> int:
+    """Ring bytes each device sends (the definitions of jaxpar.inspect.hlo.collectives)."""
+    if group <= 1:
+        return 0
+    if kind == "all-reduce":
+        return payload * 2 * (group - 1) // group
+    if kind == "collective-permute":
+        return payload
+    return payload * (group - 1) // group
+
+
+@dataclass
+class Ledger:
+    """The collectives found so far, and what every parallelism's formulas share.
+
+    Under a pipeline a device runs its stage's layers in every step with a forward (backward)
+    slot, masked ones included (``StepSizes.executed``), and reduces weight gradients in every
+    backward slot; without one, ``runs`` is g.
+    """
+
+    st: StepSizes
+    params: list[ParamCost]
+    out: list[CollectiveCost] = field(default_factory=list)
+
+    @property
+    def forwards(self) -> float:
+        """How often each forward-side collective runs per useful layer run (masked slots)."""
+        return self.st.executed("forward")
+
+    @property
+    def backwards(self) -> float:
+        return self.st.executed("backward")
+
+    @property
+    def grad_runs(self) -> int:
+        """Gradient reductions per step: every micro-step, or every backward slot."""
+        if self.st.pipeline is None:
+            return self.st.accum
+        return self.st.accum * self.st.pipeline["backward_steps"]
+
+    @property
+    def by_hand(self) -> tuple[str, ...]:
+        """The axes whose gradient sums are taken once per step, by hand: ``data``, ``fsdp``,
+        ``expert`` and ``context`` in the pipeline executor, ``data`` under gradient
+        accumulation (not for MoE models outside a pipeline, whose load-balance loss needs
+        whole-micro-batch statistics: the executor's MoE layers sum theirs themselves)."""
+        st = self.st
+        if st.pipeline is None:  # parallel/zero.py: data_summed_by_hand
+            return ("data",) if data_summed_by_hand(st.cfg, st.xla_cpu) else ()
+        return tuple(a for a in ("data", "fsdp", "expert", "context") if st.mesh[a] > 1)
+
+    def summed_by_hand(self, axes: tuple[str, ...]) -> bool:
+        live = tuple(a for a in axes if self.st.mesh[a] > 1)
+        return bool(live) and set(live) <= set(self.by_hand)
+
+    def runs_over(self, axes: tuple[str, ...]) -> int:
+        """Gradient reductions per step over ``axes``: once per step where they are summed by
+        hand (over all micro-steps), else ``grad_runs``."""
+        return 1 if self.summed_by_hand(axes) else self.grad_runs
+
+    @property
+    def layer(self) -> list[ParamCost]:
+        return [p for p in self.params if p.stacked]
+
+    @property
+    def other(self) -> list[ParamCost]:
+        """Embedding, final norm and lm_head: outside the scanned layer stack."""
+        return [p for p in self.params if not p.stacked]
+
+    def add(self, kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
+            overlapped: bool) -> None:
+        """``count`` executions per step moving ``total`` payload bytes in all."""
+        axes = tuple(a for a in axes if self.st.mesh[a] > 1)
+        group = math.prod(self.st.mesh[a] for a in axes)
+        if count and total and group > 1:
+            self.out.append(CollectiveCost(kind, axes, count, total,
+                                           wire_bytes(kind, total, group), what, overlapped))
+
+    def moved(self, p: ParamCost, nbytes: int) -> int:
+        """Bytes of a weight as it travels (cast to the compute dtype on the wire)."""
+        return in_compute_dtype(p, nbytes, self.st.wire)
+
+    def grad(self, p: ParamCost, nbytes: int, by_hand: bool = False) -> int:
+        """Gradients the partitioner sums travel like their weights, but lm_head's (its matmul
+        yields float32) and, outside a pipeline, the layer matrices' when
+        ``parallel.reduce_dtype`` is wider than the compute dtype (``project_all`` produces them
+        in it). Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
+        in_reduce_dtype = nbytes * STORED_BYTES[self.st.cfg.parallel.reduce_dtype] // PARAM_BYTES
+        if by_hand:
+            return in_reduce_dtype
+        if p.name == "lm_head":
+            return nbytes
+        if p.projected and self.st.pipeline is None:
+            return max(self.moved(p, nbytes), in_reduce_dtype)
+        return self.moved(p, nbytes)
+
+    def reduced(self, group: list[ParamCost], gathered: bool = False,
+                by_hand: bool = False) -> int:
+        """Gradient bytes of ``group`` reduced per step (``gathered``: the unscattered size).
+        Under a pipeline each backward slot (masked ones too) reduces what it produced: its
+        chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
+        per backward step, of the head per head step) and the final norm's."""
+        def size(p: ParamCost) -> int:
+            return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device, by_hand)
+
+        layers = sum(size(p) for p in group if p.stacked)
+        shared = sum(size(p) for p in group if not p.stacked)
+        st = self.st
+        if by_hand:  # once per step
+            return layers + shared
+        if st.pipeline is None:
+            return st.accum * (layers + shared)
+        backward, head = st.pipeline["backward_steps"], st.pipeline["head_steps"]
+        tied = st.cfg.model.tie_embeddings
+        steps = {"embedding": (backward + head * tied) / st.p, "lm_head": head / st.p}
+        shared = sum(size(p) * steps.get(p.name, head) for p in group if not p.stacked)
+        return round(st.accum * (backward * layers / st.pipeline["virtual_stages"] + shared))

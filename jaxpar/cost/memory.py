@@ -1,0 +1,326 @@
+"""The memory of one train step, per device: state, gradients, saved activations, scratch.
+
+Parameters are float32 and split by the rules table: ``embed`` over ``fsdp`` (ZeRO-3), ``heads``,
+``kv_heads``, ``mlp``, ``vocab`` over ``tensor``. Gradients are float32 and live where their
+parameters live, or, under ZeRO-1 outside a pipeline, where the moments live (one more copy,
+the accumulator, when g > 1). ZeRO-1's reduce-scatter to the moments' layout runs per layer
+inside the layer loop on XLA:CPU, but after it on the GPU/TPU compilers: there every layer's
+whole gradient is alive at the end of the backward pass, beside the scattered ones (tpu-v5e,
+llama-1b data=8 in bf16: compiled peak / plan 1.67 -> 1.05, and 0.90 with the cast below).
+In bf16 compute outside a pipeline the GPU/TPU compilers also cast the whole stored layer stack
+once, before the loop, and keep the copy through the backward pass (``weight_copies``).
+AdamW keeps two float32 moments per parameter, split like the parameters (ZeRO-3) or with
+``embed`` also split over ``data`` and ``fsdp`` (ZeRO-1). Saved activations per layer and
+micro-batch, with ``r = A/t`` under sequence parallelism (else ``r = A``: the residual stream
+is replicated over ``tensor``):
+
+- ``remat=none``: what the layers' custom VJPs and autodiff keep. Per RMSNorm (2) its input
+  (r) and float32 reciprocal rms (r x 4/(E a)); the column-parallel matmuls rebuild the norm's
+  output from them (``project_all``), except in a pipeline stage, whose matmuls keep it (A,
+  gathered); q, k, v after rotary (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a);
+  gate, up and their SwiGLU product (3 b S/c F/t a: ``layers.gated_silu`` recomputes the
+  sigmoid); and one float32 score-sized tensor per head, the probabilities (b (H/t) S/c S_k x
+  4 bytes, ``attention.softmax``; S_k is S, the keys each query sees), plus a compute-dtype
+  copy of them under bfloat16.
+- ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
+  the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
+  projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
+  norms and the SwiGLU product are recomputed. In a pipeline stage, whose matmuls are a custom
+  VJP of their own that the policy does not save, only the block input, as under ``full``
+  (and a MoE router's float32 logits).
+- ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
+- Weights: under ``remat=none`` the layers reshard after the forward pass
+  (``projection.project_all``): each keeps its stored weight shard for the backward pass (the
+  scan stacks it: one more copy of the layer weights as stored, 1/fsdp of them), not the weights
+  as its matmuls read them (cast to the compute dtype and, under FSDP, gathered whole). The MoE
+  router and routed experts, and a pipeline stage's weights (prepared once per step), are kept
+  as read. The remat policies recompute them all.
+- Flash attention (``model.attention`` blockwise or cudnn, and ring or all-gather attention
+  over ``context``) never holds scores: its custom VJP keeps the float32 output and
+  log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of scores at a
+  time (``model.attention_block`` squared, at most one zigzag chunk's).
+- A MoE layer keeps, instead of the SwiGLU's tensors, the router's float32 logits, probabilities
+  and choices, the k copies of each token and their outputs, the rows sent, received and
+  returned by its all-to-alls and the experts' three hidden-sized tensors per row (see
+  ``_moe_activations``); with ``every = n`` a "layer" in these sums is a group of n blocks.
+  On XLA:CPU its dropless grouped matmul runs dense over every local expert, which adds
+  float32 products of all rows with every expert to the working set (``_dense_ragged_dot``).
+- Parameters include every expert of every MoE layer (1/G of them per device); the router
+  biases of ``router=sigmoid_bias`` are float32 buffers outside the optimizer.
+
+During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
+gradients), with the norm output its matmuls rebuild (A); the head adds float32 logits and
+their gradient (b S/c V/t each, divided by the pieces
+the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t,
+built for its gradient in slices of the vocabulary that fit in ``LOSS_CHUNK_BYTES``; the
+forward pass gathers rows).
+Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
+embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
+stashes, the residuals of the chunk it runs (or the layer it recomputes) and its head step's
+vocabulary pieces, its weights as read and, under FSDP, the float32 gradient sums of its
+gathered weights, which stand in for the gradients until after the stretch loops; before the
+loops it holds the vocabulary gathered whole (:mod:`~jaxpar.cost.pipeline`, "Memory of
+a stage"). Peak = parameters + optimizer state + batch + max(gradients (a pipeline's sums) +
+activations + stash + weight copies + that working set; a pipeline's sums + stash + its
+vocabulary before the loops; gradients + the optimizer update's temporaries, or the sums being
+reduce-scattered).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxpar.config import BATCH_AXES
+from jaxpar.cost.params import (
+    PARAM_BYTES,
+    ParamCost,
+    in_compute_dtype,
+    model_buffers,
+    unit_blocks,
+)
+from jaxpar.cost.pipeline import (
+    before_loops,
+    pipeline_gradient_sums,
+    pipeline_memory,
+    stage_head,
+)
+from jaxpar.cost.shapes import StepSizes
+
+
+@dataclass(frozen=True)
+class MemoryCost:
+    """Bytes per device. ``state``: what the step takes and returns (donated)."""
+
+    params: int
+    optimizer: int  # two Adam moments + two int32 counts
+    gradients: int  # including the accumulator when grad_accum > 1
+    batch: int  # inputs, targets (int32) and mask (float32) rows of this device
+    activations: int  # saved for the backward pass, all layers, one micro-batch
+    working: int  # one layer's backward, the head's logits, FSDP-gathered weights
+    update: int  # the optimizer update's temporaries (after activations are freed)
+    stash: int = 0  # pipeline: stage inputs and output gradients held between F and backward
+    weight_copies: int = 0  # the weights as read, copied once per step (pipeline stage; cast stack)
+    gradient_sums: int = 0  # pipeline with FSDP: float32 sums of the gathered weights' gradients
+    before_loops: int = 0  # pipeline: the vocabulary gathered whole before the stretch loops
+    buffers: int = 0  # non-trainable model state (MoE router biases)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer + self.buffers + 4  # + the int32 step of TrainState
+
+    @property
+    def peak(self) -> int:
+        # A pipeline's gradient sums stand in for the gradients until they are reduce-scattered
+        # into them, after the stretch loops.
+        during = self.gradient_sums or self.gradients
+        return (self.state + self.batch
+                + max(during + self.activations + self.stash + self.weight_copies + self.working,
+                      during + self.stash + self.before_loops,
+                      self.gradients + max(self.gradient_sums, self.update)))
+
+
+def _moe_activations(st: StepSizes, remat: str) -> int:
+    """Bytes a MoE layer's feed-forward part saves, one micro-batch (in place of the SwiGLU's):
+    router logits, probabilities and one-hot choices (float32); the k copies of each token and
+    their outputs; the rows sent, received and returned ([expert_rows, E]); the experts' three
+    hidden-sized tensors per row (gate, up, product); the shared experts like a SwiGLU.
+    ``dots`` keeps only the router logits and the shared experts' matmul outputs: the routed
+    experts' ragged or batched dots are recomputed, with their all-to-alls."""
+    m, moe, a, t = st.cfg.model, st.cfg.model.moe, st.a, st.t
+    tokens, e = st.tokens, m.d_model
+    shared = tokens * moe.num_shared_experts * m.resolved_d_ff_expert // t * a
+    if remat == "dots":
+        return tokens * moe.num_experts * 4 + 2 * shared
+    rows = st.expert_rows
+    return (3 * tokens * moe.num_experts * 4 + 2 * tokens * moe.top_k * e * a
+            + 3 * rows * e * a + 3 * rows * m.resolved_d_ff_expert // t * a + 3 * shared)
+
+
+def _norms(st: StepSizes) -> int:
+    """Bytes the two RMSNorms of a layer keep under ``remat=none`` (module docstring): each its
+    input and float32 reciprocal rms, and in a pipeline stage its output (A, gathered)."""
+    full = st.b * st.sl * st.cfg.model.d_model * st.a  # A
+    residual = full // st.t if st.sp else full
+    return 2 * (residual + residual * 4 // (st.cfg.model.d_model * st.a)
+                + (full if st.pipeline is not None else 0))
+
+
+def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
+    """Bytes one layer saves for the backward pass, one micro-batch (module docstring)."""
+    m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
+    d = m.resolved_head_dim
+    full = b * s * m.d_model * a  # A
+    residual = full // t if st.sp else full
+    if st.pipeline is not None and remat != "none":
+        # A stage's matmuls are a custom VJP of their own, which the dots policy does not
+        # save: only the block input, as under full (and a MoE router's float32 logits).
+        router = st.tokens * m.moe.num_experts * 4 if moe and remat == "dots" else 0
+        return residual + router
+    # XLA:CPU runs bf16 matmuls in float32 and the dots policy saves their float32 outputs.
+    a = 4 if st.xla_cpu and remat == "dots" else a
+    q = b * s * (m.n_heads // t) * d * a
+    kv = 2 * b * s * (m.n_kv_heads // t) * d * a
+    mlp = b * s * (m.d_ff // t) * a
+    # Flash attention's custom VJP keeps its float32 output and log-sum-exp whatever the policy.
+    flash = b * s * (m.n_heads // t) * (d + 1) * 4 if st.flash else 0
+    if remat == "full":
+        return residual + flash
+    ffn = _moe_activations(st, remat) if moe else (3 if remat == "none" else 2) * mlp
+    if remat == "dots":
+        return residual + q + kv + full * a // st.a + ffn + flash
+    # The norms (_norms); rotated q, k and v; the attention output; gate, up and their product;
+    # the float32 probabilities, plus a compute-dtype copy for the weighted sum when that dtype
+    # is narrower.
+    keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
+    probs = 0 if st.flash else b * (m.n_heads // t) * s * keys * (4 + (a if a < 4 else 0))
+    return _norms(st) + q + kv + q + ffn + probs + flash
+
+
+def _stage_layer(st: StepSizes, moe: bool) -> int:
+    """A stage's backward slot under ``remat=dots``/``full``: one recomputed layer's
+    ``remat=none`` set and the norm output its matmuls read (A), as outside a pipeline. On
+    XLA:CPU in bf16 its residual stream is float32 instead: ten float32 ``[b, S, E]`` in place
+    of the norms' tensors (the recomputed norms and residual adds, their gradients, the head's
+    input: the next microbatch's forward and head run beside the backward slot), and the inputs
+    of the weight-gradient matmuls (both norms' outputs, the SwiGLU product, the attention
+    output) transposed to float32; the attention's and the SwiGLU's tensors as in the set.
+    Counted in the live set at the peak of gpipe, 1F1B and interleaved steps at Llama-3-8B widths
+    (2 and 1 rows a microbatch, tensor 4 and 2). Not for MoE layers, nor under sequence
+    parallelism, whose live set differs (two float32 ``[b, S, E]`` gathered, the rest split: the
+    set as outside a pipeline leaves the plan 9% under the compiled peak there)."""
+    layer = _layer_activations(st, "none", moe) + st.act
+    if not st.xla_cpu or st.a == 4 or moe or st.sp:
+        return layer
+    m, tokens = st.cfg.model, st.b * st.sl
+    transposed = tokens * (2 * m.d_model + (m.d_ff + m.n_heads * m.resolved_head_dim) // st.t)
+    return layer - _norms(st) - st.act + (10 * m.d_model * tokens + transposed) * 4
+
+
+def _dense_ragged_dot(st: StepSizes) -> int:
+    """XLA:CPU's working set for ``ragged_dot`` (dropless dispatch): it lowers the grouped
+    matmul to a dense one over every local expert, masked, so the backward pass of a MoE layer
+    holds float32 products of all its rows with every local expert's weights: about four
+    [rows, X, F] and one [rows, X, E] at once (fitted to the 1-device compiles of bench-cpu
+    with 4-16 experts, d_ff_expert 256-512, top-1 and top-2: 4.4-5.2 of [rows, X, F] before
+    the [rows, X, E] term; GPU and TPU run the grouped matmul itself)."""
+    m = st.cfg.model
+    if not (st.xla_cpu and m.moe.enabled and m.moe.dispatch == "dropless"):
+        return 0
+    local = m.moe.num_experts // st.mesh["expert"]
+    return st.expert_rows * local * (4 * m.resolved_d_ff_expert // st.t + m.d_model) * 4
+
+
+def _head_backward(st: StepSizes, vocab: int) -> int:
+    """What the loss's backward pass holds beside the logits, outside a pipeline: with the loss
+    in pieces, the head gradient's float32 partial sums, accumulated over the pieces and
+    reduced once (``model/loss.py``); on XLA:CPU also each piece's product before it is added
+    and, in bf16 compute, a float32 copy of the head for the input gradient's matmul (XLA:CPU
+    runs bf16 matmuls in float32)."""
+    if st.pipeline is not None:
+        return 0
+    head_f32 = st.cfg.model.d_model * vocab * 4
+    partial_sums = head_f32 * (1 + st.xla_cpu) if st.loss_pieces > 1 else 0
+    return partial_sums + (head_f32 if st.xla_cpu and st.a < 4 else 0)
+
+
+def _float32_norm_temporaries(st: StepSizes) -> int:
+    """XLA:CPU computes bf16 elementwise work in float32: recomputing a layer's norms and
+    residual adds in the backward pass holds five float32 copies of the replicated residual
+    stream at once (the live set at the step's peak, Llama-3-8B widths, fsdp=8 x tensor=8 with
+    8 rows per device: two products, two sums and an add of [8, 4096, 4096], 512 MiB each).
+    Sequence parallelism splits that stream; the GPU/TPU compilers fuse the work."""
+    if not st.xla_cpu or st.a == 4 or st.sp or st.pipeline is not None:
+        return 0
+    return 5 * st.b * st.sl * st.cfg.model.d_model * 4
+
+
+def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
+    """The layer stack as its matmuls read it, cast once per step: outside a pipeline the
+    GPU/TPU compilers turn the cast of each layer's float32 weights inside the layer loop into
+    one cast of the whole stored stack before it (a shard of it under FSDP, gathered layer by
+    layer after), kept for the backward pass (libtpu 0.0.42.1; XLA:CPU casts layer by layer)."""
+    if (st.pipeline is not None or st.xla_cpu or st.a == PARAM_BYTES
+            or st.cfg.train.param_dtype != "float32"):
+        return 0
+    return sum(in_compute_dtype(p, p.stored_bytes_per_device or p.bytes_per_device, st.a)
+               for p in params if p.stacked and p.matmul)
+
+
+def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
+    """Bytes per device of one step (the module docstring's accounting)."""
+    cfg, m = st.cfg, st.cfg.model
+    param_bytes = sum(p.stored_bytes_per_device for p in params)
+    # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient.
+    accumulator = sum(p.bytes_per_device for p in params) if st.accum > 1 else 0
+    # bf16 parameters under float32 compute: the step reads float32 copies of them (the cast),
+    # and its float32 weight gradients live until they are rounded to the stored dtype.
+    widened = (sum(p.bytes_per_device for p in params if p.matmul)
+               if cfg.train.param_dtype == "bfloat16" and st.a == 4 else 0)
+    moments = sum(p.moment_bytes_per_device for p in params)
+    # ZeRO-1 outside a pipeline lays the gradients out like the moments (train/step.py), from
+    # whole ones that the GPU/TPU compilers keep until after the layer loop (docstring).
+    zero1 = cfg.parallel.zero == 1 and st.pipeline is None
+    whole_before_scatter = param_bytes if zero1 and not st.xla_cpu else 0
+    gradient_bytes = moments if zero1 else param_bytes
+    # The loss's float32 logits and their gradient, one loss piece at a time, and the
+    # embedding's one-hot input, built for its gradient one slice of the vocabulary at a time.
+    # (A pipeline's head and embedding are split over pipe as well: each stage its piece.)
+    vocab = m.vocab_size // st.t // (st.p if st.pipeline is not None else 1)
+    one_hot = st.b * st.sl * vocab * st.a // st.embedding_grad_pieces
+    logits = st.b * st.sl * vocab * (4 + 4) // st.loss_pieces
+    head = logits + one_hot + 2 * st.act
+    # The loss's backward pass, a phase of its own (before any layer's): the logits, the head
+    # as read, and what its gradient needs (_head_backward).
+    loss_phase = logits + 2 * st.act + m.d_model * vocab * st.a + _head_backward(st, vocab)
+    # One layer's weights as its matmuls read them: cast to the compute dtype, gathered over
+    # fsdp. remat=none keeps in every layer those it does not reshard after the forward pass
+    # (all of them in a pipeline stage, which prepares its weights once per step).
+    # (With MoE every=k > 1, a "layer" here is one scanned group of k blocks.)
+    blocks = unit_blocks(m)
+    units = m.n_layers // len(blocks)
+    layer_weights = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
+                        for p in params if p.stacked) // units
+    kept_weights = 0
+    if cfg.train.remat == "none" and st.pipeline is not None:
+        kept_weights = layer_weights
+    elif cfg.train.remat == "none":  # the stored shard of what it reshards (a stacked residual)
+        kept_weights = sum(p.stored_bytes_per_device or p.bytes_per_device if p.resharded
+                           else in_compute_dtype(p, p.gathered_bytes, st.a)
+                           for p in params if p.stacked) // units
+    gathered = 0  # (a pipeline stage's weights, gathered once per step: its weight copies)
+    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1 and st.pipeline is None:
+        # one layer's weights and gradient
+        gathered = 2 * layer_weights + sum(in_compute_dtype(p, p.gathered_bytes, st.a)
+                                           for p in params if not p.stacked)
+    if st.flash:  # one block's float32 scores, probabilities and their gradients
+        head += 4 * st.b * (m.n_heads // st.t) * st.block * st.block * 4
+    rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
+    per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
+    # The backward pass's working set: one layer's remat=none set (recomputed, or its
+    # gradients) and the norm output its matmuls rebuild (A); in a pipeline stage, the
+    # residuals of the chunk a slot is running (remat=none) or the layer it recomputes, and
+    # what the head's step adds (cost/pipeline.py, "Memory of a stage").
+    layer_set = (max(_layer_activations(st, "none", moe) for moe in blocks) + st.act
+                 + _float32_norm_temporaries(st))
+    saved_layers, stash, copies, before = units, 0, _cast_stack(st, params), 0
+    if st.pipeline is not None:
+        saved_layers, before = 0, before_loops(st, params)
+        recomputed = (None if cfg.train.remat == "none"
+                      else max(_stage_layer(st, moe) for moe in blocks))
+        stash, copies, layer_set = pipeline_memory(st, params, per_layer, recomputed)
+        head += stage_head(st)
+    return MemoryCost(
+        params=param_bytes,
+        optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
+        gradients=gradient_bytes + accumulator + whole_before_scatter,
+        batch=rows * st.sl * 12,
+        activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
+                                        for moe in blocks) + kept_weights),
+        working=max(layer_set + head + gathered + widened + _dense_ragged_dot(st), loss_phase),
+        update=moments,
+        stash=stash,
+        weight_copies=copies,
+        gradient_sums=pipeline_gradient_sums(st, params),
+        before_loops=before,
+        buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))

@@ -1,0 +1,187 @@
+"""The pipeline's share of the cost model: tick messages, FSDP by hand, memory, bubble time.
+
+Kept together because they follow the executor and its schedule tables
+(:mod:`jaxpar.parallel.pipeline.executor`, :func:`~jaxpar.parallel.pipeline.executor.describe`) and
+change with them. Inside the stages every other parallelism's formula runs on the stage's layers
+once per microbatch (:class:`jaxpar.cost.ledger.Ledger` counts those multiplicities).
+
+``pipe`` (``parallel/pipeline/executor.py``): each executor step with a forward slot sends one
+activation on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding pieces
+over ``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
+(the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss statistics
+(three per piece of the sequence under ``train.loss_chunks``, the same bytes); each step with a
+backward slot sends one gradient back and all-reduces chunk 0's input gradient. The all-reduced
+activations keep sequence parallelism's tensor split, like the sends (XLA:CPU's psums are [b/m,
+S/(c t), E]). They travel in the compute dtype (one stage's value, zeros from the others: exact),
+except the head's input gradient, whose pieces all contribute: float32
+(``parallel/pipeline/stages.py: head_and_loss``). The last step's send is never read (XLA drops
+it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
+micro-step. Inside the stages, every formula of :mod:`~jaxpar.cost.collectives` runs on the stage's
+layers (and its share of the MoE layers) once per executed slot (masked ones included:
+``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp``, ``expert`` and
+``context`` by hand once per step and gathers FSDP weights (the experts' too) once.
+
+FSDP by hand with ``tensor``: the executor gathers and reduce-scatters each
+weight's own ``tensor`` shard over ``fsdp`` (``parallel/manual.py: ByHand``), so those
+collectives move what they would without a pipeline, once per step.
+
+Memory of a stage: the peak is the larger of two phases (both beside the state, the stashes and
+the gradient sums; the gradient shards exist only after the loops, when the sums are
+reduce-scattered):
+
+- inside the stretch loops, at a step with a backward slot and the head: the weights as read,
+  the working set of the chunk a backward slot runs, and the head's;
+- before the loops: the embedding and head gathered whole over ``fsdp`` in float32 and the head
+  cast to the compute dtype, from which each stage cuts its vocabulary piece.
+
+What each part holds:
+
+- the stashes: arrived inputs and output gradients (one activation per slot; the output-gradient
+  stash counts twice: XLA copies it where one stretch's loop hands it to the next while the old
+  one is still read, seen on tiny; the real-width peaks below hold it once) and forward
+  residuals (what remat saves for a chunk's layers per slot), each stash with one spare slot
+  that masked writes go to. The residuals are jax's VJP residuals as they are: a stage's
+  matmuls keep their inputs (the norms' outputs too, which outside a pipeline are rebuilt from
+  the norms' inputs) under ``remat=none``; under ``dots`` as under
+  ``full`` only each layer's input (the matmuls are a custom VJP, which the dots policy does not
+  save: one ``[slots, layers, b/m, S, E]`` leaf, and the same compiled peak for both policies,
+  on tiny and at Llama-3-8B widths);
+- the working set of a backward slot: under ``remat=none`` its chunk's residuals, fresh from the
+  forward or read back (nothing is recomputed); under ``dots``/``full`` one recomputed layer's
+  ``remat=none`` set, as outside a pipeline (on XLA:CPU in bf16 its residual stream in float32:
+  ``cost/memory.py: _stage_layer``);
+- the head's step (``stage_head``): beside the logits, the embedding gradient of the stage's
+  vocabulary piece (float32, built slice by slice into one buffer) and the head gradient's float32
+  partial sums over the loss pieces; on XLA:CPU also each loss piece's product before it is added
+  and, in bf16 compute, a float32 copy of the head piece for the input gradient's matmul;
+- the weights as read (``stage_weights``): the stage's layers (compute dtype, FSDP-gathered,
+  whole over tensor as above), loop-carried, and again the running chunk's, sliced from them
+  in the layout its matmuls read (XLA:CPU, every schedule; in bf16 both are float32, since it
+  runs bf16 dots in float32: at Llama-3-8B widths no bf16 copy of a layer weight is alive at
+  the peak); the head's vocabulary piece ``[E, V/(p t)]`` in the compute dtype and the
+  embedding's piece in float32 (the lookup gathers its rows before the cast). FSDP's per-layer
+  gathered working set does not exist in a stage: the weights are gathered once.
+- with FSDP by hand, the gradient sums: the executor adds every microbatch's
+  weight gradients into float32 sums of the weights as gathered (the stage's layers, and the
+  embedding, head and final norm whole), kept for the whole step and reduce-scattered to the
+  stored shards once at its end, so they are a buffer of their own beside those shards (the
+  shards are the step's gradients). Without FSDP the sums are the gradients. (On llama-1b with
+  pipe=2 fsdp=4 that is 2.3 GiB per device that the plan missed: the TPU compiler's peak was
+  1.23x the plan's, 0.88x with the sums, before the accounting above.)
+
+At Llama-3-8B widths (bf16, remat=dots, 4 or 8 layers, pipe=4 fsdp=4 tensor=4 and pipe=4 fsdp=8
+tensor=2, 8 microbatches; gpipe, 1F1B, interleaved) the compiled peak is within 4% of this
+(``tests/test_real_size.py``); the stash is 0.4-1.8 GiB of 6-8 GiB. 1F1B's and interleaved's
+peak is in a step with a forward, a backward and the head; gpipe's in its backward-only stretch,
+where XLA:CPU reads the residual stash through a float32 copy of it and no head runs (what the
+head's step and the second output-gradient stash count instead). XLA:CPU also copies the
+donated Adam moments at the step's start and reuses their buffers for temporaries: no net
+bytes, except where they stay idle (gpipe: about 0.45 GiB of its 7.08). The TPU compiler's
+peak for tests/test_tpu_target.py's pipe=2 fsdp=4 and data=2 fsdp=2 (bf16, remat=dots) is
+1.00 of this plan.
+
+Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
+fsdp=2, pipe=2 fsdp=2 tensor=2 with SP, a MoE model with pipe=2 expert=2 tensor=2, and the
+memory of sequences of 128 tokens (tests/test_cost.py). Time: compute x the executed-work
+factor = compute / (1 - bubble).
+"""
+
+from __future__ import annotations
+
+from jaxpar.cost.ledger import Ledger
+from jaxpar.cost.params import ParamCost, in_compute_dtype
+from jaxpar.cost.shapes import StepSizes
+
+
+def pipeline_collectives(c: Ledger) -> None:
+    """Sends and all-reduces over ``pipe`` per executor step (module docstring)."""
+    st = c.st
+    if st.pipeline is None:
+        return
+    g = st.accum
+    forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
+    head = st.pipeline["head_steps"]
+    sends = forward + backward - 1
+    c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
+          f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
+    vocab = [p for p in c.other if p.name in ("embedding", "lm_head")]
+    sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
+    c.add("all-reduce", ("pipe",),
+          g * (forward + 3 * head * st.loss_pieces + backward) + sums * len(vocab),
+          g * ((forward + head + backward) * st.sent + head * st.sent * 4 // st.wire
+               + 3 * head * st.b * st.sl * 4)
+          + sums * sum(p.bytes_per_device for p in vocab),
+          "pipeline: embedding (forward steps), last output and head gradient (head steps), "
+          "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
+
+
+def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
+    """Bytes of the executor's float32 gradient sums where they are not the step's gradients:
+    under FSDP by hand, whole over ``fsdp`` (module docstring, "Memory of a stage")."""
+    if st.pipeline is None or st.mesh["fsdp"] == 1:
+        return 0
+    return sum(p.gathered_bytes for p in params)
+
+
+def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
+    """Bytes of a stage's weights as read: its layers and the running chunk's again, its
+    vocabulary piece of the head (compute dtype) and of the embedding (float32) (module
+    docstring)."""
+    widened = 4 if st.xla_cpu else st.a  # XLA:CPU runs bf16 dots in float32
+    stack = sum(in_compute_dtype(p, p.gathered_bytes, widened) for p in params if p.stacked)
+    layers = stack + stack // st.cfg.parallel.virtual_stages
+    head = embedding = 0
+    for p in params:
+        if p.name == "embedding":
+            embedding = p.gathered_bytes // st.p
+            head = head or in_compute_dtype(p, p.gathered_bytes // st.p, st.a)
+        elif p.name == "lm_head":
+            head = in_compute_dtype(p, p.gathered_bytes // st.p, st.a)
+    others = sum(p.gathered_bytes for p in params if not p.stacked
+                 and p.name not in ("embedding", "lm_head"))  # the final norm, float32
+    return layers + head + embedding + others
+
+
+def stage_head(st: StepSizes) -> int:
+    """Bytes the head's step holds beside its logits (module docstring): float32 pieces
+    ``[E, V/(p t)]``: the embedding gradient of the stage's piece, the head gradient's partial
+    sums over the loss pieces, and on XLA:CPU each piece's product and (bf16) a float32 head."""
+    piece = st.cfg.model.d_model * st.cfg.model.vocab_size // (st.p * st.t) * 4
+    pieces = 1 + (st.loss_pieces > 1)
+    if st.xla_cpu:
+        pieces += 1 + (st.a < 4)
+    return pieces * piece
+
+
+def before_loops(st: StepSizes, params: list[ParamCost]) -> int:
+    """Bytes of the phase before the stretch loops beside the stashes and the gradient sums: the
+    embedding and head gathered whole over ``fsdp`` (float32; without FSDP they are the
+    parameters) and the head cast to the compute dtype (module docstring)."""
+    vocab = {p.name: p for p in params if p.name in ("embedding", "lm_head")}
+    gathered = sum(p.gathered_bytes for p in vocab.values()) if st.mesh["fsdp"] > 1 else 0
+    head = vocab.get("lm_head", vocab.get("embedding"))  # tied: the embedding is the head
+    cast = in_compute_dtype(head, head.gathered_bytes, st.a) if head and st.a < 4 else 0
+    return gathered + cast
+
+
+def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer: int,
+                    recomputed_layer: int | None) -> tuple[int, int, int]:
+    """(stash bytes, weights as read, a backward slot's working set) of a stage (module
+    docstring, "What each part holds"): the chunk's residuals under ``remat=none``, else
+    ``recomputed_layer``, one layer's working set as its backward recomputes it."""
+    chunk = st.layers // st.cfg.parallel.virtual_stages * residuals_per_layer
+    slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
+    stash = slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
+    working = chunk if recomputed_layer is None else recomputed_layer
+    return stash, stage_weights(st, params), working
+
+
+def pipeline_compute(st: StepSizes, compute: float) -> float:
+    """Idle ticks: the same work spread over more time."""
+    return compute * st.pipeline["executed_work_factor"]
+
+
+def pipeline_note(st: StepSizes) -> str:
+    return (f"pipeline {st.pipeline['schedule']}: executed bubble {st.pipeline['bubble']:.1%} "
+            f"(masked slots run too: compute time x {st.pipeline['executed_work_factor']:.2f}); "
+            "nothing is recomputed beyond train.remat (forward residuals are stashed)")

@@ -1,0 +1,227 @@
+"""The sizes every formula of the cost model uses, per device, for one config.
+
+Notation (all per device unless "global"): B global batch (sequences per optimizer step), S
+``seq_len``, E ``d_model``, H/K query/kv heads, D ``head_dim``, F ``d_ff``, V vocab, L layers;
+d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes, G ``expert``; X experts,
+k ``top_k``; g ``grad_accum``; a the bytes of the compute dtype (4 float32, 2 bfloat16). Each
+device runs g micro-batches of ``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens (with
+a pipeline, each micro-batch is cut into ``train.microbatches``). One activation of the residual
+stream is ``A = b * S/c * E * a`` bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxpar.config import BATCH_AXES, Config
+from jaxpar.cost.params import PARAM_BYTES
+from jaxpar.model.attention import resolve
+from jaxpar.parallel.pipeline.executor import describe
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """The sizes every formula of the cost model uses (notation of :mod:`jaxpar.cost.estimate`)."""
+
+    cfg: Config
+    b: int  # micro-batch per device
+    s: int  # global sequence length
+    a: int  # compute dtype bytes
+    accum: int
+    mesh: dict[str, int]
+    sp: bool  # sequence parallelism in effect (tensor > 1)
+    xla_cpu: bool  # predict XLA:CPU's program rather than the GPU/TPU compilers'
+    pipeline: dict | None = None  # parallel.pipeline.describe() when pipe > 1
+    platform: str = "cpu"  # the backend `model.attention=auto` resolves for
+
+    @property
+    def p(self) -> int:
+        return self.mesh["pipe"]
+
+    @property
+    def m(self) -> int:
+        """Pipeline microbatches per micro-step (1 without a pipeline)."""
+        return self.cfg.train.microbatches
+
+    @property
+    def layers(self) -> int:
+        """Layers this device runs: its stage's share of the stack."""
+        return self.cfg.model.n_layers // self.p
+
+    @property
+    def moe_layers(self) -> int:
+        """MoE layers this device runs: its stage's share of them."""
+        return self.cfg.model.n_moe_layers // self.p
+
+    @property
+    def runs(self) -> int:
+        """How often a device runs its layers forward per step: micro-steps x microbatches."""
+        return self.accum * self.m
+
+    @property
+    def wire(self) -> int:
+        """Bytes per compute-dtype element on the wire: XLA:CPU computes bf16 dots in float32."""
+        return PARAM_BYTES if self.xla_cpu else self.a
+
+    @property
+    def attention_matmuls(self) -> int:
+        """The attention's column-parallel matmuls under tensor parallelism: q+k+v stacked
+        (``projection.project_all``), q and k+v with grouped-query attention (their input
+        gradients, summed in one VJP, are still reduced one by one on XLA:CPU); q, k and v in
+        a pipeline stage, whose prepared weights are not stacked."""
+        if self.pipeline is not None:
+            return 3
+        return 1 if self.cfg.model.n_kv_heads == self.cfg.model.n_heads else 2
+
+    @property
+    def mlp_matmuls(self) -> int:
+        """The SwiGLU's column-parallel matmuls: gate+up stacked, gate and up in a pipeline."""
+        return 2 if self.pipeline is not None else 1
+
+    @property
+    def column_matmuls(self) -> int:
+        """Matmuls per dense layer reading the gathered input under tensor parallelism."""
+        return self.attention_matmuls + self.mlp_matmuls
+
+    @property
+    def column_parallel_reductions(self) -> int:
+        """Backward input-gradient reductions per layer over tensor: one per column matmul on
+        XLA:CPU; the TPU compiler sums separate ones before reducing."""
+        return self.column_matmuls if self.xla_cpu else 2
+
+    @property
+    def t(self) -> int:
+        return self.mesh["tensor"]
+
+    @property
+    def c(self) -> int:
+        return self.mesh["context"]
+
+    @property
+    def sl(self) -> int:
+        """Tokens of a sequence on this device (split over context)."""
+        return self.s // self.c
+
+    @property
+    def loss_pieces(self) -> int:
+        """Pieces of the sequence the loss (or the pipeline's head) is computed in."""
+        return self.cfg.loss_pieces()
+
+    @property
+    def embedding_grad_pieces(self) -> int:
+        """Slices of the vocabulary the embedding's gradient is built in (a pipeline stage: of its
+        piece)."""
+        return self.cfg.embedding_grad_pieces()
+
+    @property
+    def ring(self) -> bool:
+        return self.c > 1 and self.cfg.parallel.context_impl == "ring"
+
+    @property
+    def attention(self) -> str:
+        """The attention the step runs: ``ring``/``allgather`` over ``context`` (both on the
+        blockwise kernel), else what ``model.attention`` resolves to on ``platform``."""
+        if self.c > 1:
+            return self.cfg.parallel.context_impl
+        m = self.cfg.model
+        return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype,
+                       self.cfg.splash_possible())
+
+    @property
+    def flash(self) -> bool:
+        """Attention with an online softmax and a custom VJP: it saves the output and the
+        log-sum-exp, never a score matrix, and recomputes the scores backward."""
+        return self.attention != "dense"
+
+    @property
+    def block(self) -> int:
+        """Queries (and keys) per block of the flash kernel: ``model.attention_block``, at most
+        one contiguous piece of the local sequence (a zigzag chunk under context parallelism)."""
+        piece = (self.sl // (2 if self.cfg.parallel.zigzag else 1) if self.c > 1 else self.s)
+        return min(self.cfg.model.attention_block, piece)
+
+    @property
+    def computed_share(self) -> float:
+        """Share of the S x S square the busiest device's flash kernel computes: the zigzag
+        layout balances the causal half (2c+1 of 4c chunk pairs each); a contiguous split
+        leaves the last device all of its blocks; on one device, n(n+1)/2 of n^2 blocks."""
+        if self.c > 1:
+            return (2 * self.c + 1) / (4 * self.c) if self.cfg.parallel.zigzag else 1.0
+        n = self.s // self.block
+        return (n + 1) / (2 * n)
+
+    @property
+    def act(self) -> int:
+        """A: one residual-stream activation, b x S/c x E in the compute dtype."""
+        return self.b * self.sl * self.cfg.model.d_model * self.a
+
+    def tokens_x_embed(self, element_bytes: int) -> int:
+        """b x S/c x E elements of ``element_bytes`` each (an activation on the wire)."""
+        return self.b * self.sl * self.cfg.model.d_model * element_bytes
+
+    # Mixture of experts: per device and micro-step, per MoE layer.
+
+    @property
+    def tokens(self) -> int:
+        """T: tokens one device routes per micro-step (its b rows x S/c positions)."""
+        return self.b * self.sl
+
+    @property
+    def moe_exchange(self) -> str | None:
+        """How slots cross the expert axis: ``capacity`` (dropping), ``padded`` (dropless on
+        XLA:CPU), ``ragged`` (dropless elsewhere), or None (no expert axis, or a dense model)."""
+        moe = self.cfg.model.moe
+        if not moe.enabled or self.mesh["expert"] == 1:
+            return None
+        if moe.dispatch == "dropping":
+            return "capacity"
+        return "padded" if self.xla_cpu else "ragged"
+
+    @property
+    def expert_rows(self) -> int:
+        """Rows one device's experts compute per MoE layer (= rows of each all-to-all): the
+        capacity buffer, the worst-case blocks of the padded exchange, or the T x k real slots."""
+        moe, g = self.cfg.model.moe, self.mesh["expert"]
+        if moe.dispatch == "dropping":
+            return moe.num_experts * moe.capacity(self.tokens)
+        if self.moe_exchange == "padded":
+            return g * self.tokens * min(moe.top_k, moe.num_experts // g)
+        return self.tokens * moe.top_k
+
+    @property
+    def kv_block(self) -> int:
+        """Elements of this device's K (or V): b x S/c x K/t x D."""
+        m = self.cfg.model
+        return self.b * self.sl * (m.n_kv_heads // self.t) * m.resolved_head_dim
+
+    # Pipeline (parallel/pipeline/executor.py): what the executor's schedule adds per microbatch.
+
+    def executed(self, direction: str) -> float:
+        """Forward (``"forward"``) or backward chunk runs a pipeline stage executes per useful
+        one: its steps with that slot, masked ones included, over microbatches x chunks."""
+        if self.pipeline is None:
+            return 1.0
+        useful = self.pipeline["microbatches"] * self.pipeline["virtual_stages"]
+        return self.pipeline[f"{direction}_steps"] / useful
+
+    @property
+    def sent(self) -> int:
+        """Bytes of one stage-to-stage message: a microbatch's residual stream shard (split
+        over tensor too under sequence parallelism), as it travels."""
+        return self.tokens_x_embed(self.wire) // (self.t if self.sp else 1)
+
+
+def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
+    """The sizes of one step of ``cfg`` (validated), for XLA:CPU's program or an accelerator's."""
+    mesh = dict(cfg.mesh_shape)
+    shards = math.prod(mesh[a] for a in BATCH_AXES)
+    t, par = cfg.train, cfg.parallel
+    b = t.batch_size // (t.grad_accum * t.microbatches * shards)
+    pipeline = (describe(par.pipeline_schedule, mesh["pipe"], t.microbatches, par.virtual_stages)
+                if mesh["pipe"] > 1 else None)
+    return StepSizes(cfg=cfg, b=b, s=t.seq_len, a=DTYPE_BYTES[t.dtype], accum=t.grad_accum,
+                     mesh=mesh, sp=par.sequence_parallel and mesh["tensor"] > 1,
+                     xla_cpu=xla_cpu, pipeline=pipeline, platform=platform)

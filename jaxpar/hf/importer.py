@@ -1,0 +1,193 @@
+"""``jaxpar import-hf DIR --to OUT``: a local Hugging Face model directory as a jaxpar
+weights-only checkpoint (:mod:`jaxpar.checkpoint.weights`), ready for ``train.init_from``.
+
+Reads ``config.json`` (:mod:`jaxpar.hf.config`) and ``model.safetensors`` or the shards
+of ``model.safetensors.index.json``, a block of rows of one tensor at a time (the file opened
+for each block, so the pages safetensors maps are released again), straight into the stacked
+float32 arrays of the jaxpar model (:mod:`jaxpar.hf.names`): the host holds the model
+once, plus one block. Weights stored in bfloat16 or float16 become float32 (exactly). Writes
+``OUT/checkpoints/0``, a jaxpar ``OUT/config.yaml`` to train from, and copies the tokenizer
+files next to them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from flax import nnx
+from safetensors import safe_open
+
+from jaxpar.checkpoint.weights import save_weights
+from jaxpar.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict
+from jaxpar.hf.config import HFConfigError, model_config_from_hf, read_hf_config
+from jaxpar.hf.names import (
+    Tensor,
+    hf_shape,
+    hf_tensors,
+    jaxpar_view,
+    param_at,
+)
+from jaxpar.model.transformer import abstract_model
+
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+BLOCK_BYTES = 2**20  # a tensor is read this many (float32) bytes at a time
+# Tensors a Hugging Face directory may hold that the model does not use.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Imported:
+    checkpoint: Path  # the step directory written
+    config_yaml: Path  # a jaxpar config that starts training from it
+    model: ModelConfig
+    tokenizer: Path | None  # the copied tokenizer.json, if the source had one
+    total_bytes: int  # float32 bytes of the parameters
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            raise HFConfigError(f"{index}: not a safetensors index ({err})") from None
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise HFConfigError(f"{directory}: neither model.safetensors nor {INDEX} (only "
+                            "safetensors weights are read)")
+    with safe_open(str(single), "np") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _host_arrays(m: ModelConfig) -> dict:
+    """Empty float32 arrays shaped as the model's parameters (nested as ``params``)."""
+    _, params, _ = nnx.split(abstract_model(m), nnx.Param, ...)
+    shapes = nnx.to_pure_dict(params)
+
+    def build(node):
+        if isinstance(node, dict):
+            return {k: build(v) for k, v in node.items()}
+        return np.empty(node.shape, np.float32)
+
+    return build(shapes)
+
+
+def _check_coverage(tensors: list[Tensor], params: dict) -> None:
+    """Every slice of every parameter gets exactly one tensor (else the arrays, allocated
+    empty, would keep garbage): a guard on :func:`hf_tensors`."""
+    slices: dict[tuple[str, ...], set] = {}
+    for t in tensors:
+        slices.setdefault(t.path, set()).add(t.index)
+    paths = {tuple(p) for p in _paths(params)}
+    assert set(slices) == paths, sorted(set(slices) ^ paths)
+    for path, indices in slices.items():
+        stacked = param_at(params, path).shape[:len(next(iter(indices)))]
+        assert len(indices) == int(np.prod(stacked, dtype=int)), path
+
+
+def _paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for key, value in tree.items():
+        out += _paths(value, (*prefix, key)) if isinstance(value, dict) else [(*prefix, key)]
+    return out
+
+
+def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig) -> None:
+    wanted = {t.hf for t in tensors}
+    missing = sorted(wanted - set(files))
+    if missing:
+        raise HFConfigError(f"tensor {missing[0]} is missing from the safetensors files "
+                            f"({len(missing)} missing)")
+    extra = sorted(n for n in set(files) - wanted
+                   if not n.endswith(IGNORED_SUFFIXES)
+                   and not (m.tie_embeddings and n == "lm_head.weight"))  # tied: unused copy
+    if extra:
+        raise HFConfigError(f"tensor {extra[0]}: the model jaxpar builds from config.json has no "
+                            f"such weight ({len(extra)} unknown; an unsupported config field?)")
+
+
+def read_weights(directory: Path, m: ModelConfig) -> dict:
+    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays."""
+    files = weight_files(directory)
+    tensors = hf_tensors(m)
+    _check_names(tensors, files, m)
+    params = _host_arrays(m)
+    _check_coverage(tensors, params)
+    for t in tensors:
+        _read_into(files[t.hf], t, param_at(params, t.path)[t.index])
+    return params
+
+
+def _read_into(file: Path, t: Tensor, target: np.ndarray) -> None:
+    """Tensor ``t`` of ``file`` into its jaxpar slice ``target`` (float32), BLOCK_BYTES of it
+    at a time, the file opened for each block: neither a whole copy of the tensor nor its
+    mapped pages stay resident."""
+    with safe_open(str(file), "np") as f:
+        shape = tuple(f.get_slice(t.hf).get_shape())
+    if shape != hf_shape(t.layout, target.shape):
+        raise HFConfigError(f"tensor {t.hf} is {list(shape)}, but config.json makes it "
+                            f"{list(hf_shape(t.layout, target.shape))}")
+    view, transposed = jaxpar_view(t.layout, target)
+    rows = max(1, BLOCK_BYTES // max(1, 4 * int(np.prod(shape[1:], dtype=int))))
+    for start in range(0, shape[0], rows):
+        with safe_open(str(file), "np") as f:
+            block = f.get_slice(t.hf)[start:min(start + rows, shape[0])]
+        if transposed:
+            view[:, start:start + rows] = block.T  # converts to float32 as it copies
+        else:
+            view[start:start + rows] = block
+
+
+def _copy_tokenizer(source: Path, out_dir: Path) -> Path | None:
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out_dir / name)
+    copied = out_dir / "tokenizer.json"
+    return copied.absolute() if copied.is_file() else None
+
+
+def import_hf(source: Path, out_dir: Path) -> Imported:
+    """Convert the Hugging Face model directory ``source`` into ``out_dir`` (see module doc)."""
+    source, out_dir = source.expanduser(), out_dir.expanduser()
+    if not source.is_dir():
+        raise HFConfigError(f"{source}: not a directory")
+    if (out_dir / "checkpoints").exists():
+        raise HFConfigError(f"--to {out_dir}: already holds checkpoints; choose a new directory")
+    model = model_config_from_hf(read_hf_config(source))
+    params = read_weights(source, model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _copy_tokenizer(source, out_dir)
+    # The config to train from: the model, these weights, the tokenizer if there is one.
+    cfg = Config(model=model, train=TrainConfig(init_from=str(out_dir.absolute())),
+                 data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig())
+    path = save_weights(out_dir, cfg, params, {"source": str(source.absolute()),
+                                               "format": "huggingface"})
+    config_yaml = out_dir / "config.yaml"
+    config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    total = sum(param_at(params, p).nbytes for p in _paths(params))
+    return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
+                    total_bytes=total)
+
+
+
+def import_hf_main(source: Path, out_dir: Path) -> int:
+    """``jaxpar import-hf``: convert, then say what was written and how to train from it."""
+    done = import_hf(source, out_dir)
+    m = done.model
+    print(f"imported {source}: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
+          + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
+          + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")
+    tokenizer = (f"data.tokenizer={done.tokenizer} (set in it)" if done.tokenizer else
+                 "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
+    print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "
+          f"(train.init_from={out_dir}; {tokenizer})")
+    return 0

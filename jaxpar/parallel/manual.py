@@ -1,0 +1,160 @@
+"""Splitting mesh axes by hand: a ``shard_map`` manual over an axis gives each device its own
+rows (or sequence piece), and the step sums the gradients over that axis once, after all its
+micro-steps, where the partitioner would sum them after every one.
+
+Two users, one rule (each gradient cast to ``parallel.reduce_dtype``, summed, cast back:
+:func:`sum_in`):
+
+- The plain step under gradient accumulation (:func:`sum_over_data_once`): ``data`` manual,
+  every other axis left to the partitioner. Each data shard adds its micro-steps' gradients
+  locally; one all-reduce over ``data`` per step adds the shards (``(d-1)/d x 2`` of the
+  gradient bytes per device, as for one micro-step).
+- The pipeline executor (:class:`ByHand`, :mod:`jaxpar.parallel.pipeline.executor`): ``data``,
+  ``fsdp``, ``expert`` and ``context`` manual besides ``pipe``. Each device holds its own rows
+  of the batch (``data``, ``fsdp``, ``expert``), its own piece of their sequence (``context``),
+  its own FSDP shard of the stage's weights and its own experts. Once per step it gathers the
+  weights whole over ``fsdp`` (an all-gather of the stored shard: ``(f-1)/f`` of the stage's
+  weights in the compute dtype arrive per device), sums its tokens' gradients over every
+  microbatch locally, and at the end reduces them once: a reduce-scatter over ``fsdp`` back to
+  the stored shard (the same bytes as the gather, in ``parallel.reduce_dtype``) and an
+  all-reduce over the axes the weight is replicated over (``data``, ``context``, and
+  ``expert`` for all but the experts, which are each device's own: never gathered, never
+  summed over ``expert``). The rest of the mesh (``tensor``) stays automatic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxpar.config import Config
+from jaxpar.model.transformer import DTYPES
+from jaxpar.parallel.hooks import model_hooks
+
+
+def sum_in(dtype: Any, x: jax.Array, axes: tuple[str, ...] | str) -> jax.Array:
+    """``psum`` of a gradient over manual ``axes`` in ``dtype`` (``parallel.reduce_dtype``),
+    returned in its own dtype."""
+    return lax.psum(x.astype(dtype), axes).astype(x.dtype)
+
+
+def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Callable:
+    """``accumulated`` (the micro-steps' summed gradients, loss and MoE statistics of a batch)
+    run inside ``shard_map`` manual over ``data``: each data shard sums its micro-steps locally
+    and one all-reduce over ``data`` per step adds them. Inside, the model's hooks see the rest
+    of the mesh, ``data`` counted as 1."""
+    inner = {**cfg.mesh_shape, "data": 1}
+    reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
+
+    def per_shard(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
+        with model_hooks(cfg, inner, platform):
+            grads, (loss_sum, aux) = accumulated(params, buffers, batch, valid)
+        grads = jax.tree.map(lambda g: sum_in(reduce_dtype, g, "data"), grads)
+        # The loss and the MoE statistics are sums of float32 counts: summed as they are.
+        return grads, jax.tree.map(lambda a: lax.psum(a, "data"), (loss_sum, aux))
+
+    def run(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
+        rows = PartitionSpec("data")
+        return jax.shard_map(
+            per_shard, in_specs=(PartitionSpec(), PartitionSpec(), rows, PartitionSpec()),
+            out_specs=PartitionSpec(), axis_names=frozenset({"data"}), check_vma=False,
+        )(params, buffers, batch, valid)
+
+    return run
+
+
+@dataclass(frozen=True)
+class ByHand:
+    """What the executor's ``shard_map`` splits by hand besides ``pipe``: the axes whose
+    gradient sums it takes once per step (``data``, ``fsdp``, ``context``), and the
+    parameters' splits over them (PartitionSpecs holding only those axes and ``pipe``).
+    ``hooks()`` installs the model's hooks for the rest of the mesh, which stays automatic;
+    ``auto_shared_specs`` and ``auto_layer_specs`` are the parameters' splits over those
+    automatic axes (``tensor``...).
+
+    A collective over a manual axis takes its operand whole over the automatic ones: XLA's
+    partitioner would gather a tensor-split weight over ``tensor`` before gathering it over
+    ``fsdp`` (and a gradient before its reduce-scatter), moving and holding ``t`` times the
+    bytes. So each gather and sum below runs on the device's own shard, with the automatic
+    axes that split the parameter made manual around it (:func:`_per_shard`)."""
+
+    axes: tuple[str, ...]
+    shared_specs: Any
+    layer_specs: Any
+    auto_shared_specs: Any
+    auto_layer_specs: Any
+    hooks: Callable
+    reduce_dtype: Any = jnp.float32  # parallel.reduce_dtype: the dtype gradients are summed in
+    # Axes of ``axes`` whose split of a parameter is the device's own part of the model (the
+    # experts over ``expert``), not a shard of a replicated weight: never gathered, and the
+    # gradient of a parameter split over them is not summed over them.
+    owned: tuple[str, ...] = ()
+
+    def gather(self, tree: Any, specs: Any, auto_specs: Any) -> Any:
+        """Each parameter whole over the axes split by hand (FSDP's gather, once per step)."""
+        def leaf(x: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
+            split = self._split(spec)
+
+            def gather_shard(a: jax.Array) -> jax.Array:
+                for dim, axes in split:
+                    a = lax.all_gather(a, axes, axis=dim, tiled=True)
+                return a
+            return _per_shard(gather_shard, x, auto) if split else x
+        return jax.tree.map(leaf, tree, specs, auto_specs)
+
+    def reduce(self, tree: Any, specs: Any, auto_specs: Any) -> Any:
+        """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
+        where the parameter is split (FSDP), an all-reduce where it is replicated (data)."""
+        def leaf(g: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
+            split = self._split(spec)
+            rest = tuple(a for a in self.axes if a not in _axes_of(spec))
+
+            def sum_shard(a: jax.Array) -> jax.Array:
+                dtype = a.dtype
+                a = a.astype(self.reduce_dtype)
+                for dim, axes in split:
+                    a = lax.psum_scatter(a, axes, scatter_dimension=dim, tiled=True)
+                return (sum_in(self.reduce_dtype, a, rest) if rest else a).astype(dtype)
+            return _per_shard(sum_shard, g, auto) if self.axes else g
+        return jax.tree.map(leaf, tree, specs, auto_specs)
+
+    @property
+    def microbatch_spec(self) -> PartitionSpec:
+        """The microbatches' split ([micro-steps, m, rows, S]): rows over the batch axes, the
+        sequence over ``context``."""
+        rows = tuple(a for a in self.axes if a != "context")
+        return PartitionSpec(None, None, rows or None,
+                             "context" if "context" in self.axes else None)
+
+    def total(self, x: Any) -> Any:
+        """Sums of per-device statistics (loss, MoE counts) over the axes split by hand."""
+        return jax.tree.map(lambda a: lax.psum(a, self.axes), x) if self.axes else x
+
+    def _split(self, spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+        out = []
+        for dim, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+            axes = tuple(a for a in names if a in self.axes and a not in self.owned)
+            if axes:
+                out.append((dim, axes))
+        return out
+
+
+def _axes_of(spec: PartitionSpec) -> set[str]:
+    return {a for e in spec for a in (e if isinstance(e, tuple) else (e,) if e else ())}
+
+
+def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
+    """``fn`` on each device's own shard of ``x``, whose split over automatic mesh axes is
+    ``auto``: those axes become manual around ``fn`` (none: ``fn(x)``)."""
+    axes = frozenset(_axes_of(auto))
+    if not axes:
+        return fn(x)
+    return jax.shard_map(fn, in_specs=auto, out_specs=auto, axis_names=axes,
+                         check_vma=False)(x)

@@ -1,0 +1,531 @@
+"""The pipeline executor: one SPMD program running any schedule inside shard_map over `pipe`.
+
+The schedules (:mod:`jaxpar.parallel.pipeline.schedules`) say which stage does what at each
+*step*; :mod:`jaxpar.parallel.pipeline.program` turns them into integer arrays, and this module
+runs them, with the model cut by :mod:`jaxpar.parallel.pipeline.stages`.
+
+One program on every stage. Every device runs the same operations at every step; the arrays
+choose only data: which microbatch, which of the device's chunks, which stash slot to read and
+write, and masks for slots a stage has no work in. The steps of one kind (forward only, forward
+and backward, backward only, ...) form a *stretch*, run as one ``lax.scan`` whose body holds
+exactly that kind's slots. No collective sits inside a conditional, so every collective the
+compiler inserts inside a stage (tensor all-reduces, context rings, expert all-to-alls, FSDP
+gathers) is reached by all its participants, on every backend.
+
+A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
+
+1. *Embed* (steps with a forward slot). The vocabulary is cut into ``p`` pieces, one per
+   stage (and each piece split over the axes that split ``vocab``). Each stage gathers the
+   rows of the tokens of the microbatch entering chunk 0 that fall in its piece (zeros for the
+   others) and a ``psum`` over ``pipe`` adds the pieces: one all-reduce of one activation.
+   Stage 0 uses the sum.
+2. *Forward slot*. Run the chunk's layers on the input (the embedding, or an activation that
+   arrived earlier) under ``jax.vjp``; keep the VJP's residuals in a stash slot. Nothing is
+   recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
+   each layer's input).
+3. *Head and loss* (steps where a stage's forward is the last chunk). A ``psum`` hands the last
+   stage's output to every stage; each computes the logits of its vocabulary piece, the
+   log-sum-exp and target logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage
+   derives its piece's logit gradients by hand; the gradient w.r.t. the last chunk's output is a
+   ``psum`` of the pieces' contributions. The head's weights and work are split ``p`` ways, not
+   repeated.
+4. *Backward slot* (``B``, or ``I`` then ``W``). Rebuild the VJP from the stash and the
+   chunk's weights and pull the output gradient through it: the input gradient goes to the
+   previous stage, the weight gradient is added to the stage's local sum. Chunk 0's input
+   gradient is handed to all stages (``psum``) for the embedding pieces' gradients.
+5. *Send*: one ``ppermute`` forward (activations) and one backward (input gradients), each
+   only in steps that have that slot.
+
+Bytes over ``pipe`` per step: one activation per ``ppermute``, one all-reduced activation with
+a forward slot (embedding), two with the head (last output, head gradient), one with a backward
+slot (chunk 0's input gradient), and ``[B/m, S]`` scalars for the loss. At the end the stages'
+embedding/head gradients are summed over ``pipe`` (those parameters' bytes).
+
+Memory per stage: the stashes (arrived inputs, residuals, output gradients; each slot one
+microbatch of one chunk, and one spare slot that masked writes go to), and the gradient sums.
+Slots are handed out lowest free first when the program is compiled, so their number is the
+schedule's peak in flight: ``m`` for GPipe, ``2(p-1)+1`` on the first stage for 1F1B.
+
+Parameters. A device's slice of the stacked layers, ``[v * layers_per_chunk, ...]``, holds its
+chunks s, s+p, ... in that order (for ``v > 1`` the trainer stores the layers permuted so;
+:func:`jaxpar.parallel.pipeline.schedules.stage_layer_order`). Embedding, final norm and head
+are stored replicated over ``pipe``; each stage reads its vocabulary piece of them. Once per
+step the stage's weights are cast to the compute dtype and FSDP-gathered (:class:`ByHand`), so
+the VJPs save those very arrays and the stash leaves them out.
+
+One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data``, ``fsdp`` and
+``expert`` (the batch rows) and ``context`` (the sequence) by hand: each device sums its own
+tokens' weight gradients over every microbatch of every micro-step (``train.grad_accum``), and
+one all-reduce over the axes a weight is replicated over and one reduce-scatter over ``fsdp``
+per step add them up. The experts are each device's own: never gathered over ``expert``, nor
+summed over it. A MoE layer sums its load statistics over these axes itself
+(:class:`jaxpar.model.moe.MoE`) and exchanges its tokens over ``expert`` directly
+(:func:`jaxpar.parallel.expert.expert_parallel`, ``hand_groups``). The cost: the stage's
+weights whole (compute dtype) and its gradient sums whole (float32) on every device for the
+step. With ``context`` manual here, context attention runs on each device's piece of the
+sequence directly, with no ``shard_map`` of its own nested in this one (which the TPU compiler
+aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxpar.config import Config
+from jaxpar.model.annotate import constrain
+from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
+from jaxpar.model.transformer import DTYPES
+from jaxpar.parallel.collectives import ppermute_in_order
+from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.manual import ByHand
+from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.pipeline.program import Program, compile_program, describe
+from jaxpar.parallel.pipeline.schedules import schedule_steps, stage_layer_order
+from jaxpar.parallel.pipeline.stages import (
+    PIPE_AXIS,
+    Stages,
+    VocabPiece,
+    embed_partial,
+    head_and_loss,
+    model_stages,
+    sum_over_stages,
+    vocab_piece,
+)
+from jaxpar.parallel.rules import logical_rules, resolve_spec
+
+__all__ = ["ByHand", "Program", "compile_program", "describe", "pipeline_loss_and_grads",
+           "pipelined_gradients"]
+
+# --------------------------------------------------------------------------------------------
+# The executor
+
+
+class _Carry(NamedTuple):
+    acts: jax.Array  # [act_slots + 1, *activation]: inputs that arrived for a forward
+    res: list  # per residual leaf [res_slots + 1, ...]: what a backward needs
+    grads: jax.Array  # [grad_slots + 1, *activation]: output gradients for a backward
+    layer_grads: Any  # like the local layers, [v, layers_per_chunk, ...], float32
+    shared_grads: Any  # embedding/head (pieces, summed over pipe at the end) and final norm
+    loss: jax.Array  # float32: summed token loss (the same on every stage)
+    aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
+
+
+def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)
+
+
+def _masked_add(on: jax.Array, total: Any, new: Any) -> Any:
+    return jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)).astype(a.dtype),
+                        total, new)
+
+
+class _Residuals:
+    """The forward's VJP as data: which of its leaves are the chunk's own weights (taken from
+    the weights again at the backward) and which must wait in the stash.
+
+    ``jax.vjp`` returns a pytree whose leaves are the saved residuals; a weight used as it is
+    appears among them as the very array passed in. Keeping those out of the stash means a
+    stashed microbatch costs its activations only, not a copy of the stage's weights.
+    """
+
+    def __init__(self):
+        self.layout: tuple | None = None  # (treedef, [leaf -> weight index or None])
+
+    def split(self, vjp_fn: Callable, weights: list) -> list:
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        which = tuple(next((i for i, w in enumerate(weights) if leaf is w), None)
+                      for leaf in leaves)
+        shapes = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+        if self.layout is None:
+            # The first trace's pullback serves every later one: its function is a jaxpr of
+            # the residuals alone, and every trace of the same chunk saves the same leaves.
+            self.layout = (treedef, which, shapes)
+        elif self.layout[1:] != (which, shapes):
+            raise AssertionError("the forward's residuals changed between traces")
+        return [leaf for leaf, w in zip(leaves, which, strict=True) if w is None]
+
+    def join(self, stashed: list, weights: list) -> Callable:
+        treedef, which, _ = self.layout
+        stashed = iter(stashed)
+        return jax.tree.unflatten(treedef, [next(stashed) if w is None else weights[w]
+                                            for w in which])
+
+
+def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
+                            v: int, vocab_size: int, stash_spec: PartitionSpec,
+                            layer_grad_specs: Any, shared_grad_specs: Any) -> Callable:
+    """``(shared, layers, consts, micro, loss_scale, aux_scale) -> (loss_sum, shared_grads,
+    layer_grads, aux)`` running ``program``.
+
+    ``layers``: the stacked layer parameters ``[n_layers, ...]``, sharded over ``pipe`` on their
+    first dimension, and ``consts`` the stacked non-trained state beside them; ``shared``: the
+    other parameters (replicated over ``pipe``); ``micro``: ``[accum, m, rows, ...]`` arrays of
+    the microbatches of each micro-step (the schedule runs once per micro-step; the gradient
+    sums over all of them are reduced once). The gradients are those of
+    ``loss_scale * sum(token losses) + aux_scale * sum over chunks and microbatches of
+    aux_loss``; ``loss_sum`` is the unscaled token-loss sum and ``aux`` the aux sums
+    (layer-stacked keys over all layers, in stored order). Call under the mesh.
+    ``stash_spec`` lays out the activation stashes ``[slot, batch, seq, embed]``; the grad specs
+    lay out the gradient sums (as the parameters, without ``pipe``); all three for the mesh left
+    automatic inside (``by_hand``).
+    """
+
+    def per_device(shared, layers, consts, micro, loss_scale, aux_scale):
+        with by_hand.hooks():
+            shared = by_hand.gather(shared, by_hand.shared_specs, by_hand.auto_shared_specs)
+            layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
+            first = jax.tree.map(lambda a: a[0], micro)
+            env = _Env.make(stages, shared, layers, consts, first, loss_scale, aux_scale, p=p,
+                            v=v, vocab_size=vocab_size)
+
+            def micro_step(carry: _Carry, microbatches: Any) -> tuple[_Carry, None]:
+                # One pass of the schedule over one micro-step's microbatches; the gradient
+                # sums carry on from the previous micro-step (train.grad_accum).
+                step_env = dataclasses.replace(env, micro=microbatches)
+                for stretch in program.stretches:
+                    fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
+                    carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (
+                        _run_step(step_env, kinds, c, row), None), carry, fields)
+                return carry, None
+
+            carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
+                                   shared_grad_specs)
+            carry, _ = lax.scan(micro_step, carry, micro)
+            loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
+        # The one reduction of the step over the batch axes split by hand. Then each stage's
+        # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
+        # is summed over pipe; the final norm's gradient is the same on every stage already.
+        shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs,
+                                      by_hand.auto_shared_specs)
+        shared_grads = {k: lax.psum(a, PIPE_AXIS) if k in ("embedding", "lm_head") else a
+                        for k, a in shared_grads.items()}
+        return (by_hand.total(loss), shared_grads,
+                by_hand.reduce(layer_grads, by_hand.layer_specs, by_hand.auto_layer_specs),
+                by_hand.total(aux_sums),
+                by_hand.total(aux_layers))
+
+    def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
+        stacked_keys = {k: PartitionSpec(PIPE_AXIS) for k in stages.layer_stacked}
+        # [micro-steps, m, B/(accum m), S]: the batch rows and the sequence split by hand
+        rows = by_hand.microbatch_spec
+        loss, shared_grads, layer_grads, aux_sums, aux_layers = jax.shard_map(
+            per_device,
+            in_specs=(by_hand.shared_specs, by_hand.layer_specs,
+                      jax.tree.map(lambda _: PartitionSpec(PIPE_AXIS), consts), rows,
+                      PartitionSpec(), PartitionSpec()),
+            out_specs=(PartitionSpec(), by_hand.shared_specs, by_hand.layer_specs,
+                       PartitionSpec(), stacked_keys),
+            axis_names=frozenset({PIPE_AXIS, *by_hand.axes}), check_vma=False,
+        )(shared, layers, consts, micro, loss_scale, aux_scale)
+        return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}
+
+    return run_pipeline
+
+
+@dataclass
+class _Env:
+    """What every step of one device reads: its stage, weights by chunk, the microbatches, the
+    vocabulary piece, the scales, and the residual layout (filled by the first trace)."""
+
+    stages: Stages
+    stage: jax.Array
+    shared: dict
+    chunks: Any  # layers as [v, layers_per_chunk, ...], prepared for use (Stages.prepare)
+    const_chunks: Any
+    micro: Any
+    piece: VocabPiece
+    loss_scale: jax.Array
+    aux_scale: jax.Array
+    residuals: _Residuals
+    act: jax.ShapeDtypeStruct  # one microbatch's activation
+    aux_shapes: Any
+    res_shapes: list
+
+    @staticmethod
+    def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
+             vocab_size) -> _Env:
+        def by_chunk(tree):
+            return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
+
+        stage = lax.axis_index(PIPE_AXIS)
+        env = _Env(stages, stage, shared, stages.prepare(by_chunk(layers)), by_chunk(consts),
+                   micro,
+                   vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
+                   aux_scale, _Residuals(), None, None, None)
+        first = env.microbatch(jnp.int32(0))
+        table = env.piece.cut(env.table())
+        env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
+                                                        first["inputs"]))
+        x = jnp.zeros(env.act.shape, env.act.dtype)
+        # Traced with a traced chunk index, as the steps will be, so the residuals match.
+        (_, aux), res = jax.eval_shape(lambda j: env.forward(j, x, first), jnp.int32(0))
+        env.aux_shapes, env.res_shapes = aux, res
+        return env
+
+    def microbatch(self, i: jax.Array) -> dict:
+        return jax.tree.map(lambda a: a[i], self.micro)
+
+    def weights(self, j: jax.Array) -> tuple[Any, Any]:
+        return (jax.tree.map(lambda a: a[j], self.chunks),
+                jax.tree.map(lambda a: a[j], self.const_chunks))
+
+    def table(self) -> jax.Array:
+        return self.shared["embedding"].astype(self.stages.dtype)
+
+    def head(self) -> jax.Array:
+        if self.stages.tied_embeddings:
+            return self.piece.cut(self.table()).T
+        return self.piece.cut(self.shared["lm_head"].astype(self.stages.dtype).T).T
+
+    def forward(self, j: jax.Array, x: jax.Array, mb: dict) -> tuple:
+        """Chunk ``j``'s layers on ``x`` under ``jax.vjp``: ((y, aux), stashable residuals)."""
+        layers, consts = self.weights(j)
+        stages = self.stages
+
+        def objective_parts(layers, x):
+            y, aux = stages.layers(self.shared, layers, consts, x, mb)
+            return (y, stages.aux_loss(aux)), aux
+
+        (y, _), vjp_fn, aux = jax.vjp(objective_parts, layers, x, has_aux=True)
+        weights = jax.tree.leaves((layers, consts))
+        return (y, aux), self.residuals.split(vjp_fn, weights)
+
+    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
+        """(weight gradients, input gradient) of chunk ``j`` from its stashed residuals."""
+        layers, consts = self.weights(j)
+        vjp_fn = self.residuals.join(stashed, jax.tree.leaves((layers, consts)))
+        return vjp_fn((dy, jnp.where(aux_on, self.aux_scale, 0.0)))
+
+
+def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
+                   layer_grad_specs: Any, shared_grad_specs: Any) -> _Carry:
+    def zeros(tree: Any, specs: Any) -> Any:
+        return lax.with_sharding_constraint(
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree), specs)
+
+    # Each stash starts filled with its own value (what a slot holds before its first write
+    # is never used): XLA merges equal constant buffers into one and copies it into each
+    # carry, which kept one more stash-sized buffer alive (seen: +25% of GPipe's stash).
+    fills = iter(range(2 + len(env.res_shapes)))
+
+    def stash(slots: int) -> jax.Array:
+        return lax.with_sharding_constraint(
+            jnp.full((slots + 1, *env.act.shape), next(fills), env.act.dtype), stash_spec)
+
+    v = jax.tree.leaves(env.chunks)[0].shape[0]
+    aux0 = {k: jnp.zeros((v, *a.shape) if k in env.stages.layer_stacked else a.shape, a.dtype)
+            for k, a in env.aux_shapes.items()}
+    res0 = [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
+            for r in env.res_shapes]
+    return _Carry(stash(program.act_slots), res0, stash(program.grad_slots),
+                  zeros(env.chunks, layer_grad_specs), zeros(env.shared, shared_grad_specs),
+                  jnp.zeros((), jnp.float32), aux0)
+
+
+def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
+    out = {}
+    for k, a in aux.items():
+        a = jnp.where(on, a, jnp.zeros_like(a))
+        out[k] = total[k].at[j].add(a) if k in env.stages.layer_stacked else total[k] + a
+    return out
+
+
+def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, list]:
+    table = env.piece.cut(env.table())
+    entering = env.microbatch(r["embed_mb"])
+    x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]),
+                         env.stages.handover_dtype)
+    x0 = constrain(x0, RESIDUAL)
+    x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
+    on = r["f_on"] == 1
+    (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
+    c = c._replace(res=[_put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
+                                                                           strict=True)],
+                   aux=_add_aux(env, c.aux, aux, r["f_chunk"], on))
+    return c, y, res
+
+
+def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
+    on = r["head_on"] == 1
+    y_last = sum_over_stages(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)),
+                             env.stages.handover_dtype)
+    norm_params = {k: a for k, a in env.shared.items() if k not in ("embedding", "lm_head")}
+    loss, dy, d_head, d_norm = head_and_loss(env.stages, norm_params, env.head(), env.piece,
+                                              y_last, env.microbatch(r["head_mb"]),
+                                              env.loss_scale)
+    grads = dict(d_norm)
+    if env.stages.tied_embeddings:
+        grads["embedding"] = env.piece.uncut(d_head.T)
+    else:
+        grads["lm_head"] = env.piece.uncut(d_head.T).T
+    shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, grads))
+    return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
+                      grads=_put(c.grads, r["head_dy"], dy),
+                      shared_grads=shared_grads)
+
+
+def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool,
+                   fresh: list | None) -> tuple[_Carry, jax.Array]:
+    on, j = r[f"{prefix}_on"] == 1, r[f"{prefix}_chunk"]
+    stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
+    if fresh is not None:  # this step's forward wrote them: if to this slot, take them as made
+        same = r[f"{prefix}_res"] == r["f_res"]
+        stashed = [jnp.where(same, new, old) for new, old in zip(fresh, stashed, strict=True)]
+    d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
+    if weights:
+        d_layers = env.stages.unprepare(d_layers)
+        layer_grads = jax.tree.map(
+            lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))
+                                         .astype(acc.dtype)),
+            c.layer_grads, d_layers)
+        c = c._replace(layer_grads=layer_grads)
+    return c, dx
+
+
+def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
+    into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
+    dx0 = sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)),
+                          env.stages.handover_dtype)
+    tokens = env.microbatch(r["eback_mb"])["inputs"]
+    # The strided slices keep each tensor block's rows on its device (the piece's rows are
+    # [shards, block] and the pieces divide the block).
+    d_table = one_hot_weight_grad(env.piece.ids, tokens, dx0, env.stages.embedding_grad_pieces,
+                                  jnp.float32)
+    grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table)})
+    return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
+
+
+def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry:
+    """One step of a stretch of ``kinds`` (the scan body): the slots in order, the head after
+    the forward (in steps where a stage's forward is the last chunk), then the sends. ``row``
+    holds every field for every stage; each device reads its own column."""
+    p = env.piece.p
+    r = {k: a[env.stage] for k, a in row.items()}
+    send_fwd = send_bwd = fresh = None
+    if "F" in kinds:
+        c, y, fresh = _forward_slot(env, c, r)
+        if "H" in kinds:
+            c = _head_slot(env, c, r, y)
+        send_fwd = y
+    for kind in ("B", "I"):
+        if kind in kinds:
+            c, send_bwd = _backward_slot(env, c, r, "b", weights=kind == "B", fresh=fresh)
+            c = _embedding_backward(env, c, r, send_bwd)
+    if "W" in kinds:
+        c, _ = _backward_slot(env, c, r, "w", weights=True, fresh=fresh)
+    # Activations to the next stage, input gradients to the previous one; in one order on
+    # every device, since independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
+    sends = [(x, [(s, (s + step) % p) for s in range(p)])
+             for x, step in ((send_fwd, 1), (send_bwd, -1)) if x is not None]
+    arrived = iter(ppermute_in_order([x for x, _ in sends], PIPE_AXIS, [q for _, q in sends]))
+    if send_fwd is not None:
+        c = c._replace(acts=_put(c.acts, r["recv_act"], next(arrived)))
+    if send_bwd is not None:
+        c = c._replace(grads=_put(c.grads, r["recv_grad"], next(arrived)))
+    return c
+
+
+def _fill(like: dict, some: dict) -> dict:
+    """``some`` completed with zeros for the keys of ``like`` it lacks."""
+    return {k: some[k] if k in some else jax.tree.map(jnp.zeros_like, a)
+            for k, a in like.items()}
+
+
+def _finish(env: _Env, c: _Carry) -> tuple:
+    def stacked(a: jax.Array) -> jax.Array:
+        return a.reshape(-1, *a.shape[2:])
+
+    stages = env.stages
+    layer_grads = jax.tree.map(stacked, c.layer_grads)
+    shared_grads = c.shared_grads
+    aux_sums = {k: lax.psum(a, PIPE_AXIS) for k, a in c.aux.items()
+                if k not in stages.layer_stacked}
+    aux_layers = {k: stacked(a) for k, a in c.aux.items() if k in stages.layer_stacked}
+    return c.loss, shared_grads, layer_grads, aux_sums, aux_layers
+
+
+def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
+                        dtype: Any, remat: str, platform: str,
+                        ) -> tuple[Callable, np.ndarray | None, Program]:
+    """The pipelined ``(params, buffers, batch, valid) -> (grads, (loss_sum, aux))`` (what
+    ``jax.grad(objective, has_aux=True)`` returns without a pipeline), the stored layer order
+    (None when it is the model's) and the compiled program.
+
+    The objective is the plain one: summed token loss / ``valid``, plus each microbatch's MoE
+    aux losses averaged over every microbatch of every micro-step (as ``grad_accum`` =
+    accum x microbatches would).
+    """
+    p, v, m = cfg.mesh.pipe, cfg.parallel.virtual_stages, cfg.train.microbatches
+    accum = cfg.train.grad_accum
+    program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
+    rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
+    # Gradients are summed over data, fsdp, expert and context once per step: the executor
+    # splits those axes by hand (the batch rows, the sequence), so inside it they look like
+    # axes of size 1, and context attention runs on each device's piece of the sequence with
+    # no shard_map nested in the executor's. The experts' weights too are gathered once per
+    # step and their gradients summed once; the MoE layers sum their load statistics over
+    # these axes themselves and exchange their tokens over expert directly (the hooks).
+    hand = tuple(a for a in (*rules["batch"], "context")
+                 if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
+    inner = {**mesh_shape, **{a: 1 for a in hand}}
+
+    def hooks() -> Any:
+        return model_hooks(cfg, inner, platform, in_stage=True,
+                           by_hand={a: mesh_shape[a] for a in hand})
+
+    hooks().close()  # a layout the hooks refuse fails here, before any trace
+    micro_rows = cfg.train.batch_size // (accum * m)
+    stash_spec = resolve_spec("pipeline stash", (None, *RESIDUAL),
+                              (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
+                              inner)
+
+    def keep(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+        def entry(e: Any) -> Any:
+            names = tuple(a for a in (e if isinstance(e, tuple) else (e,) if e else ())
+                          if a in axes)
+            return names[0] if len(names) == 1 else (names or None)
+        return PartitionSpec(*(entry(e) for e in spec))
+
+    def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
+        return jax.tree.map(lambda spec: PartitionSpec(*lead, *keep(spec, axes)), tree,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    auto = set(mesh_shape) - {PIPE_AXIS, *hand}
+    split_auto = {a for a in auto if mesh_shape[a] > 1}
+    shared = {k: s for k, s in specs.items() if k != "layers"}
+    by_hand = ByHand(hand, specs_of(shared, set(hand)),
+                     specs_of(specs["layers"], {PIPE_AXIS, *hand}),
+                     specs_of(shared, split_auto), specs_of(specs["layers"], split_auto),
+                     hooks=hooks,
+                     reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
+                     owned=tuple(a for a in hand if a == "expert"))
+    layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
+    shared_grad_specs = specs_of(shared, auto)
+    stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat,
+                          platform=platform)
+    run = pipeline_loss_and_grads(program, stages, by_hand,
+                                  p=p, v=v, vocab_size=cfg.model.vocab_size,
+                                  stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
+                                  shared_grad_specs=shared_grad_specs)
+
+    def grad_fn(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
+        shared = {k: a for k, a in params.items() if k != "layers"}
+        aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
+        # [accum, m, B/(accum m), ...]: micro-steps as train.grad_accum cuts them, each cut into
+        # the pipeline's microbatches.
+        micro = jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
+        loss_sum, shared_grads, layer_grads, aux = run(
+            shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid, aux_scale)
+        return {**shared_grads, "layers": layer_grads}, (loss_sum, aux)
+
+    order = stage_layer_order(cfg.model.n_layers, p, v)
+    return grad_fn, (None if order == sorted(order) else np.asarray(order)), program

@@ -1,0 +1,199 @@
+"""What a pipeline stage computes: the model cut into chunks, and the vocabulary cut into pieces.
+
+Every stage runs the same program (:mod:`jaxpar.parallel.pipeline.executor`), so the embedding and
+the output head cannot live on the first and last stage alone: the vocabulary is cut into one piece
+per stage, and every stage embeds and scores its piece, the pieces combined over ``pipe``. The
+head's weights and work are split ``p`` ways, not repeated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxpar.config import Config
+from jaxpar.model.annotate import use_prepared_weights
+from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
+from jaxpar.model.loss import joined_pieces, sequence_pieces, vocab_piece_loss
+from jaxpar.model.moe import LAYER_STACKED, moe_loss
+from jaxpar.model.projection import owned_rows
+from jaxpar.parallel.rules import logical_rules
+
+PIPE_AXIS = "pipe"
+# Platforms whose compiler aborts on the executor's bf16 all-reduces over ``pipe`` (XLA:CPU
+# 0.10: "Invalid binary instruction opcode copy"): there they run in float32.
+FLOAT32_STAGE_SUM_PLATFORMS = ("cpu",)
+
+# --------------------------------------------------------------------------------------------
+# What a stage computes
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The model, cut for the executor (``mb``: one microbatch's arrays).
+
+    ``layers(shared, layers, consts, x, mb) -> (y, aux)`` runs one chunk's layers (``shared``:
+    the parameters outside the stack; ``consts``: the chunk's slice of non-trained per-layer
+    state, the MoE router biases); ``final_norm(shared, x)``
+    the norm before the head. ``aux`` (``{}`` for a dense model) holds the chunk's MoE
+    statistics, summed over its layers except the ``layer_stacked`` keys, one row per layer;
+    ``aux_loss(aux)`` is the term it adds to the objective. ``vocab_shards``: how many ways the
+    axes of ``vocab`` other than ``pipe`` split the vocabulary. ``layers`` reads weights as
+    ``prepare`` left them (cast to the compute dtype, FSDP-gathered), so the residuals a
+    forward saves hold the very arrays passed in, which the stash leaves out.
+    """
+
+    layers: Callable
+    final_norm: Callable
+    prepare: Callable  # chunks [v, layers/v, ...] -> cast and laid out for use, once per step
+    unprepare: Callable  # one chunk's gradient w.r.t. its prepared weights -> stored layout
+    dtype: Any
+    tied_embeddings: bool
+    vocab_shards: int
+    aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
+    layer_stacked: tuple[str, ...] = ()
+    loss_pieces: int = 1  # the head runs over this many pieces of the sequence, one at a time
+    # The dtype of the sums over ``pipe`` that hand one stage's value to all (the others add
+    # zeros: exact in any dtype): None keeps the value's (the compute dtype); float32 on
+    # XLA:CPU, which aborts on this program's bf16 all-reduces (FLOAT32_STAGE_SUM_PLATFORMS).
+    handover_dtype: Any = None
+    embedding_grad_pieces: int = 1  # ... the embedding's gradient over this many vocab slices
+
+
+class VocabPiece(NamedTuple):
+    """Stage ``s``'s piece of the vocabulary: ``ids`` [V/p] (global token ids, in the order
+    of the piece) and ``rows``, how to cut a ``[V, ...]`` array into pieces."""
+
+    ids: jax.Array
+    stage: jax.Array
+    shards: int
+    p: int
+
+    def cut(self, table: jax.Array) -> jax.Array:
+        """``table`` [V, ...] -> this stage's rows [V/p, ...]. Each of the ``shards`` blocks that
+        already split V (over ``tensor``) gives its own sub-block, so no row leaves its device."""
+        v = table.shape[0]
+        blocks = table.reshape(self.shards, self.p, v // (self.shards * self.p),
+                               *table.shape[1:])
+        piece = lax.dynamic_index_in_dim(blocks, self.stage, axis=1, keepdims=False)
+        return piece.reshape(v // self.p, *table.shape[1:])
+
+    def uncut(self, piece: jax.Array) -> jax.Array:
+        """The inverse of :meth:`cut`, zeros elsewhere: [V/p, ...] -> [V, ...]."""
+        v = piece.shape[0] * self.p
+        blocks = jnp.zeros((self.shards, self.p, v // (self.shards * self.p),
+                            *piece.shape[1:]), piece.dtype)
+        blocks = lax.dynamic_update_index_in_dim(
+            blocks, piece.reshape(self.shards, 1, -1, *piece.shape[1:]), self.stage, axis=1)
+        return blocks.reshape(v, *piece.shape[1:])
+
+
+def sum_over_stages(x: jax.Array, dtype: Any = None) -> jax.Array:
+    """``psum`` over ``pipe`` in ``dtype`` (None: ``x``'s), returned in ``x``'s dtype."""
+    return lax.psum(x.astype(dtype or x.dtype), PIPE_AXIS).astype(x.dtype)
+
+
+def vocab_piece(vocab_size: int, shards: int, p: int, stage: jax.Array) -> VocabPiece:
+    block = vocab_size // (shards * p)
+    ids = (jnp.arange(shards)[:, None] * (vocab_size // shards) + stage * block
+           + jnp.arange(block)[None, :]).reshape(-1)
+    return VocabPiece(ids.astype(jnp.int32), stage, shards, p)
+
+
+def embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: jax.Array,
+                  ) -> jax.Array:
+    """This stage's share of the embeddings of ``tokens``: the rows of those in its vocab piece
+    (``table``: its rows), zeros for the others; the stages' shares add up over ``pipe``. A
+    gather, from each ``tensor`` block's own rows where those split the piece."""
+    v = piece.ids.shape[0] * piece.p
+    block = v // (piece.shards * piece.p)
+    shard, within = jnp.divmod(tokens, v // piece.shards)
+    stage, local_id = jnp.divmod(within, block)
+    owner = jnp.where(stage == piece.stage, shard, -1)
+    return owned_rows(table.astype(stages.dtype).reshape(piece.shards, block, -1), owner,
+                      local_id)
+
+
+def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
+                  y: jax.Array, mb: dict, loss_scale: jax.Array) -> tuple:
+    """Summed token loss of output ``y`` (the same on every stage), its gradient w.r.t. ``y``,
+    and this stage's head-piece and final-norm gradients, with ``loss_scale`` per token.
+
+    The sequence goes through the head in ``stages.loss_pieces`` strided pieces, one after
+    another (a ``lax.scan``, as ``train.loss_chunks`` does without a pipeline): only one
+    piece's float32 logits ``[B, S/n, V/p]`` and their gradient exist at a time.
+    """
+    h, norm_vjp = jax.vjp(stages.final_norm, shared, y)
+    n = stages.loss_pieces
+    if n == 1:
+        loss, d_head, d_h = vocab_piece_loss(head, piece.ids, h, mb["targets"], mb["mask"],
+                                             loss_scale, PIPE_AXIS)
+    else:
+        def one_piece(carry: tuple, xs: tuple) -> tuple:
+            loss_i, d_head_i, d_h_i = vocab_piece_loss(head, piece.ids, *xs, loss_scale,
+                                                       PIPE_AXIS)
+            return (carry[0] + loss_i, carry[1] + d_head_i), d_h_i
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
+        (loss, d_head), d_h = lax.scan(one_piece, zeros, tuple(
+            sequence_pieces(a, n) for a in (h, mb["targets"], mb["mask"])))
+        d_h, d_head = joined_pieces(d_h), d_head.astype(head.dtype)
+    # The pieces' contributions to d_h all differ from zero: summed in float32, without bf16
+    # round-off.
+    d_shared, d_y = norm_vjp(sum_over_stages(d_h, jnp.float32).astype(h.dtype))
+    return loss, d_y, d_head, d_shared
+
+
+# --------------------------------------------------------------------------------------------
+# The model cut into chunks
+
+
+def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
+                 platform: str = "cpu") -> Stages:
+    """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
+    the logical names of the stacked layer parameters (``layers`` first)."""
+
+    def layers(shared: dict, layer_params: dict, consts: dict, x: jax.Array, mb: dict,
+               ) -> tuple:
+        net = nnx.merge(graphdef, {**shared, "layers": layer_params},
+                        {"layers": consts} if consts else {})
+        with use_prepared_weights():
+            return net.run_layers(x, mb["positions"], remat=remat)
+
+    def by_leaf(fn: Callable, tree: Any, leading: int) -> Any:
+        """``fn(leaf, name, names)`` over the layer tree, ``names`` its stored logical names with
+        the stacked dimension(s) left unnamed (``pipe`` is manual inside the executor)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf, names: fn(leaf, path[-1].key, (None,) * leading + names[1:]),
+            tree, layer_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def prepare(chunks: Any) -> Any:
+        return by_leaf(lambda a, name, names: prepare_weight(a, name, names, dtype), chunks, 2)
+
+    def unprepare(grads: Any) -> Any:
+        return by_leaf(lambda g, _, names: prepared_weight_grad(g, names), grads, 1)
+
+    def final_norm(norm_params: dict, x: jax.Array) -> jax.Array:
+        return nnx.merge(norm_graph, norm_params["final_norm"])(x)
+
+    with nnx.use_eager_sharding(False):
+        norm_graph = nnx.graphdef(nnx.eval_shape(
+            lambda: RMSNorm(cfg.model.d_model, cfg.model.norm_eps)))
+    rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
+    moe = cfg.model.moe
+    shards = int(np.prod([mesh_shape[a] for a in rules["vocab"] if a != PIPE_AXIS]))
+    return Stages(layers, final_norm, prepare, unprepare, dtype, cfg.model.tie_embeddings,
+                  shards,
+                  aux_loss=lambda aux: moe_loss(aux, moe),
+                  layer_stacked=LAYER_STACKED if moe.enabled else (),
+                  loss_pieces=cfg.loss_pieces(),
+                  embedding_grad_pieces=cfg.embedding_grad_pieces(),
+                  handover_dtype=(jnp.float32 if platform in FLOAT32_STAGE_SUM_PLATFORMS
+                                  else None))
