@@ -8,6 +8,7 @@ including those inside functions (the CLI imports jax lazily), without importing
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -158,3 +159,13 @@ def test_no_module_imports_itself_back():
     # Counting every import (inside functions and under TYPE_CHECKING too): two modules that
     # import each other are one module, or the thing they share belongs in a third.
     assert find_cycle(module_graph()) == []
+
+
+def test_every_module_is_in_the_module_map():
+    # docs/design.md holds the one module map; a module it does not name is one a reader of
+    # the map cannot find.
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    named = set(re.findall(r"`(jaxpar/[\w/]+\.py)`", design))
+    modules = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")}
+    assert sorted(modules - named) == [], "modules missing from docs/design.md's module map"
+    assert sorted(named - modules) == [], "docs/design.md names modules that do not exist"

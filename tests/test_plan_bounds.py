@@ -1,5 +1,5 @@
 """``jaxpar plan``'s bounds: the MFU bound never passes 100%, and the latency per collective keeps
-layouts of tiny shards from ranking first on bandwidth alone (README "Planning a run")."""
+layouts of tiny shards from ranking first on bandwidth alone (docs/plan.md)."""
 
 from __future__ import annotations
 
