@@ -33,12 +33,12 @@ from jaxpar.train.step import build_trainer
 BASE = ["train.seq_len=64", "train.steps=30", "train.lr=1e-2", "train.warmup_steps=3",
         "model.attention=dense"]
 ONE = ["mesh.data=1", *BASE]
-# Bounds, against the numbers measured at the trained tiny model (printed with -s; docs/mixed-
-# precision.md): bf16 keeps 8 significant bits (2^-9 ~ 0.2% rounding per cast); bf16 compute or
-# storage moved the loss by <= 2e-5 relative, every leaf's gradient cosine stayed >= 0.9999 and the
-# global gradient error was 0.45-0.6%. A causal mask dropped in bf16 moved the loss by only 2e-3
-# (inside the loss bound: a causally trained model barely uses the future tokens it now sees) but
-# the gradients by 24%: gradients, not the loss, are what catch it.
+# Bounds, against the numbers measured at the trained tiny model (printed with -s;
+# docs/mixed-precision.md): bf16 keeps 8 significant bits (2^-9 ~ 0.2% rounding per cast); bf16
+# compute or storage moved the loss by <= 2e-5 relative, every leaf's gradient cosine stayed >=
+# 0.9999 and the global gradient error was 0.45-0.6%. A causal mask dropped in bf16 moved the loss
+# by only 2e-3 (inside the loss bound: a causally trained model barely uses the future tokens it
+# now sees) but the gradients by 24%: gradients, not the loss, are what catch it.
 LOSS_REL = 1e-2  # issue 14's acceptance bound
 MIN_COSINE = 0.99  # every gradient leaf (issue 14's acceptance bound)
 GRAD_REL = 0.02  # global ||g - g_ref|| / ||g_ref||: ~3x the largest measured
