@@ -1,11 +1,20 @@
-"""Helpers shared by the test files: running the CLI, its one-line errors, equivalence checks.
+"""Helpers shared by the test files of every tier (tests/unit, tests/equivalence,
+tests/integration): running the CLI, its one-line errors, equivalence checks, the layouts and
+batches of the layout tests, and what a test file shares with one of another tier. No test file
+imports another; what two share lives here (or in hf_models.py).
 
-Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
+Imported as ``from helpers import ...`` (tests/conftest.py puts ``tests/`` on ``sys.path``).
+Module-level caches (``functools.cache``) hold for the whole test process, like session-scoped
+fixtures: every file a worker runs shares them.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import itertools
 import json
+import math
 import os
 import platform
 import re
@@ -13,12 +22,17 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
+from jaxpar.config import ModelConfig, load_config, validate
 from jaxpar.inspect.tpu import INSTALL_HINT, libtpu_installed
+
+TESTS = Path(__file__).resolve().parent
+SCRIPTS = TESTS.parent / "scripts"
 
 # --------------------------------------------------------------------------------------------
 # The command line
@@ -85,6 +99,104 @@ def assert_params_moved(ref: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Layouts against the single-device run (equivalence/test_parallel_layouts.py, test_pipeline.py,
+# test_moe.py; integration/test_pipeline_5d.py runs them in subprocesses of 16 and 32 devices)
+
+# Adam divides each gradient by its own magnitude (+ eps): for the few entries whose gradient is
+# ~1e-9, a summation-order difference of 1e-7 x the largest gradient flips their update. eps=1e-6
+# keeps the parameter comparison about the layout, not about amplified round-off; the gradient
+# comparison (1e-4, measured ~1e-6) is the strict one.
+LAYOUT_BASE = ["train.steps=3", "train.warmup_steps=1", "train.batch_size=8", "train.seq_len=32",
+               "train.eps=1e-6"]
+LAYOUT_STEPS = 3
+# moe-tiny's layouts (equivalence/test_moe.py; unit/test_moe_plan.py plans them by hand): the
+# sigmoid router with aux-loss-free balancing, so that every layout also updates (and routes with)
+# the router biases, which must agree across layouts.
+MOE_LAYOUT_BASE = [*LAYOUT_BASE, "model.moe.router=sigmoid_bias",
+                   "model.moe.bias_update_rate=0.01"]
+
+
+def make_batches(cfg) -> list[dict[str, np.ndarray]]:
+    """``LAYOUT_STEPS`` batches of random tokens in ``cfg``'s shape, the same for every layout;
+    some targets masked out, so that a misordered shard or a wrong normalisation cannot pass by
+    symmetry."""
+    rng = np.random.default_rng(1234)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    batches = []
+    for _ in range(LAYOUT_STEPS):
+        mask = np.ones((b, s), np.float32)
+        mask[0, -7:] = 0.0  # padding at the end of one row and the start of another
+        mask[5, :3] = 0.0
+        batches.append({
+            "inputs": rng.integers(0, cfg.model.vocab_size, (b, s), dtype=np.int32),
+            "targets": rng.integers(0, cfg.model.vocab_size, (b, s), dtype=np.int32),
+            "mask": mask,
+        })
+    return batches
+
+
+@functools.cache
+def run_layout(overrides: tuple[str, ...]) -> dict:
+    """The tiny preset with ``LAYOUT_BASE`` and ``overrides`` on as many devices as its mesh
+    axes multiply to, built once per test process: the first batch's loss and gradients, the
+    parameters after ``LAYOUT_STEPS`` steps, and the compiled step's collectives and HLO."""
+    from jaxpar.inspect.hlo.collectives import parse_collectives
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train.step import build_trainer
+
+    cfg = load_config("tiny", [*LAYOUT_BASE, *overrides])
+    n_devices = math.prod(
+        int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")) or 1
+    cfg = validate(cfg, n_devices)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
+    batches = [trainer.put_batch(b) for b in make_batches(cfg)]
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batches[0])
+    step = trainer.compile_step()
+    for batch in batches:
+        state, metrics = step(state, batch)
+    return {
+        "cfg": cfg,
+        "trainer": trainer,
+        "loss": float(loss),
+        "grads": jax.tree.map(np.asarray, grads),
+        "params": jax.tree.map(np.asarray, state.params),
+        "last_loss": float(metrics["loss"]),
+        "state": state,
+        "collectives": parse_collectives(step.as_text(), cfg.mesh_shape),
+        "hlo": step.as_text(),
+    }
+
+
+def per_step_bytes(cs) -> int:
+    """Payload per step: a collective in the scanned layer loop runs once per layer."""
+    return sum(c.bytes * c.executions for c in cs)
+
+
+def synthetic_batch(trainer, seed: int, poison: bool = False) -> dict:
+    """A batch of random tokens for ``trainer``, on its devices; ``poison`` makes the loss NaN."""
+    t = trainer.cfg.train
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, trainer.cfg.model.vocab_size, (t.batch_size, t.seq_len + 1))
+    mask = np.ones((t.batch_size, t.seq_len), np.float32)
+    if poison:
+        mask[0, 0] = np.nan
+    return trainer.put_batch({"inputs": tokens[:, :-1].astype(np.int32),
+                              "targets": tokens[:, 1:].astype(np.int32), "mask": mask})
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model's tiny (unit/test_cost_model.py, equivalence/test_cost_vs_compiled.py)
+
+
+def tiny_8x32(*overrides: str):
+    """tiny (2 layers, d_model 64, float32) with batches of 8 x 32 tokens and ``overrides``,
+    validated on 8 devices."""
+    return validate(load_config("tiny", ["train.batch_size=8", "train.seq_len=32", *overrides]),
+                    8)
+
+
+# --------------------------------------------------------------------------------------------
 # Compiled steps
 
 
@@ -95,6 +207,17 @@ def compiled_temp_bytes(cfg, devices: int) -> int:
 
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
     return trainer.compile_step().memory_analysis().temp_size_in_bytes
+
+
+def only_collective(cs: list):
+    """The one collective of ``cs`` (unit/test_hlo_text.py, equivalence/test_hlo_compiled.py)."""
+    assert len(cs) == 1, cs
+    return cs[0]
+
+
+# The JSON contract of docs/design.md ("jaxpar inspect ... --json writes"), plus the header's
+# `run` (equivalence/test_inspect_report.py, integration/test_inspect_cli.py).
+INSPECT_JSON_KEYS = {"devices", "mesh", "params", "memory", "collectives", "flops"}
 
 
 # Control flow in optimized HLO text: tests that prove a program is SPMD.
@@ -148,7 +271,7 @@ def collectives_in_conditionals(hlo: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Runs and checkpoints (test_checkpoint*.py)
+# Runs and checkpoints (test_checkpoint*.py, test_generate*.py, test_hf_export.py)
 
 
 def cached_jax_env(cache_dir: str | os.PathLike) -> dict[str, str]:
@@ -158,6 +281,11 @@ def cached_jax_env(cache_dir: str | os.PathLike) -> dict[str, str]:
                 JAX_COMPILATION_CACHE_DIR=str(cache_dir),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+# What a restore says of an array that fails its checksum.
+CHECKSUM_MISMATCH = re.compile(r"^checkpoint (\S+): array '([^']+)' does not match its checksum "
+                               r"\(damaged file\?\)$")
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -250,3 +378,132 @@ def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False,
     code = f"import sys\n{preamble}from jaxpar.cli.main import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "inspect", *args], capture_output=True,
                           text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)
+
+
+# --------------------------------------------------------------------------------------------
+# Pictures of inspect reports (unit/test_picture_drawing.py: hand-written reports;
+# equivalence/test_picture_of_compiled_report.py: a compiled one)
+
+MESH_AXES = ["pipe", "data", "fsdp", "expert", "context", "tensor"]
+
+
+@functools.cache
+def real_report() -> dict[str, Any]:
+    """``inspect_step``'s report of tiny compiled on data=2 x tensor=4 (once per process)."""
+    from jaxpar.inspect.report import inspect_step
+    from jaxpar.mesh import make_mesh
+
+    cfg = validate(load_config("tiny", ["mesh.data=2", "mesh.tensor=4"]), 8)
+    return inspect_step(cfg, make_mesh(cfg))
+
+
+def _report_param(name: str, shape: list[int], spec: list[Any], shards: int) -> dict[str, Any]:
+    size = 4
+    for n in shape:
+        size *= n
+    return {"name": name, "shape": shape, "spec": spec, "bytes_per_device": size // shards}
+
+
+def hand_report(mesh: dict[str, int]) -> dict[str, Any]:
+    """A report in the shape of ``inspect_step``'s, for any mesh (the numbers are made up)."""
+    devices = 1
+    for size in mesh.values():
+        devices *= size
+    split = [a for a in MESH_AXES if mesh.get(a, 1) > 1]
+    f = "fsdp" if mesh.get("fsdp", 1) > 1 else None
+    t = "tensor" if mesh.get("tensor", 1) > 1 else None
+    nf, nt = mesh.get("fsdp", 1), mesh.get("tensor", 1)
+    return {
+        "devices": devices,
+        "mesh": {a: mesh.get(a, 1) for a in MESH_AXES},
+        "run": {"device_kind": "cpu", "param_count": 853120, "param_bytes": 3412480,
+                "n_layers": 4, "batch_size": 16, "seq_len": 128, "grad_accum": 1,
+                "dtype": "float32", "remat": "dots", "zero": 3, "sequence_parallel": True,
+                "compile_seconds": 1.0},
+        "params": [
+            _report_param("embedding", [256, 128], [t, f], nf * nt),
+            _report_param("final_norm/scale", [128], [f], nf),
+            _report_param("layers/attn/wk", [4, 128, 4, 16], [None, f, t, None], nf * nt),
+            _report_param("layers/attn/wo", [4, 8, 16, 128], [None, t, None, f], nf * nt),
+            _report_param("layers/attn/wq", [4, 128, 8, 16], [None, f, t, None], nf * nt),
+            _report_param("layers/attn/wv", [4, 128, 4, 16], [None, f, t, None], nf * nt),
+            _report_param("layers/attn_norm/scale", [4, 128], [None, f], nf),
+            _report_param("layers/mlp/w_down", [4, 384, 128], [None, t, f], nf * nt),
+            _report_param("layers/mlp/w_gate", [4, 128, 384], [None, f, t], nf * nt),
+            _report_param("layers/mlp/w_up", [4, 128, 384], [None, f, t], nf * nt),
+            _report_param("layers/mlp_norm/scale", [4, 128], [None, f], nf),
+            _report_param("lm_head", [128, 256], [f, t], nf * nt),
+        ],
+        "memory": {"argument_bytes": 2568972, "output_bytes": 2563176, "temp_bytes": 12121752,
+                   "peak_bytes": 14691072, "alias_bytes": 2562828, "params_bytes": 854272,
+                   "optimizer_bytes": 1708552},
+        "collectives": [
+            {"kind": kind, "count": 10 + k, "instructions": 4, "bytes": 2**20 * (k + 1),
+             "wire_bytes": 2**19 * (k + 1), "axes": [axis], "lowered_as": [kind]}
+            for k, (axis, kind) in enumerate(itertools.product(
+                split, ["all-gather", "reduce-scatter", "all-reduce"]))
+        ] + ([{"kind": "collective-permute", "count": 29, "bytes": 819200, "wire_bytes": 819200,
+               "axes": split[:2], "lowered_as": ["collective-permute"]}] if len(split) > 1
+             else []),
+        "flops": {"compiled": 1e9, "analytic": 1e9},
+    }
+
+
+DEMO_MESH = {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
+ALL_AXES = dict.fromkeys(MESH_AXES, 2)  # 64 devices
+
+
+def device_boxes(fig) -> list[str]:
+    return [p.get_gid() for ax in fig.axes for p in ax.patches
+            if (p.get_gid() or "").startswith("device:")]
+
+
+def axis_labels(fig) -> dict[str, str]:
+    """``{axis: label text}`` for the texts that name a mesh axis."""
+    return {t.get_gid().removeprefix("axis-label:"): t.get_text() for ax in fig.axes
+            for t in ax.texts if (t.get_gid() or "").startswith("axis-label:")}
+
+
+def overlapping_texts(fig) -> list[tuple[str, str]]:
+    """Pairs of drawn texts whose boxes overlap by more than a pixel each way."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    from matplotlib.text import Text
+
+    texts = list(fig.texts)
+    for ax in fig.axes:  # the children are the texts and the titles
+        texts += [c for c in ax.get_children() if isinstance(c, Text)] + [ax.xaxis.label]
+        if ax.axison:  # tick labels are drawn only inside the view limits
+            low, high = sorted(ax.get_xlim())
+            texts += [t for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts
+             if t.get_visible() and t.get_text().strip()]
+    return [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2)
+            if min(box_a.x1, box_b.x1) - max(box_a.x0, box_b.x0) > 1
+            and min(box_a.y1, box_b.y1) - max(box_a.y0, box_b.y0) > 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Text generation (equivalence/test_generate.py, integration/test_generate_end_to_end.py)
+
+# Initialised with a large scale (init_std=0.5), so that the greedy argmax margins are far above
+# float32 round-off and token-for-token equality is the right test.
+GENERATION_MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128,
+                               vocab_size=256, init_std=0.5)
+# Lengths 4, 19 (past the 16-token bucket) and 2; with a mesh of data=2 they pad to 4 rows.
+GENERATION_PROMPTS = [[0, 5, 17, 99], [0, 200, *[3] * 16, 42], [0, 7]]
+
+
+# --------------------------------------------------------------------------------------------
+# scripts/benchmark.py (unit/test_benchmark_options.py, equivalence/test_bench_timing.py,
+# integration/test_benchmark.py)
+
+
+def benchmark_script():
+    """scripts/benchmark.py as a module (scripts/ is not a package; its helpers import by name)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location("jaxpar_benchmark", SCRIPTS / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

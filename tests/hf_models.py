@@ -1,5 +1,6 @@
 """Tiny random Hugging Face models built with transformers' own classes (no downloads), and
-the logits of a model on both sides, for tests/test_hf*.py."""
+the logits of a model on both sides, for the Hugging Face tests (tests/integration/test_hf*.py,
+tests/unit/test_hf_config.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def llama_config_5x() -> dict:
+    """A Llama config.json as transformers 5 writes it (``rope_parameters``), read without
+    transformers."""
+    return {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 500000.0, **LLAMA3}}
 
 
 def build_hf_model(kind: str, seed: int = 0, **overrides):

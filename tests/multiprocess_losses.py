@@ -1,7 +1,7 @@
-"""Run by tests/test_multiprocess.py under ``scripts/launch_local.py``: a few train steps of
-CONFIG (with ``key=value`` overrides) on a mesh whose innermost axis pairs devices of different
-processes, printing (process 0) one JSON line: the losses, and the processes of every group of
-devices along the innermost axis.
+"""Run by tests/integration/test_multiprocess.py under ``scripts/launch_local.py``: a few train
+steps of CONFIG (with ``key=value`` overrides) on a mesh whose innermost axis pairs devices of
+different processes, printing (process 0) one JSON line: the losses, and the processes of every
+group of devices along the innermost axis.
 
     python tests/multiprocess_losses.py STEPS CONFIG [key=value ...]
 

@@ -71,19 +71,19 @@ What each part holds:
 
 At Llama-3-8B widths (bf16, remat=dots, 4 or 8 layers, pipe=4 fsdp=4 tensor=4 and pipe=4 fsdp=8
 tensor=2, 8 microbatches; gpipe, 1F1B, interleaved) the compiled peak is within 4% of this
-(``tests/test_real_size.py``); the stash is 0.4-1.8 GiB of 6-8 GiB. 1F1B's and interleaved's
-peak is in a step with a forward, a backward and the head; gpipe's in its backward-only stretch,
-where XLA:CPU reads the residual stash through a float32 copy of it and no head runs (what the
-head's step and the second output-gradient stash count instead). XLA:CPU also copies the
-donated Adam moments at the step's start and reuses their buffers for temporaries: no net
-bytes, except where they stay idle (gpipe: about 0.45 GiB of its 7.08). The TPU compiler's
-peak for tests/test_tpu_target.py's pipe=2 fsdp=4 and data=2 fsdp=2 (bf16, remat=dots) is
-1.00 of this plan.
+(``tests/integration/test_real_size.py``); the stash is 0.4-1.8 GiB of 6-8 GiB. 1F1B's and
+interleaved's peak is in a step with a forward, a backward and the head; gpipe's in its
+backward-only stretch, where XLA:CPU reads the residual stash through a float32 copy of it and
+no head runs (what the head's step and the second output-gradient stash count instead). XLA:CPU
+also copies the donated Adam moments at the step's start and reuses their buffers for
+temporaries: no net bytes, except where they stay idle (gpipe: about 0.45 GiB of its 7.08). The
+TPU compiler's peak for tests/integration/test_tpu_target.py's pipe=2 fsdp=4 and data=2 fsdp=2
+(bf16, remat=dots) is 1.00 of this plan.
 
 Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
 fsdp=2, pipe=2 fsdp=2 tensor=2 with SP, a MoE model with pipe=2 expert=2 tensor=2, and the
-memory of sequences of 128 tokens (tests/test_cost.py). Time: compute x the executed-work
-factor = compute / (1 - bubble).
+memory of sequences of 128 tokens (tests/equivalence/test_cost_vs_compiled.py). Time: compute
+x the executed-work factor = compute / (1 - bubble).
 """
 
 from __future__ import annotations

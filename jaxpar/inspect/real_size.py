@@ -6,7 +6,7 @@ scale (a weight gradient reduced once per loss piece, a residual stream gathered
 case here compiles one step of a real-size preset (``configs/llama3-8b.yaml`` ...), cut to a few
 layers (the layers are scanned: the compile costs about one layer, and every per-layer row
 scales exactly), on 64 virtual CPU devices or a TPU slice, and allocates nothing.
-``scripts/real_size.py`` prints the table; ``tests/test_real_size.py`` asserts it.
+``scripts/real_size.py`` prints the table; ``tests/integration/test_real_size.py`` asserts it.
 """
 
 from __future__ import annotations

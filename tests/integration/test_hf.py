@@ -1,0 +1,196 @@
+"""Hugging Face models: ``jaxpar import-hf`` against transformers' own forward pass, on one
+device and under tensor, data and expert parallelism (``train.init_from``), and a config written
+by this transformers. The config dialects of transformers 4.x and 5.x (read without transformers):
+``tests/unit/test_hf_config.py``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hf_models import (
+    LLAMA3,
+    SEQ,
+    VOCAB,
+    hf_logits,
+    jaxpar_logits,
+    save_hf_model,
+    tokens,
+    trainer_from_import,
+)
+from hf_models import llama_config_5x as _llama_config_5x
+
+from jaxpar.config import RopeScalingConfig
+from jaxpar.hf.config import model_config_from_hf
+from jaxpar.hf.importer import import_hf
+
+pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4  # max abs logit difference, float32
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits)."""
+    root = tmp_path_factory.mktemp("hf")
+    ids = tokens(rows=4)
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"):
+        # llama in two shards with an index, as large models come
+        extra = {"max_shard_size": "150KB"} if kind == "llama" else {}
+        source = save_hf_model(kind, root / kind, **extra)
+        out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
+    return out
+
+
+def test_sharded_source_was_read_from_its_index(imported):
+    source = imported["llama"][0]
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+
+
+@pytest.mark.parametrize(("kind", "overrides", "devices"), [
+    ("llama", [], 1),
+    ("llama", ["mesh.tensor=2"], 4),
+    ("qwen2", [], 1),
+    ("qwen2", ["mesh.tensor=2"], 4),
+    ("qwen3", [], 1),
+    ("mistral", [], 1),
+    ("mixtral", [], 1),
+    ("mixtral", ["mesh.tensor=2"], 4),
+    ("mixtral", ["mesh.expert=2"], 4),
+    ("qwen3_moe", [], 1),
+    ("qwen3_moe", ["mesh.expert=2"], 4),
+])
+def test_imported_logits_match_transformers(imported, kind, overrides, devices):
+    _, done, expected = imported[kind]
+    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
+    assert int(state.step) == 0
+    got = jaxpar_logits(trainer, state, tokens(rows=4))
+    assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
+    diff = np.abs(got - expected).max()
+    assert diff <= TOLERANCE, (kind, overrides, diff)
+
+
+@pytest.mark.parametrize("kind", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_training_loss_of_an_import_under_a_pipeline_is_transformers(imported, kind):
+    """The train step's loss (pipeline executor over pipe=2, data=2) of the imported weights is
+    the cross-entropy of transformers' logits."""
+    source, done, _ = imported[kind]
+    ids = np.random.default_rng(7).integers(0, VOCAB, (4, SEQ + 1)).astype(np.int32)
+    logits = hf_logits(source, ids[:, :-1]).astype(np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+    expected = float(np.mean(log_z - target))
+    trainer, state = trainer_from_import(done.config_yaml, ["mesh.pipe=2",
+                                                            "train.microbatches=2"], 4)
+    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
+                               "mask": np.ones((4, SEQ), np.float32)})
+    loss, _ = trainer.loss_and_grads(state, batch)
+    assert abs(float(loss) - expected) <= 1e-5 * expected, (float(loss), expected)
+
+
+def test_init_from_converts_to_the_stored_dtype_and_refuses_another_model(imported):
+    import jax.numpy as jnp
+
+    from jaxpar.checkpoint.state import CheckpointError
+    from jaxpar.checkpoint.weights_only import read_weights
+
+    done = imported["llama"][1]
+    _, state = trainer_from_import(done.config_yaml, ["train.param_dtype=bfloat16"], 1)
+    wq = state.params["layers"]["attn"]["wq"]
+    assert wq.dtype == jnp.bfloat16
+    expected = read_weights(done.checkpoint)[0]["layers"]["attn"]["wq"]
+    np.testing.assert_array_equal(np.asarray(wq), expected.astype(jnp.bfloat16))
+    with pytest.raises(CheckpointError, match="does not fit this model: params/layers/mlp"):
+        trainer_from_import(done.config_yaml, ["model.d_ff=128"], 1)
+
+
+def test_import_maps_the_config(imported):
+    llama, qwen2, qwen3, mixtral = (imported[k][1].model for k in
+                                    ("llama", "qwen2", "qwen3", "mixtral"))
+    assert llama.rope_scaling == RopeScalingConfig(type="llama3", factor=8.0,
+                                                   original_max_position_embeddings=64)
+    assert (llama.n_heads, llama.n_kv_heads, llama.head_dim) == (4, 2, 16)
+    assert qwen2.qkv_bias and qwen2.tie_embeddings and qwen2.rope_theta == 1e5
+    assert qwen3.qk_norm and qwen3.head_dim == 32
+    assert mixtral.moe.num_experts == 4 and mixtral.moe.norm_topk
+    assert mixtral.rope_theta == 1e6  # Mixtral's default theta
+    qwen3_moe = imported["qwen3_moe"][1].model
+    assert qwen3_moe.qk_norm and not qwen3_moe.moe.norm_topk
+    assert qwen3_moe.resolved_d_ff_expert == 48 and qwen3_moe.moe.num_experts == 4
+
+
+def test_import_copies_the_tokenizer_and_writes_a_config_to_train_from(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    source = save_hf_model("llama", tmp_path / "src")
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"[UNK]": 26}
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text("{}")
+    done = import_hf(source, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert done.tokenizer == (tmp_path / "out" / "tokenizer.json").absolute()
+    from jaxpar.config import load_config
+
+    cfg = load_config(str(done.config_yaml))
+    assert cfg.data.tokenizer == str(done.tokenizer)
+    assert cfg.train.init_from == str((tmp_path / "out").absolute())
+    assert cfg.model == done.model
+
+
+def test_bfloat16_weights_import_exactly_as_float32(tmp_path):
+    """Released checkpoints are mostly bfloat16: each value becomes its exact float32."""
+    import torch
+    from hf_models import build_hf_model
+
+    from jaxpar.checkpoint.weights_only import read_weights
+
+    model = build_hf_model("qwen2").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    params = read_weights(import_hf(tmp_path / "src", tmp_path / "out").checkpoint)[0]
+    wq = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # [H*D, E]
+    got = params["layers"]["attn"]["wq"][1]  # [E, H, D]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.reshape(got.shape[0], -1).T, wq)
+    bias = model.model.layers[0].self_attn.k_proj.bias.detach().float().numpy()
+    np.testing.assert_array_equal(params["layers"]["attn"]["k_bias"][0].reshape(-1), bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Config dialects
+
+
+def test_config_written_by_this_transformers_reads_as_the_hand_written_one(tmp_path):
+    import transformers as tr
+
+    cfg = tr.LlamaConfig(**{k: v for k, v in _llama_config_5x().items()
+                            if k not in ("model_type", "rope_parameters")},
+                         rope_theta=500000.0, rope_scaling=dict(LLAMA3))
+    cfg.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert model_config_from_hf(written) == model_config_from_hf(_llama_config_5x())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generation_from_an_import_is_transformers_greedy_decoding(imported, kind):
+    """``jaxpar generate``'s KV-cached decoding runs the imported weights as transformers does
+    (llama3 RoPE scaling, biases, tied embeddings included)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpar.checkpoint.weights_only import read_weights
+    from jaxpar.config import Config
+    from jaxpar.generate import Generator
+
+    source, done, _ = imported[kind]
+    prompts = tokens(rows=2)[:, :20]
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=12,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[:, prompts.shape[1]:].tolist()
+    params, buffers, _ = read_weights(done.checkpoint)
+    generator = Generator(Config(model=done.model), params, buffers)
+    assert generator.generate(prompts.tolist(), max_tokens=12) == expected

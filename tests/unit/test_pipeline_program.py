@@ -1,0 +1,126 @@
+"""Pipeline tools around the executor, without compiling anything: the executor's program of
+slots (simulated in Python), the pipeline config errors, and the plan's stash and bubble per
+schedule.
+
+The executor's equivalence with the single-device run, its collectives and its compiled memory
+per schedule: tests/equivalence/test_pipeline.py; the command line (inspect --compare, schedule,
+metrics): tests/integration/test_pipeline_cli.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.parallel.pipeline.program import compile_program, executed_kinds, step_kind
+from jaxpar.parallel.pipeline.schedules import (
+    peak_in_flight,
+    schedule_steps,
+    stage_of,
+    table_of,
+)
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
+
+
+def simulate(program, p: int) -> None:
+    """Run the program's slot bookkeeping in Python: every read must find what its action
+    expects (the key a forward stored, an arrived input), never a slot refilled meanwhile."""
+    res = [dict() for _ in range(p)]  # stage -> slot -> (mb, chunk) of the residuals there
+    acts = [dict() for _ in range(p)]
+    grads = [dict() for _ in range(p)]
+    for stretch in program.stretches:
+        f = stretch.fields
+        for t in range(len(f["f_on"])):
+            arrivals = []
+            for s in range(p):
+                if f["f_on"][t, s]:
+                    key = (int(f["f_mb"][t, s]), int(f["f_chunk"][t, s]) * p + s)
+                    if not f["f_first"][t, s]:
+                        assert acts[s].pop(int(f["f_in"][t, s])) == key
+                    res[s][int(f["f_res"][t, s])] = key
+                    if f["head_last"][t, s]:
+                        grads[s][int(f["head_dy"][t, s])] = key
+                    else:
+                        arrivals.append((acts, stage_of(key[1] + 1, p), "recv_act",
+                                         (key[0], key[1] + 1)))
+                for prefix in ("b", "w"):
+                    if not f[f"{prefix}_on"][t, s]:
+                        continue
+                    key = res[s][int(f[f"{prefix}_res"][t, s])]
+                    assert key[1] == int(f[f"{prefix}_chunk"][t, s]) * p + s
+                    assert grads[s][int(f[f"{prefix}_grad"][t, s])] == key
+                    if prefix == "b" and key[1] > 0:
+                        arrivals.append((grads, stage_of(key[1] - 1, p), "recv_grad",
+                                         (key[0], key[1] - 1)))
+            for store, receiver, name, key in arrivals:
+                store[receiver][int(f[name][t, receiver])] = key
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight(schedule, p, m):
+    v = 2 if schedule == "interleaved" else 1
+    steps = schedule_steps(schedule, p, m, v)
+    program = compile_program(steps, p, v)
+    assert program.steps == len(steps)
+    kinds = [executed_kinds(s) for s in steps]
+    # Stretches are the maximal runs of one kind; the head runs in exactly the steps where a
+    # stage's forward is the last chunk, once per microbatch.
+    assert [k for s in program.stretches for k in [s.kinds] * len(s.fields["f_on"])] == [
+        step_kind(s, v * p) for s in steps]
+    assert all(a.kinds != b.kinds for a, b in zip(program.stretches, program.stretches[1:],
+                                                      strict=False))
+    with_head = [s for s in program.stretches if "H" in s.kinds]
+    assert sum(int(s.fields["head_last"].sum()) for s in with_head) == m
+    assert all(s.fields["head_last"].any(axis=1).all() for s in with_head)
+    if schedule == "zero_bubble":  # each I and its W land in one step: one backward pass
+        assert all("W" not in k for k in kinds)
+    # Every forward and backward placed once; the residual stash is the peak in flight.
+    assert sum(int(s.fields["f_on"].sum()) for s in program.stretches) == m * v * p
+    assert sum(int(s.fields["b_on"].sum()) for s in program.stretches) == m * v * p
+    assert program.res_slots == max(peak_in_flight(table_of(steps)))
+    if schedule == "gpipe":
+        assert program.res_slots == m
+    if schedule in ("1f1b", "zero_bubble"):
+        assert program.res_slots == min(2 * p - 1, m)
+    simulate(program, p)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["mesh.pipe=2", "mesh.data=1", "model.n_layers=3"], "model.n_layers=3 is not divisible"),
+    (["mesh.pipe=2", "mesh.data=1", "parallel.virtual_stages=2"], "needs parallel.pipeline_sch"),
+    (["mesh.data=2", "train.microbatches=2"], "train.microbatches=2 needs mesh.pipe > 1"),
+    (["mesh.pipe=2", "mesh.data=1", "train.microbatches=3", "parallel.pipeline_schedule="
+      "interleaved", "parallel.virtual_stages=1", "train.batch_size=6"], "not divisible by "
+     "mesh.pipe=2"),
+    (["mesh.pipe=2", "mesh.tensor=2", "mesh.data=1", "model.vocab_size=250"],
+     "model.vocab_size=250 is not divisible by mesh.pipe x mesh.tensor = 4"),
+])
+def test_pipeline_config_errors_name_the_field(overrides, message):
+    cfg = load_config("tiny", overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg, 4 if "mesh.tensor=2" in overrides else 2)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+def test_plan_predicts_the_stash_and_the_bubble_of_each_schedule():
+    from jaxpar.cost.estimate import estimate
+
+    for schedule, bubble in [("gpipe", 3 / 11), ("1f1b", 3 / 11), ("zero_bubble", 3 / 11)]:
+        cfg = validate(load_config("tiny", [
+            "mesh.pipe=4", "mesh.data=2", "model.n_layers=4", "train.microbatches=8",
+            "train.batch_size=16", f"parallel.pipeline_schedule={schedule}"]), 8)
+        report = estimate(cfg, "h100")
+        assert report.pipeline["bubble"] == pytest.approx(bubble)
+        # One message: microbatch rows on this device x seq x d_model, float32 on CPU.
+        message = 1 * cfg.train.seq_len * cfg.model.d_model * 4
+        slots = report.pipeline["activation_slots"] + report.pipeline["gradient_slots"] + 2
+        residual_sets = report.pipeline["residual_slots"] + 1
+        assert report.memory.stash > slots * message + residual_sets * message
+        assert report.pipeline["residual_slots"] == (8 if schedule == "gpipe" else 7)
