@@ -464,6 +464,21 @@ def axis_labels(fig) -> dict[str, str]:
             for t in ax.texts if (t.get_gid() or "").startswith("axis-label:")}
 
 
+def assert_a_box_per_device_and_a_label_per_split_axis(report: dict[str, Any]) -> None:
+    """The mesh picture of ``report`` draws one box per device, labels every axis that splits
+    something (naming it), and no two of its texts overlap."""
+    from jaxpar.pictures.figures import report_figure
+
+    fig = report_figure(report)
+    assert sorted(device_boxes(fig)) == sorted(f"device:{i}" for i in range(report["devices"]))
+    split = {a for a, size in report["mesh"].items() if size > 1}
+    labels = axis_labels(fig)
+    assert set(labels) == split
+    for axis, text in labels.items():
+        assert axis in text
+    assert overlapping_texts(fig) == []
+
+
 def overlapping_texts(fig) -> list[tuple[str, str]]:
     """Pairs of drawn texts whose boxes overlap by more than a pixel each way."""
     fig.canvas.draw()

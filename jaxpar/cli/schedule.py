@@ -13,12 +13,14 @@ SCHEDULE_HELP = ("print (and with --png draw) the config's pipeline schedule: wh
                  "what at every tick, its bubble and what each stage holds")
 
 
+SCHEDULE_EXAMPLE = ("\nExample:\n  jaxpar schedule tiny mesh.pipe=4 mesh.data=2 model.n_layers=8 "
+                    "train.microbatches=8 train.batch_size=16 "
+                    "parallel.pipeline_schedule=interleaved parallel.virtual_stages=2 "
+                    "--png schedule.png")
+
+
 def add_schedule(commands) -> None:
-    sub = config_command(commands, "schedule", SCHEDULE_HELP,
-                         "\nExample:\n  jaxpar schedule tiny mesh.pipe=4 mesh.data=2 "
-                         "model.n_layers=8 train.microbatches=8 train.batch_size=16 "
-                         "parallel.pipeline_schedule=interleaved parallel.virtual_stages=2 "
-                         "--png schedule.png")
+    sub = config_command(commands, "schedule", SCHEDULE_HELP, SCHEDULE_EXAMPLE)
     sub.add_argument("--png", metavar="FILE", help="draw the timeline (stages x ticks, "
                      "forward/backward/idle coloured) to FILE (needs matplotlib)")
 

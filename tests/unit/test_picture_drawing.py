@@ -17,10 +17,8 @@ pytest.importorskip("matplotlib")
 from helpers import (  # noqa: E402
     ALL_AXES,
     DEMO_MESH,
-    axis_labels,
-    device_boxes,
+    assert_a_box_per_device_and_a_label_per_split_axis,
     hand_report,
-    overlapping_texts,
     real_report,
 )
 
@@ -34,14 +32,7 @@ def test_figure_has_a_box_per_device_and_a_label_per_split_axis(name: str) -> No
     report = {"real": real_report, "demo": lambda: hand_report(DEMO_MESH),
               "all-axes": lambda: hand_report(ALL_AXES),
               "one-device": lambda: hand_report({})}[name]()
-    fig = report_figure(report)
-    assert sorted(device_boxes(fig)) == sorted(f"device:{i}" for i in range(report["devices"]))
-    split = {a for a, size in report["mesh"].items() if size > 1}
-    labels = axis_labels(fig)
-    assert set(labels) == split
-    for axis, text in labels.items():
-        assert axis in text
-    assert overlapping_texts(fig) == []
+    assert_a_box_per_device_and_a_label_per_split_axis(report)
 
 
 def test_parameters_are_grouped_and_merged_by_spec() -> None:
