@@ -65,10 +65,9 @@ from jaxpar.model.transformer import DTYPES, Transformer, abstract_model, layer_
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.rules import (
     logical_rules,
+    model_specs,
     named_shardings,
-    param_logical_axes,
     param_name,
-    param_specs,
     resolve_spec,
 )
 
@@ -222,9 +221,7 @@ class Generator:
     def _place(self, params: dict, buffers: dict) -> tuple[dict, dict]:
         """The parameters (and MoE buffers) put on the mesh as the rules table lays them out."""
         model, rules = abstract_model(self.cfg.model), logical_rules(self.cfg)
-        specs = param_specs(params, param_logical_axes(model), rules, self.mesh_shape)
-        buffer_specs = param_specs(buffers, param_logical_axes(model, buffers=True), rules,
-                                   self.mesh_shape)
+        specs, buffer_specs = model_specs(model, params, buffers, rules, self.mesh_shape)
         return (jax.device_put(params, named_shardings(self.mesh, specs)),
                 jax.device_put(buffers, named_shardings(self.mesh, buffer_specs)))
 

@@ -162,6 +162,15 @@ def param_specs(abstract_params: dict, logical_axes: dict, rules: Rules,
         logical_axes, abstract_params, is_leaf=is_axes_leaf)
 
 
+def model_specs(abstract_model: nnx.Module, params: dict, buffers: dict, rules: Rules,
+                mesh_shape: Mapping[str, int]) -> tuple[dict, dict]:
+    """PartitionSpecs of a model's parameters and of its buffers (every other variable: MoE
+    router biases), each laid out by its logical axes and the rules table."""
+    return (param_specs(params, param_logical_axes(abstract_model), rules, mesh_shape),
+            param_specs(buffers, param_logical_axes(abstract_model, buffers=True), rules,
+                        mesh_shape))
+
+
 def named_shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -56,10 +56,10 @@ from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline.executor import Program, pipelined_gradients
 from jaxpar.parallel.rules import (
     logical_rules,
+    model_specs,
     named_shardings,
     param_logical_axes,
     param_name,
-    param_specs,
     resolve_spec,
 )
 from jaxpar.parallel.zero import data_summed_by_hand, gradient_specs, optimizer_state_specs
@@ -261,9 +261,7 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
                                      nnx.to_pure_dict(abstract_params))
     abstract_buffers = nnx.to_pure_dict(abstract_buffers)
     logical_axes = param_logical_axes(model)
-    specs = param_specs(abstract_params, logical_axes, rules, mesh_shape)
-    buffer_specs = param_specs(abstract_buffers, param_logical_axes(model, buffers=True), rules,
-                               mesh_shape)
+    specs, buffer_specs = model_specs(model, abstract_params, abstract_buffers, rules, mesh_shape)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_specs = optimizer_state_specs(cfg, abstract_opt, abstract_params, specs, logical_axes)
     state = named_shardings(mesh, TrainState(step=PartitionSpec(), params=specs,
