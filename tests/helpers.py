@@ -27,9 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from packaging.version import Version  # a dependency of pytest
 
 from jaxpar.config import ModelConfig, load_config, validate
-from jaxpar.inspect.tpu import INSTALL_HINT, libtpu_installed
+from jaxpar.inspect.tpu import INSTALL_HINT, libtpu_installed, libtpu_version
 
 TESTS = Path(__file__).resolve().parent
 SCRIPTS = TESTS.parent / "scripts"
@@ -350,6 +351,18 @@ def flip_bytes(step_dir: Path, count: int = 16) -> Path:
 
 CLI_TIMEOUT_S = 300
 LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+def jax_at_least(oldest: str) -> bool:
+    """The installed jax is ``oldest`` or newer (for markers of upstream differences)."""
+    return Version(jax.__version__) >= Version(oldest)
+
+
+def libtpu_at_least(oldest: str) -> bool:
+    """The installed libtpu package is ``oldest`` or newer; False without one. (A libtpu.so
+    named by TPU_LIBRARY_PATH is not the package's: its version is not known here.)"""
+    version = libtpu_version()
+    return version is not None and Version(version) >= Version(oldest)
 
 
 def needs_libtpu() -> None:
