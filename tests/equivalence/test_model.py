@@ -101,9 +101,9 @@ def test_weight_gradients_are_their_own_matmul_equal_to_autodiffs(dtype):
         want_y, want_pull = jax.vjp(plain[name], x, w)
         assert y.dtype == want_y.dtype, name
         dy = jax.random.normal(kc, y.shape).astype(y.dtype)
-        # The values against autodiff's in float32: XLA:CPU in jaxlib 0.12.0.1 accumulates
-        # autodiff's bfloat16 weight gradient (a transposed dot) in bfloat16, 3x the rounding
-        # error here (docs/jax-notes.md); jaxlib 0.10.2 accumulated it in float32.
+        # The values against autodiff's in float32: XLA:CPU in jaxlib 0.11.2 and 0.12.0.1
+        # accumulates autodiff's bfloat16 weight gradient (a transposed dot) in bfloat16, 3x
+        # the rounding error here (docs/jax-notes.md); jaxlib 0.10.2 accumulated in float32.
         _, exact_pull = jax.vjp(plain[name], f32(x), f32(w))
         for got, want, exact in zip(pull(dy), want_pull(dy), exact_pull(f32(dy)), strict=True):
             assert got.dtype == want.dtype, name

@@ -218,9 +218,9 @@ def test_a_pipelined_moe_model_that_would_nest_a_shard_map_is_a_one_line_error_f
 
 
 @pytest.mark.xfail(
-    condition=jax_at_least("0.12") or libtpu_at_least("0.0.50"), strict=True,
-    reason="compiles with jax 0.12.0.1 (also on libtpu 0.0.42.1's .so) and with libtpu 0.0.50.1 "
-           "and 0.0.52 (also under jax 0.10.2): the refusal could go for those versions")
+    condition=jax_at_least("0.12") or libtpu_at_least("0.0.48"), strict=True,
+    reason="compiles with jax 0.12.0.1 (also on libtpu 0.0.42.1's .so) and with libtpu 0.0.48.1, "
+           "0.0.50.1 and 0.0.52 (also under jax 0.10.2): the refusal could go for those versions")
 def test_libtpu_still_aborts_on_the_expert_dispatch_nested_in_a_pipeline_stage(tmp_path):
     """The canary for the error above: with jaxpar's refusal switched off, the TPU compiler
     aborts. When a libtpu upgrade makes this fail, the refusal
@@ -243,9 +243,9 @@ def test_a_pipelined_dropless_moe_over_expert_is_a_one_line_error_for_tpu(tmp_pa
 
 
 @pytest.mark.xfail(
-    condition=libtpu_at_least("0.0.50"), strict=True,
-    reason="libtpu 0.0.50.1 and 0.0.52 compile a ragged all-to-all in a pipeline stage (0.0.42.1 "
-           "fails under jax 0.12 too): the refusal could go for those versions")
+    condition=libtpu_at_least("0.0.48"), strict=True,
+    reason="libtpu 0.0.48.1, 0.0.50.1 and 0.0.52 compile a ragged all-to-all in a pipeline stage "
+           "(0.0.42.1 fails under jax 0.12 too): the refusal could go for those versions")
 def test_libtpu_still_fails_on_a_ragged_all_to_all_in_a_pipeline_stage(tmp_path):
     """The canary for the error above (``jaxpar.parallel.hooks.NO_RAGGED_IN_STAGES``)."""
     needs_libtpu()
@@ -311,13 +311,14 @@ def plan_covers_closely(compiled: int, predicted: int) -> bool:
     return 0.80 <= compiled / predicted <= 1.05
 
 
-# libtpu 0.0.50.1 and 0.0.52 (with jax 0.10.2 or 0.12.0.1 alike) keep each donated parameter's
-# buffer for that parameter and its update; 0.0.42.1 also put the backward loop's whole-stack
-# gradient sums there. The ZeRO-1 peaks grow by 591 MB (f32) and by exactly the parameters'
-# bytes (bf16): 1.13 and 1.30 of the plan, which follows 0.0.42.1. The pipeline's are unchanged.
+# libtpu 0.0.48.1, 0.0.50.1 and 0.0.52 (under jax 0.10.2, 0.11.2 or 0.12.0.1 alike) keep each
+# donated parameter's buffer for that parameter and its update; 0.0.42.1 also put the backward
+# loop's whole-stack gradient sums there. The ZeRO-1 peaks grow by 591 MB (f32) and by exactly
+# the parameters' bytes (bf16): 1.13 and 1.30 of the plan, which follows 0.0.42.1. The
+# pipeline's are unchanged.
 LIBTPU_KEEPS_DONATED_BUFFERS = pytest.mark.xfail(
-    condition=libtpu_at_least("0.0.50"), strict=True,
-    reason="libtpu >= 0.0.50 no longer puts gradient sums in the donated parameters' buffers: "
+    condition=libtpu_at_least("0.0.48"), strict=True,
+    reason="libtpu >= 0.0.48 no longer puts gradient sums in the donated parameters' buffers: "
            "ZeRO-1 peaks 1.13-1.30 of the plan (calibrated on libtpu 0.0.42.1)")
 
 PIPE_FSDP = ("train.dtype=bfloat16", "mesh.data=1", "mesh.pipe=2", "train.microbatches=4")
