@@ -163,9 +163,13 @@ def read_index(directory: str | Path, label: str) -> TokenIndex:
     """The index of a tokenized directory; a missing or unreadable one is a one-line error."""
     path = Path(directory).expanduser() / INDEX_FILE
     if not path.is_file():
-        hint = (" (an unfinished jaxpar tokenize: rerun it with --resume)"
-                if looks_unfinished(directory) else " (write one with jaxpar tokenize)")
-        raise ValueError(f"{label}: no {INDEX_FILE} in {directory}{hint}")
+        if (Path(directory).expanduser() / PROGRESS_FILE).is_file():
+            hint = "an unfinished jaxpar tokenize: rerun it with --resume"
+        elif looks_unfinished(directory):
+            hint = "shards without their index: tokenize again into a new directory"
+        else:
+            hint = "write one with jaxpar tokenize"
+        raise ValueError(f"{label}: no {INDEX_FILE} in {directory} ({hint})")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("format") != FORMAT or data.get("version") != VERSION:

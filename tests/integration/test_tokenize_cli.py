@@ -156,7 +156,7 @@ def test_a_damaged_shard_is_one_line_before_any_compile(byte_shards, tmp_path):
 def test_a_missing_index_is_one_line_before_any_compile(byte_shards, tmp_path):
     (byte_shards / "index.json").unlink()
     result = _train_error(tmp_path, f"data.source={byte_shards}")
-    assert_one_line_error(result, "no index.json", "--resume")
+    assert_one_line_error(result, "no index.json", "shards without their index")
     verify = run_jaxpar("tokenize", "--verify", str(byte_shards), timeout=60)
     assert_one_line_error(verify, "no index.json")
 

@@ -291,11 +291,20 @@ def test_start_up_checks_sizes_and_reads_checksums_only_when_asked(corpus, tmp_p
 def test_a_missing_index_is_named(corpus, tmp_path):
     source, _ = corpus
     out = tmp_path / "tok"
-    _tokenize(source, out, val_fraction=0.0)
-    (out / "index.json").unlink()
+    with pytest.raises(KeyboardInterrupt):
+        tokenize(TokenizeOptions(sources=(str(source),), directory=out, shard_tokens=600),
+                 _interrupt_after_a_shard)
     with pytest.raises(ValueError, match=r"no index\.json in .*tok \(an unfinished jaxpar "
                                          r"tokenize: rerun it with --resume\)$"):
         open_tokenized(str(out), "train", SEQ_LEN, tokenizer="byte")
+    (out / "progress.json").unlink()
+    with pytest.raises(ValueError, match=r"no index\.json .*\(shards without their index"):
+        open_tokenized(str(out), "train", SEQ_LEN, tokenizer="byte")
+
+
+def _interrupt_after_a_shard(stats) -> None:
+    if stats.shards >= 1:
+        raise KeyboardInterrupt
 
 
 def test_another_tokenizer_than_the_shards_were_made_with_is_refused(corpus, tmp_path):
