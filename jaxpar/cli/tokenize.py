@@ -7,9 +7,17 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxpar.cli.common import positive_int, tolerance
 from jaxpar.config import ConfigError
+
+if TYPE_CHECKING:  # the data package imports numpy: only when the command runs
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from jaxpar.data.shards import TokenIndex
+    from jaxpar.data.tokenize import TokenizeStats
 
 TOKENIZE_HELP = ("tokenize a corpus once into shards of token ids, which train reads by random "
                  "access (data.source=DIR)")
@@ -83,7 +91,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     task = bar.add_task("tokenize", total=None, tokens=0, shards=0)
     done = {"shards": 0}
 
-    def on_progress(stats) -> None:
+    def on_progress(stats: TokenizeStats) -> None:
         done["shards"] = stats.shards
         bar.update(task, completed=stats.text_bytes, tokens=stats.tokens, shards=stats.shards)
 
@@ -98,7 +106,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_bar(console):
+def _progress_bar(console: Console) -> Progress:
     from rich.progress import (  # noqa: PLC0415
         FileSizeColumn,
         Progress,
@@ -123,7 +131,7 @@ def _progress_bar(console):
                     console=console, disable=not console.is_terminal)
 
 
-def summary(directory: str, index) -> str:
+def summary(directory: str, index: TokenIndex) -> str:
     splits = "; ".join(f"{name} {sum(s.documents for s in shards):,} documents, "
                        f"{sum(s.tokens for s in shards):,} tokens in {len(shards)} shard(s)"
                        for name, shards in index.splits.items())

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "DataIterator":
         from jaxpar.data.loader import DataIterator  # noqa: PLC0415  (grain, hence jax)
 

@@ -7,7 +7,7 @@ as padding anyway (it is masked the same way). Row ``i`` is ``stream[i*L : i*L +
 that crosses a shard boundary is read from both shards, located by the shards' cumulative token
 counts.
 
-Opening reads ``index.json``, checks each file's size and maps the files into memory; nothing
+Opening reads ``index.json``, checks each file's size and maps the shards into memory; nothing
 scans the corpus, and what stays in host memory grows with the number of shards, not with their
 size: rows are copied out of the memory maps as they are asked for. The offsets of the documents
 give, per row, which document each position belongs to (:meth:`TokenizedDataset.segment_ids`).
@@ -22,10 +22,11 @@ import numpy as np
 
 from jaxpar.data.packing import num_rows
 from jaxpar.data.shards import (
+    DTYPES,
+    OFFSETS_DTYPE,
     Shard,
     TokenIndex,
     check_shards,
-    open_memmaps,
     read_index,
     tokenizer_digest,
 )
@@ -40,9 +41,11 @@ class TokenizedDataset:
     source: str  # the directory, as data.source gave it, for messages
     split: str
     seq_len: int
+    directory: Path
     index: TokenIndex
-    tokens: tuple[np.ndarray, ...]  # per shard: memory-mapped token ids
-    offsets: tuple[np.ndarray, ...]  # per shard: memory-mapped document starts, then its length
+    # Per shard, its memory-mapped ids. Each map holds a file descriptor, so the document
+    # offsets (needed only by segment_ids) are mapped when asked for, not kept open.
+    tokens: tuple[np.ndarray, ...]
     token_starts: np.ndarray  # [shards + 1] position of each shard's first token in the stream
 
     @classmethod
@@ -62,9 +65,9 @@ class TokenizedDataset:
             raise ValueError(f"{label}: no {split} split (the directory holds {have}; the split "
                              f"is by document, val_fraction={index.val_fraction})")
         check_shards(path, index, split, checksums, label)
-        maps = [open_memmaps(path, index, s) for s in shards]
-        ds = cls(source=directory, split=split, seq_len=seq_len, index=index,
-                 tokens=tuple(t for t, _ in maps), offsets=tuple(o for _, o in maps),
+        ds = cls(source=directory, split=split, seq_len=seq_len, directory=path, index=index,
+                 tokens=tuple(np.memmap(path / s.tokens_file, dtype=DTYPES[index.dtype],
+                                        mode="r") for s in shards),
                  token_starts=np.cumsum([0] + [s.tokens for s in shards], dtype=np.int64))
         if len(ds) == 0:
             raise ValueError(f"{label}: the {split} split has {ds.n_tokens} token(s), too few "
@@ -98,7 +101,9 @@ class TokenizedDataset:
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Rows `indices` stacked: int32 inputs/targets and float32 mask, each [n, seq_len]."""
         starts = self._starts(indices)
-        window = np.stack([self._read(int(a), self.seq_len + 1) for a in starts])
+        window = np.empty((len(starts), self.seq_len + 1), dtype=np.int32)
+        for r, a in enumerate(starts):
+            window[r] = self._read(int(a), self.seq_len + 1)
         target_positions = starts[:, None] + np.arange(1, self.seq_len + 1)
         return {
             "inputs": np.ascontiguousarray(window[:, :-1]),
@@ -146,7 +151,8 @@ class TokenizedDataset:
         shard = int(np.searchsorted(self.token_starts, start, side="right")) - 1
         while shard < len(self.tokens) and self.token_starts[shard] < stop:
             base = int(self.token_starts[shard])
-            offsets = self.offsets[shard]  # sorted, so two binary searches find the range
+            offsets = np.memmap(self.directory / self.shards[shard].offsets_file,
+                                dtype=OFFSETS_DTYPE, mode="r")  # sorted: two binary searches
             lo = np.searchsorted(offsets, start - base, side="right")
             hi = np.searchsorted(offsets, stop - base, side="left")
             found.append(np.asarray(offsets[lo:hi], dtype=np.int64) + base)

@@ -267,6 +267,9 @@ def test_segment_ids_count_documents_within_each_row(corpus, tmp_path):
         if not real.all():  # the padding after the stream: one more segment
             assert set(got[~real]) == {got[real][-1] + 1}
     assert ds.segment_ids(np.arange(len(ds))).shape == (len(ds), SEQ_LEN)
+    assert ds.rows(np.zeros(0, dtype=np.int64))["inputs"].shape == (0, SEQ_LEN)
+    with pytest.raises(IndexError):
+        ds.rows(np.array([len(ds)]))
 
 
 # --- errors -------------------------------------------------------------------------------------
