@@ -535,3 +535,39 @@ def benchmark_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# --------------------------------------------------------------------------------------------
+# Corpora and tokenizers made on the spot (unit/test_tokenized_data.py,
+# integration/test_tokenize_cli.py)
+
+CORPUS_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit",
+                "sed", "do", "eiusmod", "tempor", "ünïcødé", "✓")
+
+
+def write_text_corpus(directory: Path, documents: int = 40, seed: int = 0) -> dict[str, str]:
+    """``documents`` .txt files of 20 to 120 words (a few non-ASCII), named doc000.txt...;
+    returns name -> text."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    docs = {}
+    for i in range(documents):
+        words = rng.choice(CORPUS_WORDS, size=int(rng.integers(20, 120)))
+        docs[f"doc{i:03d}.txt"] = f"document {i}: " + " ".join(words)
+        (directory / f"doc{i:03d}.txt").write_text(docs[f"doc{i:03d}.txt"], encoding="utf-8")
+    return docs
+
+
+def write_bpe_tokenizer(path: Path, texts: list[str], vocab_size: int = 300) -> Path:
+    """A byte-level BPE tokenizer.json trained on ``texts``, with ``<|endoftext|>`` (id 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(path))
+    return path

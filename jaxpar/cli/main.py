@@ -1,5 +1,5 @@
 """``jaxpar`` command line: ``train``, ``config``, ``inspect``, ``plan``, ``schedule``,
-``export``, ``import-hf`` and ``generate``.
+``export``, ``import-hf``, ``generate`` and ``tokenize``.
 
 The config is read and checked before jax is imported, so ``host_devices`` can still choose the
 number of virtual CPU devices, and a bad key or value costs no compile. Exit codes: 0 done,
@@ -25,6 +25,7 @@ from jaxpar.cli.hf import add_hf, run_hf
 from jaxpar.cli.inspect import add_inspect, inspect_command
 from jaxpar.cli.plan import add_plan, plan_command
 from jaxpar.cli.schedule import add_schedule, schedule_command
+from jaxpar.cli.tokenize import add_tokenize, tokenize_command
 from jaxpar.cli.train import train_command
 from jaxpar.config import ConfigError, to_yaml
 
@@ -44,26 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule(commands)
     add_hf(commands)
     add_generate(commands, positive_int)
+    add_tokenize(commands)
     return parser
+
+
+def print_config(args: argparse.Namespace) -> int:
+    print(to_yaml(load_validated(args.config, list(args.overrides))), end="")
+    return 0
+
+
+COMMANDS = {"train": train_command, "config": print_config, "inspect": inspect_command,
+            "plan": plan_command, "schedule": schedule_command, "export": run_hf,
+            "import-hf": run_hf, "generate": run_generate, "tokenize": tokenize_command}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command in ("export", "import-hf"):
-            return run_hf(args)
-        if args.command == "generate":
-            return run_generate(args)
-        if args.command == "schedule":
-            return schedule_command(args)
-        if args.command == "inspect":
-            return inspect_command(args)
-        if args.command == "plan":
-            return plan_command(args)
-        if args.command == "train":
-            return train_command(args)
-        print(to_yaml(load_validated(args.config, list(args.overrides))), end="")  # config
-        return 0
+        return COMMANDS[args.command](args)
     except ConfigError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2

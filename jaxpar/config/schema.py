@@ -197,11 +197,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # 'stdlib' or a path/glob of .txt/.md/.py/.jsonl/.parquet files
+    # 'stdlib', a path/glob of .txt/.md/.py/.jsonl/.parquet files, a Hugging Face datasets
+    # directory, or a directory written by `jaxpar tokenize` (it has an index.json)
+    source: str = "stdlib"
     tokenizer: str = "byte"  # 'byte' or a path to a tokenizer.json
     val_fraction: float = 0.01
     max_bytes: int = 8_000_000  # cap on corpus text read (0 = no cap)
     shuffle: bool = True
+    text_field: str = "text"  # the JSON field / Parquet or datasets column with the text
+    verify: bool = False  # a tokenized source: check every shard's sha256 at start-up
 
 
 @dataclass(frozen=True)

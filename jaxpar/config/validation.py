@@ -248,6 +248,8 @@ def _check_run(cfg: Config) -> None:
     _require(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must "
              "be in [0, 1)")
     _require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
+    _require(cfg.data.text_field.strip() != "", "data.text_field is empty; allowed: the name of "
+             "the JSON field or column that holds the text")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "

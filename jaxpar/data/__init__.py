@@ -1,23 +1,46 @@
-"""Data pipeline: tokenizers, corpus sources, packing into rows, and the per-process iterator.
+"""Data pipeline: tokenizers, corpus sources, packing into rows, tokenized corpora on disk, and
+the per-process iterator.
 
 >>> tok = make_tokenizer("byte")
 >>> ds = build_dataset("stdlib", tok, seq_len=256)
 >>> it = DataIterator(ds, global_batch=32, seed=0)  # rows=: this process's rows only
 >>> batch = next(it)  # {"inputs", "targets", "mask"}: numpy arrays of shape [32, 256]
+
+``jaxpar tokenize`` (:mod:`.tokenize`) writes a corpus once as shards of token ids
+(:mod:`.shards`); :func:`open_tokenized` reads a split of it as the same rows. Importing this
+package does not import jax: :class:`DataIterator` needs grain (which does), so it is imported on
+first use, and tokenizing runs without either.
 """
 
+from typing import TYPE_CHECKING
+
 from jaxpar.data.dataset import build_dataset, dataset_line
-from jaxpar.data.loader import DataIterator
 from jaxpar.data.packing import PackedDataset
+from jaxpar.data.shards import is_tokenized
+from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
+
+if TYPE_CHECKING:
+    from jaxpar.data.loader import DataIterator
 
 __all__ = [
     "ByteTokenizer",
     "DataIterator",
     "HFTokenizer",
     "PackedDataset",
+    "TokenizedDataset",
     "Tokenizer",
     "build_dataset",
     "dataset_line",
+    "is_tokenized",
     "make_tokenizer",
+    "open_tokenized",
 ]
+
+
+def __getattr__(name: str) -> type:
+    if name == "DataIterator":
+        from jaxpar.data.loader import DataIterator  # noqa: PLC0415  (grain, hence jax)
+
+        return DataIterator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxpar.data.packing import PackedDataset, pack_tokens
 from jaxpar.data.sources import read_documents
+from jaxpar.data.tokenized import TokenizedDataset
 from jaxpar.data.tokenizer import Tokenizer
 
 SPLITS = ("train", "validation")
@@ -27,6 +28,7 @@ def build_dataset(
     split: str = "train",
     val_fraction: float = 0.01,
     max_bytes: int | None = 8_000_000,
+    text_field: str = "text",
 ) -> PackedDataset:
     """Read, split, tokenize and pack `source` into rows of `seq_len` inputs and targets."""
     if split not in SPLITS:
@@ -35,7 +37,7 @@ def build_dataset(
         raise ValueError(f"train.seq_len must be positive, got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-    docs = read_documents(source, max_bytes)
+    docs = read_documents(source, max_bytes, text_field)
     if not docs:
         raise ValueError(f"data.source={source!r}: the corpus is empty (no non-empty documents)")
     in_validation = validation_mask([d.key for d in docs], val_fraction)
@@ -71,7 +73,7 @@ def validation_mask(keys: Sequence[str], val_fraction: float) -> np.ndarray:
     With two or more documents neither split is left empty: if the hash puts none (or all) in
     validation, the document with the lowest (highest) hash changes side.
     """
-    scores = np.array([_unit_hash(k) for k in keys])
+    scores = np.array([split_score(k) for k in keys])
     in_validation = scores < val_fraction
     if len(keys) >= 2 and val_fraction > 0:
         if not in_validation.any():
@@ -81,15 +83,22 @@ def validation_mask(keys: Sequence[str], val_fraction: float) -> np.ndarray:
     return in_validation
 
 
-def _unit_hash(key: str) -> float:
-    """A stable pseudo-random number in [0, 1) (Python's hash() is salted per process)."""
+def split_score(key: str) -> float:
+    """A document's stable pseudo-random number in [0, 1): below `val_fraction`, validation.
+
+    Python's hash() is salted per process, so a keyed digest instead. `jaxpar tokenize` applies
+    the same rule one document at a time, and :func:`validation_mask`'s correction at the end.
+    """
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2.0**64
 
 
-def dataset_line(ds: PackedDataset) -> str:
-    """One line for the train log: split, documents, tokens, rows."""
+def dataset_line(ds: PackedDataset | TokenizedDataset) -> str:
+    """One line for the train log: split, documents, tokens, rows, and where they come from."""
+    origin = f"source={ds.source}"
+    if isinstance(ds, TokenizedDataset):
+        origin += f", tokenized: {len(ds.shards)} shards of {ds.index.dtype}"
     return (
-        f"data {ds.split}: {len(ds.documents):,} documents, {ds.n_tokens:,} tokens, "
-        f"{len(ds):,} rows of {ds.seq_len} (source={ds.source}, tokenizer={ds.tokenizer})"
+        f"data {ds.split}: {ds.n_documents:,} documents, {ds.n_tokens:,} tokens, "
+        f"{len(ds):,} rows of {ds.seq_len} ({origin}, tokenizer={ds.tokenizer})"
     )

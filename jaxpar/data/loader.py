@@ -14,12 +14,23 @@ device), and it makes a checkpoint resumable with a different number of processe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import grain
 import numpy as np
 
-from jaxpar.data.packing import PackedDataset
+
+class RowDataset(Protocol):
+    """What the iterator reads: :class:`~jaxpar.data.packing.PackedDataset` (in memory) and
+    :class:`~jaxpar.data.tokenized.TokenizedDataset` (memory-mapped shards) alike."""
+
+    source: str  # for messages
+    split: str
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]: ...
 
 
 class DataIterator:
@@ -33,7 +44,7 @@ class DataIterator:
 
     def __init__(
         self,
-        ds: PackedDataset,
+        ds: RowDataset,
         global_batch: int,
         seed: int,
         rows: np.ndarray | None = None,

@@ -48,6 +48,10 @@ class PackedDataset:
     tokenizer: str  # tokenizer name, for describe()
     documents: tuple[str, ...]  # keys of the documents in this split, in stream order
 
+    @property
+    def n_documents(self) -> int:
+        return len(self.documents)
+
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 

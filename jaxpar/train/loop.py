@@ -41,7 +41,14 @@ from jaxpar.checkpoint import state as checkpoint
 from jaxpar.checkpoint import weights
 from jaxpar.checkpoint.weights_only import step_dir
 from jaxpar.config import Config, ConfigError, DistributedConfig, to_yaml
-from jaxpar.data import DataIterator, build_dataset, dataset_line, make_tokenizer
+from jaxpar.data import (
+    DataIterator,
+    build_dataset,
+    dataset_line,
+    is_tokenized,
+    make_tokenizer,
+    open_tokenized,
+)
 from jaxpar.distributed import barrier
 from jaxpar.hardware import peak_flops
 from jaxpar.mesh import make_mesh
@@ -113,13 +120,17 @@ def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
     """The iterator over the training split (every row of each global batch: a process keeps
     its own with ``with_rows(trainer.local_batch_rows())``), and a one-line description."""
     try:
-        tokenizer = make_tokenizer(cfg.data.tokenizer)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                              f"tokenizer's vocabulary ({tokenizer.vocab_size})")
-        ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split="train",
-                           val_fraction=cfg.data.val_fraction,
-                           max_bytes=cfg.data.max_bytes or None)
+        if is_tokenized(cfg.data.source):  # written by jaxpar tokenize: read, never scanned
+            ds = open_tokenized(cfg.data.source, "train", cfg.train.seq_len,
+                                tokenizer=cfg.data.tokenizer, checksums=cfg.data.verify)
+            _check_vocab(cfg, ds.vocab_size)
+        else:
+            tokenizer = make_tokenizer(cfg.data.tokenizer)
+            _check_vocab(cfg, tokenizer.vocab_size)
+            ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split="train",
+                               val_fraction=cfg.data.val_fraction,
+                               max_bytes=cfg.data.max_bytes or None,
+                               text_field=cfg.data.text_field)
         it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed, shuffle=cfg.data.shuffle)
     except ImportError as err:  # an optional package (tokenizers, pyarrow) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
@@ -128,6 +139,12 @@ def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
             raise
         raise ConfigError(str(err).splitlines()[0]) from None
     return it, dataset_line(ds)
+
+
+def _check_vocab(cfg: Config, vocab_size: int) -> None:
+    if vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary ({vocab_size})")
 
 
 def train(cfg: Config, console: Console | None = None) -> Summary:
