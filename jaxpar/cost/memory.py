@@ -203,12 +203,20 @@ def _dense_ragged_dot(st: StepSizes) -> int:
     holds float32 products of all its rows with every local expert's weights: about four
     [rows, X, F] and one [rows, X, E] at once (fitted to the 1-device compiles of bench-cpu
     with 4-16 experts, d_ff_expert 256-512, top-1 and top-2: 4.4-5.2 of [rows, X, F] before
-    the [rows, X, E] term; GPU and TPU run the grouped matmul itself)."""
+    the [rows, X, E] term; GPU and TPU run the grouped matmul itself). In a pipeline stage
+    under ``dots``/``full`` the live set at the peak of the real-size five-axes case (Mixtral
+    widths, 4 local experts of 8192 rows) holds more: six [rows, X, F], two [rows, X, E], the
+    layer's expert weights laid out again and one weight gradient (below)."""
     m = st.cfg.model
     if not (st.xla_cpu and m.moe.enabled and m.moe.dispatch == "dropless"):
         return 0
-    local = m.moe.num_experts // st.mesh["expert"]
-    return st.expert_rows * local * (4 * m.resolved_d_ff_expert // st.t + m.d_model) * 4
+    local, f, e = m.moe.num_experts // st.mesh["expert"], m.resolved_d_ff_expert // st.t, m.d_model
+    if st.pipeline is None or st.cfg.train.remat == "none":
+        return st.expert_rows * local * (4 * f + e) * 4
+    # A stage's backward slot recomputes the layer (its matmuls' custom VJP is not saved):
+    # six [rows, X, F] and two [rows, X, E], the layer's three expert weights laid out again as
+    # [X F, E] for the dense product, and one expert weight's gradient.
+    return (st.expert_rows * local * (6 * f + 2 * e) + 4 * local * f * e) * 4
 
 
 def _head_backward(st: StepSizes, vocab: int) -> int:

@@ -49,18 +49,23 @@ What each part holds:
 - the working set of a backward slot: under ``remat=none`` its chunk's residuals, fresh from the
   forward or read back (nothing is recomputed); under ``dots``/``full`` one recomputed layer's
   ``remat=none`` set, as outside a pipeline (on XLA:CPU in bf16 its residual stream in float32:
-  ``cost/memory.py: _stage_layer``);
+  ``cost/memory.py: _stage_layer``; a MoE layer's dense lowering of the grouped matmul:
+  ``_dense_ragged_dot``); and the chunk's weight gradients as the slot builds them
+  (``chunk_gradients``: the chunk's weights as read, in the compute dtype), before they are
+  added into the float32 sums;
 - the head's step (``stage_head``): beside the logits, the embedding gradient of the stage's
   vocabulary piece (float32, built slice by slice into one buffer) and the head gradient's float32
   partial sums over the loss pieces; on XLA:CPU also each loss piece's product before it is added
   and, in bf16 compute, a float32 copy of the head piece for the input gradient's matmul;
 - the weights as read (``stage_weights``): the stage's layers (compute dtype, FSDP-gathered,
-  whole over tensor as above), loop-carried, and again the running chunk's, sliced from them
-  in the layout its matmuls read (XLA:CPU, every schedule; in bf16 both are float32, since it
-  runs bf16 dots in float32: at Llama-3-8B widths no bf16 copy of a layer weight is alive at
-  the peak); the head's vocabulary piece ``[E, V/(p t)]`` in the compute dtype and the
-  embedding's piece in float32 (the lookup gathers its rows before the cast). FSDP's per-layer
-  gathered working set does not exist in a stage: the weights are gathered once.
+  whole over tensor as above), loop-carried, and again the running layer's (one scanned unit),
+  sliced from them in the layout its matmuls read (XLA:CPU, every schedule; in bf16 both are
+  float32, since it runs bf16 dots in float32: at Llama-3-8B widths no bf16 copy of a layer
+  weight is alive at the peak; at Mixtral widths with two layers a stage, the one layer's
+  experts, not the stage's two); the head's vocabulary piece ``[E, V/(p t)]`` in the compute
+  dtype and the embedding's piece in float32 (the lookup gathers its rows before the cast).
+  FSDP's per-layer gathered working set does not exist in a stage: the weights are gathered
+  once.
 - with FSDP by hand, the gradient sums: the executor adds every microbatch's
   weight gradients into float32 sums of the weights as gathered (the stage's layers, and the
   embedding, head and final norm whole), kept for the whole step and reduce-scattered to the
@@ -89,7 +94,7 @@ x the executed-work factor = compute / (1 - bubble).
 from __future__ import annotations
 
 from jaxpar.cost.ledger import Ledger
-from jaxpar.cost.params import ParamCost, in_compute_dtype
+from jaxpar.cost.params import ParamCost, in_compute_dtype, unit_blocks
 from jaxpar.cost.shapes import StepSizes
 
 
@@ -124,12 +129,13 @@ def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
-    """Bytes of a stage's weights as read: its layers and the running chunk's again, its
+    """Bytes of a stage's weights as read: its layers and the running layer's again, its
     vocabulary piece of the head (compute dtype) and of the embedding (float32) (module
     docstring)."""
     widened = 4 if st.xla_cpu else st.a  # XLA:CPU runs bf16 dots in float32
     stack = sum(in_compute_dtype(p, p.gathered_bytes, widened) for p in params if p.stacked)
-    layers = stack + stack // st.cfg.parallel.virtual_stages
+    units = st.layers // len(unit_blocks(st.cfg.model))  # scanned units in a stage
+    layers = stack + stack // units
     head = embedding = 0
     for p in params:
         if p.name == "embedding":
@@ -173,7 +179,14 @@ def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer:
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
     stash = slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
     working = chunk if recomputed_layer is None else recomputed_layer
-    return stash, stage_weights(st, params), working
+    return stash, stage_weights(st, params), working + chunk_gradients(st, params)
+
+
+def chunk_gradients(st: StepSizes, params: list[ParamCost]) -> int:
+    """Bytes of the running chunk's weight gradients as a backward slot builds them: the
+    weights as read (compute dtype, gathered), before they are added into the float32 sums."""
+    stack = sum(in_compute_dtype(p, p.gathered_bytes, st.a) for p in params if p.stacked)
+    return stack // st.cfg.parallel.virtual_stages
 
 
 def pipeline_compute(st: StepSizes, compute: float) -> float:

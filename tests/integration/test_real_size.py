@@ -24,10 +24,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "real_size.py"
 # Cases whose collectives match the plan but whose compiled peak memory does not yet (the
 # reasons are in docs/performance.md, "Real sizes"). Strict: a fix makes these fail, so that
 # the entry is removed.
-PEAK_OFF_PLAN = {
-    "five-axes": "the plan misses part of a pipelined MoE stage's working set on XLA:CPU "
-                 "(the padded dropless dispatch's dense products)",
-}
+PEAK_OFF_PLAN: dict[str, str] = {}
 # Cases whose collectives are still off the plan (docs/performance.md, "Real sizes").
 COLLECTIVES_OFF_PLAN: dict[str, str] = {}
 
