@@ -37,6 +37,7 @@ from jaxpar.config.schema import (
     ParallelConfig,
     ProfileConfig,
     RopeScalingConfig,
+    SourceConfig,
     TrainConfig,
 )
 from jaxpar.config.validation import validate
@@ -45,7 +46,7 @@ __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
     "ConfigError", "DataConfig", "DistributedConfig", "LoggingConfig", "MeshConfig",
     "ModelConfig", "MoEConfig", "ParallelConfig", "ProfileConfig", "RopeScalingConfig",
-    "TrainConfig",
+    "SourceConfig", "TrainConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",
     "to_yaml", "validate",
 ]

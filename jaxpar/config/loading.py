@@ -122,9 +122,27 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        elif _is_dataclass_tuple(tp):
+            kwargs[key] = _build_each(typing.get_args(tp)[0], value, f"{prefix}{key}")
         else:
             kwargs[key] = _coerce(f"{prefix}{key}", tp, value)
     return cls(**kwargs)
+
+
+def _is_dataclass_tuple(tp: Any) -> bool:
+    """``tuple[SomeConfig, ...]``: a list of mappings in YAML (``data.sources``)."""
+    args = typing.get_args(tp)
+    return (typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
+            and dataclasses.is_dataclass(args[0]))
+
+
+def _build_each(cls: type, value: Any, key: str) -> tuple:
+    if value is None or value == "":
+        return ()
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        fields = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise ConfigError(f"{key}: expected a list of mappings with keys {fields}, got {value!r}")
+    return tuple(_build(cls, item, f"{key}[{i}].") for i, item in enumerate(value))
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

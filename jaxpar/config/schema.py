@@ -196,6 +196,14 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    """One source of a mixture (``data.sources``)."""
+
+    path: str = ""  # a directory written by `jaxpar tokenize`
+    weight: float = 1.0  # share of the rows, relative to the other sources' weights
+
+
+@dataclass(frozen=True)
 class DataConfig:
     # 'stdlib', a path/glob of .txt/.md/.py/.jsonl/.parquet files, a Hugging Face datasets
     # directory, or a directory written by `jaxpar tokenize` (it has an index.json)
@@ -206,6 +214,9 @@ class DataConfig:
     shuffle: bool = True
     text_field: str = "text"  # the JSON field / Parquet or datasets column with the text
     verify: bool = False  # a tokenized source: check every shard's sha256 at start-up
+    # A mixture of tokenized directories, rows drawn by weight (data.source then stays stdlib,
+    # its default: both at once is an error). See docs/data.md#mixtures.
+    sources: tuple[SourceConfig, ...] = ()
 
 
 @dataclass(frozen=True)

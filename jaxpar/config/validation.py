@@ -250,6 +250,7 @@ def _check_run(cfg: Config) -> None:
     _require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
     _require(cfg.data.text_field.strip() != "", "data.text_field is empty; allowed: the name of "
              "the JSON field or column that holds the text")
+    _check_sources(cfg)
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
@@ -264,6 +265,21 @@ def _check_run(cfg: Config) -> None:
                  "resumes run_dir's own checkpoints before init_from applies)")
     _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
     _check_profile(cfg)
+
+
+def _check_sources(cfg: Config) -> None:
+    """``data.sources``: a mixture instead of ``data.source``, positive weights. Whether each
+    path is a tokenized directory is the data's check (jaxpar/data/mixture.py), at start-up."""
+    d = cfg.data
+    # data.source's default is stdlib, which a preset may also spell out: only another value
+    # counts as "set", so `jaxpar train tiny data.sources=[...]` works on any preset.
+    _require(not d.sources or d.source == "stdlib", f"data.source={d.source} and data.sources "
+             "are both set; a run reads one source or a mixture: drop one of them")
+    for i, s in enumerate(d.sources):
+        _require(s.path.strip() != "", f"data.sources[{i}].path is empty; allowed: a directory "
+                 "written by jaxpar tokenize")
+        _require(math.isfinite(s.weight) and s.weight > 0, f"data.sources[{i}].weight="
+                 f"{s.weight}: must be a finite number > 0")
 
 
 def _check_profile(cfg: Config) -> None:

@@ -7,7 +7,8 @@ the per-process iterator.
 >>> batch = next(it)  # {"inputs", "targets", "mask"}: numpy arrays of shape [32, 256]
 
 ``jaxpar tokenize`` (:mod:`.tokenize`) writes a corpus once as shards of token ids
-(:mod:`.shards`); :func:`open_tokenized` reads a split of it as the same rows. Importing this
+(:mod:`.shards`); :func:`open_tokenized` reads a split of it as the same rows, and
+:func:`open_mixture` several of them as one stream drawn by weight (:mod:`.mixture`). Importing this
 package does not import jax: :class:`DataIterator` needs grain (which does), so it is imported on
 first use, and tokenizing runs without either.
 """
@@ -15,6 +16,7 @@ first use, and tokenizing runs without either.
 from typing import TYPE_CHECKING
 
 from jaxpar.data.dataset import build_dataset, dataset_line
+from jaxpar.data.mixture import MixtureDataset, open_mixture
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.shards import is_tokenized
 from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
@@ -27,6 +29,7 @@ __all__ = [
     "ByteTokenizer",
     "DataIterator",
     "HFTokenizer",
+    "MixtureDataset",
     "PackedDataset",
     "TokenizedDataset",
     "Tokenizer",
@@ -34,6 +37,7 @@ __all__ = [
     "dataset_line",
     "is_tokenized",
     "make_tokenizer",
+    "open_mixture",
     "open_tokenized",
 ]
 

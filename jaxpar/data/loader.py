@@ -73,7 +73,14 @@ class DataIterator:
         if shuffle:
             indices = indices.shuffle(seed=seed)
         batches = indices.repeat().batch(global_batch, drop_remainder=True)
-        local = batches.map(lambda global_rows: ds.rows(global_rows[rows]))
+        # A mixture counts each source's tokens in the whole global batch (from row numbers,
+        # without reading rows), so every process holds the same counts whatever it reads.
+        count = getattr(ds, "count_tokens", None)
+        self._names: tuple[str, ...] = tuple(getattr(ds, "names", ())) if count else ()
+        self._seen = np.zeros(len(self._names), dtype=np.int64)
+        local = batches.map(lambda global_rows: (
+            ds.rows(global_rows[rows]),
+            count(global_rows) if count else np.zeros(0, dtype=np.int64)))
         # Gathering rows from memory takes microseconds: no worker threads or prefetch, which
         # also keeps the iterator state exactly "batches handed out so far".
         options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -83,7 +90,14 @@ class DataIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return next(self._iter)
+        batch, counts = next(self._iter)
+        self._seen += counts
+        return batch
+
+    def tokens_seen(self) -> dict[str, int]:
+        """A mixture's real target tokens drawn so far from each source, in the global batches
+        handed out (checkpointed with the position); empty for a single source."""
+        return dict(zip(self._names, self._seen.tolist(), strict=True))
 
     def with_rows(self, rows: np.ndarray) -> DataIterator:
         """The same stream at the same position, yielding rows ``rows`` of each global batch."""
@@ -94,7 +108,10 @@ class DataIterator:
 
     def get_state(self) -> dict[str, Any]:
         """A small JSON-serializable dict; the same for every process at the same step."""
-        return {"grain": self._iter.get_state(), **self._config}
+        state = {"grain": self._iter.get_state(), **self._config}
+        if self._names:
+            state["tokens_seen"] = self.tokens_seen()
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume so that the next batch is the one the saved iterator would have produced."""
@@ -104,3 +121,6 @@ class DataIterator:
                 f"data iterator checkpoint was made for {saved}, but this run has {self._config}"
             )
         self._iter.set_state(state["grain"])
+        # By name: a source added on resume starts from 0, a dropped one is no longer shown.
+        seen = state.get("tokens_seen", {})
+        self._seen = np.array([seen.get(n, 0) for n in self._names], dtype=np.int64)

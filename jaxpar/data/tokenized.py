@@ -111,6 +111,12 @@ class TokenizedDataset:
             "mask": (target_positions < self.n_tokens).astype(np.float32),
         }
 
+    def target_counts(self, indices: np.ndarray) -> np.ndarray:
+        """int64 [n]: the mask's sum of rows `indices` (the real targets), without reading them:
+        row i's targets are stream positions i*L+1 .. i*L+L, real below n_tokens."""
+        starts = self._starts(indices)
+        return np.clip(self.n_tokens - 1 - starts, 0, self.seq_len)
+
     def segment_ids(self, indices: np.ndarray) -> np.ndarray:
         """int32 [n, seq_len]: per input position of rows `indices`, which document it is in,
         counted from 0 at the row's first position. A document's end-of-text id belongs to it;
@@ -162,15 +168,22 @@ class TokenizedDataset:
 
 
 def open_tokenized(directory: str, split: str, seq_len: int, *, tokenizer: str,
-                   checksums: bool = False) -> TokenizedDataset:
+                   checksums: bool = False, label: str | None = None) -> TokenizedDataset:
     """:meth:`TokenizedDataset.open` for training: `tokenizer` (``data.tokenizer``) must be the
-    one the shards were made with, compared by content (the file may have moved)."""
-    ds = TokenizedDataset.open(directory, split, seq_len, checksums=checksums)
+    one the shards were made with, compared by content (the file may have moved). `label`
+    names the directory in messages (default ``data.source=DIR``)."""
+    label = label or f"data.source={directory!r}"
+    ds = TokenizedDataset.open(directory, split, seq_len, checksums=checksums, label=label)
+    check_tokenizer(ds, tokenizer, label)
+    return ds
+
+
+def check_tokenizer(ds: TokenizedDataset, tokenizer: str, label: str) -> None:
+    """ValueError unless `tokenizer` (``data.tokenizer``) is the one `ds` was made with."""
     made_with = ds.index.tokenizer
     if tokenizer_digest(tokenizer) != made_with.sha256:
         which = ("the byte tokenizer: set data.tokenizer=byte" if made_with.sha256 == "byte"
                  else f"{made_with.name}, sha256 {made_with.sha256[:12]}...: set data.tokenizer "
                  "to that file")
-        raise ValueError(f"data.tokenizer={tokenizer!r} is not the tokenizer data.source="
-                         f"{directory!r} was made with ({which})")
-    return ds
+        raise ValueError(f"data.tokenizer={tokenizer!r} is not the tokenizer {label} was made "
+                         f"with ({which})")

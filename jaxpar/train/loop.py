@@ -47,6 +47,7 @@ from jaxpar.data import (
     dataset_line,
     is_tokenized,
     make_tokenizer,
+    open_mixture,
     open_tokenized,
 )
 from jaxpar.distributed import barrier
@@ -120,7 +121,12 @@ def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
     """The iterator over the training split (every row of each global batch: a process keeps
     its own with ``with_rows(trainer.local_batch_rows())``), and a one-line description."""
     try:
-        if is_tokenized(cfg.data.source):  # written by jaxpar tokenize: read, never scanned
+        if cfg.data.sources:  # a mixture, which shuffles itself: the iterator reads it in order
+            ds = open_mixture([(s.path, s.weight) for s in cfg.data.sources], cfg.train.seq_len,
+                              tokenizer=cfg.data.tokenizer, seed=cfg.train.seed,
+                              shuffle=cfg.data.shuffle, checksums=cfg.data.verify)
+            _check_vocab(cfg, ds.vocab_size)
+        elif is_tokenized(cfg.data.source):  # written by jaxpar tokenize: read, never scanned
             ds = open_tokenized(cfg.data.source, "train", cfg.train.seq_len,
                                 tokenizer=cfg.data.tokenizer, checksums=cfg.data.verify)
             _check_vocab(cfg, ds.vocab_size)
@@ -131,14 +137,15 @@ def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
                                val_fraction=cfg.data.val_fraction,
                                max_bytes=cfg.data.max_bytes or None,
                                text_field=cfg.data.text_field)
-        it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed, shuffle=cfg.data.shuffle)
+        it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed,
+                          shuffle=cfg.data.shuffle and not cfg.data.sources)
     except ImportError as err:  # an optional package (tokenizers, pyarrow) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(str(err).splitlines()[0]) from None
-    return it, dataset_line(ds)
+    return it, ds.describe() if cfg.data.sources else dataset_line(ds)
 
 
 def _check_vocab(cfg: Config, vocab_size: int) -> None:
@@ -368,6 +375,8 @@ class _Run:
                "skipped_steps": self.skipped}
         if self.pipeline is not None:  # the table's idle share: constant, every line
             row["pipeline_bubble"] = self.pipeline["bubble"]
+        # A mixture of sources: each one's tokens so far (cumulative, global batches).
+        row.update({f"tokens_seen/{n}": v for n, v in self.data.tokens_seen().items()})
         # Mixture of experts: aux losses, expert load, dropped slots, a2a padding.
         row.update({k: v for k, v in values.items() if k not in row and k != "nonfinite"})
         if self.metrics_file is not None:
