@@ -177,6 +177,10 @@ class TrainConfig:
     # A non-finite loss or gradient norm: skip drops that update (counted as skipped_steps in
     # metrics.jsonl); stop exits 1 naming the step, saving nothing after it.
     on_nonfinite: Literal["skip", "stop"] = "stop"
+    # The held-out loss (val_loss in metrics.jsonl) every this many steps and at the last step,
+    # over the first eval_batches global batches of the validation split; 0: never.
+    eval_every: int = 0
+    eval_batches: int = 4
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 

@@ -264,6 +264,9 @@ def _check_run(cfg: Config) -> None:
                  f"train.resume={t.resume} both name where to start; set one (train.resume=auto "
                  "resumes run_dir's own checkpoints before init_from applies)")
     _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
+    _require(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0: no "
+             "validation)")
+    _require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1")
     _check_profile(cfg)
 
 

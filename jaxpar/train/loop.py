@@ -55,8 +55,9 @@ from jaxpar.hardware import peak_flops
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline.executor import describe as describe_schedule
+from jaxpar.train.eval import Validation, eval_due, make_validation, validation_data
 from jaxpar.train.init_from import initial_state
-from jaxpar.train.metrics import MetricsFile, mesh_text, pipeline_line
+from jaxpar.train.metrics import MetricsFile, fmt, log_line, mesh_text, pipeline_line, val_text
 from jaxpar.train.observe import Observer, require_tensorboard
 from jaxpar.train.step import Trainer, build_trainer
 
@@ -117,28 +118,32 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def make_data_iterator(cfg: Config) -> tuple[DataIterator, str]:
-    """The iterator over the training split (every row of each global batch: a process keeps
-    its own with ``with_rows(trainer.local_batch_rows())``), and a one-line description."""
+def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator, str]:
+    """The iterator over ``split`` (every row of each global batch: a process keeps its own
+    with ``with_rows(trainer.local_batch_rows())``), and a one-line description. The
+    validation split is read in order (train/eval.py scores the same batches every time)."""
     try:
         if cfg.data.sources:  # a mixture, which shuffles itself: the iterator reads it in order
+            if split != "train":  # each source's held-out split is scored on its own
+                raise ConfigError("a mixture's validation is read per source "
+                                  "(train/eval.py: validation_data)")
             ds = open_mixture([(s.path, s.weight) for s in cfg.data.sources], cfg.train.seq_len,
                               tokenizer=cfg.data.tokenizer, seed=cfg.train.seed,
                               shuffle=cfg.data.shuffle, checksums=cfg.data.verify)
             _check_vocab(cfg, ds.vocab_size)
         elif is_tokenized(cfg.data.source):  # written by jaxpar tokenize: read, never scanned
-            ds = open_tokenized(cfg.data.source, "train", cfg.train.seq_len,
+            ds = open_tokenized(cfg.data.source, split, cfg.train.seq_len,
                                 tokenizer=cfg.data.tokenizer, checksums=cfg.data.verify)
             _check_vocab(cfg, ds.vocab_size)
         else:
             tokenizer = make_tokenizer(cfg.data.tokenizer)
             _check_vocab(cfg, tokenizer.vocab_size)
-            ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split="train",
+            ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split=split,
                                val_fraction=cfg.data.val_fraction,
                                max_bytes=cfg.data.max_bytes or None,
                                text_field=cfg.data.text_field)
         it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed,
-                          shuffle=cfg.data.shuffle and not cfg.data.sources)
+                          shuffle=cfg.data.shuffle and split == "train" and not cfg.data.sources)
     except ImportError as err:  # an optional package (tokenizers, pyarrow) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:
@@ -248,6 +253,8 @@ class _Run:
     pipeline: dict | None  # parallel.pipeline.describe() when pipe > 1
     observer: Observer  # train.profile's trace, logging.tensorboard's events
     step_fn: Any = None
+    validation: Validation | None = None  # train.eval_every's held-out batches and eval step
+    last_eval: str = ""  # the newest val_loss, kept on the progress bar between evaluations
     compile_seconds: float = 0.0
     saver: checkpoint.Saver | None = None
     progress: Progress | None = None
@@ -271,8 +278,10 @@ class _Run:
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
         data, data_line = make_data_iterator(cfg)  # data errors first: before any tracing
+        held_out = validation_data(cfg, make_data_iterator)
         trainer = build_trainer(cfg, make_mesh(cfg))
         data = data.with_rows(trainer.local_batch_rows())
+        validation = make_validation(cfg, trainer, held_out)
         state, skipped, restored = None, 0, None
         if source is not None:
             # Straight into this run's shardings, whatever mesh saved it; verified, and under
@@ -303,9 +312,12 @@ class _Run:
                   start_step=start_step, saved_step=start_step if source is not None else None,
                   skipped=skipped, metrics_file=metrics_file, peak=peak_flops(device_kind),
                   pipeline=pipeline, observer=Observer(cfg, start_step + 1,
-                                                    lambda line: console.print(line, markup=False)))
+                                                    lambda line: console.print(line, markup=False)),
+                  validation=validation)
         for line in start_lines(cfg, jax.device_count(), device_kind, data_line, pipeline):
             console.print(line)
+        if validation is not None:
+            console.print(validation.line, markup=False)
         if run.observer.start_line is not None:
             console.print(run.observer.start_line, markup=False)
         if jax.process_count() > 1:
@@ -322,8 +334,11 @@ class _Run:
         if self.state is None:
             self.state = self.trainer.init()
         self.step_fn = self.trainer.compile_step()
+        if self.validation is not None:  # ahead of time too: no program compiles mid-run
+            self.validation.compile()
         self.compile_seconds = time.perf_counter() - start
-        self.console.print(f"compiled the train step in {self.compile_seconds:.1f} s; run_dir "
+        steps = "train and eval steps" if self.validation is not None else "train step"
+        self.console.print(f"compiled the {steps} in {self.compile_seconds:.1f} s; run_dir "
                            f"{Path(self.cfg.run_dir)}")
         self.saver = (checkpoint.Saver(self.cfg, self.trainer.abstract_state)
                       if self.cfg.checkpoint.enabled else None)
@@ -344,7 +359,7 @@ class _Run:
 
     def log_due(self, step: int) -> bool:
         return (step % self.cfg.logging.every == 0 or step == self.cfg.train.steps
-                or step == self.start_step + 1)
+                or step == self.start_step + 1 or eval_due(self.cfg, step))
 
     def save_due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every
@@ -379,13 +394,16 @@ class _Run:
         row.update({f"tokens_seen/{n}": v for n, v in self.data.tokens_seen().items()})
         # Mixture of experts: aux losses, expert load, dropped slots, a2a padding.
         row.update({k: v for k, v in values.items() if k not in row and k != "nonfinite"})
+        if self.validation is not None and eval_due(self.cfg, step):
+            row.update(self.validation.evaluate(self.state))
+            self.last_eval = val_text(row)
         if self.metrics_file is not None:
             self.metrics_file.write(row)
         self.observer.log(row)
         if row["loss"] is not None:
             self.losses.append(row["loss"])
-        self.console.print(_log_line(row, t.steps))
-        self.progress.update(task, status=f"loss {values['loss']:.4f} | "
+        self.console.print(log_line(row, t.steps))
+        self.progress.update(task, status=f"loss {values['loss']:.4f}{self.last_eval} | "
                              f"{row['tokens_per_s']:,.0f} tok/s")
         self.interval_start, self.interval_steps = time.perf_counter(), 0
 
@@ -428,7 +446,7 @@ class _Run:
             return summary
         self.console.print(
             f"[bold]done[/bold]: {run_steps} steps in {self.train_seconds:.1f} s | loss "
-            f"{_fmt(summary.first_loss)} -> {_fmt(summary.last_loss)} | "
+            f"{fmt(summary.first_loss)} -> {fmt(summary.last_loss)} | "
             f"{summary.tokens_per_s:,.0f} tokens/s{skipped} | metrics in "
             f"{Path(cfg.run_dir) / 'metrics.jsonl'}")
         return summary
@@ -495,22 +513,3 @@ def _fetch(pending: list[tuple[int, dict]], on_nonfinite: str) -> tuple[dict, in
 
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN or Infinity
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
-
-
-def _log_line(row: dict, total_steps: int) -> str:
-    mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
-    grad_norm = "n/a" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
-    skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
-    moe = ""
-    if "moe_aux_loss" in row:
-        moe = (f" | moe aux {row['moe_aux_loss']:.3f} z {row['moe_z_loss']:.2f} | load min/max "
-               f"{row['expert_load_min_max']:.2f} | dropped {row['dropped_fraction']:.1%}")
-    return (f"step {row['step']:>{len(str(total_steps))}}/{total_steps} | loss "
-            f"{_fmt(row['loss'])} | grad_norm {grad_norm} | lr {row['lr']:.2e}{skipped} | "
-            f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.4f} TFLOP/s/device | "
-            f"MFU {mfu}{moe}")
-

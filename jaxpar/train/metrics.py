@@ -58,3 +58,30 @@ def pipeline_line(info: Mapping[str, Any]) -> str:
             f"{info['executed_work_factor']:.2f}); stash of {info['activation_slots']} inputs, "
             f"{info['residual_slots']} residual sets, {info['gradient_slots']} gradients per "
             f"device (`jaxpar schedule` draws the table)")
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def val_text(row: Mapping[str, Any]) -> str:
+    """`` | val_loss 2.3456`` (one part per validation set) or '' for a row without eval."""
+    return "".join(f" | {key} {fmt(value)}" for key, value in row.items()
+                   if key.startswith("val_loss"))
+
+
+def log_line(row: dict, total_steps: int) -> str:
+    """The console line of one metrics.jsonl row (val_loss when the row has one)."""
+    mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+    grad_norm = "n/a" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
+    skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+    moe = ""
+    if "moe_aux_loss" in row:
+        moe = (f" | moe aux {row['moe_aux_loss']:.3f} z {row['moe_z_loss']:.2f} | load min/max "
+               f"{row['expert_load_min_max']:.2f} | dropped {row['dropped_fraction']:.1%}")
+    return (f"step {row['step']:>{len(str(total_steps))}}/{total_steps} | loss "
+            f"{fmt(row['loss'])}{val_text(row)} | grad_norm {grad_norm} | lr {row['lr']:.2e}"
+            f"{skipped} | "
+            f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.4f} TFLOP/s/device | "
+            f"MFU {mfu}{moe}")
+

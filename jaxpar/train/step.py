@@ -204,6 +204,12 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self._loss_and_grads(state, batch)
 
+    @property
+    def jitted_loss_and_grads(self) -> Callable:
+        """``(state, batch) -> (loss, grads, aux)`` as jitted, to call inside another jitted
+        function (the pipeline's eval step, train/eval.py) without entering the mesh again."""
+        return self._loss_and_grads
+
     def abstract_batch(self) -> Batch:
         t = self.cfg.train
         def leaf(dtype):

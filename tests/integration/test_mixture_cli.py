@@ -106,3 +106,33 @@ def test_bad_mixtures_are_one_line_before_compiling(sources, tmp_path, entries, 
                         timeout=120)
     assert_one_line_error(result, *needles)
     assert not run_dir.exists()
+
+
+def test_a_mixture_is_validated_per_source_and_over_all_held_out_tokens(tmp_path):
+    paths = []
+    for name, seed in (("web", 0), ("code", 1)):
+        write_text_corpus(tmp_path / f"text-{name}", documents=40, seed=seed)
+        result = run_jaxpar("tokenize", str(tmp_path / f"text-{name}"), "--to",
+                            str(tmp_path / name), "--workers", "1", "--val-fraction", "0.25",
+                            timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        paths.append(tmp_path / name)
+    config = _config(tmp_path, [{"path": str(paths[0]), "weight": 3},
+                                {"path": str(paths[1]), "weight": 1}])
+    run_dir = tmp_path / "run"
+    trained = run_jaxpar("train", str(config), *TRAIN, f"run_dir={run_dir}",
+                         "train.eval_every=2", "train.eval_batches=2",
+                         env=env_without_device_flags(), timeout=300)
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [2, 3]
+    for r in evaluated:
+        per_source = {name: (r[f"val_loss/{name}"], r[f"val_tokens/{name}"])
+                      for name in ("web", "code")}
+        assert all(np.isfinite(loss) and tokens > 0 for loss, tokens in per_source.values())
+        # The overall loss is every held-out token's once: the token-weighted mean of the two.
+        tokens = sum(t for _, t in per_source.values())
+        assert r["val_tokens"] == tokens
+        mean = sum(loss * t for loss, t in per_source.values()) / tokens
+        assert r["val_loss"] == pytest.approx(mean, rel=1e-6)

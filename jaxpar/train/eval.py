@@ -1,0 +1,182 @@
+"""Validation during training: the held-out loss every ``train.eval_every`` steps.
+
+The eval step is a second compiled program beside the train step, never a variant of it: it
+takes the train step's state and batch shardings as they are (no copy, no resharding) and is
+compiled ahead of time at start-up from the same abstract arrays, so neither program is ever
+traced again during the run. Its loss is the train step's ``loss`` metric on another batch:
+
+- without a pipeline, a forward pass of the same loss code (``step.batch_token_loss``) under the
+  same parallel hooks, over the same ``train.grad_accum`` micro-steps (a capacity-limited MoE
+  drops tokens per micro-batch, so the micro-steps change the number) and with no gradient;
+- with a pipeline (``mesh.pipe > 1``), the train step's own pipelined loss-and-gradient function
+  with the gradients dropped: the schedule table has no forward-only program yet, so an eval
+  batch costs about a train step's compute (XLA drops what of the backward it can prove unused).
+
+The batches are the first ``train.eval_batches`` global batches of the validation split in file
+order (no shuffle), read once and kept on the host, so every evaluation scores the same tokens
+and successive numbers are comparable. Each process keeps its own rows, as for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import Config, ConfigError
+from jaxpar.data.mixture import source_names
+from jaxpar.model.transformer import DTYPES
+from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.train.step import Batch, Trainer, TrainState, batch_token_loss
+
+HostBatch = dict[str, np.ndarray]
+
+
+def eval_due(cfg: Config, step: int) -> bool:
+    """Every ``train.eval_every`` steps and at the last step (never at step 0: the untrained
+    model's loss is about log(vocab_size) and costs a compile-sized pause to learn)."""
+    every = cfg.train.eval_every
+    return every > 0 and (step % every == 0 or step == cfg.train.steps)
+
+
+def forward_loss_fn(trainer: Trainer) -> Callable[[TrainState, Batch], jax.Array]:
+    """``(state, batch) -> sum of the token losses`` without a pipeline: the train step's loss
+    code, forward only, micro-step by micro-step like the train step."""
+    cfg = trainer.cfg
+    dtype, remat, pieces = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.loss_pieces()
+    accum, platform = cfg.train.grad_accum, trainer.mesh.devices.flat[0].platform
+
+    def loss_sum(state: TrainState, batch: Batch) -> jax.Array:
+        def micro_step(micro: Batch) -> jax.Array:
+            summed, _ = batch_token_loss(state.params, state.buffers, trainer.graphdef, micro,
+                                         dtype=dtype, remat=remat, loss_pieces=pieces)
+            return summed
+
+        with model_hooks(cfg, cfg.mesh_shape, platform):
+            if accum == 1:
+                return micro_step(batch)
+            return jnp.sum(jax.lax.map(micro_step, split_micro_steps(batch, accum)))
+
+    return loss_sum
+
+
+def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, Batch], tuple[jax.Array, jax.Array]]:
+    """``(state, batch) -> (sum of the token losses, valid tokens)``, float32 scalars."""
+    # Positions travel with the tokens, in the train step's order (zigzag under context).
+    seq_order = jnp.asarray(trainer.seq_order, jnp.int32)
+    forward = forward_loss_fn(trainer) if trainer.pipeline is None else None
+
+    def eval_step(state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        tokens = jnp.sum(batch["mask"])
+        if forward is None:  # the pipeline: its loss is already divided by the valid tokens
+            loss, _, _ = trainer.jitted_loss_and_grads(state, batch)
+            return loss * jnp.maximum(tokens, 1.0), tokens
+        positions = jnp.broadcast_to(seq_order, batch["inputs"].shape)
+        return forward(state, dict(batch, positions=positions)), tokens
+
+    return eval_step
+
+
+def compile_eval_step(trainer: Trainer) -> jax.stages.Compiled:
+    """The eval step compiled from the train step's abstract state and batch (no memory)."""
+    step = jax.jit(eval_step_fn(trainer),
+                   in_shardings=(trainer.state_shardings, trainer.batch_sharding))
+    with jax.set_mesh(trainer.mesh):
+        return step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
+
+
+@dataclass
+class Validation:
+    """The held-out batches of a run and the compiled step that scores them.
+
+    ``sets`` maps a name to this process's rows of its batches: ``""`` is the validation split
+    (metrics ``val_loss``, ``val_ppl``, ``val_tokens``); any other name, e.g. one source of a
+    data mixture, adds ``val_loss/<name>`` (and ``val_tokens/<name>``) beside it."""
+
+    trainer: Trainer
+    sets: dict[str, list[HostBatch]]
+    line: str  # what the run prints about it at start-up
+    step_fn: Any = None  # compile_eval_step's program, once compile() has run
+
+    def compile(self) -> None:
+        self.step_fn = compile_eval_step(self.trainer)
+
+    def evaluate(self, state: TrainState) -> dict[str, float | None]:
+        """The token-weighted mean loss of every set (the same on every process)."""
+        # Dispatch every batch first, read once: the device runs them back to back.
+        sums = {name: [self.step_fn(state, self.trainer.put_batch(b)) for b in batches]
+                for name, batches in self.sets.items()}
+        sums = jax.device_get(sums)
+        if "" not in sums:  # a mixture's sources: overall, every held-out token counts once
+            sums[""] = [value for values in sums.values() for value in values]
+        out: dict[str, float | None] = {}
+        for name, values in sums.items():
+            loss_sum = math.fsum(float(s) for s, _ in values)
+            tokens = math.fsum(float(t) for _, t in values)
+            loss = loss_sum / max(tokens, 1.0)
+            suffix = f"/{name}" if name else ""
+            # JSON has no NaN or Infinity: a non-finite loss (or a perplexity past float64) is
+            # null, as the train loss is.
+            out[f"val_loss{suffix}"] = loss if math.isfinite(loss) else None
+            out[f"val_tokens{suffix}"] = tokens
+            if not name:
+                out["val_ppl"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else None
+        return out
+
+
+def first_batches(data: Any, batches: int) -> list[HostBatch]:
+    """The first ``batches`` batches of a (non-shuffled) iterator, fewer if the split holds
+    fewer: the iterator is endless, and a repeated batch would count its rows twice."""
+    state = data.get_state()
+    whole = state["rows"] // state["global_batch"]
+    return [next(data) for _ in range(min(batches, whole))]
+
+
+def validation_data(cfg: Config, data_iterator: Callable[..., tuple[Any, str]]
+                    ) -> dict[str, tuple[Any, str]] | None:
+    """The validation split's iterator and line by set name (None when ``train.eval_every=0``),
+    read with the loop's ``data_iterator(cfg, split)``, which makes data errors one-line config
+    errors: called before anything is traced, like the training data. One set, ``""``, or for
+    a mixture (``data.sources``) one per source, named as its ``tokens_seen/<name>`` metric."""
+    if cfg.train.eval_every == 0:
+        return None
+    if cfg.data.sources:
+        paths = [s.path for s in cfg.data.sources]
+        sources = list(zip(paths, source_names(paths), strict=True))
+    else:
+        sources = [(cfg.data.source, "")]
+    held_out = {}
+    for path, name in sources:
+        one = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=path, sources=()))
+        try:
+            held_out[name] = data_iterator(one, "validation")
+        except ConfigError as err:  # e.g. a validation split smaller than one batch
+            where = f" (data.sources: {path})" if name else ""
+            raise ConfigError(f"train.eval_every={cfg.train.eval_every}: {err}{where}; "
+                              "data.val_fraction (or jaxpar tokenize --val-fraction) sets its "
+                              "size") from None
+    return held_out
+
+
+def make_validation(cfg: Config, trainer: Trainer,
+                    held_out: dict[str, tuple[Any, str]] | None) -> Validation | None:
+    """The run's :class:`Validation` from :func:`validation_data`'s ``held_out`` (None: none),
+    this process's rows of its batches read, its step not yet compiled."""
+    if held_out is None:
+        return None
+    rows = trainer.local_batch_rows()
+    sets = {name: first_batches(data.with_rows(rows), cfg.train.eval_batches)
+            for name, (data, _) in held_out.items()}
+    t = cfg.train
+    described = "; ".join(f"{name + ': ' if name else ''}the first {len(sets[name])} batch(es) "
+                          f"of {t.batch_size} x {t.seq_len} ({line})"
+                          for name, (_, line) in held_out.items())
+    return Validation(trainer, sets,
+                      f"validation every {t.eval_every} steps and at the end: {described}")
