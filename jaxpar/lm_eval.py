@@ -144,6 +144,9 @@ class JaxparLM(TemplateLM):
                                   f"(got do_sample/temperature in {dict(gen_kwargs)})")
             until = handle_stop_sequences(kwargs.get("until"), eos=eos)
             budget = kwargs["max_gen_toks"]
+            if budget >= self.max_length:
+                raise ConfigError(f"max_gen_toks={budget} leaves no context in max_length="
+                                  f"{self.max_length} tokens (--model_args max_length=...)")
             prompt = self.tok_encode(context)[-(self.max_length - budget):]
             jobs.append((prompt or [self.eot_token_id], until))
             groups.setdefault((budget,), []).append(i)
