@@ -214,6 +214,8 @@ class Generator:
                                 out_shardings=out)
         self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",),
                                donate_argnums=(2,), out_shardings=out)
+        self._score = jax.jit(self._score_fn, out_shardings=(
+            None if mesh is None else (self._rows_sharding(2), self._rows_sharding(2))))
 
     # ----------------------------------------------------------------------------------------
     # Layout
@@ -301,6 +303,39 @@ class Generator:
                                       self.dtype)
             logits = last_logits(model, x, jnp.zeros_like(positions), self.dtype)
             return sample(logits, key, step, sampling), cache
+
+    def _score_fn(self, params: dict, buffers: dict, tokens: jax.Array, targets: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+        """Inputs and targets [B, S] -> (float32 log-probability of each target, whether it is
+        the argmax), both [B, S]: one forward pass of the training model, no cache."""
+        with self._hooks():
+            model = self._model(params, buffers)
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                         tokens.shape)
+            x, _ = model.run_layers(model.embed(tokens, dtype=self.dtype), positions)
+            logits = model.logits(x, dtype=self.dtype)
+            picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+            logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
+            return logprobs, jnp.argmax(logits, axis=-1) == targets
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each sequence of n >= 2 tokens, two arrays of n - 1: the log-probability (float32)
+        the model gives each of its tokens 1..n-1 after those before it, and whether that token
+        is the model's greedy (argmax) choice there. The sequences are scored as one batch,
+        right-padded as :meth:`pack` pads prompts (causal: the padding changes nothing before
+        it); a batch compiles once per padded shape."""
+        if any(len(s) < 2 for s in sequences):
+            raise ConfigError("score: every sequence needs at least two tokens")
+        if any(not 0 <= s[-1] < self.cfg.model.vocab_size for s in sequences):
+            raise ConfigError(f"score: token ids must be in [0, {self.cfg.model.vocab_size})")
+        tokens, lengths = self.pack([s[:-1] for s in sequences])
+        targets = np.zeros_like(tokens)
+        for i, seq in enumerate(sequences):
+            targets[i, :len(seq) - 1] = seq[1:]
+        with self._mesh_scope():
+            logprobs, greedy = jax.device_get(self._score(
+                self.params, self.buffers, self._put(tokens), self._put(targets)))
+        return [(logprobs[i, :n], greedy[i, :n]) for i, n in enumerate(lengths[:len(sequences)])]
 
     # ----------------------------------------------------------------------------------------
     # The loop

@@ -40,24 +40,25 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
     import transformers as tr
 
     torch.manual_seed(seed)
+    common = {**COMMON, **{k: overrides.pop(k) for k in list(overrides) if k in COMMON}}
     if kind == "llama":
-        cfg = tr.LlamaConfig(**COMMON, head_dim=16, rope_scaling=dict(LLAMA3), **overrides)
+        cfg = tr.LlamaConfig(**common, head_dim=16, rope_scaling=dict(LLAMA3), **overrides)
         model = tr.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = tr.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e5, **overrides)
+        cfg = tr.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e5, **overrides)
         model = tr.Qwen2ForCausalLM(cfg)
     elif kind == "mistral":  # without a sliding window (jaxpar refuses one)
-        cfg = tr.MistralConfig(**COMMON, sliding_window=None, **overrides)
+        cfg = tr.MistralConfig(**common, sliding_window=None, **overrides)
         model = tr.MistralForCausalLM(cfg)
     elif kind == "qwen3":
-        cfg = tr.Qwen3Config(**COMMON, head_dim=32, **overrides)
+        cfg = tr.Qwen3Config(**common, head_dim=32, **overrides)
         model = tr.Qwen3ForCausalLM(cfg)
     elif kind == "qwen3_moe":  # experts of their own size, gates not renormalised
-        cfg = tr.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        cfg = tr.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=48, norm_topk_prob=False, **overrides)
         model = tr.Qwen3MoeForCausalLM(cfg)
     else:
-        cfg = tr.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+        cfg = tr.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                **overrides)
         model = tr.MixtralForCausalLM(cfg)
     with torch.no_grad():
@@ -119,3 +120,32 @@ def trainer_from_import(config_yaml: Path, overrides: list[str], devices: int):
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:devices]))
     source = step_dir(Path(cfg.train.init_from))
     return trainer, initial_state(trainer, source)
+
+
+def scorable_checkpoint(directory: Path) -> dict[str, Path]:
+    """What jaxpar eval and lm-eval score, made on the spot: a random Llama (vocabulary 320)
+    with a byte-level BPE tokenizer trained on a small corpus (``tokenizer_config.json`` naming
+    its end-of-text token, for transformers), imported as a jaxpar checkpoint, the corpus
+    tokenized with it (a fifth held out), and the checkpoint exported back to Hugging Face.
+    Returns the paths: corpus, checkpoint (its run directory), data, hf."""
+    import json
+
+    from helpers import write_bpe_tokenizer, write_text_corpus
+
+    from jaxpar.data.tokenize import TokenizeOptions, tokenize
+    from jaxpar.hf.exporter import export_hf
+    from jaxpar.hf.importer import import_hf
+
+    paths = {name: directory / name for name in ("corpus", "src", "checkpoint", "data", "hf")}
+    texts = write_text_corpus(paths["corpus"], documents=40)
+    paths["src"].mkdir(parents=True)
+    write_bpe_tokenizer(paths["src"] / "tokenizer.json", list(texts.values()), vocab_size=300)
+    (paths["src"] / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+        "bos_token": "<|endoftext|>", "model_max_length": 512}))
+    build_hf_model("llama", vocab_size=320).save_pretrained(paths["src"])
+    imported = import_hf(paths["src"], paths["checkpoint"])
+    tokenize(TokenizeOptions(sources=(str(paths["corpus"]),), directory=paths["data"],
+                             tokenizer=str(imported.tokenizer), val_fraction=0.2))
+    export_hf(paths["checkpoint"], paths["hf"])
+    return paths

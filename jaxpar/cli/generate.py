@@ -31,10 +31,7 @@ def add_generate(commands, positive_int: Callable[[str], int]) -> None:
         "--mesh data=2,tensor=2 host_devices=4\n"
         "Exit codes: 0 done, 2 bad usage/config/input, 1 failure while running.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub.add_argument("checkpoint", metavar="CKPT", help="checkpoint step, run or checkpoints "
-                     "directory")
-    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                     help="dotted overrides of the run's config")
+    checkpoint_arguments(sub)
     prompts = sub.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one prompt; its tokens stream")
     prompts.add_argument("--prompts-file", metavar="FILE", help="one prompt per line, "
@@ -49,10 +46,19 @@ def add_generate(commands, positive_int: Callable[[str], int]) -> None:
                      help="sample among the likeliest tokens whose probability reaches P "
                      "(nucleus; 1: all)")
     sub.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
-    sub.add_argument("--mesh", metavar="AXES", default="", help="mesh axes, e.g. "
-                     "data=2,tensor=2 (same as mesh.data=2 mesh.tensor=2)")
     sub.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json, or 'byte', instead "
                      "of the run's data.tokenizer")
+
+
+def checkpoint_arguments(sub: argparse.ArgumentParser) -> None:
+    """CKPT, its config's ``key=value`` overrides and ``--mesh``: what every command that runs
+    a saved model takes (generate, eval; :func:`generation_config` reads them)."""
+    sub.add_argument("checkpoint", metavar="CKPT", help="checkpoint step, run or checkpoints "
+                     "directory")
+    sub.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                     help="dotted overrides of the run's config")
+    sub.add_argument("--mesh", metavar="AXES", default="", help="mesh axes, e.g. "
+                     "data=2,tensor=2 (same as mesh.data=2 mesh.tensor=2)")
 
 
 def generation_config(args: argparse.Namespace, saved: dict) -> Config:

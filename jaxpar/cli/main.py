@@ -1,5 +1,5 @@
 """``jaxpar`` command line: ``train``, ``config``, ``inspect``, ``plan``, ``schedule``,
-``export``, ``import-hf``, ``generate`` and ``tokenize``.
+``export``, ``import-hf``, ``generate``, ``eval`` and ``tokenize``.
 
 The config is read and checked before jax is imported, so ``host_devices`` can still choose the
 number of virtual CPU devices, and a bad key or value costs no compile. Exit codes: 0 done,
@@ -20,6 +20,7 @@ from jaxpar.cli.common import (
     positive_int,
     presets,
 )
+from jaxpar.cli.eval import add_eval, run_eval
 from jaxpar.cli.generate import add_generate, run_generate
 from jaxpar.cli.hf import add_hf, run_hf
 from jaxpar.cli.inspect import add_inspect, inspect_command
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule(commands)
     add_hf(commands)
     add_generate(commands, positive_int)
+    add_eval(commands, positive_int)
     add_tokenize(commands)
     return parser
 
@@ -56,7 +58,8 @@ def print_config(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": train_command, "config": print_config, "inspect": inspect_command,
             "plan": plan_command, "schedule": schedule_command, "export": run_hf,
-            "import-hf": run_hf, "generate": run_generate, "tokenize": tokenize_command}
+            "import-hf": run_hf, "generate": run_generate, "eval": run_eval,
+            "tokenize": tokenize_command}
 
 
 def main(argv: list[str] | None = None) -> int:

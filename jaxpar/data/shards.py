@@ -55,6 +55,9 @@ class Shard:
     documents: int
     sha256: str  # of name.bin
     offsets_sha256: str  # of name.offsets
+    # UTF-8 bytes of the shard's texts (bits per byte, jaxpar eval); None in an index written
+    # before jaxpar recorded them.
+    text_bytes: int | None = None
 
     @property
     def tokens_file(self) -> str:
@@ -81,6 +84,7 @@ class TokenIndex:
     def to_json(self) -> dict[str, Any]:
         splits = {name: {"tokens": sum(s.tokens for s in shards),
                          "documents": sum(s.documents for s in shards),
+                         "text_bytes": split_text_bytes(shards),
                          "shards": [dataclasses.asdict(s) for s in shards]}
                   for name, shards in self.splits.items()}
         return {"format": FORMAT, "version": VERSION,
@@ -98,6 +102,12 @@ class TokenIndex:
                    val_fraction=data["val_fraction"], shard_tokens=data["shard_tokens"],
                    splits={name: tuple(Shard(**s) for s in split["shards"])
                            for name, split in data["splits"].items()})
+
+
+def split_text_bytes(shards: tuple[Shard, ...]) -> int | None:
+    """UTF-8 bytes of a split's texts; None when a shard does not record them (an old index)."""
+    counts = [s.text_bytes for s in shards]
+    return None if None in counts else sum(counts)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -226,6 +236,7 @@ class ShardWriter:
         self._hash = hashlib.sha256()
         self._starts: list[int] = []
         self.tokens = 0
+        self.text_bytes = 0
 
     def _tmp(self, suffix: str) -> Path:
         return self._directory / f"{self.name}{suffix}.tmp"
@@ -234,15 +245,18 @@ class ShardWriter:
     def documents(self) -> int:
         return len(self._starts)
 
-    def add(self, tokens: np.ndarray, starts: np.ndarray | None = None) -> None:
+    def add(self, tokens: np.ndarray, starts: np.ndarray | None = None, *,
+            text_bytes: int = 0) -> None:
         """Append one document's ids (its end-of-text id included), or with `starts` several
-        documents laid end to end, `starts` their first positions in `tokens`."""
+        documents laid end to end, `starts` their first positions in `tokens`; `text_bytes`:
+        the UTF-8 size of their texts."""
         data = np.ascontiguousarray(tokens, dtype=self._dtype)
         first = [0] if starts is None else np.asarray(starts, dtype=np.int64).tolist()
         self._starts += [self.tokens + s for s in first]
         self._file.write(memoryview(data).cast("B"))
         self._hash.update(memoryview(data).cast("B"))
         self.tokens += len(data)
+        self.text_bytes += text_bytes
 
     def finish(self, rename: bool = True) -> Shard:
         """Flush both files to disk and, with `rename`, give them their final names (else the
@@ -257,7 +271,8 @@ class ShardWriter:
             os.fsync(f.fileno())
         shard = Shard(name=self.name, tokens=self.tokens, documents=self.documents,
                       sha256=self._hash.hexdigest(),
-                      offsets_sha256=hashlib.sha256(offsets.tobytes()).hexdigest())
+                      offsets_sha256=hashlib.sha256(offsets.tobytes()).hexdigest(),
+                      text_bytes=self.text_bytes)
         if rename:
             rename_shard(self._directory, shard)
         return shard

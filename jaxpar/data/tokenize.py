@@ -73,7 +73,11 @@ class TokenizeStats:
 class _Encoded:
     tokens: np.ndarray  # a batch's documents, each followed by the end-of-text id
     ends: np.ndarray  # where each document (with its end-of-text id) ends in `tokens`
-    text_bytes: int
+    document_bytes: np.ndarray  # UTF-8 bytes of each document's text
+
+    @property
+    def text_bytes(self) -> int:
+        return int(self.document_bytes.sum())
 
 
 def tokenize(options: TokenizeOptions,
@@ -121,9 +125,11 @@ def _stream(options: TokenizeOptions, tokenizer: Tokenizer, state: tokenize_stat
     try:
         with _Encoder(options, tokenizer) as encoder:
             for metas, encoded in encoder.encode(batches):
-                for (position, split, score), end, length in zip(
-                        metas, encoded.ends, np.diff(encoded.ends, prepend=0), strict=True):
-                    writer.add(position, split, score, encoded.tokens[end - length:end])
+                for (position, split, score), end, length, size in zip(
+                        metas, encoded.ends, np.diff(encoded.ends, prepend=0),
+                        encoded.document_bytes, strict=True):
+                    writer.add(position, split, score, encoded.tokens[end - length:end],
+                               int(size))
                 stats = dataclasses.replace(
                     stats, documents=stats.documents + len(metas),
                     text_bytes=stats.text_bytes + encoded.text_bytes,
@@ -197,7 +203,8 @@ class _SplitWriter:
     def finished_shards(self) -> int:
         return sum(len(v) for v in self._shards.values())
 
-    def add(self, position: int, split: str, score: float, tokens: np.ndarray) -> None:
+    def add(self, position: int, split: str, score: float, tokens: np.ndarray,
+            text_bytes: int) -> None:
         extreme = (score, position, self._count[split])
         self._count[split] += 1
         # validation_mask's argmin/argmax: the first of equal scores wins.
@@ -209,7 +216,7 @@ class _SplitWriter:
         if self._open[split] is None:
             self._open[split] = ShardWriter(self._directory, split, len(self._shards[split]),
                                             self._state.settings.dtype)
-        self._open[split].add(tokens)
+        self._open[split].add(tokens, text_bytes=text_bytes)
         if self._open[split].tokens >= self._limit:
             self._finish(split, position + 1)
             tokenize_state.save(self._directory, self._snapshot())
@@ -298,7 +305,7 @@ def _encode(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: str) -> 
     tokens = np.full(int(ends[-1]), eos_id, dtype=np.dtype(dtype))
     for a, end in zip(ids, ends, strict=True):
         tokens[end - 1 - len(a):end - 1] = a
-    return _Encoded(tokens, ends, sum(len(t.encode("utf-8")) for t in texts))
+    return _Encoded(tokens, ends, np.array([len(t.encode("utf-8")) for t in texts], np.int64))
 
 
 def _start_worker() -> None:

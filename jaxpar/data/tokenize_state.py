@@ -171,16 +171,29 @@ def _move_document(directory: Path, state: RunState, source: str, target: str,
     inside = position - (int(counts[number - 1]) if number else 0)
     tokens, offsets = open_memmaps(directory, state.settings, shards[number])
     begin, end = int(offsets[inside]), int(offsets[inside + 1])
+    size = _document_bytes(state.settings, tokens[begin:end - 1])
     writer = ShardWriter(directory, target, 0, dtype)
-    writer.add(tokens[begin:end])
+    writer.add(tokens[begin:end], text_bytes=size)
     moved = writer.finish(rename=False)
     starts = np.asarray(offsets[:-1], dtype=np.int64)
     if shards[number].documents > 1:
         rewrite = ShardWriter(directory, source, int(shards[number].name[-5:]), dtype)
         rewrite.add(tokens[:begin], starts[:inside])
         rewrite.add(tokens[end:], starts[inside + 1:] - end)
-        shards[number] = rewrite.finish(rename=False)
+        left = shards[number].text_bytes
+        shards[number] = dataclasses.replace(rewrite.finish(rename=False),
+                                             text_bytes=None if left is None else left - size)
     else:
         del shards[number]
     del tokens, offsets  # the old file is replaced next: let go of its mapping first
     return {**state.shards, source: tuple(shards), target: (moved,)}
+
+
+def _document_bytes(settings: TokenIndex, ids: np.ndarray) -> int:
+    """UTF-8 bytes of one document's text, from its ids (its end-of-text id left out): the
+    text itself is no longer at hand when a finished run moves a document between splits."""
+    from jaxpar.data.tokenizer import make_tokenizer  # noqa: PLC0415  (loaded only here)
+
+    if settings.tokenizer.sha256 == "byte":
+        return len(ids)
+    return len(make_tokenizer(settings.tokenizer.name).decode(ids.tolist()).encode("utf-8"))

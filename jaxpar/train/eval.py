@@ -84,12 +84,16 @@ def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, Batch], tuple[jax.Ar
     return eval_step
 
 
-def compile_eval_step(trainer: Trainer) -> jax.stages.Compiled:
-    """The eval step compiled from the train step's abstract state and batch (no memory)."""
-    step = jax.jit(eval_step_fn(trainer),
-                   in_shardings=(trainer.state_shardings, trainer.batch_sharding))
+def compile_eval_step(trainer: Trainer, weights_only: bool = False) -> jax.stages.Compiled:
+    """The eval step compiled from the train step's abstract state and batch (no memory).
+    ``weights_only``: for a state whose ``opt_state`` is None (``jaxpar eval`` reads no
+    optimizer moments); only without a pipeline, whose step takes the whole train state."""
+    shardings, abstract = trainer.state_shardings, trainer.abstract_state
+    if weights_only:
+        shardings, abstract = shardings._replace(opt_state=None), abstract._replace(opt_state=None)
+    step = jax.jit(eval_step_fn(trainer), in_shardings=(shardings, trainer.batch_sharding))
     with jax.set_mesh(trainer.mesh):
-        return step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
+        return step.lower(abstract, trainer.abstract_batch()).compile()
 
 
 @dataclass

@@ -34,6 +34,8 @@ ALLOWED = {
     "units": set(),
     # Hugging Face checkpoints in and out: jaxpar's weights-only checkpoints on one side.
     "hf": {"checkpoint", "model", "parallel", "config"},
+    # lm-eval's model "jaxpar": a command line of its own (python -m jaxpar.lm_eval), beside cli.
+    "lm_eval": {"cli", "generate", "train", "checkpoint", "data", "mesh", "config"},
     # Text generation runs the model with a KV cache on a mesh; the CLI loads its weights.
     "generate": {"model", "parallel", "config"},
     "train": {"checkpoint", "hardware", "model", "parallel", "data", "mesh", "distributed",

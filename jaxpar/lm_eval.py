@@ -1,0 +1,176 @@
+"""A jaxpar checkpoint as a model of EleutherAI's lm-evaluation-harness (``lm-eval``, tested
+with 0.4.13: ``pip install 'jaxpar[eval]'``).
+
+Registration. lm-eval 0.4.13 finds models in its own registry only: it has no entry-point group
+that an outside package could fill, and ``--include_path`` adds tasks, not models. Importing this
+module registers the name ``jaxpar``; ``python -m jaxpar.lm_eval`` is lm-eval's own command line
+(``lm_eval.__main__.cli_evaluate``) after that import::
+
+    python -m jaxpar.lm_eval run --model jaxpar --model_args checkpoint=runs/tiny \\
+        --tasks hellaswag --batch_size 16
+
+and from Python, ``import jaxpar.lm_eval`` then ``lm_eval.simple_evaluate(model="jaxpar", ...)``.
+``--model_args``: ``checkpoint`` (a step, run or checkpoints directory, as ``jaxpar generate``
+takes it), ``overrides`` (``key=value`` overrides of its config, space-separated: the mesh,
+``mesh.data=2 mesh.tensor=2 host_devices=4``, as for ``jaxpar generate``; one device by
+default), ``max_length`` (tokens of context; default the run's ``train.seq_len``),
+``max_gen_toks`` (default 256); ``batch_size`` is lm-eval's own ``--batch_size``.
+
+What it computes, as lm-eval's ``hf`` model does for a causal LM: the text is tokenized by the
+run's tokenizer (``data.tokenizer``) without special tokens; a pair (context, continuation) is
+split as :class:`lm_eval.api.model.TemplateLM` splits it (the whole text tokenized, the
+context's tokens cut off), an empty context is the end-of-text token, and a sequence longer
+than ``max_length`` + 1 loses its first tokens. ``loglikelihood`` is the sum of the
+continuation's log-probabilities in float32 and whether each of its tokens is the greedy choice
+(:meth:`jaxpar.generate.Generator.score`), ``loglikelihood_rolling`` the same over lm-eval's
+rolling windows, ``generate_until`` greedy decoding with the KV cache
+(:meth:`jaxpar.generate.Generator.generate`) cut at the first stop string. No prompt gets the
+end-of-text token in front (``jaxpar generate`` puts one there): the numbers are those of the
+same model exported to Hugging Face and run by the ``hf`` backend (tests/integration/
+test_lm_eval.py checks them to 1e-4). The model runs on the mesh the config gives
+(``data``, ``fsdp``, ``tensor``, as generation does); requests are sorted by length and scored
+``batch_size`` at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+# The harness's own models are registered first: its get_model imports them only while its
+# registry is empty, so a registry holding ``jaxpar`` alone would hide ``hf`` and the rest.
+import lm_eval.models  # noqa: F401
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from jaxpar.config import ConfigError
+
+DEFAULT_BATCH = 8  # requests scored together when lm-eval's --batch_size is "auto"
+
+
+def load_generator(checkpoint: str, overrides: str = "") -> tuple[Any, Any]:
+    """(:class:`~jaxpar.generate.Generator` on the config's mesh, the run's tokenizer) of a
+    checkpoint, its config changed by the space-separated ``key=value`` ``overrides``."""
+    from jaxpar.checkpoint.weights_only import saved_config, step_dir  # noqa: PLC0415
+    from jaxpar.cli.generate import generation_config  # noqa: PLC0415
+    from jaxpar.data.tokenizer import make_tokenizer  # noqa: PLC0415
+    from jaxpar.mesh import use_host_devices  # noqa: PLC0415
+
+    path = step_dir(Path(checkpoint))
+    args = argparse.Namespace(mesh="", overrides=str(overrides or "").split())
+    cfg = generation_config(args, saved_config(path))
+    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    use_host_devices(cfg.host_devices)  # before jax starts its backend, if it has not yet
+    from jaxpar.checkpoint.weights_only import read_weights  # noqa: PLC0415
+    from jaxpar.generate import Generator  # noqa: PLC0415
+    from jaxpar.mesh import make_mesh  # noqa: PLC0415
+    from jaxpar.train.evaluate import check_devices  # noqa: PLC0415
+
+    params, buffers, _ = read_weights(path)
+    return Generator(cfg, params, buffers, make_mesh(cfg, check_devices(cfg))), tokenizer
+
+
+@register_model("jaxpar")
+class JaxparLM(TemplateLM):
+    """lm-eval's model ``jaxpar`` (module docstring)."""
+
+    def __init__(self, checkpoint: str, overrides: str = "", max_length: int | None = None,
+                 max_gen_toks: int = 256, batch_size: int | str | None = None,
+                 **ignored: Any):
+        # lm-eval also passes device and max_batch_size: the mesh decides where jaxpar runs.
+        super().__init__()
+        self.generator, self.tokenizer_ = load_generator(checkpoint, overrides)
+        self.max_length = int(max_length or self.generator.cfg.train.seq_len)
+        self.max_gen_toks = int(max_gen_toks)
+        self.batch_size = (int(batch_size) if str(batch_size or "auto").isdigit()
+                           else DEFAULT_BATCH)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer_.eos_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
+                   ) -> list[int]:
+        return self.tokenizer_.encode(string).tolist()
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer_.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any
+                              ) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probabilities, all its tokens greedy) per request."""
+        pairs = [(list(context), list(continuation)) for _, context, continuation in requests]
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+        # Longest first, as lm-eval's hf model does: each batch is padded to its first row.
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0] + pairs[i][1]))
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            windows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1):] for i in chunk]
+            for i, (logprobs, greedy) in zip(chunk, self.generator.score(windows), strict=True):
+                n = len(pairs[i][1])
+                out[i] = (float(logprobs[-n:].astype("float64").sum()), bool(greedy[-n:].all()))
+        return out
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        """The log-likelihood of each whole text, over lm-eval's disjoint rolling windows."""
+        windows, owners = [], []
+        for number, (text,) in enumerate(req.args for req in requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(number)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=True):
+            totals[owner] += logprob
+        return totals
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, cut before the first stop string (``until``, plus the
+        end-of-text token's text), at most ``max_gen_toks`` tokens each."""
+        eos = self.tok_decode([self.eot_token_id])
+        out: list[str] = [""] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        jobs = []
+        for i, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0):
+                raise ConfigError("jaxpar's lm-eval model decodes greedily only "
+                                  f"(got do_sample/temperature in {dict(gen_kwargs)})")
+            until = handle_stop_sequences(kwargs.get("until"), eos=eos)
+            budget = kwargs["max_gen_toks"]
+            if budget >= self.max_length:
+                raise ConfigError(f"max_gen_toks={budget} leaves no context in max_length="
+                                  f"{self.max_length} tokens (--model_args max_length=...)")
+            prompt = self.tok_encode(context)[-(self.max_length - budget):]
+            jobs.append((prompt or [self.eot_token_id], until))
+            groups.setdefault((budget,), []).append(i)
+        for (budget,), members in groups.items():
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start:start + self.batch_size]
+                made = self.generator.generate([jobs[i][0] for i in chunk], max_tokens=budget,
+                                               eos_id=self.eot_token_id)
+                for i, tokens in zip(chunk, made, strict=True):
+                    text = self.tok_decode(tokens)
+                    for stop in jobs[i][1]:
+                        text = text.split(stop)[0] if stop else text
+                    out[i] = text
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's command line with the ``jaxpar`` model registered (module docstring)."""
+    from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Evaluation of a checkpoint on a tokenized split: ``jaxpar eval``.
+
+What is scored. The split's rows exactly as training reads them (:mod:`jaxpar.data.tokenized`):
+the split's documents laid end to end, each followed by its end-of-text id, cut into rows of
+``train.seq_len`` targets, read in file order from row 0. Every target of the split is scored
+once when the whole split is read (the default): every token but the split's first (nothing
+predicts it), the end-of-text ids between documents included; the context of a position is
+whatever precedes it in its row, across document boundaries, as in training. ``--batches N``
+reads the first N global batches only. The last batch is filled with masked rows (the padding
+scores nothing), so no row is left out and none is counted twice.
+
+The numbers. ``loss``: the mean cross entropy in nats over the scored targets;
+``perplexity``: exp(loss); ``bits_per_byte``: the summed nats / ln 2 / the UTF-8 bytes of the
+split's texts, as ``jaxpar tokenize`` recorded them in ``index.json``. The bytes are the whole
+split's, so bits per byte is given only when the whole split is scored, and only for an index
+that records them (written by a jaxpar that does; an older index: re-tokenize). Numerator and
+denominator differ by design on two edges: the end-of-text predictions count as nats but
+carry no text byte, and the split's first token's bytes count though nothing scores them;
+both are one token per document or per split, the usual convention of bits per byte over a
+tokenized corpus (it is what makes tokenizers comparable).
+
+How. The loss is the validation step's (:mod:`jaxpar.train.eval`): the train step's loss code,
+forward only, on the train step's shardings for the checkpoint's config on the requested mesh,
+so any layout training runs (data, fsdp, tensor, context, expert, pipe) evaluates. The
+parameters are read straight into their shardings and dtype (``train.param_dtype``); no
+optimizer state is read, and none is made unless a pipeline's step needs one (zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar.checkpoint.weights import restore_params
+from jaxpar.checkpoint.weights_only import read_weights
+from jaxpar.config import Config, ConfigError
+from jaxpar.data.shards import split_text_bytes
+from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
+from jaxpar.train.eval import compile_eval_step
+from jaxpar.train.step import Trainer, TrainState, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """What ``jaxpar eval`` prints (and ``--json`` writes); module docstring for each number."""
+
+    checkpoint: str
+    step: int
+    data: str
+    split: str
+    loss: float
+    perplexity: float | None  # None past float64 (a loss over ~700 nats)
+    bits_per_byte: float | None
+    bits_per_byte_note: str  # why bits_per_byte is None ("" when it is given)
+    tokens: int  # targets scored
+    text_bytes: int | None  # the denominator of bits_per_byte
+    rows: int  # rows read (the padding rows of the last batch not counted)
+    split_rows: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def open_split(cfg: Config, directory: str, split: str) -> TokenizedDataset:
+    """The tokenized split to score, checked against ``cfg``'s tokenizer and vocabulary: a
+    one-line :class:`ConfigError` for anything wrong, before jax starts."""
+    label = f"--data {directory}"
+    try:
+        ds = open_tokenized(directory, split, cfg.train.seq_len, tokenizer=cfg.data.tokenizer,
+                            label=label)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err).splitlines()[0]) from None
+    if ds.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"{label}: its tokenizer has {ds.vocab_size} ids, more than the "
+                          f"model's vocabulary (model.vocab_size={cfg.model.vocab_size})")
+    return ds
+
+
+def row_batches(ds: TokenizedDataset, batch_size: int, batches: int | None
+                ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """(global batch, real rows in it) for the first ``batches`` batches (None: all), in file
+    order; the last batch of the split is filled with masked copies of its first row."""
+    total = -(-len(ds) // batch_size)
+    for b in range(total if batches is None else min(batches, total)):
+        rows = np.arange(b * batch_size, min((b + 1) * batch_size, len(ds)))
+        batch = ds.rows(rows)
+        short = batch_size - len(rows)
+        if short:
+            batch = {k: np.concatenate([v, np.repeat(v[:1], short, axis=0)])
+                     for k, v in batch.items()}
+            batch["mask"][len(rows):] = 0.0
+        yield batch, len(rows)
+
+
+def load_eval_state(trainer: Trainer, path: Path) -> TrainState:
+    """Checkpoint ``path``'s weights laid out for ``trainer`` (module docstring, "How")."""
+    abstract, shardings = trainer.abstract_state, trainer.state_shardings
+    params = restore_params(path, abstract.params)
+    # MoE router biases: small, read on the host with the weights (a weights-only checkpoint
+    # has none: they start at zero, as train.init_from starts them).
+    saved = read_weights(path)[1] if jax.tree.leaves(abstract.buffers) else {}
+    buffers = jax.device_put(jax.tree.map(
+        lambda a, *s: np.asarray(s[0], a.dtype) if s else np.zeros(a.shape, a.dtype),
+        abstract.buffers, *([saved] if saved else [])), shardings.buffers)
+    step = jax.device_put(np.int32(0), shardings.step)
+    if trainer.pipeline is None:
+        return TrainState(step, params, None, buffers)
+    # The pipelined step takes a whole train state (and reorders layers with one): zeros.
+    init = jax.jit(make_optimizer(trainer.cfg.train).init, out_shardings=shardings.opt_state)
+    with jax.set_mesh(trainer.mesh):
+        opt_state = init(params)
+    return trainer.from_model_order(TrainState(step, params, opt_state, buffers))
+
+
+def evaluate(trainer: Trainer, state: TrainState, ds: TokenizedDataset, *, checkpoint: str,
+             step: int, batches: int | None = None) -> EvalResult:
+    """Score ``ds``'s rows (module docstring) with the validation step on ``trainer``'s mesh."""
+    scorer = compile_eval_step(trainer, weights_only=trainer.pipeline is None)
+    local = trainer.local_batch_rows()
+    sums, rows = [], 0
+    for batch, real in row_batches(ds, trainer.cfg.train.batch_size, batches):
+        sums.append(scorer(state, trainer.put_batch({k: v[local] for k, v in batch.items()})))
+        rows += real
+    sums = jax.device_get(sums)  # dispatched back to back, read once
+    nats = math.fsum(float(s) for s, _ in sums)
+    tokens = int(round(math.fsum(float(t) for _, t in sums)))
+    loss = nats / max(tokens, 1)
+    text_bytes = split_text_bytes(ds.shards)
+    if rows < len(ds):
+        note = f"--batches covers {rows} of the split's {len(ds)} rows; the bytes are the split's"
+    elif text_bytes is None:
+        note = ("the data's index.json records no text bytes (tokenized by an older jaxpar: "
+                "tokenize again to get them)")
+    else:
+        note = ""
+    bpb = nats / math.log(2) / text_bytes if not note and text_bytes else None
+    return EvalResult(checkpoint=checkpoint, step=step, data=ds.source, split=ds.split,
+                      loss=loss, perplexity=math.exp(loss) if loss < 700 else None,
+                      bits_per_byte=bpb, bits_per_byte_note=note, tokens=tokens,
+                      text_bytes=text_bytes, rows=rows, split_rows=len(ds))
+
+
+def describe(result: EvalResult) -> str:
+    """The lines ``jaxpar eval`` prints."""
+    bpb = (f"{result.bits_per_byte:.6f}" if result.bits_per_byte is not None
+           else f"- ({result.bits_per_byte_note})")
+    ppl = f"{result.perplexity:.6g}" if result.perplexity is not None else "inf"
+    return (f"eval: step {result.step} of {result.checkpoint} on {result.data} "
+            f"({result.split}: {result.rows} of {result.split_rows} rows)\n"
+            f"loss           {result.loss:.6f}\n"
+            f"perplexity     {ppl}\n"
+            f"bits_per_byte  {bpb}\n"
+            f"tokens         {result.tokens:,}")
+
+
+def check_devices(cfg: Config) -> list:
+    """The devices of ``cfg``'s mesh; a one-line error when there are too few."""
+    wanted, have = math.prod(cfg.mesh.sizes().values()), jax.device_count()
+    if wanted > have:
+        raise ConfigError(f"mesh: {wanted} devices asked for, {have} available (on CPU, "
+                          f"host_devices={wanted} makes them)")
+    return jax.devices()[:wanted]
+
