@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxpar.cli.generate import checkpoint_arguments
+from jaxpar.cli.generate import checkpoint_command
 from jaxpar.config import ConfigError
 
 EVAL_HELP = "score a checkpoint on a tokenized split: loss, perplexity and bits per byte"
@@ -21,21 +21,16 @@ EVAL_HELP = "score a checkpoint on a tokenized split: loss, perplexity and bits 
 
 def add_eval(commands, positive_int: Callable[[str], int]) -> None:
     """The ``eval`` subcommand's arguments (``positive_int``: the CLI's N >= 1 type)."""
-    sub = commands.add_parser(
-        "eval", help=EVAL_HELP, description=EVAL_HELP + ".", intermixed=True,
-        epilog="CKPT is a step directory (runs/tiny/checkpoints/200), or a run or checkpoints "
-        "directory (its newest complete checkpoint); DIR a directory written by jaxpar "
-        "tokenize with the run's tokenizer (data.tokenizer). The rows are train.seq_len long, "
-        "train.batch_size to a batch, in file order; key=value overrides apply to the run's "
-        "config (train.batch_size=16, host_devices=4, ...). The mesh is one device unless "
-        "--mesh or mesh.* say otherwise; any layout training runs works. docs/evaluation.md "
-        "says which tokens and bytes are scored.\n"
-        "Examples:\n  jaxpar eval runs/tiny --data data/tok\n"
-        "  jaxpar eval runs/tiny --data data/tok --batches 10 --mesh data=2,tensor=2 "
-        "host_devices=4 --json eval.json\n"
-        "Exit codes: 0 done, 2 bad usage/config/input, 1 failure while running.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    checkpoint_arguments(sub)
+    sub = checkpoint_command(
+        commands, "eval", EVAL_HELP,
+        "DIR a directory written by jaxpar tokenize with the run's tokenizer (data.tokenizer). "
+        "The rows are train.seq_len long, train.batch_size to a batch, in file order; "
+        "key=value overrides apply to the run's config (train.batch_size=16, host_devices=4, "
+        "...). The mesh is one device unless --mesh or mesh.* say otherwise; any layout "
+        "training runs works. docs/evaluation.md says which tokens and bytes are scored.",
+        ["jaxpar eval runs/tiny --data data/tok",
+         "jaxpar eval runs/tiny --data data/tok --batches 10 --mesh data=2,tensor=2 "
+         "host_devices=4 --json eval.json"])
     sub.add_argument("--data", metavar="DIR", required=True, help="tokenized directory "
                      "(jaxpar tokenize)")
     sub.add_argument("--split", default="validation", choices=("validation", "train"),

@@ -19,19 +19,15 @@ GENERATE_HELP = ("generate text from a checkpoint: the prompt, then new tokens (
 
 def add_generate(commands, positive_int: Callable[[str], int]) -> None:
     """The ``generate`` subcommand's arguments (``positive_int``: the CLI's N >= 1 type)."""
-    sub = commands.add_parser(
-        "generate", help=GENERATE_HELP, description=GENERATE_HELP + ".", intermixed=True,
-        epilog="CKPT is a step directory (runs/tiny/checkpoints/200), or a run or checkpoints "
-        "directory (its newest complete checkpoint); the model, tokenizer (data.tokenizer) and "
-        "compute dtype (train.dtype) are the run's. key=value overrides apply to that config "
-        "(host_devices=4, train.dtype=bfloat16, ...). The mesh is one device unless --mesh or "
-        "mesh.* say otherwise: data and fsdp split the prompts, tensor the heads.\n"
-        "Examples:\n  jaxpar generate runs/tiny --prompt 'def main(' --max-tokens 200\n"
-        "  jaxpar generate runs/tiny --prompts-file prompts.txt --temperature 0.8 --top-p 0.9 "
-        "--mesh data=2,tensor=2 host_devices=4\n"
-        "Exit codes: 0 done, 2 bad usage/config/input, 1 failure while running.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    checkpoint_arguments(sub)
+    sub = checkpoint_command(
+        commands, "generate", GENERATE_HELP,
+        "the model, tokenizer (data.tokenizer) and compute dtype (train.dtype) are the run's. "
+        "key=value overrides apply to that config (host_devices=4, train.dtype=bfloat16, ...). "
+        "The mesh is one device unless --mesh or mesh.* say otherwise: data and fsdp split the "
+        "prompts, tensor the heads.",
+        ["jaxpar generate runs/tiny --prompt 'def main(' --max-tokens 200",
+         "jaxpar generate runs/tiny --prompts-file prompts.txt --temperature 0.8 --top-p 0.9 "
+         "--mesh data=2,tensor=2 host_devices=4"])
     prompts = sub.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one prompt; its tokens stream")
     prompts.add_argument("--prompts-file", metavar="FILE", help="one prompt per line, "
@@ -48,6 +44,21 @@ def add_generate(commands, positive_int: Callable[[str], int]) -> None:
     sub.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     sub.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json, or 'byte', instead "
                      "of the run's data.tokenizer")
+
+
+def checkpoint_command(commands, name: str, help_text: str, details: str,
+                       examples: list[str]) -> argparse.ArgumentParser:
+    """A subcommand that runs a saved model (generate, eval): its help, and the arguments of
+    :func:`checkpoint_arguments`."""
+    sub = commands.add_parser(
+        name, help=help_text, description=help_text + ".", intermixed=True,
+        epilog="CKPT is a step directory (runs/tiny/checkpoints/200), or a run or checkpoints "
+        f"directory (its newest complete checkpoint); {details}\nExamples:\n"
+        + "".join(f"  {e}\n" for e in examples)
+        + "Exit codes: 0 done, 2 bad usage/config/input, 1 failure while running.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    checkpoint_arguments(sub)
+    return sub
 
 
 def checkpoint_arguments(sub: argparse.ArgumentParser) -> None:
