@@ -221,6 +221,10 @@ class DataConfig:
     # A mixture of tokenized directories, rows drawn by weight (data.source then stays stdlib,
     # its default: both at once is an error). See docs/data.md#mixtures.
     sources: tuple[SourceConfig, ...] = ()
+    # Packed rows carry document ids: attention stays inside each document and rotary positions
+    # restart at each (docs/data.md#document-masks). null: true for tokenized directories and
+    # mixtures, false for corpora packed in memory (the stdlib demo's figures stay as they are).
+    document_mask: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -274,6 +278,14 @@ class Config:
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes; only meaningful after :func:`validate` resolved any ``-1``."""
         return self.mesh.sizes()
+
+    def documents_masked(self) -> bool:
+        """``data.document_mask``, null resolved: true for a mixture or a directory written by
+        ``jaxpar tokenize`` (its index file; the data layer reads the rest), else false."""
+        d = self.data
+        if d.document_mask is not None:
+            return d.document_mask
+        return bool(d.sources) or (Path(d.source).expanduser() / "index.json").is_file()
 
     def splash_possible(self) -> bool:
         """Whether the TPU splash kernel can run in this layout: not inside pipeline stages

@@ -47,9 +47,12 @@ def build_dataset(
             f"data.source={source!r}: the {split} split is empty ({len(docs)} documents, "
             f"val_fraction={val_fraction}; the split is by document, so add documents)"
         )
-    tokens, n_tokens = pack_tokens(
-        tokenizer.encode_batch([d.text for d in chosen]), tokenizer.eos_id, seq_len
-    )
+    encoded = tokenizer.encode_batch([d.text for d in chosen])
+    tokens, n_tokens = pack_tokens(encoded, tokenizer.eos_id, seq_len)
+    # Document i + 1 starts after document i and its separator; the padding after the last
+    # document's end-of-text (the first padding token), as in a tokenized directory.
+    lengths = np.array([len(doc) + 1 for doc in encoded], dtype=np.int64)
+    boundaries = np.append(np.cumsum(lengths)[:-1], n_tokens + 1)
     dataset = PackedDataset(
         tokens=tokens,
         n_tokens=n_tokens,
@@ -58,6 +61,7 @@ def build_dataset(
         split=split,
         tokenizer=tokenizer.name,
         documents=tuple(d.key for d in chosen),
+        boundaries=boundaries,
     )
     if len(dataset) == 0:
         raise ValueError(

@@ -32,6 +32,8 @@ class RowDataset(Protocol):
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]: ...
 
+    def segment_ids(self, indices: np.ndarray) -> np.ndarray: ...
+
 
 class DataIterator:
     """`next(it)` -> rows `rows` of the next global batch: dict of [len(rows), seq_len] arrays.
@@ -40,6 +42,9 @@ class DataIterator:
     ones this process's devices hold; any subset in any order, the same for every batch. The
     stream depends only on the dataset, `global_batch`, `seed` and `shuffle` (not on `rows`, so
     the state resumes under another process count); batches run on across epoch ends.
+    With `segments` (``data.document_mask``), each batch also has int32 ``segment_ids``: the
+    document of every input position (the datasets' ``segment_ids``); not part of the state, as
+    it does not change the stream.
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class DataIterator:
         seed: int,
         rows: np.ndarray | None = None,
         shuffle: bool = True,
+        segments: bool = False,
     ):
         if global_batch < 1:
             raise ValueError(f"train.batch_size={global_batch} must be >= 1")
@@ -62,7 +68,7 @@ class DataIterator:
                 f"data.source={ds.source!r}: the {ds.split} split has {len(ds)} rows of "
                 f"seq_len {ds.seq_len}, fewer than one batch (train.batch_size={global_batch})"
             )
-        self._ds, self._rows = ds, rows
+        self._ds, self._rows, self._segments = ds, rows, segments
         self._config = {
             "rows": len(ds),
             "global_batch": global_batch,
@@ -79,12 +85,18 @@ class DataIterator:
         self._names: tuple[str, ...] = tuple(getattr(ds, "names", ())) if count else ()
         self._seen = np.zeros(len(self._names), dtype=np.int64)
         local = batches.map(lambda global_rows: (
-            ds.rows(global_rows[rows]),
+            self._read(global_rows[rows]),
             count(global_rows) if count else np.zeros(0, dtype=np.int64)))
         # Gathering rows from memory takes microseconds: no worker threads or prefetch, which
         # also keeps the iterator state exactly "batches handed out so far".
         options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
         self._iter = iter(local.to_iter_dataset(options))
+
+    def _read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        out = self._ds.rows(indices)
+        if self._segments:
+            out["segment_ids"] = self._ds.segment_ids(indices)
+        return out
 
     def __iter__(self) -> DataIterator:
         return self
@@ -102,7 +114,7 @@ class DataIterator:
     def with_rows(self, rows: np.ndarray) -> DataIterator:
         """The same stream at the same position, yielding rows ``rows`` of each global batch."""
         other = DataIterator(self._ds, self._config["global_batch"], self._config["seed"], rows,
-                             self._config["shuffle"])
+                             self._config["shuffle"], self._segments)
         other.set_state(self.get_state())
         return other
 

@@ -154,6 +154,17 @@ class MixtureDataset:
                     out[key][at] = value
         return out
 
+    def segment_ids(self, indices: np.ndarray) -> np.ndarray:
+        """Document ids of rows `indices`, as each source gives them
+        (:meth:`TokenizedDataset.segment_ids`)."""
+        sources, rows = self.locate(indices)
+        out = np.empty((len(rows), self.seq_len), dtype=np.int32)
+        for s, ds in enumerate(self.datasets):
+            at = np.flatnonzero(sources == s)
+            if at.size:
+                out[at] = ds.segment_ids(rows[at])
+        return out
+
     def count_tokens(self, indices: np.ndarray) -> np.ndarray:
         """int64 [sources]: the real target tokens (mask sum) rows `indices` take from each."""
         sources, rows = self.locate(indices)

@@ -6,6 +6,10 @@ its first L tokens are the inputs and its last L the targets. Consecutive rows s
 token, so every token after the first is a target exactly once, and the inputs of all rows laid
 end to end are the stream itself. Only the last row can run past the stream; its padded targets
 get mask 0. Rows are views computed on demand from one flat array (no copy per row).
+
+Document ids (:meth:`PackedDataset.segment_ids`, for ``data.document_mask``) number the
+documents of a row from 0: a document's end-of-text separator belongs to it, the padding after
+the stream is one more document, as for tokenized directories.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class PackedDataset:
     split: str
     tokenizer: str  # tokenizer name, for describe()
     documents: tuple[str, ...]  # keys of the documents in this split, in stream order
+    # Stream positions where the second, third, ... document begins, and where the padding
+    # does (n_tokens + 1: the last document's end-of-text is the first padding token, which
+    # belongs to it): what segment_ids counts. None: one document.
+    boundaries: np.ndarray | None = None
 
     @property
     def n_documents(self) -> int:
@@ -71,3 +79,13 @@ class PackedDataset:
             "targets": np.ascontiguousarray(window[:, 1:]),
             "mask": (target_positions < self.n_tokens).astype(np.float32),
         }
+
+    def segment_ids(self, indices: np.ndarray) -> np.ndarray:
+        """int32 [n, seq_len]: per input position of rows `indices`, which document it is in,
+        counted from 0 at the row's first position (module docstring)."""
+        positions = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + np.arange(
+            self.seq_len)
+        boundaries = (np.array([self.n_tokens + 1]) if self.boundaries is None
+                      else self.boundaries)
+        ids = np.searchsorted(boundaries, positions, side="right")
+        return (ids - ids[:, :1]).astype(np.int32)

@@ -4,7 +4,8 @@ Shapes: q ``[B, S, H, D]``, k and v ``[B, S, K, D]`` with ``H = K x G``; query h
 head ``h // G``. Inside, queries are grouped ``[B, S, K, G, D]`` so that the G query heads of one
 kv head share its keys. The causal mask comes from positions ``[B, S]``: a query sees the keys
 whose position is at most its own (tokens may be stored out of order, as context parallelism's
-load-balanced layout does).
+load-balanced layout does) and, for packed rows of several documents, that lie in its own
+document: every implementation reads the one mask description of :mod:`jaxpar.model.mask`.
 
 ``dense``: the scores ``[B, K, G, S, S]`` in float32, a softmax, the weighted sum. Autodiff keeps
 the probabilities (and the exponentials) for the backward pass: O(S^2) bytes per head and layer.
@@ -20,17 +21,22 @@ A custom VJP keeps only q, k, v, ``out`` and ``lse`` (O(S) per head) and the bac
 recomputes each block's probabilities from ``lse``: ``p = exp(s - lse)``, ``dv += p^T do``,
 ``dp = do v^T``, ``ds = p (dp - delta) / sqrt(D)`` with ``delta = rowsum(do * out)``,
 ``dq += ds k``, ``dk += ds^T q``. Alive at a time: one ``[B, bq, K, G, bk]`` block of scores.
-Blocks whose keys all come after all their queries are skipped at run time (a compute-only
-``lax.switch``), blocks whose keys all come before need no mask: a causal sequence computes
-about half the square. Flops: the forward's two matmuls on the blocks computed, the backward's
-five (scores again, dv, dp, dq, dk), 2.5 times the forward.
+Blocks whose keys all come after all their queries, or lie in other documents, are skipped at
+run time (a compute-only ``lax.switch``; :func:`jaxpar.model.mask.block_kind`), blocks whose keys
+all come before, in the same document, need no mask: a causal sequence computes about half the
+square, a packed row of documents the block diagonal of its documents. Flops: the forward's
+two matmuls on the blocks computed, the backward's five (scores again, dv, dp, dq, dk), 2.5
+times the forward.
 
 ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only, causal by storage
-order (no out-of-order positions), bfloat16 or float16.
+order (no out-of-order positions), bfloat16 or float16. Its JAX API (0.10) takes no document
+ids, so it runs only without document masks (:func:`resolve`).
 
 ``splash``: the Pallas splash-attention kernel shipped with JAX (TPU; FlashAttention-2's algorithm
-as a Mosaic kernel with a block-sparse causal mask), causal by storage order. Each kv head and
-its G query heads are one multi-query call, so grouped-query attention reads each kv head once.
+as a Mosaic kernel with a block-sparse causal mask), causal by storage order, documents by the
+kernel's ``SegmentIds`` (applied inside its blocks: the kernel's block skipping knows only the
+causal mask). Each kv head and its G query heads are one multi-query call, so grouped-query
+attention reads each kv head once.
 A kernel runs on one device's arrays: the parallel layer wraps it in ``shard_map`` over the
 batch and head axes (:mod:`jaxpar.parallel.hooks`). Off a TPU it runs in Pallas' interpreter,
 which the tests use to check it against dense attention on the CPU.
@@ -51,20 +57,30 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpar.config import ConfigError
+from jaxpar.model.mask import (  # noqa: F401 (SKIP, FULL, MASKED, block_kind: re-exported)
+    FULL,
+    MASKED,
+    SKIP,
+    AttentionMask,
+    Positions,
+    as_mask,
+    block_kind,
+    visible,
+)
 
-SKIP, FULL, MASKED = 0, 1, 2
 NEG = -1e30  # a finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")
 SPLASH_TILE = 128  # the TPU kernel's blocks are multiples of the 128-lane vector width
 
 
 def resolve(name: str, platform: str, seq_len: int, block: int, dtype,
-            splash_possible: bool = True) -> str:
+            splash_possible: bool = True, documents: bool = False) -> str:
     """The implementation ``model.attention=name`` means here. ``auto``: cuDNN on a GPU in a
-    16-bit dtype; splash on a TPU when the sequence tiles into 128-token blocks (and the layout
-    allows it: ``Config.splash_possible``); else blockwise
-    when the sequence spans several blocks (one block saves nothing: it is the dense
-    computation with recomputation added), dense otherwise."""
+    16-bit dtype (without document masks, ``documents``, which its API cannot express);
+    splash on a TPU when the sequence tiles into 128-token blocks (and the layout allows it:
+    ``Config.splash_possible``); else blockwise when the sequence spans several blocks (one
+    block saves nothing: it is the dense computation with recomputation added), dense
+    otherwise."""
     native = {"cudnn": "gpu", "splash": "tpu"}
     if name in native and platform != native[name]:
         allowed = ", ".join(n for n in IMPLEMENTATIONS if native.get(n, platform) == platform)
@@ -72,9 +88,13 @@ def resolve(name: str, platform: str, seq_len: int, block: int, dtype,
                           f"{platform}); allowed here: {allowed}")
     if name == "splash":
         _check_splash_blocks(seq_len, block)
+    if name == "cudnn" and documents:
+        raise ConfigError("model.attention=cudnn with data.document_mask=true: cuDNN's JAX API "
+                          "takes no document ids; use model.attention=blockwise (or auto), or "
+                          "data.document_mask=false")
     if name != "auto":
         return name
-    if platform == "gpu" and jnp.dtype(dtype).itemsize == 2:
+    if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and not documents:
         return "cudnn"
     size = min(block, seq_len)
     if platform == "tpu" and splash_possible and seq_len % size == 0 and size % SPLASH_TILE == 0:
@@ -90,13 +110,6 @@ def _check_splash_blocks(seq_len: int, block: int) -> None:
                           f"block must divide the sequence and be a multiple of {SPLASH_TILE}")
 
 
-def block_kind(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """SKIP, FULL or MASKED for a block of queries against a block of keys (numpy or jax)."""
-    skip = q_pos.max() < k_pos.min()
-    full = q_pos.min() > k_pos.max()
-    return jnp.where(skip, SKIP, jnp.where(full, FULL, MASKED))
-
-
 def group(q: jax.Array, kv_heads: int) -> jax.Array:
     """``[B, S, H, D]`` -> ``[B, S, K, G, D]``."""
     b, s, h, d = q.shape
@@ -107,9 +120,10 @@ def group(q: jax.Array, kv_heads: int) -> jax.Array:
 # Dense
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None = None
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: Positions | None = None
                     ) -> jax.Array:
-    """Causal GQA over the whole square; the mask from ``positions`` (else storage order)."""
+    """Causal GQA over the whole square; the mask from ``positions`` (an array or a mask
+    description: :mod:`jaxpar.model.mask`; else storage order, one document)."""
     b, s, h, d = q.shape
     qg = group(q, k.shape[2])
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
@@ -117,7 +131,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     if positions is None:
         causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     else:
-        causal = (positions[:, :, None] >= positions[:, None, :])[:, None, None]
+        mask = as_mask(positions)
+        causal = visible(mask, mask)[:, None, None]
     # An additive bias, not jnp.where(causal, scores, NEG): where's derivative keeps the mask
     # and a broadcast of zeros as residuals ([B, K, G, S, S] each), which a pipeline would
     # stash per microbatch; an addition keeps nothing.
@@ -157,14 +172,14 @@ weighted_values.defvjp(_weighted_values_fwd, _weighted_values_bwd)
 # One block, forward and backward (grouped layout)
 
 
-def _scores(q, k, q_pos, k_pos, masked: bool):
+def _scores(q, k, q_pos: AttentionMask, k_pos: AttentionMask, masked: bool):
     scale = 1.0 / math.sqrt(q.shape[-1])
     s = jnp.einsum("bskgd,btkd->bskgt", q, k, preferred_element_type=jnp.float32) * scale
-    visible = None
+    seen = None
     if masked:
-        visible = (q_pos[:, :, None] >= k_pos[:, None, :])[:, :, None, None, :]
-        s = jnp.where(visible, s, NEG)
-    return s, visible
+        seen = visible(q_pos, k_pos)[:, :, None, None, :]
+        s = jnp.where(seen, s, NEG)
+    return s, seen
 
 
 def forward_block(acc: tuple, q, k, v, q_pos, k_pos, masked: bool) -> tuple:
@@ -198,12 +213,18 @@ def backward_block(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, masked: 
     return dq, dk, dv
 
 
-def _by_kind(fn: Callable, state, q_pos, k_pos):
+def _by_kind(fn: Callable, state, q_pos, k_pos, count: jax.Array | None = None):
     """``fn(state, masked)`` for a block that is not skipped; a skipped block costs nothing.
-    Which blocks are skipped depends on the positions (zigzag, ring step), so the choice is
-    made at run time; the branches hold no collective."""
+    Which blocks are skipped depends on the positions and documents (zigzag, ring step, the
+    data), so the choice is made at run time; the branches hold no collective. With ``count``
+    (an int32 scalar), returns ``(state, count)``, the count raised by one in the branches that
+    compute: the number of blocks computed, which compiled flops cannot show."""
+    if count is None:
+        return lax.switch(block_kind(q_pos, k_pos), [
+            lambda st: st, lambda st: fn(st, False), lambda st: fn(st, True)], state)
     return lax.switch(block_kind(q_pos, k_pos), [
-        lambda st: st, lambda st: fn(st, False), lambda st: fn(st, True)], state)
+        lambda st: st, lambda st: (fn(st[0], False), st[1] + 1),
+        lambda st: (fn(st[0], True), st[1] + 1)], (state, count))
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,25 +255,38 @@ def empty_statistics(q: jax.Array) -> tuple:
     return zeros_like(q), zeros + NEG, zeros
 
 
-def fold_keys(acc: tuple, q, k, v, q_pos, k_pos, block: int) -> tuple:
+def _tiled(tree, size: int):
+    return jax.tree.map(lambda a: _tiles(a, size), tree)
+
+
+def fold_keys(acc: tuple, q, k, v, q_pos: AttentionMask, k_pos: AttentionMask, block: int,
+              count: bool = False) -> tuple:
     """``acc`` (:func:`empty_statistics` of grouped ``q``) after every key of ``k``/``v``,
-    queries and keys taken ``block`` at a time."""
+    queries and keys taken ``block`` at a time. ``count``: returns ``(acc, blocks)`` with the
+    int32 number of block pairs computed (not skipped), counted in the kernel's own branches."""
     bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
-    keys = (_tiles(k, bk), _tiles(v, bk), _tiles(k_pos, bk))
+    keys = (_tiles(k, bk), _tiles(v, bk), _tiled(k_pos, bk))
+    start = jnp.zeros((), jnp.int32) if count else None
 
     def one_query_block(args):
         acc, qb, qpos = args
 
-        def one_key_block(acc, key):
+        def one_key_block(state, key):
             kb, vb, kpos = key
-            return _by_kind(lambda a, masked: forward_block(a, qb, kb, vb, qpos, kpos, masked),
-                            acc, qpos, kpos), None
 
-        return lax.scan(one_key_block, acc, keys)[0]
+            def compute(a, masked):
+                return forward_block(a, qb, kb, vb, qpos, kpos, masked)
 
-    tiled = jax.tree.map(lambda a: _tiles(a, bq), acc)
-    return jax.tree.map(_untile, lax.map(one_query_block, (tiled, _tiles(q, bq),
-                                                            _tiles(q_pos, bq))))
+            if start is None:
+                return _by_kind(compute, state, qpos, kpos), None
+            return _by_kind(compute, state[0], qpos, kpos, state[1]), None
+
+        return lax.scan(one_key_block, acc if start is None else (acc, start), keys)[0]
+
+    out = lax.map(one_query_block, (_tiled(acc, bq), _tiles(q, bq), _tiled(q_pos, bq)))
+    if start is None:
+        return jax.tree.map(_untile, out)
+    return jax.tree.map(_untile, out[0]), jnp.sum(out[1])
 
 
 def unfold_keys(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, block: int) -> tuple:
@@ -261,7 +295,7 @@ def unfold_keys(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, block: int)
     the query blocks accumulates its dk, dv and adds to each query block's dq."""
     bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
     dq, dk, dv = grads
-    queries = tuple(_tiles(a, bq) for a in (q, do, lse, delta, q_pos))
+    queries = (*(_tiles(a, bq) for a in (q, do, lse, delta)), _tiled(q_pos, bq))
 
     def one_key_block(dq_tiles, key):
         kb, vb, kpos, dkb, dvb = key
@@ -279,7 +313,7 @@ def unfold_keys(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, block: int)
         return dq_tiles, (dkb, dvb)
 
     dq_tiles, (dk, dv) = lax.scan(one_key_block, _tiles(dq, bq),
-                                  (_tiles(k, bk), _tiles(v, bk), _tiles(k_pos, bk),
+                                  (_tiles(k, bk), _tiles(v, bk), _tiled(k_pos, bk),
                                    _tiles(dk, bk), _tiles(dv, bk)))
     return _untile(dq_tiles), _untile(dk), _untile(dv)
 
@@ -300,8 +334,9 @@ def _blockwise_forward(q, k, v, q_pos, k_pos, block):
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def blockwise(q, k, v, q_pos, k_pos, block: int) -> jax.Array:
-    """Grouped ``q`` [B, Sq, K, G, D] attending to ``k``/``v`` [B, Sk, K, D] by positions,
-    ``block`` x ``block`` at a time; keeps O(S) for the backward pass (module docstring)."""
+    """Grouped ``q`` [B, Sq, K, G, D] attending to ``k``/``v`` [B, Sk, K, D] by their mask
+    descriptions ``q_pos``/``k_pos`` (:class:`AttentionMask`), ``block`` x ``block`` at a
+    time; keeps O(S) for the backward pass (module docstring)."""
     return _blockwise_forward(q, k, v, q_pos, k_pos, block)[0].astype(q.dtype)
 
 
@@ -337,14 +372,24 @@ def blockwise_attention(block: int) -> Callable:
         b, s = q.shape[:2]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        out = blockwise(group(q, k.shape[2]), k, v, positions, positions, block)
+        mask = kernel_mask(positions)
+        out = blockwise(group(q, k.shape[2]), k, v, mask, mask, block)
         return out.reshape(q.shape)
     return attend
 
 
+def kernel_mask(positions: Positions) -> AttentionMask:
+    """What a kernel reads of ``positions``: order and documents (not the rope positions)."""
+    mask = as_mask(positions)
+    return AttentionMask(mask.order, mask.segments)
+
+
 def cudnn_attention(q, k, v, positions=None):
     """cuDNN's fused causal attention (GPU; causal by storage order, so ``positions`` must be
-    in order, as they are without context parallelism)."""
+    in order, as they are without context parallelism; one document per row: :func:`resolve`
+    refuses document masks)."""
+    if positions is not None and as_mask(positions).segments is not None:
+        raise ValueError("cudnn attention takes no document ids (data.document_mask=false)")
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
@@ -372,7 +417,14 @@ def splash_attention(block: int, interpret: bool = False) -> Callable:
         scaled = q * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
         qg = jnp.transpose(group(scaled, kv_heads), (0, 2, 3, 1, 4))
         kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-        out = jax.vmap(jax.vmap(kernel))(qg, kt, vt)
+        segments = None if positions is None else as_mask(positions).segments
+        if segments is None:
+            out = jax.vmap(jax.vmap(kernel))(qg, kt, vt)
+        else:  # one SegmentIds per sequence, shared by its kv heads
+            def one_row(qr, kr, vr, seg):
+                ids = splash.SegmentIds(q=seg, kv=seg)
+                return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=ids))(qr, kr, vr)
+            out = jax.vmap(one_row)(qg, kt, vt, segments)
         return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
     return attend
 

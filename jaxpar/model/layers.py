@@ -36,6 +36,7 @@ from jaxpar.model.annotate import (
     weights_prepared,
 )
 from jaxpar.model.attention import dense_attention
+from jaxpar.model.mask import Positions, rope_positions
 from jaxpar.model.projection import (
     MATMUL_INPUT,
     RESIDUAL,
@@ -232,8 +233,11 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling
 
-    def __call__(self, x: jax.Array, positions: jax.Array, x_from: Rebuild | None = None,
+    def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
                  ) -> jax.Array:
+        """``positions``: [B, S] positions, or the mask description of packed documents
+        (:mod:`jaxpar.model.mask`): rotary embeddings take its per-document positions, the
+        attention implementation the whole description."""
         q, k, v = self._qkv(x, x_from)
         if hasattr(self, "q_bias"):
             q = add_bias(q, self.q_bias, Q_BIAS)
@@ -244,8 +248,9 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary_embedding(q, positions, self.rope_theta, self.rope_scaling)
-        k = rotary_embedding(k, positions, self.rope_theta, self.rope_scaling)
+        rope = rope_positions(positions)
+        q = rotary_embedding(q, rope, self.rope_theta, self.rope_scaling)
+        k = rotary_embedding(k, rope, self.rope_theta, self.rope_scaling)
         attend = attention_override() or dense_attention
         out = attend(q, k, v, positions)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))

@@ -25,6 +25,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import constrain, reshard_after_forward, split_count
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.loss import HIDDEN, head_logits
+from jaxpar.model.mask import Positions
 from jaxpar.model.moe import LAYER_STACKED, MoE
 from jaxpar.model.projection import RESIDUAL, lookup, weight
 
@@ -60,7 +61,7 @@ class Block(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Aux]:
+    def __call__(self, x: jax.Array, positions: Positions) -> tuple[jax.Array, Aux]:
         h, h_from = self.attn_norm.for_matmul(x)
         x = x + constrain(self.attn(h, positions, h_from), RESIDUAL)
         h, h_from = self.mlp_norm.for_matmul(x)
@@ -80,7 +81,7 @@ class BlockGroup(nnx.Module):
         for i in range(self.size):
             setattr(self, f"block_{i}", Block(cfg, rngs, moe=i == self.size - 1))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Aux]:
+    def __call__(self, x: jax.Array, positions: Positions) -> tuple[jax.Array, Aux]:
         for i in range(self.size):
             x, aux = getattr(self, f"block_{i}")(x, positions)
         return x, aux  # the MoE block's: the dense ones have none
@@ -113,9 +114,10 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, *, dtype=jnp.float32,
+    def __call__(self, tokens: jax.Array, positions: Positions, *, dtype=jnp.float32,
                  remat: str = "none") -> tuple[jax.Array, Aux]:
-        """tokens, positions: int32 [B, S] -> (float32 logits [B, S, vocab], aux of
+        """tokens, positions: int32 [B, S] (or positions as a mask description of packed
+        documents, :mod:`jaxpar.model.mask`) -> (float32 logits [B, S, vocab], aux of
         :meth:`run_layers`)."""
         x = self.embed(tokens, dtype=dtype)
         x, aux = self.run_layers(x, positions, remat=remat)
@@ -136,7 +138,7 @@ class Transformer(nnx.Module):
                    vocab_shards=split_count("vocab"))
         return constrain(x, RESIDUAL)
 
-    def run_layers(self, x: jax.Array, positions: jax.Array, *, remat: str = "none",
+    def run_layers(self, x: jax.Array, positions: Positions, *, remat: str = "none",
                    ) -> tuple[jax.Array, Aux]:
         """Every unit of ``self.layers`` in order, as one ``lax.scan``.
 

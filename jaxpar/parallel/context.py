@@ -26,8 +26,11 @@ number of unmasked blocks. The train step permutes tokens (and their positions) 
 once on the host; the loss is a sum over tokens, so the order does not change it, and rotary
 embeddings and the causal mask use the permuted positions, so nothing else changes either.
 
-Blocks are classified by position ranges: all keys before all queries (full block, no mask), all
-keys after all queries (skipped), otherwise masked elementwise with ``q_pos >= k_pos``.
+Blocks are classified by position ranges and documents (:func:`jaxpar.model.mask.block_kind`):
+all keys before all queries in one document (full block, no mask), all keys after all queries
+or in other documents (skipped), otherwise masked elementwise. The mask description (order,
+document ids) travels round the ring with its keys, as the positions alone did; a packed row of
+short documents computes only its documents' blocks on each device.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from jaxpar.model.attention import (
     finish,
     fold_keys,
     group,
+    kernel_mask,
     unfold_keys,
     whole,
     zeros_like,
@@ -100,16 +104,22 @@ def _rotate(tree, n: int):
 # Ring attention (runs per device, inside shard_map over `context`)
 
 
-def _ring_forward(q, k, v, q_pos, k_pos, n: int, block: int):
-    """q: [B, s, K, G, D] local; k, v: [B, s, K, D] local. Returns (out [B,s,K,G,D], lse)."""
+def ring_forward(q, k, v, q_pos, k_pos, n: int, block: int, count: bool = False):
+    """q: [B, s, K, G, D] local; k, v: [B, s, K, D] local; masks of the local tokens. Returns
+    (out [B,s,K,G,D], lse), and with ``count`` the int32 number of blocks this device computed
+    (:func:`jaxpar.model.attention.fold_keys`)."""
     acc = empty_statistics(q)
+    blocks = jnp.zeros((), jnp.int32)
     kv_block = (k, v, k_pos)
     for step in range(n):
         # Start sending this block on before computing with it, so the transfer can overlap.
         incoming = _rotate(kv_block, n) if step < n - 1 else None
-        acc = fold_keys(acc, q, *kv_block[:2], q_pos, kv_block[2], block)
+        acc = fold_keys(acc, q, *kv_block[:2], q_pos, kv_block[2], block, count=count)
+        if count:
+            acc, computed = acc
+            blocks = blocks + computed
         kv_block = incoming
-    return finish(acc)
+    return (*finish(acc), blocks) if count else finish(acc)
 
 
 def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, block: int):
@@ -128,11 +138,11 @@ def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, block: int):
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _ring_attention_local(q, k, v, q_pos, k_pos, n, block):
-    return _ring_forward(q, k, v, q_pos, k_pos, n, block)[0].astype(q.dtype)
+    return ring_forward(q, k, v, q_pos, k_pos, n, block)[0].astype(q.dtype)
 
 
 def _ring_fwd(q, k, v, q_pos, k_pos, n, block):
-    out, lse = whole(_ring_forward, 5, 6)(q, k, v, q_pos, k_pos, n, block)
+    out, lse = whole(ring_forward, 5, 6)(q, k, v, q_pos, k_pos, n, block)
     # Residuals are this device's blocks only: O(S/N) per device.
     return out.astype(q.dtype), (q, k, v, q_pos, k_pos, out, lse)
 
@@ -155,7 +165,7 @@ def _allgather_attention_local(q, k, v, q_pos, k_pos, block: int):
     kernel; the backward pass reduce-scatters dK/dV (:func:`_gathered_sequence`)."""
     k_all = _gathered_sequence(k)
     v_all = _gathered_sequence(v)
-    kpos_all = lax.all_gather(k_pos, CONTEXT_AXIS, axis=1, tiled=True)
+    kpos_all = jax.tree.map(lambda a: lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), k_pos)
     return blockwise(q, k_all, v_all, q_pos, kpos_all, block)
 
 
@@ -213,7 +223,8 @@ def local_context_attention(impl: str, n: int, zigzag: bool, block: int | None =
 
     def local(q, k, v, positions):
         qg = group(q, k.shape[2])
-        size = block or positions.shape[1] // (2 if zigzag else 1)
+        positions = kernel_mask(positions)
+        size = block or positions.order.shape[1] // (2 if zigzag else 1)
         if impl == "ring":
             out = _ring_attention_local(qg, k, v, positions, positions, n, size)
         else:

@@ -133,7 +133,7 @@ def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],
         return context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
                                  batch_axes, _context_block(cfg, n_context))
     name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
-                   cfg.splash_possible())
+                   cfg.splash_possible(), cfg.documents_masked())
     attend = attention_fn(name, min(m.attention_block, seq_len))
     return per_device(attend, batch_axes, head_axes) if name == "splash" else attend
 

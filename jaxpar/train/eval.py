@@ -34,7 +34,7 @@ from jaxpar.data.mixture import source_names
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
-from jaxpar.train.step import Batch, Trainer, TrainState, batch_token_loss
+from jaxpar.train.step import Batch, Trainer, TrainState, batch_token_loss, with_positions
 
 HostBatch = dict[str, np.ndarray]
 
@@ -70,7 +70,6 @@ def forward_loss_fn(trainer: Trainer) -> Callable[[TrainState, Batch], jax.Array
 def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, Batch], tuple[jax.Array, jax.Array]]:
     """``(state, batch) -> (sum of the token losses, valid tokens)``, float32 scalars."""
     # Positions travel with the tokens, in the train step's order (zigzag under context).
-    seq_order = jnp.asarray(trainer.seq_order, jnp.int32)
     forward = forward_loss_fn(trainer) if trainer.pipeline is None else None
 
     def eval_step(state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -78,8 +77,7 @@ def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, Batch], tuple[jax.Ar
         if forward is None:  # the pipeline: its loss is already divided by the valid tokens
             loss, _, _ = trainer.jitted_loss_and_grads(state, batch)
             return loss * jnp.maximum(tokens, 1.0), tokens
-        positions = jnp.broadcast_to(seq_order, batch["inputs"].shape)
-        return forward(state, dict(batch, positions=positions)), tokens
+        return forward(state, with_positions(batch, trainer.seq_order)), tokens
 
     return eval_step
 

@@ -143,7 +143,8 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
                                max_bytes=cfg.data.max_bytes or None,
                                text_field=cfg.data.text_field)
         it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed,
-                          shuffle=cfg.data.shuffle and split == "train" and not cfg.data.sources)
+                          shuffle=cfg.data.shuffle and split == "train" and not cfg.data.sources,
+                          segments=cfg.documents_masked())
     except ImportError as err:  # an optional package (tokenizers, pyarrow) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:

@@ -23,6 +23,13 @@ cross-entropy (comparable with dense runs); the auxiliary terms are logged besid
 Non-trainable model state (``TrainState.buffers``: the MoE router biases of aux-loss-free
 balancing) is split from the parameters, so the optimizer, weight decay and gradient clipping
 never see it; the step updates it from the measured expert load.
+
+Packed documents (``data.document_mask``): a batch may carry int32 ``segment_ids`` (each input
+token's document). :meth:`Trainer.put_batch` derives each token's position within its document
+from them on the host, before the tokens are reordered (zigzag), and reorders all three alike;
+the step hands the model one mask description (:mod:`jaxpar.model.mask`) in place of the
+positions, so every attention implementation keeps inside documents and rotary positions
+restart at each.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from jaxpar.config import Config, ConfigError, TrainConfig
 from jaxpar.mesh import process_batch_rows
 from jaxpar.model.layers import FULL_PRECISION
 from jaxpar.model.loss import summed_token_loss
+from jaxpar.model.mask import AttentionMask, document_positions
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.transformer import (
     DTYPES,
@@ -215,7 +223,10 @@ class Trainer:
         def leaf(dtype):
             return jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype,
                                         sharding=self.batch_sharding)
-        return {"inputs": leaf(jnp.int32), "targets": leaf(jnp.int32), "mask": leaf(jnp.float32)}
+        batch = {"inputs": leaf(jnp.int32), "targets": leaf(jnp.int32), "mask": leaf(jnp.float32)}
+        if self.cfg.documents_masked():
+            batch.update(segment_ids=leaf(jnp.int32), rope_positions=leaf(jnp.int32))
+        return batch
 
     def compile_step(self) -> jax.stages.Compiled:
         """The train step compiled from abstract arrays: no parameter memory is allocated."""
@@ -230,8 +241,9 @@ class Trainer:
     def put_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
         """This process's rows (:meth:`local_batch_rows`, in that order) -> global arrays laid
         out for the step (tokens reordered into ``seq_order`` here, on the host, where it costs
-        no communication). Each device gets its slice of the rows it holds, whichever other
-        processes hold the same rows."""
+        no communication). With ``segment_ids``, each token's position in its document
+        (``rope_positions``) is computed first, in row order (module docstring). Each device
+        gets its slice of the rows it holds, whichever other processes hold the same rows."""
         t, rows = self.cfg.train, self.local_batch_rows()
         shape = (t.batch_size, t.seq_len)
 
@@ -242,6 +254,9 @@ class Trainer:
                 lambda index: local[np.searchsorted(rows, np.arange(shape[0])[index[0]])][
                     :, index[1]])
 
+        if "segment_ids" in local_batch:
+            local_batch = dict(local_batch,
+                               rope_positions=document_positions(local_batch["segment_ids"]))
         return {k: put(v) for k, v in local_batch.items()}
 
 
@@ -345,9 +360,7 @@ def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
-        # Positions travel with the tokens: in seq_order, the same for every row.
-        positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
-        batch = dict(batch, positions=positions)
+        batch = with_positions(batch, seq_order)
         with model_hooks(cfg, cfg.mesh_shape, platform):
             grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
         # Gradients live where their parameters live (under ZeRO-1, where the moments do:
@@ -357,6 +370,19 @@ def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
         return loss_sum / valid, grads, aux
 
     return loss_and_grads
+
+
+def with_positions(batch: Batch, seq_order: np.ndarray) -> Batch:
+    """``batch`` with ``positions`` for the model: each token's place in the row, in seq_order
+    (the same for every row; positions travel with the tokens); with ``segment_ids``, the mask
+    description of the row's documents (:class:`~jaxpar.model.mask.AttentionMask`), which
+    replaces the segment ids and document positions in the batch."""
+    order = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), batch["inputs"].shape)
+    if "segment_ids" not in batch:
+        return dict(batch, positions=order)
+    rest = {k: a for k, a in batch.items() if k not in ("segment_ids", "rope_positions")}
+    return dict(rest, positions=AttentionMask(order, batch["segment_ids"],
+                                              batch["rope_positions"]))
 
 
 def train_step_fn(cfg: Config, tx: optax.GradientTransformation,

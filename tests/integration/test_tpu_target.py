@@ -380,6 +380,18 @@ def square_shapes(hlo: str, seq: int) -> set[str]:
     return {s for s in shapes if sum(int(d) >= seq for d in s[4:-1].split(",")) >= 2}
 
 
+def test_splash_attention_with_document_masks_compiles_for_tpu(tmp_path):
+    """``data.document_mask=true``: the step takes the batch's document ids and hands them to
+    the splash kernel (its SegmentIds), which compiles for a TPU (it cannot run here)."""
+    needs_libtpu()
+    result = run_inspect("tiny", "mesh.data=4", "mesh.tensor=2", "train.seq_len=512",
+                         "data.document_mask=true", "--target", TARGET, "--json", "-",
+                         "--hlo", str(tmp_path / "step.hlo"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    hlo = (tmp_path / "step.hlo").read_text()
+    assert "tpu_custom_call" in hlo and "splash" in hlo
+
+
 def test_splash_attention_compiles_for_tpu_without_a_sequence_square(tmp_path):
     """``model.attention=auto`` on a TPU at S = 2048 is the Pallas splash kernel (a Mosaic
     custom call per device): no [S, S] buffer anywhere in the program, and temp memory below

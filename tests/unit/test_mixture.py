@@ -77,6 +77,7 @@ def test_rows_are_the_sources_rows(two):
     for s, ds in enumerate(mix.datasets):
         at = sources == s
         np.testing.assert_array_equal(got["inputs"][at], ds.rows(rows[at])["inputs"])
+        np.testing.assert_array_equal(mix.segment_ids(indices)[at], ds.segment_ids(rows[at]))
 
 
 @pytest.mark.parametrize("shuffle", [True, False])

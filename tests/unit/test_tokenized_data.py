@@ -267,6 +267,12 @@ def test_segment_ids_count_documents_within_each_row(corpus, tmp_path):
         if not real.all():  # the padding after the stream: one more segment
             assert set(got[~real]) == {got[real][-1] + 1}
     assert ds.segment_ids(np.arange(len(ds))).shape == (len(ds), SEQ_LEN)
+    # The in-memory path counts the same documents (data.document_mask on a stdlib corpus).
+    every = np.arange(len(ds))
+    np.testing.assert_array_equal(reference.segment_ids(every), ds.segment_ids(every))
+    batch = next(DataIterator(reference, 4, seed=0, segments=True))
+    assert batch["segment_ids"].shape == (4, SEQ_LEN) and "segment_ids" not in next(
+        DataIterator(reference, 4, seed=0))
     assert ds.rows(np.zeros(0, dtype=np.int64))["inputs"].shape == (0, SEQ_LEN)
     with pytest.raises(IndexError):
         ds.rows(np.array([len(ds)]))

@@ -1,0 +1,105 @@
+"""The one mask description every attention kernel reads: causal order plus documents.
+
+A packed training row holds several documents end to end. :class:`AttentionMask` says, per
+token, where it is in the row (``order``: its index in the packed row; context parallelism's
+zigzag layout stores tokens out of order, so the order travels with them) and which document it
+belongs to (``segments``, non-decreasing along ``order``; ``None``: the row is one document).
+Query q sees key k when::
+
+    segments[q] == segments[k]  and  order[q] >= order[k]
+
+so attention never crosses a document boundary. ``rope`` is the position rotary embeddings use:
+``order`` minus the order of its document's first token, so positions restart at 0 at every
+document (``None``: ``order``). The description is a pytree of ``[B, S]`` int32 arrays (``None``
+fields are empty subtrees), so it is tiled, gathered, rotated round a ring and split over a
+pipeline's microbatches exactly as the tokens are. A plain ``[B, S]`` array of positions (what
+generation and the layer tests pass) means ``AttentionMask(order=positions)``: causal, one
+document, the program unchanged. Later masks (sliding windows) extend this description.
+
+Block kinds. The block kernels (:mod:`jaxpar.model.attention`, :mod:`jaxpar.parallel.context`)
+tile the queries and keys and classify each block pair at run time (:func:`block_kind`):
+
+- SKIP when, in every row of the tile, no query sees any key: every key comes after every query
+  (``max q.order < min k.order``) or the two blocks hold disjoint ranges of documents
+  (``max q.seg < min k.seg`` or ``min q.seg > max k.seg``; segments only grow along the row).
+  A packed row of short documents thus computes only the block diagonal of its documents.
+- FULL when, in every row, every key comes before every query and both blocks lie in one and the
+  same document: no mask is needed.
+- MASKED otherwise: scores of invisible pairs are set to a large negative number.
+
+The reductions run per batch row and then over the rows (a tile is skipped only if every row's
+pair is), since the tile's rows share one ``lax.switch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SKIP, FULL, MASKED = 0, 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMask:
+    """Per token of ``[B, S]`` rows: ``order`` in the packed row, ``segments`` (document ids,
+    non-decreasing along ``order``; None: one document), ``rope`` (rotary position; None:
+    ``order``). See the module docstring."""
+
+    order: jax.Array
+    segments: jax.Array | None = None
+    rope: jax.Array | None = None
+
+    @property
+    def rope_positions(self) -> jax.Array:
+        return self.order if self.rope is None else self.rope
+
+
+Positions = jax.Array | AttentionMask  # what the model's layers take
+
+
+def as_mask(positions: Positions) -> AttentionMask:
+    """``positions`` as a mask description (a plain array: causal by it, one document)."""
+    return positions if isinstance(positions, AttentionMask) else AttentionMask(positions)
+
+
+def rope_positions(positions: Positions) -> jax.Array:
+    """The positions rotary embeddings use (restarting at each document)."""
+    return as_mask(positions).rope_positions
+
+
+def visible(q: AttentionMask, k: AttentionMask) -> jax.Array:
+    """bool ``[B, Sq, Sk]``: which keys each query sees."""
+    seen = q.order[:, :, None] >= k.order[:, None, :]
+    if q.segments is not None:
+        seen = seen & (q.segments[:, :, None] == k.segments[:, None, :])
+    return seen
+
+
+def block_kind(q: Positions, k: Positions) -> jax.Array:
+    """SKIP, FULL or MASKED for a block of queries against a block of keys (module docstring);
+    numpy or jax, ``[B, n]`` tiles or ``[n]`` rows."""
+    q, k = as_mask(q), as_mask(k)
+    qo, ko = q.order, k.order
+    skip = qo.max(-1) < ko.min(-1)
+    full = qo.min(-1) > ko.max(-1)
+    if q.segments is not None:
+        qs, ks = q.segments, k.segments
+        skip = skip | (qs.max(-1) < ks.min(-1)) | (qs.min(-1) > ks.max(-1))
+        # Segments only grow along the row, so these two equalities leave one document.
+        full = full & (qs.min(-1) == ks.max(-1)) & (qs.max(-1) == ks.min(-1))
+    return jnp.where(jnp.all(skip), SKIP, jnp.where(jnp.all(full), FULL, MASKED))
+
+
+def document_positions(segment_ids: np.ndarray) -> np.ndarray:
+    """int32 ``[n, S]``: each token's index in its document, for rows of segment ids in row
+    order (on the host, before any reordering of the tokens)."""
+    segment_ids = np.asarray(segment_ids)
+    index = np.broadcast_to(np.arange(segment_ids.shape[-1]), segment_ids.shape)
+    starts = np.ones(segment_ids.shape, bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=-1)
+    return (index - first).astype(np.int32)
