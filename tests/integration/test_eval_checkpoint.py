@@ -14,6 +14,7 @@ import pytest
 from helpers import assert_one_line_error, env_without_device_flags, run_jaxpar
 from hf_models import scorable_checkpoint
 
+from jaxpar.data.shards import DTYPES
 from jaxpar.data.tokenize import TokenizeOptions, tokenize
 from jaxpar.data.tokenized import TokenizedDataset
 
@@ -88,8 +89,8 @@ def test_the_index_records_the_text_bytes_of_each_split(made, tmp_path):
     texts = {p.read_text(encoding="utf-8") for p in made["corpus"].iterdir()}
     from jaxpar.data.tokenizer import make_tokenizer
 
-    text = make_tokenizer(str(made["checkpoint"] / "tokenizer.json")).decode(
-        np.asarray(ds.tokens[0][:-1]).tolist())
+    ids = np.fromfile(tmp_path / "t" / moved.tokens_file, dtype=DTYPES[ds.index.dtype])
+    text = make_tokenizer(str(made["checkpoint"] / "tokenizer.json")).decode(ids[:-1].tolist())
     assert text in texts and moved.text_bytes == len(text.encode())
     assert sum(s.text_bytes for v in small.splits.values() for s in v) == corpus
 
