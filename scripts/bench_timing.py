@@ -34,9 +34,11 @@ def random_batch(cfg: Config, trainer: Trainer, seed: int = 0) -> Batch:
     rng = np.random.default_rng(seed)
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     tokens = rng.integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1))
-    return trainer.put_batch({"inputs": tokens[:, :-1].astype(np.int32),
-                              "targets": tokens[:, 1:].astype(np.int32),
-                              "mask": np.ones(shape, np.float32)})
+    batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
+             "mask": np.ones(shape, np.float32)}
+    if cfg.documents_masked():  # random rows hold no documents: one per row, as unmasked
+        batch["segment_ids"] = np.zeros(shape, np.int32)
+    return trainer.put_batch(batch)
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
