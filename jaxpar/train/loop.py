@@ -151,7 +151,8 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(str(err).splitlines()[0]) from None
-    return it, ds.describe() if cfg.data.sources else dataset_line(ds)
+    line = ds.describe() if cfg.data.sources else dataset_line(ds)
+    return it, line + ("; attention within each document" if cfg.documents_masked() else "")
 
 
 def _check_vocab(cfg: Config, vocab_size: int) -> None:
