@@ -118,6 +118,27 @@ def test_the_iterator_reads_a_tokenized_split_like_the_in_memory_one(corpus, tmp
     assert "tokenized" in line and f"{ds.n_tokens:,} tokens" in line and "\n" not in line
 
 
+
+def test_a_resumed_tokenized_stream_gives_the_uninterrupted_batches_to_any_rows(corpus, tmp_path):
+    """The iterator's state after 3 batches, restored under another split of the batch's rows
+    (another mesh or process count), gives those rows of the batches the run would have had."""
+    source, _ = corpus
+    _tokenize(source, tmp_path / "tok", val_fraction=0.0)
+    ds = open_tokenized(str(tmp_path / "tok"), "train", SEQ_LEN, tokenizer="byte")
+    uninterrupted = DataIterator(ds, 8, seed=5)
+    for _ in range(3):
+        next(uninterrupted)
+    saved = uninterrupted.get_state()
+    expected = [next(uninterrupted) for _ in range(3)]
+    rows = np.array([6, 1, 3])
+    resumed = DataIterator(open_tokenized(str(tmp_path / "tok"), "train", SEQ_LEN,
+                                          tokenizer="byte"), 8, seed=5, rows=rows)
+    resumed.set_state(saved)
+    for want in expected:
+        got = next(resumed)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key][rows])
+
 # --- the format ---------------------------------------------------------------------------------
 
 
