@@ -84,14 +84,17 @@ def open_split(cfg: Config, directory: str, split: str) -> TokenizedDataset:
     return ds
 
 
-def row_batches(ds: TokenizedDataset, batch_size: int, batches: int | None
-                ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+def row_batches(ds: TokenizedDataset, batch_size: int, batches: int | None,
+                segments: bool = False) -> Iterator[tuple[dict[str, np.ndarray], int]]:
     """(global batch, real rows in it) for the first ``batches`` batches (None: all), in file
-    order; the last batch of the split is filled with masked copies of its first row."""
+    order; the last batch of the split is filled with masked copies of its first row. With
+    ``segments`` (the checkpoint's config masks documents) each batch has its document ids."""
     total = -(-len(ds) // batch_size)
     for b in range(total if batches is None else min(batches, total)):
         rows = np.arange(b * batch_size, min((b + 1) * batch_size, len(ds)))
         batch = ds.rows(rows)
+        if segments:
+            batch["segment_ids"] = ds.segment_ids(rows)
         short = batch_size - len(rows)
         if short:
             batch = {k: np.concatenate([v, np.repeat(v[:1], short, axis=0)])
@@ -126,7 +129,8 @@ def evaluate(trainer: Trainer, state: TrainState, ds: TokenizedDataset, *, check
     scorer = compile_eval_step(trainer, weights_only=trainer.pipeline is None)
     local = trainer.local_batch_rows()
     sums, rows = [], 0
-    for batch, real in row_batches(ds, trainer.cfg.train.batch_size, batches):
+    for batch, real in row_batches(ds, trainer.cfg.train.batch_size, batches,
+                                   trainer.cfg.documents_masked()):
         sums.append(scorer(state, trainer.put_batch({k: v[local] for k, v in batch.items()})))
         rows += real
     sums = jax.device_get(sums)  # dispatched back to back, read once

@@ -129,3 +129,15 @@ def test_bad_input_is_one_line_before_anything_compiles(made, tmp_path):
     for args, needles in cases:
         result = run_jaxpar("eval", *args, *SHAPE)
         assert_one_line_error(result, *needles, empty_stdout=True)
+
+
+def test_a_config_that_masks_documents_is_scored_with_its_masks_on_any_mesh(made, tmp_path):
+    """With data.document_mask the eval batches carry the split's document ids: the loss moves
+    (rows cross documents) and stays the same on another mesh."""
+    plain = eval_json(made, tmp_path / "plain.json", "data.document_mask=false")
+    masked = eval_json(made, tmp_path / "masked.json", "data.document_mask=true")
+    masked4 = eval_json(made, tmp_path / "masked4.json", "data.document_mask=true",
+                        "--mesh", "data=2,tensor=2", "host_devices=4")
+    assert masked["tokens"] == plain["tokens"]
+    assert masked["loss"] != plain["loss"]
+    assert abs(masked4["loss"] - masked["loss"]) <= 1e-5 * masked["loss"]
