@@ -32,6 +32,7 @@ from jaxpar.config.schema import (
     DistributedConfig,
     LoggingConfig,
     MeshConfig,
+    MLAConfig,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
@@ -44,7 +45,7 @@ from jaxpar.config.validation import validate
 
 __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
-    "ConfigError", "DataConfig", "DistributedConfig", "LoggingConfig", "MeshConfig",
+    "ConfigError", "DataConfig", "DistributedConfig", "LoggingConfig", "MeshConfig", "MLAConfig",
     "ModelConfig", "MoEConfig", "ParallelConfig", "ProfileConfig", "RopeScalingConfig",
     "SourceConfig", "TrainConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",

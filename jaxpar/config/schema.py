@@ -16,7 +16,7 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 LOGICAL_AXES = (
     "batch", "residual_batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads",
-    "head_dim", "mlp", "vocab", "experts", "layers", "stage",
+    "head_dim", "mlp", "vocab", "experts", "layers", "stage", "q_lora", "kv_lora",
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
 
@@ -44,13 +44,28 @@ class MoEConfig:
     aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
     bias_update_rate: float = 0.001  # sigmoid_bias: step of the aux-loss-free bias update
-    # softmax router: divide the k chosen probabilities by their sum (Mixtral, Qwen3-MoE);
-    # false keeps the probabilities themselves as gates (Switch/GShard)
-    norm_topk: bool = False
+    # Divide the k chosen gates by their sum (Mixtral, Qwen3-MoE, DeepSeek-V3); false keeps the
+    # probabilities themselves as gates (Switch/GShard). null: false for the softmax router,
+    # true for sigmoid_bias (whose sigmoid scores do not sum to 1 over the experts).
+    norm_topk: bool | None = None
+    # DeepSeek-V3's group-limited routing: the experts form n_group groups of equal size, each
+    # token keeps the topk_group groups whose two best (bias-corrected) scores sum highest and
+    # picks its top_k experts among theirs. 1 and 1: no limit.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' gates are multiplied by this
+    # The first this many blocks are dense (a SwiGLU of model.d_ff), the rest mixtures
+    # (DeepSeek-V3's first_k_dense_replace); they are a stack of their own (dense_layers).
+    first_dense: int = 0
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def normalise_gates(self) -> bool:
+        """``norm_topk`` with null resolved by the router (see the field)."""
+        return self.norm_topk if self.norm_topk is not None else self.router == "sigmoid_bias"
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert in dropping mode for a group of ``tokens`` tokens:
@@ -80,6 +95,29 @@ class RopeScalingConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, ``jaxpar/model/mla.py``), on when
+    ``kv_lora_rank > 0``; then ``model.n_kv_heads`` and ``model.head_dim`` are unused."""
+
+    q_lora_rank: int = 0  # rank of the query's low-rank projection; 0: a full-rank query
+    kv_lora_rank: int = 0  # width of the cached latent the keys and values are expanded from
+    qk_nope_head_dim: int = 0  # per-head query/key dims without rotary embedding
+    qk_rope_head_dim: int = 0  # per-head query dims with rotary embedding (one key shared)
+    v_head_dim: int = 0  # per-head value dim
+    # Rotate interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's checkpoints) rather than the
+    # two halves of the rope dims.
+    rope_interleave: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     d_model: int = 64
     n_layers: int = 2
@@ -100,6 +138,7 @@ class ModelConfig:
     attention: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"
     attention_block: int = 512  # queries x keys per block of blockwise (and ring) attention
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -111,8 +150,11 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        """MoE blocks in the stack: one per group of ``moe.every`` blocks (0 for a dense model)."""
-        return self.n_layers // self.moe.every if self.moe.enabled else 0
+        """MoE blocks in the stack: one per group of ``moe.every`` blocks after the first
+        ``moe.first_dense`` (0 for a dense model)."""
+        if not self.moe.enabled:
+            return 0
+        return (self.n_layers - self.moe.first_dense) // self.moe.every
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from jaxpar.model.annotate import constrain, reshard_after_forward, split_count
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.loss import HIDDEN, head_logits
 from jaxpar.model.mask import Positions
+from jaxpar.model.mla import MLA
 from jaxpar.model.moe import LAYER_STACKED, MoE
 from jaxpar.model.projection import RESIDUAL, lookup, weight
 
@@ -54,7 +55,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs)
+        self.attn = MLA(cfg, rngs) if cfg.mla.enabled else Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.moe = MoE(cfg, rngs)

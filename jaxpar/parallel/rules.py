@@ -20,6 +20,8 @@ vocab                 tensor                    vocab-parallel embedding, head a
 experts               expert                    expert weights live on their expert shard
 layers                pipe                      the stacked layers: one run of them per stage
 head_dim              -                         too small to split
+q_lora, kv_lora       -                         MLA's latents: small, and every head reads
+                                                all of them
 stage                 pipe                      pipeline stages
 ====================  ========================  ============================================
 
@@ -58,6 +60,10 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
         "head_dim": (),
+        # MLA's low-rank latents (jaxpar/model/mla.py): every head's up-projection reads the
+        # whole latent, so splitting it over tensor would add a reduction per projection.
+        "q_lora": (),
+        "kv_lora": (),
         "mlp": ("tensor",),
         "vocab": ("tensor",),
         "experts": ("expert",),
