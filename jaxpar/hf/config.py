@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxpar.config import ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
+from jaxpar.config import ConfigError, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
 
 
 class HFConfigError(ConfigError):
@@ -26,10 +26,11 @@ class HFConfigError(ConfigError):
 
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 # RoPE base when a config names none (transformers' defaults per model type).
 DEFAULT_THETA = {"mixtral": 1e6}
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -70,6 +71,8 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     _refuse(kind not in DENSE_TYPES + MOE_TYPES, "model_type",
             f"{kind!r} is not supported; supported: {', '.join(DENSE_TYPES + MOE_TYPES)}")
     _check_unsupported(hf, kind)
+    if kind == "deepseek_v3":
+        return deepseek_config_from_hf(hf)
     d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
     theta, scaling = rope_from_hf(hf, kind)
     return ModelConfig(
@@ -109,8 +112,11 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
     _refuse(bool(hf.get("attention_bias")), "attention_bias",
             "true puts a bias on o_proj too, which jaxpar's attention lacks")
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias", "true is not supported (no MLP biases)")
-    _refuse(bool(hf.get("quantization_config")), "quantization_config",
-            "quantized weights are not supported")
+    if kind == "deepseek_v3":
+        check_fp8_blocks(hf)
+    else:
+        _refuse(bool(hf.get("quantization_config")), "quantization_config",
+                "quantized weights are not supported")
     window = hf.get("sliding_window")
     if kind.startswith("qwen"):  # their sliding_window is a setting, off unless enabled
         window = window if hf.get("use_sliding_window") else None
@@ -121,6 +127,56 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
             "supported (only full_attention)")
     if kind == "mixtral":
         _refuse(bool(hf.get("router_jitter_noise")), "router_jitter_noise", "must be 0")
+
+
+def check_fp8_blocks(hf: Mapping[str, Any]) -> None:
+    """DeepSeek's published weights: float8 e4m3 with a float32 ``weight_scale_inv`` per block
+    of ``weight_block_size`` (dequantized on import, :mod:`jaxpar.hf.importer`); nothing else."""
+    q = hf.get("quantization_config")
+    if not q:
+        return
+    _refuse(q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3",
+            "quantization_config", f"{q.get('quant_method')!r} {q.get('fmt')!r}: only fp8 "
+            "e4m3 block-scaled weights are read")
+    block = q.get("weight_block_size")
+    _refuse(not (isinstance(block, list) and len(block) == 2 and all(
+        isinstance(b, int) and b > 0 for b in block)), "quantization_config.weight_block_size",
+            f"{block}: expected two positive ints")
+
+
+def deepseek_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """DeepSeek-V3: multi-head latent attention, sigmoid routing with the correction bias
+    limited to groups, dense first blocks. Multi-token-prediction layers are not read."""
+    for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+                         ("moe_layer_freq", 1)):
+        _refuse(hf.get(key, allowed) != allowed, key, f"{hf.get(key)!r}: only {allowed!r} "
+                "is supported")
+    theta, scaling = rope_from_hf(hf, "deepseek_v3")
+    rope_dims = int(_get(hf, "qk_rope_head_dim"))
+    _refuse(int(hf.get("head_dim") or rope_dims) != rope_dims, "head_dim", f"{hf.get('head_dim')}"
+            f": deepseek_v3's rotary embedding needs qk_rope_head_dim={rope_dims}")
+    d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
+    mla = MLAConfig(q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                    kv_lora_rank=int(_get(hf, "kv_lora_rank")),
+                    qk_nope_head_dim=int(_get(hf, "qk_nope_head_dim")),
+                    qk_rope_head_dim=int(_get(hf, "qk_rope_head_dim")),
+                    v_head_dim=int(_get(hf, "v_head_dim")),
+                    rope_interleave=bool(hf.get("rope_interleave", True)))
+    moe = MoEConfig(
+        num_experts=int(_get(hf, "n_routed_experts")), top_k=int(_get(hf, "num_experts_per_tok")),
+        d_ff_expert=int(_get(hf, "moe_intermediate_size")),
+        num_shared_experts=int(hf.get("n_shared_experts") or 0), router="sigmoid_bias",
+        dispatch="dropless", norm_topk=bool(hf.get("norm_topk_prob", True)),
+        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        first_dense=int(hf.get("first_k_dense_replace") or 0), aux_loss_weight=0.0,
+        z_loss_weight=0.0)
+    return ModelConfig(
+        d_model=d_model, n_layers=int(_get(hf, "num_hidden_layers")), n_heads=heads,
+        n_kv_heads=heads, head_dim=mla.qk_head_dim, d_ff=int(_get(hf, "intermediate_size")),
+        vocab_size=int(_get(hf, "vocab_size")), rope_theta=theta, rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe, mla=mla)
 
 
 def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingConfig]:
@@ -142,7 +198,8 @@ def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingCo
     if rope_type == "default":
         return theta, RopeScalingConfig()
     _refuse(rope_type != "llama3", f"{field}.rope_type", f"{rope_type!r} is not supported; "
-            "supported: default, llama3")
+            "supported: default, llama3" + (" (yarn, DeepSeek-V3's long-context rule, is not "
+                                           "implemented yet)" if rope_type == "yarn" else ""))
     missing = [k for k in LLAMA3_KEYS if rule.get(k) is None]
     _refuse(bool(missing), f"{field}.{missing[0] if missing else ''}", "missing (llama3)")
     return theta, RopeScalingConfig(
@@ -159,16 +216,21 @@ def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingCo
 def hf_model_type(m: ModelConfig) -> str:
     """The Hugging Face model type that computes what ``m`` computes, or an error naming the
     jaxpar setting none of them has."""
+    if m.mla.enabled:
+        _check_deepseek_export(m)
+        return "deepseek_v3"
     if m.moe.enabled:
         moe = m.moe
         # qwen3_moe (q/k norms) has any expert size and either gate; mixtral renormalises.
         checks = (("every", moe.every == 1), ("router", moe.router == "softmax"),
                   ("num_shared_experts", moe.num_shared_experts == 0))
         if not m.qk_norm:
-            checks += (("norm_topk", moe.norm_topk), ("d_ff_expert", moe.d_ff_expert in
-                                                      (None, m.d_ff)))
+            checks += (("norm_topk", moe.normalise_gates), ("d_ff_expert", moe.d_ff_expert in
+                                                            (None, m.d_ff)))
+        shown = {"norm_topk": moe.normalise_gates}
         for name, ok in checks:
-            _refuse_export(not ok, f"model.moe.{name}={getattr(moe, name)}", "the exported "
+            value = shown.get(name, getattr(moe, name))
+            _refuse_export(not ok, f"model.moe.{name}={value}", "the exported "
                            "mixtures, qwen3_moe (with model.qk_norm) and mixtral, have every=1, "
                            "router=softmax, no shared experts; mixtral also norm_topk=true, "
                            "d_ff_expert=d_ff")
@@ -177,6 +239,34 @@ def hf_model_type(m: ModelConfig) -> str:
     _refuse_export(m.qkv_bias and m.qk_norm, "model.qkv_bias and model.qk_norm",
                    "no exported model type has both (qwen2: biases, qwen3: norms)")
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+
+
+def _check_deepseek_export(m: ModelConfig) -> None:
+    """What DeepSeek-V3's Hugging Face model fixes: a mixture with a sigmoid_bias router
+    (normalised or not), shared experts, every block after the first dense ones a mixture."""
+    moe = m.moe
+    checks = (("num_experts", moe.enabled), ("router", moe.router == "sigmoid_bias"),
+              ("every", moe.every == 1), ("num_shared_experts", moe.num_shared_experts >= 1))
+    for name, ok in checks:
+        _refuse_export(not ok, f"model.moe.{name}={getattr(moe, name)}", "deepseek_v3 (the "
+                       "exported model with model.mla) has a mixture with router=sigmoid_bias, "
+                       "every=1 and shared experts")
+    _refuse_export(m.qkv_bias or m.qk_norm, "model.qkv_bias/qk_norm", "deepseek_v3 has neither")
+
+
+def _deepseek_fields(m: ModelConfig) -> dict[str, Any]:
+    mla, moe = m.mla, m.moe
+    return dict(
+        q_lora_rank=mla.q_lora_rank or None, kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim, head_dim=mla.qk_rope_head_dim,
+        rope_interleave=mla.rope_interleave, n_routed_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,
+        n_shared_experts=moe.num_shared_experts, n_group=moe.n_group,
+        topk_group=moe.topk_group, norm_topk_prob=moe.normalise_gates,
+        routed_scaling_factor=moe.routed_scaling_factor,
+        first_k_dense_replace=moe.first_dense, num_nextn_predict_layers=0,
+        num_key_value_heads=m.n_heads, attention_bias=False)
 
 
 def _refuse_export(condition: bool, field: str, why: str) -> None:
@@ -217,10 +307,12 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
         out.update(num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
                    router_aux_loss_coef=m.moe.aux_loss_weight, router_jitter_noise=0.0,
                    output_router_logits=False, sliding_window=None)
+    if kind == "deepseek_v3":
+        out.update(_deepseek_fields(m))
     if kind == "qwen3_moe":
         out.update(num_experts=m.moe.num_experts, num_local_experts=m.moe.num_experts,
                    num_experts_per_tok=m.moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,
-                   norm_topk_prob=m.moe.norm_topk,
+                   norm_topk_prob=m.moe.normalise_gates,
                    decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                    router_aux_loss_coef=m.moe.aux_loss_weight)
     return out

@@ -13,6 +13,7 @@ files next to them.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from jaxpar.checkpoint.weights import save_weights
 from jaxpar.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict
 from jaxpar.hf.config import HFConfigError, model_config_from_hf, read_hf_config
+from jaxpar.hf.fp8 import SCALE_SUFFIX, dequantized_rows, scale_name, tensor_info
 from jaxpar.hf.names import (
     Tensor,
     hf_shape,
@@ -49,6 +51,7 @@ class Imported:
     model: ModelConfig
     tokenizer: Path | None  # the copied tokenizer.json, if the source had one
     total_bytes: int  # float32 bytes of the parameters
+    prediction_layers: int = 0  # DeepSeek's multi-token-prediction layers, left out
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -69,16 +72,20 @@ def weight_files(directory: Path) -> dict[str, Path]:
 
 
 def _host_arrays(m: ModelConfig) -> dict:
-    """Empty float32 arrays shaped as the model's parameters (nested as ``params``)."""
-    _, params, _ = nnx.split(abstract_model(m), nnx.Param, ...)
-    shapes = nnx.to_pure_dict(params)
+    """Empty float32 arrays shaped as the model's parameters and buffers:
+    ``{"params": ..., "buffers": ...}``, each nested as the model."""
+    _, params, buffers = nnx.split(abstract_model(m), nnx.Param, ...)
 
     def build(node):
         if isinstance(node, dict):
             return {k: build(v) for k, v in node.items()}
         return np.empty(node.shape, np.float32)
 
-    return build(shapes)
+    return {"params": build(nnx.to_pure_dict(params)), "buffers": build(nnx.to_pure_dict(buffers))}
+
+
+def _tree(arrays: dict, t: Tensor) -> dict:
+    return arrays["buffers" if t.buffer else "params"]
 
 
 def _check_coverage(tensors: list[Tensor], params: dict) -> None:
@@ -86,11 +93,12 @@ def _check_coverage(tensors: list[Tensor], params: dict) -> None:
     empty, would keep garbage): a guard on :func:`hf_tensors`."""
     slices: dict[tuple[str, ...], set] = {}
     for t in tensors:
-        slices.setdefault(t.path, set()).add(t.index)
-    paths = {tuple(p) for p in _paths(params)}
+        slices.setdefault((t.buffer, *t.path), set()).add(t.index)
+    paths = {(kind == "buffers", *p) for kind in params for p in _paths(params[kind])}
     assert set(slices) == paths, sorted(set(slices) ^ paths)
-    for path, indices in slices.items():
-        stacked = param_at(params, path).shape[:len(next(iter(indices)))]
+    for (buffer, *path), indices in slices.items():
+        tree = params["buffers" if buffer else "params"]
+        stacked = param_at(tree, tuple(path)).shape[:len(next(iter(indices)))]
         assert len(indices) == int(np.prod(stacked, dtype=int)), path
 
 
@@ -109,38 +117,56 @@ def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig) 
                             f"({len(missing)} missing)")
     extra = sorted(n for n in set(files) - wanted
                    if not n.endswith(IGNORED_SUFFIXES)
+                   and not (n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] in wanted)
+                   and not (m.mla.enabled and prediction_layer(n, m) is not None)
                    and not (m.tie_embeddings and n == "lm_head.weight"))  # tied: unused copy
     if extra:
         raise HFConfigError(f"tensor {extra[0]}: the model jaxpar builds from config.json has no "
                             f"such weight ({len(extra)} unknown; an unsupported config field?)")
 
 
-def read_weights(directory: Path, m: ModelConfig) -> dict:
-    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays."""
+def prediction_layer(name: str, m: ModelConfig) -> int | None:
+    """The layer number of a DeepSeek multi-token-prediction tensor (numbered past
+    ``n_layers``), else None."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match and int(match.group(1)) >= m.n_layers else None
+
+
+def read_weights(directory: Path, m: ModelConfig, block: tuple[int, int] | None = None
+                 ) -> dict:
+    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays
+    (``{"params": ..., "buffers": ...}``); ``block``: the float8 weights' scale blocks."""
     files = weight_files(directory)
     tensors = hf_tensors(m)
     _check_names(tensors, files, m)
-    params = _host_arrays(m)
-    _check_coverage(tensors, params)
+    arrays = _host_arrays(m)
+    _check_coverage(tensors, arrays)
     for t in tensors:
-        _read_into(files[t.hf], t, param_at(params, t.path)[t.index])
-    return params
+        scales = files.get(scale_name(t.hf))
+        _read_into(files[t.hf], t, param_at(_tree(arrays, t), t.path)[t.index],
+                   (scales, block) if scales is not None and block else None)
+    return arrays
 
 
-def _read_into(file: Path, t: Tensor, target: np.ndarray) -> None:
+def _read_into(file: Path, t: Tensor, target: np.ndarray,
+               quantized: tuple[Path, tuple[int, int]] | None = None) -> None:
     """Tensor ``t`` of ``file`` into its jaxpar slice ``target`` (float32), BLOCK_BYTES of it
     at a time, the file opened for each block: neither a whole copy of the tensor nor its
-    mapped pages stay resident."""
-    with safe_open(str(file), "np") as f:
-        shape = tuple(f.get_slice(t.hf).get_shape())
+    mapped pages stay resident. ``quantized``: the file of its float8 scales and their block
+    (:mod:`jaxpar.hf.fp8`), which each block of rows is dequantized with."""
+    shape = tensor_info(file, t.hf)[1]
     if shape != hf_shape(t.layout, target.shape):
         raise HFConfigError(f"tensor {t.hf} is {list(shape)}, but config.json makes it "
                             f"{list(hf_shape(t.layout, target.shape))}")
     view, transposed = jaxpar_view(t.layout, target)
     rows = max(1, BLOCK_BYTES // max(1, 4 * int(np.prod(shape[1:], dtype=int))))
     for start in range(0, shape[0], rows):
-        with safe_open(str(file), "np") as f:
-            block = f.get_slice(t.hf)[start:min(start + rows, shape[0])]
+        stop = min(start + rows, shape[0])
+        if quantized is not None:
+            block = dequantized_rows(file, quantized[0], t.hf, start, stop, quantized[1])
+        else:
+            with safe_open(str(file), "np") as f:
+                block = f.get_slice(t.hf)[start:stop]
         if transposed:
             view[:, start:start + rows] = block.T  # converts to float32 as it copies
         else:
@@ -162,20 +188,25 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
         raise HFConfigError(f"{source}: not a directory")
     if (out_dir / "checkpoints").exists():
         raise HFConfigError(f"--to {out_dir}: already holds checkpoints; choose a new directory")
-    model = model_config_from_hf(read_hf_config(source))
-    params = read_weights(source, model)
+    hf = read_hf_config(source)
+    model = model_config_from_hf(hf)
+    block = (hf.get("quantization_config") or {}).get("weight_block_size")
+    arrays = read_weights(source, model, tuple(block) if block else None)
+    params = arrays["params"]
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _copy_tokenizer(source, out_dir)
     # The config to train from: the model, these weights, the tokenizer if there is one.
     cfg = Config(model=model, train=TrainConfig(init_from=str(out_dir.absolute())),
                  data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig())
     path = save_weights(out_dir, cfg, params, {"source": str(source.absolute()),
-                                               "format": "huggingface"})
+                                               "format": "huggingface"},
+                        buffers=arrays["buffers"] or None)
     config_yaml = out_dir / "config.yaml"
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     total = sum(param_at(params, p).nbytes for p in _paths(params))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
-                    total_bytes=total)
+                    total_bytes=total,
+                    prediction_layers=int(hf.get("num_nextn_predict_layers") or 0))
 
 
 
@@ -186,6 +217,9 @@ def import_hf_main(source: Path, out_dir: Path) -> int:
     print(f"imported {source}: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
           + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
           + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")
+    if done.prediction_layers:
+        print(f"left out: {done.prediction_layers} multi-token-prediction layer(s) (layers "
+              f"numbered from {m.n_layers}; jaxpar trains next-token prediction only)")
     tokenizer = (f"data.tokenizer={done.tokenizer} (set in it)" if done.tokenizer else
                  "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
     print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "

@@ -2,7 +2,9 @@
 
 The parameters are read straight into this run's shardings and dtype
 (:func:`jaxpar.checkpoint.weights.restore_params`); the optimizer state is fresh, the step is 0,
-and the model's buffers take their initial values (MoE router biases start at zero).
+and the model's buffers take their initial values (MoE router biases start at zero), except
+where a weights-only checkpoint holds them as weights (an imported DeepSeek-V3's router
+correction biases, which its routing needs).
 """
 
 from __future__ import annotations
@@ -12,20 +14,24 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxpar.checkpoint.weights import restore_params
+from jaxpar.checkpoint.weights import restore_params, stored_buffers
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
 
 
 def initial_state(trainer: Trainer, source: Path) -> TrainState:
     """The first state of a run with ``train.init_from=source`` (module docstring)."""
     params = restore_params(source, trainer.abstract_state.params)
+    buffers = None
+    if jax.tree.leaves(trainer.abstract_state.buffers) and stored_buffers(source):
+        buffers = restore_params(source, trainer.abstract_state.buffers, item="buffers")
     tx = make_optimizer(trainer.cfg.train)
 
-    def fresh(params: dict) -> TrainState:
-        buffers = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                               trainer.abstract_state.buffers)
+    def fresh(params: dict, buffers: dict | None) -> TrainState:
+        if buffers is None:
+            buffers = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                   trainer.abstract_state.buffers)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), buffers)
 
     with jax.set_mesh(trainer.mesh):
-        state = jax.jit(fresh, out_shardings=trainer.state_shardings)(params)
+        state = jax.jit(fresh, out_shardings=trainer.state_shardings)(params, buffers)
     return trainer.from_model_order(state)
