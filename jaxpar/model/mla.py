@@ -37,11 +37,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import MLAConfig, ModelConfig, RopeScalingConfig
-from jaxpar.model.annotate import attention_override, constrain
+from jaxpar.model.annotate import attention_override, constrain, latent_cache_override
 from jaxpar.model.attention import dense_attention
 from jaxpar.model.layers import RMSNorm, _param, rope_frequencies, rotary_embedding
 from jaxpar.model.mask import Positions, rope_positions
-from jaxpar.model.projection import Projection, Rebuild, project, project_all, sequence_slice
+from jaxpar.model.projection import (
+    Projection,
+    Rebuild,
+    project,
+    project_all,
+    sequence_slice,
+    weight,
+)
 
 HEADS = ("batch", "seq", "heads", "head_dim")
 # DeepSeek's latent norms use their own epsilon, not the config's rms_norm_eps.
@@ -89,6 +96,9 @@ class MLA(nnx.Module):
     def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
                  ) -> jax.Array:
         q, latent, k_rope = self.project_in(x, positions, x_from)
+        cached = latent_cache_override()
+        if cached is not None:  # decoding: the cache keeps the latent, not k and v
+            return self.project_out(cached(self, q, latent, k_rope, positions))
         k, v = self.expand(latent, k_rope)
         attend = attention_override() or dense_attention
         return self.project_out(padded_attention(attend, q, k, v, positions))
@@ -154,6 +164,29 @@ def padded_attention(attend, q: jax.Array, k: jax.Array, v: jax.Array, positions
 
 def _pad_last(x: jax.Array, width: int) -> jax.Array:
     return constrain(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]), HEADS)
+
+
+def absorbed_attention(mla: MLA, q: jax.Array, positions: jax.Array, latent: jax.Array,
+                       k_rope: jax.Array) -> jax.Array:
+    """Causal attention of q [B, S, H, N + P] (at ``positions`` [B, S]) over a cache of
+    latents [B, L, R] and rope keys [B, L, P] without expanding them (DeepSeek-V2's absorbed
+    form): q_nope's product with k_nope = c W_kvb_k is (q_nope W_kvb_k^T) c, and the values'
+    W_kvb_v is applied after the weighted sum of latents. Returns [B, S, H, V]; query at
+    position p sees slots 0..p. Scores and softmax in float32."""
+    n = mla.config.qk_nope_head_dim
+    w = weight(mla.wkv_b, ("kv_lora", "heads", "head_dim"), q.dtype)  # [R, H, N + V]
+    q_latent = jnp.einsum("bshn,rhn->bshr", q[..., :n], w[..., :n])
+    latent, k_rope = latent.astype(q.dtype), k_rope.astype(q.dtype)
+    scores = (jnp.einsum("bshr,btr->bhst", q_latent, latent, preferred_element_type=jnp.float32)
+              + jnp.einsum("bshp,btp->bhst", q[..., n:], k_rope,
+                           preferred_element_type=jnp.float32)) / jnp.sqrt(
+        jnp.float32(q.shape[-1]))
+    slots = jnp.arange(latent.shape[1], dtype=positions.dtype)
+    visible = slots[None, None, :] <= positions[:, :, None]  # [B, S, L]
+    scores = jnp.where(visible[:, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out_latent = jnp.einsum("bhst,btr->bshr", probs, latent)
+    return constrain(jnp.einsum("bshr,rhv->bshv", out_latent, w[..., n:]), HEADS)
 
 
 def mla_cache_width(mla: MLAConfig) -> int:

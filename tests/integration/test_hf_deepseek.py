@@ -120,3 +120,33 @@ def test_float8_block_scaled_weights_import_dequantized(tmp_path, capsys):
         np.testing.assert_array_equal(got, dequantized[name].numpy(), err_msg=name)
     want_bias = tensors["model.layers.2.mlp.gate.e_score_correction_bias"].numpy()
     np.testing.assert_array_equal(buffers["layers"]["moe"]["router_bias"][1], want_bias)
+
+
+@pytest.mark.parametrize("axes", [None, {"data": 2, "tensor": 2}], ids=["one-device",
+                                                                      "data2-tensor2"])
+def test_deepseek_generation_with_a_latent_cache_is_transformers_greedy(deepseek, axes):
+    """The cache holds each layer's latent and rope key (not expanded keys and values), the
+    decode steps attend over them in the absorbed form: transformers' greedy tokens."""
+    import jax
+    from transformers import AutoModelForCausalLM
+
+    from jaxpar.config import Config, MeshConfig
+    from jaxpar.generate import Generator
+    from jaxpar.mesh import make_mesh
+    from jaxpar.model.kv_cache import model_cache
+
+    root, done, _ = deepseek
+    prompts = tokens(rows=2)[:, :20]
+    hf = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=12,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[:, prompts.shape[1]:].tolist()
+    params, buffers, _ = read_weights(done.checkpoint)
+    cfg = Config(model=done.model, mesh=MeshConfig(**{"data": 1, **(axes or {})}))
+    mesh = None if axes is None else make_mesh(cfg, jax.devices()[:4])
+    generator = Generator(cfg, params, buffers, mesh)
+    assert generator.generate(prompts.tolist(), max_tokens=12) == expected
+    # layers x rows x slots x (latent 16 | rope key 8): no heads
+    cache = model_cache(done.model, 2, 32)
+    assert (cache.k.shape, cache.v.shape) == ((3, 2, 32, 1, 16), (3, 2, 32, 1, 8))
