@@ -97,7 +97,8 @@ class RopeScalingConfig:
 @dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2/V3, ``jaxpar/model/mla.py``), on when
-    ``kv_lora_rank > 0``; then ``model.n_kv_heads`` and ``model.head_dim`` are unused."""
+    ``kv_lora_rank > 0``; then ``model.head_dim`` is unused, and ``model.n_kv_heads`` is read
+    only by the cost model (set it to ``n_heads``: the keys and values are expanded per head)."""
 
     q_lora_rank: int = 0  # rank of the query's low-rank projection; 0: a full-rank query
     kv_lora_rank: int = 0  # width of the cached latent the keys and values are expanded from
@@ -142,6 +143,10 @@ class ModelConfig:
 
     @property
     def resolved_head_dim(self) -> int:
+        """The attention kernels' head width: ``head_dim`` (default d_model / n_heads), or with
+        ``mla`` the wider of its q/k and value widths (the narrower is padded to it)."""
+        if self.mla.enabled:
+            return max(self.mla.qk_head_dim, self.mla.v_head_dim)
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
     @property

@@ -76,11 +76,11 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
         _require(value >= 1, f"model.{name}={value}: must be >= 1")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of "
              f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
-    if m.head_dim is None:
+    if m.head_dim is None and not m.mla.enabled:
         _require(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by "
                  f"model.n_heads={m.n_heads} (or set model.head_dim)")
-    _require(m.resolved_head_dim % 2 == 0, f"model.head_dim={m.resolved_head_dim}: rotary "
-             "embeddings need an even head_dim")
+    _require(m.mla.enabled or m.resolved_head_dim % 2 == 0, f"model.head_dim="
+             f"{m.resolved_head_dim}: rotary embeddings need an even head_dim")
     for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         value = getattr(m, name)
         _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
