@@ -81,13 +81,23 @@ class MoEConfig:
 @dataclass(frozen=True)
 class RopeScalingConfig:
     """Rescaled rotary frequencies for contexts longer than pre-training's (Llama 3.1's
-    ``llama3`` rule, ``jaxpar/model/layers.py:rope_frequencies``); ``type: none`` is plain RoPE."""
+    ``llama3`` rule, ``jaxpar/model/layers.py:rope_frequencies``; YaRN's ``yarn``, for
+    multi-head latent attention only: ``jaxpar/model/mla.py:yarn_frequencies``); ``type: none``
+    is plain RoPE."""
 
-    type: Literal["none", "llama3"] = "none"
+    type: Literal["none", "llama3", "yarn"] = "none"
     factor: float = 8.0  # long wavelengths are divided by this
     low_freq_factor: float = 1.0  # wavelengths above original / low_freq_factor: divided
     high_freq_factor: float = 4.0  # wavelengths below original / high_freq_factor: unchanged
     original_max_position_embeddings: int = 8192  # the pre-training context
+    # yarn: dims turning fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), more than beta_fast times kept, a ramp between;
+    # mscale / mscale_all_dim: the attention temperature 0.1 m ln(factor) + 1 of the rotary
+    # dims (their ratio) and of the softmax scale (squared; DeepSeek-V3)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
     @property
     def enabled(self) -> bool:

@@ -91,6 +91,8 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
              "be a finite number > 0")
     _check_rope_scaling(m.rope_scaling)
     _check_mla(m)
+    _require(m.rope_scaling.type != "yarn" or m.mla.enabled, "model.rope_scaling.type=yarn: "
+             "only with multi-head latent attention (model.mla); others take none or llama3")
 
 
 def _check_mla(m: ModelConfig) -> None:
@@ -111,12 +113,15 @@ def _check_mla(m: ModelConfig) -> None:
 
 
 def _check_rope_scaling(r: RopeScalingConfig) -> None:
-    """The llama3 rule interpolates between two wavelengths: they must be ordered."""
+    """The llama3 and yarn rules interpolate between two wavelengths: they must be ordered."""
     if not r.enabled:
         return
     _require(r.factor >= 1, f"model.rope_scaling.factor={r.factor}: must be >= 1")
-    _require(0 < r.low_freq_factor < r.high_freq_factor, "model.rope_scaling: low_freq_factor="
-             f"{r.low_freq_factor} must be > 0 and below high_freq_factor={r.high_freq_factor}")
+    _require(r.type != "yarn" or 0 < r.beta_slow < r.beta_fast, "model.rope_scaling: "
+             f"beta_slow={r.beta_slow} must be > 0 and below beta_fast={r.beta_fast} (yarn)")
+    _require(r.type == "yarn" or 0 < r.low_freq_factor < r.high_freq_factor,
+             f"model.rope_scaling: low_freq_factor={r.low_freq_factor} must be > 0 and below "
+             f"high_freq_factor={r.high_freq_factor}")
     _require(r.original_max_position_embeddings >= 1, "model.rope_scaling."
              f"original_max_position_embeddings={r.original_max_position_embeddings}: must be "
              ">= 1")

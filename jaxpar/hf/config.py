@@ -179,6 +179,21 @@ def deepseek_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe, mla=mla)
 
 
+def _yarn_from_hf(rule: Mapping[str, Any], field: str) -> RopeScalingConfig:
+    """DeepSeek-V3's yarn: frequencies, the rotary dims' factor and the softmax scale."""
+    for key in ("factor", "original_max_position_embeddings"):
+        _refuse(rule.get(key) is None, f"{field}.{key}", "missing (yarn)")
+    _refuse(rule.get("attention_factor") is not None, f"{field}.attention_factor",
+            "an explicit factor is not supported (yarn: derived from mscale)")
+    _refuse(rule.get("truncate", True) is not True, f"{field}.truncate", "only true")
+    return RopeScalingConfig(
+        type="yarn", factor=float(rule["factor"]),
+        original_max_position_embeddings=int(rule["original_max_position_embeddings"]),
+        beta_fast=float(rule.get("beta_fast") or 32), beta_slow=float(rule.get("beta_slow") or 1),
+        mscale=float(rule.get("mscale") or 0.0),
+        mscale_all_dim=float(rule.get("mscale_all_dim") or 0.0))
+
+
 def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingConfig]:
     """RoPE base and scaling from either dialect: 5.x's ``rope_parameters`` (theta and the
     scaling rule in one dict) or 4.x's ``rope_theta`` + ``rope_scaling``."""
@@ -197,9 +212,10 @@ def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingCo
             f"{factor}: only full rotary embeddings are supported")
     if rope_type == "default":
         return theta, RopeScalingConfig()
+    if rope_type == "yarn" and kind == "deepseek_v3":
+        return theta, _yarn_from_hf(rule, field)
     _refuse(rope_type != "llama3", f"{field}.rope_type", f"{rope_type!r} is not supported; "
-            "supported: default, llama3" + (" (yarn, DeepSeek-V3's long-context rule, is not "
-                                           "implemented yet)" if rope_type == "yarn" else ""))
+            "supported: default, llama3 (and yarn for deepseek_v3)")
     missing = [k for k in LLAMA3_KEYS if rule.get(k) is None]
     _refuse(bool(missing), f"{field}.{missing[0] if missing else ''}", "missing (llama3)")
     return theta, RopeScalingConfig(
@@ -282,7 +298,10 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     max_positions = 8192
     if m.rope_scaling.enabled:
         r = m.rope_scaling
-        rope_scaling = {"rope_type": "llama3", **{k: getattr(r, k) for k in LLAMA3_KEYS}}
+        keys = LLAMA3_KEYS if r.type == "llama3" else (
+            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim")
+        rope_scaling = {"rope_type": r.type, **{k: getattr(r, k) for k in keys}}
         rope_parameters.update(rope_scaling)
         max_positions = int(r.original_max_position_embeddings * r.factor)
     out: dict[str, Any] = {

@@ -9,7 +9,7 @@ N ``qk_nope_head_dim``, P ``qk_rope_head_dim``, V ``v_head_dim``::
     c      = rms(c)                      rope key every head shares
     k_nope, v = split(c W_kvb)           [B, S, H, N], [B, S, H, V]
     q = [q_nope, rope(q_rope)];   k = [k_nope, rope(kr) for every head]
-    out = attention(q, k, v) W_o         softmax scale 1/sqrt(N + P)
+    out = attention(q, k, v) W_o         softmax scale 1/sqrt(N + P) (x YaRN's mscale^2)
 
 What a decoder caches per token and layer is ``c`` and ``rope(kr)``: R + P numbers (DeepSeek-V3:
 512 + 64 = 576, 1,152 bytes in bf16 per layer) where grouped-query attention with H kv heads of
@@ -32,6 +32,8 @@ over ``fsdp`` on ``embed`` like the other weights.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -39,7 +41,7 @@ from flax import nnx
 from jaxpar.config import MLAConfig, ModelConfig, RopeScalingConfig
 from jaxpar.model.annotate import attention_override, constrain, latent_cache_override
 from jaxpar.model.attention import dense_attention
-from jaxpar.model.layers import RMSNorm, _param, rope_frequencies, rotary_embedding
+from jaxpar.model.layers import RMSNorm, _param, rope_frequencies
 from jaxpar.model.mask import Positions, rope_positions
 from jaxpar.model.projection import (
     Projection,
@@ -55,17 +57,63 @@ HEADS = ("batch", "seq", "heads", "head_dim")
 LATENT_NORM_EPS = 1e-6
 
 
-def interleaved_rotary(x: jax.Array, positions: jax.Array, theta: float,
-                       scaling: RopeScalingConfig | None = None) -> jax.Array:
-    """RoPE on interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's layout), the rotated pairs
-    returned as [evens, odds]: a fixed permutation of the rope dims, the same for q and k, so
-    their dot products are those of the interleaved rotation. x: [B, S, N, P]."""
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interleave: bool,
+           ) -> jax.Array:
+    """RoPE of x [B, S, N, P] at ``positions`` [B, S] with frequencies ``inv_freq`` [P/2].
+
+    ``interleave``: rotate the pairs (x0, x1), (x2, x3)... (DeepSeek's layout), returned as
+    [evens, odds]: a fixed permutation of the rope dims, the same for q and k, so their dot
+    products are those of the interleaved rotation. Else the two halves (``rotate_half``)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    if interleave:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    else:
+        x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def interleaved_rotary(x: jax.Array, positions: jax.Array, theta: float,
+                       scaling: RopeScalingConfig | None = None) -> jax.Array:
+    """:func:`rotary` of interleaved pairs with plain (or llama3-scaled) frequencies."""
+    return rotary(x, positions, rope_frequencies(x.shape[-1], theta, scaling), True)
+
+
+def _yarn_mscale(factor: float, m: float) -> float:
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, r: RopeScalingConfig) -> tuple[jax.Array, float]:
+    """YaRN (as DeepSeek-V3 and transformers compute it): float32 [dim/2] frequencies, each
+    theta^(-i/half) kept for dims that turn more than ``beta_fast`` times over the original
+    context, divided by ``factor`` below ``beta_slow`` turns, a linear ramp between; and the
+    factor the rotated q and k are multiplied by, mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) with mscale(s, m) = 0.1 m ln(s) + 1."""
+    half = dim // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+
+    def turns_dim(turns: float) -> float:  # the dim whose wavelength fits `turns` times
+        return dim * math.log(r.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(turns_dim(r.beta_fast)), 0)
+    high = min(math.ceil(turns_dim(r.beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / max(high - low, 0.001), 0, 1)
+    inv_freq = inv_freq / r.factor * ramp + inv_freq * (1 - ramp)
+    if r.mscale and r.mscale_all_dim:
+        factor = _yarn_mscale(r.factor, r.mscale) / _yarn_mscale(r.factor, r.mscale_all_dim)
+    else:
+        factor = _yarn_mscale(r.factor, 1.0)
+    return inv_freq, factor
+
+
+def softmax_temperature(r: RopeScalingConfig) -> float:
+    """What q is multiplied by on top of 1/sqrt(N + P): YaRN's mscale(factor, mscale_all_dim)
+    squared (DeepSeek's softmax scale), 1 without it."""
+    if r.type != "yarn" or not r.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(r.factor, r.mscale_all_dim) ** 2
 
 
 class MLA(nnx.Module):
@@ -126,12 +174,19 @@ class MLA(nnx.Module):
         rope = rope_positions(positions)
         q_nope, q_rope = q[..., :mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:]
         q = jnp.concatenate([q_nope, self.rotate(q_rope, rope)], axis=-1)
+        temperature = softmax_temperature(self.rope_scaling)
+        if temperature != 1.0:
+            q = q * jnp.asarray(temperature, q.dtype)
         return q, latent, self.rotate(k_rope, rope)
 
     def rotate(self, x: jax.Array, rope: jax.Array) -> jax.Array:
-        if self.config.rope_interleave:
-            return interleaved_rotary(x, rope, self.rope_theta, self.rope_scaling)
-        return rotary_embedding(x, rope, self.rope_theta, self.rope_scaling)
+        """RoPE of the rope dims x [B, S, N, P] (plain, llama3 or yarn frequencies)."""
+        if self.rope_scaling.type == "yarn":
+            inv_freq, factor = yarn_frequencies(x.shape[-1], self.rope_theta, self.rope_scaling)
+            out = rotary(x, rope, inv_freq, self.config.rope_interleave)
+            return out * jnp.asarray(factor, out.dtype) if factor != 1.0 else out
+        inv_freq = rope_frequencies(x.shape[-1], self.rope_theta, self.rope_scaling)
+        return rotary(x, rope, inv_freq, self.config.rope_interleave)
 
     def expand(self, latent: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The latent [B, T, R] and rope key [B, T, 1, P] -> k [B, T, H, N + P], v [B, T, H, V]

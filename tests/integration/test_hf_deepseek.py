@@ -150,3 +150,20 @@ def test_deepseek_generation_with_a_latent_cache_is_transformers_greedy(deepseek
     # layers x rows x slots x (latent 16 | rope key 8): no heads
     cache = model_cache(done.model, 2, 32)
     assert (cache.k.shape, cache.v.shape) == ((3, 2, 32, 1, 16), (3, 2, 32, 1, 8))
+
+
+def test_deepseek_with_yarn_rope_matches_transformers(tmp_path):
+    """DeepSeek-V3's long-context RoPE: yarn frequencies (factor 4 over an original context of
+    64, so that the 512 tokens reach the interpolated dims), the rotary dims' factor from
+    mscale / mscale_all_dim, and the softmax scale times mscale(factor, mscale_all_dim)^2."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.8, "mscale_all_dim": 0.7}
+    build_hf_model("deepseek_v3", rope_parameters=yarn).save_pretrained(tmp_path / "hf")
+    done = import_hf(tmp_path / "hf", tmp_path / "jaxpar")
+    assert (done.model.rope_scaling.type, done.model.rope_scaling.mscale_all_dim) == ("yarn", 0.7)
+    ids = tokens(rows=2)
+    expected = hf_logits(tmp_path / "hf", ids)
+    trainer, state = trainer_from_import(done.config_yaml, [], 1)
+    diff = np.abs(jaxpar_logits(trainer, state, ids) - expected).max()
+    assert diff <= TOLERANCE, diff
