@@ -56,3 +56,26 @@ def test_first_dense_blocks_are_a_stack_of_their_own():
     assert (dense_units(m), layer_units(m), m.n_moe_layers) == (1, 2, 2)
     assert model.dense_layers.mlp.w_gate.shape == (1, 64, 128)
     assert model.layers.moe.w_gate.shape == (2, 4, 64, 128)
+
+
+MOE = ["model.n_layers=4", "model.moe.num_experts=8", "model.moe.top_k=2"]
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["model.moe.n_group=3"], "model.moe.n_group=3: must be >= 1 and divide"),
+    (["model.moe.n_group=2", "model.moe.topk_group=3"], "model.moe.topk_group=3"),
+    (["model.moe.n_group=8"], "needs >= 2 (has 1)"),
+    (["model.moe.n_group=4", "model.moe.top_k=3"], "model.moe.top_k=3: more than the 2"),
+    (["model.moe.routed_scaling_factor=0"], "model.moe.routed_scaling_factor=0"),
+    (["model.moe.first_dense=4"], "model.moe.first_dense=4: must be in [0, model.n_layers=4)"),
+    (["model.moe.first_dense=1", "model.moe.every=2"], "less model.moe.first_dense=1"),
+    (["model.moe.first_dense=2", "mesh.pipe=2", "mesh.data=4", "train.microbatches=2"],
+     "model.moe.first_dense=2 needs mesh.pipe=1"),
+    (["model.rope_scaling.type=yarn"], "model.rope_scaling.type=yarn: only with multi-head"),
+])
+def test_deepseek_moe_config_errors_are_one_line(overrides, needle):
+    from jaxpar.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(load_config("tiny", [*MOE, *overrides]), 8)
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
