@@ -17,6 +17,7 @@ BATCH_AXES = ("data", "fsdp", "expert")
 LOGICAL_AXES = (
     "batch", "residual_batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads",
     "head_dim", "mlp", "vocab", "experts", "layers", "stage", "q_lora", "kv_lora",
+    "q_lora_in", "kv_lora_in", "act_q_lora_in", "act_kv_lora_in",
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
 

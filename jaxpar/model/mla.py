@@ -27,7 +27,9 @@ probabilities-times-values matmul 1.5x, attention's flops 1.2x).
 Heads are split over ``tensor`` as in :class:`~jaxpar.model.layers.Attention`; the latents
 (logical ``q_lora``, ``kv_lora``) are whole on every device (each head reads all of them), so the
 down-projections W_qa and W_kva are computed by every tensor device, and their weights split
-over ``fsdp`` on ``embed`` like the other weights.
+over ``fsdp`` on ``embed`` like the other weights. The up-projections W_qb and W_kvb have no
+model dimension: under ZeRO-3 their latent dimension (``q_lora_in``, ``kv_lora_in``) is split
+over ``fsdp`` instead, and gathered per layer when used (``act_q_lora_in``, whole).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ from jaxpar.model.projection import (
 )
 
 HEADS = ("batch", "seq", "heads", "head_dim")
+# The up-projections as the matmuls read them: the latent whole (stored as q/kv_lora_in: split
+# over fsdp under ZeRO-3, as the model dimension of the other weights is).
+Q_UP = ("act_q_lora_in", "heads", "head_dim")
+KV_UP = ("act_kv_lora_in", "heads", "head_dim")
 # DeepSeek's latent norms use their own epsilon, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 
@@ -127,14 +133,14 @@ class MLA(nnx.Module):
             self.wq_a = _param(rngs, (e, mla.q_lora_rank), ("embed", "q_lora"), std)
             self.q_norm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, axis="q_lora")
             self.wq_b = _param(rngs, (mla.q_lora_rank, h, mla.qk_head_dim),
-                               ("q_lora", "heads", "head_dim"), std)
+                               ("q_lora_in", "heads", "head_dim"), std)
         else:
             self.wq = _param(rngs, (e, h, mla.qk_head_dim), ("embed", "heads", "head_dim"), std)
         self.wkv_a = _param(rngs, (e, mla.kv_lora_rank + mla.qk_rope_head_dim),
                             ("embed", "kv_lora"), std)
         self.kv_norm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, axis="kv_lora")
         self.wkv_b = _param(rngs, (mla.kv_lora_rank, h, mla.qk_nope_head_dim + mla.v_head_dim),
-                            ("kv_lora", "heads", "head_dim"), std)
+                            ("kv_lora_in", "heads", "head_dim"), std)
         out_std = std / (2 * cfg.n_layers) ** 0.5
         self.wo = _param(rngs, (h, mla.v_head_dim, e), ("heads", "head_dim", "embed"), out_std)
         self.config = mla
@@ -163,7 +169,7 @@ class MLA(nnx.Module):
             q_latent, kv = project_all(x, (q_proj, kv_proj), x_from=x_from)
             q = project("bsr,rhd->bshd", self.q_norm(constrain(q_latent, ("batch", "seq",
                                                                           "q_lora"))),
-                        self.wq_b, ("q_lora", "heads", "head_dim"))
+                        self.wq_b, Q_UP)
         else:
             q_proj = Projection("bse,ehd->bshd", (self.wq,), ("act_embed", "heads", "head_dim"))
             q, kv = project_all(x, (q_proj, kv_proj), x_from=x_from)
@@ -192,8 +198,7 @@ class MLA(nnx.Module):
         """The latent [B, T, R] and rope key [B, T, 1, P] -> k [B, T, H, N + P], v [B, T, H, V]
         (each head's up-projection of the latent; the rope key repeated for every head)."""
         n = self.config.qk_nope_head_dim
-        kv = constrain(project("bsr,rhd->bshd", latent, self.wkv_b,
-                               ("kv_lora", "heads", "head_dim")), HEADS)
+        kv = constrain(project("bsr,rhd->bshd", latent, self.wkv_b, KV_UP), HEADS)
         k_nope, v = kv[..., :n], kv[..., n:]
         k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
         k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), HEADS)
@@ -229,7 +234,7 @@ def absorbed_attention(mla: MLA, q: jax.Array, positions: jax.Array, latent: jax
     W_kvb_v is applied after the weighted sum of latents. Returns [B, S, H, V]; query at
     position p sees slots 0..p. Scores and softmax in float32."""
     n = mla.config.qk_nope_head_dim
-    w = weight(mla.wkv_b, ("kv_lora", "heads", "head_dim"), q.dtype)  # [R, H, N + V]
+    w = weight(mla.wkv_b, KV_UP, q.dtype)  # [R, H, N + V]
     q_latent = jnp.einsum("bshn,rhn->bshr", q[..., :n], w[..., :n])
     latent, k_rope = latent.astype(q.dtype), k_rope.astype(q.dtype)
     scores = (jnp.einsum("bshr,btr->bhst", q_latent, latent, preferred_element_type=jnp.float32)

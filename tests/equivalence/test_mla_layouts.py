@@ -50,6 +50,18 @@ def test_deepseek_moe_over_expert_and_tensor_matches_one_device():
     assert _collectives(got, "all-to-all", ("expert",))
 
 
+def test_mla_weights_split_over_fsdp_and_tensor():
+    """The down-projections on their model dimension, the up-projections (no model dimension)
+    on their latent one; both up-projections' heads and the output's over tensor."""
+    params = _run(LAYOUTS["data=2,fsdp=2,tensor=2"])["state"].params["layers"]["attn"]
+    specs = {name: tuple(params[name].sharding.spec) for name in ("wq_a", "wkv_a", "wq_b",
+                                                                   "wkv_b", "wo")}
+    assert specs["wq_a"][1] == "fsdp" and specs["wkv_a"][1] == "fsdp", specs
+    assert specs["wq_b"][1:3] == ("fsdp", "tensor") and specs["wkv_b"][1:3] == ("fsdp",
+                                                                                "tensor"), specs
+    assert specs["wo"][1] == "tensor", specs
+
+
 def test_mla_hlo_has_the_collectives_of_its_layouts():
     hybrid = _run(LAYOUTS["data=2,fsdp=2,tensor=2"])
     for kind, axes in (("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
