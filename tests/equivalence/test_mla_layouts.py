@@ -1,7 +1,7 @@
 """Multi-head latent attention (and DeepSeek-V3's routing) under every kind of layout the GQA
 attention passes, against the one-device run: data x fsdp x tensor, the context ring, a
-pipeline, and expert x tensor with group-limited routing and a dense first block; and the
-collectives each layout must compile to."""
+pipeline, sequence parallelism, the blockwise kernel, and expert x tensor with group-limited
+routing and a dense first block; and the collectives each layout must compile to."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ LAYOUTS = {
     "context=4": ("mesh.data=1", "mesh.context=4"),
     "data=2,context=2,tensor=2": ("mesh.data=2", "mesh.context=2", "mesh.tensor=2"),
     "pipe=2,tensor=2": ("mesh.pipe=2", "mesh.tensor=2", "mesh.data=1", "train.microbatches=2"),
+    "data=4,tensor=2,sp": ("mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"),
+    # the blockwise kernel (4 x 4 blocks of 8 tokens) on the padded values, heads over tensor
+    "data=2,tensor=2,blockwise": ("mesh.data=2", "mesh.tensor=2", "model.attention=blockwise",
+                                  "model.attention_block=8"),
 }
 
 
