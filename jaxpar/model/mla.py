@@ -13,8 +13,9 @@ N ``qk_nope_head_dim``, P ``qk_rope_head_dim``, V ``v_head_dim``::
 
 What a decoder caches per token and layer is ``c`` and ``rope(kr)``: R + P numbers (DeepSeek-V3:
 512 + 64 = 576, 1,152 bytes in bf16 per layer) where grouped-query attention with H kv heads of
-N + P and V would keep H (N + P + V) = 40,960; the keys and values are expanded from them again
-at each step (:mod:`jaxpar.model.kv_cache` for the generation path).
+N + P and V would keep H (N + P + V) = 40,960. A prefill expands keys and values from them and
+attends as training does; a decode step attends over them without expanding them
+(:func:`absorbed_attention`; the cache: :mod:`jaxpar.model.kv_cache`).
 
 The attention kernels are the model's own (dense, blockwise, cuDNN, ring through
 :func:`~jaxpar.model.annotate.attention_override`), which take q, k and v of one head dim. Where
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import MLAConfig, ModelConfig, RopeScalingConfig
+from jaxpar.config import ModelConfig, RopeScalingConfig
 from jaxpar.model.annotate import attention_override, constrain, latent_cache_override
 from jaxpar.model.attention import dense_attention
 from jaxpar.model.layers import RMSNorm, _param, rope_frequencies
@@ -247,8 +248,3 @@ def absorbed_attention(mla: MLA, q: jax.Array, positions: jax.Array, latent: jax
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out_latent = jnp.einsum("bhst,btr->bshr", probs, latent)
     return constrain(jnp.einsum("bshr,rhv->bshv", out_latent, w[..., n:]), HEADS)
-
-
-def mla_cache_width(mla: MLAConfig) -> int:
-    """Numbers one token of one layer occupies in an MLA cache: the latent and the rope key."""
-    return mla.kv_lora_rank + mla.qk_rope_head_dim
