@@ -43,7 +43,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig, RopeScalingConfig
 from jaxpar.model.annotate import attention_override, constrain, latent_cache_override
-from jaxpar.model.attention import dense_attention
+from jaxpar.model.attention import NEG, dense_attention
 from jaxpar.model.layers import RMSNorm, _param, rope_frequencies
 from jaxpar.model.mask import Positions, rope_positions
 from jaxpar.model.projection import (
@@ -244,7 +244,7 @@ def absorbed_attention(mla: MLA, q: jax.Array, positions: jax.Array, latent: jax
         jnp.float32(q.shape[-1]))
     slots = jnp.arange(latent.shape[1], dtype=positions.dtype)
     visible = slots[None, None, :] <= positions[:, :, None]  # [B, S, L]
-    scores = jnp.where(visible[:, None], scores, -1e30)
+    scores = jnp.where(visible[:, None], scores, NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out_latent = jnp.einsum("bhst,btr->bshr", probs, latent)
     return constrain(jnp.einsum("bshr,rhv->bshv", out_latent, w[..., n:]), HEADS)
