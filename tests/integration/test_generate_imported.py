@@ -110,8 +110,9 @@ def test_greedy_generation_of_an_import_is_transformers_token_for_token(
 
 def test_any_eos_id_of_generation_config_ends_a_sequence(sources, tmp_path, capsys):
     """generation_config.json's ``eos_token_id`` list (not config.json's eos, not the
-    tokenizer's): a token greedy decoding makes third, not before, becomes the second of two
-    end ids; the streamed completion stops before it."""
+    tokenizer's): a token greedy decoding makes third or later, and not before, becomes the
+    second of two end ids; the streamed completion stops before it, as transformers' does, and
+    ``export --format hf`` writes the list back."""
     source = shutil.copytree(sources["llama", False], tmp_path / "source")
     text = TEXTS[3]
     (free,) = transformers_greedy(source, [text], eos_token_id=None)
@@ -125,3 +126,8 @@ def test_any_eos_id_of_generation_config_ends_a_sequence(sources, tmp_path, caps
     assert saved["generation"] == {"prompt": "tokenizer", "eos_ids": [other, free[stop]]}
     assert stdout.count("\n") == 1 and jaxpar_generated(stdout, [text], source) == [free[:stop]]
     assert transformers_greedy(source, [text]) == [free[:stop]]
+    # Exported, the ids go to transformers again.
+    assert main(["export", str(tmp_path / "ckpt"), "--to", str(tmp_path / "hf"),
+                 "--format", "hf"]) == 0
+    exported = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert exported == {"eos_token_id": [other, free[stop]]}
