@@ -21,9 +21,9 @@ run's tokenizer (``data.tokenizer``): without special tokens for a model jaxpar 
 them (the BOS its post-processor adds) for an imported one (``generation.prompt``:
 :mod:`jaxpar.data.prompts`), as the ``hf`` model encodes by default; a pair (context,
 continuation) is split as :class:`lm_eval.api.model.TemplateLM` splits it (the whole text
-tokenized, the context's tokens cut off), an empty context is the token the tokenizer puts
-before any text (else the end-of-text token), and a sequence longer than ``max_length`` + 1
-loses its first tokens. ``loglikelihood`` is the sum of the
+tokenized, the context's tokens cut off), an empty context is the BOS an imported model's
+``tokenizer_config.json`` names, else the end-of-text token, and a sequence longer than
+``max_length`` + 1 loses its first tokens. ``loglikelihood`` is the sum of the
 continuation's log-probabilities in float32 and whether each of its tokens is the greedy choice
 (:meth:`jaxpar.generate.Generator.score`), ``loglikelihood_rolling`` the same over lm-eval's
 rolling windows, ``generate_until`` greedy decoding with the KV cache
@@ -100,7 +100,9 @@ class JaxparLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return self.prompts.eos_ids[0]
+        # The tokenizer's own (an import's tokenizer_config.json eos_token), as the hf model's;
+        # generation ends at any of the model's eos ids all the same.
+        return self.tokenizer_.eos_id
 
     @property
     def prefix_token_id(self) -> int:

@@ -3,7 +3,8 @@ type ``import-hf`` reads, through the command line in this process (``import-hf`
 ``generate --temperature 0`` on a prompts file), against transformers' greedy ``generate`` on
 the ids its own tokenizer makes, with a tokenizer that puts a BOS before every text and with
 one that adds nothing; any id of ``generation_config.json``'s ``eos_token_id`` list ends a
-sequence. The prompt rules without a model: tests/unit/test_prompt_format.py."""
+sequence; lm-eval's model ``jaxpar`` encodes an import's text as lm-eval's ``hf`` model does.
+The prompt rules without a model: tests/unit/test_prompt_format.py."""
 
 from __future__ import annotations
 
@@ -131,3 +132,26 @@ def test_any_eos_id_of_generation_config_ends_a_sequence(sources, tmp_path, caps
                  "--format", "hf"]) == 0
     exported = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert exported == {"eos_token_id": [other, free[stop]]}
+
+
+@pytest.mark.parametrize("adds_bos", [True, False], ids=["bos-added", "nothing-added"])
+def test_lm_eval_model_encodes_an_import_as_the_hf_model_does(sources, adds_bos, tmp_path):
+    """lm-eval's ``jaxpar`` model on an import and its ``hf`` model on the source agree on the
+    ids of a text, of a continuation (no special tokens), the empty context's token and the
+    end-of-text token (the two models' scores: tests/integration/test_lm_eval.py)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    from jaxpar.lm_eval import JaxparLM
+
+    source = sources["llama", adds_bos]
+    assert main(["import-hf", str(source), "--to", str(tmp_path / "ckpt")]) == 0
+    ours = JaxparLM(checkpoint=str(tmp_path / "ckpt"))
+    theirs = HFLM(pretrained=str(source), device="cpu", dtype="float32")
+    for text in TEXTS[:2]:
+        assert ours.tok_encode(text) == theirs.tok_encode(text)
+        assert (ours.tok_encode(text, add_special_tokens=False)
+                == theirs.tok_encode(text, add_special_tokens=False))
+    assert (ours.tok_encode(TEXTS[0])[0] == BOS) == adds_bos
+    assert (ours.prefix_token_id, ours.eot_token_id) == (
+        theirs.prefix_token_id, theirs.eot_token_id) == (BOS, EOS)
