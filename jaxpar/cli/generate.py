@@ -21,7 +21,9 @@ def add_generate(commands, positive_int: Callable[[str], int]) -> None:
     """The ``generate`` subcommand's arguments (``positive_int``: the CLI's N >= 1 type)."""
     sub = checkpoint_command(
         commands, "generate", GENERATE_HELP,
-        "the model, tokenizer (data.tokenizer) and compute dtype (train.dtype) are the run's. "
+        "the model, tokenizer (data.tokenizer) and compute dtype (train.dtype) are the run's; "
+        "a prompt follows the end-of-text token for a model jaxpar trained, and is what its "
+        "tokenizer makes (BOS included) for an imported one (generation.prompt). "
         "key=value overrides apply to that config (host_devices=4, train.dtype=bfloat16, ...). "
         "The mesh is one device unless --mesh or mesh.* say otherwise: data and fsdp split the "
         "prompts, tensor the heads.",

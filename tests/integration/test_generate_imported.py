@@ -113,7 +113,7 @@ def test_any_eos_id_of_generation_config_ends_a_sequence(sources, tmp_path, caps
     """generation_config.json's ``eos_token_id`` list (not config.json's eos, not the
     tokenizer's): a token greedy decoding makes third or later, and not before, becomes the
     second of two end ids; the streamed completion stops before it, as transformers' does, and
-    ``export --format hf`` writes the list back."""
+    ``export --format hf`` writes the list back. An id past the vocabulary is one line."""
     source = shutil.copytree(sources["llama", False], tmp_path / "source")
     text = TEXTS[3]
     (free,) = transformers_greedy(source, [text], eos_token_id=None)
@@ -132,6 +132,11 @@ def test_any_eos_id_of_generation_config_ends_a_sequence(sources, tmp_path, caps
                  "--format", "hf"]) == 0
     exported = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert exported == {"eos_token_id": [other, free[stop]]}
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", text,
+                 f"generation.eos_ids=[{VOCAB}]"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"jaxpar: error: generation.eos_ids=[{VOCAB}]: {VOCAB} is not")
 
 
 @pytest.mark.parametrize("adds_bos", [True, False], ids=["bos-added", "nothing-added"])
