@@ -65,19 +65,20 @@ def prompts_for(cfg: Config, tokenizer: str | None = None) -> Prompts:
 
 
 def _special_tokens(spec: str) -> dict[str, str]:
-    """The ``bos_token`` and ``eos_token`` texts of the ``tokenizer_config.json`` beside a
-    tokenizer.json; {} without one."""
-    path = Path(spec).expanduser().with_name("tokenizer_config.json")
-    if spec == "byte" or not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: cannot read it as JSON ({err})") from None
-    out = {}
-    for key in ("bos_token", "eos_token"):
-        token = config.get(key) if isinstance(config, dict) else None
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            out[key] = token
-    return out
+    """The ``bos_token`` and ``eos_token`` texts that the ``tokenizer_config.json`` beside a
+    tokenizer.json names, else its ``special_tokens_map.json`` (older saves); {} for none."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
+        path = Path(spec).expanduser().with_name(name)
+        if spec == "byte" or not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: cannot read it as JSON ({err})") from None
+        for key in ("bos_token", "eos_token"):
+            token = config.get(key) if isinstance(config, dict) else None
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                found[key] = token
+    return found

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,6 +56,17 @@ def test_an_imported_model_s_prompt_is_what_its_tokenizer_makes(tokenizers):
     assert prompts.encode(TEXT) == [5, 6, 7]
     # No eos ids from the model: the tokenizer_config.json's end-of-text token.
     assert prompts.eos_ids == (EOS,) and prompts.tokenizer.eos_id == EOS
+
+
+def test_an_older_save_names_its_special_tokens_in_special_tokens_map(tokenizers):
+    directory = Path(tokenizers[True]).parent
+    (directory / "tokenizer_config.json").write_text("{}")
+    prompts = prompts_for(imported(tokenizers[True]))
+    assert prompts.prefix_id() == EOS and prompts.eos_ids == (EOS,)  # by the usual name
+    (directory / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": char_text([9])}))
+    prompts = prompts_for(imported(tokenizers[True]))
+    assert prompts.prefix_id() == BOS and prompts.eos_ids == (9,)
 
 
 def test_import_takes_the_eos_ids_of_generation_config_then_of_config_json(tmp_path):
