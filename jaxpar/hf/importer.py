@@ -59,6 +59,7 @@ class Imported:
     model: ModelConfig
     tokenizer: Path | None  # the copied tokenizer.json, if the source had one
     total_bytes: int  # float32 bytes of the parameters
+    generation: GenerationConfig  # how prompts are encoded, which ids end a sequence
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -210,7 +211,7 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     total = sum(param_at(params, p).nbytes for p in _paths(params))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
-                    total_bytes=total)
+                    total_bytes=total, generation=generation)
 
 
 
@@ -225,4 +226,9 @@ def import_hf_main(source: Path, out_dir: Path) -> int:
                  "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
     print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "
           f"(train.init_from={out_dir}; {tokenizer})")
+    ids = done.generation.eos_ids
+    ends = (f"any of the ids {', '.join(map(str, ids))}" if len(ids) > 1 else
+            f"id {ids[0]}" if ids else "the tokenizer's end-of-text token")
+    print(f"generate from it: jaxpar generate {out_dir} --prompt TEXT (prompts as its tokenizer "
+          f"encodes them, special tokens included; a sequence ends at {ends})")
     return 0

@@ -85,14 +85,14 @@ def jaxpar_generated(stdout: str, texts: list[str], source) -> list[list[int]]:
     return out
 
 
-def import_and_generate(source, tmp_path, capsys, *args: str) -> str:
-    """``jaxpar import-hf SOURCE``, then ``jaxpar generate`` of the import with ``args``: its
-    stdout."""
+def import_and_generate(source, tmp_path, capsys, *args: str) -> tuple[str, str]:
+    """``jaxpar import-hf SOURCE``, then ``jaxpar generate`` of the import with ``args``: the
+    two commands' stdout."""
     checkpoint = tmp_path / "ckpt"
     assert main(["import-hf", str(source), "--to", str(checkpoint)]) == 0
-    capsys.readouterr()
+    imported = capsys.readouterr().out
     assert main(["generate", str(checkpoint), "--temperature", "0", *args]) == 0
-    return capsys.readouterr().out
+    return imported, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("adds_bos", [True, False], ids=["bos-added", "nothing-added"])
@@ -102,8 +102,8 @@ def test_greedy_generation_of_an_import_is_transformers_token_for_token(
     source = sources[kind, adds_bos]
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"{text}\n" for text in TEXTS))
-    stdout = import_and_generate(source, tmp_path, capsys, "--prompts-file", str(prompts),
-                                 "--max-tokens", str(NEW_TOKENS))
+    _, stdout = import_and_generate(source, tmp_path, capsys, "--prompts-file", str(prompts),
+                                    "--max-tokens", str(NEW_TOKENS))
     expected = transformers_greedy(source, TEXTS)
     assert jaxpar_generated(stdout, TEXTS, source) == expected
     assert sum(map(len, expected)) >= len(TEXTS)  # something was generated to compare
@@ -121,8 +121,9 @@ def test_any_eos_id_of_generation_config_ends_a_sequence(sources, tmp_path, caps
     other = next(i for i in range(3, VOCAB) if i not in free)
     (source / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS, "eos_token_id": [other, free[stop]]}))
-    stdout = import_and_generate(source, tmp_path, capsys, "--prompt", text,
-                                 "--max-tokens", str(NEW_TOKENS))
+    imported, stdout = import_and_generate(source, tmp_path, capsys, "--prompt", text,
+                                           "--max-tokens", str(NEW_TOKENS))
+    assert f"a sequence ends at any of the ids {other}, {free[stop]})" in imported
     saved = yaml.safe_load((tmp_path / "ckpt" / "config.yaml").read_text())
     assert saved["generation"] == {"prompt": "tokenizer", "eos_ids": [other, free[stop]]}
     assert stdout.count("\n") == 1 and jaxpar_generated(stdout, [text], source) == [free[:stop]]
