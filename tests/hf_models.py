@@ -149,3 +149,48 @@ def scorable_checkpoint(directory: Path) -> dict[str, Path]:
                              tokenizer=str(imported.tokenizer), val_fraction=0.2))
     export_hf(paths["checkpoint"], paths["hf"])
     return paths
+
+
+# --------------------------------------------------------------------------------------------
+# A tokenizer for the tiny models (tests/integration/test_generate_imported.py)
+
+BOS, EOS, UNK = 0, 1, 2  # the special tokens of char_tokenizer, ids as in the models' configs
+CHAR_BASE = 0x100  # token 3 + i is the character chr(CHAR_BASE + i): printable, one per token
+
+
+def char_text(ids) -> str:
+    """The text that ``char_tokenizer`` encodes as ``ids`` (ordinary tokens, 3..VOCAB-1)."""
+    return "".join(chr(CHAR_BASE + int(i) - 3) for i in ids)
+
+
+def save_char_tokenizer(directory: Path, adds_bos: bool) -> Path:
+    """A tokenizer over the tiny models' 256 ids, as transformers saves one: ``<s>`` (BOS, 0),
+    ``</s>`` (EOS, 1), ``<unk>`` (2), and one printable character per other id, decoded back
+    without spaces. With ``adds_bos`` its post-processor puts ``<s>`` before every text (Llama
+    2/3, Gemma); without, it adds nothing (Qwen). Writes tokenizer.json and
+    tokenizer_config.json into ``directory``."""
+    import json
+
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    vocab = {"<s>": BOS, "</s>": EOS, "<unk>": UNK} | {char_text([i]): i for i in range(3, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<unk>")])
+    if adds_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", BOS)])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": SEQ}))
+    return directory

@@ -228,6 +228,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class GenerationConfig:
+    """How ``jaxpar generate`` and lm-eval's model ``jaxpar`` turn a prompt into token ids, and
+    which ids end a generated sequence (docs/generation.md#prompts-and-stopping)."""
+
+    # eos_prefix: the end-of-text token, then the text without special tokens, as every
+    # document but the first was in jaxpar's packed pre-training; tokenizer: the text as
+    # data.tokenizer encodes it, its special tokens (BOS) included, as the model was trained
+    # elsewhere (what `jaxpar import-hf` writes).
+    prompt: Literal["eos_prefix", "tokenizer"] = "eos_prefix"
+    # Ids that end a sequence (an imported model's generation_config.json or config.json);
+    # empty: data.tokenizer's end-of-text token.
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 100  # steps between checkpoints; 0 = only at the end (and on SIGTERM/SIGINT)
     keep: int = 3  # newest checkpoints kept in run_dir/checkpoints
@@ -270,6 +285,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

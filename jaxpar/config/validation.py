@@ -251,6 +251,7 @@ def _check_run(cfg: Config) -> None:
     _require(cfg.data.text_field.strip() != "", "data.text_field is empty; allowed: the name of "
              "the JSON field or column that holds the text")
     _check_sources(cfg)
+    check_generation(cfg)
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
@@ -268,6 +269,16 @@ def _check_run(cfg: Config) -> None:
              "validation)")
     _require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1")
     _check_profile(cfg)
+
+
+def check_generation(cfg: Config) -> None:
+    """``generation.eos_ids``: token ids of the model's vocabulary (also checked by the commands
+    that generate, which do not validate the whole config)."""
+    vocab = cfg.model.vocab_size
+    bad = [i for i in cfg.generation.eos_ids if not 0 <= i < vocab]
+    _require(not bad, f"generation.eos_ids={list(cfg.generation.eos_ids)}: {bad[0] if bad else 0} "
+             f"is not a token id; allowed: ids in [0, {vocab}) (model.vocab_size), or [] for "
+             "the tokenizer's end-of-text token")
 
 
 def _check_sources(cfg: Config) -> None:

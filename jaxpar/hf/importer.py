@@ -7,7 +7,10 @@ for each block, so the pages safetensors maps are released again), straight into
 float32 arrays of the jaxpar model (:mod:`jaxpar.hf.names`): the host holds the model
 once, plus one block. Weights stored in bfloat16 or float16 become float32 (exactly). Writes
 ``OUT/checkpoints/0``, a jaxpar ``OUT/config.yaml`` to train from, and copies the tokenizer
-files next to them.
+files next to them. The config also says how the model's prompts are encoded (by its own
+tokenizer, special tokens included) and which ids end its sequences (``generation.*``:
+:func:`generation_settings`), so that ``jaxpar generate`` continues a prompt as transformers
+does.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxpar.checkpoint.weights import save_weights
-from jaxpar.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict
+from jaxpar.config import (
+    Config,
+    DataConfig,
+    GenerationConfig,
+    ModelConfig,
+    TrainConfig,
+    to_dict,
+)
 from jaxpar.hf.config import HFConfigError, model_config_from_hf, read_hf_config
 from jaxpar.hf.names import (
     Tensor,
@@ -49,6 +59,7 @@ class Imported:
     model: ModelConfig
     tokenizer: Path | None  # the copied tokenizer.json, if the source had one
     total_bytes: int  # float32 bytes of the parameters
+    generation: GenerationConfig  # how prompts are encoded, which ids end a sequence
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -155,6 +166,27 @@ def _copy_tokenizer(source: Path, out_dir: Path) -> Path | None:
     return copied.absolute() if copied.is_file() else None
 
 
+def generation_settings(source: Path, hf: dict, vocab_size: int) -> GenerationConfig:
+    """Prompts encoded as the model's tokenizer encodes them; sequences ending at the
+    ``eos_token_id`` of ``generation_config.json`` (what transformers' ``generate`` stops at),
+    else of ``config.json``: one id or a list (a chat model's end-of-turn token among them).
+    Ids outside the vocabulary are dropped: the model cannot produce them."""
+    ids = None
+    path = source / "generation_config.json"
+    if path.is_file():
+        try:
+            ids = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as err:
+            raise HFConfigError(f"{path}: cannot read it as a JSON object ({err})") from None
+    if ids is None:
+        ids = hf.get("eos_token_id")
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise HFConfigError(f"eos_token_id: {ids!r} is neither a token id nor a list of them")
+    return GenerationConfig(prompt="tokenizer",
+                            eos_ids=tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size)))
+
+
 def import_hf(source: Path, out_dir: Path) -> Imported:
     """Convert the Hugging Face model directory ``source`` into ``out_dir`` (see module doc)."""
     source, out_dir = source.expanduser(), out_dir.expanduser()
@@ -162,20 +194,24 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
         raise HFConfigError(f"{source}: not a directory")
     if (out_dir / "checkpoints").exists():
         raise HFConfigError(f"--to {out_dir}: already holds checkpoints; choose a new directory")
-    model = model_config_from_hf(read_hf_config(source))
+    hf = read_hf_config(source)
+    model = model_config_from_hf(hf)
+    generation = generation_settings(source, hf, model.vocab_size)
     params = read_weights(source, model)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _copy_tokenizer(source, out_dir)
-    # The config to train from: the model, these weights, the tokenizer if there is one.
+    # The config to train from: the model, these weights, the tokenizer if there is one, and
+    # how to prompt it.
     cfg = Config(model=model, train=TrainConfig(init_from=str(out_dir.absolute())),
-                 data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig())
+                 data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig(),
+                 generation=generation)
     path = save_weights(out_dir, cfg, params, {"source": str(source.absolute()),
                                                "format": "huggingface"})
     config_yaml = out_dir / "config.yaml"
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     total = sum(param_at(params, p).nbytes for p in _paths(params))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
-                    total_bytes=total)
+                    total_bytes=total, generation=generation)
 
 
 
@@ -190,4 +226,9 @@ def import_hf_main(source: Path, out_dir: Path) -> int:
                  "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
     print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "
           f"(train.init_from={out_dir}; {tokenizer})")
+    ids = done.generation.eos_ids
+    ends = (f"any of the ids {', '.join(map(str, ids))}" if len(ids) > 1 else
+            f"id {ids[0]}" if ids else "the tokenizer's end-of-text token")
+    print(f"generate from it: jaxpar generate {out_dir} --prompt TEXT (prompts as its tokenizer "
+          f"encodes them, special tokens included; a sequence ends at {ends})")
     return 0
