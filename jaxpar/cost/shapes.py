@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from jaxpar.config import BATCH_AXES, Config
 from jaxpar.cost.params import PARAM_BYTES
-from jaxpar.model.attention import resolve
+from jaxpar.model.fused import resolve
 from jaxpar.parallel.pipeline.executor import describe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -128,7 +128,7 @@ class StepSizes:
             return self.cfg.parallel.context_impl
         m = self.cfg.model
         return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype,
-                       self.cfg.splash_possible())
+                       self.cfg.splash_possible(), model=m)
 
     @property
     def flash(self) -> bool:

@@ -410,10 +410,12 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
             metrics.update(moe_metrics(aux, cfg.model,
                                        cfg.train.grad_accum * cfg.train.microbatches))
             if moe.router == "sigmoid_bias":
-                # The only buffers are the stacked router biases, one row per MoE layer.
-                buffers = jax.tree.map(
-                    lambda bias: update_router_bias(bias, aux["layer_expert_tokens"],
-                                                    moe.bias_update_rate), buffers)
+                # The stacked router biases, one row per MoE layer (the other buffers, the
+                # layers' window flags, stay).
+                buffers = jax.tree_util.tree_map_with_path(
+                    lambda path, b: update_router_bias(b, aux["layer_expert_tokens"],
+                                                       moe.bias_update_rate)
+                    if getattr(path[-1], "key", None) == "router_bias" else b, buffers)
         return TrainState(state.step + 1, params, opt_state, buffers), metrics
 
     return train_step
@@ -457,10 +459,11 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     def init() -> TrainState:
         _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
         params = stored_params(nnx.to_pure_dict(params), cfg.train.param_dtype)
+        buffers = nnx.to_pure_dict(buffers)
         if layer_order is not None:
-            params["layers"] = jax.tree.map(lambda a: a[layer_order], params["layers"])
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                          nnx.to_pure_dict(buffers))
+            # The buffers too: the layers' window flags differ from layer to layer.
+            params, buffers = reorder_layers((params, buffers), layer_order)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), buffers)
 
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=sh.graphdef, logical_axes=sh.logical_axes,

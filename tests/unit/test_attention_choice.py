@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.model.attention import resolve
+from jaxpar.model.fused import resolve
 
 
 def test_auto_picks_blockwise_only_where_the_sequence_spans_several_blocks():
