@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import (
     GENERATION_MODEL,
     LAYOUT_BASE,
@@ -194,6 +195,9 @@ LAYOUTS = {
     "context=4,ring": ("mesh.data=1", "mesh.context=4"),
     "data=2,context=4,allgather": ("mesh.data=2", "mesh.context=4",
                                    "parallel.context_impl=allgather"),
+    # Ring attention on each stage's piece of the sequence (split by hand, no shard_map).
+    "1f1b,pipe=2,context=2,ring": ("mesh.pipe=2", "mesh.data=1", "mesh.context=2",
+                                   "train.microbatches=2", "parallel.pipeline_schedule=1f1b"),
     "interleaved,pipe=2,tensor=2": ("mesh.pipe=2", "mesh.data=1", "mesh.tensor=2",
                                     "train.microbatches=4",
                                     "parallel.pipeline_schedule=interleaved",
@@ -218,6 +222,20 @@ def test_layer_kinds_follow_global_every():
     # initialised model's loss hardly depends on the context.)
     plain = run_layout(("mesh.data=1", "model.n_layers=4"))
     assert max(max_relative_error(plain["grads"], ref["grads"]).values()) > 1e-2
+
+
+def test_flags_of_blocks_grouped_with_a_mixture_of_experts():
+    """Units of (dense, MoE) blocks: block i of unit u is layer 2u + i + 1 (from 1)."""
+    from jaxpar.config import ModelConfig, MoEConfig
+    from jaxpar.model.transformer import complete_buffers
+
+    cfg = ModelConfig(n_layers=6, sliding_window=4, global_every=3,
+                      moe=MoEConfig(num_experts=4, top_k=2, every=2))
+    layers = nnx.to_pure_dict(nnx.split(create_model(cfg, 0), nnx.Param, ...)[2])["layers"]
+    flags = [np.asarray(layers[f"block_{i}"]["attn"]["local"]).tolist() for i in (0, 1)]
+    assert flags == [[1, 0, 1], [1, 1, 0]]  # layers 1, 3, 5 and 2, 4, 6: 3 and 6 global
+    fresh = complete_buffers(cfg, {})["layers"]
+    assert [np.asarray(fresh[f"block_{i}"]["attn"]["local"]).tolist() for i in (0, 1)] == flags
 
 
 def create_model_cfg(*overrides: str):
