@@ -13,6 +13,7 @@ from hf_models import (
     LLAMA3,
     SEQ,
     VOCAB,
+    build_hf_model,
     hf_logits,
     jaxpar_logits,
     save_hf_model,
@@ -42,6 +43,18 @@ def imported(tmp_path_factory):
         source = save_hf_model(kind, root / kind, **extra)
         out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
     return out
+
+
+def test_qwen2_with_every_layer_sliding_gives_transformers_logits(tmp_path):
+    """use_sliding_window with max_window_layers=0: every layer within 64 of the 512 tokens."""
+    source = tmp_path / "qwen2"
+    build_hf_model("qwen2", use_sliding_window=True, sliding_window=64,
+                   max_window_layers=0).save_pretrained(source)
+    done = import_hf(source, tmp_path / "jaxpar")
+    assert done.model.sliding_window == 64 and done.model.global_every == 0
+    trainer, state = trainer_from_import(done.config_yaml, [], 1)
+    ids = tokens(rows=2)
+    assert np.abs(jaxpar_logits(trainer, state, ids) - hf_logits(source, ids)).max() <= TOLERANCE
 
 
 def test_sharded_source_was_read_from_its_index(imported):
