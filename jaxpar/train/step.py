@@ -21,8 +21,9 @@ statistics over smaller batches are different numbers. The ``loss`` metric stays
 cross-entropy (comparable with dense runs); the auxiliary terms are logged beside it.
 
 Non-trainable model state (``TrainState.buffers``: the MoE router biases of aux-loss-free
-balancing) is split from the parameters, so the optimizer, weight decay and gradient clipping
-never see it; the step updates it from the measured expert load.
+balancing, the layers' sliding-window flags) is split from the parameters, so the optimizer,
+weight decay and gradient clipping never see it; the step updates the router biases from the
+measured expert load.
 
 Packed documents (``data.document_mask``): a batch may carry int32 ``segment_ids`` (each input
 token's document). :meth:`Trainer.put_batch` derives each token's position within its document
@@ -79,7 +80,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: dict
     opt_state: Any
-    buffers: dict  # non-trainable model variables (MoE router biases); {} for a dense model
+    buffers: dict  # non-trainable model variables (MoE router biases, window flags) or {}
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
