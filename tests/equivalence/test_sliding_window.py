@@ -127,13 +127,19 @@ def test_context_attention_keeps_the_window_and_the_cap(impl):
               *(x[:, order] for x in (q, k, v)))
 
 
-def test_splash_kernel_with_a_window_and_a_cap():
-    """The TPU kernel's LocalMask and attn_logits_soft_cap, in Pallas' interpreter."""
+@pytest.mark.parametrize("window,cap,docs", [(100, 2.0, None), (50, 0.0, [[100, 28, 128], [256]])],
+                         ids=["window+cap", "window+documents"])
+def test_splash_kernel_with_a_window_and_a_cap(window, cap, docs):
+    """The TPU kernel's LocalMask, attn_logits_soft_cap and SegmentIds, in Pallas'
+    interpreter."""
     q, k, v = qkv(4, 2, 256)
     positions = jnp.broadcast_to(jnp.arange(256, dtype=jnp.int32), (B, 256))
-    attend = splash_attention(128, interpret=True, window=100)
-    check(lambda q, k, v: attend(q, k, v, with_window(positions, 100, 2.0)),
-          lambda q, k, v: reference(q, k, v, 100, 2.0), q, k, v, tol=1e-4)
+    segments = None if docs is None else segments_of(docs)
+    mask = with_window(AttentionMask(positions, None if docs is None else jnp.asarray(segments)),
+                       window, cap)
+    attend = splash_attention(128, interpret=True, window=window)
+    check(lambda q, k, v: attend(q, k, v, mask),
+          lambda q, k, v: reference(q, k, v, window, cap, segments), q, k, v, tol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------
