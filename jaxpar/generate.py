@@ -60,9 +60,16 @@ from jax.sharding import NamedSharding
 
 from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
 from jaxpar.model.annotate import Attention, use_attention
-from jaxpar.model.attention import attention_fn, dense_attention, resolve
+from jaxpar.model.attention import dense_attention
+from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.model.kv_cache import CACHE_AXES, KVCache, UnitCache, empty_cache
-from jaxpar.model.transformer import DTYPES, Transformer, abstract_model, layer_units
+from jaxpar.model.transformer import (
+    DTYPES,
+    Transformer,
+    abstract_model,
+    complete_buffers,
+    layer_units,
+)
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.rules import (
     logical_rules,
@@ -197,7 +204,8 @@ class Generator:
         self.mesh = mesh
         self.dtype = DTYPES[cfg.train.dtype]
         self.graphdef = nnx.split(abstract_model(self.cfg.model), nnx.Param, ...)[0]
-        check_weights(self.cfg.model, params, buffers or {})
+        buffers = complete_buffers(self.cfg.model, buffers or {})  # an import's window flags
+        check_weights(self.cfg.model, params, buffers)
         self.mesh_shape = dict(mesh.shape) if mesh is not None else None
         if mesh is not None:
             unsupported = [f"{a}={n}" for a, n in mesh.shape.items()
@@ -268,7 +276,8 @@ class Generator:
         block = m.attention_block if s % m.attention_block == 0 else s
         platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
                     else jax.default_backend())
-        return attention_fn(resolve(m.attention, platform, s, block, self.dtype), block)
+        return attention_fn(resolve(m.attention, platform, s, block, self.dtype, model=m), block,
+                            m)
 
     def prompt_width(self, longest: int) -> int:
         """The padded prompt length S: a multiple of :data:`LENGTH_BUCKET`, or of

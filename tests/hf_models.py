@@ -33,7 +33,8 @@ def llama_config_5x() -> dict:
 
 def build_hf_model(kind: str, seed: int = 0, **overrides):
     """A random ``kind`` model (llama with llama3 RoPE scaling and GQA, qwen2 with q/k/v biases
-    and tied embeddings, qwen3 with q/k norms, mistral, mixtral and qwen3_moe with 4 experts),
+    and tied embeddings, qwen3 with q/k norms, mistral (``mistral_window``: with a sliding window
+of 64 tokens), mixtral and qwen3_moe with 4 experts),
     every norm scale and bias random too, so that a weight mapped to the wrong place cannot go
     unnoticed."""
     import torch
@@ -47,8 +48,9 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
     elif kind == "qwen2":
         cfg = tr.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e5, **overrides)
         model = tr.Qwen2ForCausalLM(cfg)
-    elif kind == "mistral":  # without a sliding window (jaxpar refuses one)
-        cfg = tr.MistralConfig(**common, sliding_window=None, **overrides)
+    elif kind in ("mistral", "mistral_window"):  # a window of 64 of the 512 tokens, or none
+        window = 64 if kind == "mistral_window" else None
+        cfg = tr.MistralConfig(**common, sliding_window=window, **overrides)
         model = tr.MistralForCausalLM(cfg)
     elif kind == "qwen3":
         cfg = tr.Qwen3Config(**common, head_dim=32, **overrides)

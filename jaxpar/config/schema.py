@@ -99,6 +99,13 @@ class ModelConfig:
     # several blocks
     attention: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"
     attention_block: int = 512  # queries x keys per block of blockwise (and ring) attention
+    # Sliding-window attention: a query sees the `sliding_window` most recent keys, itself
+    # included (None: the whole sequence); with global_every=k, layers k, 2k, ... (from 1)
+    # attend globally and the rest locally (0: every layer local; Gemma 2: 2, Gemma 3: 6).
+    sliding_window: int | None = None
+    global_every: int = 0
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
+    rope_local_theta: float | None = None  # RoPE base of the local layers (None: rope_theta)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property

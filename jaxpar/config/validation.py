@@ -89,6 +89,24 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
     _require(math.isfinite(m.norm_eps) and m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must "
              "be a finite number > 0")
     _check_rope_scaling(m.rope_scaling)
+    _check_window(m)
+
+
+def _check_window(m: ModelConfig) -> None:
+    """Sliding windows, score soft-capping and the local layers' RoPE base."""
+    w = m.sliding_window
+    _require(w is None or w >= 1, f"model.sliding_window={w}: must be >= 1 (or null: global "
+             "attention)")
+    _require(m.global_every >= 0, f"model.global_every={m.global_every}: must be >= 0")
+    _require(m.global_every == 0 or w is not None, f"model.global_every={m.global_every} "
+             "needs model.sliding_window (the window of the other layers)")
+    _require(math.isfinite(m.attn_softcap) and m.attn_softcap >= 0, f"model.attn_softcap="
+             f"{m.attn_softcap}: must be 0 (off) or a finite number > 0")
+    t = m.rope_local_theta
+    _require(t is None or (math.isfinite(t) and t > 1), f"model.rope_local_theta={t}: must be "
+             "a finite number > 1 (or null: model.rope_theta)")
+    _require(t is None or w is not None, f"model.rope_local_theta={t} needs "
+             "model.sliding_window (it is the local layers' RoPE base)")
 
 
 def _check_rope_scaling(r: RopeScalingConfig) -> None:

@@ -2,9 +2,12 @@
 
 Read: the Llama family (``llama``, ``mistral``, ``qwen2`` with its q/k/v biases, ``qwen3`` with
 its q/k norms) and the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
-mixture). Anything jaxpar's model would compute differently (a sliding
-window, biases on o_proj or the MLP, another activation, a RoPE rule other than plain or
-``llama3``) is a one-line :class:`HFConfigError` naming the field, never silently dropped.
+mixture). Mistral's and Mixtral's ``sliding_window`` is ``model.sliding_window`` (every layer
+local); Qwen's, with ``use_sliding_window``, only where ``max_window_layers`` leaves every
+layer local (0) or none (>= the layer count): its "first layers global, the rest local" has no
+``model.global_every``. Anything jaxpar's model would compute differently (biases on o_proj or
+the MLP, another activation, a RoPE rule other than plain or ``llama3``) is a one-line
+:class:`HFConfigError` naming the field, never silently dropped.
 
 Both dialects of the RoPE settings are read: transformers 4.x writes ``rope_theta`` and
 ``rope_scaling`` at the top level, 5.x writes them inside ``rope_parameters`` and drops (or
@@ -80,7 +83,7 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
-        moe=_moe_from_hf(hf, kind))
+        sliding_window=_window_from_hf(hf, kind), moe=_moe_from_hf(hf, kind))
 
 
 def _moe_from_hf(hf: Mapping[str, Any], kind: str) -> MoEConfig:
@@ -111,16 +114,31 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias", "true is not supported (no MLP biases)")
     _refuse(bool(hf.get("quantization_config")), "quantization_config",
             "quantized weights are not supported")
-    window = hf.get("sliding_window")
-    if kind.startswith("qwen"):  # their sliding_window is a setting, off unless enabled
-        window = window if hf.get("use_sliding_window") else None
-    _refuse(window is not None, "sliding_window", f"{window}: sliding-window attention is not "
-            "supported (jaxpar attends to the whole sequence)")
-    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
-    _refuse(bool(sliding), "layer_types", f"{sliding[0] if sliding else ''!r} layers are not "
-            "supported (only full_attention)")
     if kind == "mixtral":
         _refuse(bool(hf.get("router_jitter_noise")), "router_jitter_noise", "must be 0")
+
+
+def _window_from_hf(hf: Mapping[str, Any], kind: str) -> int | None:
+    """The one window of every layer (``model.sliding_window``), or None; a mix of local and
+    global layers jaxpar cannot express is refused (module docstring)."""
+    window = hf.get("sliding_window")
+    layers = int(_get(hf, "num_hidden_layers"))
+    if kind.startswith("qwen"):  # their sliding_window is a setting, off unless enabled
+        window = window if hf.get("use_sliding_window") else None
+        first_global = int(hf.get("max_window_layers") or 0)
+        if window is not None and first_global >= layers:
+            window = None  # every layer is one of the "first" global ones
+        _refuse(window is not None and first_global > 0, "max_window_layers",
+                f"{first_global}: layers 0..{first_global - 1} global and the rest local has "
+                "no jaxpar equivalent (model.global_every alternates); supported: 0 (every layer "
+                f"local) or >= num_hidden_layers={layers} (none)")
+    _refuse(window is not None and (not isinstance(window, int) or window < 1),
+            "sliding_window", f"{window!r}: expected a positive integer or null")
+    want = "full_attention" if window is None else "sliding_attention"
+    other = [t for t in hf.get("layer_types") or [] if t != want]
+    _refuse(bool(other), "layer_types", f"{other[0] if other else ''!r} layers beside "
+            f"{want} ones are not supported (sliding_window={window}: every layer {want})")
+    return window
 
 
 def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingConfig]:
@@ -173,10 +191,28 @@ def hf_model_type(m: ModelConfig) -> str:
                            "router=softmax, no shared experts; mixtral also norm_topk=true, "
                            "d_ff_expert=d_ff")
         _refuse_export(m.qkv_bias, "model.qkv_bias", "no exported mixture has q/k/v biases")
+        _refuse_export(m.qk_norm and m.sliding_window is not None, "model.sliding_window",
+                       "the exported windowed mixture is mixtral (no q/k norms)")
         return "qwen3_moe" if m.qk_norm else "mixtral"
     _refuse_export(m.qkv_bias and m.qk_norm, "model.qkv_bias and model.qk_norm",
                    "no exported model type has both (qwen2: biases, qwen3: norms)")
+    if m.sliding_window is not None:
+        _refuse_export(m.qkv_bias or m.qk_norm, f"model.sliding_window={m.sliding_window} "
+                       "with model.qkv_bias or model.qk_norm", "the exported windowed model "
+                       "is mistral (no biases, no q/k norms)")
+        return "mistral"
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+
+
+def _check_attention_export(m: ModelConfig, kind: str) -> None:
+    """Attention variants the exported model types lack: per-layer windows, soft caps and a
+    RoPE base of the local layers (Gemma's)."""
+    _refuse_export(m.global_every > 0, f"model.global_every={m.global_every}",
+                   f"{kind}'s sliding window is the same in every layer")
+    _refuse_export(m.attn_softcap > 0, f"model.attn_softcap={m.attn_softcap}",
+                   f"{kind} does not cap its attention scores")
+    _refuse_export(m.rope_local_theta is not None, f"model.rope_local_theta="
+                   f"{m.rope_local_theta}", f"{kind} has one RoPE base")
 
 
 def _refuse_export(condition: bool, field: str, why: str) -> None:
@@ -187,6 +223,7 @@ def _refuse_export(condition: bool, field: str, why: str) -> None:
 def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     """A ``config.json`` for ``m``, with the RoPE settings in both dialects."""
     kind = hf_model_type(m)
+    _check_attention_export(m, kind)
     rope_parameters: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": "default"}
     rope_scaling = None
     max_positions = 8192
@@ -216,7 +253,9 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     if kind == "mixtral":
         out.update(num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
                    router_aux_loss_coef=m.moe.aux_loss_weight, router_jitter_noise=0.0,
-                   output_router_logits=False, sliding_window=None)
+                   output_router_logits=False, sliding_window=m.sliding_window)
+    if kind == "mistral":
+        out.update(sliding_window=m.sliding_window)
     if kind == "qwen3_moe":
         out.update(num_experts=m.moe.num_experts, num_local_experts=m.moe.num_experts,
                    num_experts_per_tok=m.moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,

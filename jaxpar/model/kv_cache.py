@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpar.model.annotate import Attention, constrain
-from jaxpar.model.attention import NEG, dense_attention, group
+from jaxpar.model.attention import NEG, dense_attention, group, soft_cap
+from jaxpar.model.mask import Positions, as_mask
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # k and v [layers, B, L, K, D]
 UNIT_AXES = CACHE_AXES[1:]  # one layer's slice [B, L, K, D]
@@ -80,16 +81,22 @@ def write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     return constrain(jnp.where(here, new, cache), UNIT_AXES)
 
 
-def cached_attention(q: jax.Array, positions: jax.Array, k_cache: jax.Array,
+def cached_attention(q: jax.Array, positions: Positions, k_cache: jax.Array,
                      v_cache: jax.Array) -> jax.Array:
-    """Causal GQA of q [B, S, H, D] (at ``positions`` [B, S]) over the cache [B, L, K, D]:
-    query at position p sees slots 0..p. Scores and softmax in float32."""
+    """Causal GQA of q [B, S, H, D] (at ``positions`` [B, S], or their mask description with
+    a window and soft cap) over the cache [B, L, K, D]: query at position p sees slots 0..p,
+    within a window the last ``window`` of them. Scores and softmax in float32."""
     b, s, h, d = q.shape
+    mask = as_mask(positions)
     qg = group(q, k_cache.shape[2])  # [B, S, K, G, D]
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache.astype(q.dtype),
                         preferred_element_type=jnp.float32) / math.sqrt(d)
-    slots = jnp.arange(k_cache.shape[1], dtype=positions.dtype)
-    visible = slots[None, None, :] <= positions[:, :, None]  # [B, S, L]
+    scores = soft_cap(scores, mask.softcap)
+    slots = jnp.arange(k_cache.shape[1], dtype=mask.order.dtype)
+    ago = mask.order[:, :, None] - slots[None, None, :]  # [B, S, L]
+    visible = ago >= 0
+    if mask.window is not None:
+        visible = visible & (ago < mask.window[:, :, None])
     scores = jnp.where(visible[:, None, None], scores, NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v_cache.astype(q.dtype))
@@ -108,14 +115,15 @@ class UnitCache:
         self.new_k: list[jax.Array] = []
         self.new_v: list[jax.Array] = []
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: Positions
                ) -> jax.Array:
         i = len(self.new_k)
         if i >= self.k.shape[0]:
             raise ValueError(f"the unit called attention {i + 1} times for a cache of "
                              f"{self.k.shape[0]} layers")
-        k_cache = write(constrain(self.k[i], UNIT_AXES), k, positions)
-        v_cache = write(constrain(self.v[i], UNIT_AXES), v, positions)
+        order = as_mask(positions).order
+        k_cache = write(constrain(self.k[i], UNIT_AXES), k, order)
+        v_cache = write(constrain(self.v[i], UNIT_AXES), v, order)
         self.new_k.append(k_cache)
         self.new_v.append(v_cache)
         if q.shape[1] > 1:

@@ -36,7 +36,7 @@ from jaxpar.model.annotate import (
     weights_prepared,
 )
 from jaxpar.model.attention import dense_attention
-from jaxpar.model.mask import Positions, rope_positions
+from jaxpar.model.mask import UNLIMITED, Positions, rope_positions, with_window
 from jaxpar.model.projection import (
     MATMUL_INPUT,
     RESIDUAL,
@@ -194,14 +194,16 @@ def rope_frequencies(head_dim: int, theta: float,
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
-                     scaling: RopeScalingConfig | None = None) -> jax.Array:
+                     scaling: RopeScalingConfig | None = None,
+                     frequencies: jax.Array | None = None) -> jax.Array:
     """Rotate pairs (first half, second half) of the head dim by position-dependent angles.
 
     This pairing ("rotate half") is the one Hugging Face's Llama-family models use, so their q/k
     projection weights load unpermuted (``jaxpar/hf/names.py``).
     x: [B, S, N, D]; positions: [B, S] (explicit, so a sequence shard knows its offsets).
     """
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
+    inv_freq = (rope_frequencies(x.shape[-1], theta, scaling) if frequencies is None
+                else frequencies)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -209,11 +211,22 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
     return rotated.astype(x.dtype)
 
 
+class LocalLayer(nnx.Variable):
+    """int32, 1 where the layer attends within ``model.sliding_window``, 0 where it attends to
+    the whole sequence: one per layer, stacked like the parameters (the model sets it after
+    stacking: :func:`jaxpar.model.transformer.layer_is_local`). Not an ``nnx.Param``: it
+    rides with the model's buffers, so the layer scan, every pipeline schedule's split of the
+    stack and generation's scan hand each layer its own value with no other bookkeeping."""
+
+
 class Attention(nnx.Module):
     """QKV projections are column-parallel (split on heads), the output projection row-parallel.
 
     Optional, for models imported from Hugging Face: biases on q, k, v (``model.qkv_bias``,
-    Qwen2) and an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3)."""
+    Qwen2) and an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3); a
+    sliding window in some or all layers (``model.sliding_window``, ``global_every``: Mistral,
+    Gemma), soft-capped scores (``model.attn_softcap``) and another RoPE base in the local
+    layers (``model.rope_local_theta``)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
@@ -232,6 +245,10 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.norm_eps, axis="head_dim")
         self.rope_theta = cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling
+        self.window, self.softcap = cfg.sliding_window, cfg.attn_softcap
+        self.rope_local_theta = cfg.rope_local_theta
+        if self.window is not None:
+            self.local = LocalLayer(jnp.ones((), jnp.int32), out_sharding=())
 
     def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
                  ) -> jax.Array:
@@ -249,12 +266,30 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         rope = rope_positions(positions)
-        q = rotary_embedding(q, rope, self.rope_theta, self.rope_scaling)
-        k = rotary_embedding(k, rope, self.rope_theta, self.rope_scaling)
+        frequencies = self._frequencies(q.shape[-1])
+        q = rotary_embedding(q, rope, self.rope_theta, self.rope_scaling, frequencies)
+        k = rotary_embedding(k, rope, self.rope_theta, self.rope_scaling, frequencies)
         attend = attention_override() or dense_attention
-        out = attend(q, k, v, positions)
+        out = attend(q, k, v, self._mask(positions))
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
+
+    def _mask(self, positions: Positions) -> Positions:
+        """``positions`` with this layer's window (unlimited in a global layer) and soft cap."""
+        if self.window is None and not self.softcap:
+            return positions
+        window = (None if self.window is None else
+                  jnp.where(self.local[...] > 0, self.window, UNLIMITED))
+        return with_window(positions, window, self.softcap)
+
+    def _frequencies(self, head_dim: int) -> jax.Array | None:
+        """RoPE frequencies when the local layers have a base of their own (Gemma 3: unscaled
+        there), chosen by this layer's kind at run time; None: the usual ones."""
+        if self.rope_local_theta is None:
+            return None
+        local = rope_frequencies(head_dim, self.rope_local_theta)
+        overall = rope_frequencies(head_dim, self.rope_theta, self.rope_scaling)
+        return jnp.where(self.local[...] > 0, local, overall)
 
     def _qkv(self, x: jax.Array, x_from: Rebuild | None,
              ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
@@ -92,6 +93,50 @@ def layer_units(cfg: ModelConfig) -> int:
     return cfg.n_layers // cfg.moe.every if cfg.moe.enabled else cfg.n_layers
 
 
+def layer_is_local(cfg: ModelConfig) -> np.ndarray:
+    """int32 [n_layers]: 1 for a layer that attends within ``sliding_window``, 0 for a global
+    one. Counting from 1, layers ``global_every``, ``2 global_every``, ... are global (Gemma 2:
+    every 2nd, Gemma 3: every 6th); ``global_every=0``: every layer local (Mistral)."""
+    n = cfg.n_layers
+    if cfg.sliding_window is None:
+        return np.zeros(n, np.int32)
+    if not cfg.global_every:
+        return np.ones(n, np.int32)
+    return (np.arange(1, n + 1) % cfg.global_every != 0).astype(np.int32)
+
+
+def unit_is_local(cfg: ModelConfig, block: int = 0) -> np.ndarray:
+    """int32 [units]: :func:`layer_is_local` of block ``block`` of every scanned unit."""
+    return layer_is_local(cfg).reshape(layer_units(cfg), -1)[:, block]
+
+
+def initial_buffers(cfg: ModelConfig, like: dict) -> dict:
+    """The model's buffers as a fresh model holds them, for the nested dict ``like`` (their
+    shapes and dtypes, e.g. a train state's abstract buffers, in the model's layer order):
+    the layers' :class:`~jaxpar.model.layers.LocalLayer` flags, zeros elsewhere (MoE router
+    biases)."""
+    def value(path, a):
+        keys = [getattr(p, "key", p) for p in path]
+        if keys[-1] != "local":
+            return np.zeros(a.shape, a.dtype)
+        block = next((int(k.split("_")[1]) for k in keys if str(k).startswith("block_")), 0)
+        return unit_is_local(cfg, block).astype(a.dtype)
+    return jax.tree_util.tree_map_with_path(value, like)
+
+
+def complete_buffers(cfg: ModelConfig, buffers: dict) -> dict:
+    """``buffers`` plus the initial value of each buffer they lack: a weights-only checkpoint
+    of a Hugging Face import holds parameters only, and the window flags follow the config."""
+    _, _, abstract = nnx.split(abstract_model(cfg), nnx.Param, ...)
+
+    def merged(fresh, given):
+        if not isinstance(fresh, dict):
+            return given if given is not None else fresh
+        given = given or {}
+        return {**given, **{k: merged(v, given.get(k)) for k, v in fresh.items()}}
+    return merged(initial_buffers(cfg, nnx.to_pure_dict(abstract)), buffers)
+
+
 def _make_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     if not cfg.moe.enabled:
         return Block(cfg, rngs)
@@ -109,6 +154,14 @@ class Transformer(nnx.Module):
             return _make_unit(cfg, rngs)
 
         self.layers = make_blocks(rngs)
+        if cfg.sliding_window is not None:
+            blocks = ([self.layers] if not isinstance(self.layers, BlockGroup) else
+                      [getattr(self.layers, f"block_{i}") for i in range(self.layers.size)])
+            for i, block in enumerate(blocks):
+                block.attn.local.set_value(jnp.asarray(unit_is_local(cfg, i)))
+                # nnx.vmap names the stacked axis only of variables with axis names (a
+                # scalar has none), so the flags name it themselves.
+                block.attn.local.set_metadata(out_sharding=("layers",))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),

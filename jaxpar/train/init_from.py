@@ -2,7 +2,8 @@
 
 The parameters are read straight into this run's shardings and dtype
 (:func:`jaxpar.checkpoint.weights.restore_params`); the optimizer state is fresh, the step is 0,
-and the model's buffers take their initial values (MoE router biases start at zero).
+and the model's buffers take their initial values (MoE router biases start at zero, the layers'
+window flags as the config sets them).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.checkpoint.weights import restore_params
+from jaxpar.model.transformer import initial_buffers
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
 
 
@@ -22,8 +24,8 @@ def initial_state(trainer: Trainer, source: Path) -> TrainState:
     tx = make_optimizer(trainer.cfg.train)
 
     def fresh(params: dict) -> TrainState:
-        buffers = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                               trainer.abstract_state.buffers)
+        buffers = jax.tree.map(jnp.asarray, initial_buffers(trainer.cfg.model,
+                                                            trainer.abstract_state.buffers))
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), buffers)
 
     with jax.set_mesh(trainer.mesh):

@@ -13,6 +13,7 @@ from hf_models import (
     LLAMA3,
     SEQ,
     VOCAB,
+    build_hf_model,
     hf_logits,
     jaxpar_logits,
     save_hf_model,
@@ -36,12 +37,24 @@ def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     ids = tokens(rows=4)
     out = {}
-    for kind in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"):
+    for kind in ("llama", "qwen2", "qwen3", "mistral", "mistral_window", "mixtral", "qwen3_moe"):
         # llama in two shards with an index, as large models come
         extra = {"max_shard_size": "150KB"} if kind == "llama" else {}
         source = save_hf_model(kind, root / kind, **extra)
         out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
     return out
+
+
+def test_qwen2_with_every_layer_sliding_gives_transformers_logits(tmp_path):
+    """use_sliding_window with max_window_layers=0: every layer within 64 of the 512 tokens."""
+    source = tmp_path / "qwen2"
+    build_hf_model("qwen2", use_sliding_window=True, sliding_window=64,
+                   max_window_layers=0).save_pretrained(source)
+    done = import_hf(source, tmp_path / "jaxpar")
+    assert done.model.sliding_window == 64 and done.model.global_every == 0
+    trainer, state = trainer_from_import(done.config_yaml, [], 1)
+    ids = tokens(rows=2)
+    assert np.abs(jaxpar_logits(trainer, state, ids) - hf_logits(source, ids)).max() <= TOLERANCE
 
 
 def test_sharded_source_was_read_from_its_index(imported):
@@ -57,6 +70,8 @@ def test_sharded_source_was_read_from_its_index(imported):
     ("qwen2", ["mesh.tensor=2"], 4),
     ("qwen3", [], 1),
     ("mistral", [], 1),
+    ("mistral_window", [], 1),
+    ("mistral_window", ["mesh.tensor=2"], 4),
     ("mixtral", [], 1),
     ("mixtral", ["mesh.tensor=2"], 4),
     ("mixtral", ["mesh.expert=2"], 4),
@@ -120,6 +135,8 @@ def test_import_maps_the_config(imported):
     qwen3_moe = imported["qwen3_moe"][1].model
     assert qwen3_moe.qk_norm and not qwen3_moe.moe.norm_topk
     assert qwen3_moe.resolved_d_ff_expert == 48 and qwen3_moe.moe.num_experts == 4
+    assert imported["mistral_window"][1].model.sliding_window == 64
+    assert imported["mistral"][1].model.sliding_window is None
 
 
 def test_import_copies_the_tokenizer_and_writes_a_config_to_train_from(tmp_path):

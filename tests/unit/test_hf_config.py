@@ -37,7 +37,9 @@ def test_4x_and_5x_config_dialects_give_the_same_model(tmp_path):
     ({"model_type": "qwen2_moe"}, "shared_expert_intermediate_size"),
     ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 1}, "max_window_layers"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}},
@@ -53,6 +55,20 @@ def test_unsupported_fields_are_named(change, field):
 
 # --------------------------------------------------------------------------------------------
 # Export and init_from
+
+
+@pytest.mark.parametrize(("change", "window"), [
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096),
+    ({"model_type": "mistral", "sliding_window": None}, None),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64}, None),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 0}, 64),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 2}, None),  # every layer one of the "first" global ones
+    ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 32}, 32),
+])
+def test_sliding_windows_read_as_one_window_for_every_layer(change, window):
+    assert model_config_from_hf({**_llama_config_5x(), **change}).sliding_window == window
 
 
 def test_init_from_and_a_named_checkpoint_to_resume_contradict():
