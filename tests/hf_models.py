@@ -33,7 +33,8 @@ def llama_config_5x() -> dict:
 
 def build_hf_model(kind: str, seed: int = 0, **overrides):
     """A random ``kind`` model (llama with llama3 RoPE scaling and GQA, qwen2 with q/k/v biases
-    and tied embeddings, qwen3 with q/k norms, mistral, mixtral and qwen3_moe with 4 experts),
+    and tied embeddings, qwen3 with q/k norms, mistral, mixtral and qwen3_moe with 4 experts,
+    the Gemmas of :func:`_gemma`),
     every norm scale and bias random too, so that a weight mapped to the wrong place cannot go
     unnoticed."""
     import torch
@@ -41,7 +42,9 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     common = {**COMMON, **{k: overrides.pop(k) for k in list(overrides) if k in COMMON}}
-    if kind == "llama":
+    if kind.startswith("gemma"):
+        model = _gemma(kind, common, overrides)
+    elif kind == "llama":
         cfg = tr.LlamaConfig(**common, head_dim=16, rope_scaling=dict(LLAMA3), **overrides)
         model = tr.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
@@ -66,6 +69,33 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
             if param.ndim == 1:  # norm scales (around 1) and biases (around 0)
                 param.normal_(1.0 if "norm" in name else 0.0, 0.2)
     return model.eval()
+
+
+def _gemma(kind: str, common: dict, overrides: dict):
+    """gemma2 (final logits soft-capped at its default 30), gemma3_text (linear RoPE scaling,
+    every layer global), gemma3 (multimodal, tiny vision tower, a sliding and a global layer).
+    Each with its own query_pre_attn_scalar. Local layers see the whole test sequence
+    (sliding_window = SEQ), with the global layers' RoPE base, and scores are not soft-capped."""
+    import transformers as tr
+
+    text = {**common, "head_dim": 16, "sliding_window": SEQ, "attn_logit_softcapping": None}
+    if kind == "gemma2":
+        return tr.Gemma2ForCausalLM(tr.Gemma2Config(**text, query_pre_attn_scalar=24,
+                                                    **overrides))
+    if kind == "gemma3_text":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        return tr.Gemma3ForCausalLM(tr.Gemma3TextConfig(
+            **text, query_pre_attn_scalar=8, layer_types=["full_attention"] * 2,
+            rope_parameters=rope, **overrides))
+    rope = {t: {"rope_type": "default", "rope_theta": 1e4}
+            for t in ("full_attention", "sliding_attention")}
+    text.update(query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"],
+                rope_parameters=rope, **overrides)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return tr.Gemma3ForConditionalGeneration(tr.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4))
 
 
 def save_hf_model(kind: str, directory: Path, **save_kwargs) -> Path:

@@ -43,13 +43,20 @@ HEAD = ("act_embed", "vocab")  # the head as the loss multiplies with it
 STORED_HEAD = ("embed", "vocab")  # ... and as stored (split over fsdp under ZeRO-3)
 
 
-def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
-    """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model]."""
-    return constrain(float32_logits(h, head), ("batch", "seq", "vocab"))
+def head_logits(h: jax.Array, head: jax.Array, softcap: float = 0.0) -> jax.Array:
+    """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model], soft-capped
+    at ``softcap`` (:func:`soft_capped`)."""
+    return soft_capped(constrain(float32_logits(h, head), ("batch", "seq", "vocab")), softcap)
+
+
+def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
+    """``cap * tanh(logits / cap)`` (Gemma 2's final logit soft-capping); ``cap`` 0: unchanged.
+    Elementwise, so it is the same on any piece of the sequence or of the vocabulary."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
-                      pieces: int = 1) -> jax.Array:
+                      pieces: int = 1, softcap: float = 0.0) -> jax.Array:
     """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``,
     computed over ``pieces`` pieces of the sequence one after another: only one piece's float32
     logits ([B, S/pieces, vocab]) and their gradient are alive at a time; the backward pass
@@ -61,20 +68,20 @@ def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: j
     every piece and nothing moves between devices. The sum does not depend on the order.
     """
     if pieces == 1:
-        return jnp.sum(token_losses(head_logits(h, head), targets) * mask)
-    return _loss_in_pieces(pieces, h, head, targets, mask)
+        return jnp.sum(token_losses(head_logits(h, head, softcap), targets) * mask)
+    return _loss_in_pieces(pieces, softcap, h, head, targets, mask)
 
 
 def _pieces(n: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(sequence_pieces(a, n) for a in arrays)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss_in_pieces(pieces: int, h: jax.Array, head: jax.Array, targets: jax.Array,
-                    mask: jax.Array) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _loss_in_pieces(pieces: int, softcap: float, h: jax.Array, head: jax.Array,
+                    targets: jax.Array, mask: jax.Array) -> jax.Array:
     def one_piece(total: jax.Array, piece: tuple) -> tuple[jax.Array, None]:
         h_i, targets_i, mask_i = piece
-        logits = head_logits(constrain(h_i, HIDDEN), head)
+        logits = head_logits(constrain(h_i, HIDDEN), head, softcap)
         return total + jnp.sum(token_losses(logits, targets_i) * mask_i), None
 
     total, _ = jax.lax.scan(one_piece, jnp.zeros((), jnp.float32),
@@ -82,18 +89,20 @@ def _loss_in_pieces(pieces: int, h: jax.Array, head: jax.Array, targets: jax.Arr
     return total
 
 
-def _loss_in_pieces_fwd(pieces, h, head, targets, mask):
-    return _loss_in_pieces(pieces, h, head, targets, mask), (h, head, targets, mask)
+def _loss_in_pieces_fwd(pieces, softcap, h, head, targets, mask):
+    return _loss_in_pieces(pieces, softcap, h, head, targets, mask), (h, head, targets, mask)
 
 
-def _loss_in_pieces_bwd(pieces, residuals, g):
+def _loss_in_pieces_bwd(pieces, softcap, residuals, g):
     h, head, targets, mask = residuals
 
     def one_piece(partial_sums: jax.Array, piece: tuple) -> tuple[jax.Array, jax.Array]:
         h_i, targets_i, mask_i = piece
         h_i = constrain(h_i, HIDDEN)
-        logits, logits_vjp = jax.vjp(lambda x: head_logits(x, head), h_i)
-        d_logits = token_loss_grad(logits, targets_i, mask_i * g)
+        raw, logits_vjp = jax.vjp(lambda x: head_logits(x, head), h_i)
+        # The head's gradient below is taken w.r.t. the logits before the cap.
+        logits, cap_vjp = jax.vjp(lambda z: soft_capped(z, softcap), raw)
+        (d_logits,) = cap_vjp(token_loss_grad(logits, targets_i, mask_i * g))
         (d_h,) = logits_vjp(d_logits)  # its weight gradient, unused, is left out by XLA
         return partial_sums + per_shard_weight_grad(h_i, d_logits), _as_residual(d_h)
 
