@@ -13,7 +13,15 @@ import json
 import numpy as np
 import pytest
 from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
-from hf_models import hf_logits, jaxpar_logits, save_hf_model, tokens, trainer_from_import
+from hf_models import (
+    SEQ,
+    VOCAB,
+    hf_logits,
+    jaxpar_logits,
+    save_hf_model,
+    tokens,
+    trainer_from_import,
+)
 
 from jaxpar.checkpoint.weights_only import read_weights
 from jaxpar.config import RopeScalingConfig
@@ -53,6 +61,45 @@ def test_imported_gemma_logits_match_transformers(imported, kind, overrides, dev
     assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
     diff = np.abs(got - expected).max()
     assert diff <= TOLERANCE, (kind, overrides, diff)
+
+
+def test_training_loss_of_a_soft_capped_gemma_is_transformers(imported):
+    """The train step's loss, the head run over 4 pieces of the sequence (train.loss_chunks)
+    under tensor=2 data=2, is the cross-entropy of transformers' soft-capped logits."""
+    source, done, _ = imported["gemma2"]
+    ids = np.random.default_rng(7).integers(0, VOCAB, (4, SEQ + 1)).astype(np.int32)
+    logits = hf_logits(source, ids[:, :-1]).astype(np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+    expected = float(np.mean(log_z - target))
+    trainer, state = trainer_from_import(done.config_yaml, ["mesh.tensor=2",
+                                                            "train.loss_chunks=4"], 4)
+    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
+                               "mask": np.ones((4, SEQ), np.float32)})
+    loss, _ = trainer.loss_and_grads(state, batch)
+    assert abs(float(loss) - expected) <= 1e-5 * expected, (float(loss), expected)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_generation_from_a_gemma_import_is_transformers_greedy_decoding(imported, kind):
+    """``jaxpar generate``'s KV-cached decoding (scaled queries, post-norms, scaled embeddings,
+    soft-capped logits) gives transformers' greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpar.config import Config
+    from jaxpar.generate import Generator
+
+    source, done, _ = imported[kind]
+    prompts = tokens(rows=2)[:, :20]
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=12,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[:, prompts.shape[1]:].tolist()
+    params, buffers, _ = read_weights(done.checkpoint)
+    generator = Generator(Config(model=done.model), params, buffers)
+    assert generator.generate(prompts.tolist(), max_tokens=12) == expected
 
 
 def test_import_maps_the_gemma_configs(imported):
