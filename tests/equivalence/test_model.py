@@ -205,15 +205,21 @@ def test_loss_in_pieces_holds_one_piece_of_logits_at_a_time():
     assert whole > logits and whole - pieces > 0.6 * logits, (whole, pieces, logits)
 
 
-def test_the_whole_loss_keeps_its_logits_and_their_gradient_but_not_their_exponentials():
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_the_whole_loss_keeps_its_logits_and_their_gradient_but_not_their_exponentials(softcap):
     """Issue 14's sizes with the loss in one piece: the loss's custom VJP rebuilds
     softmax(logits) from the logits and log_z, where autodiff of logsumexp had XLA keep
     exp(logits - max) as well, a third float32 [4096, 32768] array (step temp memory 3.38 x
-    the logits, measured; 2.38 now: the logits, their gradient and the rest of the step)."""
-    cfg = validate(load_config("tiny", ISSUE_14_SIZES + ["train.loss_chunks=1"]), 1)
+    the logits, measured; 2.38 now: the logits, their gradient and the rest of the step).
+    Soft-capped logits (model.final_softcap): the loss keeps the capped logits in place of the
+    logits, but XLA:CPU computes the tanh and the multiply by the cap in two fusions, so one
+    more logits-sized array lives in the forward pass (3.38 x, measured)."""
+    cfg = validate(load_config("tiny", ISSUE_14_SIZES + ["train.loss_chunks=1",
+                                                         f"model.final_softcap={softcap}"]), 1)
     logits = 4096 * 32768 * 4
     temp = compiled_temp_bytes(cfg, 1)
-    assert 2 * logits < temp < 2.6 * logits, temp / logits
+    extra = 1 if softcap else 0
+    assert (2 + extra) * logits < temp < (2.6 + extra) * logits, temp / logits
 
 
 @pytest.mark.slow
