@@ -117,6 +117,83 @@ def hf_logits(directory: Path, ids: np.ndarray) -> np.ndarray:
         return model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
 
 
+def imports_with_logits(root: Path, kinds: tuple[str, ...], save_kwargs: dict | None = None
+                        ) -> dict:
+    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits on
+    ``tokens(rows=4)``), the models saved under ``root`` (``save_kwargs`` per kind)."""
+    from jaxpar.hf.importer import import_hf
+
+    ids, out = tokens(rows=4), {}
+    for kind in kinds:
+        source = save_hf_model(kind, root / kind, **(save_kwargs or {}).get(kind, {}))
+        out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
+    return out
+
+
+def import_logits_error(imported: tuple, overrides: list[str], devices: int) -> float:
+    """The largest difference between jaxpar's logits of an import (``imported``, a value of
+    :func:`imports_with_logits`) under ``overrides`` on ``devices`` and transformers'."""
+    _, done, expected = imported
+    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
+    assert int(state.step) == 0
+    got = jaxpar_logits(trainer, state, tokens(rows=4))
+    assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
+    return float(np.abs(got - expected).max())
+
+
+def next_token_ids(rows: int = 4, seed: int = 7) -> np.ndarray:
+    """int32 [rows, SEQ + 1]: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
+    return np.random.default_rng(seed).integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+
+
+def hf_mean_loss(directory: Path, ids: np.ndarray) -> float:
+    """The mean cross-entropy of transformers' logits on ``ids`` (:func:`next_token_ids`),
+    in float64."""
+    logits = hf_logits(directory, ids[:, :-1]).astype(np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+    return float(np.mean(log_z - target))
+
+
+def step_loss(trainer, state, ids: np.ndarray) -> float:
+    """The train step's loss of ``state`` on ``ids`` (:func:`next_token_ids`)."""
+    rows = ids.shape[0]
+    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
+                               "mask": np.ones((rows, ids.shape[1] - 1), np.float32)})
+    return float(trainer.loss_and_grads(state, batch)[0])
+
+
+def losses_both_ways(imported: tuple, overrides: list[str], devices: int) -> tuple[float, float]:
+    """(the train step's loss of an import, a value of :func:`imports_with_logits`, under
+    ``overrides`` on ``devices``; the cross-entropy of transformers' logits) on one batch."""
+    source, done, _ = imported
+    ids = next_token_ids()
+    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
+    return step_loss(trainer, state, ids), hf_mean_loss(source, ids)
+
+
+def greedy_both_ways(directory: Path, checkpoint: Path, model, new_tokens: int = 12
+                     ) -> tuple[list, list]:
+    """(transformers' greedy continuation of two 20-token prompts by the model saved in
+    ``directory``, jaxpar's of the same prompts by the imported ``checkpoint`` of ``model``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpar.checkpoint.weights_only import read_weights
+    from jaxpar.config import Config
+    from jaxpar.generate import Generator
+
+    prompts = tokens(rows=2)[:, :20]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    params, buffers, _ = read_weights(checkpoint)
+    generator = Generator(Config(model=model), params, buffers)
+    return (out[:, prompts.shape[1]:].tolist(),
+            generator.generate(prompts.tolist(), max_tokens=new_tokens))
+
+
 def jaxpar_logits(trainer, state, ids: np.ndarray) -> np.ndarray:
     """float32 logits of ``state``'s model under ``trainer``'s mesh, with the hooks training
     installs (tensor, expert parallel), the rows split over the batch axes."""

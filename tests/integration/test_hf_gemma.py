@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
 from hf_models import (
-    SEQ,
-    VOCAB,
+    greedy_both_ways,
     hf_logits,
-    jaxpar_logits,
-    save_hf_model,
+    import_logits_error,
+    imports_with_logits,
+    losses_both_ways,
     tokens,
-    trainer_from_import,
 )
 
 from jaxpar.checkpoint.weights_only import read_weights
@@ -37,13 +36,7 @@ KINDS = ("gemma2", "gemma3_text", "gemma3")
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits)."""
-    root = tmp_path_factory.mktemp("gemma")
-    ids = tokens(rows=4)
-    out = {}
-    for kind in KINDS:
-        source = save_hf_model(kind, root / kind)
-        out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
-    return out
+    return imports_with_logits(tmp_path_factory.mktemp("gemma"), KINDS)
 
 
 @pytest.mark.parametrize(("kind", "overrides", "devices"), [
@@ -55,51 +48,25 @@ def imported(tmp_path_factory):
     ("gemma3", ["mesh.tensor=2", "train.loss_chunks=2"], 4),
 ])
 def test_imported_gemma_logits_match_transformers(imported, kind, overrides, devices):
-    _, done, expected = imported[kind]
-    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
-    got = jaxpar_logits(trainer, state, tokens(rows=4))
-    assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
-    diff = np.abs(got - expected).max()
+    diff = import_logits_error(imported[kind], overrides, devices)
     assert diff <= TOLERANCE, (kind, overrides, diff)
 
 
 def test_training_loss_of_a_soft_capped_gemma_is_transformers(imported):
     """The train step's loss, the head run over 4 pieces of the sequence (train.loss_chunks)
     under tensor=2 data=2, is the cross-entropy of transformers' soft-capped logits."""
-    source, done, _ = imported["gemma2"]
-    ids = np.random.default_rng(7).integers(0, VOCAB, (4, SEQ + 1)).astype(np.int32)
-    logits = hf_logits(source, ids[:, :-1]).astype(np.float64)
-    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
-    expected = float(np.mean(log_z - target))
-    trainer, state = trainer_from_import(done.config_yaml, ["mesh.tensor=2",
-                                                            "train.loss_chunks=4"], 4)
-    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
-                               "mask": np.ones((4, SEQ), np.float32)})
-    loss, _ = trainer.loss_and_grads(state, batch)
-    assert abs(float(loss) - expected) <= 1e-5 * expected, (float(loss), expected)
+    loss, expected = losses_both_ways(imported["gemma2"],
+                                      ["mesh.tensor=2", "train.loss_chunks=4"], 4)
+    assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
 def test_generation_from_a_gemma_import_is_transformers_greedy_decoding(imported, kind):
     """``jaxpar generate``'s KV-cached decoding (scaled queries, post-norms, scaled embeddings,
     soft-capped logits) gives transformers' greedy tokens."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jaxpar.config import Config
-    from jaxpar.generate import Generator
-
     source, done, _ = imported[kind]
-    prompts = tokens(rows=2)[:, :20]
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=12,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = out[:, prompts.shape[1]:].tolist()
-    params, buffers, _ = read_weights(done.checkpoint)
-    generator = Generator(Config(model=done.model), params, buffers)
-    assert generator.generate(prompts.tolist(), max_tokens=12) == expected
+    expected, got = greedy_both_ways(source, done.checkpoint, done.model)
+    assert got == expected
 
 
 def test_import_maps_the_gemma_configs(imported):
