@@ -133,17 +133,14 @@ def gemma_model_type(m: ModelConfig, refuse) -> str:
            "(the models with post-norms) scale their embeddings")
     refuse(m.moe.enabled, "model.moe", "no Gemma has a mixture of experts")
     refuse(m.qkv_bias, "model.qkv_bias", "no Gemma has q/k/v biases")
+    refuse(not float(m.query_scale or 1).is_integer(), f"model.query_scale={m.query_scale}",
+           "transformers' Gemma configs take a whole query_pre_attn_scalar")
     if m.qk_norm:
         return "gemma3_text"
     refuse(m.rope_scaling.enabled, "model.rope_scaling", "gemma2 (no q/k norms) has plain RoPE")
     refuse(m.rope_local_theta not in (None, m.rope_theta), "model.rope_local_theta",
            "gemma2 (no q/k norms) has one RoPE base")
     return "gemma2"
-
-
-def _whole(x: float) -> float | int:
-    """``x`` as an int where it is one: transformers' Gemma configs refuse a float there."""
-    return int(x) if float(x).is_integer() else x
 
 
 def gemma_hf_config(m: ModelConfig, kind: str, rope_parameters: dict, rope_scaling: dict | None,
@@ -160,7 +157,8 @@ def gemma_hf_config(m: ModelConfig, kind: str, rope_parameters: dict, rope_scali
         "num_key_value_heads": m.n_kv_heads, "head_dim": m.resolved_head_dim,
         "hidden_activation": activation, "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings, "max_position_embeddings": max_positions,
-        "query_pre_attn_scalar": _whole(m.query_scale or m.resolved_head_dim),
+        # an int: transformers' Gemma configs refuse a float there
+        "query_pre_attn_scalar": int(m.query_scale or m.resolved_head_dim),
         # transformers builds the local layers' mask even when none is local
         "sliding_window": m.sliding_window or max_positions, "layer_types": types,
         "final_logit_softcapping": m.final_softcap or None,

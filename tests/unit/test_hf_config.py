@@ -98,6 +98,7 @@ def test_gemma_export_picks_the_type_and_refuses_what_no_type_computes():
     assert model_config_from_hf(written) == m
     no_qk = dataclasses.replace(m, qk_norm=False)
     for bad, field in ((dataclasses.replace(m, embed_scale=False), "model.embed_scale"),
+                       (dataclasses.replace(m, query_scale=24.5), "model.query_scale"),
                        (no_qk, "model.rope_scaling"),
                        (dataclasses.replace(m, post_norms=False), "model.mlp_activation"),
                        (dataclasses.replace(m, post_norms=False, mlp_activation="silu"),
