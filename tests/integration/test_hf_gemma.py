@@ -42,10 +42,12 @@ def imported(tmp_path_factory):
 @pytest.mark.parametrize(("kind", "overrides", "devices"), [
     ("gemma2", [], 1),
     ("gemma2", ["mesh.tensor=2"], 4),
+    ("gemma2", ["mesh.tensor=2", "parallel.sequence_parallel=true"], 4),
     ("gemma3_text", [], 1),
     ("gemma3_text", ["mesh.fsdp=2", "mesh.tensor=2"], 4),
     ("gemma3", [], 1),
     ("gemma3", ["mesh.tensor=2", "train.loss_chunks=2"], 4),
+    ("gemma3", ["mesh.context=2"], 4),
 ])
 def test_imported_gemma_logits_match_transformers(imported, kind, overrides, devices):
     diff = import_logits_error(imported[kind], overrides, devices)
