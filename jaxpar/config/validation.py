@@ -89,10 +89,10 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
     _require(math.isfinite(m.norm_eps) and m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must "
              "be a finite number > 0")
     _check_rope_scaling(m.rope_scaling)
-    _check_gemma_features(m, mesh)
+    _check_gemma_features(m)
 
 
-def _check_gemma_features(m: ModelConfig, mesh: MeshConfig) -> None:
+def _check_gemma_features(m: ModelConfig) -> None:
     """The Gemma 2/3 settings (``jaxpar/hf/config.py`` reads them from Hugging Face)."""
     _require(m.mlp_activation in ("silu", "gelu_tanh"), f"model.mlp_activation="
              f"{m.mlp_activation!r}: must be silu or gelu_tanh")
@@ -102,10 +102,6 @@ def _check_gemma_features(m: ModelConfig, mesh: MeshConfig) -> None:
              f"{m.final_softcap}: must be a finite number >= 0 (0: off)")
     _require(m.query_scale is None or (math.isfinite(m.query_scale) and m.query_scale > 0),
              f"model.query_scale={m.query_scale}: must be null or a finite number > 0")
-    # The pipeline embeds and scores in its own code (jaxpar/parallel/pipeline/stages.py).
-    for name in ("embed_scale", "final_softcap"):
-        _require(mesh.pipe == 1 or not getattr(m, name), f"model.{name}={getattr(m, name)}: "
-                 f"not supported with mesh.pipe={mesh.pipe} (use pipe=1)")
 
 
 def _check_rope_scaling(r: RopeScalingConfig) -> None:

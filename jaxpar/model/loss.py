@@ -216,14 +216,17 @@ _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 def vocab_piece_loss(head: jax.Array, ids: jax.Array, h: jax.Array, targets: jax.Array,
-                     mask: jax.Array, scale: jax.Array, axis: str) -> tuple:
+                     mask: jax.Array, scale: jax.Array, axis: str, softcap: float = 0.0
+                     ) -> tuple:
     """Cross entropy over a vocabulary cut into pieces across the devices of the manual
     ``axis``: this device holds the head's columns ``head`` [E, V/p] of the token ids ``ids``
     [V/p]; ``h`` [B, s, E] are the (same) hidden states on every device. The log-partition
     from the pieces' maxima and sums (``pmax``/``psum`` of ``[B, s]``), the target logit from
     the piece holding it; the gradient w.r.t. the piece's logits is local (module docstring).
-    Returns (summed loss, d_head, d_h) with ``mask * scale`` per token."""
-    logits, logits_vjp = jax.vjp(lambda w, h: float32_logits(h, w), head, h)
+    Returns (summed loss, d_head, d_h) with ``mask * scale`` per token; the logits soft-capped
+    at ``softcap`` (elementwise: each piece caps its own)."""
+    logits, logits_vjp = jax.vjp(lambda w, h: soft_capped(float32_logits(h, w), softcap),
+                                 head, h)
     logits = constrain(logits, ("batch", "seq", "vocab"))
     top = jax.lax.pmax(jnp.max(jax.lax.stop_gradient(logits), axis=-1), axis)
     exp_sum = jax.lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), axis)

@@ -54,11 +54,15 @@ def test_imported_gemma_logits_match_transformers(imported, kind, overrides, dev
     assert diff <= TOLERANCE, (kind, overrides, diff)
 
 
-def test_training_loss_of_a_soft_capped_gemma_is_transformers(imported):
-    """The train step's loss, the head run over 4 pieces of the sequence (train.loss_chunks)
-    under tensor=2 data=2, is the cross-entropy of transformers' soft-capped logits."""
-    loss, expected = losses_both_ways(imported["gemma2"],
-                                      ["mesh.tensor=2", "train.loss_chunks=4"], 4)
+@pytest.mark.parametrize("overrides", [["mesh.tensor=2", "train.loss_chunks=4"],
+                                       ["mesh.pipe=2", "train.microbatches=2",
+                                        "train.loss_chunks=2"]])
+def test_training_loss_of_a_soft_capped_gemma_is_transformers(imported, overrides):
+    """The train step's loss, the head run over pieces of the sequence (train.loss_chunks)
+    under tensor=2 data=2, and in the pipeline executor (pipe=2 data=2: its own embedding,
+    scaled, and its vocabulary pieces, capped), is the cross-entropy of transformers'
+    soft-capped logits."""
+    loss, expected = losses_both_ways(imported["gemma2"], overrides, 4)
     assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
 
 

@@ -91,8 +91,6 @@ ERROR_CASES = {
     "rope-scaling-linear-below-1": (["model.rope_scaling.type=linear",
                                      "model.rope_scaling.factor=0.5"],
                                     ["model.rope_scaling.factor=0.5", ">= 1"]),
-    "embed-scale-pipeline": (["mesh.pipe=2", "model.embed_scale=true"],
-                             ["model.embed_scale=True", "mesh.pipe=2"]),
     # The mesh.
     "mesh-product-mismatch": (["mesh.data=2", "mesh.tensor=2"], ["mesh", "4", "8 devices"]),
     "mesh-two-wildcards": (["mesh.fsdp=-1"], ["mesh", "-1", "data, fsdp"]),
