@@ -66,10 +66,11 @@ class MoEConfig:
 @dataclass(frozen=True)
 class RopeScalingConfig:
     """Rescaled rotary frequencies for contexts longer than pre-training's (Llama 3.1's
-    ``llama3`` rule, ``jaxpar/model/layers.py:rope_frequencies``); ``type: none`` is plain RoPE."""
+    ``llama3`` rule, or ``linear``: every frequency divided by ``factor``, as Gemma 3's global
+    layers; ``jaxpar/model/layers.py:rope_frequencies``); ``type: none`` is plain RoPE."""
 
-    type: Literal["none", "llama3"] = "none"
-    factor: float = 8.0  # long wavelengths are divided by this
+    type: Literal["none", "llama3", "linear"] = "none"
+    factor: float = 8.0  # long wavelengths (linear: all) are divided by this
     low_freq_factor: float = 1.0  # wavelengths above original / low_freq_factor: divided
     high_freq_factor: float = 4.0  # wavelengths below original / high_freq_factor: unchanged
     original_max_position_embeddings: int = 8192  # the pre-training context
@@ -94,6 +95,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # SwiGLU, or GeGLU (Gemma)
+    post_norms: bool = False  # RMSNorm of attention and MLP outputs before the add (Gemma 2/3)
+    embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype (Gemma)
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2); 0: off
+    query_scale: float | None = None  # scores times query_scale**-0.5 (Gemma); None: head_dim
     init_std: float = 0.02
     # auto: cuDNN on a GPU in 16-bit, splash on a TPU, else blockwise when the sequence spans
     # several blocks

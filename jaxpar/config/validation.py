@@ -90,6 +90,7 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
              "be a finite number > 0")
     _check_rope_scaling(m.rope_scaling)
     _check_window(m)
+    _check_gemma_features(m)
 
 
 def _check_window(m: ModelConfig) -> None:
@@ -109,11 +110,25 @@ def _check_window(m: ModelConfig) -> None:
              "model.sliding_window (it is the local layers' RoPE base)")
 
 
+def _check_gemma_features(m: ModelConfig) -> None:
+    """The Gemma 2/3 settings (``jaxpar/hf/config.py`` reads them from Hugging Face)."""
+    _require(m.mlp_activation in ("silu", "gelu_tanh"), f"model.mlp_activation="
+             f"{m.mlp_activation!r}: must be silu or gelu_tanh")
+    _require(m.mlp_activation == "silu" or not m.moe.enabled, "model.mlp_activation="
+             f"{m.mlp_activation}: the experts of model.moe are SwiGLU (silu) only")
+    _require(math.isfinite(m.final_softcap) and m.final_softcap >= 0, "model.final_softcap="
+             f"{m.final_softcap}: must be a finite number >= 0 (0: off)")
+    _require(m.query_scale is None or (math.isfinite(m.query_scale) and m.query_scale > 0),
+             f"model.query_scale={m.query_scale}: must be null or a finite number > 0")
+
+
 def _check_rope_scaling(r: RopeScalingConfig) -> None:
     """The llama3 rule interpolates between two wavelengths: they must be ordered."""
     if not r.enabled:
         return
     _require(r.factor >= 1, f"model.rope_scaling.factor={r.factor}: must be >= 1")
+    if r.type == "linear":
+        return
     _require(0 < r.low_freq_factor < r.high_freq_factor, "model.rope_scaling: low_freq_factor="
              f"{r.low_freq_factor} must be > 0 and below high_freq_factor={r.high_freq_factor}")
     _require(r.original_max_position_embeddings >= 1, "model.rope_scaling."

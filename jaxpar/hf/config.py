@@ -1,12 +1,13 @@
 """Hugging Face ``config.json`` <-> jaxpar's :class:`~jaxpar.config.ModelConfig`.
 
 Read: the Llama family (``llama``, ``mistral``, ``qwen2`` with its q/k/v biases, ``qwen3`` with
-its q/k norms) and the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
-mixture). Mistral's and Mixtral's ``sliding_window`` is ``model.sliding_window`` (every layer
-local); Qwen's, with ``use_sliding_window``, only where ``max_window_layers`` leaves every
-layer local (0) or none (>= the layer count): its "first layers global, the rest local" has no
-``model.global_every``. Anything jaxpar's model would compute differently (biases on o_proj or
-the MLP, another activation, a RoPE rule other than plain or ``llama3``) is a one-line
+its q/k norms), the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
+mixture), and Gemma 2 and 3 (:mod:`jaxpar.hf.gemma`). Mistral's and Mixtral's
+``sliding_window`` is ``model.sliding_window`` (every layer local); Qwen's, with
+``use_sliding_window``, only where ``max_window_layers`` leaves every layer local (0) or none
+(>= the layer count): its "first layers global, the rest local" has no ``model.global_every``.
+Anything jaxpar's model would compute differently (biases on o_proj or the MLP, another
+activation, a RoPE rule other than plain, ``linear`` or ``llama3``) is a one-line
 :class:`HFConfigError` naming the field, never silently dropped.
 
 Both dialects of the RoPE settings are read: transformers 4.x writes ``rope_theta`` and
@@ -21,22 +22,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxpar.config import ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
-
-
-class HFConfigError(ConfigError):
-    """A Hugging Face model jaxpar cannot represent: exit 2, one line naming the field."""
-
+from jaxpar.config import ModelConfig, MoEConfig
+from jaxpar.hf.common import LLAMA3_KEYS, HFConfigError, rope_from_hf
+from jaxpar.hf.common import refuse as _refuse
+from jaxpar.hf.common import required as _get
+from jaxpar.hf.gemma import (
+    GEMMA_TYPES,
+    gemma_hf_config,
+    gemma_model_config,
+    gemma_model_type,
+    is_gemma,
+)
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# RoPE base when a config names none (transformers' defaults per model type).
-DEFAULT_THETA = {"mixtral": 1e6}
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings")
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
@@ -53,25 +55,17 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     return data
 
 
-def _get(hf: Mapping[str, Any], key: str) -> Any:
-    if hf.get(key) is None:
-        raise HFConfigError(f"config.json: {key} is missing")
-    return hf[key]
-
-
-def _refuse(condition: bool, field: str, why: str) -> None:
-    if condition:
-        raise HFConfigError(f"config.json: {field}: {why}")
-
-
 def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """The jaxpar model of a Hugging Face ``config.json`` (as a dict); raises
     :class:`HFConfigError` naming the first field jaxpar cannot represent."""
     kind = hf.get("model_type")
     _refuse(kind == "qwen2_moe", "shared_expert_intermediate_size", "qwen2_moe's sigmoid-gated "
             "shared expert has no jaxpar equivalent")
-    _refuse(kind not in DENSE_TYPES + MOE_TYPES, "model_type",
-            f"{kind!r} is not supported; supported: {', '.join(DENSE_TYPES + MOE_TYPES)}")
+    supported = DENSE_TYPES + MOE_TYPES + GEMMA_TYPES
+    _refuse(kind not in supported, "model_type",
+            f"{kind!r} is not supported; supported: {', '.join(supported)}")
+    if kind in GEMMA_TYPES:
+        return gemma_model_config(hf)
     _check_unsupported(hf, kind)
     d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
     theta, scaling = rope_from_hf(hf, kind)
@@ -141,35 +135,6 @@ def _window_from_hf(hf: Mapping[str, Any], kind: str) -> int | None:
     return window
 
 
-def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingConfig]:
-    """RoPE base and scaling from either dialect: 5.x's ``rope_parameters`` (theta and the
-    scaling rule in one dict) or 4.x's ``rope_theta`` + ``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    legacy = hf.get("rope_scaling") or {}
-    _refuse(not isinstance(params, Mapping) or not isinstance(legacy, Mapping),
-            "rope_parameters", "expected one dict (per-layer-type RoPE is not supported)")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    theta = float(theta if theta is not None else DEFAULT_THETA.get(kind, 10000.0))
-    # 5.x keeps the rule in rope_parameters; 4.x in rope_scaling (rope_type, or older "type").
-    rule = params if params.get("rope_type", "default") != "default" else legacy
-    rope_type = rule.get("rope_type", rule.get("type", "default"))
-    field = "rope_parameters" if rule is params else "rope_scaling"
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    _refuse(factor not in (None, 1, 1.0), "partial_rotary_factor",
-            f"{factor}: only full rotary embeddings are supported")
-    if rope_type == "default":
-        return theta, RopeScalingConfig()
-    _refuse(rope_type != "llama3", f"{field}.rope_type", f"{rope_type!r} is not supported; "
-            "supported: default, llama3")
-    missing = [k for k in LLAMA3_KEYS if rule.get(k) is None]
-    _refuse(bool(missing), f"{field}.{missing[0] if missing else ''}", "missing (llama3)")
-    return theta, RopeScalingConfig(
-        type="llama3", factor=float(rule["factor"]),
-        low_freq_factor=float(rule["low_freq_factor"]),
-        high_freq_factor=float(rule["high_freq_factor"]),
-        original_max_position_embeddings=int(rule["original_max_position_embeddings"]))
-
-
 # --------------------------------------------------------------------------------------------
 # Writing
 
@@ -177,6 +142,12 @@ def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingCo
 def hf_model_type(m: ModelConfig) -> str:
     """The Hugging Face model type that computes what ``m`` computes, or an error naming the
     jaxpar setting none of them has."""
+    if is_gemma(m):
+        return gemma_model_type(m, _refuse_export)
+    for name, off in (("mlp_activation", "silu"), ("embed_scale", False), ("final_softcap", 0.0),
+                      ("query_scale", None)):
+        _refuse_export(getattr(m, name) != off, f"model.{name}={getattr(m, name)}", "only the "
+                       "Gemmas (model.post_norms) have it")
     if m.moe.enabled:
         moe = m.moe
         # qwen3_moe (q/k norms) has any expert size and either gate; mixtral renormalises.
@@ -223,15 +194,19 @@ def _refuse_export(condition: bool, field: str, why: str) -> None:
 def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     """A ``config.json`` for ``m``, with the RoPE settings in both dialects."""
     kind = hf_model_type(m)
-    _check_attention_export(m, kind)
+    if not is_gemma(m):
+        _check_attention_export(m, kind)
     rope_parameters: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": "default"}
     rope_scaling = None
     max_positions = 8192
     if m.rope_scaling.enabled:
         r = m.rope_scaling
-        rope_scaling = {"rope_type": "llama3", **{k: getattr(r, k) for k in LLAMA3_KEYS}}
+        keys = LLAMA3_KEYS if r.type == "llama3" else ("factor",)
+        rope_scaling = {"rope_type": r.type, **{k: getattr(r, k) for k in keys}}
         rope_parameters.update(rope_scaling)
         max_positions = int(r.original_max_position_embeddings * r.factor)
+    if is_gemma(m):
+        return gemma_hf_config(m, kind, rope_parameters, rope_scaling, max_positions)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,

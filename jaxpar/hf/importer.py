@@ -36,6 +36,8 @@ from jaxpar.config import (
 )
 from jaxpar.hf.config import HFConfigError, model_config_from_hf, read_hf_config
 from jaxpar.hf.names import (
+    PLUS_ONE,
+    TEXT_PREFIXES,
     Tensor,
     hf_shape,
     hf_tensors,
@@ -50,6 +52,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 BLOCK_BYTES = 2**20  # a tensor is read this many (float32) bytes at a time
 # Tensors a Hugging Face directory may hold that the model does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The multimodal Gemma 3's image side: jaxpar imports its language model only.
+LEFT_OUT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector.")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Imported:
     tokenizer: Path | None  # the copied tokenizer.json, if the source had one
     total_bytes: int  # float32 bytes of the parameters
     generation: GenerationConfig  # how prompts are encoded, which ids end a sequence
+    left_out: int = 0  # tensors of the source not imported (a multimodal model's image side)
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -112,30 +118,41 @@ def _paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     return out
 
 
-def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig) -> None:
+def text_prefix(files: dict[str, Path]) -> str:
+    """Where the checkpoint keeps the language model (:data:`TEXT_PREFIXES`)."""
+    return next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in files), "model.")
+
+
+def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig,
+                 left_out: tuple[str, ...]) -> int:
+    """Refuses a missing or unknown tensor; returns how many start with ``left_out``."""
     wanted = {t.hf for t in tensors}
     missing = sorted(wanted - set(files))
     if missing:
         raise HFConfigError(f"tensor {missing[0]} is missing from the safetensors files "
                             f"({len(missing)} missing)")
-    extra = sorted(n for n in set(files) - wanted
+    unused = [n for n in set(files) - wanted if n.startswith(left_out)] if left_out else []
+    extra = sorted(n for n in set(files) - wanted - set(unused)
                    if not n.endswith(IGNORED_SUFFIXES)
-                   and not (m.tie_embeddings and n == "lm_head.weight"))  # tied: unused copy
+                   and not (m.tie_embeddings and n in TEXT_PREFIXES.values()))  # tied: a copy
     if extra:
         raise HFConfigError(f"tensor {extra[0]}: the model jaxpar builds from config.json has no "
                             f"such weight ({len(extra)} unknown; an unsupported config field?)")
+    return len(unused)
 
 
-def read_weights(directory: Path, m: ModelConfig) -> dict:
-    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays."""
+def read_weights(directory: Path, m: ModelConfig, left_out: tuple[str, ...] = ()
+                 ) -> tuple[dict, int]:
+    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays, and
+    the count of the tensors starting with ``left_out`` that it does not read."""
     files = weight_files(directory)
-    tensors = hf_tensors(m)
-    _check_names(tensors, files, m)
+    tensors = hf_tensors(m, text_prefix(files))
+    unused = _check_names(tensors, files, m, left_out)
     params = _host_arrays(m)
     _check_coverage(tensors, params)
     for t in tensors:
         _read_into(files[t.hf], t, param_at(params, t.path)[t.index])
-    return params
+    return params, unused
 
 
 def _read_into(file: Path, t: Tensor, target: np.ndarray) -> None:
@@ -156,6 +173,8 @@ def _read_into(file: Path, t: Tensor, target: np.ndarray) -> None:
             view[:, start:start + rows] = block.T  # converts to float32 as it copies
         else:
             view[start:start + rows] = block
+    if t.layout == PLUS_ONE:  # Gemma's norms multiply by 1 + weight, added in float32
+        target += np.float32(1.0)
 
 
 def _copy_tokenizer(source: Path, out_dir: Path) -> Path | None:
@@ -197,7 +216,8 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     hf = read_hf_config(source)
     model = model_config_from_hf(hf)
     generation = generation_settings(source, hf, model.vocab_size)
-    params = read_weights(source, model)
+    multimodal = hf.get("model_type") == "gemma3"
+    params, left_out = read_weights(source, model, LEFT_OUT_PREFIXES if multimodal else ())
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _copy_tokenizer(source, out_dir)
     # The config to train from: the model, these weights, the tokenizer if there is one, and
@@ -211,14 +231,16 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     total = sum(param_at(params, p).nbytes for p in _paths(params))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
-                    total_bytes=total, generation=generation)
-
+                    total_bytes=total, generation=generation, left_out=left_out)
 
 
 def import_hf_main(source: Path, out_dir: Path) -> int:
     """``jaxpar import-hf``: convert, then say what was written and how to train from it."""
     done = import_hf(source, out_dir)
     m = done.model
+    if done.left_out:
+        print(f"left out {done.left_out} tensors of the vision tower and projector: jaxpar "
+              "imports the language model only")
     print(f"imported {source}: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
           + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
           + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")

@@ -54,7 +54,9 @@ def param_count(cfg: ModelConfig) -> int:
         layers += n_moe * _moe_params(cfg, cfg.moe.num_experts)
     embedding = cfg.vocab_size * cfg.d_model
     head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
-    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    # two norms a block (four with post_norms) and the final one; q/k norms of one head each
+    norms = ((2 + 2 * cfg.post_norms) * cfg.n_layers + 1) * cfg.d_model
+    norms += 2 * cfg.n_layers * cfg.resolved_head_dim * cfg.qk_norm
     return layers + embedding + head + norms
 
 

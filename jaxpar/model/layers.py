@@ -170,6 +170,31 @@ def _gated_silu_bwd(residuals, d_hidden):
 
 gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
 
+_GELU_C = (2 / jnp.pi) ** 0.5  # tanh approximation: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
+
+
+@jax.custom_vjp
+def gated_gelu_tanh(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``gelu_tanh(gate) * up``, GeGLU (Gemma's ``gelu_pytorch_tanh``). A custom VJP for the
+    reason of :func:`gated_silu`: the backward pass keeps only ``gate`` and ``up``."""
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+def _gated_gelu_tanh_fwd(gate, up):
+    return gated_gelu_tanh(gate, up), (gate, up)
+
+
+def _gated_gelu_tanh_bwd(residuals, d_hidden):
+    gate, up = residuals
+    t = jnp.tanh(_GELU_C * (gate + 0.044715 * gate ** 3))
+    d_up = d_hidden * 0.5 * gate * (1 + t)
+    d_act = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * gate * gate)
+    return d_hidden * up * d_act, d_up
+
+
+gated_gelu_tanh.defvjp(_gated_gelu_tanh_fwd, _gated_gelu_tanh_bwd)
+GATED_ACTIVATIONS = {"silu": gated_silu, "gelu_tanh": gated_gelu_tanh}
+
 
 def rope_frequencies(head_dim: int, theta: float,
                      scaling: RopeScalingConfig | None = None) -> jax.Array:
@@ -178,11 +203,14 @@ def rope_frequencies(head_dim: int, theta: float,
     ``llama3`` (Llama 3.1): wavelengths 2 pi / f longer than original / low_freq_factor are
     stretched by ``factor``, those shorter than original / high_freq_factor kept, and the band
     between interpolated linearly in original / wavelength (as Meta's reference code does).
+    ``linear`` (Gemma 3's global layers): every frequency divided by ``factor``.
     """
     half = head_dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None or not scaling.enabled:
         return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
     original = scaling.original_max_position_embeddings
     wavelength = 2 * jnp.pi / inv_freq
     smooth = (original / wavelength - scaling.low_freq_factor) / (
@@ -223,7 +251,8 @@ class Attention(nnx.Module):
     """QKV projections are column-parallel (split on heads), the output projection row-parallel.
 
     Optional, for models imported from Hugging Face: biases on q, k, v (``model.qkv_bias``,
-    Qwen2) and an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3); a
+    Qwen2), an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3, Gemma 3),
+    scores scaled by ``model.query_scale**-0.5`` rather than ``head_dim**-0.5`` (Gemma); a
     sliding window in some or all layers (``model.sliding_window``, ``global_every``: Mistral,
     Gemma), soft-capped scores (``model.attn_softcap``) and another RoPE base in the local
     layers (``model.rope_local_theta``)."""
@@ -249,6 +278,8 @@ class Attention(nnx.Module):
         self.rope_local_theta = cfg.rope_local_theta
         if self.window is not None:
             self.local = LocalLayer(jnp.ones((), jnp.int32), out_sharding=())
+        # q pre-multiplied so that every attention kernel's head_dim**-0.5 gives query_scale's.
+        self.q_multiplier = 1.0 if cfg.query_scale is None else (d / cfg.query_scale) ** 0.5
 
     def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
                  ) -> jax.Array:
@@ -269,6 +300,8 @@ class Attention(nnx.Module):
         frequencies = self._frequencies(q.shape[-1])
         q = rotary_embedding(q, rope, self.rope_theta, self.rope_scaling, frequencies)
         k = rotary_embedding(k, rope, self.rope_theta, self.rope_scaling, frequencies)
+        if self.q_multiplier != 1.0:
+            q = q * jnp.asarray(self.q_multiplier, q.dtype)
         attend = attention_override() or dense_attention
         out = attend(q, k, v, self._mask(positions))
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
@@ -308,7 +341,8 @@ class Attention(nnx.Module):
 
 class SwiGLU(nnx.Module):
     """gate/up are column-parallel (split on mlp), down is row-parallel. ``d_ff`` defaults to
-    ``cfg.d_ff`` (MoE shared experts pass their own)."""
+    ``cfg.d_ff`` (MoE shared experts pass their own); ``model.mlp_activation: gelu_tanh``
+    makes it GeGLU (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
         e, f = cfg.d_model, d_ff if d_ff is not None else cfg.d_ff
@@ -316,6 +350,7 @@ class SwiGLU(nnx.Module):
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x: jax.Array, x_from: Rebuild | None = None) -> jax.Array:
         w_names = ("act_embed", "mlp")
@@ -325,5 +360,5 @@ class SwiGLU(nnx.Module):
             both = (Projection("bse,ef->bsf", (self.w_gate,), w_names),
                     Projection("bse,ef->bsf", (self.w_up,), w_names))
         gate, up = project_all(x, both, x_from=x_from or sequence_slice(x))
-        hidden = constrain(gated_silu(gate, up), ("batch", "seq", "mlp"))
+        hidden = constrain(GATED_ACTIVATIONS[self.activation](gate, up), ("batch", "seq", "mlp"))
         return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))

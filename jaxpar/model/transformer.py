@@ -45,7 +45,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + ffn(norm(x)), where ffn is the SwiGLU
-    MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`).
+    MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`). With
+    ``model.post_norms`` (Gemma's "sandwich"), each branch's output is normed too before the
+    add: x + post_norm(attn(norm(x))).
 
     Between blocks the residual stream is laid out as ``RESIDUAL`` (its tokens split over
     ``tensor`` too under sequence parallelism); the matmul inputs are laid out as ``seq``. The
@@ -61,16 +63,25 @@ class Block(nnx.Module):
             self.moe = MoE(cfg, rngs)
         else:
             self.mlp = SwiGLU(cfg, rngs)
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def __call__(self, x: jax.Array, positions: Positions) -> tuple[jax.Array, Aux]:
         h, h_from = self.attn_norm.for_matmul(x)
-        x = x + constrain(self.attn(h, positions, h_from), RESIDUAL)
+        x = x + self._post_norm("attn_post_norm", self.attn(h, positions, h_from))
         h, h_from = self.mlp_norm.for_matmul(x)
         if hasattr(self, "moe"):
             out, aux = self.moe(h)
         else:
             out, aux = self.mlp(h, h_from), {}
-        return x + constrain(out, RESIDUAL), aux
+        return x + self._post_norm("mlp_post_norm", out), aux
+
+    def _post_norm(self, name: str, out: jax.Array) -> jax.Array:
+        """A branch's output in the residual stream's layout, normed there (where sequence
+        parallelism splits its tokens) under ``model.post_norms``."""
+        out = constrain(out, RESIDUAL)
+        return getattr(self, name)(out) if hasattr(self, name) else out
 
 
 class BlockGroup(nnx.Module):
@@ -189,6 +200,8 @@ class Transformer(nnx.Module):
         tokens = constrain(tokens, ("batch", "seq"))
         x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype, grad_pieces,
                    vocab_shards=split_count("vocab"))
+        if self.cfg.embed_scale:  # in the compute dtype, rounded as transformers rounds it
+            x = x * jnp.asarray(self.cfg.d_model ** 0.5, dtype)
         return constrain(x, RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: Positions, *, remat: str = "none",
@@ -217,8 +230,9 @@ class Transformer(nnx.Module):
         return x, aux
 
     def logits(self, x: jax.Array, *, dtype=jnp.float32) -> jax.Array:
-        """The residual stream -> float32 logits [B, S, vocab] (final norm, output head)."""
-        return head_logits(self.final_hidden(x), self.head(dtype))
+        """The residual stream -> float32 logits [B, S, vocab] (final norm, output head, and
+        ``model.final_softcap``)."""
+        return head_logits(self.final_hidden(x), self.head(dtype), self.cfg.final_softcap)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         """The residual stream after the final norm: what the output head multiplies."""

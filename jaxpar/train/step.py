@@ -149,7 +149,7 @@ def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch:
     x = model.embed(batch["inputs"], dtype=dtype, grad_pieces=embedding_grad_pieces)
     x, aux = model.run_layers(x, batch["positions"], remat=remat)
     return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
-                             batch["mask"], loss_pieces), aux
+                             batch["mask"], loss_pieces, model.cfg.final_softcap), aux
 
 
 @dataclass(frozen=True)

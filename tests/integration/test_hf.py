@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from hf_models import (
     LLAMA3,
-    SEQ,
-    VOCAB,
     build_hf_model,
+    greedy_both_ways,
     hf_logits,
+    import_logits_error,
+    imports_with_logits,
     jaxpar_logits,
+    losses_both_ways,
     save_hf_model,
     tokens,
     trainer_from_import,
@@ -33,16 +35,11 @@ TOLERANCE = 1e-4  # max abs logit difference, float32
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits)."""
-    root = tmp_path_factory.mktemp("hf")
-    ids = tokens(rows=4)
-    out = {}
-    for kind in ("llama", "qwen2", "qwen3", "mistral", "mistral_window", "mixtral", "qwen3_moe"):
-        # llama in two shards with an index, as large models come
-        extra = {"max_shard_size": "150KB"} if kind == "llama" else {}
-        source = save_hf_model(kind, root / kind, **extra)
-        out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
-    return out
+    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits); llama in
+    two shards with an index, as large models come."""
+    return imports_with_logits(tmp_path_factory.mktemp("hf"), ("llama", "qwen2", "qwen3",
+                               "mistral", "mistral_window", "mixtral", "qwen3_moe"),
+                               {"llama": {"max_shard_size": "150KB"}})
 
 
 def test_qwen2_with_every_layer_sliding_gives_transformers_logits(tmp_path):
@@ -79,12 +76,7 @@ def test_sharded_source_was_read_from_its_index(imported):
     ("qwen3_moe", ["mesh.expert=2"], 4),
 ])
 def test_imported_logits_match_transformers(imported, kind, overrides, devices):
-    _, done, expected = imported[kind]
-    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
-    assert int(state.step) == 0
-    got = jaxpar_logits(trainer, state, tokens(rows=4))
-    assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
-    diff = np.abs(got - expected).max()
+    diff = import_logits_error(imported[kind], overrides, devices)
     assert diff <= TOLERANCE, (kind, overrides, diff)
 
 
@@ -92,18 +84,8 @@ def test_imported_logits_match_transformers(imported, kind, overrides, devices):
 def test_training_loss_of_an_import_under_a_pipeline_is_transformers(imported, kind):
     """The train step's loss (pipeline executor over pipe=2, data=2) of the imported weights is
     the cross-entropy of transformers' logits."""
-    source, done, _ = imported[kind]
-    ids = np.random.default_rng(7).integers(0, VOCAB, (4, SEQ + 1)).astype(np.int32)
-    logits = hf_logits(source, ids[:, :-1]).astype(np.float64)
-    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
-    expected = float(np.mean(log_z - target))
-    trainer, state = trainer_from_import(done.config_yaml, ["mesh.pipe=2",
-                                                            "train.microbatches=2"], 4)
-    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
-                               "mask": np.ones((4, SEQ), np.float32)})
-    loss, _ = trainer.loss_and_grads(state, batch)
-    assert abs(float(loss) - expected) <= 1e-5 * expected, (float(loss), expected)
+    loss, expected = losses_both_ways(imported[kind], ["mesh.pipe=2", "train.microbatches=2"], 4)
+    assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
 
 
 def test_init_from_converts_to_the_stored_dtype_and_refuses_another_model(imported):
@@ -194,20 +176,6 @@ def test_config_written_by_this_transformers_reads_as_the_hand_written_one(tmp_p
 def test_generation_from_an_import_is_transformers_greedy_decoding(imported, kind):
     """``jaxpar generate``'s KV-cached decoding runs the imported weights as transformers does
     (llama3 RoPE scaling, biases, tied embeddings included)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jaxpar.checkpoint.weights_only import read_weights
-    from jaxpar.config import Config
-    from jaxpar.generate import Generator
-
     source, done, _ = imported[kind]
-    prompts = tokens(rows=2)[:, :20]
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=12,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = out[:, prompts.shape[1]:].tolist()
-    params, buffers, _ = read_weights(done.checkpoint)
-    generator = Generator(Config(model=done.model), params, buffers)
-    assert generator.generate(prompts.tolist(), max_tokens=12) == expected
+    expected, got = greedy_both_ways(source, done.checkpoint, done.model)
+    assert got == expected

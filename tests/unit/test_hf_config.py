@@ -5,10 +5,13 @@ transformers: ``tests/integration/test_hf.py``, ``tests/integration/test_hf_expo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hf_models import LLAMA3
 from hf_models import llama_config_5x as _llama_config_5x
 
+from jaxpar.config import RopeScalingConfig
 from jaxpar.hf.config import HFConfigError, model_config_from_hf
 from jaxpar.hf.exporter import parse_size, shard_plan
 
@@ -44,13 +47,69 @@ def test_4x_and_5x_config_dialects_give_the_same_model(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}},
      "rope_parameters.rope_type"),
-    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      "rope_scaling.rope_type"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
 ])
 def test_unsupported_fields_are_named(change, field):
     with pytest.raises(HFConfigError, match=field.replace(".", r"\.")):
         model_config_from_hf({**_llama_config_5x(), **change})
+
+
+GEMMA3_5X = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
+             "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24,
+             "sliding_window": 32, "hidden_activation": "gelu_pytorch_tanh",
+             "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+             "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                    "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 1e4}}}
+
+
+def test_gemma3_reads_the_same_from_both_rope_dialects_and_its_pattern_as_global_every():
+    old = {**GEMMA3_5X, "rope_parameters": None, "layer_types": None, "rope_theta": 1e6,
+           "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    new = model_config_from_hf(GEMMA3_5X)
+    assert model_config_from_hf(old) == new  # 4.x: the pattern from sliding_window_pattern 6
+    assert (new.sliding_window, new.global_every, new.rope_local_theta) == (32, 6, 1e4)
+    assert new.rope_scaling.type == "linear" and new.rope_theta == 1e6
+    multimodal = {"model_type": "gemma3", "text_config": GEMMA3_5X}
+    assert model_config_from_hf(multimodal) == new
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ({"layer_types": ["full_attention"] + ["sliding_attention"] * 5}, "not periodic"),
+    ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "sliding_attention.rope_type"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+])
+def test_gemma_fields_jaxpar_cannot_compute_are_named(change, field):
+    with pytest.raises(HFConfigError, match=field.replace(".", r"\.")):
+        model_config_from_hf({**GEMMA3_5X, **change})
+
+
+def test_gemma_export_picks_the_type_and_refuses_what_no_type_computes():
+    from jaxpar.hf.config import hf_config_from_model
+
+    m = model_config_from_hf(GEMMA3_5X)
+    assert hf_config_from_model(m)["model_type"] == "gemma3_text"
+    written = hf_config_from_model(m)
+    assert model_config_from_hf(written) == m
+    no_qk = dataclasses.replace(m, qk_norm=False)
+    for bad, field in ((dataclasses.replace(m, embed_scale=False), "model.embed_scale"),
+                       (dataclasses.replace(m, query_scale=24.5), "model.query_scale"),
+                       (no_qk, "model.rope_scaling"),
+                       (dataclasses.replace(m, post_norms=False), "model.mlp_activation"),
+                       (dataclasses.replace(m, post_norms=False, mlp_activation="silu"),
+                        "model.embed_scale")):
+        with pytest.raises(HFConfigError, match=field):
+            hf_config_from_model(bad)
+    gemma2 = dataclasses.replace(no_qk, rope_scaling=RopeScalingConfig(), rope_local_theta=None)
+    assert hf_config_from_model(gemma2)["model_type"] == "gemma2"
+    assert model_config_from_hf(hf_config_from_model(gemma2)) == gemma2
 
 
 # --------------------------------------------------------------------------------------------
