@@ -80,13 +80,15 @@ def test_import_maps_the_gemma_configs(imported):
     m = gemma2.model
     assert (m.post_norms, m.embed_scale, m.mlp_activation, m.qk_norm) == (
         True, True, "gelu_tanh", False)
-    assert (m.final_softcap, m.query_scale, m.sliding_window, m.global_every) == (
-        30.0, 24.0, 512, 2)
+    assert (m.final_softcap, m.query_scale, m.sliding_window, m.global_every, m.attn_softcap
+            ) == (30.0, 24.0, 64, 2, 2.0)
     m = gemma3_text.model
-    assert m.qk_norm and m.sliding_window is None and m.final_softcap == 0.0
+    assert m.qk_norm and (m.sliding_window, m.global_every, m.final_softcap) == (64, 2, 0.0)
     assert m.rope_theta == 1e5 and m.rope_scaling == RopeScalingConfig(type="linear", factor=8.0)
+    assert m.rope_local_theta == 1e4
     m = gemma3.model
-    assert (m.sliding_window, m.global_every, m.query_scale) == (512, 2, 32.0)
+    assert (m.sliding_window, m.global_every, m.query_scale) == (64, 2, 32.0)
+    assert (m.rope_theta, m.rope_local_theta) == (1e6, 1e4)
     assert gemma3.left_out > 0 and gemma2.left_out == 0  # the vision tower and projector
 
 
