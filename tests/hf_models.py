@@ -51,7 +51,7 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
         cfg = tr.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e5, **overrides)
         model = tr.Qwen2ForCausalLM(cfg)
     elif kind in ("mistral", "mistral_window"):  # a window of 64 of the 512 tokens, or none
-        window = 64 if kind == "mistral_window" else None
+        window = overrides.pop("sliding_window", 64 if kind == "mistral_window" else None)
         cfg = tr.MistralConfig(**common, sliding_window=window, **overrides)
         model = tr.MistralForCausalLM(cfg)
     elif kind == "qwen3":
@@ -79,7 +79,7 @@ def _gemma(kind: str, common: dict, overrides: dict):
     seeing 64 of the 512 test tokens, and its own query_pre_attn_scalar."""
     import transformers as tr
 
-    text = {**common, "head_dim": 16, "sliding_window": 64}
+    text = {**common, "head_dim": 16, "sliding_window": overrides.pop("sliding_window", 64)}
     if kind == "gemma2":
         return tr.Gemma2ForCausalLM(tr.Gemma2Config(
             **text, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, **overrides))

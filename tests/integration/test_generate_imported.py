@@ -20,7 +20,10 @@ from jaxpar.cli.main import main
 
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "mistral_window", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+            "gemma2", "gemma3_text", "gemma3"]
+# Local layers see 8 tokens, so that the longer prompts reach past the window.
+WINDOWED = {"mistral_window", "gemma2", "gemma3_text", "gemma3"}
 # Prompt lengths in tokens: within one length bucket of generation (16), at its edge, past it,
 # past two (the BOS, where one is added, makes each one longer).
 LENGTHS = (3, 15, 16, 21, 37)
@@ -36,7 +39,9 @@ def sources(tmp_path_factory):
     out = {}
     for kind in FAMILIES:
         model_dir = root / kind
-        build_hf_model(kind, bos_token_id=BOS, eos_token_id=EOS).save_pretrained(model_dir)
+        window = {"sliding_window": 8} if kind in WINDOWED else {}
+        build_hf_model(kind, bos_token_id=BOS, eos_token_id=EOS, **window
+                       ).save_pretrained(model_dir)
         for adds_bos in (True, False):
             source = shutil.copytree(model_dir, root / f"{kind}-{'bos' if adds_bos else 'none'}")
             out[kind, adds_bos] = save_char_tokenizer(source, adds_bos)
