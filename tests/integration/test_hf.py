@@ -6,9 +6,11 @@ by this transformers. The config dialects of transformers 4.x and 5.x (read with
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
+from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
 from hf_models import (
     LLAMA3,
     build_hf_model,
@@ -179,3 +181,20 @@ def test_generation_from_an_import_is_transformers_greedy_decoding(imported, kin
     source, done, _ = imported[kind]
     expected, got = greedy_both_ways(source, done.checkpoint, done.model)
     assert got == expected
+
+
+def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_one_line(imported, tmp_path):
+    """A tensor of another shape than config.json makes, a missing one and an unknown one: exit
+    2, one line naming the tensor, nothing written."""
+    source = shutil.copytree(imported["llama"][0], tmp_path / "llama")
+    config = json.loads((source / "config.json").read_text())
+    env = cached_jax_env(tmp_path / "jax-cache")
+    bad = [({"intermediate_size": 80}, ("gate_proj.weight is [96, 64]", "makes it [80, 64]")),
+           ({"num_hidden_layers": 3}, ("model.layers.2.", "missing")),
+           ({"num_hidden_layers": 1}, ("model.layers.1.", "has no such weight"))]
+    for i, (change, needles) in enumerate(bad):
+        (source / "config.json").write_text(json.dumps({**config, **change}))
+        out = tmp_path / f"bad{i}"
+        assert_one_line_error(run_jaxpar("import-hf", str(source), "--to", str(out), env=env),
+                              *needles, code=2)
+        assert not (out / "checkpoints").exists()
