@@ -7,8 +7,9 @@ layer's keys and values written into a cache of L = S + max_tokens slots per seq
 sampled from the logits at its last prompt token, n_b - 1. Then each *decode step* feeds every
 row's newest token at its own position (n_b, n_b + 1, ...), writes its K/V into that slot and
 attends over slots ``0..position``: a padding token's K/V (slots n_b..S-1 of a short prompt) is
-never visible, and is overwritten before the row reaches it. A row stops at its end-of-text
-token (``eos_id``), the loop when every row has stopped or made ``max_tokens``.
+never visible, and is overwritten before the row reaches it. A row stops at an end-of-text
+token (``eos_id``: one id or several), the loop when every row has stopped or made
+``max_tokens``.
 
 The model is the training model, run as it is: the cache enters through the attention hook
 (:func:`jaxpar.model.annotate.use_attention`), set per scanned unit of layers to that unit's
@@ -59,12 +60,14 @@ from jax.sharding import NamedSharding
 
 from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
 from jaxpar.model.annotate import Attention, use_attention, use_latent_cache
-from jaxpar.model.attention import attention_fn, dense_attention, resolve
+from jaxpar.model.attention import dense_attention
+from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.model.kv_cache import KVCache, UnitCache, cache_axes, model_cache
 from jaxpar.model.transformer import (
     DTYPES,
     Transformer,
     abstract_model,
+    complete_buffers,
     dense_units,
     layer_units,
 )
@@ -79,6 +82,7 @@ from jaxpar.parallel.rules import (
 
 LENGTH_BUCKET = 16  # prompt and cache lengths are rounded up to a multiple of this
 SUPPORTED_AXES = ("data", "fsdp", "tensor")  # mesh axes generation may split over
+EosIds = int | Sequence[int] | None  # what ends a row: no id, one, or any of several
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +226,8 @@ class Generator:
         self.mesh = mesh
         self.dtype = DTYPES[cfg.train.dtype]
         self.graphdef = nnx.split(abstract_model(self.cfg.model), nnx.Param, ...)[0]
-        check_weights(self.cfg.model, params, buffers or {})
+        buffers = complete_buffers(self.cfg.model, buffers or {})  # an import's window flags
+        check_weights(self.cfg.model, params, buffers)
         self.mesh_shape = dict(mesh.shape) if mesh is not None else None
         if mesh is not None:
             unsupported = [f"{a}={n}" for a, n in mesh.shape.items()
@@ -293,7 +298,8 @@ class Generator:
         block = m.attention_block if s % m.attention_block == 0 else s
         platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
                     else jax.default_backend())
-        return attention_fn(resolve(m.attention, platform, s, block, self.dtype), block)
+        return attention_fn(resolve(m.attention, platform, s, block, self.dtype, model=m), block,
+                            m)
 
     def prompt_width(self, longest: int) -> int:
         """The padded prompt length S: a multiple of :data:`LENGTH_BUCKET`, or of
@@ -367,10 +373,12 @@ class Generator:
     # The loop
 
     def stream(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-               sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None
+               sampling: Sampling = Sampling(), seed: int = 0, eos_id: EosIds = None
                ) -> Iterator[Step]:
-        """Yield one :class:`Step` per generated position, until every prompt has produced
-        ``eos_id`` (which is yielded, then the row stops) or ``max_tokens`` tokens."""
+        """Yield one :class:`Step` per generated position, until every prompt has produced an
+        ``eos_id`` (one id or several; it is yielded, then the row stops) or ``max_tokens``
+        tokens."""
+        stops = eos_array(eos_id)
         if max_tokens < 1:
             raise ConfigError(f"--max-tokens {max_tokens}: must be >= 1")
         tokens, lengths = self.pack(prompts)
@@ -385,8 +393,7 @@ class Generator:
         for step in range(1, max_tokens + 1):
             host = np.asarray(token)[:n]
             yield Step(host, active.copy())
-            if eos_id is not None:
-                active &= host != eos_id
+            active &= ~np.isin(host, stops)
             if step == max_tokens or not active.any():
                 return
             with self._mesh_scope():
@@ -416,18 +423,24 @@ class Generator:
         return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None,
+                 sampling: Sampling = Sampling(), seed: int = 0, eos_id: EosIds = None,
                  on_step: Callable[[Step], None] | None = None) -> list[list[int]]:
-        """The new tokens of each prompt, up to and without its ``eos_id``."""
+        """The new tokens of each prompt, up to and without its first ``eos_id``."""
+        stops = eos_array(eos_id)
         out: list[list[int]] = [[] for _ in prompts]
         for step in self.stream(prompts, max_tokens=max_tokens, sampling=sampling, seed=seed,
                                 eos_id=eos_id):
             if on_step is not None:
                 on_step(step)
             for i in np.flatnonzero(step.active):
-                if step.tokens[i] != eos_id:
+                if step.tokens[i] not in stops:
                     out[i].append(int(step.tokens[i]))
         return out
+
+
+def eos_array(eos_id: EosIds) -> np.ndarray:
+    """The ids that end a row (``eos_id``: None, one id or several) as an int array."""
+    return np.asarray([] if eos_id is None else eos_id, np.int64).reshape(-1)
 
 
 def _bucket(n: int, multiple: int = LENGTH_BUCKET) -> int:
@@ -435,14 +448,15 @@ def _bucket(n: int, multiple: int = LENGTH_BUCKET) -> int:
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-             sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None,
+             sampling: Sampling = Sampling(), seed: int = 0, eos_id: EosIds = None,
              cfg: Config | None = None, mesh: jax.sharding.Mesh | None = None
              ) -> list[list[int]]:
     """Generate from a model (``create_model`` or a trained one): the new tokens of each prompt
-    (lists of token ids), up to and without ``eos_id``. ``cfg`` (default: the model's
-    config in an otherwise default :class:`Config`) gives the compute dtype and the rules
-    table; ``mesh`` splits the prompts and heads (module docstring). For many calls, build a
-    :class:`Generator` once: it keeps the compiled prefill and decode step."""
+    (lists of token ids), up to and without the first ``eos_id`` (one id or several). ``cfg``
+    (default: the model's config in an otherwise default :class:`Config`) gives the compute
+    dtype and the rules table; ``mesh`` splits the prompts and heads (module docstring). For
+    many calls, build a :class:`Generator` once: it keeps the compiled prefill and decode
+    step."""
     cfg = cfg if cfg is not None else Config(model=model.cfg)
     _, params, buffers = nnx.split(model, nnx.Param, ...)
     generator = Generator(cfg, nnx.to_pure_dict(params), nnx.to_pure_dict(buffers), mesh)

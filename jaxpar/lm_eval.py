@@ -17,15 +17,20 @@ default), ``max_length`` (tokens of context; default the run's ``train.seq_len``
 ``max_gen_toks`` (default 256); ``batch_size`` is lm-eval's own ``--batch_size``.
 
 What it computes, as lm-eval's ``hf`` model does for a causal LM: the text is tokenized by the
-run's tokenizer (``data.tokenizer``) without special tokens; a pair (context, continuation) is
-split as :class:`lm_eval.api.model.TemplateLM` splits it (the whole text tokenized, the
-context's tokens cut off), an empty context is the end-of-text token, and a sequence longer
-than ``max_length`` + 1 loses its first tokens. ``loglikelihood`` is the sum of the
+run's tokenizer (``data.tokenizer``): without special tokens for a model jaxpar trained, with
+them (the BOS its post-processor adds) for an imported one (``generation.prompt``:
+:mod:`jaxpar.data.prompts`), as the ``hf`` model encodes by default; a pair (context,
+continuation) is split as :class:`lm_eval.api.model.TemplateLM` splits it (the whole text
+tokenized, the context's tokens cut off), an empty context is the BOS an imported model's
+``tokenizer_config.json`` names, else the end-of-text token, and a sequence longer than
+``max_length`` + 1 loses its first tokens. ``loglikelihood`` is the sum of the
 continuation's log-probabilities in float32 and whether each of its tokens is the greedy choice
 (:meth:`jaxpar.generate.Generator.score`), ``loglikelihood_rolling`` the same over lm-eval's
 rolling windows, ``generate_until`` greedy decoding with the KV cache
-(:meth:`jaxpar.generate.Generator.generate`) cut at the first stop string. No prompt gets the
-end-of-text token in front (``jaxpar generate`` puts one there): the numbers are those of the
+(:meth:`jaxpar.generate.Generator.generate`), ended by any of ``generation.eos_ids`` (else the
+tokenizer's end-of-text token) and cut at the first stop string. No prompt gets the
+end-of-text token in front (``jaxpar generate`` puts one before a jaxpar-trained model's
+prompt, as its packed training data had one there): the numbers are those of the
 same model exported to Hugging Face and run by the ``hf`` backend (tests/integration/
 test_lm_eval.py checks them to 1e-4). The model runs on the mesh the config gives
 (``data``, ``fsdp``, ``tensor``, as generation does); requests are sorted by length and scored
@@ -53,17 +58,20 @@ DEFAULT_BATCH = 8  # requests scored together when lm-eval's --batch_size is "au
 
 
 def load_generator(checkpoint: str, overrides: str = "") -> tuple[Any, Any]:
-    """(:class:`~jaxpar.generate.Generator` on the config's mesh, the run's tokenizer) of a
-    checkpoint, its config changed by the space-separated ``key=value`` ``overrides``."""
+    """(:class:`~jaxpar.generate.Generator` on the config's mesh, the run's
+    :class:`~jaxpar.data.prompts.Prompts`) of a checkpoint, its config changed by the
+    space-separated ``key=value`` ``overrides``."""
     from jaxpar.checkpoint.weights_only import saved_config, step_dir  # noqa: PLC0415
     from jaxpar.cli.generate import generation_config  # noqa: PLC0415
-    from jaxpar.data.tokenizer import make_tokenizer  # noqa: PLC0415
+    from jaxpar.config import check_generation  # noqa: PLC0415
+    from jaxpar.data.prompts import prompts_for  # noqa: PLC0415
     from jaxpar.mesh import use_host_devices  # noqa: PLC0415
 
     path = step_dir(Path(checkpoint))
     args = argparse.Namespace(mesh="", overrides=str(overrides or "").split())
     cfg = generation_config(args, saved_config(path))
-    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    check_generation(cfg)
+    prompts = prompts_for(cfg)
     use_host_devices(cfg.host_devices)  # before jax starts its backend, if it has not yet
     from jaxpar.checkpoint.weights_only import read_weights  # noqa: PLC0415
     from jaxpar.generate import Generator  # noqa: PLC0415
@@ -71,7 +79,7 @@ def load_generator(checkpoint: str, overrides: str = "") -> tuple[Any, Any]:
     from jaxpar.train.evaluate import check_devices  # noqa: PLC0415
 
     params, buffers, _ = read_weights(path)
-    return Generator(cfg, params, buffers, make_mesh(cfg, check_devices(cfg))), tokenizer
+    return Generator(cfg, params, buffers, make_mesh(cfg, check_devices(cfg))), prompts
 
 
 @register_model("jaxpar")
@@ -83,7 +91,8 @@ class JaxparLM(TemplateLM):
                  **ignored: Any):
         # lm-eval also passes device and max_batch_size: the mesh decides where jaxpar runs.
         super().__init__()
-        self.generator, self.tokenizer_ = load_generator(checkpoint, overrides)
+        self.generator, self.prompts = load_generator(checkpoint, overrides)
+        self.tokenizer_ = self.prompts.tokenizer
         self.max_length = int(max_length or self.generator.cfg.train.seq_len)
         self.max_gen_toks = int(max_gen_toks)
         self.batch_size = (int(batch_size) if str(batch_size or "auto").isdigit()
@@ -91,11 +100,18 @@ class JaxparLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
+        # The tokenizer's own (an import's tokenizer_config.json eos_token), as the hf model's;
+        # generation ends at any of the model's eos ids all the same.
         return self.tokenizer_.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.prompts.prefix_id()
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
                    ) -> list[int]:
-        return self.tokenizer_.encode(string).tolist()
+        special = self.prompts.special_tokens if add_special_tokens is None else add_special_tokens
+        return self.tokenizer_.encode(string, special_tokens=special).tolist()
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer_.decode(tokens)
@@ -148,13 +164,13 @@ class JaxparLM(TemplateLM):
                 raise ConfigError(f"max_gen_toks={budget} leaves no context in max_length="
                                   f"{self.max_length} tokens (--model_args max_length=...)")
             prompt = self.tok_encode(context)[-(self.max_length - budget):]
-            jobs.append((prompt or [self.eot_token_id], until))
+            jobs.append((prompt or [self.prefix_token_id], until))
             groups.setdefault((budget,), []).append(i)
         for (budget,), members in groups.items():
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start:start + self.batch_size]
                 made = self.generator.generate([jobs[i][0] for i in chunk], max_tokens=budget,
-                                               eos_id=self.eot_token_id)
+                                               eos_id=self.prompts.eos_ids)
                 for i, tokens in zip(chunk, made, strict=True):
                     text = self.tok_decode(tokens)
                     for stop in jobs[i][1]:

@@ -511,6 +511,16 @@ def overlapping_texts(fig) -> list[tuple[str, str]]:
             and min(box_a.y1, box_b.y1) - max(box_a.y0, box_b.y0) > 1]
 
 
+def random_qkv(heads: int, kv_heads: int, seq: int, batch: int = 2, dim: int = 16,
+               seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Normal q [batch, seq, heads, dim], k and v [batch, seq, kv_heads, dim] (the kernel
+    tests of equivalence/test_document_mask.py and test_sliding_window.py)."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (batch, seq, heads, dim)),
+            jax.random.normal(kk, (batch, seq, kv_heads, dim)),
+            jax.random.normal(kv, (batch, seq, kv_heads, dim)))
+
+
 # --------------------------------------------------------------------------------------------
 # Text generation (equivalence/test_generate.py, integration/test_generate_end_to_end.py)
 
@@ -520,6 +530,28 @@ GENERATION_MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, 
                                vocab_size=256, init_std=0.5)
 # Lengths 4, 19 (past the 16-token bucket) and 2; with a mesh of data=2 they pad to 4 rows.
 GENERATION_PROMPTS = [[0, 5, 17, 99], [0, 200, *[3] * 16, 42], [0, 7]]
+
+
+def greedy_by_full_forward(model, prompt: tuple[int, ...], new: int) -> list[int]:
+    """Greedy tokens of ``model`` by full forward passes, the reference of cached generation
+    (one compile: the sequence is padded to its final length; causal attention keeps the
+    padding out of the logits read)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    total = len(prompt) + new
+
+    @jax.jit
+    def next_token(state, tokens, last):
+        logits, _ = nnx.merge(graphdef, state)(tokens[None], jnp.arange(total)[None])
+        return jnp.argmax(logits[0, last])
+
+    tokens = np.zeros(total, np.int32)
+    tokens[:len(prompt)] = prompt
+    for i in range(len(prompt), total):
+        tokens[i] = int(next_token(state, tokens, i - 1))
+    return tokens[len(prompt):].tolist()
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def llama_config_5x() -> dict:
 
 def build_hf_model(kind: str, seed: int = 0, **overrides):
     """A random ``kind`` model (llama with llama3 RoPE scaling and GQA, qwen2 with q/k/v biases
-    and tied embeddings, qwen3 with q/k norms, mistral, mixtral and qwen3_moe with 4 experts),
+    and tied embeddings, qwen3 with q/k norms, mistral (``mistral_window``: with a sliding window
+    of 64 tokens), mixtral and qwen3_moe with 4 experts, the Gemmas of :func:`_gemma`),
     every norm scale and bias random too, so that a weight mapped to the wrong place cannot go
     unnoticed."""
     import torch
@@ -47,14 +48,17 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     common = {**COMMON, **{k: overrides.pop(k) for k in list(overrides) if k in COMMON}}
-    if kind == "llama":
+    if kind.startswith("gemma"):
+        model = _gemma(kind, common, overrides)
+    elif kind == "llama":
         cfg = tr.LlamaConfig(**common, head_dim=16, rope_scaling=dict(LLAMA3), **overrides)
         model = tr.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = tr.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e5, **overrides)
         model = tr.Qwen2ForCausalLM(cfg)
-    elif kind == "mistral":  # without a sliding window (jaxpar refuses one)
-        cfg = tr.MistralConfig(**common, sliding_window=None, **overrides)
+    elif kind in ("mistral", "mistral_window"):  # a window of 64 of the 512 tokens, or none
+        window = overrides.pop("sliding_window", 64 if kind == "mistral_window" else None)
+        cfg = tr.MistralConfig(**common, sliding_window=window, **overrides)
         model = tr.MistralForCausalLM(cfg)
     elif kind == "qwen3":
         cfg = tr.Qwen3Config(**common, head_dim=32, **overrides)
@@ -81,6 +85,33 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def _gemma(kind: str, common: dict, overrides: dict):
+    """gemma2 (final logits soft-capped at its default 30, scores at 2.0 so that the cap
+    matters), gemma3_text (linear RoPE scaling in the global layer, a plain local base),
+    gemma3 (multimodal, tiny vision tower). Each has a sliding and a global layer, local layers
+    seeing 64 of the 512 test tokens, and its own query_pre_attn_scalar."""
+    import transformers as tr
+
+    text = {**common, "head_dim": 16, "sliding_window": overrides.pop("sliding_window", 64)}
+    if kind == "gemma2":
+        return tr.Gemma2ForCausalLM(tr.Gemma2Config(
+            **text, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, **overrides))
+    layers = ["sliding_attention", "full_attention"]
+    if kind == "gemma3_text":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        return tr.Gemma3ForCausalLM(tr.Gemma3TextConfig(
+            **text, query_pre_attn_scalar=8, layer_types=layers, rope_parameters=rope,
+            **overrides))
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    text.update(query_pre_attn_scalar=32, layer_types=layers, rope_parameters=rope, **overrides)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return tr.Gemma3ForConditionalGeneration(tr.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4))
+
+
 def save_hf_model(kind: str, directory: Path, **save_kwargs) -> Path:
     build_hf_model(kind).save_pretrained(directory, **save_kwargs)
     return directory
@@ -98,6 +129,83 @@ def hf_logits(directory: Path, ids: np.ndarray) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+
+
+def imports_with_logits(root: Path, kinds: tuple[str, ...], save_kwargs: dict | None = None
+                        ) -> dict:
+    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits on
+    ``tokens(rows=4)``), the models saved under ``root`` (``save_kwargs`` per kind)."""
+    from jaxpar.hf.importer import import_hf
+
+    ids, out = tokens(rows=4), {}
+    for kind in kinds:
+        source = save_hf_model(kind, root / kind, **(save_kwargs or {}).get(kind, {}))
+        out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
+    return out
+
+
+def import_logits_error(imported: tuple, overrides: list[str], devices: int) -> float:
+    """The largest difference between jaxpar's logits of an import (``imported``, a value of
+    :func:`imports_with_logits`) under ``overrides`` on ``devices`` and transformers'."""
+    _, done, expected = imported
+    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
+    assert int(state.step) == 0
+    got = jaxpar_logits(trainer, state, tokens(rows=4))
+    assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
+    return float(np.abs(got - expected).max())
+
+
+def next_token_ids(rows: int = 4, seed: int = 7) -> np.ndarray:
+    """int32 [rows, SEQ + 1]: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
+    return np.random.default_rng(seed).integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+
+
+def hf_mean_loss(directory: Path, ids: np.ndarray) -> float:
+    """The mean cross-entropy of transformers' logits on ``ids`` (:func:`next_token_ids`),
+    in float64."""
+    logits = hf_logits(directory, ids[:, :-1]).astype(np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+    return float(np.mean(log_z - target))
+
+
+def step_loss(trainer, state, ids: np.ndarray) -> float:
+    """The train step's loss of ``state`` on ``ids`` (:func:`next_token_ids`)."""
+    rows = ids.shape[0]
+    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
+                               "mask": np.ones((rows, ids.shape[1] - 1), np.float32)})
+    return float(trainer.loss_and_grads(state, batch)[0])
+
+
+def losses_both_ways(imported: tuple, overrides: list[str], devices: int) -> tuple[float, float]:
+    """(the train step's loss of an import, a value of :func:`imports_with_logits`, under
+    ``overrides`` on ``devices``; the cross-entropy of transformers' logits) on one batch."""
+    source, done, _ = imported
+    ids = next_token_ids()
+    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
+    return step_loss(trainer, state, ids), hf_mean_loss(source, ids)
+
+
+def greedy_both_ways(directory: Path, checkpoint: Path, model, new_tokens: int = 12
+                     ) -> tuple[list, list]:
+    """(transformers' greedy continuation of two 20-token prompts by the model saved in
+    ``directory``, jaxpar's of the same prompts by the imported ``checkpoint`` of ``model``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpar.checkpoint.weights_only import read_weights
+    from jaxpar.config import Config
+    from jaxpar.generate import Generator
+
+    prompts = tokens(rows=2)[:, :20]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    params, buffers, _ = read_weights(checkpoint)
+    generator = Generator(Config(model=model), params, buffers)
+    return (out[:, prompts.shape[1]:].tolist(),
+            generator.generate(prompts.tolist(), max_tokens=new_tokens))
 
 
 def jaxpar_logits(trainer, state, ids: np.ndarray) -> np.ndarray:
@@ -162,3 +270,48 @@ def scorable_checkpoint(directory: Path) -> dict[str, Path]:
                              tokenizer=str(imported.tokenizer), val_fraction=0.2))
     export_hf(paths["checkpoint"], paths["hf"])
     return paths
+
+
+# --------------------------------------------------------------------------------------------
+# A tokenizer for the tiny models (tests/integration/test_generate_imported.py)
+
+BOS, EOS, UNK = 0, 1, 2  # the special tokens of char_tokenizer, ids as in the models' configs
+CHAR_BASE = 0x100  # token 3 + i is the character chr(CHAR_BASE + i): printable, one per token
+
+
+def char_text(ids) -> str:
+    """The text that ``char_tokenizer`` encodes as ``ids`` (ordinary tokens, 3..VOCAB-1)."""
+    return "".join(chr(CHAR_BASE + int(i) - 3) for i in ids)
+
+
+def save_char_tokenizer(directory: Path, adds_bos: bool) -> Path:
+    """A tokenizer over the tiny models' 256 ids, as transformers saves one: ``<s>`` (BOS, 0),
+    ``</s>`` (EOS, 1), ``<unk>`` (2), and one printable character per other id, decoded back
+    without spaces. With ``adds_bos`` its post-processor puts ``<s>`` before every text (Llama
+    2/3, Gemma); without, it adds nothing (Qwen). Writes tokenizer.json and
+    tokenizer_config.json into ``directory``."""
+    import json
+
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    vocab = {"<s>": BOS, "</s>": EOS, "<unk>": UNK} | {char_text([i]): i for i in range(3, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<unk>")])
+    if adds_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", BOS)])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": SEQ}))
+    return directory

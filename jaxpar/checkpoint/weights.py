@@ -101,16 +101,17 @@ def _save_weights(out_dir: Path, cfg: Config, state: dict, meta: dict[str, Any])
     return path
 
 
-def stored_buffers(source: Path) -> bool:
-    """Whether the weights-only checkpoint ``source`` holds model buffers (an import's)."""
+def stored_buffers(source: Path) -> Any:
+    """The tree of the model buffers (their metadata) that the weights-only checkpoint
+    ``source`` holds (an import's), empty (falsy) where it holds none."""
     if not is_weights_only(source):
-        return False
+        return {}
     handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
     try:
         with quiet_failed_reads():
-            return bool(checkpointer.metadata(source.absolute()).item_metadata["state"]
-                        .get("buffers"))
+            return checkpointer.metadata(source.absolute()).item_metadata["state"].get(
+                "buffers") or {}
     finally:
         checkpointer.close()
 

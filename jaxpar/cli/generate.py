@@ -21,7 +21,9 @@ def add_generate(commands, positive_int: Callable[[str], int]) -> None:
     """The ``generate`` subcommand's arguments (``positive_int``: the CLI's N >= 1 type)."""
     sub = checkpoint_command(
         commands, "generate", GENERATE_HELP,
-        "the model, tokenizer (data.tokenizer) and compute dtype (train.dtype) are the run's. "
+        "the model, tokenizer (data.tokenizer) and compute dtype (train.dtype) are the run's; "
+        "a prompt follows the end-of-text token for a model jaxpar trained, and is what its "
+        "tokenizer makes (BOS included) for an imported one (generation.prompt). "
         "key=value overrides apply to that config (host_devices=4, train.dtype=bfloat16, ...). "
         "The mesh is one device unless --mesh or mesh.* say otherwise: data and fsdp split the "
         "prompts, tensor the heads.",
@@ -118,15 +120,16 @@ def run_generate(args: argparse.Namespace) -> int:
     if wanted > have:
         raise ConfigError(f"--mesh: {wanted} devices asked for, {have} available (on CPU, "
                           f"host_devices={wanted} makes them)")
-    tokenizer = _tokenizer(args.tokenizer or cfg.data.tokenizer)
+    prompt_format = _prompts(cfg, args.tokenizer)
+    tokenizer = prompt_format.tokenizer
     params, buffers, step = read_weights(path)
     start = time.perf_counter()
     generator = Generator(cfg, params, buffers, make_mesh(cfg, jax.devices()[:wanted]))
-    # Each prompt starts after the end-of-text token, as every document but the first did in
-    # training (packing joins documents with it).
-    prompts = [[tokenizer.eos_id, *tokenizer.encode(t).tolist()] for t in texts]
+    # A model jaxpar trained gets the end-of-text token in front, an imported one what its
+    # tokenizer adds (generation.prompt: jaxpar/data/prompts.py).
+    prompts = [prompt_format.encode(t) for t in texts]
     options = dict(max_tokens=args.max_tokens, sampling=sampling, seed=args.seed,
-                   eos_id=tokenizer.eos_id)
+                   eos_id=prompt_format.eos_ids)
     if args.prompt is not None:
         made = [_stream_one(generator, tokenizer, texts[0], prompts[0], options)]
     else:
@@ -152,11 +155,13 @@ def _prompt_texts(args: argparse.Namespace) -> list[str]:
     return texts
 
 
-def _tokenizer(spec: str):
-    from jaxpar.data.tokenizer import make_tokenizer  # noqa: PLC0415
+def _prompts(cfg: Config, tokenizer: str | None):
+    from jaxpar.config import check_generation  # noqa: PLC0415
+    from jaxpar.data.prompts import prompts_for  # noqa: PLC0415
 
+    check_generation(cfg)
     try:
-        return make_tokenizer(spec)
+        return prompts_for(cfg, tokenizer)
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from None
 
@@ -169,7 +174,7 @@ def _stream_one(generator, tokenizer, text: str, prompt: list[int], options: dic
     shown = 0
     for step in generator.stream([prompt], **options):
         token = int(step.tokens[0])
-        if token == options["eos_id"]:
+        if token in options["eos_id"]:
             break
         new.append(token)
         decoded = tokenizer.decode(new).rstrip("\ufffd")

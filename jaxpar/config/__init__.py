@@ -30,6 +30,7 @@ from jaxpar.config.schema import (
     ConfigError,
     DataConfig,
     DistributedConfig,
+    GenerationConfig,
     LoggingConfig,
     MeshConfig,
     MLAConfig,
@@ -41,13 +42,14 @@ from jaxpar.config.schema import (
     SourceConfig,
     TrainConfig,
 )
-from jaxpar.config.validation import validate
+from jaxpar.config.validation import check_generation, validate
 
 __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
-    "ConfigError", "DataConfig", "DistributedConfig", "LoggingConfig", "MeshConfig", "MLAConfig",
+    "ConfigError", "DataConfig", "DistributedConfig", "GenerationConfig", "LoggingConfig",
+    "MeshConfig", "MLAConfig",
     "ModelConfig", "MoEConfig", "ParallelConfig", "ProfileConfig", "RopeScalingConfig",
     "SourceConfig", "TrainConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",
-    "to_yaml", "validate",
+    "to_yaml", "check_generation", "validate",
 ]

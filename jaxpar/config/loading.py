@@ -92,6 +92,12 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise bad
+    if origin is tuple and typing.get_args(tp) == (int, Ellipsis):  # generation.eos_ids
+        items = [value] if isinstance(value, int) else value
+        if (isinstance(items, Sequence) and not isinstance(items, str)
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in items)):
+            return tuple(items)
+        raise ConfigError(f"{key}: expected a list of integers (token ids), got {value!r}")
     if origin is dict:  # parallel.rules: logical axis -> tuple of mesh axes
         if not isinstance(value, Mapping):
             raise bad

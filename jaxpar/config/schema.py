@@ -82,12 +82,12 @@ class MoEConfig:
 @dataclass(frozen=True)
 class RopeScalingConfig:
     """Rescaled rotary frequencies for contexts longer than pre-training's (Llama 3.1's
-    ``llama3`` rule, ``jaxpar/model/layers.py:rope_frequencies``; YaRN's ``yarn``, for
-    multi-head latent attention only: ``jaxpar/model/mla.py:yarn_frequencies``); ``type: none``
-    is plain RoPE."""
+    ``llama3`` rule, or ``linear``: every frequency divided by ``factor``, as Gemma 3's global
+    layers; ``jaxpar/model/layers.py:rope_frequencies``; YaRN's ``yarn``, for multi-head latent
+    attention only: ``jaxpar/model/mla.py:yarn_frequencies``); ``type: none`` is plain RoPE."""
 
-    type: Literal["none", "llama3", "yarn"] = "none"
-    factor: float = 8.0  # long wavelengths are divided by this
+    type: Literal["none", "llama3", "linear", "yarn"] = "none"
+    factor: float = 8.0  # long wavelengths (linear: all) are divided by this
     low_freq_factor: float = 1.0  # wavelengths above original / low_freq_factor: divided
     high_freq_factor: float = 4.0  # wavelengths below original / high_freq_factor: unchanged
     original_max_position_embeddings: int = 8192  # the pre-training context
@@ -144,11 +144,23 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # SwiGLU, or GeGLU (Gemma)
+    post_norms: bool = False  # RMSNorm of attention and MLP outputs before the add (Gemma 2/3)
+    embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype (Gemma)
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2); 0: off
+    query_scale: float | None = None  # scores times query_scale**-0.5 (Gemma); None: head_dim
     init_std: float = 0.02
     # auto: cuDNN on a GPU in 16-bit, splash on a TPU, else blockwise when the sequence spans
     # several blocks
     attention: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"
     attention_block: int = 512  # queries x keys per block of blockwise (and ring) attention
+    # Sliding-window attention: a query sees the `sliding_window` most recent keys, itself
+    # included (None: the whole sequence); with global_every=k, layers k, 2k, ... (from 1)
+    # attend globally and the rest locally (0: every layer local; Gemma 2: 2, Gemma 3: 6).
+    sliding_window: int | None = None
+    global_every: int = 0
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
+    rope_local_theta: float | None = None  # RoPE base of the local layers (None: rope_theta)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
 
@@ -286,6 +298,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class GenerationConfig:
+    """How ``jaxpar generate`` and lm-eval's model ``jaxpar`` turn a prompt into token ids, and
+    which ids end a generated sequence (docs/generation.md#prompts-and-stopping)."""
+
+    # eos_prefix: the end-of-text token, then the text without special tokens, as every
+    # document but the first was in jaxpar's packed pre-training; tokenizer: the text as
+    # data.tokenizer encodes it, its special tokens (BOS) included, as the model was trained
+    # elsewhere (what `jaxpar import-hf` writes).
+    prompt: Literal["eos_prefix", "tokenizer"] = "eos_prefix"
+    # Ids that end a sequence (an imported model's generation_config.json or config.json);
+    # empty: data.tokenizer's end-of-text token.
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 100  # steps between checkpoints; 0 = only at the end (and on SIGTERM/SIGINT)
     keep: int = 3  # newest checkpoints kept in run_dir/checkpoints
@@ -328,6 +355,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

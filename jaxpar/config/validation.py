@@ -92,7 +92,10 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
     _check_rope_scaling(m.rope_scaling)
     _check_mla(m)
     _require(m.rope_scaling.type != "yarn" or m.mla.enabled, "model.rope_scaling.type=yarn: "
-             "only with multi-head latent attention (model.mla); others take none or llama3")
+             "only with multi-head latent attention (model.mla); others take none, llama3 or "
+             "linear")
+    _check_window(m)
+    _check_gemma_features(m)
 
 
 def _check_mla(m: ModelConfig) -> None:
@@ -110,6 +113,38 @@ def _check_mla(m: ModelConfig) -> None:
     _require(a.qk_rope_head_dim >= 2 and a.qk_rope_head_dim % 2 == 0, "model.mla."
              f"qk_rope_head_dim={a.qk_rope_head_dim}: rotary embeddings need an even size >= 2")
     _require(a.v_head_dim >= 1, f"model.mla.v_head_dim={a.v_head_dim}: must be >= 1")
+    _require(m.sliding_window is None and not m.attn_softcap, "model.mla: multi-head latent "
+             "attention has no sliding window or score cap (set model.sliding_window: null, "
+             "model.attn_softcap: 0)")
+
+
+def _check_window(m: ModelConfig) -> None:
+    """Sliding windows, score soft-capping and the local layers' RoPE base."""
+    w = m.sliding_window
+    _require(w is None or w >= 1, f"model.sliding_window={w}: must be >= 1 (or null: global "
+             "attention)")
+    _require(m.global_every >= 0, f"model.global_every={m.global_every}: must be >= 0")
+    _require(m.global_every == 0 or w is not None, f"model.global_every={m.global_every} "
+             "needs model.sliding_window (the window of the other layers)")
+    _require(math.isfinite(m.attn_softcap) and m.attn_softcap >= 0, f"model.attn_softcap="
+             f"{m.attn_softcap}: must be 0 (off) or a finite number > 0")
+    t = m.rope_local_theta
+    _require(t is None or (math.isfinite(t) and t > 1), f"model.rope_local_theta={t}: must be "
+             "a finite number > 1 (or null: model.rope_theta)")
+    _require(t is None or w is not None, f"model.rope_local_theta={t} needs "
+             "model.sliding_window (it is the local layers' RoPE base)")
+
+
+def _check_gemma_features(m: ModelConfig) -> None:
+    """The Gemma 2/3 settings (``jaxpar/hf/config.py`` reads them from Hugging Face)."""
+    _require(m.mlp_activation in ("silu", "gelu_tanh"), f"model.mlp_activation="
+             f"{m.mlp_activation!r}: must be silu or gelu_tanh")
+    _require(m.mlp_activation == "silu" or not m.moe.enabled, "model.mlp_activation="
+             f"{m.mlp_activation}: the experts of model.moe are SwiGLU (silu) only")
+    _require(math.isfinite(m.final_softcap) and m.final_softcap >= 0, "model.final_softcap="
+             f"{m.final_softcap}: must be a finite number >= 0 (0: off)")
+    _require(m.query_scale is None or (math.isfinite(m.query_scale) and m.query_scale > 0),
+             f"model.query_scale={m.query_scale}: must be null or a finite number > 0")
 
 
 def _check_rope_scaling(r: RopeScalingConfig) -> None:
@@ -117,6 +152,8 @@ def _check_rope_scaling(r: RopeScalingConfig) -> None:
     if not r.enabled:
         return
     _require(r.factor >= 1, f"model.rope_scaling.factor={r.factor}: must be >= 1")
+    if r.type == "linear":
+        return
     _require(r.type != "yarn" or 0 < r.beta_slow < r.beta_fast, "model.rope_scaling: "
              f"beta_slow={r.beta_slow} must be > 0 and below beta_fast={r.beta_fast} (yarn)")
     _require(r.type == "yarn" or 0 < r.low_freq_factor < r.high_freq_factor,
@@ -304,6 +341,7 @@ def _check_run(cfg: Config) -> None:
     _require(cfg.data.text_field.strip() != "", "data.text_field is empty; allowed: the name of "
              "the JSON field or column that holds the text")
     _check_sources(cfg)
+    check_generation(cfg)
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
@@ -321,6 +359,16 @@ def _check_run(cfg: Config) -> None:
              "validation)")
     _require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1")
     _check_profile(cfg)
+
+
+def check_generation(cfg: Config) -> None:
+    """``generation.eos_ids``: token ids of the model's vocabulary (also checked by the commands
+    that generate, which do not validate the whole config)."""
+    vocab = cfg.model.vocab_size
+    bad = [i for i in cfg.generation.eos_ids if not 0 <= i < vocab]
+    _require(not bad, f"generation.eos_ids={list(cfg.generation.eos_ids)}: {bad[0] if bad else 0} "
+             f"is not a token id; allowed: ids in [0, {vocab}) (model.vocab_size), or [] for "
+             "the tokenizer's end-of-text token")
 
 
 def _check_sources(cfg: Config) -> None:

@@ -36,7 +36,10 @@ attention computes the whole square, flash attention (blockwise, ring or all-gat
 ``context``) the blocks the busiest device computes -- (2c+1)/(4c) of the square with the
 zigzag layout, all of it without; (n+1)/(2n) of n x n blocks on one device -- with a
 flash-style backward (5 block matmuls against dense attention's 4; never recomputed by remat).
-Both compute at least the useful half, so the MFU bound below is at most 100%. (The flash
+In local layers (``model.sliding_window``) the useful pairs are the window's band and the flash
+kernels compute the blocks it touches (``StepSizes.computed_share`` averages the layers; the
+recomputation of ``dots`` is still counted over the causal half). Both compute at least the
+useful pairs, so the MFU bound below is at most 100%. (The flash
 kernels skip a causal block behind a conditional;
 :func:`jaxpar.inspect.hlo.flops.dot_flops` cannot see which branch runs and counts every block,
 so for the zigzag layout its count of the compiled step exceeds these executed flops by the

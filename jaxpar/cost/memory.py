@@ -140,11 +140,13 @@ def _moe_activations(st: StepSizes, remat: str) -> int:
 
 def _norms(st: StepSizes) -> int:
     """Bytes the two RMSNorms of a layer keep under ``remat=none`` (module docstring): each its
-    input and float32 reciprocal rms, and in a pipeline stage its output (A, gathered)."""
+    input and float32 reciprocal rms, and in a pipeline stage its output (A, gathered);
+    ``model.post_norms`` adds two more, which keep the branch outputs they norm."""
     full = st.b * st.sl * st.cfg.model.d_model * st.a  # A
     residual = full // st.t if st.sp else full
-    return 2 * (residual + residual * 4 // (st.cfg.model.d_model * st.a)
-                + (full if st.pipeline is not None else 0))
+    one = residual + residual * 4 // (st.cfg.model.d_model * st.a)
+    return (2 * (one + (full if st.pipeline is not None else 0))
+            + (2 * one if st.cfg.model.post_norms else 0))
 
 
 def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
@@ -169,7 +171,9 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
         return residual + flash
     ffn = _moe_activations(st, remat) if moe else (3 if remat == "none" else 2) * mlp
     if remat == "dots":
-        return residual + q + kv + full * a // st.a + ffn + flash
+        # post_norms: the MLP's output, which its post-norm's backward pass reads, saved too
+        outputs = (2 if m.post_norms else 1) * full * a // st.a
+        return residual + q + kv + outputs + ffn + flash
     # The norms (_norms); rotated q, k and v; the attention output; gate, up and their product;
     # the float32 probabilities, plus a compute-dtype copy for the weighted sum when that dtype
     # is narrower.

@@ -14,9 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxpar.config import BATCH_AXES, Config
 from jaxpar.cost.params import PARAM_BYTES
-from jaxpar.model.attention import resolve
+from jaxpar.model.fused import resolve
+from jaxpar.model.transformer import layer_is_local
+from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.pipeline.executor import describe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -128,7 +132,7 @@ class StepSizes:
             return self.cfg.parallel.context_impl
         m = self.cfg.model
         return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype,
-                       self.cfg.splash_possible())
+                       self.cfg.splash_possible(), model=m)
 
     @property
     def flash(self) -> bool:
@@ -147,11 +151,21 @@ class StepSizes:
     def computed_share(self) -> float:
         """Share of the S x S square the busiest device's flash kernel computes: the zigzag
         layout balances the causal half (2c+1 of 4c chunk pairs each); a contiguous split
-        leaves the last device all of its blocks; on one device, n(n+1)/2 of n^2 blocks."""
+        leaves the last device all of its blocks; on one device, n(n+1)/2 of n^2 blocks. With
+        a sliding window, local layers count the blocks the window touches (averaged over the
+        layers: :func:`windowed_share`)."""
         if self.c > 1:
-            return (2 * self.c + 1) / (4 * self.c) if self.cfg.parallel.zigzag else 1.0
-        n = self.s // self.block
-        return (n + 1) / (2 * n)
+            causal = (2 * self.c + 1) / (4 * self.c) if self.cfg.parallel.zigzag else 1.0
+        else:
+            n = self.s // self.block
+            causal = (n + 1) / (2 * n)
+        m = self.cfg.model
+        if m.sliding_window is None or m.sliding_window >= self.s:
+            return causal
+        local = float(np.mean(layer_is_local(m)))
+        order = zigzag_order(self.s, self.c) if self.c > 1 and self.cfg.parallel.zigzag else None
+        band = windowed_share(self.s, self.c, self.block, m.sliding_window, order)
+        return local * band + (1 - local) * causal
 
     @property
     def act(self) -> int:
@@ -225,3 +239,17 @@ def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
     return StepSizes(cfg=cfg, b=b, s=t.seq_len, a=DTYPE_BYTES[t.dtype], accum=t.grad_accum,
                      mesh=mesh, sp=par.sequence_parallel and mesh["tensor"] > 1,
                      xla_cpu=xla_cpu, pipeline=pipeline, platform=platform)
+
+
+def windowed_share(s: int, c: int, block: int, window: int,
+                   order: np.ndarray | None = None) -> float:
+    """Share of the S x S square the busiest of ``c`` devices computes in a local layer: the
+    (query block, key block) pairs of its S/c tokens (stored in ``order``) against all S that
+    the kernels do not skip, by :func:`~jaxpar.model.mask.block_kind`'s two rules (every key
+    after every query; every key before every query's window) vectorised over the pairs."""
+    order = np.arange(s) if order is None else np.asarray(order)
+    tiles = order.reshape(-1, block)
+    first, last = tiles.min(-1), tiles.max(-1)
+    skip = (last[:, None] < first[None, :]) | (first[:, None] - window >= last[None, :])
+    per_device = (~skip).reshape(c, -1, len(tiles)).sum(axis=(1, 2))
+    return float(per_device.max()) / (len(tiles) // c * len(tiles))

@@ -24,11 +24,13 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int
 
-    def encode(self, text: str) -> np.ndarray: ...
+    def encode(self, text: str, special_tokens: bool = False) -> np.ndarray: ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def token_id(self, token: str) -> int | None: ...
 
 
 class ByteTokenizer:
@@ -41,11 +43,16 @@ class ByteTokenizer:
     vocab_size = 256
     eos_id = 0
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, special_tokens: bool = False) -> np.ndarray:
+        """``special_tokens``: the byte tokenizer adds none either way."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
+
+    def token_id(self, token: str) -> int | None:
+        """Bytes have no named tokens."""
+        return None
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
@@ -61,10 +68,14 @@ class HFTokenizer:
     """A HuggingFace `tokenizer.json`, used without its own special-token or length handling.
 
     Packing inserts its own separator between documents and cuts rows itself, so the file's
-    post-processor (BOS/EOS insertion), truncation and padding are all switched off.
+    post-processor (BOS/EOS insertion), truncation and padding are all switched off; only a
+    prompt of a model trained with them asks for the post-processor (``special_tokens``).
+    ``eos``: the end-of-text token where the caller knows it (an imported model's: its id, or
+    its text as ``tokenizer_config.json`` names it); None: the first of the usual end-of-text
+    names that the file holds.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos: int | str | None = None):
         try:
             import tokenizers  # optional dependency, only needed for this class
         except ImportError as e:
@@ -80,18 +91,25 @@ class HFTokenizer:
         self._tok.no_padding()
         self.name = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = self._find_eos(path)
+        self.eos_id = eos if isinstance(eos, int) else self._find_eos(
+            path, _EOS_NAMES if eos is None else (eos,))
 
-    def _find_eos(self, path: str) -> int:
-        for token in _EOS_NAMES:
+    def _find_eos(self, path: str, names: Sequence[str]) -> int:
+        for token in names:
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
                 return token_id
-        names = ", ".join(_EOS_NAMES)
+        names = ", ".join(names)
         raise ValueError(f"data.tokenizer={path!r}: no end-of-text token (looked for {names})")
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (a special token's text, ``</s>``), None if the file has none."""
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, special_tokens: bool = False) -> np.ndarray:
+        """``special_tokens``: the file's post-processor adds its own (a BOS, for instance)."""
+        ids = self._tok.encode(text, add_special_tokens=special_tokens).ids
+        return np.asarray(ids, dtype=np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         # encode_batch tokenizes in parallel on the Rust side.
@@ -102,8 +120,9 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def make_tokenizer(spec: str = "byte") -> Tokenizer:
-    """'byte' for the built-in byte tokenizer, otherwise a path to a HuggingFace tokenizer.json."""
+def make_tokenizer(spec: str = "byte", eos: int | str | None = None) -> Tokenizer:
+    """'byte' for the built-in byte tokenizer, otherwise a path to a HuggingFace tokenizer.json
+    (``eos``: its end-of-text token, if known: :class:`HFTokenizer`)."""
     if spec == "byte":
         return ByteTokenizer()
     path = os.path.expanduser(spec)
@@ -111,4 +130,4 @@ def make_tokenizer(spec: str = "byte") -> Tokenizer:
         raise ValueError(
             f"data.tokenizer={spec!r}: no such file (use 'byte' or a path to a tokenizer.json)"
         )
-    return HFTokenizer(path)
+    return HFTokenizer(path, eos)

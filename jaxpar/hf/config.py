@@ -1,10 +1,15 @@
 """Hugging Face ``config.json`` <-> jaxpar's :class:`~jaxpar.config.ModelConfig`.
 
 Read: the Llama family (``llama``, ``mistral``, ``qwen2`` with its q/k/v biases, ``qwen3`` with
-its q/k norms) and the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
-mixture). Anything jaxpar's model would compute differently (a sliding
-window, biases on o_proj or the MLP, another activation, a RoPE rule other than plain or
-``llama3``) is a one-line :class:`HFConfigError` naming the field, never silently dropped.
+its q/k norms), the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
+mixture), DeepSeek-V3 (:mod:`jaxpar.hf.deepseek`) and Gemma 2 and 3 (:mod:`jaxpar.hf.gemma`).
+Mistral's and Mixtral's ``sliding_window`` is ``model.sliding_window`` (every layer local);
+Qwen's, with ``use_sliding_window``, only where ``max_window_layers`` leaves every layer local
+(0) or none (>= the layer count): its "first layers global, the rest local" has no
+``model.global_every``. Anything jaxpar's model would compute differently (biases on o_proj or
+the MLP, another activation, a RoPE rule other than plain, ``linear``, ``llama3`` or
+DeepSeek's ``yarn``) is a one-line :class:`HFConfigError` naming the field, never silently
+dropped.
 
 Both dialects of the RoPE settings are read: transformers 4.x writes ``rope_theta`` and
 ``rope_scaling`` at the top level, 5.x writes them inside ``rope_parameters`` and drops (or
@@ -18,12 +23,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxpar.config import ConfigError, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
-
-
-class HFConfigError(ConfigError):
-    """A Hugging Face model jaxpar cannot represent: exit 2, one line naming the field."""
-
+from jaxpar.config import ModelConfig, MoEConfig
+from jaxpar.hf.common import LLAMA3_KEYS, HFConfigError, rope_from_hf
+from jaxpar.hf.common import refuse as _refuse
+from jaxpar.hf.common import required as _get
+from jaxpar.hf.deepseek import (
+    check_deepseek_export,
+    check_fp8_blocks,
+    deepseek_fields,
+    deepseek_model_config,
+)
+from jaxpar.hf.gemma import (
+    GEMMA_TYPES,
+    gemma_hf_config,
+    gemma_model_config,
+    gemma_model_type,
+    is_gemma,
+)
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")
@@ -31,10 +47,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
-# RoPE base when a config names none (transformers' defaults per model type).
-DEFAULT_THETA = {"mixtral": 1e6}
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings")
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
@@ -51,28 +63,20 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     return data
 
 
-def _get(hf: Mapping[str, Any], key: str) -> Any:
-    if hf.get(key) is None:
-        raise HFConfigError(f"config.json: {key} is missing")
-    return hf[key]
-
-
-def _refuse(condition: bool, field: str, why: str) -> None:
-    if condition:
-        raise HFConfigError(f"config.json: {field}: {why}")
-
-
 def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """The jaxpar model of a Hugging Face ``config.json`` (as a dict); raises
     :class:`HFConfigError` naming the first field jaxpar cannot represent."""
     kind = hf.get("model_type")
     _refuse(kind == "qwen2_moe", "shared_expert_intermediate_size", "qwen2_moe's sigmoid-gated "
             "shared expert has no jaxpar equivalent")
-    _refuse(kind not in DENSE_TYPES + MOE_TYPES, "model_type",
-            f"{kind!r} is not supported; supported: {', '.join(DENSE_TYPES + MOE_TYPES)}")
+    supported = DENSE_TYPES + MOE_TYPES + GEMMA_TYPES
+    _refuse(kind not in supported, "model_type",
+            f"{kind!r} is not supported; supported: {', '.join(supported)}")
+    if kind in GEMMA_TYPES:
+        return gemma_model_config(hf)
     _check_unsupported(hf, kind)
     if kind == "deepseek_v3":
-        return deepseek_config_from_hf(hf)
+        return deepseek_model_config(hf)
     d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
     theta, scaling = rope_from_hf(hf, kind)
     return ModelConfig(
@@ -83,7 +87,7 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
-        moe=_moe_from_hf(hf, kind))
+        sliding_window=_window_from_hf(hf, kind), moe=_moe_from_hf(hf, kind))
 
 
 def _moe_from_hf(hf: Mapping[str, Any], kind: str) -> MoEConfig:
@@ -117,112 +121,31 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
     else:
         _refuse(bool(hf.get("quantization_config")), "quantization_config",
                 "quantized weights are not supported")
-    window = hf.get("sliding_window")
-    if kind.startswith("qwen"):  # their sliding_window is a setting, off unless enabled
-        window = window if hf.get("use_sliding_window") else None
-    _refuse(window is not None, "sliding_window", f"{window}: sliding-window attention is not "
-            "supported (jaxpar attends to the whole sequence)")
-    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
-    _refuse(bool(sliding), "layer_types", f"{sliding[0] if sliding else ''!r} layers are not "
-            "supported (only full_attention)")
     if kind == "mixtral":
         _refuse(bool(hf.get("router_jitter_noise")), "router_jitter_noise", "must be 0")
 
 
-def check_fp8_blocks(hf: Mapping[str, Any]) -> None:
-    """DeepSeek's published weights: float8 e4m3 with a float32 ``weight_scale_inv`` per block
-    of ``weight_block_size`` (dequantized on import, :mod:`jaxpar.hf.importer`); nothing else."""
-    q = hf.get("quantization_config")
-    if not q:
-        return
-    _refuse(q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3",
-            "quantization_config", f"{q.get('quant_method')!r} {q.get('fmt')!r}: only fp8 "
-            "e4m3 block-scaled weights are read")
-    block = q.get("weight_block_size")
-    _refuse(not (isinstance(block, list) and len(block) == 2 and all(
-        isinstance(b, int) and b > 0 for b in block)), "quantization_config.weight_block_size",
-            f"{block}: expected two positive ints")
-
-
-def deepseek_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """DeepSeek-V3: multi-head latent attention, sigmoid routing with the correction bias
-    limited to groups, dense first blocks. Multi-token-prediction layers are not read."""
-    for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
-                         ("moe_layer_freq", 1)):
-        _refuse(hf.get(key, allowed) != allowed, key, f"{hf.get(key)!r}: only {allowed!r} "
-                "is supported")
-    theta, scaling = rope_from_hf(hf, "deepseek_v3")
-    rope_dims = int(_get(hf, "qk_rope_head_dim"))
-    _refuse(int(hf.get("head_dim") or rope_dims) != rope_dims, "head_dim", f"{hf.get('head_dim')}"
-            f": deepseek_v3's rotary embedding needs qk_rope_head_dim={rope_dims}")
-    d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
-    mla = MLAConfig(q_lora_rank=int(hf.get("q_lora_rank") or 0),
-                    kv_lora_rank=int(_get(hf, "kv_lora_rank")),
-                    qk_nope_head_dim=int(_get(hf, "qk_nope_head_dim")),
-                    qk_rope_head_dim=int(_get(hf, "qk_rope_head_dim")),
-                    v_head_dim=int(_get(hf, "v_head_dim")),
-                    rope_interleave=bool(hf.get("rope_interleave", True)))
-    moe = MoEConfig(
-        num_experts=int(_get(hf, "n_routed_experts")), top_k=int(_get(hf, "num_experts_per_tok")),
-        d_ff_expert=int(_get(hf, "moe_intermediate_size")),
-        num_shared_experts=int(hf.get("n_shared_experts") or 0), router="sigmoid_bias",
-        dispatch="dropless", norm_topk=bool(hf.get("norm_topk_prob", True)),
-        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        first_dense=int(hf.get("first_k_dense_replace") or 0), aux_loss_weight=0.0,
-        z_loss_weight=0.0)
-    return ModelConfig(
-        d_model=d_model, n_layers=int(_get(hf, "num_hidden_layers")), n_heads=heads,
-        n_kv_heads=heads, head_dim=mla.qk_head_dim, d_ff=int(_get(hf, "intermediate_size")),
-        vocab_size=int(_get(hf, "vocab_size")), rope_theta=theta, rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe, mla=mla)
-
-
-def _yarn_from_hf(rule: Mapping[str, Any], field: str) -> RopeScalingConfig:
-    """DeepSeek-V3's yarn: frequencies, the rotary dims' factor and the softmax scale."""
-    for key in ("factor", "original_max_position_embeddings"):
-        _refuse(rule.get(key) is None, f"{field}.{key}", "missing (yarn)")
-    _refuse(rule.get("attention_factor") is not None, f"{field}.attention_factor",
-            "an explicit factor is not supported (yarn: derived from mscale)")
-    _refuse(rule.get("truncate", True) is not True, f"{field}.truncate", "only true")
-    return RopeScalingConfig(
-        type="yarn", factor=float(rule["factor"]),
-        original_max_position_embeddings=int(rule["original_max_position_embeddings"]),
-        beta_fast=float(rule.get("beta_fast") or 32), beta_slow=float(rule.get("beta_slow") or 1),
-        mscale=float(rule.get("mscale") or 0.0),
-        mscale_all_dim=float(rule.get("mscale_all_dim") or 0.0))
-
-
-def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingConfig]:
-    """RoPE base and scaling from either dialect: 5.x's ``rope_parameters`` (theta and the
-    scaling rule in one dict) or 4.x's ``rope_theta`` + ``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    legacy = hf.get("rope_scaling") or {}
-    _refuse(not isinstance(params, Mapping) or not isinstance(legacy, Mapping),
-            "rope_parameters", "expected one dict (per-layer-type RoPE is not supported)")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    theta = float(theta if theta is not None else DEFAULT_THETA.get(kind, 10000.0))
-    # 5.x keeps the rule in rope_parameters; 4.x in rope_scaling (rope_type, or older "type").
-    rule = params if params.get("rope_type", "default") != "default" else legacy
-    rope_type = rule.get("rope_type", rule.get("type", "default"))
-    field = "rope_parameters" if rule is params else "rope_scaling"
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    _refuse(factor not in (None, 1, 1.0), "partial_rotary_factor",
-            f"{factor}: only full rotary embeddings are supported")
-    if rope_type == "default":
-        return theta, RopeScalingConfig()
-    if rope_type == "yarn" and kind == "deepseek_v3":
-        return theta, _yarn_from_hf(rule, field)
-    _refuse(rope_type != "llama3", f"{field}.rope_type", f"{rope_type!r} is not supported; "
-            "supported: default, llama3 (and yarn for deepseek_v3)")
-    missing = [k for k in LLAMA3_KEYS if rule.get(k) is None]
-    _refuse(bool(missing), f"{field}.{missing[0] if missing else ''}", "missing (llama3)")
-    return theta, RopeScalingConfig(
-        type="llama3", factor=float(rule["factor"]),
-        low_freq_factor=float(rule["low_freq_factor"]),
-        high_freq_factor=float(rule["high_freq_factor"]),
-        original_max_position_embeddings=int(rule["original_max_position_embeddings"]))
+def _window_from_hf(hf: Mapping[str, Any], kind: str) -> int | None:
+    """The one window of every layer (``model.sliding_window``), or None; a mix of local and
+    global layers jaxpar cannot express is refused (module docstring)."""
+    window = hf.get("sliding_window")
+    layers = int(_get(hf, "num_hidden_layers"))
+    if kind.startswith("qwen"):  # their sliding_window is a setting, off unless enabled
+        window = window if hf.get("use_sliding_window") else None
+        first_global = int(hf.get("max_window_layers") or 0)
+        if window is not None and first_global >= layers:
+            window = None  # every layer is one of the "first" global ones
+        _refuse(window is not None and first_global > 0, "max_window_layers",
+                f"{first_global}: layers 0..{first_global - 1} global and the rest local has "
+                "no jaxpar equivalent (model.global_every alternates); supported: 0 (every layer "
+                f"local) or >= num_hidden_layers={layers} (none)")
+    _refuse(window is not None and (not isinstance(window, int) or window < 1),
+            "sliding_window", f"{window!r}: expected a positive integer or null")
+    want = "full_attention" if window is None else "sliding_attention"
+    other = [t for t in hf.get("layer_types") or [] if t != want]
+    _refuse(bool(other), "layer_types", f"{other[0] if other else ''!r} layers beside "
+            f"{want} ones are not supported (sliding_window={window}: every layer {want})")
+    return window
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,8 +156,14 @@ def hf_model_type(m: ModelConfig) -> str:
     """The Hugging Face model type that computes what ``m`` computes, or an error naming the
     jaxpar setting none of them has."""
     if m.mla.enabled:
-        _check_deepseek_export(m)
+        check_deepseek_export(m, _refuse_export)
         return "deepseek_v3"
+    if is_gemma(m):
+        return gemma_model_type(m, _refuse_export)
+    for name, off in (("mlp_activation", "silu"), ("embed_scale", False), ("final_softcap", 0.0),
+                      ("query_scale", None)):
+        _refuse_export(getattr(m, name) != off, f"model.{name}={getattr(m, name)}", "only the "
+                       "Gemmas (model.post_norms) have it")
     if m.moe.enabled:
         moe = m.moe
         # qwen3_moe (q/k norms) has any expert size and either gate; mixtral renormalises.
@@ -251,38 +180,28 @@ def hf_model_type(m: ModelConfig) -> str:
                            "router=softmax, no shared experts; mixtral also norm_topk=true, "
                            "d_ff_expert=d_ff")
         _refuse_export(m.qkv_bias, "model.qkv_bias", "no exported mixture has q/k/v biases")
+        _refuse_export(m.qk_norm and m.sliding_window is not None, "model.sliding_window",
+                       "the exported windowed mixture is mixtral (no q/k norms)")
         return "qwen3_moe" if m.qk_norm else "mixtral"
     _refuse_export(m.qkv_bias and m.qk_norm, "model.qkv_bias and model.qk_norm",
                    "no exported model type has both (qwen2: biases, qwen3: norms)")
+    if m.sliding_window is not None:
+        _refuse_export(m.qkv_bias or m.qk_norm, f"model.sliding_window={m.sliding_window} "
+                       "with model.qkv_bias or model.qk_norm", "the exported windowed model "
+                       "is mistral (no biases, no q/k norms)")
+        return "mistral"
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
 
 
-def _check_deepseek_export(m: ModelConfig) -> None:
-    """What DeepSeek-V3's Hugging Face model fixes: a mixture with a sigmoid_bias router
-    (normalised or not), shared experts, every block after the first dense ones a mixture."""
-    moe = m.moe
-    checks = (("num_experts", moe.enabled), ("router", moe.router == "sigmoid_bias"),
-              ("every", moe.every == 1), ("num_shared_experts", moe.num_shared_experts >= 1))
-    for name, ok in checks:
-        _refuse_export(not ok, f"model.moe.{name}={getattr(moe, name)}", "deepseek_v3 (the "
-                       "exported model with model.mla) has a mixture with router=sigmoid_bias, "
-                       "every=1 and shared experts")
-    _refuse_export(m.qkv_bias or m.qk_norm, "model.qkv_bias/qk_norm", "deepseek_v3 has neither")
-
-
-def _deepseek_fields(m: ModelConfig) -> dict[str, Any]:
-    mla, moe = m.mla, m.moe
-    return dict(
-        q_lora_rank=mla.q_lora_rank or None, kv_lora_rank=mla.kv_lora_rank,
-        qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
-        v_head_dim=mla.v_head_dim, head_dim=mla.qk_rope_head_dim,
-        rope_interleave=mla.rope_interleave, n_routed_experts=moe.num_experts,
-        num_experts_per_tok=moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,
-        n_shared_experts=moe.num_shared_experts, n_group=moe.n_group,
-        topk_group=moe.topk_group, norm_topk_prob=moe.normalise_gates,
-        routed_scaling_factor=moe.routed_scaling_factor,
-        first_k_dense_replace=moe.first_dense, num_nextn_predict_layers=0,
-        num_key_value_heads=m.n_heads, attention_bias=False)
+def _check_attention_export(m: ModelConfig, kind: str) -> None:
+    """Attention variants the exported model types lack: per-layer windows, soft caps and a
+    RoPE base of the local layers (Gemma's)."""
+    _refuse_export(m.global_every > 0, f"model.global_every={m.global_every}",
+                   f"{kind}'s sliding window is the same in every layer")
+    _refuse_export(m.attn_softcap > 0, f"model.attn_softcap={m.attn_softcap}",
+                   f"{kind} does not cap its attention scores")
+    _refuse_export(m.rope_local_theta is not None, f"model.rope_local_theta="
+                   f"{m.rope_local_theta}", f"{kind} has one RoPE base")
 
 
 def _refuse_export(condition: bool, field: str, why: str) -> None:
@@ -293,17 +212,21 @@ def _refuse_export(condition: bool, field: str, why: str) -> None:
 def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     """A ``config.json`` for ``m``, with the RoPE settings in both dialects."""
     kind = hf_model_type(m)
+    if not is_gemma(m):
+        _check_attention_export(m, kind)
     rope_parameters: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": "default"}
     rope_scaling = None
     max_positions = 8192
     if m.rope_scaling.enabled:
         r = m.rope_scaling
-        keys = LLAMA3_KEYS if r.type == "llama3" else (
+        keys = LLAMA3_KEYS if r.type == "llama3" else ("factor",) if r.type == "linear" else (
             "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
             "mscale_all_dim")
         rope_scaling = {"rope_type": r.type, **{k: getattr(r, k) for k in keys}}
         rope_parameters.update(rope_scaling)
         max_positions = int(r.original_max_position_embeddings * r.factor)
+    if is_gemma(m):
+        return gemma_hf_config(m, kind, rope_parameters, rope_scaling, max_positions)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
@@ -325,9 +248,11 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     if kind == "mixtral":
         out.update(num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
                    router_aux_loss_coef=m.moe.aux_loss_weight, router_jitter_noise=0.0,
-                   output_router_logits=False, sliding_window=None)
+                   output_router_logits=False, sliding_window=m.sliding_window)
+    if kind == "mistral":
+        out.update(sliding_window=m.sliding_window)
     if kind == "deepseek_v3":
-        out.update(_deepseek_fields(m))
+        out.update(deepseek_fields(m))
     if kind == "qwen3_moe":
         out.update(num_experts=m.moe.num_experts, num_local_experts=m.moe.num_experts,
                    num_experts_per_tok=m.moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,

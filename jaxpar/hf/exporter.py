@@ -5,8 +5,10 @@ qwen3, mixtral or qwen3_moe, the RoPE settings in the dialects of transformers 4
 the float32 weights under their Hugging Face names (:mod:`jaxpar.hf.names`) in
 safetensors files of at most ``max_shard_bytes`` each (``model.safetensors``, or
 ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` when it takes
-several), and the tokenizer files of the run's ``data.tokenizer`` when that is a
-``tokenizer.json``. Reads only the parameters, on the host; a shard's converted tensors are
+several), the tokenizer files of the run's ``data.tokenizer`` when that is a
+``tokenizer.json``, and ``generation_config.json`` with the ids that end a sequence when
+``generation.eos_ids`` names them (an import's own, so that transformers stops where jaxpar
+does). Reads only the parameters, on the host; a shard's converted tensors are
 the only other copy alive.
 """
 
@@ -122,6 +124,10 @@ def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHA
         for name in TOKENIZER_FILES:
             if (tokenizer.parent / name).is_file() and name != "generation_config.json":
                 shutil.copyfile(tokenizer.parent / name, out_dir / name)
+    eos = list(cfg.generation.eos_ids)
+    if eos:
+        (out_dir / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": eos[0] if len(eos) == 1 else eos}, indent=2) + "\n")
     return files, step
 
 

@@ -7,7 +7,10 @@ for each block, so the pages safetensors maps are released again), straight into
 float32 arrays of the jaxpar model (:mod:`jaxpar.hf.names`): the host holds the model
 once, plus one block. Weights stored in bfloat16 or float16 become float32 (exactly). Writes
 ``OUT/checkpoints/0``, a jaxpar ``OUT/config.yaml`` to train from, and copies the tokenizer
-files next to them.
+files next to them. The config also says how the model's prompts are encoded (by its own
+tokenizer, special tokens included) and which ids end its sequences (``generation.*``:
+:func:`generation_settings`), so that ``jaxpar generate`` continues a prompt as transformers
+does.
 """
 
 from __future__ import annotations
@@ -24,16 +27,26 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxpar.checkpoint.weights import save_weights
-from jaxpar.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict
+from jaxpar.config import (
+    Config,
+    DataConfig,
+    GenerationConfig,
+    ModelConfig,
+    TrainConfig,
+    to_dict,
+)
 from jaxpar.hf.config import HFConfigError, model_config_from_hf, read_hf_config
 from jaxpar.hf.fp8 import SCALE_SUFFIX, dequantized_rows, scale_name, tensor_info
 from jaxpar.hf.names import (
+    PLUS_ONE,
+    TEXT_PREFIXES,
     Tensor,
     hf_shape,
     hf_tensors,
     jaxpar_view,
     param_at,
 )
+from jaxpar.model.layers import LocalLayer
 from jaxpar.model.transformer import abstract_model
 
 INDEX = "model.safetensors.index.json"
@@ -42,6 +55,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 BLOCK_BYTES = 2**20  # a tensor is read this many (float32) bytes at a time
 # Tensors a Hugging Face directory may hold that the model does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The multimodal Gemma 3's image side: jaxpar imports its language model only.
+LEFT_OUT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector.")
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,8 @@ class Imported:
     model: ModelConfig
     tokenizer: Path | None  # the copied tokenizer.json, if the source had one
     total_bytes: int  # float32 bytes of the parameters
+    generation: GenerationConfig  # how prompts are encoded, which ids end a sequence
+    left_out: int = 0  # tensors of the source not imported (a multimodal model's image side)
     prediction_layers: int = 0  # DeepSeek's multi-token-prediction layers, left out
 
 
@@ -74,7 +92,8 @@ def weight_files(directory: Path) -> dict[str, Path]:
 def _host_arrays(m: ModelConfig) -> dict:
     """Empty float32 arrays shaped as the model's parameters and buffers:
     ``{"params": ..., "buffers": ...}``, each nested as the model."""
-    _, params, buffers = nnx.split(abstract_model(m), nnx.Param, ...)
+    # the window flags follow the config: no tensor holds them
+    _, params, _, buffers = nnx.split(abstract_model(m), nnx.Param, LocalLayer, ...)
 
     def build(node):
         if isinstance(node, dict):
@@ -109,20 +128,29 @@ def _paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     return out
 
 
-def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig) -> None:
+def text_prefix(files: dict[str, Path]) -> str:
+    """Where the checkpoint keeps the language model (:data:`TEXT_PREFIXES`)."""
+    return next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in files), "model.")
+
+
+def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig,
+                 left_out: tuple[str, ...]) -> int:
+    """Refuses a missing or unknown tensor; returns how many start with ``left_out``."""
     wanted = {t.hf for t in tensors}
     missing = sorted(wanted - set(files))
     if missing:
         raise HFConfigError(f"tensor {missing[0]} is missing from the safetensors files "
                             f"({len(missing)} missing)")
-    extra = sorted(n for n in set(files) - wanted
+    unused = [n for n in set(files) - wanted if n.startswith(left_out)] if left_out else []
+    extra = sorted(n for n in set(files) - wanted - set(unused)
                    if not n.endswith(IGNORED_SUFFIXES)
                    and not (n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] in wanted)
                    and not (m.mla.enabled and prediction_layer(n, m) is not None)
-                   and not (m.tie_embeddings and n == "lm_head.weight"))  # tied: unused copy
+                   and not (m.tie_embeddings and n in TEXT_PREFIXES.values()))  # tied: a copy
     if extra:
         raise HFConfigError(f"tensor {extra[0]}: the model jaxpar builds from config.json has no "
                             f"such weight ({len(extra)} unknown; an unsupported config field?)")
+    return len(unused)
 
 
 def prediction_layer(name: str, m: ModelConfig) -> int | None:
@@ -132,20 +160,21 @@ def prediction_layer(name: str, m: ModelConfig) -> int | None:
     return int(match.group(1)) if match and int(match.group(1)) >= m.n_layers else None
 
 
-def read_weights(directory: Path, m: ModelConfig, block: tuple[int, int] | None = None
-                 ) -> dict:
+def read_weights(directory: Path, m: ModelConfig, block: tuple[int, int] | None = None,
+                 left_out: tuple[str, ...] = ()) -> tuple[dict, int]:
     """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays
-    (``{"params": ..., "buffers": ...}``); ``block``: the float8 weights' scale blocks."""
+    (``{"params": ..., "buffers": ...}``), and the count of the tensors starting with
+    ``left_out`` that it does not read; ``block``: the float8 weights' scale blocks."""
     files = weight_files(directory)
-    tensors = hf_tensors(m)
-    _check_names(tensors, files, m)
+    tensors = hf_tensors(m, text_prefix(files))
+    unused = _check_names(tensors, files, m, left_out)
     arrays = _host_arrays(m)
     _check_coverage(tensors, arrays)
     for t in tensors:
         scales = files.get(scale_name(t.hf))
         _read_into(files[t.hf], t, param_at(_tree(arrays, t), t.path)[t.index],
                    (scales, block) if scales is not None and block else None)
-    return arrays
+    return arrays, unused
 
 
 def _read_into(file: Path, t: Tensor, target: np.ndarray,
@@ -171,6 +200,8 @@ def _read_into(file: Path, t: Tensor, target: np.ndarray,
             view[:, start:start + rows] = block.T  # converts to float32 as it copies
         else:
             view[start:start + rows] = block
+    if t.layout == PLUS_ONE:  # Gemma's norms multiply by 1 + weight, added in float32
+        target += np.float32(1.0)
 
 
 def _copy_tokenizer(source: Path, out_dir: Path) -> Path | None:
@@ -179,6 +210,27 @@ def _copy_tokenizer(source: Path, out_dir: Path) -> Path | None:
             shutil.copyfile(source / name, out_dir / name)
     copied = out_dir / "tokenizer.json"
     return copied.absolute() if copied.is_file() else None
+
+
+def generation_settings(source: Path, hf: dict, vocab_size: int) -> GenerationConfig:
+    """Prompts encoded as the model's tokenizer encodes them; sequences ending at the
+    ``eos_token_id`` of ``generation_config.json`` (what transformers' ``generate`` stops at),
+    else of ``config.json``: one id or a list (a chat model's end-of-turn token among them).
+    Ids outside the vocabulary are dropped: the model cannot produce them."""
+    ids = None
+    path = source / "generation_config.json"
+    if path.is_file():
+        try:
+            ids = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as err:
+            raise HFConfigError(f"{path}: cannot read it as a JSON object ({err})") from None
+    if ids is None:
+        ids = hf.get("eos_token_id")
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise HFConfigError(f"eos_token_id: {ids!r} is neither a token id nor a list of them")
+    return GenerationConfig(prompt="tokenizer",
+                            eos_ids=tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size)))
 
 
 def import_hf(source: Path, out_dir: Path) -> Imported:
@@ -190,14 +242,19 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
         raise HFConfigError(f"--to {out_dir}: already holds checkpoints; choose a new directory")
     hf = read_hf_config(source)
     model = model_config_from_hf(hf)
+    generation = generation_settings(source, hf, model.vocab_size)
+    multimodal = hf.get("model_type") == "gemma3"
     block = (hf.get("quantization_config") or {}).get("weight_block_size")
-    arrays = read_weights(source, model, tuple(block) if block else None)
+    arrays, left_out = read_weights(source, model, tuple(block) if block else None,
+                                    LEFT_OUT_PREFIXES if multimodal else ())
     params = arrays["params"]
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _copy_tokenizer(source, out_dir)
-    # The config to train from: the model, these weights, the tokenizer if there is one.
+    # The config to train from: the model, these weights, the tokenizer if there is one, and
+    # how to prompt it.
     cfg = Config(model=model, train=TrainConfig(init_from=str(out_dir.absolute())),
-                 data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig())
+                 data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig(),
+                 generation=generation)
     path = save_weights(out_dir, cfg, params, {"source": str(source.absolute()),
                                                "format": "huggingface"},
                         buffers=arrays["buffers"] or None)
@@ -205,15 +262,17 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     total = sum(param_at(params, p).nbytes for p in _paths(params))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
-                    total_bytes=total,
+                    total_bytes=total, generation=generation, left_out=left_out,
                     prediction_layers=int(hf.get("num_nextn_predict_layers") or 0))
-
 
 
 def import_hf_main(source: Path, out_dir: Path) -> int:
     """``jaxpar import-hf``: convert, then say what was written and how to train from it."""
     done = import_hf(source, out_dir)
     m = done.model
+    if done.left_out:
+        print(f"left out {done.left_out} tensors of the vision tower and projector: jaxpar "
+              "imports the language model only")
     print(f"imported {source}: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
           + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
           + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")
@@ -224,4 +283,9 @@ def import_hf_main(source: Path, out_dir: Path) -> int:
                  "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
     print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "
           f"(train.init_from={out_dir}; {tokenizer})")
+    ids = done.generation.eos_ids
+    ends = (f"any of the ids {', '.join(map(str, ids))}" if len(ids) > 1 else
+            f"id {ids[0]}" if ids else "the tokenizer's end-of-text token")
+    print(f"generate from it: jaxpar generate {out_dir} --prompt TEXT (prompts as its tokenizer "
+          f"encodes them, special tokens included; a sequence ends at {ends})")
     return 0

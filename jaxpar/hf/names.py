@@ -20,6 +20,13 @@ Names (``L`` a layer, ``X`` an expert; jaxpar's layer weights are stacked on a l
     model.layers.L.mlp.gate.weight, model.layers.L.mlp.experts.X.{gate,up,down}_proj.weight
                                                the same, for qwen3_moe
 
+Gemma 2/3 (``model.post_norms``): four norms a layer, ``input_layernorm`` -> ``attn_norm``,
+``post_attention_layernorm`` -> ``attn_post_norm``, ``pre_feedforward_layernorm`` ->
+``mlp_norm``, ``post_feedforward_layernorm`` -> ``mlp_post_norm``; every Gemma norm (the q/k and
+final ones too) multiplies by ``1 + weight``, so jaxpar's scale is the weight plus one
+(``PLUS_ONE``, float32 as transformers adds it). The multimodal Gemma 3 keeps the language
+model under a prefix of its own (``language_model.model.`` as transformers 5 saves it).
+
 DeepSeek-V3 (``deepseek_v3``; multi-head latent attention, :mod:`jaxpar.model.mla`): blocks
 below ``first_k_dense_replace`` are ``dense_layers/...`` [L], the others ``layers/...``
 [L - first_k_dense_replace]::
@@ -52,8 +59,15 @@ import numpy as np
 from jaxpar.config import ModelConfig
 
 # How the Hugging Face array relates to the jaxpar one (one layer's / expert's slice of it).
-SAME, TRANSPOSED, HEADS_IN, HEADS_OUT, HEADS_BIAS = (
-    "same", "transposed", "heads_in", "heads_out", "heads_bias")
+SAME, TRANSPOSED, HEADS_IN, HEADS_OUT, HEADS_BIAS, PLUS_ONE = (
+    "same", "transposed", "heads_in", "heads_out", "heads_bias", "plus_one")
+# Where a checkpoint keeps the language model -> its output head's name (untied).
+TEXT_PREFIXES = {"model.": "lm_head.weight",
+                 "language_model.model.": "language_model.lm_head.weight",
+                 "model.language_model.": "lm_head.weight"}
+GEMMA_NORMS = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "attn_post_norm"),
+               ("pre_feedforward_layernorm", "mlp_norm"),
+               ("post_feedforward_layernorm", "mlp_post_norm"))
 
 
 @dataclass(frozen=True)
@@ -61,32 +75,38 @@ class Tensor:
     hf: str  # the Hugging Face name
     path: tuple[str, ...]  # the jaxpar parameter ("layers", "attn", "wq")
     index: tuple[int, ...]  # its slice of the stacked parameter: (), (layer,), (layer, expert)
-    layout: str  # SAME, TRANSPOSED, HEADS_IN, HEADS_OUT or HEADS_BIAS
+    layout: str  # SAME, TRANSPOSED, HEADS_IN, HEADS_OUT, HEADS_BIAS or PLUS_ONE
     buffer: bool = False  # a model buffer (MoE router bias), not a parameter
 
 
-def hf_tensors(m: ModelConfig) -> list[Tensor]:
+def hf_tensors(m: ModelConfig, prefix: str = "model.") -> list[Tensor]:
     """Every tensor of the Hugging Face model that ``m`` is, in the order save_pretrained
-    writes (global ones first, then layer by layer). MoE models: ``moe.every == 1`` only."""
-    out = [Tensor("model.embed_tokens.weight", ("embedding",), (), SAME)]
+    writes (global ones first, then layer by layer), the language model's under ``prefix``
+    (one of :data:`TEXT_PREFIXES`). MoE models: ``moe.every == 1`` only."""
+    norm = PLUS_ONE if m.post_norms else SAME
+    out = [Tensor(f"{prefix}embed_tokens.weight", ("embedding",), (), SAME)]
     for layer in range(m.n_layers):
-        out += _layer_tensors(m, layer)
-    out.append(Tensor("model.norm.weight", ("final_norm", "scale"), (), SAME))
+        out += _layer_tensors(m, layer, prefix)
+    out.append(Tensor(f"{prefix}norm.weight", ("final_norm", "scale"), (), norm))
     if not m.tie_embeddings:
-        out.append(Tensor("lm_head.weight", ("lm_head",), (), TRANSPOSED))
+        out.append(Tensor(TEXT_PREFIXES[prefix], ("lm_head",), (), TRANSPOSED))
     return out
 
 
-def _layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
+def _layer_tensors(m: ModelConfig, layer: int, prefix: str) -> list[Tensor]:
     if m.mla.enabled:
-        return _deepseek_layer_tensors(m, layer)
-    p, i = f"model.layers.{layer}.", (layer,)
+        return _deepseek_layer_tensors(m, layer, prefix)
+    p, i = f"{prefix}layers.{layer}.", (layer,)
+    norm = PLUS_ONE if m.post_norms else SAME
 
     def t(name: str, *path: str, layout: str, index: tuple[int, ...] = i) -> Tensor:
         return Tensor(p + name, ("layers", *path), index, layout)
 
-    out = [t("input_layernorm.weight", "attn_norm", "scale", layout=SAME),
-           t("post_attention_layernorm.weight", "mlp_norm", "scale", layout=SAME)]
+    if m.post_norms:
+        out = [t(f"{hf}.weight", name, "scale", layout=PLUS_ONE) for hf, name in GEMMA_NORMS]
+    else:
+        out = [t("input_layernorm.weight", "attn_norm", "scale", layout=SAME),
+               t("post_attention_layernorm.weight", "mlp_norm", "scale", layout=SAME)]
     for proj, name in (("q", "wq"), ("k", "wk"), ("v", "wv")):
         out.append(t(f"self_attn.{proj}_proj.weight", "attn", name, layout=HEADS_IN))
         if m.qkv_bias:
@@ -94,8 +114,8 @@ def _layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
                          layout=HEADS_BIAS))
     out.append(t("self_attn.o_proj.weight", "attn", "wo", layout=HEADS_OUT))
     if m.qk_norm:
-        out += [t("self_attn.q_norm.weight", "attn", "q_norm", "scale", layout=SAME),
-                t("self_attn.k_norm.weight", "attn", "k_norm", "scale", layout=SAME)]
+        out += [t("self_attn.q_norm.weight", "attn", "q_norm", "scale", layout=norm),
+                t("self_attn.k_norm.weight", "attn", "k_norm", "scale", layout=norm)]
     if not m.moe.enabled:
         return out + [t(f"mlp.{hf}_proj.weight", "mlp", f"w_{hf}", layout=TRANSPOSED)
                       for hf in ("gate", "up", "down")]
@@ -110,11 +130,11 @@ def _layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
     return out
 
 
-def _deepseek_layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
+def _deepseek_layer_tensors(m: ModelConfig, layer: int, prefix: str) -> list[Tensor]:
     """One DeepSeek-V3 block: MLA, then a dense MLP (``dense_layers``) or a mixture."""
     first = m.moe.first_dense
     stack, i = ("dense_layers", (layer,)) if layer < first else ("layers", (layer - first,))
-    p = f"model.layers.{layer}."
+    p = f"{prefix}layers.{layer}."
 
     def t(name: str, *path: str, layout: str = TRANSPOSED, index: tuple[int, ...] = i,
           buffer: bool = False) -> Tensor:
@@ -162,7 +182,7 @@ def slice_shape(params: dict, t: Tensor) -> tuple[int, ...]:
 
 def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The Hugging Face shape of a jaxpar slice of ``shape``."""
-    if layout == SAME:
+    if layout in (SAME, PLUS_ONE):
         return shape
     if layout == TRANSPOSED:
         return shape[::-1]
@@ -177,7 +197,7 @@ def jaxpar_view(layout: str, target: np.ndarray) -> tuple[np.ndarray, bool]:
     """A view of the jaxpar slice ``target`` whose rows (``False``) or columns (``True``) are
     the rows of the Hugging Face array: reading a tensor in row blocks fills ``target`` in
     place, without a whole copy of it."""
-    if layout in (SAME, HEADS_BIAS):
+    if layout in (SAME, HEADS_BIAS, PLUS_ONE):  # PLUS_ONE: the reader adds the one
         return target.reshape(-1) if layout == HEADS_BIAS else target, False
     if layout == HEADS_IN:  # [E, H, D] viewed as [E, H*D]: HF's rows are its columns
         return target.reshape(target.shape[0], -1), True
@@ -196,4 +216,6 @@ def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
         array = array.reshape(-1, array.shape[-1]).T
     elif layout == HEADS_BIAS:
         array = array.reshape(-1)
+    elif layout == PLUS_ONE:
+        array = array - np.float32(1.0)
     return np.ascontiguousarray(array)

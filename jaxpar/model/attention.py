@@ -1,4 +1,4 @@
-"""Causal grouped-query attention: dense, blockwise (flash-style), and cuDNN's fused kernel.
+"""Causal grouped-query attention in plain JAX: dense, and blockwise (flash-style).
 
 Shapes: q ``[B, S, H, D]``, k and v ``[B, S, K, D]`` with ``H = K x G``; query head h reads kv
 head ``h // G``. Inside, queries are grouped ``[B, S, K, G, D]`` so that the G query heads of one
@@ -28,18 +28,13 @@ square, a packed row of documents the block diagonal of its documents. Flops: th
 two matmuls on the blocks computed, the backward's five (scores again, dv, dp, dq, dk), 2.5
 times the forward.
 
-``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only, causal by storage
-order (no out-of-order positions), bfloat16 or float16. Its JAX API (0.10) takes no document
-ids, so it runs only without document masks (:func:`resolve`).
+Sliding windows and soft-capping come with the mask description (``window``, ``softcap``).
+Soft-capping replaces the scaled scores ``s`` by ``c = cap tanh(s / cap)`` before the mask; the
+backward pass multiplies ``ds`` by ``dc/ds = 1 - (c / cap)^2``. A window only adds to the mask
+and to the block kinds (blocks wholly before every query's window are skipped).
 
-``splash``: the Pallas splash-attention kernel shipped with JAX (TPU; FlashAttention-2's algorithm
-as a Mosaic kernel with a block-sparse causal mask), causal by storage order, documents by the
-kernel's ``SegmentIds`` (applied inside its blocks: the kernel's block skipping knows only the
-causal mask). Each kv head and its G query heads are one multi-query call, so grouped-query
-attention reads each kv head once.
-A kernel runs on one device's arrays: the parallel layer wraps it in ``shard_map`` over the
-batch and head axes (:mod:`jaxpar.parallel.hooks`). Off a TPU it runs in Pallas' interpreter,
-which the tests use to check it against dense attention on the CPU.
+cuDNN's and splash's fused kernels, and the choice between implementations, are in
+:mod:`jaxpar.model.fused`.
 
 The block kernels (:func:`fold_keys`, :func:`unfold_keys`) also serve ring attention
 (:mod:`jaxpar.parallel.context`): each key/value block arriving over the ring is folded into the
@@ -56,7 +51,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpar.config import ConfigError
 from jaxpar.model.mask import (  # noqa: F401 (SKIP, FULL, MASKED, block_kind: re-exported)
     FULL,
     MASKED,
@@ -69,45 +63,6 @@ from jaxpar.model.mask import (  # noqa: F401 (SKIP, FULL, MASKED, block_kind: r
 )
 
 NEG = -1e30  # a finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
-IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")
-SPLASH_TILE = 128  # the TPU kernel's blocks are multiples of the 128-lane vector width
-
-
-def resolve(name: str, platform: str, seq_len: int, block: int, dtype,
-            splash_possible: bool = True, documents: bool = False) -> str:
-    """The implementation ``model.attention=name`` means here. ``auto``: cuDNN on a GPU in a
-    16-bit dtype (without document masks, ``documents``, which its API cannot express);
-    splash on a TPU when the sequence tiles into 128-token blocks (and the layout allows it:
-    ``Config.splash_possible``); else blockwise when the sequence spans several blocks (one
-    block saves nothing: it is the dense computation with recomputation added), dense
-    otherwise."""
-    native = {"cudnn": "gpu", "splash": "tpu"}
-    if name in native and platform != native[name]:
-        allowed = ", ".join(n for n in IMPLEMENTATIONS if native.get(n, platform) == platform)
-        raise ConfigError(f"model.attention={name} needs a {native[name].upper()} (this backend: "
-                          f"{platform}); allowed here: {allowed}")
-    if name == "splash":
-        _check_splash_blocks(seq_len, block)
-    if name == "cudnn" and documents:
-        raise ConfigError("model.attention=cudnn with data.document_mask=true: cuDNN's JAX API "
-                          "takes no document ids; use model.attention=blockwise (or auto), or "
-                          "data.document_mask=false")
-    if name != "auto":
-        return name
-    if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and not documents:
-        return "cudnn"
-    size = min(block, seq_len)
-    if platform == "tpu" and splash_possible and seq_len % size == 0 and size % SPLASH_TILE == 0:
-        return "splash"
-    return "blockwise" if seq_len > block else "dense"
-
-
-def _check_splash_blocks(seq_len: int, block: int) -> None:
-    size = min(block, seq_len)
-    if seq_len % size or size % SPLASH_TILE:
-        raise ConfigError(f"model.attention=splash tiles train.seq_len={seq_len} into blocks of "
-                          f"min(model.attention_block={block}, seq_len) = {size} tokens: that "
-                          f"block must divide the sequence and be a multiple of {SPLASH_TILE}")
 
 
 def group(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -133,11 +88,17 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: Positio
     else:
         mask = as_mask(positions)
         causal = visible(mask, mask)[:, None, None]
+        scores = soft_cap(scores, mask.softcap)
     # An additive bias, not jnp.where(causal, scores, NEG): where's derivative keeps the mask
     # and a broadcast of zeros as residuals ([B, K, G, S, S] each), which a pipeline would
     # stash per microbatch; an addition keeps nothing.
     scores = scores + jnp.where(causal, 0.0, NEG)
     return weighted_values(scores, v).reshape(b, s, h, d)
+
+
+def soft_cap(scores: jax.Array, cap: float) -> jax.Array:
+    """``cap tanh(scores / cap)`` (Gemma 2's attention-logit soft-capping); ``cap=0``: off."""
+    return scores if not cap else cap * jnp.tanh(scores / cap)
 
 
 @jax.custom_vjp
@@ -173,19 +134,25 @@ weighted_values.defvjp(_weighted_values_fwd, _weighted_values_bwd)
 
 
 def _scores(q, k, q_pos: AttentionMask, k_pos: AttentionMask, masked: bool):
+    """(scores, visibility or None, d capped / d raw scores or None) of one block."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     s = jnp.einsum("bskgd,btkd->bskgt", q, k, preferred_element_type=jnp.float32) * scale
+    cap, slope = q_pos.softcap, None
+    if cap:
+        s = soft_cap(s, cap)
+        # Taken before masking: NEG squared would overflow and 0 * inf poison the gradient.
+        slope = 1.0 - jnp.square(s / cap)
     seen = None
     if masked:
         seen = visible(q_pos, k_pos)[:, :, None, None, :]
         s = jnp.where(seen, s, NEG)
-    return s, seen
+    return s, seen, slope
 
 
 def forward_block(acc: tuple, q, k, v, q_pos, k_pos, masked: bool) -> tuple:
     """Fold one key/value block into the running (output, max, sum) of an online softmax."""
     out, m, total = acc
-    s, visible = _scores(q, k, q_pos, k_pos, masked)
+    s, visible, _ = _scores(q, k, q_pos, k_pos, masked)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.exp(s - m_new[..., None])
     if masked:  # a row with no visible key yet must add nothing (exp(NEG - NEG) = 1)
@@ -201,13 +168,15 @@ def backward_block(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, masked: 
     """(dq, dk, dv) plus one block's contributions, from the saved log-sum-exp."""
     dq, dk, dv = grads
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s, visible = _scores(q, k, q_pos, k_pos, masked)
+    s, visible, slope = _scores(q, k, q_pos, k_pos, masked)
     p = jnp.exp(s - lse[..., None])
     if masked:
         p = jnp.where(visible, p, 0.0)
     dv = dv + jnp.einsum("bskgt,bskgd->btkd", p, do.astype(jnp.float32))
     dp = jnp.einsum("bskgd,btkd->bskgt", do, v, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None]) * scale
+    if slope is not None:  # the chain rule through cap tanh(s / cap)
+        ds = ds * slope
     dq = dq + jnp.einsum("bskgt,btkd->bskgd", ds, k.astype(jnp.float32))
     dk = dk + jnp.einsum("bskgt,bskgd->btkd", ds, q.astype(jnp.float32))
     return dq, dk, dv
@@ -379,62 +348,7 @@ def blockwise_attention(block: int) -> Callable:
 
 
 def kernel_mask(positions: Positions) -> AttentionMask:
-    """What a kernel reads of ``positions``: order and documents (not the rope positions)."""
+    """What a kernel reads of ``positions``: order, documents, windows and the soft cap (not
+    the rope positions)."""
     mask = as_mask(positions)
-    return AttentionMask(mask.order, mask.segments)
-
-
-def cudnn_attention(q, k, v, positions=None):
-    """cuDNN's fused causal attention (GPU; causal by storage order, so ``positions`` must be
-    in order, as they are without context parallelism; one document per row: :func:`resolve`
-    refuses document masks)."""
-    if positions is not None and as_mask(positions).segments is not None:
-        raise ValueError("cudnn attention takes no document ids (data.document_mask=false)")
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-
-
-def splash_attention(block: int, interpret: bool = False) -> Callable:
-    """``attention(q, k, v, positions)`` by the Pallas splash kernel on one device's arrays,
-    ``block`` x ``block`` tiles; ``interpret`` runs it in Pallas' interpreter (off a TPU)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (TPU only)
-        splash_attention_kernel as splash,
-    )
-    from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
-        splash_attention_mask as masks,
-    )
-
-    def attend(q, k, v, positions=None):
-        b, s, h, d = q.shape
-        kv_heads = k.shape[2]
-        size = min(block, s)
-        sizes = splash.BlockSizes(block_q=size, block_kv=size, block_q_dkv=size,
-                                  block_kv_dkv=size, use_fused_bwd_kernel=True)
-        causal = masks.MultiHeadMask([masks.CausalMask((s, s))] * (h // kv_heads))
-        kernel = splash.make_splash_mqa(causal, block_sizes=sizes, head_shards=1,
-                                        q_seq_shards=1, interpret=interpret)
-        # [B, S, K, G, D] -> [B, K, G, S, D]: one multi-query call per (sequence, kv head);
-        # the kernel does not scale the scores, so the queries are scaled first.
-        scaled = q * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
-        qg = jnp.transpose(group(scaled, kv_heads), (0, 2, 3, 1, 4))
-        kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-        segments = None if positions is None else as_mask(positions).segments
-        if segments is None:
-            out = jax.vmap(jax.vmap(kernel))(qg, kt, vt)
-        else:  # one SegmentIds per sequence, shared by its kv heads
-            def one_row(qr, kr, vr, seg):
-                ids = splash.SegmentIds(q=seg, kv=seg)
-                return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=ids))(qr, kr, vr)
-            out = jax.vmap(one_row)(qg, kt, vt, segments)
-        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
-    return attend
-
-
-def attention_fn(name: str, block: int) -> Callable:
-    """The function of a resolved implementation name (:func:`resolve`)."""
-    if name == "blockwise":
-        return blockwise_attention(block)
-    if name == "cudnn":
-        return cudnn_attention
-    if name == "splash":
-        return splash_attention(block)
-    return dense_attention
+    return AttentionMask(mask.order, mask.segments, window=mask.window, softcap=mask.softcap)

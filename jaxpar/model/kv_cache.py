@@ -53,7 +53,8 @@ from jax import lax
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import Attention, constrain
-from jaxpar.model.attention import NEG, dense_attention, group
+from jaxpar.model.attention import NEG, dense_attention, group, soft_cap
+from jaxpar.model.mask import Positions, as_mask
 from jaxpar.model.mla import absorbed_attention, padded_attention
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # k and v [layers, B, L, K, D]
@@ -109,16 +110,22 @@ def write(cache: jax.Array, new: jax.Array, positions: jax.Array, axes: tuple = 
     return constrain(jnp.where(here, new, cache), axes)
 
 
-def cached_attention(q: jax.Array, positions: jax.Array, k_cache: jax.Array,
+def cached_attention(q: jax.Array, positions: Positions, k_cache: jax.Array,
                      v_cache: jax.Array) -> jax.Array:
-    """Causal GQA of q [B, S, H, D] (at ``positions`` [B, S]) over the cache [B, L, K, D]:
-    query at position p sees slots 0..p. Scores and softmax in float32."""
+    """Causal GQA of q [B, S, H, D] (at ``positions`` [B, S], or their mask description with
+    a window and soft cap) over the cache [B, L, K, D]: query at position p sees slots 0..p,
+    within a window the last ``window`` of them. Scores and softmax in float32."""
     b, s, h, d = q.shape
+    mask = as_mask(positions)
     qg = group(q, k_cache.shape[2])  # [B, S, K, G, D]
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache.astype(q.dtype),
                         preferred_element_type=jnp.float32) / math.sqrt(d)
-    slots = jnp.arange(k_cache.shape[1], dtype=positions.dtype)
-    visible = slots[None, None, :] <= positions[:, :, None]  # [B, S, L]
+    scores = soft_cap(scores, mask.softcap)
+    slots = jnp.arange(k_cache.shape[1], dtype=mask.order.dtype)
+    ago = mask.order[:, :, None] - slots[None, None, :]  # [B, S, L]
+    visible = ago >= 0
+    if mask.window is not None:
+        visible = visible & (ago < mask.window[:, :, None])
     scores = jnp.where(visible[:, None, None], scores, NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v_cache.astype(q.dtype))
@@ -137,11 +144,12 @@ class UnitCache:
         self.new_k: list[jax.Array] = []
         self.new_v: list[jax.Array] = []
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: Positions
                ) -> jax.Array:
         i = self._next()
-        k_cache = write(constrain(self.k[i], UNIT_AXES), k, positions)
-        v_cache = write(constrain(self.v[i], UNIT_AXES), v, positions)
+        order = as_mask(positions).order
+        k_cache = write(constrain(self.k[i], UNIT_AXES), k, order)
+        v_cache = write(constrain(self.v[i], UNIT_AXES), v, order)
         self.new_k.append(k_cache)
         self.new_v.append(v_cache)
         if q.shape[1] > 1:
@@ -149,20 +157,20 @@ class UnitCache:
         return cached_attention(q, positions, k_cache, v_cache)
 
     def attend_latent(self, mla: Any, q: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                      positions: jax.Array) -> jax.Array:
+                      positions: Positions) -> jax.Array:
         """The hook of :func:`~jaxpar.model.annotate.use_latent_cache`: multi-head latent
         attention ``mla`` writes its latent [B, S, R] and rope key [B, S, 1, P] into block i
         (``k`` and ``v``) and attends (the module docstring); returns [B, S, H, V]."""
         i = self._next()
-        axes = LATENT_AXES[1:]
-        c_cache = write(constrain(self.k[i], axes), latent[:, :, None, :], positions, axes)
-        r_cache = write(constrain(self.v[i], axes), k_rope, positions, axes)
+        axes, order = LATENT_AXES[1:], as_mask(positions).order
+        c_cache = write(constrain(self.k[i], axes), latent[:, :, None, :], order, axes)
+        r_cache = write(constrain(self.v[i], axes), k_rope, order, axes)
         self.new_k.append(c_cache)
         self.new_v.append(r_cache)
         if q.shape[1] > 1:
             k, v = mla.expand(latent, k_rope)
             return padded_attention(self.prefill, q, k, v, positions)
-        return absorbed_attention(mla, q, positions, c_cache[:, :, 0], r_cache[:, :, 0])
+        return absorbed_attention(mla, q, order, c_cache[:, :, 0], r_cache[:, :, 0])
 
     def _next(self) -> int:
         i = len(self.new_k)

@@ -36,7 +36,7 @@ from jaxpar.model.annotate import (
     weights_prepared,
 )
 from jaxpar.model.attention import dense_attention
-from jaxpar.model.mask import Positions, rope_positions
+from jaxpar.model.mask import UNLIMITED, Positions, rope_positions, with_window
 from jaxpar.model.projection import (
     MATMUL_INPUT,
     RESIDUAL,
@@ -170,6 +170,31 @@ def _gated_silu_bwd(residuals, d_hidden):
 
 gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
 
+_GELU_C = (2 / jnp.pi) ** 0.5  # tanh approximation: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
+
+
+@jax.custom_vjp
+def gated_gelu_tanh(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``gelu_tanh(gate) * up``, GeGLU (Gemma's ``gelu_pytorch_tanh``). A custom VJP for the
+    reason of :func:`gated_silu`: the backward pass keeps only ``gate`` and ``up``."""
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+def _gated_gelu_tanh_fwd(gate, up):
+    return gated_gelu_tanh(gate, up), (gate, up)
+
+
+def _gated_gelu_tanh_bwd(residuals, d_hidden):
+    gate, up = residuals
+    t = jnp.tanh(_GELU_C * (gate + 0.044715 * gate ** 3))
+    d_up = d_hidden * 0.5 * gate * (1 + t)
+    d_act = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * gate * gate)
+    return d_hidden * up * d_act, d_up
+
+
+gated_gelu_tanh.defvjp(_gated_gelu_tanh_fwd, _gated_gelu_tanh_bwd)
+GATED_ACTIVATIONS = {"silu": gated_silu, "gelu_tanh": gated_gelu_tanh}
+
 
 def rope_frequencies(head_dim: int, theta: float,
                      scaling: RopeScalingConfig | None = None) -> jax.Array:
@@ -178,11 +203,14 @@ def rope_frequencies(head_dim: int, theta: float,
     ``llama3`` (Llama 3.1): wavelengths 2 pi / f longer than original / low_freq_factor are
     stretched by ``factor``, those shorter than original / high_freq_factor kept, and the band
     between interpolated linearly in original / wavelength (as Meta's reference code does).
+    ``linear`` (Gemma 3's global layers): every frequency divided by ``factor``.
     """
     half = head_dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None or not scaling.enabled:
         return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
     original = scaling.original_max_position_embeddings
     wavelength = 2 * jnp.pi / inv_freq
     smooth = (original / wavelength - scaling.low_freq_factor) / (
@@ -194,14 +222,16 @@ def rope_frequencies(head_dim: int, theta: float,
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
-                     scaling: RopeScalingConfig | None = None) -> jax.Array:
+                     scaling: RopeScalingConfig | None = None,
+                     frequencies: jax.Array | None = None) -> jax.Array:
     """Rotate pairs (first half, second half) of the head dim by position-dependent angles.
 
     This pairing ("rotate half") is the one Hugging Face's Llama-family models use, so their q/k
     projection weights load unpermuted (``jaxpar/hf/names.py``).
     x: [B, S, N, D]; positions: [B, S] (explicit, so a sequence shard knows its offsets).
     """
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
+    inv_freq = (rope_frequencies(x.shape[-1], theta, scaling) if frequencies is None
+                else frequencies)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -209,11 +239,23 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
     return rotated.astype(x.dtype)
 
 
+class LocalLayer(nnx.Variable):
+    """int32, 1 where the layer attends within ``model.sliding_window``, 0 where it attends to
+    the whole sequence: one per layer, stacked like the parameters (the model sets it after
+    stacking: :func:`jaxpar.model.transformer.layer_is_local`). Not an ``nnx.Param``: it
+    rides with the model's buffers, so the layer scan, every pipeline schedule's split of the
+    stack and generation's scan hand each layer its own value with no other bookkeeping."""
+
+
 class Attention(nnx.Module):
     """QKV projections are column-parallel (split on heads), the output projection row-parallel.
 
     Optional, for models imported from Hugging Face: biases on q, k, v (``model.qkv_bias``,
-    Qwen2) and an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3)."""
+    Qwen2), an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3, Gemma 3),
+    scores scaled by ``model.query_scale**-0.5`` rather than ``head_dim**-0.5`` (Gemma); a
+    sliding window in some or all layers (``model.sliding_window``, ``global_every``: Mistral,
+    Gemma), soft-capped scores (``model.attn_softcap``) and another RoPE base in the local
+    layers (``model.rope_local_theta``)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
@@ -232,6 +274,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.norm_eps, axis="head_dim")
         self.rope_theta = cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling
+        self.window, self.softcap = cfg.sliding_window, cfg.attn_softcap
+        self.rope_local_theta = cfg.rope_local_theta
+        if self.window is not None:
+            self.local = LocalLayer(jnp.ones((), jnp.int32), out_sharding=())
+        # q pre-multiplied so that every attention kernel's head_dim**-0.5 gives query_scale's.
+        self.q_multiplier = 1.0 if cfg.query_scale is None else (d / cfg.query_scale) ** 0.5
 
     def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
                  ) -> jax.Array:
@@ -249,12 +297,32 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         rope = rope_positions(positions)
-        q = rotary_embedding(q, rope, self.rope_theta, self.rope_scaling)
-        k = rotary_embedding(k, rope, self.rope_theta, self.rope_scaling)
+        frequencies = self._frequencies(q.shape[-1])
+        q = rotary_embedding(q, rope, self.rope_theta, self.rope_scaling, frequencies)
+        k = rotary_embedding(k, rope, self.rope_theta, self.rope_scaling, frequencies)
+        if self.q_multiplier != 1.0:
+            q = q * jnp.asarray(self.q_multiplier, q.dtype)
         attend = attention_override() or dense_attention
-        out = attend(q, k, v, positions)
+        out = attend(q, k, v, self._mask(positions))
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
+
+    def _mask(self, positions: Positions) -> Positions:
+        """``positions`` with this layer's window (unlimited in a global layer) and soft cap."""
+        if self.window is None and not self.softcap:
+            return positions
+        window = (None if self.window is None else
+                  jnp.where(self.local[...] > 0, self.window, UNLIMITED))
+        return with_window(positions, window, self.softcap)
+
+    def _frequencies(self, head_dim: int) -> jax.Array | None:
+        """RoPE frequencies when the local layers have a base of their own (Gemma 3: unscaled
+        there), chosen by this layer's kind at run time; None: the usual ones."""
+        if self.rope_local_theta is None:
+            return None
+        local = rope_frequencies(head_dim, self.rope_local_theta)
+        overall = rope_frequencies(head_dim, self.rope_theta, self.rope_scaling)
+        return jnp.where(self.local[...] > 0, local, overall)
 
     def _qkv(self, x: jax.Array, x_from: Rebuild | None,
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -273,7 +341,8 @@ class Attention(nnx.Module):
 
 class SwiGLU(nnx.Module):
     """gate/up are column-parallel (split on mlp), down is row-parallel. ``d_ff`` defaults to
-    ``cfg.d_ff`` (MoE shared experts pass their own)."""
+    ``cfg.d_ff`` (MoE shared experts pass their own); ``model.mlp_activation: gelu_tanh``
+    makes it GeGLU (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
         e, f = cfg.d_model, d_ff if d_ff is not None else cfg.d_ff
@@ -281,6 +350,7 @@ class SwiGLU(nnx.Module):
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg.init_std)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), out_std)
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x: jax.Array, x_from: Rebuild | None = None) -> jax.Array:
         w_names = ("act_embed", "mlp")
@@ -290,5 +360,5 @@ class SwiGLU(nnx.Module):
             both = (Projection("bse,ef->bsf", (self.w_gate,), w_names),
                     Projection("bse,ef->bsf", (self.w_up,), w_names))
         gate, up = project_all(x, both, x_from=x_from or sequence_slice(x))
-        hidden = constrain(gated_silu(gate, up), ("batch", "seq", "mlp"))
+        hidden = constrain(GATED_ACTIVATIONS[self.activation](gate, up), ("batch", "seq", "mlp"))
         return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))

@@ -14,17 +14,32 @@ document (``None``: ``order``). The description is a pytree of ``[B, S]`` int32 
 fields are empty subtrees), so it is tiled, gathered, rotated round a ring and split over a
 pipeline's microbatches exactly as the tokens are. A plain ``[B, S]`` array of positions (what
 generation and the layer tests pass) means ``AttentionMask(order=positions)``: causal, one
-document, the program unchanged. Later masks (sliding windows) extend this description.
+document, the program unchanged.
+
+Sliding windows. ``window`` (``[B, S]`` int32, per query; ``None``: unlimited) restricts a query
+to the ``window`` most recent keys, itself included, as transformers' ``sliding_window`` does::
+
+    order[q] - order[k] < window[q]
+
+A per-token array rather than one number keeps the description a uniform pytree of ``[B, S]``
+arrays (tiled, rotated, split like the rest) while the layer that builds it chooses the value
+at run time: a model whose layers alternate local and global attention (Gemma) scans one
+layer program, and a global layer's window is :data:`UNLIMITED`. ``softcap`` (static, not an
+array: 0 = off) asks the kernels to cap the scaled scores, ``cap * tanh(s / cap)``, before the
+mask; it rides here so that every kernel reads its whole attention rule from one object.
 
 Block kinds. The block kernels (:mod:`jaxpar.model.attention`, :mod:`jaxpar.parallel.context`)
 tile the queries and keys and classify each block pair at run time (:func:`block_kind`):
 
 - SKIP when, in every row of the tile, no query sees any key: every key comes after every query
-  (``max q.order < min k.order``) or the two blocks hold disjoint ranges of documents
-  (``max q.seg < min k.seg`` or ``min q.seg > max k.seg``; segments only grow along the row).
-  A packed row of short documents thus computes only the block diagonal of its documents.
-- FULL when, in every row, every key comes before every query and both blocks lie in one and the
-  same document: no mask is needed.
+  (``max q.order < min k.order``), every key lies before every query's window
+  (``min (q.order - q.window) >= max k.order``) or the two blocks hold disjoint ranges of
+  documents (``max q.seg < min k.seg`` or ``min q.seg > max k.seg``; segments only grow along
+  the row). A packed row of short documents thus computes only the block diagonal of its
+  documents, a windowed sequence the band of blocks the window touches: O(S x window) flops.
+- FULL when, in every row, every key comes before every query, inside every query's window
+  (``max (q.order - q.window) < min k.order``), and both blocks lie in one and the same
+  document: no mask is needed.
 - MASKED otherwise: scores of invisible pairs are set to a large negative number.
 
 The reductions run per batch row and then over the rows (a tile is skipped only if every row's
@@ -33,25 +48,31 @@ pair is), since the tile's rows share one ``lax.switch``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 SKIP, FULL, MASKED = 0, 1, 2
+UNLIMITED = 2**30  # the window of a global layer: wider than any sequence, no int32 overflow
 
 
-@jax.tree_util.register_dataclass
+@partial(jax.tree_util.register_dataclass, data_fields=["order", "segments", "rope", "window"],
+         meta_fields=["softcap"])
 @dataclass(frozen=True)
 class AttentionMask:
     """Per token of ``[B, S]`` rows: ``order`` in the packed row, ``segments`` (document ids,
     non-decreasing along ``order``; None: one document), ``rope`` (rotary position; None:
-    ``order``). See the module docstring."""
+    ``order``), ``window`` (keys a query sees back from itself; None: unlimited) and the static
+    ``softcap`` of the scores (0: off). See the module docstring."""
 
     order: jax.Array
     segments: jax.Array | None = None
     rope: jax.Array | None = None
+    window: jax.Array | None = None
+    softcap: float = 0.0
 
     @property
     def rope_positions(self) -> jax.Array:
@@ -66,6 +87,16 @@ def as_mask(positions: Positions) -> AttentionMask:
     return positions if isinstance(positions, AttentionMask) else AttentionMask(positions)
 
 
+def with_window(positions: Positions, window: jax.Array | int | None, softcap: float = 0.0
+                ) -> AttentionMask:
+    """``positions`` with every query's ``window`` (a scalar, traced or not, broadcast to the
+    tokens; None: unlimited) and the scores' ``softcap``: what a layer hands its kernel."""
+    mask = as_mask(positions)
+    if window is not None:
+        window = jnp.broadcast_to(jnp.asarray(window, jnp.int32), mask.order.shape)
+    return replace(mask, window=window, softcap=float(softcap))
+
+
 def rope_positions(positions: Positions) -> jax.Array:
     """The positions rotary embeddings use (restarting at each document)."""
     return as_mask(positions).rope_positions
@@ -74,6 +105,8 @@ def rope_positions(positions: Positions) -> jax.Array:
 def visible(q: AttentionMask, k: AttentionMask) -> jax.Array:
     """bool ``[B, Sq, Sk]``: which keys each query sees."""
     seen = q.order[:, :, None] >= k.order[:, None, :]
+    if q.window is not None:
+        seen = seen & (q.order[:, :, None] - k.order[:, None, :] < q.window[:, :, None])
     if q.segments is not None:
         seen = seen & (q.segments[:, :, None] == k.segments[:, None, :])
     return seen
@@ -86,6 +119,11 @@ def block_kind(q: Positions, k: Positions) -> jax.Array:
     qo, ko = q.order, k.order
     skip = qo.max(-1) < ko.min(-1)
     full = qo.min(-1) > ko.max(-1)
+    if q.window is not None:
+        # The oldest key each query sees has order q.order - q.window + 1.
+        reach = qo - q.window
+        skip = skip | (reach.min(-1) >= ko.max(-1))
+        full = full & (reach.max(-1) < ko.min(-1))
     if q.segments is not None:
         qs, ks = q.segments, k.segments
         skip = skip | (qs.max(-1) < ks.min(-1)) | (qs.min(-1) > ks.max(-1))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
@@ -49,7 +50,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + ffn(norm(x)), where ffn is the SwiGLU
-    MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`).
+    MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`). With
+    ``model.post_norms`` (Gemma's "sandwich"), each branch's output is normed too before the
+    add: x + post_norm(attn(norm(x))).
 
     Between blocks the residual stream is laid out as ``RESIDUAL`` (its tokens split over
     ``tensor`` too under sequence parallelism); the matmul inputs are laid out as ``seq``. The
@@ -65,16 +68,25 @@ class Block(nnx.Module):
             self.moe = MoE(cfg, rngs)
         else:
             self.mlp = SwiGLU(cfg, rngs)
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def __call__(self, x: jax.Array, positions: Positions) -> tuple[jax.Array, Aux]:
         h, h_from = self.attn_norm.for_matmul(x)
-        x = x + constrain(self.attn(h, positions, h_from), RESIDUAL)
+        x = x + self._post_norm("attn_post_norm", self.attn(h, positions, h_from))
         h, h_from = self.mlp_norm.for_matmul(x)
         if hasattr(self, "moe"):
             out, aux = self.moe(h)
         else:
             out, aux = self.mlp(h, h_from), {}
-        return x + constrain(out, RESIDUAL), aux
+        return x + self._post_norm("mlp_post_norm", out), aux
+
+    def _post_norm(self, name: str, out: jax.Array) -> jax.Array:
+        """A branch's output in the residual stream's layout, normed there (where sequence
+        parallelism splits its tokens) under ``model.post_norms``."""
+        out = constrain(out, RESIDUAL)
+        return getattr(self, name)(out) if hasattr(self, name) else out
 
 
 class BlockGroup(nnx.Module):
@@ -105,6 +117,56 @@ def dense_units(cfg: ModelConfig) -> int:
     return cfg.moe.first_dense if cfg.moe.enabled else 0
 
 
+def layer_is_local(cfg: ModelConfig) -> np.ndarray:
+    """int32 [n_layers]: 1 for a layer that attends within ``sliding_window``, 0 for a global
+    one. Counting from 1, layers ``global_every``, ``2 global_every``, ... are global (Gemma 2:
+    every 2nd, Gemma 3: every 6th); ``global_every=0``: every layer local (Mistral)."""
+    n = cfg.n_layers
+    if cfg.sliding_window is None:
+        return np.zeros(n, np.int32)
+    if not cfg.global_every:
+        return np.ones(n, np.int32)
+    return (np.arange(1, n + 1) % cfg.global_every != 0).astype(np.int32)
+
+
+def unit_is_local(cfg: ModelConfig, block: int = 0, stack: str = "layers") -> np.ndarray:
+    """int32 [units]: :func:`layer_is_local` of block ``block`` of every scanned unit of
+    ``stack``. The layers are counted across both stacks: the ``dense_layers`` (DeepSeek's
+    first dense blocks) are the model's first layers, ``layers`` the rest."""
+    flags, first = layer_is_local(cfg), dense_units(cfg)
+    if stack == "dense_layers":
+        return flags[:first]
+    return flags[first:].reshape(layer_units(cfg), -1)[:, block]
+
+
+def initial_buffers(cfg: ModelConfig, like: dict) -> dict:
+    """The model's buffers as a fresh model holds them, for the nested dict ``like`` (their
+    shapes and dtypes, e.g. a train state's abstract buffers, in the model's layer order):
+    the layers' :class:`~jaxpar.model.layers.LocalLayer` flags, zeros elsewhere (MoE router
+    biases)."""
+    def value(path, a):
+        keys = [getattr(p, "key", p) for p in path]
+        if keys[-1] != "local":
+            return np.zeros(a.shape, a.dtype)
+        block = next((int(k.split("_")[1]) for k in keys if str(k).startswith("block_")), 0)
+        stack = "dense_layers" if "dense_layers" in keys else "layers"
+        return unit_is_local(cfg, block, stack).astype(a.dtype)
+    return jax.tree_util.tree_map_with_path(value, like)
+
+
+def complete_buffers(cfg: ModelConfig, buffers: dict) -> dict:
+    """``buffers`` plus the initial value of each buffer they lack: a weights-only checkpoint
+    of a Hugging Face import holds parameters only, and the window flags follow the config."""
+    _, _, abstract = nnx.split(abstract_model(cfg), nnx.Param, ...)
+
+    def merged(fresh, given):
+        if not isinstance(fresh, dict):
+            return given if given is not None else fresh
+        given = given or {}
+        return {**given, **{k: merged(v, given.get(k)) for k, v in fresh.items()}}
+    return merged(initial_buffers(cfg, nnx.to_pure_dict(abstract)), buffers)
+
+
 def _make_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     if not cfg.moe.enabled:
         return Block(cfg, rngs)
@@ -122,6 +184,21 @@ def _stack(units: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -
     return make_stack(rngs)
 
 
+def _set_local_flags(model: nnx.Module, cfg: ModelConfig) -> None:
+    """Each attention's :class:`~jaxpar.model.layers.LocalLayer` flags, in both stacks."""
+    stacks = [("layers", model.layers)]
+    if hasattr(model, "dense_layers"):
+        stacks.append(("dense_layers", model.dense_layers))
+    for name, stack in stacks:
+        blocks = ([stack] if not isinstance(stack, BlockGroup) else
+                  [getattr(stack, f"block_{i}") for i in range(stack.size)])
+        for i, block in enumerate(blocks):
+            block.attn.local.set_value(jnp.asarray(unit_is_local(cfg, i, name)))
+            # nnx.vmap names the stacked axis only of variables with axis names (a scalar has
+            # none), so the flags name it themselves.
+            block.attn.local.set_metadata(out_sharding=("layers",))
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -130,6 +207,8 @@ class Transformer(nnx.Module):
         self.layers = _stack(layer_units(cfg), lambda r: _make_unit(cfg, r), rngs)
         if dense_units(cfg):
             self.dense_layers = _stack(dense_units(cfg), lambda r: Block(cfg, r), rngs)
+        if cfg.sliding_window is not None:
+            _set_local_flags(self, cfg)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
@@ -157,6 +236,8 @@ class Transformer(nnx.Module):
         tokens = constrain(tokens, ("batch", "seq"))
         x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype, grad_pieces,
                    vocab_shards=split_count("vocab"))
+        if self.cfg.embed_scale:  # in the compute dtype, rounded as transformers rounds it
+            x = x * jnp.asarray(self.cfg.d_model ** 0.5, dtype)
         return constrain(x, RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: Positions, *, remat: str = "none",
@@ -177,8 +258,9 @@ class Transformer(nnx.Module):
         return x, aux
 
     def logits(self, x: jax.Array, *, dtype=jnp.float32) -> jax.Array:
-        """The residual stream -> float32 logits [B, S, vocab] (final norm, output head)."""
-        return head_logits(self.final_hidden(x), self.head(dtype))
+        """The residual stream -> float32 logits [B, S, vocab] (final norm, output head, and
+        ``model.final_softcap``)."""
+        return head_logits(self.final_hidden(x), self.head(dtype), self.cfg.final_softcap)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         """The residual stream after the final norm: what the output head multiplies."""

@@ -43,7 +43,7 @@ from jaxpar.model.annotate import (
     use_token_shard_sum,
     weight_grads_in,
 )
-from jaxpar.model.attention import attention_fn, resolve
+from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
@@ -133,8 +133,8 @@ def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],
         return context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
                                  batch_axes, _context_block(cfg, n_context))
     name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
-                   cfg.splash_possible(), cfg.documents_masked())
-    attend = attention_fn(name, min(m.attention_block, seq_len))
+                   cfg.splash_possible(), cfg.documents_masked(), model=m)
+    attend = attention_fn(name, min(m.attention_block, seq_len), m)
     return per_device(attend, batch_axes, head_axes) if name == "splash" else attend
 
 

@@ -42,6 +42,7 @@ from jaxpar.checkpoint.weights_only import read_weights
 from jaxpar.config import Config, ConfigError
 from jaxpar.data.shards import split_text_bytes
 from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
+from jaxpar.model.transformer import initial_buffers
 from jaxpar.train.eval import compile_eval_step
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
 
@@ -107,12 +108,13 @@ def load_eval_state(trainer: Trainer, path: Path) -> TrainState:
     """Checkpoint ``path``'s weights laid out for ``trainer`` (module docstring, "How")."""
     abstract, shardings = trainer.abstract_state, trainer.state_shardings
     params = restore_params(path, abstract.params)
-    # MoE router biases: small, read on the host with the weights (a weights-only checkpoint
-    # has none: they start at zero, as train.init_from starts them).
+    # MoE router biases and window flags: small, read on the host with the weights (a
+    # weights-only checkpoint has none: they start as train.init_from starts them).
     saved = read_weights(path)[1] if jax.tree.leaves(abstract.buffers) else {}
     buffers = jax.device_put(jax.tree.map(
-        lambda a, *s: np.asarray(s[0], a.dtype) if s else np.zeros(a.shape, a.dtype),
-        abstract.buffers, *([saved] if saved else [])), shardings.buffers)
+        lambda a, *s: np.asarray(s[0], a.dtype) if s else a,
+        initial_buffers(trainer.cfg.model, abstract.buffers), *([saved] if saved else [])),
+        shardings.buffers)
     step = jax.device_put(np.int32(0), shardings.step)
     if trainer.pipeline is None:
         return TrainState(step, params, None, buffers)

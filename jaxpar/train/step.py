@@ -21,8 +21,9 @@ statistics over smaller batches are different numbers. The ``loss`` metric stays
 cross-entropy (comparable with dense runs); the auxiliary terms are logged beside it.
 
 Non-trainable model state (``TrainState.buffers``: the MoE router biases of aux-loss-free
-balancing) is split from the parameters, so the optimizer, weight decay and gradient clipping
-never see it; the step updates it from the measured expert load.
+balancing, the layers' sliding-window flags) is split from the parameters, so the optimizer,
+weight decay and gradient clipping never see it; the step updates the router biases from the
+measured expert load.
 
 Packed documents (``data.document_mask``): a batch may carry int32 ``segment_ids`` (each input
 token's document). :meth:`Trainer.put_batch` derives each token's position within its document
@@ -79,7 +80,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: dict
     opt_state: Any
-    buffers: dict  # non-trainable model variables (MoE router biases); {} for a dense model
+    buffers: dict  # non-trainable model variables (MoE router biases, window flags) or {}
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
@@ -148,7 +149,7 @@ def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch:
     x = model.embed(batch["inputs"], dtype=dtype, grad_pieces=embedding_grad_pieces)
     x, aux = model.run_layers(x, batch["positions"], remat=remat)
     return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
-                             batch["mask"], loss_pieces), aux
+                             batch["mask"], loss_pieces, model.cfg.final_softcap), aux
 
 
 @dataclass(frozen=True)
@@ -410,10 +411,12 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
             metrics.update(moe_metrics(aux, cfg.model,
                                        cfg.train.grad_accum * cfg.train.microbatches))
             if moe.router == "sigmoid_bias":
-                # The only buffers are the stacked router biases, one row per MoE layer.
-                buffers = jax.tree.map(
-                    lambda bias: update_router_bias(bias, aux["layer_expert_tokens"],
-                                                    moe.bias_update_rate), buffers)
+                # The stacked router biases, one row per MoE layer (the other buffers, the
+                # layers' window flags, stay).
+                buffers = jax.tree_util.tree_map_with_path(
+                    lambda path, b: update_router_bias(b, aux["layer_expert_tokens"],
+                                                       moe.bias_update_rate)
+                    if getattr(path[-1], "key", None) == "router_bias" else b, buffers)
         return TrainState(state.step + 1, params, opt_state, buffers), metrics
 
     return train_step
@@ -457,10 +460,11 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     def init() -> TrainState:
         _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
         params = stored_params(nnx.to_pure_dict(params), cfg.train.param_dtype)
+        buffers = nnx.to_pure_dict(buffers)
         if layer_order is not None:
-            params["layers"] = jax.tree.map(lambda a: a[layer_order], params["layers"])
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                          nnx.to_pure_dict(buffers))
+            # The buffers too: the layers' window flags differ from layer to layer.
+            params, buffers = reorder_layers((params, buffers), layer_order)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), buffers)
 
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=sh.graphdef, logical_axes=sh.logical_axes,

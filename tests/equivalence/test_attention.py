@@ -10,11 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.model.attention import (
-    blockwise_attention,
-    dense_attention,
-    splash_attention,
-)
+from jaxpar.model.attention import blockwise_attention, dense_attention
+from jaxpar.model.fused import splash_attention
 from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.hooks import per_device
 

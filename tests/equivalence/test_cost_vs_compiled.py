@@ -42,6 +42,14 @@ LAYOUTS = {
     "data=2,fsdp=2,tensor=2": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
                                {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
                                 ("all-reduce", ("data",)), ("all-reduce", ("tensor",))}),
+    # Gemma's block (post-norms, GeGLU, q/k norms, scaled embeddings and queries, capped
+    # logits): nothing more to gather or reduce than the norm scales.
+    "data=2,fsdp=2,tensor=2,gemma": (
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.post_norms=true",
+         "model.embed_scale=true", "model.mlp_activation=gelu_tanh", "model.qk_norm=true",
+         "model.query_scale=8", "model.final_softcap=30"],
+        {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
+         ("all-reduce", ("data",)), ("all-reduce", ("tensor",))}),
     "data=4,tensor=2,sp": (["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
                            {("all-reduce", ("data",)), ("all-gather", ("tensor",)),
                             ("reduce-scatter", ("tensor",))}),

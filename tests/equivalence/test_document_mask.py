@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import max_relative_error, trainer_for
+from helpers import max_relative_error, random_qkv, trainer_for
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.attention import (
@@ -22,8 +22,8 @@ from jaxpar.model.attention import (
     empty_statistics,
     fold_keys,
     group,
-    splash_attention,
 )
+from jaxpar.model.fused import splash_attention
 from jaxpar.model.mask import AttentionMask, document_positions
 from jaxpar.parallel.context import ring_forward, zigzag_order
 
@@ -36,9 +36,7 @@ def segments_of(lengths: list[int]) -> np.ndarray:
 
 
 def qkv(heads: int, kv_heads: int, seq: int):
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(kq, (B, seq, heads, D)), jax.random.normal(kk, (B, seq, kv_heads, D)),
-            jax.random.normal(kv, (B, seq, kv_heads, D)))
+    return random_qkv(heads, kv_heads, seq, B, D)
 
 
 def reference(q, k, v, segments):

@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 from helpers import GENERATION_MODEL as DENSE
 from helpers import GENERATION_PROMPTS as PROMPTS
+from helpers import greedy_by_full_forward
 
 from jaxpar.config import Config, MeshConfig, MoEConfig
 from jaxpar.generate import Generator, Sampling, generate, sample
@@ -49,22 +50,8 @@ def model(name: str, init_std: float | None = None):
 
 @functools.cache
 def uncached_greedy(name: str, prompt: tuple[int, ...], new: int = NEW) -> list[int]:
-    """Greedy tokens by full forward passes (one compile: the sequence is padded to its final
-    length; causal attention keeps the padding out of the logits read)."""
-    m = model(name)
-    graphdef, state = nnx.split(m)
-    total = len(prompt) + new
-
-    @jax.jit
-    def next_token(state, tokens, last):
-        logits, _ = nnx.merge(graphdef, state)(tokens[None], jnp.arange(total)[None])
-        return jnp.argmax(logits[0, last])
-
-    tokens = np.zeros(total, np.int32)
-    tokens[:len(prompt)] = prompt
-    for i in range(len(prompt), total):
-        tokens[i] = int(next_token(state, tokens, i - 1))
-    return tokens[len(prompt):].tolist()
+    """Greedy tokens by full forward passes (helpers.greedy_by_full_forward)."""
+    return greedy_by_full_forward(model(name), prompt, new)
 
 
 def weights(m):

@@ -20,7 +20,7 @@ CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 
 CHECK = r"""
 import jax, jax.numpy as jnp
-from jaxpar.model.attention import attention_fn, resolve
+from jaxpar.model.fused import attention_fn, resolve
 assert jax.default_backend() == "gpu", jax.default_backend()
 name = resolve("auto", "gpu", 1024, 512, "bfloat16")
 assert name == "cudnn", name

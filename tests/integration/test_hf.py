@@ -6,15 +6,20 @@ by this transformers. The config dialects of transformers 4.x and 5.x (read with
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
+from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
 from hf_models import (
     LLAMA3,
-    SEQ,
-    VOCAB,
+    build_hf_model,
+    greedy_both_ways,
     hf_logits,
+    import_logits_error,
+    imports_with_logits,
     jaxpar_logits,
+    losses_both_ways,
     save_hf_model,
     tokens,
     trainer_from_import,
@@ -32,16 +37,23 @@ TOLERANCE = 1e-4  # max abs logit difference, float32
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits)."""
-    root = tmp_path_factory.mktemp("hf")
-    ids = tokens(rows=4)
-    out = {}
-    for kind in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"):
-        # llama in two shards with an index, as large models come
-        extra = {"max_shard_size": "150KB"} if kind == "llama" else {}
-        source = save_hf_model(kind, root / kind, **extra)
-        out[kind] = (source, import_hf(source, root / f"{kind}-jaxpar"), hf_logits(source, ids))
-    return out
+    """kind -> (Hugging Face directory, jaxpar import of it, transformers' logits); llama in
+    two shards with an index, as large models come."""
+    return imports_with_logits(tmp_path_factory.mktemp("hf"), ("llama", "qwen2", "qwen3",
+                               "mistral", "mistral_window", "mixtral", "qwen3_moe"),
+                               {"llama": {"max_shard_size": "150KB"}})
+
+
+def test_qwen2_with_every_layer_sliding_gives_transformers_logits(tmp_path):
+    """use_sliding_window with max_window_layers=0: every layer within 64 of the 512 tokens."""
+    source = tmp_path / "qwen2"
+    build_hf_model("qwen2", use_sliding_window=True, sliding_window=64,
+                   max_window_layers=0).save_pretrained(source)
+    done = import_hf(source, tmp_path / "jaxpar")
+    assert done.model.sliding_window == 64 and done.model.global_every == 0
+    trainer, state = trainer_from_import(done.config_yaml, [], 1)
+    ids = tokens(rows=2)
+    assert np.abs(jaxpar_logits(trainer, state, ids) - hf_logits(source, ids)).max() <= TOLERANCE
 
 
 def test_sharded_source_was_read_from_its_index(imported):
@@ -57,6 +69,8 @@ def test_sharded_source_was_read_from_its_index(imported):
     ("qwen2", ["mesh.tensor=2"], 4),
     ("qwen3", [], 1),
     ("mistral", [], 1),
+    ("mistral_window", [], 1),
+    ("mistral_window", ["mesh.tensor=2"], 4),
     ("mixtral", [], 1),
     ("mixtral", ["mesh.tensor=2"], 4),
     ("mixtral", ["mesh.expert=2"], 4),
@@ -64,12 +78,7 @@ def test_sharded_source_was_read_from_its_index(imported):
     ("qwen3_moe", ["mesh.expert=2"], 4),
 ])
 def test_imported_logits_match_transformers(imported, kind, overrides, devices):
-    _, done, expected = imported[kind]
-    trainer, state = trainer_from_import(done.config_yaml, overrides, devices)
-    assert int(state.step) == 0
-    got = jaxpar_logits(trainer, state, tokens(rows=4))
-    assert np.abs(expected).max() > 1.0  # logits large enough that a wrong weight shows
-    diff = np.abs(got - expected).max()
+    diff = import_logits_error(imported[kind], overrides, devices)
     assert diff <= TOLERANCE, (kind, overrides, diff)
 
 
@@ -77,18 +86,8 @@ def test_imported_logits_match_transformers(imported, kind, overrides, devices):
 def test_training_loss_of_an_import_under_a_pipeline_is_transformers(imported, kind):
     """The train step's loss (pipeline executor over pipe=2, data=2) of the imported weights is
     the cross-entropy of transformers' logits."""
-    source, done, _ = imported[kind]
-    ids = np.random.default_rng(7).integers(0, VOCAB, (4, SEQ + 1)).astype(np.int32)
-    logits = hf_logits(source, ids[:, :-1]).astype(np.float64)
-    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    target = np.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
-    expected = float(np.mean(log_z - target))
-    trainer, state = trainer_from_import(done.config_yaml, ["mesh.pipe=2",
-                                                            "train.microbatches=2"], 4)
-    batch = trainer.put_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:],
-                               "mask": np.ones((4, SEQ), np.float32)})
-    loss, _ = trainer.loss_and_grads(state, batch)
-    assert abs(float(loss) - expected) <= 1e-5 * expected, (float(loss), expected)
+    loss, expected = losses_both_ways(imported[kind], ["mesh.pipe=2", "train.microbatches=2"], 4)
+    assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
 
 
 def test_init_from_converts_to_the_stored_dtype_and_refuses_another_model(imported):
@@ -120,6 +119,8 @@ def test_import_maps_the_config(imported):
     qwen3_moe = imported["qwen3_moe"][1].model
     assert qwen3_moe.qk_norm and not qwen3_moe.moe.norm_topk
     assert qwen3_moe.resolved_d_ff_expert == 48 and qwen3_moe.moe.num_experts == 4
+    assert imported["mistral_window"][1].model.sliding_window == 64
+    assert imported["mistral"][1].model.sliding_window is None
 
 
 def test_import_copies_the_tokenizer_and_writes_a_config_to_train_from(tmp_path):
@@ -177,20 +178,23 @@ def test_config_written_by_this_transformers_reads_as_the_hand_written_one(tmp_p
 def test_generation_from_an_import_is_transformers_greedy_decoding(imported, kind):
     """``jaxpar generate``'s KV-cached decoding runs the imported weights as transformers does
     (llama3 RoPE scaling, biases, tied embeddings included)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jaxpar.checkpoint.weights_only import read_weights
-    from jaxpar.config import Config
-    from jaxpar.generate import Generator
-
     source, done, _ = imported[kind]
-    prompts = tokens(rows=2)[:, :20]
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=12,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = out[:, prompts.shape[1]:].tolist()
-    params, buffers, _ = read_weights(done.checkpoint)
-    generator = Generator(Config(model=done.model), params, buffers)
-    assert generator.generate(prompts.tolist(), max_tokens=12) == expected
+    expected, got = greedy_both_ways(source, done.checkpoint, done.model)
+    assert got == expected
+
+
+def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_one_line(imported, tmp_path):
+    """A tensor of another shape than config.json makes, a missing one and an unknown one: exit
+    2, one line naming the tensor, nothing written."""
+    source = shutil.copytree(imported["llama"][0], tmp_path / "llama")
+    config = json.loads((source / "config.json").read_text())
+    env = cached_jax_env(tmp_path / "jax-cache")
+    bad = [({"intermediate_size": 80}, ("gate_proj.weight is [96, 64]", "makes it [80, 64]")),
+           ({"num_hidden_layers": 3}, ("model.layers.2.", "missing")),
+           ({"num_hidden_layers": 1}, ("model.layers.1.", "has no such weight"))]
+    for i, (change, needles) in enumerate(bad):
+        (source / "config.json").write_text(json.dumps({**config, **change}))
+        out = tmp_path / f"bad{i}"
+        assert_one_line_error(run_jaxpar("import-hf", str(source), "--to", str(out), env=env),
+                              *needles, code=2)
+        assert not (out / "checkpoints").exists()

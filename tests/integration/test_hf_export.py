@@ -51,7 +51,8 @@ def cache(tmp_path_factory):
     return cached_jax_env(tmp_path_factory.mktemp("jax-cache"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+                                  "mistral_window"])
 def test_export_of_an_import_loads_in_transformers_and_reimports_bit_exactly(tmp_path, kind):
     source = save_hf_model(kind, tmp_path / "src")
     done = import_hf(source, tmp_path / "jaxpar")
@@ -67,6 +68,8 @@ def test_export_of_an_import_loads_in_transformers_and_reimports_bit_exactly(tmp
                                atol=TOLERANCE, rtol=0)
     again = import_hf(tmp_path / "hf", tmp_path / "again")
     assert again.model == done.model
+    if kind == "mistral_window":
+        assert config["model_type"] == "mistral" and config["sliding_window"] == 64
     first = read_weights(done.checkpoint)[0]
     second = read_weights(again.checkpoint)[0]
     import jax

@@ -81,6 +81,16 @@ ERROR_CASES = {
                             ["parallel.context_impl", "ring, allgather"]),
     "pipeline-schedule-choice": (["parallel.pipeline_schedule=zigzag"],
                                  ["parallel.pipeline_schedule", "gpipe, 1f1b, interleaved"]),
+    # The Gemma settings.
+    "mlp-activation-choice": (["model.mlp_activation=relu"],
+                              ["model.mlp_activation", "relu", "silu, gelu_tanh"]),
+    "gelu-experts": ([MOE, "model.mlp_activation=gelu_tanh"],
+                     ["model.mlp_activation=gelu_tanh", "SwiGLU (silu) only"]),
+    "final-softcap-negative": (["model.final_softcap=-1"], ["model.final_softcap=-1", ">= 0"]),
+    "query-scale-zero": (["model.query_scale=0"], ["model.query_scale=0", "> 0"]),
+    "rope-scaling-linear-below-1": (["model.rope_scaling.type=linear",
+                                     "model.rope_scaling.factor=0.5"],
+                                    ["model.rope_scaling.factor=0.5", ">= 1"]),
     # The mesh.
     "mesh-product-mismatch": (["mesh.data=2", "mesh.tensor=2"], ["mesh", "4", "8 devices"]),
     "mesh-two-wildcards": (["mesh.fsdp=-1"], ["mesh", "-1", "data, fsdp"]),

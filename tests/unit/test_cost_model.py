@@ -5,6 +5,7 @@ The same model against compiled steps: ``tests/equivalence/test_cost_vs_compiled
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -244,3 +245,23 @@ def test_plan_says_when_a_layout_does_not_fit():
     report = estimate(validate(cfg, DEVICES), "tpu-v5e")
     assert report.memory.peak > PROFILES["tpu-v5e"].hbm_bytes
     assert math.isclose(report.memory.state, 4 * (1 + 2) * 1_104_218_112 + 12)
+
+
+def test_windowed_layers_count_the_band_of_blocks_and_pairs_their_window_touches():
+    from jaxpar.cost.shapes import windowed_share
+    from jaxpar.model.flops import causal_attention_flops_per_token
+    from jaxpar.parallel.context import zigzag_order
+
+    # 256 tokens in blocks of 32, window 64: 21 of 64 block pairs (the kernels' own count in
+    # equivalence/test_sliding_window.py); an unlimited window is the causal n(n+1)/2 of n^2,
+    # and under zigzag context parallelism (2c+1)/(4c).
+    assert windowed_share(256, 1, 32, 64) == 21 / 64
+    assert windowed_share(256, 1, 32, 10**9) == 36 / 64
+    for c in (2, 4):
+        assert windowed_share(256, c, 256 // c // 2, 10**9, zigzag_order(256, c)) == (
+            (2 * c + 1) / (4 * c))
+    cfg = load_config("tiny", []).model
+    full = causal_attention_flops_per_token(cfg, 1024)
+    local = causal_attention_flops_per_token(dataclasses.replace(cfg, sliding_window=128), 1024)
+    # Per query 512 keys on average without the window, 512 - 896^2 / 2048 = 120 with it.
+    assert local / full == pytest.approx(120 / 512)

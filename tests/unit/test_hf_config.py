@@ -5,10 +5,13 @@ transformers: ``tests/integration/test_hf.py``, ``tests/integration/test_hf_expo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hf_models import LLAMA3
 from hf_models import llama_config_5x as _llama_config_5x
 
+from jaxpar.config import RopeScalingConfig
 from jaxpar.hf.config import HFConfigError, model_config_from_hf
 from jaxpar.hf.exporter import parse_size, shard_plan
 
@@ -37,12 +40,14 @@ def test_4x_and_5x_config_dialects_give_the_same_model(tmp_path):
     ({"model_type": "qwen2_moe"}, "shared_expert_intermediate_size"),
     ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 1}, "max_window_layers"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}},
      "rope_parameters.rope_type"),
-    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      "rope_scaling.rope_type"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
 ])
@@ -51,8 +56,78 @@ def test_unsupported_fields_are_named(change, field):
         model_config_from_hf({**_llama_config_5x(), **change})
 
 
+GEMMA3_5X = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
+             "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24,
+             "sliding_window": 32, "hidden_activation": "gelu_pytorch_tanh",
+             "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+             "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                    "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 1e4}}}
+
+
+def test_gemma3_reads_the_same_from_both_rope_dialects_and_its_pattern_as_global_every():
+    old = {**GEMMA3_5X, "rope_parameters": None, "layer_types": None, "rope_theta": 1e6,
+           "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    new = model_config_from_hf(GEMMA3_5X)
+    assert model_config_from_hf(old) == new  # 4.x: the pattern from sliding_window_pattern 6
+    assert (new.sliding_window, new.global_every, new.rope_local_theta) == (32, 6, 1e4)
+    assert new.rope_scaling.type == "linear" and new.rope_theta == 1e6
+    multimodal = {"model_type": "gemma3", "text_config": GEMMA3_5X}
+    assert model_config_from_hf(multimodal) == new
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ({"layer_types": ["full_attention"] + ["sliding_attention"] * 5}, "not periodic"),
+    ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "sliding_attention.rope_type"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+])
+def test_gemma_fields_jaxpar_cannot_compute_are_named(change, field):
+    with pytest.raises(HFConfigError, match=field.replace(".", r"\.")):
+        model_config_from_hf({**GEMMA3_5X, **change})
+
+
+def test_gemma_export_picks_the_type_and_refuses_what_no_type_computes():
+    from jaxpar.hf.config import hf_config_from_model
+
+    m = model_config_from_hf(GEMMA3_5X)
+    assert hf_config_from_model(m)["model_type"] == "gemma3_text"
+    written = hf_config_from_model(m)
+    assert model_config_from_hf(written) == m
+    no_qk = dataclasses.replace(m, qk_norm=False)
+    for bad, field in ((dataclasses.replace(m, embed_scale=False), "model.embed_scale"),
+                       (dataclasses.replace(m, query_scale=24.5), "model.query_scale"),
+                       (no_qk, "model.rope_scaling"),
+                       (dataclasses.replace(m, post_norms=False), "model.mlp_activation"),
+                       (dataclasses.replace(m, post_norms=False, mlp_activation="silu"),
+                        "model.embed_scale")):
+        with pytest.raises(HFConfigError, match=field):
+            hf_config_from_model(bad)
+    gemma2 = dataclasses.replace(no_qk, rope_scaling=RopeScalingConfig(), rope_local_theta=None)
+    assert hf_config_from_model(gemma2)["model_type"] == "gemma2"
+    assert model_config_from_hf(hf_config_from_model(gemma2)) == gemma2
+
+
 # --------------------------------------------------------------------------------------------
 # Export and init_from
+
+
+@pytest.mark.parametrize(("change", "window"), [
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096),
+    ({"model_type": "mistral", "sliding_window": None}, None),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64}, None),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 0}, 64),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 2}, None),  # every layer one of the "first" global ones
+    ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 32}, 32),
+])
+def test_sliding_windows_read_as_one_window_for_every_layer(change, window):
+    assert model_config_from_hf({**_llama_config_5x(), **change}).sliding_window == window
 
 
 def test_init_from_and_a_named_checkpoint_to_resume_contradict():

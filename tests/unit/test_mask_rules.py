@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.model.attention import resolve
+from jaxpar.model.fused import resolve
 from jaxpar.model.mask import FULL, MASKED, SKIP, AttentionMask, block_kind, document_positions
 
 

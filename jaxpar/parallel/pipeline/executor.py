@@ -398,6 +398,8 @@ def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
     tokens = env.microbatch(r["eback_mb"])["inputs"]
     # The strided slices keep each tensor block's rows on its device (the piece's rows are
     # [shards, block] and the pieces divide the block).
+    if env.stages.embed_scale != 1.0:  # the gradient of the scaled rows
+        dx0 = dx0 * jnp.asarray(env.stages.embed_scale, dx0.dtype)
     d_table = one_hot_weight_grad(env.piece.ids, tokens, dx0, env.stages.embedding_grad_pieces,
                                   jnp.float32)
     grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table)})

@@ -65,6 +65,8 @@ class Stages:
     # XLA:CPU, which aborts on this program's bf16 all-reduces (FLOAT32_STAGE_SUM_PLATFORMS).
     handover_dtype: Any = None
     embedding_grad_pieces: int = 1  # ... the embedding's gradient over this many vocab slices
+    embed_scale: float = 1.0  # embeddings times this (model.embed_scale: sqrt(d_model))
+    final_softcap: float = 0.0  # model.final_softcap of the logits the loss scores
 
 
 class VocabPiece(NamedTuple):
@@ -117,8 +119,12 @@ def embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: j
     shard, within = jnp.divmod(tokens, v // piece.shards)
     stage, local_id = jnp.divmod(within, block)
     owner = jnp.where(stage == piece.stage, shard, -1)
-    return owned_rows(table.astype(stages.dtype).reshape(piece.shards, block, -1), owner,
+    rows = owned_rows(table.astype(stages.dtype).reshape(piece.shards, block, -1), owner,
                       local_id)
+    # Each token's row is on one stage (zeros elsewhere): scaled before the sum, it is rounded
+    # as the model's own lookup rounds it.
+    return rows if stages.embed_scale == 1.0 else rows * jnp.asarray(stages.embed_scale,
+                                                                      stages.dtype)
 
 
 def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
@@ -134,11 +140,11 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
     n = stages.loss_pieces
     if n == 1:
         loss, d_head, d_h = vocab_piece_loss(head, piece.ids, h, mb["targets"], mb["mask"],
-                                             loss_scale, PIPE_AXIS)
+                                             loss_scale, PIPE_AXIS, stages.final_softcap)
     else:
         def one_piece(carry: tuple, xs: tuple) -> tuple:
             loss_i, d_head_i, d_h_i = vocab_piece_loss(head, piece.ids, *xs, loss_scale,
-                                                       PIPE_AXIS)
+                                                       PIPE_AXIS, stages.final_softcap)
             return (carry[0] + loss_i, carry[1] + d_head_i), d_h_i
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
@@ -195,5 +201,7 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
                   layer_stacked=LAYER_STACKED if moe.enabled else (),
                   loss_pieces=cfg.loss_pieces(),
                   embedding_grad_pieces=cfg.embedding_grad_pieces(),
+                  embed_scale=cfg.model.d_model ** 0.5 if cfg.model.embed_scale else 1.0,
+                  final_softcap=cfg.model.final_softcap,
                   handover_dtype=(jnp.float32 if platform in FLOAT32_STAGE_SUM_PLATFORMS
                                   else None))

@@ -1,0 +1,84 @@
+"""Prompts as token ids, and the ids that end a generated sequence: ``generation.*`` applied to
+the run's tokenizer, for ``jaxpar generate`` and lm-eval's model ``jaxpar``.
+
+A model jaxpar pre-trained saw documents packed end to end, each after the end-of-text token
+that closed the one before (``generation.prompt=eos_prefix``, the default): its prompt starts
+after that token, the text encoded as packing encoded it, without the tokenizer's special
+tokens. A model trained elsewhere (``jaxpar import-hf`` writes ``generation.prompt=tokenizer``)
+saw its text as its own tokenizer encodes it, with the BOS its post-processor adds where the
+model expects one (Llama 3, Gemma) and nothing where it does not (Qwen): its prompt is encoded
+exactly so, with nothing else in front. A sequence ends at any of ``generation.eos_ids`` (an
+imported model's ``generation_config.json``, else ``config.json``: a chat model's end-of-turn
+token among them), or at the tokenizer's end-of-text token when there are none.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxpar.config import Config
+from jaxpar.data.tokenizer import Tokenizer, make_tokenizer
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """How prompts of one model are encoded and where its sequences end (module docstring)."""
+
+    tokenizer: Tokenizer  # its eos_id: the tokenizer's own end-of-text token
+    eos_prefix: bool  # generation.prompt=eos_prefix
+    eos_ids: tuple[int, ...]  # what ends a generated sequence; never empty
+    bos_id: int | None = None  # the tokenizer's BOS, where its tokenizer_config.json names one
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer's own special tokens (its post-processor) belong in a prompt."""
+        return not self.eos_prefix
+
+    def encode(self, text: str) -> list[int]:
+        """The prompt ``text`` as token ids, as the model's training presented text."""
+        if self.eos_prefix:
+            return [self.tokenizer.eos_id, *self.tokenizer.encode(text).tolist()]
+        return self.tokenizer.encode(text, special_tokens=True).tolist()
+
+    def prefix_id(self) -> int:
+        """The one token that stands for an empty context: the BOS, else the end-of-text token
+        (as lm-eval's ``hf`` model chooses)."""
+        return self.tokenizer.eos_id if self.bos_id is None else self.bos_id
+
+
+def prompts_for(cfg: Config, tokenizer: str | None = None) -> Prompts:
+    """``cfg``'s prompts on its tokenizer (``tokenizer``: a tokenizer.json or 'byte' instead of
+    ``data.tokenizer``). ValueError or ImportError for a tokenizer that cannot be used."""
+    g = cfg.generation
+    spec = tokenizer or cfg.data.tokenizer
+    if g.prompt == "eos_prefix":  # the first token is packing's separator, found by its name
+        tok = make_tokenizer(spec)
+        return Prompts(tok, True, g.eos_ids or (tok.eos_id,))
+    # An imported model's end-of-text and BOS tokens are those its tokenizer_config.json names
+    # (as transformers reads them); the end-of-text token falls back to its first eos id.
+    named = _special_tokens(spec)
+    tok = make_tokenizer(spec, named.get("eos_token", g.eos_ids[0] if g.eos_ids else None))
+    bos = tok.token_id(named["bos_token"]) if "bos_token" in named else None
+    return Prompts(tok, False, g.eos_ids or (tok.eos_id,), bos)
+
+
+def _special_tokens(spec: str) -> dict[str, str]:
+    """The ``bos_token`` and ``eos_token`` texts that the ``tokenizer_config.json`` beside a
+    tokenizer.json names, else its ``special_tokens_map.json`` (older saves); {} for none."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
+        path = Path(spec).expanduser().with_name(name)
+        if spec == "byte" or not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: cannot read it as JSON ({err})") from None
+        for key in ("bos_token", "eos_token"):
+            token = config.get(key) if isinstance(config, dict) else None
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                found[key] = token
+    return found
