@@ -24,15 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.config import ModelConfig, MoEConfig
+from jaxpar.hf import deepseek
 from jaxpar.hf.common import LLAMA3_KEYS, HFConfigError, rope_from_hf
 from jaxpar.hf.common import refuse as _refuse
 from jaxpar.hf.common import required as _get
-from jaxpar.hf.deepseek import (
-    check_deepseek_export,
-    check_fp8_blocks,
-    deepseek_fields,
-    deepseek_model_config,
-)
 from jaxpar.hf.gemma import (
     GEMMA_TYPES,
     gemma_hf_config,
@@ -76,7 +71,7 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         return gemma_model_config(hf)
     _check_unsupported(hf, kind)
     if kind == "deepseek_v3":
-        return deepseek_model_config(hf)
+        return deepseek.deepseek_model_config(hf)
     d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
     theta, scaling = rope_from_hf(hf, kind)
     return ModelConfig(
@@ -117,7 +112,7 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
             "true puts a bias on o_proj too, which jaxpar's attention lacks")
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias", "true is not supported (no MLP biases)")
     if kind == "deepseek_v3":
-        check_fp8_blocks(hf)
+        deepseek.check_fp8_blocks(hf)
     else:
         _refuse(bool(hf.get("quantization_config")), "quantization_config",
                 "quantized weights are not supported")
@@ -156,7 +151,7 @@ def hf_model_type(m: ModelConfig) -> str:
     """The Hugging Face model type that computes what ``m`` computes, or an error naming the
     jaxpar setting none of them has."""
     if m.mla.enabled:
-        check_deepseek_export(m, _refuse_export)
+        deepseek.check_deepseek_export(m, _refuse_export)
         return "deepseek_v3"
     if is_gemma(m):
         return gemma_model_type(m, _refuse_export)
@@ -252,7 +247,7 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     if kind == "mistral":
         out.update(sliding_window=m.sliding_window)
     if kind == "deepseek_v3":
-        out.update(deepseek_fields(m))
+        out.update(deepseek.deepseek_fields(m))
     if kind == "qwen3_moe":
         out.update(num_experts=m.moe.num_experts, num_local_experts=m.moe.num_experts,
                    num_experts_per_tok=m.moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,

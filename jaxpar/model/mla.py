@@ -55,13 +55,13 @@ from jaxpar.model.projection import (
     weight,
 )
 
+# DeepSeek's latent norms use their own epsilon, not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
 HEADS = ("batch", "seq", "heads", "head_dim")
 # The up-projections as the matmuls read them: the latent whole (stored as q/kv_lora_in: split
 # over fsdp under ZeRO-3, as the model dimension of the other weights is).
 Q_UP = ("act_q_lora_in", "heads", "head_dim")
 KV_UP = ("act_kv_lora_in", "heads", "head_dim")
-# DeepSeek's latent norms use their own epsilon, not the config's rms_norm_eps.
-LATENT_NORM_EPS = 1e-6
 
 
 def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interleave: bool,

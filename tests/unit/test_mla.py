@@ -94,12 +94,18 @@ def test_padded_attention_equals_attention_of_the_unpadded_values():
                                want[..., :5], atol=1e-6)
 
 
+MLA_ON = ["model.mla.kv_lora_rank=16", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=8",
+          "model.mla.qk_nope_head_dim=4"]
+
+
 @pytest.mark.parametrize(("overrides", "needle"), [
     (["model.mla.kv_lora_rank=16", "model.mla.qk_rope_head_dim=3", "model.mla.v_head_dim=8"],
      "model.mla.qk_rope_head_dim=3"),
     (["model.mla.kv_lora_rank=16", "model.mla.qk_rope_head_dim=4"], "model.mla.v_head_dim=0"),
     (["model.mla.q_lora_rank=8"], "kv_lora_rank > 0"),
     (["model.mla.kv_lora_rank=-1"], "model.mla.kv_lora_rank=-1"),
+    ([*MLA_ON, "model.sliding_window=8"], "no sliding window or score cap"),
+    ([*MLA_ON, "model.attn_softcap=30"], "no sliding window or score cap"),
 ])
 def test_mla_config_errors_are_one_line(overrides, needle):
     with pytest.raises(ConfigError) as info:
