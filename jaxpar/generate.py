@@ -59,15 +59,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
-from jaxpar.model.annotate import Attention, use_attention
+from jaxpar.model.annotate import Attention, use_attention, use_latent_cache
 from jaxpar.model.attention import dense_attention
 from jaxpar.model.fused import attention_fn, resolve
-from jaxpar.model.kv_cache import CACHE_AXES, KVCache, UnitCache, empty_cache
+from jaxpar.model.kv_cache import KVCache, UnitCache, cache_axes, model_cache
 from jaxpar.model.transformer import (
     DTYPES,
     Transformer,
     abstract_model,
     complete_buffers,
+    dense_units,
     layer_units,
 )
 from jaxpar.parallel.hooks import model_hooks
@@ -140,8 +141,29 @@ def forward_cached(model: Transformer, tokens: jax.Array, positions: jax.Array,
     the cache ([blocks per unit, B, L, K, D]) scanned beside its parameters. With S > 1 (a
     prefill from position 0) the queries attend to the new keys by ``prefill``."""
     x = model.embed(tokens, dtype=dtype)
-    graphdef, stacked = nnx.split(model.layers)
-    units = layer_units(model.cfg)
+    # DeepSeek-V3's dense first blocks (a stack of their own) own the first layers' slices.
+    first = dense_units(model.cfg)
+    stacks = [(model.dense_layers, first)] if first else []
+    stacks.append((model.layers, layer_units(model.cfg)))
+    ks, vs, start = [], [], 0
+    for stack, units in stacks:
+        layers = first if stack is not model.layers else cache.k.shape[0] - first
+        x, k, v = _scan_cached(stack, units, x, positions, cache.k[start:start + layers],
+                               cache.v[start:start + layers], prefill)
+        ks.append(k)
+        vs.append(v)
+        start += layers
+    if len(ks) == 1:
+        return x, KVCache(ks[0], vs[0])
+    return x, KVCache(jnp.concatenate(ks), jnp.concatenate(vs))
+
+
+def _scan_cached(stack: nnx.Module, units: int, x: jax.Array, positions: jax.Array,
+                 k: jax.Array, v: jax.Array, prefill: Attention
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One stack of layers scanned over its ``units`` units, each with its slice of the
+    stack's cache ``k``, ``v`` [layers, ...]: x and the stack's updated cache."""
+    graphdef, stacked = nnx.split(stack)
 
     def per_unit(a: jax.Array) -> jax.Array:  # [layers, ...] -> [units, blocks, ...]
         return a.reshape(units, a.shape[0] // units, *a.shape[1:])
@@ -149,12 +171,12 @@ def forward_cached(model: Transformer, tokens: jax.Array, positions: jax.Array,
     def one_unit(x: jax.Array, inputs: tuple) -> tuple[jax.Array, tuple]:
         layer_state, k, v = inputs
         unit_cache = UnitCache(k, v, prefill)
-        with use_attention(unit_cache.attend):
+        with use_attention(unit_cache.attend), use_latent_cache(unit_cache.attend_latent):
             x, _ = nnx.merge(graphdef, layer_state)(x, positions)
         return x, unit_cache.updated()
 
-    x, (k, v) = jax.lax.scan(one_unit, x, (stacked, per_unit(cache.k), per_unit(cache.v)))
-    return x, KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+    x, (k, v) = jax.lax.scan(one_unit, x, (stacked, per_unit(k), per_unit(v)))
+    return x, k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
 
 
 def last_logits(model: Transformer, x: jax.Array, index: jax.Array, dtype: Any) -> jax.Array:
@@ -261,7 +283,7 @@ class Generator:
         return NamedSharding(self.mesh, spec)
 
     def _cache_sharding(self) -> KVCache:
-        spec = resolve_spec("kv cache", CACHE_AXES, None, logical_rules(self.cfg),
+        spec = resolve_spec("kv cache", cache_axes(self.cfg.model), None, logical_rules(self.cfg),
                             self.mesh_shape)
         return KVCache(NamedSharding(self.mesh, spec), NamedSharding(self.mesh, spec))
 
@@ -296,8 +318,7 @@ class Generator:
         with self._hooks():
             model = self._model(params, buffers)
             b, s = tokens.shape
-            cache = empty_cache(m.n_layers, b, max_len, m.n_kv_heads, m.resolved_head_dim,
-                                self.dtype)
+            cache = model_cache(m, b, max_len, self.dtype)
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             x, cache = forward_cached(model, tokens, positions, cache, self.dtype,
                                       self._prefill_attention(s))

@@ -18,6 +18,12 @@ SEQ = 512
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+# DeepSeek-V3 in small: multi-head latent attention (values narrower than queries and keys, so
+# the kernels' padding is exercised), the first block dense, 8 routed experts in 2 groups.
+DEEPSEEK = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+                first_k_dense_replace=1, routed_scaling_factor=2.5, num_key_value_heads=4)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -61,6 +67,10 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
         cfg = tr.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=48, norm_topk_prob=False, **overrides)
         model = tr.Qwen3MoeForCausalLM(cfg)
+    elif kind == "deepseek_v3":
+        cfg = tr.DeepseekV3Config(**{**common, "num_hidden_layers": 3, **DEEPSEEK,
+                                     **overrides})
+        model = tr.DeepseekV3ForCausalLM(cfg)
     else:
         cfg = tr.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                **overrides)
@@ -69,6 +79,9 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             if param.ndim == 1:  # norm scales (around 1) and biases (around 0)
                 param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+        for _, buffer in model.named_buffers():  # DeepSeek's router correction bias
+            if buffer.ndim == 1 and buffer.is_floating_point() and buffer.numel() == 8:
+                buffer.normal_(0.0, 0.2)
     return model.eval()
 
 

@@ -59,20 +59,23 @@ class _ChosenSettingNotes(logging.Filter):
         return not any(note in record.getMessage() for note in self.NOTES)
 
 
-def save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]) -> Path:
+def save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any],
+                 buffers: dict | None = None) -> Path:
     """Write ``params`` (nested dict of host arrays) as the weights-only checkpoint
-    ``out_dir/checkpoints/0``; returns that step directory."""
+    ``out_dir/checkpoints/0``; returns that step directory. ``buffers``: model buffers that
+    are part of the weights (an imported DeepSeek-V3's router biases), saved beside them."""
     notes = _ChosenSettingNotes()
     logging.getLogger("absl").addFilter(notes)
     try:
-        return _save_weights(out_dir, cfg, params, meta)
+        return _save_weights(out_dir, cfg, {"params": params, **(
+            {"buffers": buffers} if buffers else {})}, meta)
     finally:
         logging.getLogger("absl").removeFilter(notes)
 
 
-def _save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]) -> Path:
+def _save_weights(out_dir: Path, cfg: Config, state: dict, meta: dict[str, Any]) -> Path:
     path = (out_dir / CHECKPOINTS / "0").absolute()
-    largest = max(a.nbytes for a in jax.tree.leaves(params))
+    largest = max(a.nbytes for a in jax.tree.leaves(state))
     # Nor should orbax copy each array before writing it (it does by default, in case the
     # caller changes them while a save goes on in the background; these are written in the
     # foreground and dropped after).
@@ -89,8 +92,8 @@ def _save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
     try:
         checkpointer.save(path, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave({"params": params}, save_args={"params": jax.tree.map(
-                lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)}),
+            state=ocp.args.PyTreeSave(state, save_args=jax.tree.map(
+                lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)),
             config=ocp.args.JsonSave(to_dict(cfg)),
             meta=ocp.args.JsonSave({"step": 0, "weights_only": True, **meta})))
     finally:
@@ -98,29 +101,44 @@ def _save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any]
     return path
 
 
-def restore_params(source: Path, wanted: Any) -> Any:
-    """The parameters of checkpoint ``source`` (a run's, or weights-only; any mesh saved them),
-    read straight into ``wanted``'s shapes, dtypes and shardings (a tree of
-    ``jax.ShapeDtypeStruct`` with shardings). Only the parameters are read."""
+def stored_buffers(source: Path) -> Any:
+    """The tree of the model buffers (their metadata) that the weights-only checkpoint
+    ``source`` holds (an import's), empty (falsy) where it holds none."""
+    if not is_weights_only(source):
+        return {}
+    handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        with quiet_failed_reads():
+            return checkpointer.metadata(source.absolute()).item_metadata["state"].get(
+                "buffers") or {}
+    finally:
+        checkpointer.close()
+
+
+def restore_params(source: Path, wanted: Any, item: str = "params") -> Any:
+    """The parameters (or ``item``: ``buffers``) of checkpoint ``source`` (a run's, or
+    weights-only; any mesh saved them), read straight into ``wanted``'s shapes, dtypes and
+    shardings (a tree of ``jax.ShapeDtypeStruct`` with shardings). Only that item is read."""
 
     def shapes(tree: Any) -> dict[str, tuple]:  # shapes only: any stored dtype converts
-        return {f"params/{leaf_name(p)}": (tuple(a.shape), "")
+        return {f"{item}/{leaf_name(p)}": (tuple(a.shape), "")
                 for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
     handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
     try:
         with quiet_failed_reads():
-            saved = checkpointer.metadata(source.absolute()).item_metadata["state"]["params"]
+            saved = checkpointer.metadata(source.absolute()).item_metadata["state"][item]
         check_compatible(shapes(saved), shapes(wanted), source)
         args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(
             sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), wanted)
         # PyTreeCheckpointHandler (not Standard) can restore a part of the tree.
-        only_params = ocp.args.PyTreeRestore(item={"params": wanted},
-                                             restore_args={"params": args}, partial_restore=True)
+        only_item = ocp.args.PyTreeRestore(item={item: wanted}, restore_args={item: args},
+                                           partial_restore=True)
         with quiet_failed_reads():
             return checkpointer.restore(source.absolute(), args=ocp.args.Composite(
-                state=only_params))["state"]["params"]
+                state=only_item))["state"][item]
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)

@@ -33,6 +33,7 @@ from jaxpar.config.schema import (
     GenerationConfig,
     LoggingConfig,
     MeshConfig,
+    MLAConfig,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
@@ -46,7 +47,7 @@ from jaxpar.config.validation import check_generation, validate
 __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
     "ConfigError", "DataConfig", "DistributedConfig", "GenerationConfig", "LoggingConfig",
-    "MeshConfig",
+    "MeshConfig", "MLAConfig",
     "ModelConfig", "MoEConfig", "ParallelConfig", "ProfileConfig", "RopeScalingConfig",
     "SourceConfig", "TrainConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",

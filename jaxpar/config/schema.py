@@ -16,7 +16,8 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 LOGICAL_AXES = (
     "batch", "residual_batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads",
-    "head_dim", "mlp", "vocab", "experts", "layers", "stage",
+    "head_dim", "mlp", "vocab", "experts", "layers", "stage", "q_lora", "kv_lora",
+    "q_lora_in", "kv_lora_in", "act_q_lora_in", "act_kv_lora_in",
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
 
@@ -44,13 +45,28 @@ class MoEConfig:
     aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
     bias_update_rate: float = 0.001  # sigmoid_bias: step of the aux-loss-free bias update
-    # softmax router: divide the k chosen probabilities by their sum (Mixtral, Qwen3-MoE);
-    # false keeps the probabilities themselves as gates (Switch/GShard)
-    norm_topk: bool = False
+    # Divide the k chosen gates by their sum (Mixtral, Qwen3-MoE, DeepSeek-V3); false keeps the
+    # probabilities themselves as gates (Switch/GShard). null: false for the softmax router,
+    # true for sigmoid_bias (whose sigmoid scores do not sum to 1 over the experts).
+    norm_topk: bool | None = None
+    # DeepSeek-V3's group-limited routing: the experts form n_group groups of equal size, each
+    # token keeps the topk_group groups whose two best (bias-corrected) scores sum highest and
+    # picks its top_k experts among theirs. 1 and 1: no limit.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' gates are multiplied by this
+    # The first this many blocks are dense (a SwiGLU of model.d_ff), the rest mixtures
+    # (DeepSeek-V3's first_k_dense_replace); they are a stack of their own (dense_layers).
+    first_dense: int = 0
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def normalise_gates(self) -> bool:
+        """``norm_topk`` with null resolved by the router (see the field)."""
+        return self.norm_topk if self.norm_topk is not None else self.router == "sigmoid_bias"
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert in dropping mode for a group of ``tokens`` tokens:
@@ -67,17 +83,50 @@ class MoEConfig:
 class RopeScalingConfig:
     """Rescaled rotary frequencies for contexts longer than pre-training's (Llama 3.1's
     ``llama3`` rule, or ``linear``: every frequency divided by ``factor``, as Gemma 3's global
-    layers; ``jaxpar/model/layers.py:rope_frequencies``); ``type: none`` is plain RoPE."""
+    layers; ``jaxpar/model/layers.py:rope_frequencies``; YaRN's ``yarn``, for multi-head latent
+    attention only: ``jaxpar/model/mla.py:yarn_frequencies``); ``type: none`` is plain RoPE."""
 
-    type: Literal["none", "llama3", "linear"] = "none"
+    type: Literal["none", "llama3", "linear", "yarn"] = "none"
     factor: float = 8.0  # long wavelengths (linear: all) are divided by this
     low_freq_factor: float = 1.0  # wavelengths above original / low_freq_factor: divided
     high_freq_factor: float = 4.0  # wavelengths below original / high_freq_factor: unchanged
     original_max_position_embeddings: int = 8192  # the pre-training context
+    # yarn: dims turning fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), more than beta_fast times kept, a ramp between;
+    # mscale / mscale_all_dim: the attention temperature 0.1 m ln(factor) + 1 of the rotary
+    # dims (their ratio) and of the softmax scale (squared; DeepSeek-V3)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
     @property
     def enabled(self) -> bool:
         return self.type != "none"
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, ``jaxpar/model/mla.py``), on when
+    ``kv_lora_rank > 0``; then ``model.head_dim`` is unused, and ``model.n_kv_heads`` is read
+    only by the cost model (set it to ``n_heads``: the keys and values are expanded per head)."""
+
+    q_lora_rank: int = 0  # rank of the query's low-rank projection; 0: a full-rank query
+    kv_lora_rank: int = 0  # width of the cached latent the keys and values are expanded from
+    qk_nope_head_dim: int = 0  # per-head query/key dims without rotary embedding
+    qk_rope_head_dim: int = 0  # per-head query dims with rotary embedding (one key shared)
+    v_head_dim: int = 0  # per-head value dim
+    # Rotate interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's checkpoints) rather than the
+    # two halves of the rope dims.
+    rope_interleave: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -113,9 +162,14 @@ class ModelConfig:
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     rope_local_theta: float | None = None  # RoPE base of the local layers (None: rope_theta)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
     @property
     def resolved_head_dim(self) -> int:
+        """The attention kernels' head width: ``head_dim`` (default d_model / n_heads), or with
+        ``mla`` the wider of its q/k and value widths (the narrower is padded to it)."""
+        if self.mla.enabled:
+            return max(self.mla.qk_head_dim, self.mla.v_head_dim)
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
     @property
@@ -124,8 +178,11 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        """MoE blocks in the stack: one per group of ``moe.every`` blocks (0 for a dense model)."""
-        return self.n_layers // self.moe.every if self.moe.enabled else 0
+        """MoE blocks in the stack: one per group of ``moe.every`` blocks after the first
+        ``moe.first_dense`` (0 for a dense model)."""
+        if not self.moe.enabled:
+            return 0
+        return (self.n_layers - self.moe.first_dense) // self.moe.every
 
 
 @dataclass(frozen=True)

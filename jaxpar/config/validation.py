@@ -15,6 +15,7 @@ from jaxpar.config.schema import (
     DistributedConfig,
     MeshConfig,
     ModelConfig,
+    MoEConfig,
     RopeScalingConfig,
     TrainConfig,
 )
@@ -75,11 +76,11 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
         _require(value >= 1, f"model.{name}={value}: must be >= 1")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of "
              f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
-    if m.head_dim is None:
+    if m.head_dim is None and not m.mla.enabled:
         _require(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by "
                  f"model.n_heads={m.n_heads} (or set model.head_dim)")
-    _require(m.resolved_head_dim % 2 == 0, f"model.head_dim={m.resolved_head_dim}: rotary "
-             "embeddings need an even head_dim")
+    _require(m.mla.enabled or m.resolved_head_dim % 2 == 0, f"model.head_dim="
+             f"{m.resolved_head_dim}: rotary embeddings need an even head_dim")
     for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         value = getattr(m, name)
         _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
@@ -89,8 +90,32 @@ def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
     _require(math.isfinite(m.norm_eps) and m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must "
              "be a finite number > 0")
     _check_rope_scaling(m.rope_scaling)
+    _check_mla(m)
+    _require(m.rope_scaling.type != "yarn" or m.mla.enabled, "model.rope_scaling.type=yarn: "
+             "only with multi-head latent attention (model.mla); others take none, llama3 or "
+             "linear")
     _check_window(m)
     _check_gemma_features(m)
+
+
+def _check_mla(m: ModelConfig) -> None:
+    """Multi-head latent attention: sizes that make a query, a key and a value."""
+    a = m.mla
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                 "v_head_dim"):
+        value = getattr(a, name)
+        _require(value >= 0, f"model.mla.{name}={value}: must be >= 0")
+    if not a.enabled:
+        _require(not (a.q_lora_rank or a.qk_rope_head_dim or a.v_head_dim), "model.mla: set "
+                 "kv_lora_rank > 0 to use multi-head latent attention (0 leaves it off, so its "
+                 "other sizes must stay 0)")
+        return
+    _require(a.qk_rope_head_dim >= 2 and a.qk_rope_head_dim % 2 == 0, "model.mla."
+             f"qk_rope_head_dim={a.qk_rope_head_dim}: rotary embeddings need an even size >= 2")
+    _require(a.v_head_dim >= 1, f"model.mla.v_head_dim={a.v_head_dim}: must be >= 1")
+    _require(m.sliding_window is None and not m.attn_softcap, "model.mla: multi-head latent "
+             "attention has no sliding window or score cap (set model.sliding_window: null, "
+             "model.attn_softcap: 0)")
 
 
 def _check_window(m: ModelConfig) -> None:
@@ -123,14 +148,17 @@ def _check_gemma_features(m: ModelConfig) -> None:
 
 
 def _check_rope_scaling(r: RopeScalingConfig) -> None:
-    """The llama3 rule interpolates between two wavelengths: they must be ordered."""
+    """The llama3 and yarn rules interpolate between two wavelengths: they must be ordered."""
     if not r.enabled:
         return
     _require(r.factor >= 1, f"model.rope_scaling.factor={r.factor}: must be >= 1")
     if r.type == "linear":
         return
-    _require(0 < r.low_freq_factor < r.high_freq_factor, "model.rope_scaling: low_freq_factor="
-             f"{r.low_freq_factor} must be > 0 and below high_freq_factor={r.high_freq_factor}")
+    _require(r.type != "yarn" or 0 < r.beta_slow < r.beta_fast, "model.rope_scaling: "
+             f"beta_slow={r.beta_slow} must be > 0 and below beta_fast={r.beta_fast} (yarn)")
+    _require(r.type == "yarn" or 0 < r.low_freq_factor < r.high_freq_factor,
+             f"model.rope_scaling: low_freq_factor={r.low_freq_factor} must be > 0 and below "
+             f"high_freq_factor={r.high_freq_factor}")
     _require(r.original_max_position_embeddings >= 1, "model.rope_scaling."
              f"original_max_position_embeddings={r.original_max_position_embeddings}: must be "
              ">= 1")
@@ -167,7 +195,9 @@ def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
         _require(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be in "
                  f"[1, model.moe.num_experts={moe.num_experts}]")
         _require(moe.every >= 1, f"model.moe.every={moe.every}: must be >= 1")
-        _require(m.n_layers % moe.every == 0, f"model.n_layers={m.n_layers} is not divisible "
+        _check_first_dense(m, mesh)
+        _require((m.n_layers - moe.first_dense) % moe.every == 0, f"model.n_layers="
+                 f"{m.n_layers} (less model.moe.first_dense={moe.first_dense}) is not divisible "
                  f"by model.moe.every={moe.every} (the layer stack is scanned in groups of "
                  "`every` blocks, the last of each a MoE block)")
         _require(m.resolved_d_ff_expert >= 1, f"model.moe.d_ff_expert={moe.d_ff_expert}: must "
@@ -184,10 +214,37 @@ def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
                  f"is not divisible by mesh.expert={mesh.expert}")
         _require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
                  f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
+        _check_moe_groups(moe)
         units, chunks = m.n_layers // moe.every, mesh.pipe * p.virtual_stages
         _require(units % chunks == 0, f"model.n_layers / model.moe.every = {units} groups is "
                  f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
                  "stages take whole groups)")
+
+
+def _check_moe_groups(moe: MoEConfig) -> None:
+    """Group-limited routing (DeepSeek-V3): groups of equal size, enough experts in the kept
+    groups for top_k, and a group score (its two best experts) that exists."""
+    _require(moe.n_group >= 1 and moe.num_experts % moe.n_group == 0, f"model.moe.n_group="
+             f"{moe.n_group}: must be >= 1 and divide model.moe.num_experts={moe.num_experts}")
+    per_group = moe.num_experts // moe.n_group
+    _require(1 <= moe.topk_group <= moe.n_group, f"model.moe.topk_group={moe.topk_group}: "
+             f"must be in [1, model.moe.n_group={moe.n_group}]")
+    _require(moe.n_group == 1 or per_group >= 2, f"model.moe.n_group={moe.n_group}: a group "
+             f"is scored by its two best experts, so it needs >= 2 (has {per_group})")
+    _require(moe.top_k <= moe.topk_group * per_group, f"model.moe.top_k={moe.top_k}: more "
+             f"than the {moe.topk_group * per_group} experts of the topk_group kept groups")
+    _require(math.isfinite(moe.routed_scaling_factor) and moe.routed_scaling_factor > 0,
+             f"model.moe.routed_scaling_factor={moe.routed_scaling_factor}: must be a finite "
+             "number > 0")
+
+
+def _check_first_dense(m: ModelConfig, mesh: MeshConfig) -> None:
+    """Dense blocks before the mixtures: a stack of their own, which pipelines do not split."""
+    first = m.moe.first_dense
+    _require(0 <= first < m.n_layers, f"model.moe.first_dense={first}: must be in [0, "
+             f"model.n_layers={m.n_layers})")
+    _require(first == 0 or mesh.pipe == 1, f"model.moe.first_dense={first} needs mesh.pipe=1 "
+             "(pipeline stages do not split the separate stack of dense blocks yet)")
 
 
 def _check_batch(cfg: Config, mesh: MeshConfig) -> None:

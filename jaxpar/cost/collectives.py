@@ -93,6 +93,7 @@ from jaxpar.cost.ledger import CollectiveCost, Ledger
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
 from jaxpar.cost.pipeline import pipeline_collectives
 from jaxpar.cost.shapes import StepSizes
+from jaxpar.model.transformer import layer_units
 from jaxpar.parallel.zero import ZERO1_AXES
 
 ROW_PARALLEL_MATMULS = 2  # attention output, down projection
@@ -157,7 +158,7 @@ def data_collectives(c: Ledger) -> None:
     for p in c.params:
         split = {a for entry in p.spec for a in entry_axes(entry)}
         by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
-    units = st.layers // cfg.model.moe.every if cfg.model.moe.enabled else st.layers
+    units = layer_units(cfg.model) // st.p  # a stage's units of the `layers` stack
     for axes, group in by_replicas.items():
         experts = "routed experts' " if all(p.expert for p in group) else ""
         count = c.runs_over(axes) * (units * any(p.stacked for p in group)

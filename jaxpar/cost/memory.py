@@ -88,6 +88,7 @@ from jaxpar.cost.pipeline import (
     stage_head,
 )
 from jaxpar.cost.shapes import StepSizes
+from jaxpar.model.transformer import layer_units
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     # (all of them in a pipeline stage, which prepares its weights once per step).
     # (With MoE every=k > 1, a "layer" here is one scanned group of k blocks.)
     blocks = unit_blocks(m)
-    units = m.n_layers // len(blocks)
+    units = layer_units(m)  # of the `layers` stack (DeepSeek's dense first blocks aside)
     layer_weights = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                         for p in params if p.stacked) // units
     kept_weights = 0

@@ -30,7 +30,7 @@ from rich.text import Text
 from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig, validate
 from jaxpar.cost.estimate import CostReport, estimate
 from jaxpar.hardware import HardwareProfile, get_profile
-from jaxpar.model.flops import param_count
+from jaxpar.model.flops import matmul_params, param_count
 from jaxpar.units import human_bytes
 
 HBM_USABLE = 0.9  # headroom for the runtime, XLA's scratch and allocator fragmentation
@@ -170,7 +170,11 @@ def hardware_line(cfg: Config, devices: int, hw: HardwareProfile) -> str:
     t = cfg.train
     accum = f" in {t.grad_accum} micro-steps" if t.grad_accum > 1 else ""
     nominal = " (nominal numbers)" if hw.nominal else ""
-    return (f"{param_count(cfg.model) / 1e6:,.1f}M params | batch {t.batch_size} x {t.seq_len} "
+    # a mixture's active parameters: the weights one token multiplies with (flops.matmul_params)
+    active = (f" ({matmul_params(cfg.model) / 1e6:,.1f}M active)" if cfg.model.moe.enabled
+              else "")
+    return (f"{param_count(cfg.model) / 1e6:,.1f}M params{active} | batch {t.batch_size} x "
+            f"{t.seq_len} "
             f"tokens{accum} | {t.dtype}, remat={t.remat} | {devices} x {hw.name}: "
             f"{hw.description}{nominal}, {hw.peak_flops / 1e12:,.0f} TFLOP/s, "
             f"{hw.hbm_bytes / GIB:,.0f} GiB HBM")

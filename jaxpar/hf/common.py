@@ -1,5 +1,6 @@
-"""What the Hugging Face config readers share (:mod:`jaxpar.hf.config`, :mod:`jaxpar.hf.gemma`):
-the error, the checks that raise it, and the RoPE settings of either transformers dialect."""
+"""What the Hugging Face config readers share (:mod:`jaxpar.hf.config`, :mod:`jaxpar.hf.gemma`,
+:mod:`jaxpar.hf.deepseek`): the error, the checks that raise it, and the RoPE settings of either
+transformers dialect (DeepSeek-V3's YaRN included)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,10 @@ def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingCo
     if rope_type == "linear":
         refuse(rule.get("factor") is None, f"{field}.factor", "missing (linear)")
         return theta, RopeScalingConfig(type="linear", factor=float(rule["factor"]))
+    if rope_type == "yarn" and kind == "deepseek_v3":
+        return theta, yarn_from_hf(rule, field)
     refuse(rope_type != "llama3", f"{field}.rope_type", f"{rope_type!r} is not supported; "
-           "supported: default, linear, llama3")
+           "supported: default, linear, llama3 (and yarn for deepseek_v3)")
     missing = [k for k in LLAMA3_KEYS if rule.get(k) is None]
     refuse(bool(missing), f"{field}.{missing[0] if missing else ''}", "missing (llama3)")
     return theta, RopeScalingConfig(
@@ -60,3 +63,18 @@ def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingCo
         low_freq_factor=float(rule["low_freq_factor"]),
         high_freq_factor=float(rule["high_freq_factor"]),
         original_max_position_embeddings=int(rule["original_max_position_embeddings"]))
+
+
+def yarn_from_hf(rule: Mapping[str, Any], field: str) -> RopeScalingConfig:
+    """DeepSeek-V3's yarn: frequencies, the rotary dims' factor and the softmax scale."""
+    for key in ("factor", "original_max_position_embeddings"):
+        refuse(rule.get(key) is None, f"{field}.{key}", "missing (yarn)")
+    refuse(rule.get("attention_factor") is not None, f"{field}.attention_factor",
+           "an explicit factor is not supported (yarn: derived from mscale)")
+    refuse(rule.get("truncate", True) is not True, f"{field}.truncate", "only true")
+    return RopeScalingConfig(
+        type="yarn", factor=float(rule["factor"]),
+        original_max_position_embeddings=int(rule["original_max_position_embeddings"]),
+        beta_fast=float(rule.get("beta_fast") or 32), beta_slow=float(rule.get("beta_slow") or 1),
+        mscale=float(rule.get("mscale") or 0.0),
+        mscale_all_dim=float(rule.get("mscale_all_dim") or 0.0))

@@ -2,13 +2,14 @@
 
 Read: the Llama family (``llama``, ``mistral``, ``qwen2`` with its q/k/v biases, ``qwen3`` with
 its q/k norms), the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
-mixture), and Gemma 2 and 3 (:mod:`jaxpar.hf.gemma`). Mistral's and Mixtral's
-``sliding_window`` is ``model.sliding_window`` (every layer local); Qwen's, with
-``use_sliding_window``, only where ``max_window_layers`` leaves every layer local (0) or none
-(>= the layer count): its "first layers global, the rest local" has no ``model.global_every``.
-Anything jaxpar's model would compute differently (biases on o_proj or the MLP, another
-activation, a RoPE rule other than plain, ``linear`` or ``llama3``) is a one-line
-:class:`HFConfigError` naming the field, never silently dropped.
+mixture), DeepSeek-V3 (:mod:`jaxpar.hf.deepseek`) and Gemma 2 and 3 (:mod:`jaxpar.hf.gemma`).
+Mistral's and Mixtral's ``sliding_window`` is ``model.sliding_window`` (every layer local);
+Qwen's, with ``use_sliding_window``, only where ``max_window_layers`` leaves every layer local
+(0) or none (>= the layer count): its "first layers global, the rest local" has no
+``model.global_every``. Anything jaxpar's model would compute differently (biases on o_proj or
+the MLP, another activation, a RoPE rule other than plain, ``linear``, ``llama3`` or
+DeepSeek's ``yarn``) is a one-line :class:`HFConfigError` naming the field, never silently
+dropped.
 
 Both dialects of the RoPE settings are read: transformers 4.x writes ``rope_theta`` and
 ``rope_scaling`` at the top level, 5.x writes them inside ``rope_parameters`` and drops (or
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.config import ModelConfig, MoEConfig
+from jaxpar.hf import deepseek
 from jaxpar.hf.common import LLAMA3_KEYS, HFConfigError, rope_from_hf
 from jaxpar.hf.common import refuse as _refuse
 from jaxpar.hf.common import required as _get
@@ -35,10 +37,11 @@ from jaxpar.hf.gemma import (
 )
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
@@ -67,6 +70,8 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if kind in GEMMA_TYPES:
         return gemma_model_config(hf)
     _check_unsupported(hf, kind)
+    if kind == "deepseek_v3":
+        return deepseek.deepseek_model_config(hf)
     d_model, heads = int(_get(hf, "hidden_size")), int(_get(hf, "num_attention_heads"))
     theta, scaling = rope_from_hf(hf, kind)
     return ModelConfig(
@@ -106,8 +111,11 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
     _refuse(bool(hf.get("attention_bias")), "attention_bias",
             "true puts a bias on o_proj too, which jaxpar's attention lacks")
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias", "true is not supported (no MLP biases)")
-    _refuse(bool(hf.get("quantization_config")), "quantization_config",
-            "quantized weights are not supported")
+    if kind == "deepseek_v3":
+        deepseek.check_fp8_blocks(hf)
+    else:
+        _refuse(bool(hf.get("quantization_config")), "quantization_config",
+                "quantized weights are not supported")
     if kind == "mixtral":
         _refuse(bool(hf.get("router_jitter_noise")), "router_jitter_noise", "must be 0")
 
@@ -142,6 +150,9 @@ def _window_from_hf(hf: Mapping[str, Any], kind: str) -> int | None:
 def hf_model_type(m: ModelConfig) -> str:
     """The Hugging Face model type that computes what ``m`` computes, or an error naming the
     jaxpar setting none of them has."""
+    if m.mla.enabled:
+        deepseek.check_deepseek_export(m, _refuse_export)
+        return "deepseek_v3"
     if is_gemma(m):
         return gemma_model_type(m, _refuse_export)
     for name, off in (("mlp_activation", "silu"), ("embed_scale", False), ("final_softcap", 0.0),
@@ -154,10 +165,12 @@ def hf_model_type(m: ModelConfig) -> str:
         checks = (("every", moe.every == 1), ("router", moe.router == "softmax"),
                   ("num_shared_experts", moe.num_shared_experts == 0))
         if not m.qk_norm:
-            checks += (("norm_topk", moe.norm_topk), ("d_ff_expert", moe.d_ff_expert in
-                                                      (None, m.d_ff)))
+            checks += (("norm_topk", moe.normalise_gates), ("d_ff_expert", moe.d_ff_expert in
+                                                            (None, m.d_ff)))
+        shown = {"norm_topk": moe.normalise_gates}
         for name, ok in checks:
-            _refuse_export(not ok, f"model.moe.{name}={getattr(moe, name)}", "the exported "
+            value = shown.get(name, getattr(moe, name))
+            _refuse_export(not ok, f"model.moe.{name}={value}", "the exported "
                            "mixtures, qwen3_moe (with model.qk_norm) and mixtral, have every=1, "
                            "router=softmax, no shared experts; mixtral also norm_topk=true, "
                            "d_ff_expert=d_ff")
@@ -201,7 +214,9 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
     max_positions = 8192
     if m.rope_scaling.enabled:
         r = m.rope_scaling
-        keys = LLAMA3_KEYS if r.type == "llama3" else ("factor",)
+        keys = LLAMA3_KEYS if r.type == "llama3" else ("factor",) if r.type == "linear" else (
+            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim")
         rope_scaling = {"rope_type": r.type, **{k: getattr(r, k) for k in keys}}
         rope_parameters.update(rope_scaling)
         max_positions = int(r.original_max_position_embeddings * r.factor)
@@ -231,10 +246,12 @@ def hf_config_from_model(m: ModelConfig) -> dict[str, Any]:
                    output_router_logits=False, sliding_window=m.sliding_window)
     if kind == "mistral":
         out.update(sliding_window=m.sliding_window)
+    if kind == "deepseek_v3":
+        out.update(deepseek.deepseek_fields(m))
     if kind == "qwen3_moe":
         out.update(num_experts=m.moe.num_experts, num_local_experts=m.moe.num_experts,
                    num_experts_per_tok=m.moe.top_k, moe_intermediate_size=m.resolved_d_ff_expert,
-                   norm_topk_prob=m.moe.norm_topk,
+                   norm_topk_prob=m.moe.normalise_gates,
                    decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                    router_aux_loss_coef=m.moe.aux_loss_weight)
     return out

@@ -20,15 +20,18 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 from jaxpar.checkpoint.state import read_config
 from jaxpar.checkpoint.weights_only import read_weights, step_dir
-from jaxpar.config import ConfigError, config_from_dict
+from jaxpar.config import ConfigError, ModelConfig, config_from_dict
 from jaxpar.hf.config import hf_config_from_model
 from jaxpar.hf.importer import INDEX, TOKENIZER_FILES
 from jaxpar.hf.names import Tensor, hf_tensors, param_at, slice_shape, to_hf
+from jaxpar.model.transformer import abstract_model
 
 DEFAULT_MAX_SHARD = "5GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -44,9 +47,11 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
-def _hf_arrays(params: dict, tensors: list[Tensor]) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_arrays(weights: dict, tensors: list[Tensor]) -> Iterator[tuple[str, np.ndarray]]:
+    """``weights``: ``{"params": ..., "buffers": ...}``."""
     for t in tensors:
-        yield t.hf, to_hf(t.layout, np.asarray(param_at(params, t.path)[t.index], np.float32))
+        tree = weights["buffers" if t.buffer else "params"]
+        yield t.hf, to_hf(t.layout, np.asarray(param_at(tree, t.path)[t.index], np.float32))
 
 
 def shard_plan(sizes: list[int], max_bytes: int) -> list[int]:
@@ -61,16 +66,17 @@ def shard_plan(sizes: list[int], max_bytes: int) -> list[int]:
     return plan
 
 
-def _write_shards(params: dict, tensors: list[Tensor], out_dir: Path, max_bytes: int
+def _write_shards(weights: dict, tensors: list[Tensor], out_dir: Path, max_bytes: int
                   ) -> list[Path]:
-    sizes = [int(np.prod(slice_shape(params, t))) * 4 for t in tensors]
+    sizes = [int(np.prod(slice_shape(weights["buffers" if t.buffer else "params"], t))) * 4
+             for t in tensors]
     plan = shard_plan(sizes, max_bytes)
     count = plan[-1] + 1
     files = [out_dir / ("model.safetensors" if count == 1 else
                         f"model-{i + 1:05d}-of-{count:05d}.safetensors") for i in range(count)]
     shard: dict[str, np.ndarray] = {}
     current = 0
-    for (name, array), number in zip(_hf_arrays(params, tensors), plan, strict=True):
+    for (name, array), number in zip(_hf_arrays(weights, tensors), plan, strict=True):
         if number != current:
             _save(shard, files[current])
             current = number
@@ -88,6 +94,16 @@ def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
     tensors.clear()  # the shard's copies go now, before the next shard is converted
 
 
+def _with_buffers(m: ModelConfig, params: dict, buffers: dict) -> dict:
+    """The weights the export reads: the parameters, and the buffers a Hugging Face model keeps
+    as weights (DeepSeek-V3's router biases; zeros where the checkpoint has none)."""
+    if not buffers:
+        _, _, abstract = nnx.split(abstract_model(m), nnx.Param, ...)
+        buffers = jax.tree.map(lambda a: np.zeros(a.shape, np.float32),
+                               nnx.to_pure_dict(abstract))
+    return {"params": params, "buffers": buffers}
+
+
 def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHARD
               ) -> tuple[list[Path], int]:
     """Write the Hugging Face model directory of checkpoint ``source`` (a step, run or
@@ -96,11 +112,12 @@ def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHA
     path = step_dir(source)
     cfg = config_from_dict(read_config(path))
     hf_config = hf_config_from_model(cfg.model)  # refuses before anything is read
-    params, _, step = read_weights(path)
+    params, buffers, step = read_weights(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [*out_dir.glob("model*.safetensors"), out_dir / INDEX]:
         old.unlink(missing_ok=True)  # a previous export's shards would confuse loaders
-    files = _write_shards(params, hf_tensors(cfg.model), out_dir, max_bytes)
+    files = _write_shards(_with_buffers(cfg.model, params, buffers), hf_tensors(cfg.model),
+                          out_dir, max_bytes)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     tokenizer = Path(cfg.data.tokenizer).expanduser()
     if tokenizer.name == "tokenizer.json" and tokenizer.is_file():

@@ -16,6 +16,7 @@ does.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from jaxpar.config import (
     to_dict,
 )
 from jaxpar.hf.config import HFConfigError, model_config_from_hf, read_hf_config
+from jaxpar.hf.fp8 import SCALE_SUFFIX, dequantized_rows, scale_name, tensor_info
 from jaxpar.hf.names import (
     PLUS_ONE,
     TEXT_PREFIXES,
@@ -44,6 +46,7 @@ from jaxpar.hf.names import (
     jaxpar_view,
     param_at,
 )
+from jaxpar.model.layers import LocalLayer
 from jaxpar.model.transformer import abstract_model
 
 INDEX = "model.safetensors.index.json"
@@ -66,6 +69,7 @@ class Imported:
     total_bytes: int  # float32 bytes of the parameters
     generation: GenerationConfig  # how prompts are encoded, which ids end a sequence
     left_out: int = 0  # tensors of the source not imported (a multimodal model's image side)
+    prediction_layers: int = 0  # DeepSeek's multi-token-prediction layers, left out
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -86,16 +90,21 @@ def weight_files(directory: Path) -> dict[str, Path]:
 
 
 def _host_arrays(m: ModelConfig) -> dict:
-    """Empty float32 arrays shaped as the model's parameters (nested as ``params``)."""
-    _, params, _ = nnx.split(abstract_model(m), nnx.Param, ...)
-    shapes = nnx.to_pure_dict(params)
+    """Empty float32 arrays shaped as the model's parameters and buffers:
+    ``{"params": ..., "buffers": ...}``, each nested as the model."""
+    # the window flags follow the config: no tensor holds them
+    _, params, _, buffers = nnx.split(abstract_model(m), nnx.Param, LocalLayer, ...)
 
     def build(node):
         if isinstance(node, dict):
             return {k: build(v) for k, v in node.items()}
         return np.empty(node.shape, np.float32)
 
-    return build(shapes)
+    return {"params": build(nnx.to_pure_dict(params)), "buffers": build(nnx.to_pure_dict(buffers))}
+
+
+def _tree(arrays: dict, t: Tensor) -> dict:
+    return arrays["buffers" if t.buffer else "params"]
 
 
 def _check_coverage(tensors: list[Tensor], params: dict) -> None:
@@ -103,11 +112,12 @@ def _check_coverage(tensors: list[Tensor], params: dict) -> None:
     empty, would keep garbage): a guard on :func:`hf_tensors`."""
     slices: dict[tuple[str, ...], set] = {}
     for t in tensors:
-        slices.setdefault(t.path, set()).add(t.index)
-    paths = {tuple(p) for p in _paths(params)}
+        slices.setdefault((t.buffer, *t.path), set()).add(t.index)
+    paths = {(kind == "buffers", *p) for kind in params for p in _paths(params[kind])}
     assert set(slices) == paths, sorted(set(slices) ^ paths)
-    for path, indices in slices.items():
-        stacked = param_at(params, path).shape[:len(next(iter(indices)))]
+    for (buffer, *path), indices in slices.items():
+        tree = params["buffers" if buffer else "params"]
+        stacked = param_at(tree, tuple(path)).shape[:len(next(iter(indices)))]
         assert len(indices) == int(np.prod(stacked, dtype=int)), path
 
 
@@ -134,6 +144,8 @@ def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig,
     unused = [n for n in set(files) - wanted if n.startswith(left_out)] if left_out else []
     extra = sorted(n for n in set(files) - wanted - set(unused)
                    if not n.endswith(IGNORED_SUFFIXES)
+                   and not (n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] in wanted)
+                   and not (m.mla.enabled and prediction_layer(n, m) is not None)
                    and not (m.tie_embeddings and n in TEXT_PREFIXES.values()))  # tied: a copy
     if extra:
         raise HFConfigError(f"tensor {extra[0]}: the model jaxpar builds from config.json has no "
@@ -141,34 +153,49 @@ def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig,
     return len(unused)
 
 
-def read_weights(directory: Path, m: ModelConfig, left_out: tuple[str, ...] = ()
-                 ) -> tuple[dict, int]:
-    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays, and
-    the count of the tensors starting with ``left_out`` that it does not read."""
+def prediction_layer(name: str, m: ModelConfig) -> int | None:
+    """The layer number of a DeepSeek multi-token-prediction tensor (numbered past
+    ``n_layers``), else None."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match and int(match.group(1)) >= m.n_layers else None
+
+
+def read_weights(directory: Path, m: ModelConfig, block: tuple[int, int] | None = None,
+                 left_out: tuple[str, ...] = ()) -> tuple[dict, int]:
+    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays
+    (``{"params": ..., "buffers": ...}``), and the count of the tensors starting with
+    ``left_out`` that it does not read; ``block``: the float8 weights' scale blocks."""
     files = weight_files(directory)
     tensors = hf_tensors(m, text_prefix(files))
     unused = _check_names(tensors, files, m, left_out)
-    params = _host_arrays(m)
-    _check_coverage(tensors, params)
+    arrays = _host_arrays(m)
+    _check_coverage(tensors, arrays)
     for t in tensors:
-        _read_into(files[t.hf], t, param_at(params, t.path)[t.index])
-    return params, unused
+        scales = files.get(scale_name(t.hf))
+        _read_into(files[t.hf], t, param_at(_tree(arrays, t), t.path)[t.index],
+                   (scales, block) if scales is not None and block else None)
+    return arrays, unused
 
 
-def _read_into(file: Path, t: Tensor, target: np.ndarray) -> None:
+def _read_into(file: Path, t: Tensor, target: np.ndarray,
+               quantized: tuple[Path, tuple[int, int]] | None = None) -> None:
     """Tensor ``t`` of ``file`` into its jaxpar slice ``target`` (float32), BLOCK_BYTES of it
     at a time, the file opened for each block: neither a whole copy of the tensor nor its
-    mapped pages stay resident."""
-    with safe_open(str(file), "np") as f:
-        shape = tuple(f.get_slice(t.hf).get_shape())
+    mapped pages stay resident. ``quantized``: the file of its float8 scales and their block
+    (:mod:`jaxpar.hf.fp8`), which each block of rows is dequantized with."""
+    shape = tensor_info(file, t.hf)[1]
     if shape != hf_shape(t.layout, target.shape):
         raise HFConfigError(f"tensor {t.hf} is {list(shape)}, but config.json makes it "
                             f"{list(hf_shape(t.layout, target.shape))}")
     view, transposed = jaxpar_view(t.layout, target)
     rows = max(1, BLOCK_BYTES // max(1, 4 * int(np.prod(shape[1:], dtype=int))))
     for start in range(0, shape[0], rows):
-        with safe_open(str(file), "np") as f:
-            block = f.get_slice(t.hf)[start:min(start + rows, shape[0])]
+        stop = min(start + rows, shape[0])
+        if quantized is not None:
+            block = dequantized_rows(file, quantized[0], t.hf, start, stop, quantized[1])
+        else:
+            with safe_open(str(file), "np") as f:
+                block = f.get_slice(t.hf)[start:stop]
         if transposed:
             view[:, start:start + rows] = block.T  # converts to float32 as it copies
         else:
@@ -217,7 +244,10 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     model = model_config_from_hf(hf)
     generation = generation_settings(source, hf, model.vocab_size)
     multimodal = hf.get("model_type") == "gemma3"
-    params, left_out = read_weights(source, model, LEFT_OUT_PREFIXES if multimodal else ())
+    block = (hf.get("quantization_config") or {}).get("weight_block_size")
+    arrays, left_out = read_weights(source, model, tuple(block) if block else None,
+                                    LEFT_OUT_PREFIXES if multimodal else ())
+    params = arrays["params"]
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _copy_tokenizer(source, out_dir)
     # The config to train from: the model, these weights, the tokenizer if there is one, and
@@ -226,12 +256,14 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
                  data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig(),
                  generation=generation)
     path = save_weights(out_dir, cfg, params, {"source": str(source.absolute()),
-                                               "format": "huggingface"})
+                                               "format": "huggingface"},
+                        buffers=arrays["buffers"] or None)
     config_yaml = out_dir / "config.yaml"
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     total = sum(param_at(params, p).nbytes for p in _paths(params))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
-                    total_bytes=total, generation=generation, left_out=left_out)
+                    total_bytes=total, generation=generation, left_out=left_out,
+                    prediction_layers=int(hf.get("num_nextn_predict_layers") or 0))
 
 
 def import_hf_main(source: Path, out_dir: Path) -> int:
@@ -244,6 +276,9 @@ def import_hf_main(source: Path, out_dir: Path) -> int:
     print(f"imported {source}: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
           + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
           + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")
+    if done.prediction_layers:
+        print(f"left out: {done.prediction_layers} multi-token-prediction layer(s) (layers "
+              f"numbered from {m.n_layers}; jaxpar trains next-token prediction only)")
     tokenizer = (f"data.tokenizer={done.tokenizer} (set in it)" if done.tokenizer else
                  "no tokenizer.json there: set data.tokenizer to the model's tokenizer.json")
     print(f"train from it: jaxpar train {done.config_yaml} run_dir=RUN data.source=DATA "

@@ -27,6 +27,23 @@ final ones too) multiplies by ``1 + weight``, so jaxpar's scale is the weight pl
 (``PLUS_ONE``, float32 as transformers adds it). The multimodal Gemma 3 keeps the language
 model under a prefix of its own (``language_model.model.`` as transformers 5 saves it).
 
+DeepSeek-V3 (``deepseek_v3``; multi-head latent attention, :mod:`jaxpar.model.mla`): blocks
+below ``first_k_dense_replace`` are ``dense_layers/...`` [L], the others ``layers/...``
+[L - first_k_dense_replace]::
+
+    self_attn.q_a_proj.weight [Rq, E]          attn/wq_a [E, Rq]                   transposed
+    self_attn.q_a_layernorm.weight             attn/q_norm/scale                   same
+    self_attn.q_b_proj.weight [H*(N+P), Rq]    attn/wq_b [Rq, H, N+P]              heads_in
+    self_attn.q_proj.weight [H*(N+P), E]       attn/wq [E, H, N+P] (q_lora_rank 0) heads_in
+    self_attn.kv_a_proj_with_mqa.weight [R+P, E]   attn/wkv_a [E, R+P]             transposed
+    self_attn.kv_a_layernorm.weight            attn/kv_norm/scale                  same
+    self_attn.kv_b_proj.weight [H*(N+V), R]    attn/wkv_b [R, H, N+V]              heads_in
+    self_attn.o_proj.weight [E, H*V]           attn/wo [H, V, E]                   heads_out
+    mlp.gate.weight [X, E]                     moe/router [E, X]                   transposed
+    mlp.gate.e_score_correction_bias [X]       moe/router_bias (a buffer)          same
+    mlp.experts.X.{gate,up,down}_proj.weight   moe/w_{gate,up,down} [X][E, F]      transposed
+    mlp.shared_experts.{gate,up,down}_proj.weight  moe/shared/w_{gate,up,down}     transposed
+
 RoPE: jaxpar rotates the two halves of each head (``rotate_half``, like Hugging Face's Llama
 code), with the same frequencies, so q and k projections map unpermuted; only the layout of the
 matrices changes (PyTorch stores ``[out, in]``, jaxpar ``[in, out]`` with heads split out).
@@ -59,6 +76,7 @@ class Tensor:
     path: tuple[str, ...]  # the jaxpar parameter ("layers", "attn", "wq")
     index: tuple[int, ...]  # its slice of the stacked parameter: (), (layer,), (layer, expert)
     layout: str  # SAME, TRANSPOSED, HEADS_IN, HEADS_OUT, HEADS_BIAS or PLUS_ONE
+    buffer: bool = False  # a model buffer (MoE router bias), not a parameter
 
 
 def hf_tensors(m: ModelConfig, prefix: str = "model.") -> list[Tensor]:
@@ -76,6 +94,8 @@ def hf_tensors(m: ModelConfig, prefix: str = "model.") -> list[Tensor]:
 
 
 def _layer_tensors(m: ModelConfig, layer: int, prefix: str) -> list[Tensor]:
+    if m.mla.enabled:
+        return _deepseek_layer_tensors(m, layer, prefix)
     p, i = f"{prefix}layers.{layer}.", (layer,)
     norm = PLUS_ONE if m.post_norms else SAME
 
@@ -107,6 +127,43 @@ def _layer_tensors(m: ModelConfig, layer: int, prefix: str) -> list[Tensor]:
         out += [t(f"{block}.experts.{x}.{hf}.weight", "moe", name, layout=TRANSPOSED,
                   index=(layer, x)) for hf, name in zip(names, ("w_gate", "w_up", "w_down"),
                                                         strict=True)]
+    return out
+
+
+def _deepseek_layer_tensors(m: ModelConfig, layer: int, prefix: str) -> list[Tensor]:
+    """One DeepSeek-V3 block: MLA, then a dense MLP (``dense_layers``) or a mixture."""
+    first = m.moe.first_dense
+    stack, i = ("dense_layers", (layer,)) if layer < first else ("layers", (layer - first,))
+    p = f"{prefix}layers.{layer}."
+
+    def t(name: str, *path: str, layout: str = TRANSPOSED, index: tuple[int, ...] = i,
+          buffer: bool = False) -> Tensor:
+        return Tensor(p + name, (stack, *path), index, layout, buffer)
+
+    out = [t("input_layernorm.weight", "attn_norm", "scale", layout=SAME),
+           t("post_attention_layernorm.weight", "mlp_norm", "scale", layout=SAME)]
+    if m.mla.q_lora_rank:
+        out += [t("self_attn.q_a_proj.weight", "attn", "wq_a"),
+                t("self_attn.q_a_layernorm.weight", "attn", "q_norm", "scale", layout=SAME),
+                t("self_attn.q_b_proj.weight", "attn", "wq_b", layout=HEADS_IN)]
+    else:
+        out.append(t("self_attn.q_proj.weight", "attn", "wq", layout=HEADS_IN))
+    out += [t("self_attn.kv_a_proj_with_mqa.weight", "attn", "wkv_a"),
+            t("self_attn.kv_a_layernorm.weight", "attn", "kv_norm", "scale", layout=SAME),
+            t("self_attn.kv_b_proj.weight", "attn", "wkv_b", layout=HEADS_IN),
+            t("self_attn.o_proj.weight", "attn", "wo", layout=HEADS_OUT)]
+    projections = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))
+    if layer < first:
+        return out + [t(f"mlp.{hf}.weight", "mlp", name) for hf, name in projections]
+    out += [t("mlp.gate.weight", "moe", "router"),
+            t("mlp.gate.e_score_correction_bias", "moe", "router_bias", layout=SAME,
+              buffer=True)]
+    for x in range(m.moe.num_experts):
+        out += [t(f"mlp.experts.{x}.{hf}.weight", "moe", name, index=(*i, x))
+                for hf, name in projections]
+    if m.moe.num_shared_experts:
+        out += [t(f"mlp.shared_experts.{hf}.weight", "moe", "shared", name)
+                for hf, name in projections]
     return out
 
 

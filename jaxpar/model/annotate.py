@@ -36,6 +36,8 @@ _constrain: contextvars.ContextVar[Constrain | None] = contextvars.ContextVar(
     "jaxpar_activation_constrain", default=None)
 _attention: contextvars.ContextVar[Attention | None] = contextvars.ContextVar(
     "jaxpar_attention", default=None)
+_latent_cache: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "jaxpar_latent_cache", default=None)
 _experts: contextvars.ContextVar[Experts | None] = contextvars.ContextVar(
     "jaxpar_experts", default=None)
 _prepared: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_prepared_weights",
@@ -73,6 +75,16 @@ def _setting(var: contextvars.ContextVar, value) -> Iterator[None]:
 def activation_sharding(fn: Constrain | None) -> contextlib.AbstractContextManager[None]:
     """Within this block, :func:`constrain` applies ``fn``."""
     return _setting(_constrain, fn)
+
+
+def latent_cache_override() -> Callable | None:
+    """The cache multi-head latent attention reads and writes while decoding (its latent and
+    rope key: :meth:`jaxpar.model.kv_cache.UnitCache.attend_latent`), if any."""
+    return _latent_cache.get()
+
+
+def use_latent_cache(fn: Callable | None) -> contextlib.AbstractContextManager[None]:
+    return _setting(_latent_cache, fn)
 
 
 def attention_override() -> Attention | None:

@@ -22,8 +22,26 @@ from jaxpar.config import ModelConfig
 
 
 def _attention_params(cfg: ModelConfig) -> int:
-    e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    """The attention's weights; multi-head latent attention's (``model.mla``): the query's
+    down- and up-projections (or its full-rank one), the key/value latent with the rope key,
+    its up-projection to every head's k_nope and v, and the output projection."""
+    e, h = cfg.d_model, cfg.n_heads
+    if cfg.mla.enabled:
+        a = cfg.mla
+        q = (e * a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim if a.q_lora_rank
+             else e * h * a.qk_head_dim)
+        kv = e * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (
+            a.qk_nope_head_dim + a.v_head_dim)
+        return q + kv + h * a.v_head_dim * e
+    k, d = cfg.n_kv_heads, cfg.resolved_head_dim
     return e * h * d + 2 * e * k * d + h * d * e
+
+
+def _attention_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """Per-head widths of the scores' product (q and k) and of the values."""
+    if cfg.mla.enabled:
+        return cfg.mla.qk_head_dim, cfg.mla.v_head_dim
+    return cfg.resolved_head_dim, cfg.resolved_head_dim
 
 
 def _moe_params(cfg: ModelConfig, experts: int) -> int:
@@ -57,20 +75,24 @@ def param_count(cfg: ModelConfig) -> int:
     # two norms a block (four with post_norms) and the final one; q/k norms of one head each
     norms = ((2 + 2 * cfg.post_norms) * cfg.n_layers + 1) * cfg.d_model
     norms += 2 * cfg.n_layers * cfg.resolved_head_dim * cfg.qk_norm
+    if cfg.mla.enabled:  # the latents' norms
+        norms += cfg.n_layers * (cfg.mla.q_lora_rank + cfg.mla.kv_lora_rank)
     return layers + embedding + head + norms
 
 
 def causal_attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Useful attention flops per token, forward and backward: the causal half of the square,
-    the band of the window in local layers (module docstring)."""
+    """Useful attention flops per token, forward and backward: the causal half of the square
+    (scores over the q/k width, the weighted sum over the values' width), the band of the
+    window in local layers (module docstring)."""
+    qk, v = _attention_widths(cfg)
     keys = seq_len / 2  # keys per query, on average, in a global layer
     window = cfg.sliding_window
     if window is None or window >= seq_len:
-        return 12.0 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * keys
+        return 6.0 * cfg.n_layers * cfg.n_heads * (qk + v) * keys
     band = keys - (seq_len - window) ** 2 / (2 * seq_len)
     local = cfg.n_layers - (cfg.n_layers // cfg.global_every if cfg.global_every else 0)
     per_layer = local * band + (cfg.n_layers - local) * keys
-    return 12.0 * cfg.n_heads * cfg.resolved_head_dim * per_layer
+    return 6.0 * cfg.n_heads * (qk + v) * per_layer
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -27,6 +27,16 @@ the cache and attends over the cache instead of over the new tokens alone:
   different positions), an elementwise select, so nothing moves between the devices of a
   batch-sharded cache.
 
+Multi-head latent attention (``model.mla``, :mod:`jaxpar.model.mla`) caches what its keys and
+values are made from instead: ``k`` holds the normed latent [layers, B, L, 1, R] and ``v`` the
+rotated rope key [layers, B, L, 1, P] (:func:`model_cache`, laid out by :data:`LATENT_AXES`:
+whole on every ``tensor`` device, since every head reads them). Bytes per token:
+``n_layers x (R + P) x itemsize`` (DeepSeek-V3 in bf16: 61 x 576 x 2 = 69 KiB, where its 128
+expanded heads would take 61 x 128 x (192 + 128) x 2 = 4.8 MiB). The layer reaches the cache
+through :func:`~jaxpar.model.annotate.use_latent_cache` (:meth:`UnitCache.attend_latent`); a
+prefill expands keys and values from the new latents and attends as training does, a decode step
+attends over the latents without expanding them (:func:`jaxpar.model.mla.absorbed_attention`).
+
 The attention itself is dense over the L slots with the mask ``slot <= query position`` (slots
 past a row's position hold padding, stale or zero entries, all masked): for one query per row it
 reads each cached byte once, which is the cost of decoding anyway.
@@ -35,18 +45,21 @@ reads each cached byte once, which is the cost of decoding anyway.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpar.config import ModelConfig
 from jaxpar.model.annotate import Attention, constrain
 from jaxpar.model.attention import NEG, dense_attention, group, soft_cap
 from jaxpar.model.mask import Positions, as_mask
+from jaxpar.model.mla import absorbed_attention, padded_attention
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # k and v [layers, B, L, K, D]
 UNIT_AXES = CACHE_AXES[1:]  # one layer's slice [B, L, K, D]
+LATENT_AXES = ("layers", "batch", None, None, "kv_lora")  # MLA's latent and rope key
 
 
 class KVCache(NamedTuple):
@@ -61,12 +74,28 @@ def empty_cache(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: 
     return KVCache(constrain(zeros, CACHE_AXES), constrain(zeros, CACHE_AXES))
 
 
+def cache_axes(m: ModelConfig) -> tuple:
+    """The logical layout of ``m``'s cache arrays: :data:`CACHE_AXES`, or for MLA
+    :data:`LATENT_AXES`."""
+    return LATENT_AXES if m.mla.enabled else CACHE_AXES
+
+
+def model_cache(m: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """The empty cache of ``m``: keys and values, or for MLA latents and rope keys."""
+    if not m.mla.enabled:
+        return empty_cache(m.n_layers, batch, max_len, m.n_kv_heads, m.resolved_head_dim, dtype)
+    def zeros(width: int) -> jax.Array:
+        return constrain(jnp.zeros((m.n_layers, batch, max_len, 1, width), dtype), LATENT_AXES)
+    return KVCache(zeros(m.mla.kv_lora_rank), zeros(m.mla.qk_rope_head_dim))
+
+
 def cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> int:
     """Bytes one position of one sequence occupies in the cache (keys and values)."""
     return 2 * layers * kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+def write(cache: jax.Array, new: jax.Array, positions: jax.Array, axes: tuple = UNIT_AXES
+          ) -> jax.Array:
     """One layer's cache [B, L, K, D] with ``new`` [B, S, K, D] written at ``positions`` [B, S].
 
     S > 1 is a prefill, whose positions must be ``0..S-1`` in every row: one slice update at
@@ -75,10 +104,10 @@ def write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """
     new = new.astype(cache.dtype)
     if new.shape[1] > 1:
-        return constrain(lax.dynamic_update_slice(cache, new, (0, 0, 0, 0)), UNIT_AXES)
+        return constrain(lax.dynamic_update_slice(cache, new, (0, 0, 0, 0)), axes)
     slots = jnp.arange(cache.shape[1], dtype=positions.dtype)
     here = (slots[None, :] == positions)[:, :, None, None]  # [B, L, 1, 1]
-    return constrain(jnp.where(here, new, cache), UNIT_AXES)
+    return constrain(jnp.where(here, new, cache), axes)
 
 
 def cached_attention(q: jax.Array, positions: Positions, k_cache: jax.Array,
@@ -117,10 +146,7 @@ class UnitCache:
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: Positions
                ) -> jax.Array:
-        i = len(self.new_k)
-        if i >= self.k.shape[0]:
-            raise ValueError(f"the unit called attention {i + 1} times for a cache of "
-                             f"{self.k.shape[0]} layers")
+        i = self._next()
         order = as_mask(positions).order
         k_cache = write(constrain(self.k[i], UNIT_AXES), k, order)
         v_cache = write(constrain(self.v[i], UNIT_AXES), v, order)
@@ -129,6 +155,29 @@ class UnitCache:
         if q.shape[1] > 1:
             return self.prefill(q, k, v, positions)
         return cached_attention(q, positions, k_cache, v_cache)
+
+    def attend_latent(self, mla: Any, q: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                      positions: Positions) -> jax.Array:
+        """The hook of :func:`~jaxpar.model.annotate.use_latent_cache`: multi-head latent
+        attention ``mla`` writes its latent [B, S, R] and rope key [B, S, 1, P] into block i
+        (``k`` and ``v``) and attends (the module docstring); returns [B, S, H, V]."""
+        i = self._next()
+        axes, order = LATENT_AXES[1:], as_mask(positions).order
+        c_cache = write(constrain(self.k[i], axes), latent[:, :, None, :], order, axes)
+        r_cache = write(constrain(self.v[i], axes), k_rope, order, axes)
+        self.new_k.append(c_cache)
+        self.new_v.append(r_cache)
+        if q.shape[1] > 1:
+            k, v = mla.expand(latent, k_rope)
+            return padded_attention(self.prefill, q, k, v, positions)
+        return absorbed_attention(mla, q, order, c_cache[:, :, 0], r_cache[:, :, 0])
+
+    def _next(self) -> int:
+        i = len(self.new_k)
+        if i >= self.k.shape[0]:
+            raise ValueError(f"the unit called attention {i + 1} times for a cache of "
+                             f"{self.k.shape[0]} layers")
+        return i
 
     def updated(self) -> tuple[jax.Array, jax.Array]:
         if len(self.new_k) != self.k.shape[0]:

@@ -40,6 +40,7 @@ from jaxpar.model.mask import UNLIMITED, Positions, rope_positions, with_window
 from jaxpar.model.projection import (
     MATMUL_INPUT,
     RESIDUAL,
+    USED_NAMES,
     Projection,
     Rebuild,
     add_bias,
@@ -79,8 +80,7 @@ def prepare_weight(value: jax.Array, name: str, stored: tuple, dtype) -> jax.Arr
     dtype = jnp.float32 if name in FULL_PRECISION else dtype
     if "experts" in stored:
         return constrain(value.astype(dtype), stored)
-    return constrain(value.astype(dtype),
-                     tuple("act_embed" if n == "embed" else n for n in stored))
+    return constrain(value.astype(dtype), tuple(USED_NAMES.get(n, n) for n in stored))
 
 
 def prepared_weight_grad(grad: jax.Array, stored: tuple) -> jax.Array:

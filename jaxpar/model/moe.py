@@ -8,6 +8,10 @@ Router (always float32, whatever the compute dtype: top-k choices must not flip 
     softmax:      p = softmax(logits);  experts = top_k(p);              gate_j = p[expert_j]
     sigmoid_bias: s = sigmoid(logits);  experts = top_k(s + b) (DeepSeek-V3)
                                                        gate_j = s[expert_j] / sum_j s[expert_j]
+    group-limited (moe.n_group > 1, DeepSeek-V3): the experts are n_group groups; a token's
+                  top_k looks only at the experts of its topk_group groups whose two best
+                  scores (s + b) sum highest                            (:func:`limit_groups`)
+    every gate is then multiplied by moe.routed_scaling_factor (DeepSeek-V3: 2.5)
 
     y[t] = sum_j gate[t, j] * SwiGLU_{expert[t, j]}(x[t])   (+ shared experts, applied to all)
 
@@ -247,16 +251,34 @@ def route(logits: jax.Array, moe: MoEConfig, bias: jax.Array | None
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """float32 logits [..., X] -> (expert_ids [..., k], gates [..., k], balance probs [..., X])."""
     if moe.router == "softmax":
-        probs = jax.nn.softmax(logits, axis=-1)
-        gates, expert_ids = top_k(probs, moe.top_k)
-        if moe.norm_topk:  # Mixtral: the k gates sum to 1
-            gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        return expert_ids, gates, probs
-    scores = jax.nn.sigmoid(logits)
-    _, expert_ids = top_k(scores + lax.stop_gradient(bias), moe.top_k)
-    picked = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    gates = picked / jnp.sum(picked, axis=-1, keepdims=True)
-    return expert_ids, gates, scores / jnp.sum(scores, axis=-1, keepdims=True)
+        probs = balance = jax.nn.softmax(logits, axis=-1)
+        choice = probs
+    else:
+        probs = jax.nn.sigmoid(logits)
+        choice = probs + lax.stop_gradient(bias)
+        balance = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    _, expert_ids = top_k(limit_groups(choice, moe.n_group, moe.topk_group), moe.top_k)
+    gates = jnp.take_along_axis(probs, expert_ids, axis=-1)
+    if moe.normalise_gates:  # the k gates sum to 1 (+ DeepSeek-V3's guard against 0/0)
+        gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+    if moe.routed_scaling_factor != 1.0:
+        gates = gates * moe.routed_scaling_factor
+    return expert_ids, gates, balance
+
+
+def limit_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """DeepSeek-V3's group-limited routing: the X experts are ``n_group`` groups of consecutive
+    experts; each token keeps the ``topk_group`` groups whose two best choice scores sum highest
+    and the others' scores become -inf, so top-k picks only among the kept groups' experts
+    (which bounds the devices a token's slots travel to when a group lives on one)."""
+    if n_group == 1:
+        return choice
+    *lead, x = choice.shape
+    grouped = choice.reshape(*lead, n_group, x // n_group)
+    best_two = jnp.sum(top_k(grouped, 2)[0], axis=-1)  # [..., G]
+    _, kept = top_k(best_two, topk_group)
+    keep = jnp.sum(jax.nn.one_hot(kept, n_group, dtype=jnp.int32), axis=-2) > 0
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
 class MoE(nnx.Module):

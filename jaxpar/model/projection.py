@@ -55,8 +55,15 @@ def _used_weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     return relayout(w.astype(dtype), _stored_names(names), names)
 
 
+# A weight's dimension as a matmul reads it (whole) -> as stored (split over fsdp under ZeRO-3):
+# the model dimension, and the latent dimension of MLA's up-projections (jaxpar/model/mla.py).
+STORED_NAMES = {"act_embed": "embed", "act_q_lora_in": "q_lora_in",
+                "act_kv_lora_in": "kv_lora_in"}
+USED_NAMES = {stored: used for used, stored in STORED_NAMES.items()}
+
+
 def _stored_names(names: tuple) -> tuple:
-    return tuple("embed" if name == "act_embed" else name for name in names)
+    return tuple(STORED_NAMES.get(name, name) for name in names)
 
 
 class Projection(NamedTuple):

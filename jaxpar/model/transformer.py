@@ -11,6 +11,10 @@ a MoE layer instead of the SwiGLU MLP: ``every=1`` stacks MoE blocks (parameters
 ``layers/block_1/moe/...``). The leading ``layers`` dimension then counts groups,
 ``n_layers / every`` of them (validation requires it to divide); a pipeline stage takes whole
 groups.
+
+DeepSeek-V3's first ``moe.first_dense`` blocks are dense and the rest mixtures: the dense ones
+are a second stack, ``dense_layers`` (parameters ``dense_layers/mlp/...``), scanned before
+``layers``. Pipelines do not split it (validation refuses ``first_dense`` with ``mesh.pipe > 1``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jaxpar.model.annotate import constrain, reshard_after_forward, split_count
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.loss import HIDDEN, head_logits
 from jaxpar.model.mask import Positions
+from jaxpar.model.mla import MLA
 from jaxpar.model.moe import LAYER_STACKED, MoE
 from jaxpar.model.projection import RESIDUAL, lookup, weight
 
@@ -57,7 +62,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs)
+        self.attn = MLA(cfg, rngs) if cfg.mla.enabled else Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.moe = MoE(cfg, rngs)
@@ -100,8 +105,16 @@ class BlockGroup(nnx.Module):
 
 
 def layer_units(cfg: ModelConfig) -> int:
-    """Length of the stacked ``layers`` dimension: blocks, or groups of ``moe.every`` blocks."""
-    return cfg.n_layers // cfg.moe.every if cfg.moe.enabled else cfg.n_layers
+    """Length of the stacked ``layers`` dimension: blocks, or groups of ``moe.every`` blocks
+    (after the ``moe.first_dense`` blocks of ``dense_layers``)."""
+    if not cfg.moe.enabled:
+        return cfg.n_layers
+    return (cfg.n_layers - cfg.moe.first_dense) // cfg.moe.every
+
+
+def dense_units(cfg: ModelConfig) -> int:
+    """Length of the ``dense_layers`` stack: the dense blocks before the mixtures (0: none)."""
+    return cfg.moe.first_dense if cfg.moe.enabled else 0
 
 
 def layer_is_local(cfg: ModelConfig) -> np.ndarray:
@@ -116,9 +129,14 @@ def layer_is_local(cfg: ModelConfig) -> np.ndarray:
     return (np.arange(1, n + 1) % cfg.global_every != 0).astype(np.int32)
 
 
-def unit_is_local(cfg: ModelConfig, block: int = 0) -> np.ndarray:
-    """int32 [units]: :func:`layer_is_local` of block ``block`` of every scanned unit."""
-    return layer_is_local(cfg).reshape(layer_units(cfg), -1)[:, block]
+def unit_is_local(cfg: ModelConfig, block: int = 0, stack: str = "layers") -> np.ndarray:
+    """int32 [units]: :func:`layer_is_local` of block ``block`` of every scanned unit of
+    ``stack``. The layers are counted across both stacks: the ``dense_layers`` (DeepSeek's
+    first dense blocks) are the model's first layers, ``layers`` the rest."""
+    flags, first = layer_is_local(cfg), dense_units(cfg)
+    if stack == "dense_layers":
+        return flags[:first]
+    return flags[first:].reshape(layer_units(cfg), -1)[:, block]
 
 
 def initial_buffers(cfg: ModelConfig, like: dict) -> dict:
@@ -131,7 +149,8 @@ def initial_buffers(cfg: ModelConfig, like: dict) -> dict:
         if keys[-1] != "local":
             return np.zeros(a.shape, a.dtype)
         block = next((int(k.split("_")[1]) for k in keys if str(k).startswith("block_")), 0)
-        return unit_is_local(cfg, block).astype(a.dtype)
+        stack = "dense_layers" if "dense_layers" in keys else "layers"
+        return unit_is_local(cfg, block, stack).astype(a.dtype)
     return jax.tree_util.tree_map_with_path(value, like)
 
 
@@ -154,25 +173,42 @@ def _make_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     return Block(cfg, rngs, moe=True) if cfg.moe.every == 1 else BlockGroup(cfg, rngs)
 
 
+def _stack(units: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+    """``units`` modules made by ``make``, each parameter stacked on a leading ``layers`` axis."""
+
+    @nnx.split_rngs(splits=units)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_stack(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return make_stack(rngs)
+
+
+def _set_local_flags(model: nnx.Module, cfg: ModelConfig) -> None:
+    """Each attention's :class:`~jaxpar.model.layers.LocalLayer` flags, in both stacks."""
+    stacks = [("layers", model.layers)]
+    if hasattr(model, "dense_layers"):
+        stacks.append(("dense_layers", model.dense_layers))
+    for name, stack in stacks:
+        blocks = ([stack] if not isinstance(stack, BlockGroup) else
+                  [getattr(stack, f"block_{i}") for i in range(stack.size)])
+        for i, block in enumerate(blocks):
+            block.attn.local.set_value(jnp.asarray(unit_is_local(cfg, i, name)))
+            # nnx.vmap names the stacked axis only of variables with axis names (a scalar has
+            # none), so the flags name it themselves.
+            block.attn.local.set_metadata(out_sharding=("layers",))
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
 
-        @nnx.split_rngs(splits=layer_units(cfg))
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> nnx.Module:
-            return _make_unit(cfg, rngs)
-
-        self.layers = make_blocks(rngs)
+        self.layers = _stack(layer_units(cfg), lambda r: _make_unit(cfg, r), rngs)
+        if dense_units(cfg):
+            self.dense_layers = _stack(dense_units(cfg), lambda r: Block(cfg, r), rngs)
         if cfg.sliding_window is not None:
-            blocks = ([self.layers] if not isinstance(self.layers, BlockGroup) else
-                      [getattr(self.layers, f"block_{i}") for i in range(self.layers.size)])
-            for i, block in enumerate(blocks):
-                block.attn.local.set_value(jnp.asarray(unit_is_local(cfg, i)))
-                # nnx.vmap names the stacked axis only of variables with axis names (a
-                # scalar has none), so the flags name it themselves.
-                block.attn.local.set_metadata(out_sharding=("layers",))
+            _set_local_flags(self, cfg)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
@@ -215,17 +251,9 @@ class Transformer(nnx.Module):
         layer's own load. (A model merged with a slice of ``layers`` returns that slice's rows:
         concatenate them over pipeline stages; add everything else.)
         """
-        graphdef, stacked = nnx.split(self.layers)
-
-        def one_unit(x: jax.Array, layer_state) -> tuple[jax.Array, Aux]:
-            return nnx.merge(graphdef, layer_state)(x, positions)
-
-        if REMAT_POLICIES[remat] is not None:
-            one_unit = jax.checkpoint(one_unit, policy=REMAT_POLICIES[remat],
-                                      prevent_cse=False)
-        # Without remat nothing would gather a layer's weights again for its backward pass.
-        with reshard_after_forward(remat == "none"):
-            x, per_unit = jax.lax.scan(one_unit, x, stacked)
+        if hasattr(self, "dense_layers"):
+            x, _ = scan_stack(self.dense_layers, x, positions, remat)
+        x, per_unit = scan_stack(self.layers, x, positions, remat)
         aux = {k: v if k in LAYER_STACKED else jnp.sum(v, axis=0) for k, v in per_unit.items()}
         return x, aux
 
@@ -242,6 +270,21 @@ class Transformer(nnx.Module):
         """The output head [d_model, vocab] in ``dtype`` (the embedding's transpose if tied)."""
         return (weight(self.embedding, ("vocab", "act_embed"), dtype).T if self.cfg.tie_embeddings
                 else weight(self.lm_head, ("act_embed", "vocab"), dtype))
+
+
+def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: str,
+               ) -> tuple[jax.Array, Aux]:
+    """The units of one stacked module in order, as one ``lax.scan`` (aux stacked per unit)."""
+    graphdef, stacked = nnx.split(stack)
+
+    def one_unit(x: jax.Array, layer_state) -> tuple[jax.Array, Aux]:
+        return nnx.merge(graphdef, layer_state)(x, positions)
+
+    if REMAT_POLICIES[remat] is not None:
+        one_unit = jax.checkpoint(one_unit, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    # Without remat nothing would gather a layer's weights again for its backward pass.
+    with reshard_after_forward(remat == "none"):
+        return jax.lax.scan(one_unit, x, stacked)
 
 
 def create_model(cfg: ModelConfig, seed: int) -> Transformer:

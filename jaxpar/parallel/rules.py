@@ -20,6 +20,11 @@ vocab                 tensor                    vocab-parallel embedding, head a
 experts               expert                    expert weights live on their expert shard
 layers                pipe                      the stacked layers: one run of them per stage
 head_dim              -                         too small to split
+q_lora, kv_lora       -                         MLA's latents: small, and every head reads
+                                                all of them
+q_lora_in, kv_lora_in fsdp (ZeRO-3)             the latent dim of MLA's up-projections as
+                                                stored (they have no embed dim to split)
+act_q/kv_lora_in      -                         ... and as the matmuls read them
 stage                 pipe                      pipeline stages
 ====================  ========================  ============================================
 
@@ -58,6 +63,16 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
         "head_dim": (),
+        # MLA's low-rank latents (jaxpar/model/mla.py): every head's up-projection reads the
+        # whole latent, so splitting it over tensor would add a reduction per projection.
+        "q_lora": (),
+        "kv_lora": (),
+        # MLA's up-projections [latent, heads, head_dim] have no model dimension; under ZeRO-3
+        # their latent dimension is split over fsdp instead, gathered per layer when used.
+        "q_lora_in": ("fsdp",) if cfg.parallel.zero == 3 else (),
+        "kv_lora_in": ("fsdp",) if cfg.parallel.zero == 3 else (),
+        "act_q_lora_in": (),
+        "act_kv_lora_in": (),
         "mlp": ("tensor",),
         "vocab": ("tensor",),
         "experts": ("expert",),

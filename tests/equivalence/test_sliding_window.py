@@ -244,6 +244,24 @@ def test_flags_of_blocks_grouped_with_a_mixture_of_experts():
     assert [np.asarray(fresh[f"block_{i}"]["attn"]["local"]).tolist() for i in (0, 1)] == flags
 
 
+def test_flags_of_dense_first_blocks_and_of_the_mixtures():
+    """DeepSeek's ``moe.first_dense`` blocks are the model's first layers: layer 1 is the
+    ``dense_layers`` stack's, layers 2..5 are ``layers``'s (global: 2 and 4)."""
+    from jaxpar.config import ModelConfig, MoEConfig
+    from jaxpar.model.transformer import complete_buffers, initial_buffers
+
+    cfg = ModelConfig(n_layers=5, sliding_window=4, global_every=2,
+                      moe=MoEConfig(num_experts=4, top_k=2, first_dense=1))
+    assert layer_is_local(cfg).tolist() == [1, 0, 1, 0, 1]
+    buffers = nnx.to_pure_dict(nnx.split(create_model(cfg, 0), nnx.Param, ...)[2])
+
+    def flags(tree):
+        return [np.asarray(tree[s]["attn"]["local"]).tolist() for s in ("dense_layers", "layers")]
+    assert flags(buffers) == [[1], [0, 1, 0, 1]]
+    assert flags(complete_buffers(cfg, {})) == flags(buffers)
+    assert flags(initial_buffers(cfg, buffers)) == flags(buffers)
+
+
 def create_model_cfg(*overrides: str):
     from jaxpar.config import load_config
     return load_config("tiny", [*LAYOUT_BASE, *overrides]).model

@@ -21,7 +21,7 @@ from jaxpar.cli.main import main
 pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "mistral", "mistral_window", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-            "gemma2", "gemma3_text", "gemma3"]
+            "deepseek_v3", "gemma2", "gemma3_text", "gemma3"]
 # Local layers see 8 tokens, so that the longer prompts reach past the window.
 WINDOWED = {"mistral_window", "gemma2", "gemma3_text", "gemma3"}
 # Prompt lengths in tokens: within one length bucket of generation (16), at its edge, past it,

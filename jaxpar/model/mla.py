@@ -1,0 +1,250 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3): keys and values expanded from a small
+cached latent.
+
+Shapes: B batch, S sequence, E d_model, H heads, Rq ``q_lora_rank``, R ``kv_lora_rank``,
+N ``qk_nope_head_dim``, P ``qk_rope_head_dim``, V ``v_head_dim``::
+
+    q      = rms(x W_qa) W_qb            [B, S, H, N + P]  (x W_q where q_lora_rank = 0)
+    c, kr  = split(x W_kva)              c [B, S, R], kr [B, S, P]: the latent and the one
+    c      = rms(c)                      rope key every head shares
+    k_nope, v = split(c W_kvb)           [B, S, H, N], [B, S, H, V]
+    q = [q_nope, rope(q_rope)];   k = [k_nope, rope(kr) for every head]
+    out = attention(q, k, v) W_o         softmax scale 1/sqrt(N + P) (x YaRN's mscale^2)
+
+What a decoder caches per token and layer is ``c`` and ``rope(kr)``: R + P numbers (DeepSeek-V3:
+512 + 64 = 576, 1,152 bytes in bf16 per layer) where grouped-query attention with H kv heads of
+N + P and V would keep H (N + P + V) = 40,960. A prefill expands keys and values from them and
+attends as training does; a decode step attends over them without expanding them
+(:func:`absorbed_attention`; the cache: :mod:`jaxpar.model.kv_cache`).
+
+The attention kernels are the model's own (dense, blockwise, cuDNN, ring through
+:func:`~jaxpar.model.annotate.attention_override`), which take q, k and v of one head dim. Where
+V differs from N + P the narrower side is padded with zeros to the wider (exact: zero columns of
+v give zero output columns, sliced off; zero columns of q and k add nothing to the scores, and q
+is rescaled so the kernel's 1/sqrt(width) is 1/sqrt(N + P)). Its cost: the padded operand's
+bytes and its matmul's flops grow by the ratio of widths (DeepSeek-V3, v 128 -> 192: the
+probabilities-times-values matmul 1.5x, attention's flops 1.2x).
+
+Heads are split over ``tensor`` as in :class:`~jaxpar.model.layers.Attention`; the latents
+(logical ``q_lora``, ``kv_lora``) are whole on every device (each head reads all of them), so the
+down-projections W_qa and W_kva are computed by every tensor device, and their weights split
+over ``fsdp`` on ``embed`` like the other weights. The up-projections W_qb and W_kvb have no
+model dimension: under ZeRO-3 their latent dimension (``q_lora_in``, ``kv_lora_in``) is split
+over ``fsdp`` instead, and gathered per layer when used (``act_q_lora_in``, whole).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig, RopeScalingConfig
+from jaxpar.model.annotate import attention_override, constrain, latent_cache_override
+from jaxpar.model.attention import NEG, dense_attention
+from jaxpar.model.layers import RMSNorm, _param, rope_frequencies
+from jaxpar.model.mask import Positions, rope_positions
+from jaxpar.model.projection import (
+    Projection,
+    Rebuild,
+    project,
+    project_all,
+    sequence_slice,
+    weight,
+)
+
+# DeepSeek's latent norms use their own epsilon, not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+HEADS = ("batch", "seq", "heads", "head_dim")
+# The up-projections as the matmuls read them: the latent whole (stored as q/kv_lora_in: split
+# over fsdp under ZeRO-3, as the model dimension of the other weights is).
+Q_UP = ("act_q_lora_in", "heads", "head_dim")
+KV_UP = ("act_kv_lora_in", "heads", "head_dim")
+
+
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interleave: bool,
+           ) -> jax.Array:
+    """RoPE of x [B, S, N, P] at ``positions`` [B, S] with frequencies ``inv_freq`` [P/2].
+
+    ``interleave``: rotate the pairs (x0, x1), (x2, x3)... (DeepSeek's layout), returned as
+    [evens, odds]: a fixed permutation of the rope dims, the same for q and k, so their dot
+    products are those of the interleaved rotation. Else the two halves (``rotate_half``)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    if interleave:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    else:
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def interleaved_rotary(x: jax.Array, positions: jax.Array, theta: float,
+                       scaling: RopeScalingConfig | None = None) -> jax.Array:
+    """:func:`rotary` of interleaved pairs with plain (or llama3-scaled) frequencies."""
+    return rotary(x, positions, rope_frequencies(x.shape[-1], theta, scaling), True)
+
+
+def _yarn_mscale(factor: float, m: float) -> float:
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, r: RopeScalingConfig) -> tuple[jax.Array, float]:
+    """YaRN (as DeepSeek-V3 and transformers compute it): float32 [dim/2] frequencies, each
+    theta^(-i/half) kept for dims that turn more than ``beta_fast`` times over the original
+    context, divided by ``factor`` below ``beta_slow`` turns, a linear ramp between; and the
+    factor the rotated q and k are multiplied by, mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) with mscale(s, m) = 0.1 m ln(s) + 1."""
+    half = dim // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+
+    def turns_dim(turns: float) -> float:  # the dim whose wavelength fits `turns` times
+        return dim * math.log(r.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(turns_dim(r.beta_fast)), 0)
+    high = min(math.ceil(turns_dim(r.beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / max(high - low, 0.001), 0, 1)
+    inv_freq = inv_freq / r.factor * ramp + inv_freq * (1 - ramp)
+    if r.mscale and r.mscale_all_dim:
+        factor = _yarn_mscale(r.factor, r.mscale) / _yarn_mscale(r.factor, r.mscale_all_dim)
+    else:
+        factor = _yarn_mscale(r.factor, 1.0)
+    return inv_freq, factor
+
+
+def softmax_temperature(r: RopeScalingConfig) -> float:
+    """What q is multiplied by on top of 1/sqrt(N + P): YaRN's mscale(factor, mscale_all_dim)
+    squared (DeepSeek's softmax scale), 1 without it."""
+    if r.type != "yarn" or not r.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(r.factor, r.mscale_all_dim) ** 2
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention (the module docstring), a drop-in for
+    :class:`~jaxpar.model.layers.Attention` in a block."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        mla, e, h = cfg.mla, cfg.d_model, cfg.n_heads
+        std = cfg.init_std
+        if mla.q_lora_rank:
+            self.wq_a = _param(rngs, (e, mla.q_lora_rank), ("embed", "q_lora"), std)
+            self.q_norm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, axis="q_lora")
+            self.wq_b = _param(rngs, (mla.q_lora_rank, h, mla.qk_head_dim),
+                               ("q_lora_in", "heads", "head_dim"), std)
+        else:
+            self.wq = _param(rngs, (e, h, mla.qk_head_dim), ("embed", "heads", "head_dim"), std)
+        self.wkv_a = _param(rngs, (e, mla.kv_lora_rank + mla.qk_rope_head_dim),
+                            ("embed", "kv_lora"), std)
+        self.kv_norm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, axis="kv_lora")
+        self.wkv_b = _param(rngs, (mla.kv_lora_rank, h, mla.qk_nope_head_dim + mla.v_head_dim),
+                            ("kv_lora_in", "heads", "head_dim"), std)
+        out_std = std / (2 * cfg.n_layers) ** 0.5
+        self.wo = _param(rngs, (h, mla.v_head_dim, e), ("heads", "head_dim", "embed"), out_std)
+        self.config = mla
+        self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
+
+    def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
+                 ) -> jax.Array:
+        q, latent, k_rope = self.project_in(x, positions, x_from)
+        cached = latent_cache_override()
+        if cached is not None:  # decoding: the cache keeps the latent, not k and v
+            return self.project_out(cached(self, q, latent, k_rope, positions))
+        k, v = self.expand(latent, k_rope)
+        attend = attention_override() or dense_attention
+        return self.project_out(padded_attention(attend, q, k, v, positions))
+
+    def project_in(self, x: jax.Array, positions: Positions, x_from: Rebuild | None,
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, S, E] -> (q [B, S, H, N + P] rotated, the normed latent [B, S, R], the
+        rotated rope key [B, S, 1, P]): what attention reads, and what a decoder caches."""
+        mla = self.config
+        x_from = x_from or sequence_slice(x)
+        kv_proj = Projection("bse,er->bsr", (self.wkv_a,), ("act_embed", "kv_lora"))
+        if hasattr(self, "wq_a"):
+            q_proj = Projection("bse,er->bsr", (self.wq_a,), ("act_embed", "q_lora"))
+            q_latent, kv = project_all(x, (q_proj, kv_proj), x_from=x_from)
+            q = project("bsr,rhd->bshd", self.q_norm(constrain(q_latent, ("batch", "seq",
+                                                                          "q_lora"))),
+                        self.wq_b, Q_UP)
+        else:
+            q_proj = Projection("bse,ehd->bshd", (self.wq,), ("act_embed", "heads", "head_dim"))
+            q, kv = project_all(x, (q_proj, kv_proj), x_from=x_from)
+        kv = constrain(kv, ("batch", "seq", "kv_lora"))
+        latent = self.kv_norm(kv[..., :mla.kv_lora_rank])
+        k_rope = kv[..., None, mla.kv_lora_rank:]
+        q = constrain(q, HEADS)
+        rope = rope_positions(positions)
+        q_nope, q_rope = q[..., :mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:]
+        q = jnp.concatenate([q_nope, self.rotate(q_rope, rope)], axis=-1)
+        temperature = softmax_temperature(self.rope_scaling)
+        if temperature != 1.0:
+            q = q * jnp.asarray(temperature, q.dtype)
+        return q, latent, self.rotate(k_rope, rope)
+
+    def rotate(self, x: jax.Array, rope: jax.Array) -> jax.Array:
+        """RoPE of the rope dims x [B, S, N, P] (plain, llama3 or yarn frequencies)."""
+        if self.rope_scaling.type == "yarn":
+            inv_freq, factor = yarn_frequencies(x.shape[-1], self.rope_theta, self.rope_scaling)
+            out = rotary(x, rope, inv_freq, self.config.rope_interleave)
+            return out * jnp.asarray(factor, out.dtype) if factor != 1.0 else out
+        inv_freq = rope_frequencies(x.shape[-1], self.rope_theta, self.rope_scaling)
+        return rotary(x, rope, inv_freq, self.config.rope_interleave)
+
+    def expand(self, latent: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The latent [B, T, R] and rope key [B, T, 1, P] -> k [B, T, H, N + P], v [B, T, H, V]
+        (each head's up-projection of the latent; the rope key repeated for every head)."""
+        n = self.config.qk_nope_head_dim
+        kv = constrain(project("bsr,rhd->bshd", latent, self.wkv_b, KV_UP), HEADS)
+        k_nope, v = kv[..., :n], kv[..., n:]
+        k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
+        k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), HEADS)
+        return k, constrain(v, HEADS)
+
+    def project_out(self, out: jax.Array) -> jax.Array:
+        out = constrain(out, HEADS)
+        return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
+
+
+def padded_attention(attend, q: jax.Array, k: jax.Array, v: jax.Array, positions) -> jax.Array:
+    """``attend(q, k, v, positions)`` for v of another head dim than q and k: the narrower
+    side zero-padded to the wider, q rescaled to keep the softmax scale 1/sqrt(q's width)
+    (the module docstring); returns [B, S, H, V]."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        v = _pad_last(v, dqk)
+    elif dv > dqk:
+        q = _pad_last(q * jnp.asarray((dv / dqk) ** 0.5, q.dtype), dv)
+        k = _pad_last(k, dv)
+    return attend(q, k, v, positions)[..., :dv]
+
+
+def _pad_last(x: jax.Array, width: int) -> jax.Array:
+    return constrain(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]), HEADS)
+
+
+def absorbed_attention(mla: MLA, q: jax.Array, positions: jax.Array, latent: jax.Array,
+                       k_rope: jax.Array) -> jax.Array:
+    """Causal attention of q [B, S, H, N + P] (at ``positions`` [B, S]) over a cache of
+    latents [B, L, R] and rope keys [B, L, P] without expanding them (DeepSeek-V2's absorbed
+    form): q_nope's product with k_nope = c W_kvb_k is (q_nope W_kvb_k^T) c, and the values'
+    W_kvb_v is applied after the weighted sum of latents. Returns [B, S, H, V]; query at
+    position p sees slots 0..p. Scores and softmax in float32."""
+    n = mla.config.qk_nope_head_dim
+    w = weight(mla.wkv_b, KV_UP, q.dtype)  # [R, H, N + V]
+    q_latent = jnp.einsum("bshn,rhn->bshr", q[..., :n], w[..., :n])
+    latent, k_rope = latent.astype(q.dtype), k_rope.astype(q.dtype)
+    scores = (jnp.einsum("bshr,btr->bhst", q_latent, latent, preferred_element_type=jnp.float32)
+              + jnp.einsum("bshp,btp->bhst", q[..., n:], k_rope,
+                           preferred_element_type=jnp.float32)) / jnp.sqrt(
+        jnp.float32(q.shape[-1]))
+    slots = jnp.arange(latent.shape[1], dtype=positions.dtype)
+    visible = slots[None, None, :] <= positions[:, :, None]  # [B, S, L]
+    scores = jnp.where(visible[:, None], scores, NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out_latent = jnp.einsum("bhst,btr->bshr", probs, latent)
+    return constrain(jnp.einsum("bshr,rhv->bshv", out_latent, w[..., n:]), HEADS)
