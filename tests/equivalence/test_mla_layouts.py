@@ -37,7 +37,13 @@ def _collectives(result: dict, kind: str, axes: tuple[str, ...]) -> list:
     return [c for c in result["collectives"] if c.kind == kind and c.axes == axes]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# The default suite runs the first three; the others (the same collectives on other axes) are
+# `slow` (pytest -m slow).
+DEFAULT = ("data=2,fsdp=2,tensor=2", "context=4", "pipe=2,tensor=2")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_mla_layout_matches_one_device(name):
     ref, got = _run(("mesh.data=1",)), _run(LAYOUTS[name])
     assert_params_moved(ref)
