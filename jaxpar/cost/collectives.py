@@ -21,7 +21,9 @@ of it.
   backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
   layers reshard after the forward pass (``model/projection.py: project_all``); under ``remat=none``
   the MoE router and the experts' weights stay gathered instead (L g). The embedding, lm_head
-  and final norm once per step; reduce-scatter of the gradients every micro-step.
+  and final norm once per step; reduce-scatter of the gradients every micro-step (a tied
+  embedding's twice outside a pipeline: the head's in the loss's backward pass, the lookup's at
+  the end, ``Ledger.reduced``).
 - ZeRO-1 (``zero=1``): the (tensor-split) gradient is reduce-scattered over ``data`` x ``fsdp``
   to the slices of the Adam moments every micro-step (all-reduced over ``context`` as well;
   all-reduced whole in a pipeline, whose gradients keep the parameters' layout), then one
@@ -34,7 +36,8 @@ of it.
   ``context_impl=allgather`` instead all-gathers K and V (2 per layer, b S K/t D a gathered) and
   reduce-scatters their gradients.
 - ``tensor`` without sequence parallelism: all-reduce (payload A) of the attention and MLP outputs
-  (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output), and of
+  (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output, and +1
+  more with ``model.post_norms``: the MLP's post-norm's backward pass reads its output), and of
   the input gradients of the column-parallel matmuls in the backward pass: 2 per layer (the
   model projects q+k+v and gate+up with one matmul each where they are split,
   ``projection.project_all``, as Megatron), on XLA:CPU 3 with grouped-query attention (q, and
@@ -265,7 +268,12 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     moe_column = (st.attention_matmuls + 1 + shared * st.mlp_matmuls if st.xla_cpu
                   else 1 + 1 + shared)
     columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
-    row_outputs = st.runs * (rows_per_layer + n_layers * _attention_again(st))
+    # Recomputing a layer (remat=full) reduces attention's output again, and with
+    # model.post_norms the MLP's (or the MoE layer's) too: its post-norm's backward pass reads
+    # it. Without post-norms nothing in the backward pass reads the MLP's output.
+    again = _attention_again(st)
+    mlp_again = (rows_per_layer - n_layers) * (again and m.post_norms)
+    row_outputs = st.runs * (rows_per_layer + n_layers * again + mlp_again)
     if st.pipeline is None:
         return row_outputs, st.runs * columns, st.runs, st.runs
     embeds, heads = (round(st.accum * st.pipeline[k] / st.executed("forward"))
@@ -321,7 +329,9 @@ def tensor_collectives(c: Ledger) -> None:
 
     if not st.sp:
         add_act("all-reduce", row_outputs, "row-parallel outputs (attention, MLP) forward"
-                + (", attention again in remat" if _attention_again(st) else ""), times=fw)
+                + (", attention again in remat" if _attention_again(st) else "")
+                + (" (and the MLP: post-norms)" if _attention_again(st) and cfg.model.post_norms
+                   else ""), times=fw)
         add_act("all-reduce", column_grads,
                 f"column-parallel input gradients backward ({columns})", times=bw)
         add_act("all-reduce", embeds, "vocab-parallel embedding forward", times=fw)

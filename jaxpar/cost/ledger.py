@@ -154,9 +154,21 @@ class Ledger:
         if by_hand:  # once per step
             return layers + shared
         if st.pipeline is None:
-            return st.accum * (layers + shared)
+            return st.accum * (layers + shared + self._tied_head_grad(group, gathered))
         backward, head = st.pipeline["backward_steps"], st.pipeline["head_steps"]
         tied = st.cfg.model.tie_embeddings
         steps = {"embedding": (backward + head * tied) / st.p, "lm_head": head / st.p}
         shared = sum(size(p) * steps.get(p.name, head) for p in group if not p.stacked)
         return round(st.accum * (backward * layers / st.pipeline["virtual_stages"] + shared))
+
+    def _tied_head_grad(self, group: list[ParamCost], gathered: bool) -> int:
+        """A tied embedding's second reduction outside a pipeline: the loss's backward pass
+        reduces the head's float32 gradient (``model/loss.py``: its partial sums, summed once
+        after the pieces) and the embedding's backward pass, at the end of the step, the
+        lookup's; one reduction would hold the head's unreduced float32 gradient, a whole
+        ``[E, V/t]`` a device (5.25 GiB at Gemma-3-27B widths under FSDP alone), through every
+        layer's backward pass in between."""
+        if not self.st.cfg.model.tie_embeddings:
+            return 0
+        return sum(p.gathered_bytes if gathered else p.bytes_per_device
+                   for p in group if p.name == "embedding")

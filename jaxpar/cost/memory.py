@@ -29,6 +29,8 @@ is replicated over ``tensor``):
   VJP of their own that the policy does not save, only the block input, as under ``full``
   (and a MoE router's float32 logits).
 - ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
+- On XLA:CPU in bf16 the stacks ``dots`` and ``full`` save are float32 (XLA:CPU has no bf16
+  dynamic-slice: the backward loop converts the whole stack once, before it).
 - Weights: under ``remat=none`` the layers reshard after the forward pass
   (``projection.project_all``): each keeps its stored weight shard for the backward pass (the
   scan stacks it: one more copy of the layer weights as stored, 1/fsdp of them), not the weights
@@ -160,8 +162,14 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
         # save: only the block input, as under full (and a MoE router's float32 logits).
         router = st.tokens * m.moe.num_experts * 4 if moe and remat == "dots" else 0
         return residual + router
-    # XLA:CPU runs bf16 matmuls in float32 and the dots policy saves their float32 outputs.
-    a = 4 if st.xla_cpu and remat == "dots" else a
+    # XLA:CPU keeps every saved stack in float32 under the remat policies: it has no bf16
+    # dynamic-slice, so the backward layer loop's read of a layer's slice becomes a slice of
+    # the whole stack converted to float32, a conversion XLA then hoists out of the loop
+    # (float-normalization-bf16, then loop-invariant code motion): the bf16 stack the forward
+    # loop wrote dies there and a float32 copy of it lives through the backward pass. (The
+    # dots policy's saved matmul outputs alike.)
+    if st.xla_cpu and remat in ("dots", "full"):
+        residual, a = residual * 4 // a, 4
     q = b * s * (m.n_heads // t) * d * a
     kv = 2 * b * s * (m.n_kv_heads // t) * d * a
     mlp = b * s * (m.d_ff // t) * a
@@ -242,10 +250,16 @@ def _float32_norm_temporaries(st: StepSizes) -> int:
     residual adds in the backward pass holds five float32 copies of the replicated residual
     stream at once (the live set at the step's peak, Llama-3-8B widths, fsdp=8 x tensor=8 with
     8 rows per device: two products, two sums and an add of [8, 4096, 4096], 512 MiB each).
-    Sequence parallelism splits that stream; the GPU/TPU compilers fuse the work."""
+    Sequence parallelism splits that stream; the GPU/TPU compilers fuse the work.
+
+    ``model.post_norms`` (four norms a layer) makes it nine (the peak of the real-size
+    ``gemma3-fsdp-tensor``, Gemma-3-27B widths with 8 rows per device: the post-norms'
+    recomputed inputs, products and sums), where the layer's ``remat=none`` set already
+    counts the post-norms' inputs in bf16 (two, one float32 copy's bytes): three more here."""
     if not st.xla_cpu or st.a == 4 or st.sp or st.pipeline is not None:
         return 0
-    return 5 * st.b * st.sl * st.cfg.model.d_model * 4
+    copies = 5 + (3 if st.cfg.model.post_norms else 0)
+    return copies * st.b * st.sl * st.cfg.model.d_model * 4
 
 
 def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:

@@ -3,9 +3,10 @@ with the plan (``jaxpar inspect --compare --strict`` for each).
 
 Tiny models prove a layout equal to one device; they cannot show what the partitioner does at
 scale (a weight gradient reduced once per loss piece, a residual stream gathered whole). So each
-case here compiles one step of a real-size preset (``configs/llama3-8b.yaml`` ...), cut to a few
-layers (the layers are scanned: the compile costs about one layer, and every per-layer row
-scales exactly), on 64 virtual CPU devices or a TPU slice, and allocates nothing.
+case here compiles one step of a real-size preset (``configs/llama3-8b.yaml``,
+``configs/gemma3-27b.yaml`` ...), cut to a few layers (the layers are scanned: the compile
+costs about one layer, and every per-layer row scales exactly), on 64 virtual CPU devices or a
+TPU slice, and allocates nothing.
 ``scripts/real_size.py`` prints the table; ``tests/integration/test_real_size.py`` asserts it.
 """
 
@@ -47,6 +48,10 @@ CPU_CASES: tuple[Case, ...] = (
     _layout("fsdp-context-allgather-32k", "llama3-8b", "mesh.fsdp=16", "mesh.context=4",
             "parallel.context_impl=allgather", *_LONG),
     _layout("expert-fsdp", "mixtral-8x7b", "mesh.expert=8", "mesh.fsdp=8"),
+    # Gemma 3's block (post-norms, GeGLU, q/k norms, a 262k vocabulary tied to the head) under
+    # remat=full; six layers, so that the 1-in-6 pattern compiles one global layer beside the
+    # local (1024-token window) ones.
+    _layout("gemma3-fsdp-tensor", "gemma3-27b", "mesh.fsdp=8", "mesh.tensor=8", layers=6),
     _layout("pipe-fsdp-tensor-gpipe", "llama3-8b", *_PIPE,
             "parallel.pipeline_schedule=gpipe", layers=4),
     _layout("pipe-fsdp-tensor-1f1b", "llama3-8b", *_PIPE,

@@ -32,6 +32,10 @@ LAYOUTS = {
     "data=8": (["mesh.data=8"], {("all-reduce", ("data",))}),
     "fsdp=8": (["mesh.data=1", "mesh.fsdp=8"],
                {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",))}),
+    # A tied embedding's gradient is reduced twice: the head's in the loss's backward pass, the
+    # lookup's at its end (cost/ledger.py: Ledger.reduced).
+    "fsdp=8,tied": (["mesh.data=1", "mesh.fsdp=8", "model.tie_embeddings=true"],
+                    {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",))}),
     # bf16 parameters: gathered after the cast to the float32 compute dtype, reduced in float32.
     "fsdp=8,param_dtype=bf16": (["mesh.data=1", "mesh.fsdp=8", "train.param_dtype=bfloat16"],
                                 {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",))}),
