@@ -20,10 +20,11 @@ of it.
 - ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and again in the
   backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
   layers reshard after the forward pass (``model/projection.py: project_all``); under ``remat=none``
-  the MoE router and the experts' weights stay gathered instead (L g). The embedding, lm_head
-  and final norm once per step; reduce-scatter of the gradients every micro-step (a tied
-  embedding's twice outside a pipeline: the head's in the loss's backward pass, the lookup's at
-  the end, ``Ledger.reduced``).
+  the MoE router and the experts' weights stay gathered instead (L g). DeepSeek's
+  ``dense_layers`` (its dense first blocks, a scanned stack of their own) alike. The
+  embedding, lm_head and final norm once per step; reduce-scatter of the gradients every
+  micro-step (a tied embedding's twice outside a pipeline: the head's in the loss's backward
+  pass, the lookup's at the end, ``Ledger.reduced``).
 - ZeRO-1 (``zero=1``): the (tensor-split) gradient is reduce-scattered over ``data`` x ``fsdp``
   to the slices of the Adam moments every micro-step (all-reduced over ``context`` as well;
   all-reduced whole in a pipeline, whose gradients keep the parameters' layout), then one
