@@ -226,12 +226,13 @@ def _dense_ragged_dot(st: StepSizes) -> int:
     local, f, e = m.moe.num_experts // st.mesh["expert"], m.resolved_d_ff_expert // st.t, m.d_model
     if st.pipeline is None or st.cfg.train.remat == "none":
         # The lowering masks the left operand per expert ([X, rows, E] for x into gate and up,
-        # and for the output gradient into w_down's gradient): where E is the wider, the peak
-        # is instead where both masked inputs live in float32 twice (as [X, rows, E] for the
-        # weight gradients and [rows, X E] for the recomputed products) beside the bf16 mask
-        # they are converted from (the real-size deepseek-expert-fsdp, DeepSeek-V3 widths: E
-        # 7168, F 2048, 32 local experts; its buffer assignment places all five).
-        masked = 4 * 4 * e + st.a * e if st.a < 4 else 4 * 4 * e
+        # and for the output gradient into w_down's gradient). In bf16 compute, where E is the
+        # wider, the peak is instead where both masks are converted to float32 twice each (as
+        # [X, rows, E] for the weight gradients and [rows, X E] for the recomputed products)
+        # beside the bf16 mask of one (the real-size deepseek-expert-fsdp, DeepSeek-V3 widths:
+        # E 7168, F 2048, 32 local experts; its buffer assignment places all five). In float32
+        # there is no conversion (the tiny MoE pipeline of test_cost_vs_compiled: the fit).
+        masked = (4 * 4 + st.a) * e if st.a < 4 else 0
         return st.expert_rows * local * max((4 * f + e) * 4, masked)
     # A stage's backward slot recomputes the layer (its matmuls' custom VJP is not saved):
     # six [rows, X, F] and two [rows, X, E], the layer's three expert weights laid out again as
