@@ -20,10 +20,11 @@ of it.
 - ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and again in the
   backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
   layers reshard after the forward pass (``model/projection.py: project_all``); under ``remat=none``
-  the MoE router and the experts' weights stay gathered instead (L g). The embedding, lm_head
-  and final norm once per step; reduce-scatter of the gradients every micro-step (a tied
-  embedding's twice outside a pipeline: the head's in the loss's backward pass, the lookup's at
-  the end, ``Ledger.reduced``).
+  the MoE router and the experts' weights stay gathered instead (L g). DeepSeek's
+  ``dense_layers`` (its dense first blocks, a scanned stack of their own) alike. The
+  embedding, lm_head and final norm once per step; reduce-scatter of the gradients every
+  micro-step (a tied embedding's twice outside a pipeline: the head's in the loss's backward
+  pass, the lookup's at the end, ``Ledger.reduced``).
 - ZeRO-1 (``zero=1``): the (tensor-split) gradient is reduce-scattered over ``data`` x ``fsdp``
   to the slices of the Adam moments every micro-step (all-reduced over ``context`` as well;
   all-reduced whole in a pipeline, whose gradients keep the parameters' layout), then one
@@ -93,7 +94,7 @@ from jaxpar.cost.ledger import CollectiveCost, Ledger
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
 from jaxpar.cost.pipeline import pipeline_collectives
 from jaxpar.cost.shapes import StepSizes
-from jaxpar.model.transformer import layer_units
+from jaxpar.model.transformer import dense_units, layer_units
 from jaxpar.parallel.zero import ZERO1_AXES
 
 ROW_PARALLEL_MATMULS = 2  # attention output, down projection
@@ -114,12 +115,14 @@ def fsdp_collectives(c: Ledger) -> None:
     if cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1:
         return
     layer = [p for p in c.layer if p.gathered_bytes != p.bytes_per_device]
-    other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device]
+    dense = [p for p in c.dense if p.gathered_bytes != p.bytes_per_device]
+    other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device and p not in dense]
     if "fsdp" in c.by_hand or st.pipeline is not None:
         # By hand, the executor gathers a stage's weights once per step; else a stage's weights
         # do not change within a stretch of steps and XLA hoists their gathers out of the
         # stretch's loop (an upper bound: how many survive is its choice).
         # One gather per stacked weight (all the stage's layers at once) each time.
+        other, dense = other + dense, []  # (validation refuses dense-first in a pipeline)
         runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
         c.add("all-gather", ("fsdp",), runs * len(layer),
               runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
@@ -136,11 +139,18 @@ def fsdp_collectives(c: Ledger) -> None:
                       round(passes * c.forwards * st.layers * st.runs * len(group)),
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
+        # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
+        # it): each layer gathered before use and again for its backward pass, like `layers`
+        # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
+        # 583M parameters in float32 on XLA:CPU).
+        c.add("all-gather", ("fsdp",), 2 * st.runs * dense_units(cfg.model) * len(dense),
+              2 * st.runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
+              "dense first blocks' weights gathered before use, and again backward", True)
     c.add("all-gather", ("fsdp",), len(other),
           sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
     c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
-          c.reduced(layer + other, gathered=True, by_hand="fsdp" in c.by_hand),
+          c.reduced(layer + dense + other, gathered=True, by_hand="fsdp" in c.by_hand),
           "gradients reduce-scattered to their shards, every micro-step", True)
 
 

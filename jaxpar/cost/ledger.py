@@ -109,8 +109,14 @@ class Ledger:
 
     @property
     def other(self) -> list[ParamCost]:
-        """Embedding, final norm and lm_head: outside the scanned layer stack."""
+        """Embedding, final norm and lm_head: outside the scanned layer stack (and the
+        ``dense_layers`` stack's, :attr:`dense`)."""
         return [p for p in self.params if not p.stacked]
+
+    @property
+    def dense(self) -> list[ParamCost]:
+        """The ``dense_layers`` stack's weights (DeepSeek's dense first blocks)."""
+        return [p for p in self.params if p.dense_stack]
 
     def add(self, kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
             overlapped: bool) -> None:

@@ -88,7 +88,7 @@ from jaxpar.cost.pipeline import (
     stage_head,
 )
 from jaxpar.cost.shapes import StepSizes
-from jaxpar.model.transformer import layer_units
+from jaxpar.model.transformer import dense_units, layer_units
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,15 @@ def _dense_ragged_dot(st: StepSizes) -> int:
         return 0
     local, f, e = m.moe.num_experts // st.mesh["expert"], m.resolved_d_ff_expert // st.t, m.d_model
     if st.pipeline is None or st.cfg.train.remat == "none":
-        return st.expert_rows * local * (4 * f + e) * 4
+        # The lowering masks the left operand per expert ([X, rows, E] for x into gate and up,
+        # and for the output gradient into w_down's gradient). In bf16 compute, where E is the
+        # wider, the peak is instead where both masks are converted to float32 twice each (as
+        # [X, rows, E] for the weight gradients and [rows, X E] for the recomputed products)
+        # beside the bf16 mask of one (the real-size deepseek-expert-fsdp, DeepSeek-V3 widths:
+        # E 7168, F 2048, 32 local experts; its buffer assignment places all five). In float32
+        # there is no conversion (the tiny MoE pipeline of test_cost_vs_compiled: the fit).
+        masked = (4 * 4 + st.a) * e if st.a < 4 else 0
+        return st.expert_rows * local * max((4 * f + e) * 4, masked)
     # A stage's backward slot recomputes the layer (its matmuls' custom VJP is not saved):
     # six [rows, X, F] and two [rows, X, E], the layer's three expert weights laid out again as
     # [X F, E] for the dense product, and one expert weight's gradient.
@@ -274,6 +282,20 @@ def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
                for p in params if p.stacked and p.matmul)
 
 
+def _fsdp_gathered(st: StepSizes, params: list[ParamCost], layer_weights: int) -> int:
+    """Under ZeRO-3 outside a pipeline: one layer's weights as read and their gradient (of
+    ``layers``, or of DeepSeek's ``dense_layers``, a scanned stack of its own gathered layer by
+    layer too: the larger), and the embedding, lm_head and final norm, gathered for the whole
+    step. (A pipeline stage's weights, gathered once per step, are its weight copies.)"""
+    if st.cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1 or st.pipeline is not None:
+        return 0
+    dense = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
+                for p in params if p.dense_stack) // max(dense_units(st.cfg.model), 1)
+    return 2 * max(layer_weights, dense) + sum(in_compute_dtype(p, p.gathered_bytes, st.a)
+                                               for p in params
+                                               if not (p.stacked or p.dense_stack))
+
+
 def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     """Bytes per device of one step (the module docstring's accounting)."""
     cfg, m = st.cfg, st.cfg.model
@@ -315,11 +337,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         kept_weights = sum(p.stored_bytes_per_device or p.bytes_per_device if p.resharded
                            else in_compute_dtype(p, p.gathered_bytes, st.a)
                            for p in params if p.stacked) // units
-    gathered = 0  # (a pipeline stage's weights, gathered once per step: its weight copies)
-    if cfg.parallel.zero == 3 and st.mesh["fsdp"] > 1 and st.pipeline is None:
-        # one layer's weights and gradient
-        gathered = 2 * layer_weights + sum(in_compute_dtype(p, p.gathered_bytes, st.a)
-                                           for p in params if not p.stacked)
+    gathered = _fsdp_gathered(st, params, layer_weights)
     if st.flash:  # one block's float32 scores, probabilities and their gradients
         head += 4 * st.b * (m.n_heads // st.t) * st.block * st.block * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
@@ -343,7 +361,9 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         gradients=gradient_bytes + accumulator + whole_before_scatter,
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
-                                        for moe in blocks) + kept_weights),
+                                        for moe in blocks) + kept_weights)
+        + (dense_units(m) * _layer_activations(st, cfg.train.remat)
+           if st.pipeline is None else 0),
         working=max(layer_set + head + gathered + widened + _dense_ragged_dot(st), loss_phase),
         update=moments,
         stash=stash,

@@ -118,6 +118,12 @@ class ParamCost:
     stored_bytes_per_device: int = 0
 
     @property
+    def dense_stack(self) -> bool:
+        """A weight of ``dense_layers`` (DeepSeek's dense first blocks): a scanned stack of its
+        own, gathered layer by layer like ``layers`` (not counted in :attr:`stacked`)."""
+        return self.name.startswith("dense_layers/")
+
+    @property
     def resharded(self) -> bool:
         """Whether a layer without remat gathers it again for the backward pass rather than
         keeping it gathered (``model/projection.py: project_all``): all layer weights but the MoE

@@ -52,6 +52,11 @@ CPU_CASES: tuple[Case, ...] = (
     # remat=full; six layers, so that the 1-in-6 pattern compiles one global layer beside the
     # local (1024-token window) ones.
     _layout("gemma3-fsdp-tensor", "gemma3-27b", "mesh.fsdp=8", "mesh.tensor=8", layers=6),
+    # DeepSeek-V3's block: multi-head latent attention, 256 routed experts (top-8 in groups)
+    # beside a shared one, and a dense first block in its own scanned stack; three layers, so
+    # that one dense and two MoE blocks compile.
+    _layout("deepseek-expert-fsdp", "deepseek-v3", "mesh.expert=8", "mesh.fsdp=8",
+            "model.moe.first_dense=1", "train.batch_size=64", layers=3),
     _layout("pipe-fsdp-tensor-gpipe", "llama3-8b", *_PIPE,
             "parallel.pipeline_schedule=gpipe", layers=4),
     _layout("pipe-fsdp-tensor-1f1b", "llama3-8b", *_PIPE,

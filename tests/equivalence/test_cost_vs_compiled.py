@@ -112,6 +112,18 @@ LAYOUTS = {
          "train.microbatches=4", "parallel.pipeline_schedule=1f1b"],
         {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
          ("all-reduce", ("expert",)), ("all-reduce", ("tensor",)), ("all-to-all", ("expert",))}),
+    # DeepSeek-V3's block: multi-head latent attention (the values padded to the q/k width),
+    # group-limited routing with a shared expert, and a dense first block in a scanned stack of
+    # its own, gathered layer by layer like the others.
+    "deepseek,fsdp=4,expert=2": (
+        ["mesh.data=1", "mesh.fsdp=4", "mesh.expert=2", "model.mla.q_lora_rank=24",
+         "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+         "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=12", "model.n_layers=3",
+         "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=sigmoid_bias",
+         "model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.num_shared_experts=1",
+         "model.moe.d_ff_expert=32", "model.moe.first_dense=1"],
+        {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-to-all", ("expert",)),
+         ("all-reduce", ("expert",))}),
 }
 
 # Compiled matmul flops (loop trips counted, a conditional as its costliest branch) against the
