@@ -20,6 +20,8 @@ DEEPSEEK_MOE = ("model.n_layers=3", "model.moe.num_experts=8", "model.moe.top_k=
 LAYOUTS = {
     "data=2,fsdp=2,tensor=2": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"),
     "context=4": ("mesh.data=1", "mesh.context=4"),
+    "data=2,context=4,allgather": ("mesh.data=2", "mesh.context=4",
+                                   "parallel.context_impl=allgather"),
     "data=2,context=2,tensor=2": ("mesh.data=2", "mesh.context=2", "mesh.tensor=2"),
     "pipe=2,tensor=2": ("mesh.pipe=2", "mesh.tensor=2", "mesh.data=1", "train.microbatches=2"),
     "data=4,tensor=2,sp": ("mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"),
@@ -37,9 +39,10 @@ def _collectives(result: dict, kind: str, axes: tuple[str, ...]) -> list:
     return [c for c in result["collectives"] if c.kind == kind and c.axes == axes]
 
 
-# The default suite runs the first three; the others (the same collectives on other axes) are
+# The default suite runs the first four; the others (the same collectives on other axes) are
 # `slow` (pytest -m slow).
-DEFAULT = ("data=2,fsdp=2,tensor=2", "context=4", "pipe=2,tensor=2")
+DEFAULT = ("data=2,fsdp=2,tensor=2", "context=4", "data=2,context=4,allgather",
+           "pipe=2,tensor=2")
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
@@ -83,3 +86,7 @@ def test_mla_hlo_has_the_collectives_of_its_layouts():
     assert sum(c.executions for c in _collectives(ring, "collective-permute", ("context",))
                ) >= 2 * (2 * 4 - 1) * layers
     assert not [c for c in ring["collectives"] if "context" in c.axes and c.kind == "all-gather"]
+    # all-gather context parallelism: the expanded K and V gathered, their gradients scattered
+    gathered = _run(LAYOUTS["data=2,context=4,allgather"])
+    for kind in ("all-gather", "reduce-scatter"):
+        assert _collectives(gathered, kind, ("context",)), kind
