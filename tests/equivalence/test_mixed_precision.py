@@ -138,8 +138,8 @@ def test_a_broken_bfloat16_attention_fails_the_same_bounds(monkeypatch, break_in
     params, batch, ref_loss, ref_grads = trained()
     choose = hooks.attention_fn
 
-    def broken_in_bf16(name: str, block: int):
-        attend = choose(name, block)
+    def broken_in_bf16(name: str, block: int, model=None):
+        attend = choose(name, block, model)
         return lambda q, k, v, positions: attend(
             *(break_inputs(q, k, v, positions) if q.dtype == jnp.bfloat16
               else (q, k, v, positions)))
