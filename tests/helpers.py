@@ -4,8 +4,9 @@ batches of the layout tests, and what a test file shares with one of another tie
 imports another; what two share lives here (or in hf_models.py).
 
 Imported as ``from helpers import ...`` (tests/conftest.py puts ``tests/`` on ``sys.path``).
-Module-level caches (``functools.cache``) hold for the whole test process, like session-scoped
-fixtures: every file a worker runs shares them.
+Module-level caches (``functools.cache``) hold for one test file, like module-scoped fixtures:
+tests/conftest.py clears them, and jax's compiled programs, after each file so that a worker's
+memory stays that of the file it runs.
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ def run_jaxpar(*args: str, cwd: str | os.PathLike | None = None,
 
 
 def env_without_device_flags() -> dict[str, str]:
-    """This environment minus the test process's XLA_FLAGS and JAX_PLATFORMS (conftest.py), so
-    that the device count must come from ``host_devices`` or ``--devices``."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    """This environment minus the test process's device count and JAX_PLATFORMS (conftest.py),
+    so that the device count must come from ``host_devices`` or ``--devices``; its other XLA
+    flags (the quick CPU compiles) stay."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str, code: int = 2,
