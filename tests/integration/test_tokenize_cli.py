@@ -85,7 +85,9 @@ def test_ctrl_c_keeps_the_finished_shards_and_resume_completes_them(bpe, tmp_pat
     root, tokenizer = bpe
     rng = np.random.default_rng(1)
     with open(tmp_path / "big.jsonl", "w", encoding="utf-8") as f:
-        for i in range(12_000):  # about 6 MB: seconds of tokenizing, the first shard in 0.1 s
+        # About 18 MB: the first shard in 0.1 s, then seconds of tokenizing left even when the
+        # machine is busy (at 6 MB a loaded CI worker once saw the run end before the signal).
+        for i in range(36_000):
             f.write(json.dumps({"text": f"{i} " + " ".join(rng.choice(CORPUS_WORDS, 80))}) + "\n")
     args = ["tokenize", str(tmp_path / "big.jsonl"), "--tokenizer", str(tokenizer),
             "--shard-tokens", "20000", "--workers", "2"]
