@@ -14,12 +14,10 @@ token among them), or at the tokenizer's end-of-text token when there are none.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from jaxpar.config import Config
-from jaxpar.data.tokenizer import Tokenizer, make_tokenizer
+from jaxpar.data.tokenizer import Tokenizer, make_tokenizer, named_special_tokens
 
 
 @dataclass(frozen=True)
@@ -58,27 +56,7 @@ def prompts_for(cfg: Config, tokenizer: str | None = None) -> Prompts:
         return Prompts(tok, True, g.eos_ids or (tok.eos_id,))
     # An imported model's end-of-text and BOS tokens are those its tokenizer_config.json names
     # (as transformers reads them); the end-of-text token falls back to its first eos id.
-    named = _special_tokens(spec)
+    named = named_special_tokens(spec)
     tok = make_tokenizer(spec, named.get("eos_token", g.eos_ids[0] if g.eos_ids else None))
     bos = tok.token_id(named["bos_token"]) if "bos_token" in named else None
     return Prompts(tok, False, g.eos_ids or (tok.eos_id,), bos)
-
-
-def _special_tokens(spec: str) -> dict[str, str]:
-    """The ``bos_token`` and ``eos_token`` texts that the ``tokenizer_config.json`` beside a
-    tokenizer.json names, else its ``special_tokens_map.json`` (older saves); {} for none."""
-    found: dict[str, str] = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
-        path = Path(spec).expanduser().with_name(name)
-        if spec == "byte" or not path.is_file():
-            continue
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ValueError(f"{path}: cannot read it as JSON ({err})") from None
-        for key in ("bos_token", "eos_token"):
-            token = config.get(key) if isinstance(config, dict) else None
-            token = token.get("content") if isinstance(token, dict) else token
-            if isinstance(token, str):
-                found[key] = token
-    return found

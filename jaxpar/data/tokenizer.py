@@ -7,8 +7,10 @@ small interface (`Tokenizer`), which is all that packing and the train loop rely
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -72,7 +74,8 @@ class HFTokenizer:
     prompt of a model trained with them asks for the post-processor (``special_tokens``).
     ``eos``: the end-of-text token where the caller knows it (an imported model's: its id, or
     its text as ``tokenizer_config.json`` names it); None: the first of the usual end-of-text
-    names that the file holds.
+    names that the file holds, else the ``eos_token`` that the ``tokenizer_config.json`` beside
+    it names (a model's own directory: DeepSeek's ``<｜end▁of▁sentence｜>``, say).
     """
 
     def __init__(self, path: str, eos: int | str | None = None):
@@ -91,8 +94,12 @@ class HFTokenizer:
         self._tok.no_padding()
         self.name = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = eos if isinstance(eos, int) else self._find_eos(
-            path, _EOS_NAMES if eos is None else (eos,))
+        if eos is None:  # the usual names, else the one its tokenizer_config.json gives
+            named = named_special_tokens(path).get("eos_token")
+            names = _EOS_NAMES if named is None else (*_EOS_NAMES, named)
+        else:
+            names = () if isinstance(eos, int) else (eos,)
+        self.eos_id = eos if isinstance(eos, int) else self._find_eos(path, names)
 
     def _find_eos(self, path: str, names: Sequence[str]) -> int:
         for token in names:
@@ -131,3 +138,23 @@ def make_tokenizer(spec: str = "byte", eos: int | str | None = None) -> Tokenize
             f"data.tokenizer={spec!r}: no such file (use 'byte' or a path to a tokenizer.json)"
         )
     return HFTokenizer(path, eos)
+
+
+def named_special_tokens(spec: str) -> dict[str, str]:
+    """The ``bos_token`` and ``eos_token`` texts that the ``tokenizer_config.json`` beside a
+    tokenizer.json names, else its ``special_tokens_map.json`` (older saves); {} for none."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
+        path = Path(spec).expanduser().with_name(name)
+        if spec == "byte" or not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: cannot read it as JSON ({err})") from None
+        for key in ("bos_token", "eos_token"):
+            token = config.get(key) if isinstance(config, dict) else None
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                found[key] = token
+    return found

@@ -85,6 +85,23 @@ def test_tokenizer_json_roundtrip_and_packing(tmp_path):
     assert list(_stream(ds)) == [0, 1, 5, 2, 3, 4]
 
 
+def test_an_end_of_text_token_of_its_own_name_comes_from_tokenizer_config(tmp_path):
+    """A model's own tokenizer (DeepSeek's ``<｜end▁of▁sentence｜>``) packs and trains with the
+    end-of-text token its tokenizer_config.json names; without one, a one-line error."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["hello", "world", "[UNK]", "<｜end▁of▁sentence｜>"]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.add_special_tokens(["<｜end▁of▁sentence｜>"])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    with pytest.raises(ValueError, match=r"^data\.tokenizer=.*no end-of-text token[^\n]*$"):
+        make_tokenizer(str(path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<｜end▁of▁sentence｜>", "special": True}}))
+    assert make_tokenizer(str(path)).eos_id == 3
+
+
 def test_missing_tokenizer_file_is_one_line_error(tmp_path):
     with pytest.raises(ValueError, match=r"^data\.tokenizer=.*no such file[^\n]*$"):
         make_tokenizer(str(tmp_path / "nope.json"))
