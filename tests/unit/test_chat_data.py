@@ -1,0 +1,256 @@
+"""Chat data (``data.loss_on=assistant``): rendering with the chat template, the mask on the
+assistant's tokens, packing, the masked loss, and one-line errors (jaxpar/data/chat.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.data import build_dataset, make_tokenizer
+from jaxpar.data.chat import ChatTemplate, Conversation, encode_conversation, parse_conversation
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+# ChatML, as Qwen's tokenizer_config.json spells it (an unknown role raises).
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# One that renders user and assistant messages only and drops any other role silently.
+SILENT = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}<|endoftext|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}A: {% endif %}"
+)
+TOY_CHAT = Path(__file__).parents[2] / "jaxpar" / "data" / "toy_chat.jsonl"
+
+
+def save_chat_tokenizer(directory: Path, template: str | None = CHATML) -> str:
+    """One token per character (printable ASCII and newline) plus ChatML's special tokens, and
+    a tokenizer_config.json with ``template`` as its chat_template (None: no template)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate([*SPECIALS, *CHARS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>"}
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(directory / "tokenizer.json")
+
+
+def write_chat(path: Path, records: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in records))
+    return str(path)
+
+
+def pieces(tokenizer, ids) -> list[str]:
+    return [tokenizer.decode([int(i)]) for i in ids]
+
+
+def expected_weights(tokens: list[str]) -> list[float]:
+    """By hand, from the ChatML tokens alone: 1 from after ``<|im_start|>assistant\\n`` up to
+    and including the ``<|im_end|>`` and newline that close the turn."""
+    out, inside, i = [], False, 0
+    header = ["<|im_start|>", *"assistant", "\n"]
+    while i < len(tokens):
+        if not inside and tokens[i: i + len(header)] == header:
+            out += [0.0] * len(header)
+            i += len(header)
+            inside = True
+            continue
+        out.append(1.0 if inside else 0.0)
+        if inside and tokens[i] == "\n" and i and tokens[i - 1] == "<|im_end|>":
+            inside = False
+        i += 1
+    return out
+
+
+@pytest.fixture
+def chat_tokenizer(tmp_path):
+    return make_tokenizer(save_chat_tokenizer(tmp_path / "tok"))
+
+
+def test_the_mask_is_one_exactly_on_the_assistant_tokens(chat_tokenizer):
+    conv = Conversation("c.jsonl:1", parse_conversation(json.dumps({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}]}), "c.jsonl line 1"))
+    text, spans = ChatTemplate(chat_tokenizer.name).assistant_text(conv)
+    assert [text[a:b] for a, b in spans] == ["ok<|im_end|>\n", "4<|im_end|>\n"]
+    ids, weights = encode_conversation(chat_tokenizer, text, spans)
+    tokens = pieces(chat_tokenizer, ids)
+    assert "".join(tokens) == text
+    turns = [  # (tokens, their weight), by hand
+        (["<|im_start|>", *"system\nBe brief.", "<|im_end|>", "\n"], 0.0),
+        (["<|im_start|>", *"user\nhi", "<|im_end|>", "\n"], 0.0),
+        (["<|im_start|>", *"assistant\n"], 0.0), (["o", "k", "<|im_end|>", "\n"], 1.0),
+        (["<|im_start|>", *"user\n2+2?", "<|im_end|>", "\n"], 0.0),
+        (["<|im_start|>", *"assistant\n"], 0.0), (["4", "<|im_end|>", "\n"], 1.0),
+    ]
+    assert tokens == [t for part, _ in turns for t in part]
+    assert list(weights) == [w for part, w in turns for _ in part]
+    assert list(weights) == expected_weights(tokens)
+
+
+def test_prompt_and_completion_are_a_user_and_an_assistant_message():
+    messages = parse_conversation('{"prompt": "Q?", "completion": "A."}', "f line 1")
+    assert messages == ({"role": "user", "content": "Q?"},
+                        {"role": "assistant", "content": "A."})
+
+
+def test_packed_rows_carry_the_assistant_mask_and_document_ids(chat_tokenizer, tmp_path):
+    records = [{"prompt": f"q{i}", "completion": "a" * (1 + i % 3)} for i in range(6)]
+    records.append({"messages": [{"role": "user", "content": "x"},
+                                 {"role": "assistant", "content": "y"},
+                                 {"role": "user", "content": "z"},
+                                 {"role": "assistant", "content": "w"}]})
+    source = write_chat(tmp_path / "chat.jsonl", records)
+    ds = build_dataset(source, chat_tokenizer, seq_len=16, val_fraction=0.0,
+                       loss_on="assistant")
+    assert ds.n_documents == len(records)
+    rows = ds.rows(np.arange(len(ds)))
+    stream = np.concatenate([rows["inputs"].reshape(-1), rows["targets"][-1, -1:]])
+    stream = stream[: ds.n_tokens]
+    # By hand: each conversation's ChatML weights, 0 on the end-of-text between them.
+    eos = chat_tokenizer.eos_id
+    tokens = pieces(chat_tokenizer, stream)
+    docs, start = [], 0
+    for i, t in enumerate(stream):
+        if t == eos:
+            docs.append(tokens[start:i])
+            start = i + 1
+    docs.append(tokens[start:])
+    assert len(docs) == len(records)
+    weights = np.concatenate([np.r_[expected_weights(d), 0.0] for d in docs])[: ds.n_tokens]
+    target_weights = np.r_[weights[1:], np.zeros(len(rows["mask"].reshape(-1)))]
+    np.testing.assert_array_equal(rows["mask"].reshape(-1),
+                                  target_weights[: rows["mask"].size])
+    assert rows["mask"].sum() > 0
+    # Document ids restart in each row and step after each end-of-text (up to the padding).
+    ids = ds.segment_ids(np.arange(len(ds)))
+    position = np.arange(ids.size).reshape(ids.shape)[:, 1:]
+    real = position < ds.n_tokens
+    np.testing.assert_array_equal((np.diff(ids, axis=1) > 0)[real],
+                                  (rows["inputs"][:, :-1] == eos)[real])
+
+
+def test_loss_on_all_keeps_the_text_path(chat_tokenizer, tmp_path):
+    source = write_chat(tmp_path / "t.jsonl", [{"text": "hello world"}] * 4)
+    ds = build_dataset(source, chat_tokenizer, seq_len=8, val_fraction=0.0)
+    assert ds.weights is None
+    assert ds.rows(np.arange(len(ds)))["mask"].sum() == ds.n_tokens - 1
+
+
+def test_the_masked_loss_equals_a_hand_computed_reference(chat_tokenizer, tmp_path):
+    """Mean cross entropy over the assistant's targets, from the rows' mask, against a loop
+    over the hand-marked assistant tokens of the stream."""
+    source = write_chat(tmp_path / "chat.jsonl",
+                        [{"prompt": f"p{i}", "completion": f"c{i}!"} for i in range(4)])
+    ds = build_dataset(source, chat_tokenizer, seq_len=12, val_fraction=0.0,
+                       loss_on="assistant")
+    rows = ds.rows(np.arange(len(ds)))
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(*rows["targets"].shape, chat_tokenizer.vocab_size))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, rows["targets"][..., None], -1)[..., 0]
+    masked = -(picked * rows["mask"]).sum() / rows["mask"].sum()
+
+    tokens = pieces(chat_tokenizer, ds.tokens[: ds.n_tokens])
+    hand, doc = [], []
+    for tok in tokens + ["<|endoftext|>"]:
+        if tok == "<|endoftext|>":
+            hand += expected_weights(doc) + [0.0]
+            doc = []
+        else:
+            doc.append(tok)
+    losses = []
+    for p in range(1, ds.n_tokens):  # the target at stream position p is row (p-1)//S's
+        if hand[p] == 1.0:
+            r, c = divmod(p - 1, ds.seq_len)
+            z = logits[r, c]
+            losses.append(np.log(np.exp(z).sum()) - z[int(ds.tokens[p])])
+    assert len(losses) == rows["mask"].sum()
+    np.testing.assert_allclose(masked, np.mean(losses), rtol=1e-12)
+
+
+def test_the_toy_chat_set_renders_with_chatml(chat_tokenizer):
+    ds = build_dataset(str(TOY_CHAT), chat_tokenizer, seq_len=64, val_fraction=0.1,
+                       loss_on="assistant")
+    assert ds.n_documents >= 20
+    assert 0 < ds.rows(np.arange(len(ds)))["mask"].mean() < 0.5
+
+
+# --- errors: one line naming the file, line or field -----------------------------------------
+
+
+@pytest.mark.parametrize("template, message", [
+    (CHATML, r"chat\.jsonl:2: the chat template .* rejects this conversation: Unknown role: tool"),
+    (SILENT, r"chat\.jsonl:2: message 2's role 'tool' is not one the chat template .* renders"),
+])
+def test_a_role_the_template_does_not_know_is_named(tmp_path, template, message):
+    tok = make_tokenizer(save_chat_tokenizer(tmp_path / "tok", template))
+    source = write_chat(tmp_path / "chat.jsonl", [
+        {"prompt": "a", "completion": "b"},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "t"},
+                      {"role": "assistant", "content": "b"}]}])
+    with pytest.raises(ValueError, match=message) as err:
+        build_dataset(source, tok, seq_len=4, val_fraction=0.0, loss_on="assistant")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "no chat here"}', r'line 2: expected "messages" .* or string "prompt" and'),
+    ('{"messages": []}', r'line 2: "messages" must be a non-empty list'),
+    ('{"messages": [{"role": "user"}]}', r'line 2: message 1 needs string "role" and "content"'),
+    ('{"prompt": "x"', r"line 2: invalid JSON"),
+])
+def test_a_line_that_is_not_a_conversation_is_named(chat_tokenizer, tmp_path, line, message):
+    source = write_chat(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}, line])
+    with pytest.raises(ValueError, match=message) as err:
+        build_dataset(source, chat_tokenizer, seq_len=4, val_fraction=0.0, loss_on="assistant")
+    assert "\n" not in str(err.value) and "chat.jsonl" in str(err.value)
+
+
+def test_a_tokenizer_without_a_chat_template_is_named(tmp_path):
+    tok = make_tokenizer(save_chat_tokenizer(tmp_path / "tok", template=None))
+    source = write_chat(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: no chat_template"):
+        build_dataset(source, tok, seq_len=4, val_fraction=0.0, loss_on="assistant")
+
+
+def test_the_byte_tokenizer_has_no_chat_template(tmp_path):
+    source = write_chat(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(ValueError, match=r"data\.loss_on=assistant needs data\.tokenizer"):
+        build_dataset(source, make_tokenizer("byte"), seq_len=4, loss_on="assistant")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.loss_on=assistant"], r"data\.loss_on=assistant with data\.tokenizer=byte"),
+    (["data.loss_on=assistant", "data.tokenizer=t.json"],
+     r"data\.loss_on=assistant with data\.source=stdlib"),
+])
+def test_the_config_checks_loss_on(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(load_config("tiny", overrides), 1)
+    assert "\n" not in str(err.value)
+
+
+def test_loss_on_defaults_to_all_and_assistant_masks_documents():
+    cfg = load_config("tiny", [])
+    assert cfg.data.loss_on == "all"
+    chat = load_config("tiny", ["data.loss_on=assistant"])
+    assert chat.documents_masked()
