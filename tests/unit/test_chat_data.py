@@ -8,22 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import CHATML, save_chat_tokenizer, write_chat
 
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.data import build_dataset, make_tokenizer
 from jaxpar.data.chat import ChatTemplate, Conversation, encode_conversation, parse_conversation
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
-CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
-# ChatML, as Qwen's tokenizer_config.json spells it (an unknown role raises).
-CHATML = (
-    "{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # One that renders user and assistant messages only and drops any other role silently.
 SILENT = (
     "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
@@ -31,30 +21,6 @@ SILENT = (
     "{% endfor %}{% if add_generation_prompt %}A: {% endif %}"
 )
 TOY_CHAT = Path(__file__).parents[2] / "jaxpar" / "data" / "toy_chat.jsonl"
-
-
-def save_chat_tokenizer(directory: Path, template: str | None = CHATML) -> str:
-    """One token per character (printable ASCII and newline) plus ChatML's special tokens, and
-    a tokenizer_config.json with ``template`` as its chat_template (None: no template)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate([*SPECIALS, *CHARS])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"eos_token": "<|endoftext|>"}
-    if template is not None:
-        config["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return str(directory / "tokenizer.json")
-
-
-def write_chat(path: Path, records: list) -> str:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
-                            for r in records))
-    return str(path)
 
 
 def pieces(tokenizer, ids) -> list[str]:
@@ -254,3 +220,35 @@ def test_loss_on_defaults_to_all_and_assistant_masks_documents():
     assert cfg.data.loss_on == "all"
     chat = load_config("tiny", ["data.loss_on=assistant"])
     assert chat.documents_masked()
+
+
+# --- the train loop's data: batches, and errors as ConfigError (the CLI's exit 2) ---------------
+
+
+def _chat_config(source: str, tokenizer: str):
+    return validate(load_config("tiny", [
+        f"data.source={source}", f"data.tokenizer={tokenizer}", "data.loss_on=assistant",
+        "data.val_fraction=0.1", "train.seq_len=32", "train.batch_size=2", "mesh.data=1"]), 1)
+
+
+def test_the_loop_reads_chat_batches_with_document_ids(tmp_path):
+    from jaxpar.train.loop import make_data_iterator
+
+    tok = save_chat_tokenizer(tmp_path / "tok")
+    data, line = make_data_iterator(_chat_config(str(TOY_CHAT), tok))
+    batch = next(data)
+    assert set(batch) == {"inputs", "targets", "mask", "segment_ids"}
+    assert 0 < batch["mask"].sum() < batch["mask"].size
+    assert "attention within each document" in line
+
+
+def test_a_bad_chat_file_is_one_config_error_line(tmp_path):
+    from jaxpar.train.loop import make_data_iterator
+
+    tok = save_chat_tokenizer(tmp_path / "tok")
+    source = write_chat(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "narrator", "content": "x"},
+                      {"role": "assistant", "content": "y"}]}] * 3)
+    with pytest.raises(ConfigError, match=r"chat\.jsonl:1: .*Unknown role: narrator") as err:
+        make_data_iterator(_chat_config(source, tok))
+    assert "\n" not in str(err.value)
