@@ -4,7 +4,8 @@ the loss on the assistant's tokens only (``data.loss_on=assistant``; docs/data.m
 A chat file is JSON lines, one conversation a line: ``{"messages": [{"role": ..., "content":
 ...}, ...]}``, or ``{"prompt": ..., "completion": ...}`` (a user message and the assistant's
 answer). Each conversation is rendered to text by the Jinja ``chat_template`` of the
-``tokenizer_config.json`` beside ``data.tokenizer``, as Hugging Face's ``apply_chat_template``
+``tokenizer_config.json`` beside ``data.tokenizer`` (or the ``chat_template.jinja`` that newer
+transformers save beside it), as Hugging Face's ``apply_chat_template``
 renders it (the same sandboxed Jinja environment and globals), and tokenized whole.
 
 Which characters belong to the assistant: for each assistant message, the conversation before it
@@ -49,12 +50,16 @@ class ChatTemplate:
         except (OSError, ValueError) as err:
             raise ValueError(f"{path}: cannot read it as JSON ({err})") from None
         template = config.get("chat_template") if isinstance(config, dict) else None
+        jinja_file = path.with_name("chat_template.jinja")  # where newer transformers save it
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         if not isinstance(template, str) or not template.strip():
-            raise ValueError(f"{path}: no chat_template (a Jinja string); data.loss_on="
-                             "assistant renders conversations with it")
+            raise ValueError(f"{path}: no chat_template (a Jinja string), nor a "
+                             "chat_template.jinja beside it; data.loss_on=assistant renders "
+                             "conversations with it")
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         try:
             import jinja2

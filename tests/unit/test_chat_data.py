@@ -198,6 +198,14 @@ def test_a_tokenizer_without_a_chat_template_is_named(tmp_path):
         build_dataset(source, tok, seq_len=4, val_fraction=0.0, loss_on="assistant")
 
 
+def test_a_chat_template_jinja_file_beside_the_tokenizer_is_read(tmp_path):
+    tok = make_tokenizer(save_chat_tokenizer(tmp_path / "tok", template=None))
+    (tmp_path / "tok" / "chat_template.jinja").write_text(CHATML)
+    source = write_chat(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}] * 2)
+    ds = build_dataset(source, tok, seq_len=4, val_fraction=0.0, loss_on="assistant")
+    assert ds.rows(np.arange(len(ds)))["mask"].sum() == 2 * 3  # "b<|im_end|>\n" twice
+
+
 def test_the_byte_tokenizer_has_no_chat_template(tmp_path):
     source = write_chat(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(ValueError, match=r"data\.loss_on=assistant needs data\.tokenizer"):
