@@ -50,7 +50,10 @@ def build_dataset(
             raise ValueError(f"data.loss_on=assistant needs data.tokenizer to be a tokenizer.json "
                              f"with a chat_template beside it, not {tokenizer.name!r}")
         template = ChatTemplate(tokenizer.name)
-        chats = {c.key: c for c in read_conversations(source)}
+        # Every conversation is rendered, whichever split it falls in: a bad line is an error
+        # for both splits' runs alike.
+        chats = {c.key: encode_conversation(tokenizer, *template.assistant_text(c))
+                 for c in read_conversations(source)}
         docs = [Document(key, "") for key in chats]
     else:
         docs = read_documents(source, max_bytes, text_field)
@@ -67,8 +70,7 @@ def build_dataset(
     if chats is None:
         encoded = tokenizer.encode_batch([d.text for d in chosen])
     else:
-        pairs = [encode_conversation(tokenizer, *template.assistant_text(chats[d.key]))
-                 for d in chosen]
+        pairs = [chats[d.key] for d in chosen]
         encoded = [ids for ids, _ in pairs]
     tokens, n_tokens = pack_tokens(encoded, tokenizer.eos_id, seq_len)
     if chats is not None:

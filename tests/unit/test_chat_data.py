@@ -178,6 +178,16 @@ def test_a_role_the_template_does_not_know_is_named(tmp_path, template, message)
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_a_bad_conversation_is_named_whichever_split_it_is_in(chat_tokenizer, tmp_path, split):
+    good = [{"prompt": f"q{i}", "completion": "a"} for i in range(9)]
+    bad = {"messages": [{"role": "narrator", "content": "x"}]}
+    source = write_chat(tmp_path / "chat.jsonl", [*good, bad])
+    with pytest.raises(ValueError, match=r"chat\.jsonl:10: .*Unknown role: narrator"):
+        build_dataset(source, chat_tokenizer, seq_len=4, split=split, val_fraction=0.5,
+                      loss_on="assistant")
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"text": "no chat here"}', r'line 2: expected "messages" .* or string "prompt" and'),
     ('{"messages": []}', r'line 2: "messages" must be a non-empty list'),
