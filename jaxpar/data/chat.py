@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ class ChatTemplate:
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         try:
             import jinja2
+            import jinja2.ext
+            import jinja2.nodes
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError as err:
             raise ImportError("data.loss_on=assistant needs jinja2: pip install jinja2") from err
@@ -71,7 +74,9 @@ class ChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols",
+                                                        _generation_tag(jinja2)])
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
                                                                   indent=indent)
         env.globals["raise_exception"] = raise_exception
@@ -122,6 +127,22 @@ class ChatTemplate:
         if not spans:
             raise ValueError(f"{where}: no assistant message (nothing to train on)")
         return text, spans
+
+
+def _generation_tag(jinja2: Any) -> type:
+    """``{% generation %}...{% endgeneration %}``, which some templates wrap the assistant's
+    part in (for transformers' assistant mask): rendered as its body; the spans come from
+    the prefixes here (module docstring)."""
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return Generation
 
 
 def _token_text(token: Any) -> str:

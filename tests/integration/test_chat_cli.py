@@ -49,12 +49,19 @@ def test_an_unknown_role_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_the_rendering_is_transformers_apply_chat_template(tmp_path):
+TAGGED = CHATML.replace("{{ m['content'] }}<|im_end|>\n",
+                        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                        "<|im_end|>\n{% endgeneration %}{% else %}{{ m['content'] }}"
+                        "<|im_end|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [CHATML, TAGGED], ids=["chatml", "generation-tags"])
+def test_the_rendering_is_transformers_apply_chat_template(tmp_path, template):
     transformers = pytest.importorskip("transformers")
-    tok = save_chat_tokenizer(tmp_path / "tok")
+    tok = save_chat_tokenizer(tmp_path / "tok", template)
     reference = transformers.PreTrainedTokenizerFast(tokenizer_file=tok,
                                                      eos_token="<|endoftext|>")
-    reference.chat_template = CHATML
+    reference.chat_template = template
     ours = ChatTemplate(tok)
     for conv in read_conversations(str(TOY_CHAT)):
         messages = [dict(m) for m in conv.messages]

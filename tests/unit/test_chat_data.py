@@ -72,6 +72,19 @@ def test_the_mask_is_one_exactly_on_the_assistant_tokens(chat_tokenizer):
     assert list(weights) == expected_weights(tokens)
 
 
+def test_generation_tags_render_their_body(tmp_path):
+    tagged = CHATML.replace("{{ m['content'] }}<|im_end|>\n",
+                            "{% if m['role'] == 'assistant' %}{% generation %}"
+                            "{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+                            "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}")
+    assert "{% generation %}" in tagged
+    plain = make_tokenizer(save_chat_tokenizer(tmp_path / "plain"))
+    tok = make_tokenizer(save_chat_tokenizer(tmp_path / "tagged", tagged))
+    conv = Conversation("c:1", parse_conversation('{"prompt": "q", "completion": "a"}', "c"))
+    assert (ChatTemplate(tok.name).assistant_text(conv)
+            == ChatTemplate(plain.name).assistant_text(conv))
+
+
 def test_prompt_and_completion_are_a_user_and_an_assistant_message():
     messages = parse_conversation('{"prompt": "Q?", "completion": "A."}', "f line 1")
     assert messages == ({"role": "user", "content": "Q?"},
