@@ -99,21 +99,24 @@ class ChatTemplate:
         """The rendered conversation and the [start, end) character spans of its assistant
         messages. Raises a one-line ValueError naming ``conv.key`` for a role the template does
         not render, or a template whose renderings are not prefixes of one another."""
-        where = f"{conv.key}"
-        try:
-            text = self.render(conv.messages)
-        except ValueError as err:
-            raise ValueError(f"{where}: the chat template ({self.path}) rejects this "
-                             f"conversation: {err}") from None
+
+        def render(messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+            try:
+                return self.render(messages, add_generation_prompt)
+            except ValueError as err:
+                raise ValueError(f"{conv.key}: the chat template ({self.path}) rejects this "
+                                 f"conversation: {err}") from None
+
+        where, text = conv.key, render(conv.messages)
         spans, before = [], ""
         for i, message in enumerate(conv.messages):
-            upto = self.render(conv.messages[: i + 1])
+            upto = render(conv.messages[: i + 1])
             content = message["content"].strip()
             if not upto.startswith(before) or (content and content not in upto[len(before):]):
                 raise ValueError(f"{where}: message {i + 1}'s role {message['role']!r} is not "
                                  f"one the chat template ({self.path}) renders")
             if message["role"] == "assistant":
-                prompt = self.render(conv.messages[:i], add_generation_prompt=True)
+                prompt = render(conv.messages[:i], add_generation_prompt=True)
                 if not (prompt.startswith(before) and upto.startswith(prompt)):
                     raise ValueError(f"{where}: the chat template ({self.path}) renders the "
                                      "conversation before assistant message "

@@ -85,6 +85,33 @@ def test_generation_tags_render_their_body(tmp_path):
             == ChatTemplate(plain.name).assistant_text(conv))
 
 
+# Llama 3's (Instruct) template: BOS first, headers, contents trimmed, <|eot_id|> ends a turn.
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+
+
+def test_a_llama3_template_marks_the_trimmed_answers_and_their_end_of_turn(tmp_path):
+    path = save_chat_tokenizer(tmp_path / "tok", LLAMA3)
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(
+        json.dumps(config | {"bos_token": "<|begin_of_text|>"}))
+    conv = Conversation("c:1", ({"role": "system", "content": "S"},
+                                {"role": "user", "content": "hi "},
+                                {"role": "assistant", "content": " ok"},
+                                {"role": "user", "content": "q"},
+                                {"role": "assistant", "content": "a"}))
+    text, spans = ChatTemplate(path).assistant_text(conv)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system")
+    assert [text[a:b] for a, b in spans] == ["ok<|eot_id|>", "a<|eot_id|>"]
+
+
 def test_prompt_and_completion_are_a_user_and_an_assistant_message():
     messages = parse_conversation('{"prompt": "Q?", "completion": "A."}', "f line 1")
     assert messages == ({"role": "user", "content": "Q?"},
