@@ -263,6 +263,8 @@ def test_the_byte_tokenizer_has_no_chat_template(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["data.loss_on=assistants"], r"data\.loss_on: 'assistants' is not allowed; allowed values: "
+                                  r"all, assistant"),
     (["data.loss_on=assistant"], r"data\.loss_on=assistant with data\.tokenizer=byte"),
     (["data.loss_on=assistant", "data.tokenizer=t.json"],
      r"data\.loss_on=assistant with data\.source=stdlib"),
