@@ -610,3 +610,43 @@ def write_bpe_tokenizer(path: Path, texts: list[str], vocab_size: int = 300) -> 
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.save(str(path))
     return path
+
+
+# --- chat data (data.loss_on=assistant): tests/unit/test_chat_data.py, equivalence/test_chat_loss
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+# ChatML, as Qwen's tokenizer_config.json spells it (an unknown role raises).
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_chat_tokenizer(directory: Path, template: str | None = CHATML) -> str:
+    """One token per character (printable ASCII and newline) plus ChatML's special tokens, and
+    a tokenizer_config.json with ``template`` as its chat_template (None: no template)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate([*SPECIALS, *CHARS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>"}
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(directory / "tokenizer.json")
+
+
+def write_chat(path: Path, records: list) -> str:
+    """A chat .jsonl: each record as one line (a string as it is: a deliberately bad line)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in records))
+    return str(path)

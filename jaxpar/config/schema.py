@@ -295,6 +295,10 @@ class DataConfig:
     # restart at each (docs/data.md#document-masks). null: true for tokenized directories and
     # mixtures, false for corpora packed in memory (the stdlib demo's figures stay as they are).
     document_mask: bool | None = None
+    # all: the loss on every token; assistant: data.source is chat .jsonl (messages, or
+    # prompt/completion), rendered with the chat_template of the tokenizer_config.json beside
+    # data.tokenizer, the loss on the assistant's tokens only (docs/data.md#chat-data).
+    loss_on: Literal["all", "assistant"] = "all"
 
 
 @dataclass(frozen=True)
@@ -371,7 +375,8 @@ class Config:
         d = self.data
         if d.document_mask is not None:
             return d.document_mask
-        return bool(d.sources) or (Path(d.source).expanduser() / "index.json").is_file()
+        return (bool(d.sources) or d.loss_on == "assistant"
+                or (Path(d.source).expanduser() / "index.json").is_file())
 
     def splash_possible(self) -> bool:
         """Whether the TPU splash kernel can run in this layout: not inside pipeline stages

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from jaxpar.config.schema import (
     BATCH_AXES,
@@ -341,6 +342,7 @@ def _check_run(cfg: Config) -> None:
     _require(cfg.data.text_field.strip() != "", "data.text_field is empty; allowed: the name of "
              "the JSON field or column that holds the text")
     _check_sources(cfg)
+    _check_loss_on(cfg)
     check_generation(cfg)
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
@@ -384,6 +386,23 @@ def _check_sources(cfg: Config) -> None:
                  "written by jaxpar tokenize")
         _require(math.isfinite(s.weight) and s.weight > 0, f"data.sources[{i}].weight="
                  f"{s.weight}: must be a finite number > 0")
+
+
+def _check_loss_on(cfg: Config) -> None:
+    """``data.loss_on``: assistant reads chat .jsonl with a tokenizer.json's chat template."""
+    d = cfg.data
+    _require(d.loss_on in ("all", "assistant"), f"data.loss_on={d.loss_on}; allowed: all, "
+             "assistant")
+    if d.loss_on != "assistant":
+        return
+    _require(d.tokenizer != "byte", "data.loss_on=assistant with data.tokenizer=byte: the chat "
+             "template comes from the tokenizer_config.json beside a tokenizer.json; set "
+             "data.tokenizer to one")
+    _require(not d.sources and not (Path(d.source).expanduser() / "index.json").is_file(),
+             f"data.loss_on=assistant reads chat .jsonl, not a tokenized directory or mixture "
+             f"(data.source={d.source}); use a .jsonl file, directory or glob")
+    _require(d.source != "stdlib", "data.loss_on=assistant with data.source=stdlib: allowed: "
+             "chat .jsonl (a file, directory or glob)")
 
 
 def _check_profile(cfg: Config) -> None:

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxpar.data.packing import PackedDataset, pack_tokens
-from jaxpar.data.sources import read_documents
+from jaxpar.data.chat import ChatTemplate, encode_conversation, read_conversations
+from jaxpar.data.packing import PackedDataset, pack_tokens, pack_weights
+from jaxpar.data.sources import Document, read_documents
 from jaxpar.data.tokenized import TokenizedDataset
 from jaxpar.data.tokenizer import Tokenizer
 
@@ -29,15 +30,33 @@ def build_dataset(
     val_fraction: float = 0.01,
     max_bytes: int | None = 8_000_000,
     text_field: str = "text",
+    loss_on: str = "all",
 ) -> PackedDataset:
-    """Read, split, tokenize and pack `source` into rows of `seq_len` inputs and targets."""
+    """Read, split, tokenize and pack `source` into rows of `seq_len` inputs and targets.
+
+    ``loss_on="assistant"``: `source` is chat .jsonl, rendered with the chat template beside
+    the tokenizer, and the rows' mask is 1 only on the assistant's tokens (data/chat.py)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if seq_len < 1:
         raise ValueError(f"train.seq_len must be positive, got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-    docs = read_documents(source, max_bytes, text_field)
+    if loss_on not in ("all", "assistant"):
+        raise ValueError(f"data.loss_on={loss_on!r}; allowed: all, assistant")
+    chats = None
+    if loss_on == "assistant":
+        if not hasattr(tokenizer, "encode_offsets"):
+            raise ValueError(f"data.loss_on=assistant needs data.tokenizer to be a tokenizer.json "
+                             f"with a chat_template beside it, not {tokenizer.name!r}")
+        template = ChatTemplate(tokenizer.name)
+        # Every conversation is rendered, whichever split it falls in: a bad line is an error
+        # for both splits' runs alike.
+        chats = {c.key: encode_conversation(tokenizer, *template.assistant_text(c))
+                 for c in read_conversations(source)}
+        docs = [Document(key, "") for key in chats]
+    else:
+        docs = read_documents(source, max_bytes, text_field)
     if not docs:
         raise ValueError(f"data.source={source!r}: the corpus is empty (no non-empty documents)")
     in_validation = validation_mask([d.key for d in docs], val_fraction)
@@ -47,8 +66,15 @@ def build_dataset(
             f"data.source={source!r}: the {split} split is empty ({len(docs)} documents, "
             f"val_fraction={val_fraction}; the split is by document, so add documents)"
         )
-    encoded = tokenizer.encode_batch([d.text for d in chosen])
+    weights = None
+    if chats is None:
+        encoded = tokenizer.encode_batch([d.text for d in chosen])
+    else:
+        pairs = [chats[d.key] for d in chosen]
+        encoded = [ids for ids, _ in pairs]
     tokens, n_tokens = pack_tokens(encoded, tokenizer.eos_id, seq_len)
+    if chats is not None:
+        weights = pack_weights([w for _, w in pairs], len(tokens))
     # Document i + 1 starts after document i and its separator; the padding after the last
     # document's end-of-text (the first padding token), as in a tokenized directory.
     lengths = np.array([len(doc) + 1 for doc in encoded], dtype=np.int64)
@@ -62,6 +88,7 @@ def build_dataset(
         tokenizer=tokenizer.name,
         documents=tuple(d.key for d in chosen),
         boundaries=boundaries,
+        weights=weights,
     )
     if len(dataset) == 0:
         raise ValueError(

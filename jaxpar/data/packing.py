@@ -10,6 +10,10 @@ get mask 0. Rows are views computed on demand from one flat array (no copy per r
 Document ids (:meth:`PackedDataset.segment_ids`, for ``data.document_mask``) number the
 documents of a row from 0: a document's end-of-text separator belongs to it, the padding after
 the stream is one more document, as for tokenized directories.
+
+Chat data (``data.loss_on=assistant``) also packs a weight per stream token
+(:func:`pack_weights`): the mask of a target is its weight, 1 on the assistant's tokens and 0
+on the rest, the separators and the padding.
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ def pack_tokens(docs: Sequence[np.ndarray], eos_id: int, seq_len: int) -> tuple[
     return padded, n_tokens
 
 
+def pack_weights(weights: Sequence[np.ndarray], padded_len: int) -> np.ndarray:
+    """float32 [padded_len]: per-token weights laid out as :func:`pack_tokens` lays out the
+    tokens, 0 on the separators and the padding."""
+    out = np.zeros(padded_len, dtype=np.float32)
+    at = 0
+    for w in weights:
+        out[at: at + len(w)] = w
+        at += len(w) + 1  # the separator after it
+    return out
+
+
 def num_rows(n_tokens: int, seq_len: int) -> int:
     """Rows needed so that every token but the first is a target once."""
     return max(0, -(-(n_tokens - 1) // seq_len))
@@ -55,6 +70,9 @@ class PackedDataset:
     # does (n_tokens + 1: the last document's end-of-text is the first padding token, which
     # belongs to it): what segment_ids counts. None: one document.
     boundaries: np.ndarray | None = None
+    # float32 per stream token, its weight as a target (chat data: 1 on the assistant's tokens);
+    # None: 1 on every real token.
+    weights: np.ndarray | None = None
 
     @property
     def n_documents(self) -> int:
@@ -74,10 +92,13 @@ class PackedDataset:
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
         window = self.tokens[starts + np.arange(self.seq_len + 1)]
         target_positions = starts + np.arange(1, self.seq_len + 1)
+        mask = (target_positions < self.n_tokens).astype(np.float32)
+        if self.weights is not None:
+            mask *= self.weights[target_positions]
         return {
             "inputs": np.ascontiguousarray(window[:, :-1]),
             "targets": np.ascontiguousarray(window[:, 1:]),
-            "mask": (target_positions < self.n_tokens).astype(np.float32),
+            "mask": mask,
         }
 
     def segment_ids(self, indices: np.ndarray) -> np.ndarray:

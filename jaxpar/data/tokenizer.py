@@ -118,6 +118,12 @@ class HFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=special_tokens).ids
         return np.asarray(ids, dtype=np.int32)
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """``text``'s ids (special tokens in it recognised, none added) and each token's
+        [start, end) characters in it (chat data: which tokens are the assistant's)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int32), list(encoding.offsets)
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         # encode_batch tokenizes in parallel on the Rust side.
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)

@@ -51,7 +51,7 @@ from jaxpar.model.transformer import abstract_model
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 BLOCK_BYTES = 2**20  # a tensor is read this many (float32) bytes at a time
 # Tensors a Hugging Face directory may hold that the model does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -141,7 +141,7 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
             ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split=split,
                                val_fraction=cfg.data.val_fraction,
                                max_bytes=cfg.data.max_bytes or None,
-                               text_field=cfg.data.text_field)
+                               text_field=cfg.data.text_field, loss_on=cfg.data.loss_on)
         it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed,
                           shuffle=cfg.data.shuffle and split == "train" and not cfg.data.sources,
                           segments=cfg.documents_masked())
