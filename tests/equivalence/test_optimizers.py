@@ -1,0 +1,40 @@
+"""Each ``train.optimizer`` on a sharded layout against the one-device run, and the bfloat16
+optimizer state (``train.opt_state_dtype``) through real steps.
+
+The tiny preset (2 layers, ``helpers.LAYOUT_BASE``: 3 steps), float32. Muon's Newton-Schulz
+iterations run on matrices the partitioner reshards (docs/optimizers.md); the parameters they
+produce must still be the one-device ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_grads_and_params_match, assert_params_moved, run_layout
+
+from jaxpar.train.optimizers import per_parameter
+
+MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "lion", "muon"])
+def test_optimizer_on_data_fsdp_tensor_matches_one_device(optimizer: str) -> None:
+    """adamw is the default every layout test in test_parallel_layouts.py already runs."""
+    chosen = (f"train.optimizer={optimizer}",)
+    ref = run_layout(chosen)
+    assert_params_moved(ref)
+    got = run_layout((*chosen, *MESH))
+    assert_grads_and_params_match(got, ref)
+
+
+def test_bfloat16_state_stores_bfloat16_moments() -> None:
+    """Every per-parameter array of AdamW's state is bfloat16 after the steps (the counters
+    stay int32), and the steps moved every parameter. (The update's float32 arithmetic on the
+    widened moments: unit/test_optimizers.py.)"""
+    got = run_layout(("train.opt_state_dtype=bfloat16",))
+    leaves = jax.tree_util.tree_flatten_with_path(got["state"].opt_state)[0]
+    moments = [a for path, a in leaves if per_parameter(path)]
+    assert moments and all(a.dtype == jnp.bfloat16 for a in moments)
+    assert all(a.dtype == jnp.int32 for path, a in leaves if not per_parameter(path))
+    assert_params_moved(got)
