@@ -12,7 +12,7 @@ once, before the loop, and keep the copy through the backward pass (``weight_cop
 The optimizer state is split like the parameters (ZeRO-3) or with ``embed`` also split over
 ``data`` and ``fsdp`` (ZeRO-1): AdamW two moments per parameter, Lion one, Muon one for the
 stacked layer matrices and AdamW's two for the rest, Adafactor a row and a column factor for
-arrays it factors and a full second moment for the rest (``train/optimizers.py``:
+arrays it factors and a full second moment for the rest (``parallel/optimizer_state.py``:
 ``state_shapes``), in ``train.opt_state_dtype`` (bfloat16 halves it). The update's float32
 temporaries (``update``) are one float32 moment's worth whatever the optimizer.
 Saved activations per layer and micro-batch, with ``r = A/t`` under sequence parallelism
@@ -93,7 +93,7 @@ from jaxpar.cost.pipeline import (
 )
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
-from jaxpar.train.optimizers import state_counters
+from jaxpar.parallel.optimizer_state import state_counters
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Every parameter's name, shape and logical axes come from :func:`jaxpar.model.tra
 abstract_model` (shapes only: nothing is allocated, traced for a device or compiled), so the
 cost model cannot drift from the model. The rules table (:func:`jaxpar.parallel.rules.
 resolve_spec`) then splits each one exactly as training splits it. The optimizer's state
-(``train.optimizer``: see :func:`jaxpar.train.optimizers.state_shapes`) is stored in
+(``train.optimizer``: :func:`jaxpar.parallel.optimizer_state.state_shapes`) is stored in
 ``train.opt_state_dtype``; parameters and their gradients in ``train.param_dtype`` (norm scales
 and the router in float32).
 """
@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxpar.config import Config, ModelConfig
 from jaxpar.model.transformer import abstract_model
+from jaxpar.parallel.optimizer_state import STATE_BYTES, state_shapes, state_spec
 from jaxpar.parallel.rules import (
     is_axes_leaf,
     logical_rules,
@@ -29,8 +30,7 @@ from jaxpar.parallel.rules import (
     param_name,
     resolve_spec,
 )
-from jaxpar.parallel.zero import ZERO1_AXES, state_spec
-from jaxpar.train.optimizers import STATE_BYTES, state_shapes
+from jaxpar.parallel.zero import ZERO1_AXES
 
 PARAM_BYTES = 4  # float32: the update; parameters, gradients and optimizer state by default
 STORED_BYTES = {"float32": 4, "bfloat16": 2}  # train.param_dtype, parallel.reduce_dtype
@@ -119,7 +119,7 @@ class ParamCost:
     # its gradient. The other byte counts are float32 sizes that the collectives scale.
     stored_bytes_per_device: int = 0
     # The optimizer state this parameter adds, per device (train.optimizer's arrays in
-    # train.opt_state_dtype, split like the moments: optimizers.state_shapes, zero.state_spec).
+    # train.opt_state_dtype, split like the moments: optimizer_state.state_shapes, state_spec).
     state_bytes_per_device: int = 0
 
     @property

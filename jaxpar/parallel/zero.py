@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
+from jaxpar.parallel.optimizer_state import state_spec
 from jaxpar.parallel.rules import is_axes_leaf, logical_rules, resolve_spec
 
 ZERO1_AXES = ("data", "fsdp")
@@ -86,8 +87,8 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
     Every per-parameter array of the state (a leaf whose path ends in that parameter's path:
     Adam's ``mu`` and ``nu``, Lion's and Muon's momentum, Adafactor's factors) gets the
     parameter's spec (ZeRO-3) or that spec with ``embed`` split over ``data``/``fsdp`` (ZeRO-1),
-    less the dimensions it lacks (:func:`state_spec`); scalars such as the step count and
-    Muon's Newton-Schulz coefficients are replicated.
+    less the dimensions it lacks (:func:`.optimizer_state.state_spec`); scalars such as the
+    step count and Muon's Newton-Schulz coefficients are replicated.
     """
     moments = moment_specs(cfg, param_specs, logical_axes)
     flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
@@ -104,21 +105,6 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
         return PartitionSpec()
 
     return jax.tree_util.tree_map_with_path(spec_of, abstract_opt_state)
-
-
-def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) -> PartitionSpec:
-    """The spec of a state array of ``shape`` that belongs to a parameter of ``param_shape``
-    split by ``spec``: the parameter's own for its shape; for one dimension fewer (Adafactor's
-    row and column factors), the spec without the first dimension whose removal gives the
-    shape; replicated otherwise (placeholders). The cost model splits state bytes alike."""
-    entries = list(spec) + [None] * (len(param_shape) - len(spec))
-    if tuple(shape) == tuple(param_shape):
-        return PartitionSpec(*entries)
-    if len(shape) == len(param_shape) - 1:
-        for d in range(len(param_shape)):
-            if param_shape[:d] + param_shape[d + 1:] == tuple(shape):
-                return PartitionSpec(*(entries[:d] + entries[d + 1:]))
-    return PartitionSpec()
 
 
 def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:

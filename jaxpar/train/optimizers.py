@@ -19,8 +19,8 @@ arrays are stored in bfloat16 and widened to float32 for each update (:func:`sto
   Newton-Schulz iterations, scaled by ``sqrt(max(1, fan_out / fan_in))``; everything else
   (embedding, head, norm scales, the MoE router) gets AdamW. See :func:`muon_dimensions`.
 
-The per-parameter state arrays of each optimizer (shapes and which parameter dimensions they
-keep) are described by :func:`state_shapes`, which the cost model uses to count their bytes.
+Which parameters are Muon's matrices and the shapes of each optimizer's per-parameter state are
+described without optax in :mod:`jaxpar.parallel.optimizer_state`, which the cost model reads.
 """
 
 from __future__ import annotations
@@ -35,12 +35,9 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from jaxpar.config import TrainConfig
+from jaxpar.parallel.optimizer_state import ADAFACTOR_MIN_DIM, muon_matrix_axes
 
 MUON_BETA = 0.95  # Muon's momentum (its authors' value)
-# Axes that are a batch of independent matrices to Muon: the scanned layers, the routed experts.
-MUON_BATCH_AXES = frozenset({"layers", "experts"})
-ADAFACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor (its default)
-STATE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,58 +100,11 @@ def decays(name: str) -> bool:
 
 
 def muon_dimensions(name: str, names: Sequence[str | None]) -> MuonDimensionNumbers | None:
-    """Muon's view of one parameter (its name and logical axes): the matrix axes of a stacked
-    layer weight, or None for a parameter AdamW updates.
-
-    Layers and experts are batch axes (one matrix per layer and expert). Of the other axes,
-    inputs come first: a weight whose last axis is ``embed`` (``wo``, ``w_down``) maps all the
-    others to it; any other (``wq``, ``w_up``, MLA's ``wkv_b``) maps its first to the rest.
-    """
-    if not names or names[0] != "layers" or name.rsplit("/", 1)[-1] in ("scale", "router"):
-        return None
-    matrix = [i for i, n in enumerate(names) if n not in MUON_BATCH_AXES]
-    if len(matrix) < 2:
-        return None
-    split = len(matrix) - 1 if names[matrix[-1]] == "embed" else 1
-    return MuonDimensionNumbers(reduction_axis=tuple(matrix[:split]),
-                                output_axis=tuple(matrix[split:]))
-
-
-def adafactor_factored_dims(shape: Sequence[int]) -> tuple[int, int] | None:
-    """The two dimensions optax's adafactor factors the second moment over (second largest,
-    largest), or None when it keeps a full one: the same rule as optax's."""
-    if len(shape) < 2:
-        return None
-    order = sorted(range(len(shape)), key=lambda i: (shape[i], i))
-    if shape[order[-2]] < ADAFACTOR_MIN_DIM:
-        return None
-    return order[-2], order[-1]
-
-
-def state_shapes(optimizer: str, name: str, shape: tuple[int, ...],
-                 names: Sequence[str | None]) -> list[tuple[int, ...]]:
-    """The shapes of the optimizer-state arrays one parameter adds (step counters aside)."""
-    if optimizer == "adamw":
-        return [shape, shape]
-    if optimizer == "lion":
-        return [shape]
-    if optimizer == "muon":
-        return [shape] if muon_dimensions(name, names) is not None else [shape, shape]
-    if optimizer == "adafactor":
-        dims = adafactor_factored_dims(shape)
-        if dims is None:  # v_row, v_col placeholders, then the full v
-            return [(1,), (1,), shape]
-        d1, d0 = dims
-        return [tuple(s for i, s in enumerate(shape) if i != d0),
-                tuple(s for i, s in enumerate(shape) if i != d1), (1,)]
-    raise ValueError(f"unknown optimizer {optimizer}")
-
-
-def state_counters(optimizer: str) -> int:
-    """Bytes of the state that is not per parameter: int32 step counts (the optimizer's and
-    the learning-rate schedule's; Muon adds its own two) and Muon's three float32 Newton-Schulz
-    coefficients."""
-    return 4 * 4 + 3 * 4 if optimizer == "muon" else 2 * 4
+    """Muon's view of one parameter: its matrix axes (:func:`jaxpar.parallel.optimizer_state.
+    muon_matrix_axes`) as optax's dimension numbers, or None for a parameter AdamW updates."""
+    axes = muon_matrix_axes(name, names)
+    return None if axes is None else MuonDimensionNumbers(reduction_axis=axes[0],
+                                                          output_axis=axes[1])
 
 
 # --------------------------------------------------------------------------------------------

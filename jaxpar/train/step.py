@@ -443,11 +443,12 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
 
 
 def reorder_layers(tree: Any, order: jax.Array) -> Any:
-    """Every array under a ``layers`` key (parameters, gradients, Adam moments) permuted along
-    its stacked first dimension: ``out[i] = tree[order[i]]``."""
+    """Every array under a ``layers`` key (parameters, gradients, optimizer moments) permuted
+    along its stacked first dimension: ``out[i] = tree[order[i]]``. Arrays without that
+    dimension (Adafactor's one-element placeholders) stay as they are."""
     def leaf(path: tuple, a: jax.Array) -> jax.Array:
         under_layers = any(getattr(key, "key", None) == "layers" for key in path)
-        return a[order] if under_layers and a.ndim > 0 else a
+        return a[order] if under_layers and a.ndim > 0 and a.shape[0] == len(order) else a
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
 

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import assert_grads_and_params_match, assert_params_moved, run_layout
+from helpers import (
+    assert_grads_and_params_match,
+    assert_params_moved,
+    max_relative_error,
+    run_layout,
+)
 
 from jaxpar.train.optimizers import per_parameter
 
@@ -31,10 +37,29 @@ def test_optimizer_on_data_fsdp_tensor_matches_one_device(optimizer: str) -> Non
 def test_bfloat16_state_stores_bfloat16_moments() -> None:
     """Every per-parameter array of AdamW's state is bfloat16 after the steps (the counters
     stay int32), and the steps moved every parameter. (The update's float32 arithmetic on the
-    widened moments: unit/test_optimizers.py.)"""
+    widened moments: unit/test_optimizer_setup.py.)"""
     got = run_layout(("train.opt_state_dtype=bfloat16",))
     leaves = jax.tree_util.tree_flatten_with_path(got["state"].opt_state)[0]
     moments = [a for path, a in leaves if per_parameter(path)]
     assert moments and all(a.dtype == jnp.bfloat16 for a in moments)
     assert all(a.dtype == jnp.int32 for path, a in leaves if not per_parameter(path))
     assert_params_moved(got)
+
+
+# The interleaved schedule stores the stacked layers out of model order, the optimizer state's
+# too (Trainer.to_model_order): each optimizer's state must follow the layers it belongs to.
+PIPELINE = ("mesh.pipe=2", "mesh.data=1", "train.microbatches=4",
+            "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
+            "model.n_layers=4")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adafactor", "lion", "muon"])
+def test_optimizer_in_interleaved_pipeline_matches_one_device(optimizer: str) -> None:
+    chosen = (f"train.optimizer={optimizer}",)
+    ref = run_layout((*chosen, "model.n_layers=4"))
+    got = run_layout((*chosen, *PIPELINE))
+    back = np.argsort(got["trainer"].layer_order)
+    params = dict(got["params"], layers=jax.tree.map(lambda a: a[back], got["params"]["layers"]))
+    errors = max_relative_error(params, ref["params"])
+    assert max(errors.values()) < 1e-4, errors

@@ -11,17 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_one_line_error, run_jaxpar
 
 from jaxpar.config import TrainConfig, load_config, validate
 from jaxpar.cost.params import param_costs
 from jaxpar.mesh import make_mesh
+from jaxpar.parallel.optimizer_state import state_counters
 from jaxpar.train.optimizers import (
     learning_rate_schedule,
     make_optimizer,
     muon_dimensions,
     per_parameter,
-    state_counters,
     wsd_value,
 )
 from jaxpar.train.step import resolve_shardings
@@ -125,7 +124,3 @@ def test_bfloat16_state_update_is_float32_arithmetic_rounded() -> None:
         np.testing.assert_allclose(np.asarray(m16, np.float32), np.asarray(m32), rtol=1e-2)
     np.testing.assert_allclose(np.asarray(u16["w"]), np.asarray(u32["w"]), rtol=2e-2)
 
-
-def test_cli_unknown_optimizer_is_one_line_exit_2() -> None:
-    assert_one_line_error(run_jaxpar("plan", "tiny", "train.optimizer=sgd"),
-                          "train.optimizer", "adamw, adafactor, lion, muon")
