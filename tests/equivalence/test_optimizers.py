@@ -8,18 +8,25 @@ produce must still be the one-device ones.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    MOE_LAYOUT_BASE,
     assert_grads_and_params_match,
     assert_params_moved,
+    make_batches,
     max_relative_error,
     run_layout,
 )
 
+from jaxpar.config import load_config, validate
+from jaxpar.mesh import make_mesh
 from jaxpar.train.optimizers import per_parameter
+from jaxpar.train.step import build_trainer
 
 MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
 
@@ -62,4 +69,31 @@ def test_optimizer_in_interleaved_pipeline_matches_one_device(optimizer: str) ->
     back = np.argsort(got["trainer"].layer_order)
     params = dict(got["params"], layers=jax.tree.map(lambda a: a[back], got["params"]["layers"]))
     errors = max_relative_error(params, ref["params"])
+    assert max(errors.values()) < 1e-4, errors
+
+
+def _moe_params_after_steps(overrides: tuple[str, ...]) -> tuple[dict, dict]:
+    """moe-tiny (helpers.MOE_LAYOUT_BASE) with ``overrides``: the parameters before and after
+    the steps."""
+    cfg = load_config("moe-tiny", [*MOE_LAYOUT_BASE, *overrides])
+    n = math.prod(int(o.split("=")[1]) for o in overrides if o.startswith("mesh."))
+    cfg = validate(cfg, n)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n]))
+    state, step = trainer.init(), trainer.compile_step()
+    init = jax.tree.map(np.asarray, state.params)
+    for batch in make_batches(cfg):
+        state, _ = step(state, trainer.put_batch(batch))
+    return init, jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.slow
+def test_muon_on_experts_with_expert_parallelism_matches_one_device() -> None:
+    """Muon orthogonalises each routed expert's matrices ([L, E, in, out]: L x E matrices) with
+    the experts split over ``expert``, as on one device."""
+    init, ref = _moe_params_after_steps(("train.optimizer=muon", "mesh.data=1"))
+    _, got = _moe_params_after_steps(("train.optimizer=muon", "mesh.data=2", "mesh.expert=2",
+                                      "mesh.tensor=2"))
+    moved = max_relative_error(ref, init)
+    assert min(moved.values()) > 1e-4, moved
+    errors = max_relative_error(got, ref)
     assert max(errors.values()) < 1e-4, errors
