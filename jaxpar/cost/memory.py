@@ -363,7 +363,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     return MemoryCost(
         params=param_bytes,
         optimizer=sum(p.state_bytes_per_device for p in params)
-        + state_counters(cfg.train.optimizer),
+        + state_counters(cfg.train.optimizer, cfg.train.weight_decay),
         gradients=gradient_bytes + accumulator + whole_before_scatter,
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)

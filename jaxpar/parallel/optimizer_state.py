@@ -65,11 +65,13 @@ def state_shapes(optimizer: str, name: str, shape: tuple[int, ...],
     raise ValueError(f"unknown optimizer {optimizer}")
 
 
-def state_counters(optimizer: str) -> int:
+def state_counters(optimizer: str, weight_decay: float) -> int:
     """Bytes of the state that is not per parameter: int32 step counts (the optimizer's and
-    the learning-rate schedule's; Muon adds its own two) and Muon's three float32 Newton-Schulz
-    coefficients."""
-    return 4 * 4 + 3 * 4 if optimizer == "muon" else 2 * 4
+    the learning-rate schedule's; Muon adds its own two; Adafactor one for its weight-decay
+    schedule) and Muon's three float32 Newton-Schulz coefficients."""
+    if optimizer == "muon":
+        return 4 * 4 + 3 * 4
+    return 3 * 4 if optimizer == "adafactor" and weight_decay else 2 * 4
 
 
 def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) -> PartitionSpec:

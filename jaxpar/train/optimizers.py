@@ -130,9 +130,12 @@ def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None
         parts.append(optax.lion(lr, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                                 mask=decay_mask))
     elif t.optimizer == "adafactor":
-        parts.append(optax.adafactor(lr, min_dim_size_to_factor=ADAFACTOR_MIN_DIM,
-                                     weight_decay_rate=t.weight_decay or None,
-                                     weight_decay_mask=decay_mask))
+        # optax adds weight_decay_rate x parameter after the learning rate: a schedule of
+        # lr x weight_decay makes it the decoupled decay the other optimizers apply.
+        parts.append(optax.adafactor(
+            lr, min_dim_size_to_factor=ADAFACTOR_MIN_DIM, weight_decay_mask=decay_mask,
+            weight_decay_rate=(lambda count: t.weight_decay * lr(count)) if t.weight_decay
+            else None))
     elif t.optimizer == "muon":
         if logical_axes is None:
             raise ValueError("train.optimizer=muon needs the parameters' logical axes")

@@ -74,8 +74,9 @@ STATE_LAYOUTS = {
     "one-device": ["model.d_model=128", "model.d_ff=256"],
     "data2-fsdp2-tensor2": ["model.d_model=128", "model.d_ff=256", "mesh.data=2", "mesh.fsdp=2",
                             "mesh.tensor=2"],
-    "zero1-data4-tensor2": ["model.d_model=128", "model.d_ff=256", "mesh.data=4",
-                            "mesh.tensor=2", "parallel.zero=1"],
+    "zero1-data4-tensor2-no-decay": ["model.d_model=128", "model.d_ff=256", "mesh.data=4",
+                                     "mesh.tensor=2", "parallel.zero=1",
+                                     "train.weight_decay=0"],
 }
 
 
@@ -98,7 +99,7 @@ def test_plan_counts_the_state_the_step_lays_out(layout: str, optimizer: str, dt
     laid_out = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                    for _, a in leaves)
     planned = (sum(p.state_bytes_per_device for p in param_costs(cfg))
-               + state_counters(optimizer))
+               + state_counters(optimizer, cfg.train.weight_decay))
     assert planned == laid_out
     stored = {a.dtype for path, a in leaves if per_parameter(path)}
     assert stored == {jnp.dtype(dtype)}
@@ -124,3 +125,17 @@ def test_bfloat16_state_update_is_float32_arithmetic_rounded() -> None:
         np.testing.assert_allclose(np.asarray(m16, np.float32), np.asarray(m32), rtol=1e-2)
     np.testing.assert_allclose(np.asarray(u16["w"]), np.asarray(u32["w"]), rtol=2e-2)
 
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_weight_decay_is_decoupled_lr_times_weight_decay(optimizer: str) -> None:
+    """With a zero gradient the update is the decay alone: -lr x weight_decay x parameter for
+    every optimizer (optax's adafactor alone would subtract weight_decay x parameter)."""
+    params = {"layers": {"mlp": {"w_up": jnp.full((2, 4, 8), 2.0)}}}
+    axes = {"layers": {"mlp": {"w_up": ("layers", "embed", "mlp")}}}
+    t = TrainConfig(optimizer=optimizer, schedule="constant", warmup_steps=0, lr=0.01,
+                    weight_decay=0.1, grad_clip=0.0)
+    tx = make_optimizer(t, axes)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_allclose(np.asarray(updates["layers"]["mlp"]["w_up"]), -0.01 * 0.1 * 2.0,
+                               rtol=1e-5)
