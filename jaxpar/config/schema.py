@@ -217,8 +217,16 @@ class TrainConfig:
     batch_size: int = 8  # global sequences per optimizer step
     seq_len: int = 64
     seed: int = 0
+    # adamw; adafactor (factored second moment); lion (one moment); muon (orthogonalised
+    # momentum on the stacked layer matrices, AdamW on the rest). See train/optimizers.py.
+    optimizer: Literal["adamw", "adafactor", "lion", "muon"] = "adamw"
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # After warmup_steps of linear warm-up: cosine decay to lr * min_lr_ratio at `steps`; wsd:
+    # lr, then linear decay to lr * min_lr_ratio over the last decay_fraction of the steps;
+    # constant: lr.
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1  # cosine and wsd decay to lr * min_lr_ratio
+    decay_fraction: float = 0.2  # wsd: the share of the steps that decays, in (0, 1]
     warmup_steps: int = 10
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -233,9 +241,12 @@ class TrainConfig:
     loss_chunks: int = 0
     remat: Literal["none", "full", "dots"] = "none"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of the matmuls
-    # Storage dtype of the parameters (norm scales and the router stay float32); Adam's moments
-    # and the update are float32 either way (train/step.py: in_float32).
+    # Storage dtype of the parameters (norm scales and the router stay float32); the update is
+    # float32 either way (train/optimizers.py: in_float32).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Storage dtype of the optimizer's per-parameter state (moments, factors); each update
+    # widens it to float32, computes in float32 and rounds it back (optimizers.stored_state).
+    opt_state_dtype: Literal["float32", "bfloat16"] = "float32"
     # Start from these weights (a checkpoint step, run or checkpoints directory, or the output
     # of `jaxpar import-hf`) with a fresh optimizer at step 0; a checkpoint that train.resume
     # finds wins (so a rerun continues), see checkpoint/weights.py.

@@ -300,6 +300,9 @@ def _check_optimizer(t: TrainConfig) -> None:
     _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr={t.lr}: must be a finite number > 0")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
     _require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+    _require(math.isfinite(t.decay_fraction) and 0 < t.decay_fraction <= 1,
+             f"train.decay_fraction={t.decay_fraction}: must be in (0, 1] (the share of "
+             "train.steps that schedule=wsd decays over)")
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
 
 

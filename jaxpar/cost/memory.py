@@ -9,10 +9,14 @@ whole gradient is alive at the end of the backward pass, beside the scattered on
 llama-1b data=8 in bf16: compiled peak / plan 1.67 -> 1.05, and 0.90 with the cast below).
 In bf16 compute outside a pipeline the GPU/TPU compilers also cast the whole stored layer stack
 once, before the loop, and keep the copy through the backward pass (``weight_copies``).
-AdamW keeps two float32 moments per parameter, split like the parameters (ZeRO-3) or with
-``embed`` also split over ``data`` and ``fsdp`` (ZeRO-1). Saved activations per layer and
-micro-batch, with ``r = A/t`` under sequence parallelism (else ``r = A``: the residual stream
-is replicated over ``tensor``):
+The optimizer state is split like the parameters (ZeRO-3) or with ``embed`` also split over
+``data`` and ``fsdp`` (ZeRO-1): AdamW two moments per parameter, Lion one, Muon one for the
+stacked layer matrices and AdamW's two for the rest, Adafactor a row and a column factor for
+arrays it factors and a full second moment for the rest (``parallel/optimizer_state.py``:
+``state_shapes``), in ``train.opt_state_dtype`` (bfloat16 halves it). The update's float32
+temporaries (``update``) are one float32 moment's worth whatever the optimizer.
+Saved activations per layer and micro-batch, with ``r = A/t`` under sequence parallelism
+(else ``r = A``: the residual stream is replicated over ``tensor``):
 
 - ``remat=none``: what the layers' custom VJPs and autodiff keep. Per RMSNorm (2) its input
   (r) and float32 reciprocal rms (r x 4/(E a)); the column-parallel matmuls rebuild the norm's
@@ -89,6 +93,7 @@ from jaxpar.cost.pipeline import (
 )
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
+from jaxpar.parallel.optimizer_state import state_counters
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class MemoryCost:
     """Bytes per device. ``state``: what the step takes and returns (donated)."""
 
     params: int
-    optimizer: int  # two Adam moments + two int32 counts
+    optimizer: int  # the optimizer's state (train.optimizer, opt_state_dtype) + counts
     gradients: int  # including the accumulator when grad_accum > 1
     batch: int  # inputs, targets (int32) and mask (float32) rows of this device
     activations: int  # saved for the backward pass, all layers, one micro-batch
@@ -357,7 +362,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         head += stage_head(st)
     return MemoryCost(
         params=param_bytes,
-        optimizer=2 * moments + 2 * 4,  # + int32 counts of Adam and the lr schedule
+        optimizer=sum(p.state_bytes_per_device for p in params)
+        + state_counters(cfg.train.optimizer, cfg.train.weight_decay),
         gradients=gradient_bytes + accumulator + whole_before_scatter,
         batch=rows * st.sl * 12,
         activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)

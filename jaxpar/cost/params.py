@@ -3,9 +3,10 @@
 Every parameter's name, shape and logical axes come from :func:`jaxpar.model.transformer.
 abstract_model` (shapes only: nothing is allocated, traced for a device or compiled), so the
 cost model cannot drift from the model. The rules table (:func:`jaxpar.parallel.rules.
-resolve_spec`) then splits each one exactly as training splits it. Adam moments are float32;
-parameters and their gradients are stored in ``train.param_dtype`` (norm scales and the router
-in float32).
+resolve_spec`) then splits each one exactly as training splits it. The optimizer's state
+(``train.optimizer``: :func:`jaxpar.parallel.optimizer_state.state_shapes`) is stored in
+``train.opt_state_dtype``; parameters and their gradients in ``train.param_dtype`` (norm scales
+and the router in float32).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flax import nnx
 
 from jaxpar.config import Config, ModelConfig
 from jaxpar.model.transformer import abstract_model
+from jaxpar.parallel.optimizer_state import STATE_BYTES, state_shapes, state_spec
 from jaxpar.parallel.rules import (
     is_axes_leaf,
     logical_rules,
@@ -30,7 +32,7 @@ from jaxpar.parallel.rules import (
 )
 from jaxpar.parallel.zero import ZERO1_AXES
 
-PARAM_BYTES = 4  # float32: Adam moments always; parameters and gradients by default
+PARAM_BYTES = 4  # float32: the update; parameters, gradients and optimizer state by default
 STORED_BYTES = {"float32": 4, "bfloat16": 2}  # train.param_dtype, parallel.reduce_dtype
 
 
@@ -116,6 +118,9 @@ class ParamCost:
     # The shard as stored (train.param_dtype; norm scales and the router stay float32), and
     # its gradient. The other byte counts are float32 sizes that the collectives scale.
     stored_bytes_per_device: int = 0
+    # The optimizer state this parameter adds, per device (train.optimizer's arrays in
+    # train.opt_state_dtype, split like the moments: optimizer_state.state_shapes, state_spec).
+    state_bytes_per_device: int = 0
 
     @property
     def dense_stack(self) -> bool:
@@ -169,8 +174,20 @@ def param_costs(cfg: Config) -> list[ParamCost]:
             stacked=p.stacked)
         stored = STORED_BYTES[cfg.train.param_dtype] if cost.matmul else PARAM_BYTES
         out.append(dataclasses.replace(
-            cost, stored_bytes_per_device=cost.bytes_per_device * stored // PARAM_BYTES))
+            cost, stored_bytes_per_device=cost.bytes_per_device * stored // PARAM_BYTES,
+            state_bytes_per_device=_state_bytes(cfg, p, moment_spec)))
     return out
+
+
+def _state_bytes(cfg: Config, p: ParamShape, moment_spec: tuple[SpecEntry, ...]) -> int:
+    """Bytes per device of the optimizer-state arrays of one parameter, each split by its
+    moment spec less the dimensions it lacks, as the step lays them out."""
+    mesh, total = cfg.mesh_shape, 0
+    width = STATE_BYTES[cfg.train.opt_state_dtype]
+    for shape in state_shapes(cfg.train.optimizer, p.name, p.shape, p.names):
+        spec = tuple(state_spec(p.shape, moment_spec, shape))
+        total += math.prod(shape) * width // _parts(spec, mesh)
+    return total
 
 
 def _zero1_spec(spec: tuple[SpecEntry, ...], names: tuple[str | None, ...],

@@ -206,7 +206,7 @@ def _memory_table(report: CostReport, hw: HardwareProfile) -> Table:
     memory.add_column("what")
     for name, value, what in (
         ("parameters", m.params, "float32 shards (rules table)"),
-        ("optimizer", m.optimizer, "Adam moments, float32"
+        ("optimizer", m.optimizer, f"{cfg.train.optimizer} state, {cfg.train.opt_state_dtype}"
          + (" (ZeRO-1: split over data*fsdp)" if cfg.parallel.zero == 1 else "")),
         ("gradients", m.gradients, "float32, like the parameters"
          + (" (+ accumulator)" if cfg.train.grad_accum > 1 else "")),

@@ -351,7 +351,7 @@ def _print_memory(memory: Mapping[str, Any], console: Console, tpu: bool = False
         table.add_row("  parameters", human_bytes(memory.get("params_bytes")),
                       "the shards in the table above")
         table.add_row("  optimizer state", human_bytes(memory.get("optimizer_bytes")),
-                      "AdamW moments (+ step counters)")
+                      "the optimizer's moments (+ step counters)")
     table.add_row("output", human_bytes(memory["output_bytes"]),
                   "new train state + metrics" if step else "the program's outputs")
     table.add_row("alias", human_bytes(memory.get("alias_bytes")),

@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
+from jaxpar.parallel.optimizer_state import state_spec
 from jaxpar.parallel.rules import is_axes_leaf, logical_rules, resolve_spec
 
 ZERO1_AXES = ("data", "fsdp")
@@ -83,20 +84,27 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
                           param_specs: Any, logical_axes: Any) -> Any:
     """PartitionSpecs for the optimizer state.
 
-    Every part of the state shaped like the parameter tree (Adam's ``mu`` and ``nu``) gets the
-    parameters' specs (ZeRO-3) or those specs with ``embed`` split over ``data``/``fsdp``
-    (ZeRO-1); scalars such as the step count are replicated.
+    Every per-parameter array of the state (a leaf whose path ends in that parameter's path:
+    Adam's ``mu`` and ``nu``, Lion's and Muon's momentum, Adafactor's factors) gets the
+    parameter's spec (ZeRO-3) or that spec with ``embed`` split over ``data``/``fsdp`` (ZeRO-1),
+    less the dimensions it lacks (:func:`.optimizer_state.state_spec`); scalars such as the
+    step count and Muon's Newton-Schulz coefficients are replicated.
     """
     moments = moment_specs(cfg, param_specs, logical_axes)
-    params_structure = jax.tree.structure(abstract_params)
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    specs = jax.tree_util.tree_flatten(moments, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    by_path = {tuple(path): (leaf.shape, spec) for (path, leaf), spec in zip(flat, specs,
+                                                                              strict=True)}
 
-    def shaped_like_params(node: Any) -> bool:
-        return (not isinstance(node, jax.ShapeDtypeStruct | jax.Array)
-                and jax.tree.structure(node) == params_structure)
+    def spec_of(path: tuple, leaf: Any) -> PartitionSpec:
+        for start in range(len(path)):
+            if start == 0 or not isinstance(path[start - 1], jax.tree_util.DictKey):
+                found = by_path.get(path[start:])
+                if found is not None:
+                    return state_spec(found[0], found[1], tuple(leaf.shape))
+        return PartitionSpec()
 
-    return jax.tree.map(
-        lambda node: moments if shaped_like_params(node) else PartitionSpec(),
-        abstract_opt_state, is_leaf=shaped_like_params)
+    return jax.tree_util.tree_map_with_path(spec_of, abstract_opt_state)
 
 
 def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:

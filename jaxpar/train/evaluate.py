@@ -119,7 +119,8 @@ def load_eval_state(trainer: Trainer, path: Path) -> TrainState:
     if trainer.pipeline is None:
         return TrainState(step, params, None, buffers)
     # The pipelined step takes a whole train state (and reorders layers with one): zeros.
-    init = jax.jit(make_optimizer(trainer.cfg.train).init, out_shardings=shardings.opt_state)
+    init = jax.jit(make_optimizer(trainer.cfg.train, trainer.logical_axes).init,
+                   out_shardings=shardings.opt_state)
     with jax.set_mesh(trainer.mesh):
         opt_state = init(params)
     return trainer.from_model_order(TrainState(step, params, opt_state, buffers))

@@ -26,7 +26,7 @@ def initial_state(trainer: Trainer, source: Path) -> TrainState:
     abstract = trainer.abstract_state.buffers
     stored = stored_buffers(source) if jax.tree.leaves(abstract) else {}
     saved = restore_params(source, _held(abstract, stored), item="buffers") if stored else {}
-    tx = make_optimizer(trainer.cfg.train)
+    tx = make_optimizer(trainer.cfg.train, trainer.logical_axes)
 
     def fresh(params: dict, saved: dict) -> TrainState:
         # the config's values (window flags, zero router biases), then the saved ones over them

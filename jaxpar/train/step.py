@@ -47,7 +47,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import Config, ConfigError, TrainConfig
+from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import process_batch_rows
 from jaxpar.model.layers import FULL_PRECISION
 from jaxpar.model.loss import summed_token_loss
@@ -72,6 +72,12 @@ from jaxpar.parallel.rules import (
     resolve_spec,
 )
 from jaxpar.parallel.zero import data_summed_by_hand, gradient_specs, optimizer_state_specs
+from jaxpar.train.optimizers import (  # noqa: F401  (learning_rate_schedule: re-exported)
+    as_float32,
+    in_float32,
+    learning_rate_schedule,
+    make_optimizer,
+)
 
 Batch = dict[str, jax.Array]  # inputs, targets: int32 [B, S]; mask: float32 [B, S]
 
@@ -81,51 +87,6 @@ class TrainState(NamedTuple):
     params: dict
     opt_state: Any
     buffers: dict  # non-trainable model variables (MoE router biases, window flags) or {}
-
-
-def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
-    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
-
-    Evaluated at the 0-based step count; optimizer step k (1-based) uses the schedule at k, so
-    the first step already moves the parameters (lr/warmup_steps) instead of wasting a step at 0.
-    """
-    base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
-        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
-    return lambda count: base(count + 1)
-
-
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (no decay on norm scales and biases), after global-norm clipping."""
-
-    def decays(name: str) -> bool:
-        return "norm" not in name and not name.endswith("_bias")
-
-    def decay_mask(params: dict) -> dict:
-        return jax.tree_util.tree_map_with_path(lambda path, _: decays(param_name(path)), params)
-
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
-                             weight_decay=t.weight_decay, mask=decay_mask))
-    return in_float32(optax.chain(*parts))
-
-
-def as_float32(tree: Any) -> Any:
-    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-
-
-def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` run on float32 copies of the gradients and parameters, so that Adam's moments,
-    the clipping norm and the update are float32 whatever ``train.param_dtype`` stores; the
-    update is rounded to the stored dtype only when ``optax.apply_updates`` adds it. (No
-    float32 master copy: with bfloat16 parameters an update below half a bf16 ulp of its weight
-    is lost; the trade is half the parameter memory. A no-op for float32 parameters.)"""
-
-    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        return tx.update(as_float32(grads), state,
-                         None if params is None else as_float32(params))
-
-    return optax.GradientTransformation(lambda params: tx.init(as_float32(params)), update)
 
 
 def stored_params(params: dict, param_dtype: str) -> dict:
@@ -439,7 +400,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     hook cannot run fails before any trace), the loss-and-gradient function (plain, or the
     pipeline executor's), the train step.
     """
-    tx = make_optimizer(cfg.train)
+    tx = make_optimizer(cfg.train, param_logical_axes(abstract_model(cfg.model)))
     sh = resolve_shardings(cfg, mesh, tx)
     platform = mesh.devices.flat[0].platform
     check_reduce_dtype(cfg, platform)
@@ -482,11 +443,12 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
 
 
 def reorder_layers(tree: Any, order: jax.Array) -> Any:
-    """Every array under a ``layers`` key (parameters, gradients, Adam moments) permuted along
-    its stacked first dimension: ``out[i] = tree[order[i]]``."""
+    """Every array under a ``layers`` key (parameters, gradients, optimizer moments) permuted
+    along its stacked first dimension: ``out[i] = tree[order[i]]``. Arrays without that
+    dimension (Adafactor's one-element placeholders) stay as they are."""
     def leaf(path: tuple, a: jax.Array) -> jax.Array:
         under_layers = any(getattr(key, "key", None) == "layers" for key in path)
-        return a[order] if under_layers and a.ndim > 0 else a
+        return a[order] if under_layers and a.ndim > 0 and a.shape[0] == len(order) else a
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
 

@@ -62,6 +62,9 @@ CLI_ERROR_CASES = {
     "moe-top-k-over-experts": (["model.moe.num_experts=4", "model.moe.top_k=8"],
                                ["model.moe.top_k=8", "model.moe.num_experts=4"]),
     "missing-equals": (["mesh.tensor"], ["mesh.tensor", "key=value"]),
+    "bad-choice-optimizer": (["train.optimizer=sgd"],
+                             ["train.optimizer", "adamw, adafactor, lion, muon"]),
+    "decay-fraction-range": (["train.decay_fraction=0"], ["train.decay_fraction", "(0, 1]"]),
 }
 
 

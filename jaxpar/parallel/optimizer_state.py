@@ -1,0 +1,89 @@
+"""The optimizer state's layout, without optax: which parameters are Muon's matrices, the
+shapes of each ``train.optimizer``'s per-parameter arrays, and how each array is split. The
+optimizers (:mod:`jaxpar.train.optimizers`) and the cost model (:mod:`jaxpar.cost.params`) both
+read it, so that ``jaxpar plan`` counts the state the step builds
+(``tests/unit/test_optimizer_setup.py`` checks they agree)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+# Axes that are a batch of independent matrices to Muon: the scanned layers, the routed experts.
+MUON_BATCH_AXES = frozenset({"layers", "experts"})
+ADAFACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor (its default)
+STATE_BYTES = {"float32": 4, "bfloat16": 2}  # train.opt_state_dtype
+
+
+def muon_matrix_axes(name: str, names: Sequence[str | None]
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Muon's view of one parameter (its name and logical axes): the (reduction, output) axes
+    of a stacked layer weight, or None for a parameter AdamW updates.
+
+    Layers and experts are batch axes (one matrix per layer and expert). Of the other axes,
+    inputs come first: a weight whose last axis is ``embed`` (``wo``, ``w_down``) maps all the
+    others to it; any other (``wq``, ``w_up``, MLA's ``wkv_b``) maps its first to the rest.
+    """
+    if not names or names[0] != "layers" or name.rsplit("/", 1)[-1] in ("scale", "router"):
+        return None
+    matrix = [i for i, n in enumerate(names) if n not in MUON_BATCH_AXES]
+    if len(matrix) < 2:
+        return None
+    split = len(matrix) - 1 if names[matrix[-1]] == "embed" else 1
+    return tuple(matrix[:split]), tuple(matrix[split:])
+
+
+def adafactor_factored_dims(shape: Sequence[int]) -> tuple[int, int] | None:
+    """The two dimensions optax's adafactor factors the second moment over (second largest,
+    largest), or None when it keeps a full one: the same rule as optax's."""
+    if len(shape) < 2:
+        return None
+    order = sorted(range(len(shape)), key=lambda i: (shape[i], i))
+    if shape[order[-2]] < ADAFACTOR_MIN_DIM:
+        return None
+    return order[-2], order[-1]
+
+
+def state_shapes(optimizer: str, name: str, shape: tuple[int, ...],
+                 names: Sequence[str | None]) -> list[tuple[int, ...]]:
+    """The shapes of the optimizer-state arrays one parameter adds (step counters aside)."""
+    if optimizer == "adamw":
+        return [shape, shape]
+    if optimizer == "lion":
+        return [shape]
+    if optimizer == "muon":
+        return [shape] if muon_matrix_axes(name, names) is not None else [shape, shape]
+    if optimizer == "adafactor":
+        dims = adafactor_factored_dims(shape)
+        if dims is None:  # v_row, v_col placeholders, then the full v
+            return [(1,), (1,), shape]
+        d1, d0 = dims
+        return [tuple(s for i, s in enumerate(shape) if i != d0),
+                tuple(s for i, s in enumerate(shape) if i != d1), (1,)]
+    raise ValueError(f"unknown optimizer {optimizer}")
+
+
+def state_counters(optimizer: str, weight_decay: float) -> int:
+    """Bytes of the state that is not per parameter: int32 step counts (the optimizer's and
+    the learning-rate schedule's; Muon adds its own two; Adafactor one for its weight-decay
+    schedule) and Muon's three float32 Newton-Schulz coefficients."""
+    if optimizer == "muon":
+        return 4 * 4 + 3 * 4
+    return 3 * 4 if optimizer == "adafactor" and weight_decay else 2 * 4
+
+
+def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) -> PartitionSpec:
+    """The spec of a state array of ``shape`` that belongs to a parameter of ``param_shape``
+    split by ``spec``: the parameter's own for its shape; for one dimension fewer (Adafactor's
+    row and column factors), the spec without the first dimension whose removal gives the
+    shape; replicated otherwise (placeholders). The cost model splits state bytes alike."""
+    entries = list(spec) + [None] * (len(param_shape) - len(spec))
+    if tuple(shape) == tuple(param_shape):
+        return PartitionSpec(*entries)
+    if len(shape) == len(param_shape) - 1:
+        for d in range(len(param_shape)):
+            if param_shape[:d] + param_shape[d + 1:] == tuple(shape):
+                return PartitionSpec(*(entries[:d] + entries[d + 1:]))
+    return PartitionSpec()

@@ -1,0 +1,240 @@
+"""Optimizers (``train.optimizer``), learning-rate schedules (``train.schedule``) and the
+storage dtype of the optimizer state (``train.opt_state_dtype``), all through optax.
+
+Every optimizer runs after global-norm clipping, on float32 copies of the gradients and
+parameters (:func:`in_float32`); with ``opt_state_dtype=bfloat16`` the state's per-parameter
+arrays are stored in bfloat16 and widened to float32 for each update (:func:`stored_state`).
+
+- ``adamw``: two moments per parameter; no weight decay on norm scales and biases.
+- ``adafactor``: optax's, with its defaults: a second moment factored into a row and a column
+  vector for arrays whose two largest dimensions are both >= 128 (optax picks the two largest
+  dimensions of the array, which for a stacked weight ``[L, in, out]`` is the per-layer matrix
+  whenever ``in, out > L``), a full one for the rest; no first moment; updates scaled by the
+  parameter's RMS.
+- ``lion``: one moment per parameter (``train.b1``/``train.b2`` are its two betas; Lion wants
+  a learning rate 3-10x below AdamW's).
+- ``muon``: the stacked layer weights (every ``layers/...`` and ``dense_layers/...`` matmul
+  weight with two or more non-layer, non-expert dimensions) get Muon's update: Nesterov
+  momentum (one buffer, beta :data:`MUON_BETA`), orthogonalised per layer (and per expert) by
+  Newton-Schulz iterations, scaled by ``sqrt(max(1, fan_out / fan_in))``; everything else
+  (embedding, head, norm scales, the MoE router) gets AdamW. See :func:`muon_dimensions`.
+
+Which parameters are Muon's matrices and the shapes of each optimizer's per-parameter state are
+described without optax in :mod:`jaxpar.parallel.optimizer_state`, which the cost model reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+from jaxpar.config import TrainConfig
+from jaxpar.parallel.optimizer_state import ADAFACTOR_MIN_DIM, muon_matrix_axes
+
+MUON_BETA = 0.95  # Muon's momentum (its authors' value)
+
+
+# --------------------------------------------------------------------------------------------
+# Schedules
+
+
+def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
+    """``train.schedule`` after ``train.warmup_steps`` of linear warm-up from 0 to ``lr``:
+
+    - ``cosine``: cosine decay to ``lr * min_lr_ratio`` at ``steps``;
+    - ``wsd`` (warm-up, stable, decay): ``lr`` until the last ``decay_fraction`` of the steps,
+      then linear decay to ``lr * min_lr_ratio`` at ``steps`` (:func:`wsd_value`);
+    - ``constant``: ``lr`` after the warm-up.
+
+    Evaluated at the 0-based step count; optimizer step k (1-based) uses the schedule at k, so
+    the first step already moves the parameters (lr/warmup_steps) instead of wasting a step at 0.
+    """
+    if t.schedule == "cosine":
+        base = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
+            decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+        return lambda count: base(count + 1)
+    start = wsd_decay_start(t) if t.schedule == "wsd" else t.steps
+    end = t.lr * (t.min_lr_ratio if t.schedule == "wsd" else 1.0)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        s = jnp.asarray(count, jnp.float32) + 1
+        warm = t.lr * s / max(t.warmup_steps, 1)
+        frac = jnp.clip((s - start) / max(t.steps - start, 1), 0.0, 1.0)
+        after = t.lr + (end - t.lr) * frac
+        return jnp.where(s < t.warmup_steps, warm, after)
+
+    return schedule
+
+
+def wsd_decay_start(t: TrainConfig) -> int:
+    """The step after which ``wsd`` decays: the last ``round(decay_fraction * steps)`` steps
+    (at least one) decay, never before the warm-up ends."""
+    return max(t.steps - max(1, round(t.decay_fraction * t.steps)), t.warmup_steps)
+
+
+def wsd_value(t: TrainConfig, step: int) -> float:
+    """The ``wsd`` learning rate of optimizer step ``step`` (1-based), in plain Python."""
+    if step < t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    start = wsd_decay_start(t)
+    if step <= start:
+        return t.lr
+    frac = min(1.0, (step - start) / max(t.steps - start, 1))
+    return t.lr * (1 - frac * (1 - t.min_lr_ratio))
+
+
+# --------------------------------------------------------------------------------------------
+# Which parameters get what
+
+
+def decays(name: str) -> bool:
+    """Weight decay on every parameter but norm scales and biases."""
+    return "norm" not in name and not name.endswith("_bias")
+
+
+def muon_dimensions(name: str, names: Sequence[str | None]) -> MuonDimensionNumbers | None:
+    """Muon's view of one parameter: its matrix axes (:func:`jaxpar.parallel.optimizer_state.
+    muon_matrix_axes`) as optax's dimension numbers, or None for a parameter AdamW updates."""
+    axes = muon_matrix_axes(name, names)
+    return None if axes is None else MuonDimensionNumbers(reduction_axis=axes[0],
+                                                          output_axis=axes[1])
+
+
+# --------------------------------------------------------------------------------------------
+# The transformation
+
+
+def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None
+                   ) -> optax.GradientTransformation:
+    """``train.optimizer`` after global-norm clipping, in float32, its state stored in
+    ``train.opt_state_dtype``. ``logical_axes`` (the parameters' logical axis names, as
+    :func:`jaxpar.parallel.rules.param_logical_axes`) is needed by Muon only."""
+    from jaxpar.parallel.rules import param_name  # noqa: PLC0415
+
+    def decay_mask(params: dict) -> dict:
+        return jax.tree_util.tree_map_with_path(lambda path, _: decays(param_name(path)), params)
+
+    lr = learning_rate_schedule(t)
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    if t.optimizer == "adamw":
+        parts.append(optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps,
+                                 weight_decay=t.weight_decay, mask=decay_mask))
+    elif t.optimizer == "lion":
+        parts.append(optax.lion(lr, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                                mask=decay_mask))
+    elif t.optimizer == "adafactor":
+        # optax adds weight_decay_rate x parameter after the learning rate: a schedule of
+        # lr x weight_decay makes it the decoupled decay the other optimizers apply.
+        parts.append(optax.adafactor(
+            lr, min_dim_size_to_factor=ADAFACTOR_MIN_DIM, weight_decay_mask=decay_mask,
+            weight_decay_rate=(lambda count: t.weight_decay * lr(count)) if t.weight_decay
+            else None))
+    elif t.optimizer == "muon":
+        if logical_axes is None:
+            raise ValueError("train.optimizer=muon needs the parameters' logical axes")
+        parts.append(_muon(t, lr, logical_axes, decay_mask))
+    else:
+        raise ValueError(f"unknown train.optimizer {t.optimizer}")
+    return in_float32(stored_state(optax.chain(*parts), t.opt_state_dtype))
+
+
+def _muon(t: TrainConfig, lr: optax.Schedule, logical_axes: Mapping,
+          decay_mask: Any) -> optax.GradientTransformation:
+    """Muon on the stacked layer matrices, AdamW (no decay on norms) on the rest."""
+    from jaxpar.parallel.rules import is_axes_leaf, param_name  # noqa: PLC0415
+
+    dims = jax.tree_util.tree_map_with_path(
+        lambda path, names: muon_dimensions(param_name(path), names), logical_axes,
+        is_leaf=is_axes_leaf)
+    labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
+                          is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+
+    def muon_dims(updates: Any) -> Any:
+        # Muon's half sees optax.MaskedNode()s in place of AdamW's parameters.
+        return jax.tree.map(lambda d, _: d if d is not None else optax.MaskedNode(), dims, labels,
+                            is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+
+    muon = optax.chain(
+        scale_by_muon(beta=MUON_BETA, eps=t.eps, nesterov=True,
+                      weight_dimension_numbers=muon_dims),
+        _scale_by_matrix_shape(muon_dims),
+        optax.add_decayed_weights(t.weight_decay),
+        optax.scale_by_learning_rate(lr))
+    adam = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                       mask=decay_mask)
+    return optax.partition({"muon": muon, "adamw": adam}, labels)
+
+
+def _scale_by_matrix_shape(dims_fn: Any) -> optax.GradientTransformation:
+    """Muon's per-matrix update scale ``sqrt(max(1, fan_out / fan_in))`` (its orthogonalised
+    update has unit singular values; this keeps the RMS of a wide matrix's update up)."""
+
+    def scale(u: jax.Array, d: MuonDimensionNumbers) -> jax.Array:
+        fan_in = math.prod(u.shape[i] for i in d.reduction_axis)
+        fan_out = math.prod(u.shape[i] for i in d.output_axis)
+        return u * math.sqrt(max(1.0, fan_out / fan_in))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        return jax.tree.map(scale, updates, dims_fn(updates),
+                            is_leaf=lambda x: isinstance(x, MuonDimensionNumbers)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+# --------------------------------------------------------------------------------------------
+# Dtypes of the update and of the state
+
+
+def as_float32(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` run on float32 copies of the gradients and parameters, so that the moments,
+    the clipping norm and the update are float32 whatever ``train.param_dtype`` stores; the
+    update is rounded to the stored dtype only when ``optax.apply_updates`` adds it. (No
+    float32 master copy: with bfloat16 parameters an update below half a bf16 ulp of its weight
+    is lost; the trade is half the parameter memory. A no-op for float32 parameters.)"""
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return tx.update(as_float32(grads), state,
+                         None if params is None else as_float32(params))
+
+    return optax.GradientTransformation(lambda params: tx.init(as_float32(params)), update)
+
+
+def per_parameter(path: Sequence[Any]) -> bool:
+    """Whether a state leaf at ``path`` belongs to a parameter-shaped tree (a moment, a factor):
+    its path ends in a dict key (the parameter's name), where counters and Muon's coefficients
+    end in an attribute."""
+    return bool(path) and isinstance(path[-1], jax.tree_util.DictKey)
+
+
+def cast_state(state: Any, dtype: Any) -> Any:
+    """The per-parameter floating arrays of ``state`` in ``dtype``; the rest as they are."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: a.astype(dtype)
+        if per_parameter(path) and jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+
+
+def stored_state(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+    """``tx`` whose per-parameter state is stored in ``dtype`` (``train.opt_state_dtype``):
+    widened to float32 for each update, which is computed in float32, then rounded back."""
+    if dtype == "float32":
+        return tx
+    stored = jnp.dtype(dtype)
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        updates, state = tx.update(grads, cast_state(state, jnp.float32), params)
+        return updates, cast_state(state, stored)
+
+    return optax.GradientTransformation(lambda params: cast_state(tx.init(params), stored),
+                                        update)
