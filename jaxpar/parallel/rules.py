@@ -170,11 +170,17 @@ def is_axes_leaf(x: Any) -> bool:
 
 def param_specs(abstract_params: dict, logical_axes: dict, rules: Rules,
                 mesh_shape: Mapping[str, int]) -> dict:
-    """PartitionSpec for every parameter (same nesting as the params)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, names, arr: resolve_spec(param_name(path), names, arr.shape, rules,
-                                              mesh_shape),
-        logical_axes, abstract_params, is_leaf=is_axes_leaf)
+    """PartitionSpec for every parameter (same nesting as the params). The ``dense_layers``
+    stack (DeepSeek's dense first blocks) is not split into pipeline stages: a pipeline runs
+    it before them, its stacked dimension whole on every stage."""
+    def spec(path: tuple, names: tuple, arr: Any) -> PartitionSpec:
+        name = param_name(path)
+        if name.startswith("dense_layers/") and names[:1] == ("layers",):
+            names = (None, *names[1:])
+        return resolve_spec(name, names, arr.shape, rules, mesh_shape)
+
+    return jax.tree_util.tree_map_with_path(spec, logical_axes, abstract_params,
+                                            is_leaf=is_axes_leaf)
 
 
 def model_specs(abstract_model: nnx.Module, params: dict, buffers: dict, rules: Rules,
