@@ -90,6 +90,7 @@ few bytes each.
 
 from __future__ import annotations
 
+from jaxpar.config import MESH_AXES
 from jaxpar.cost.ledger import CollectiveCost, Ledger
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
 from jaxpar.cost.pipeline import pipeline_collectives
@@ -122,7 +123,9 @@ def fsdp_collectives(c: Ledger) -> None:
         # do not change within a stretch of steps and XLA hoists their gathers out of the
         # stretch's loop (an upper bound: how many survive is its choice).
         # One gather per stacked weight (all the stage's layers at once) each time.
-        other, dense = other + dense, []  # (validation refuses dense-first in a pipeline)
+        # A pipeline's dense first blocks run before it, gathered once (their stacked weights
+        # whole: one gather each, like the embedding's).
+        other, dense = other + dense, []
         runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
         c.add("all-gather", ("fsdp",), runs * len(layer),
               runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
@@ -165,9 +168,21 @@ def data_collectives(c: Ledger) -> None:
     replicas = (("data", "expert", "context") if cfg.parallel.zero == 3 else
                 (*ZERO1_AXES, "expert", "context"))
     by_replicas: dict[tuple[str, ...], list[ParamCost]] = {}
+    # A pipeline's dense first blocks run before it with the embedding, on rows split over pipe
+    # too: their gradients (the embedding's with the stages' pieces) summed in one.
+    pre_phase: list[ParamCost] = []
     for p in c.params:
         split = {a for entry in p.spec for a in entry_axes(entry)}
+        if c.dense and st.pipeline is not None and (p.dense_stack or p.name == "embedding"):
+            pre_phase.append(p)
+            continue
         by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
+    if pre_phase:
+        axes = tuple(a for a in MESH_AXES if a in (*replicas, "pipe"))
+        c.add("all-reduce", axes, 1, c.reduced(pre_phase, by_hand=True),
+              "embedding and dense first blocks' gradients (before the pipeline) all-reduced, "
+              "once per step",
+              True)
     units = layer_units(cfg.model) // st.p  # a stage's units of the `layers` stack
     for axes, group in by_replicas.items():
         experts = "routed experts' " if all(p.expert for p in group) else ""

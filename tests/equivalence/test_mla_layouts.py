@@ -126,13 +126,15 @@ def test_deepseek_dense_first_block_in_a_1f1b_pipeline_matches_one_device_and_ru
     # The pre-phase's output, split over pipe, is gathered for the stages.
     assert ("all-gather", ("pipe",)) in kinds
     # Per device, the stages execute `factor` x their share of the mixture layers' work (the
-    # schedule's masked slots); the dense block, run once per token and split over pipe, adds
-    # just its 1/p share: the ratio is below `factor` (1 x its share of the one-device flops
-    # rather than factor x), where running it on every stage would put it above (p x).
-    # Measured: 1.47 against 1.5, the dense block 15% of the one-device dot flops.
-    p, factor = 2, describe("1f1b", 2, 2, 1)["executed_work_factor"]
-    ratio = dot_flops(got["hlo"]) * p / dot_flops(ref["hlo"])
-    assert ratio < factor, (ratio, factor)
+    # schedule's masked slots); the dense block, run once per token and split over all 4
+    # devices, adds just its share: with it 15% of the one-device dot flops, the 4 devices
+    # together execute 0.15 + 0.85 x 1.5 = 1.43 x the one-device flops. On every pipe device
+    # it would be 0.3 + 0.85 x 1.5 = 1.57; its backward alone there (the layouts of the
+    # custom VJPs' backward rules lost), 1.52. Measured: 1.39.
+    factor = describe("1f1b", 2, 2, 1)["executed_work_factor"]
+    devices = got["cfg"].mesh.pipe * got["cfg"].mesh.expert
+    ratio = dot_flops(got["hlo"]) * devices / dot_flops(ref["hlo"])
+    assert ratio < factor - 0.05, (ratio, factor)
 
 
 @pytest.mark.slow

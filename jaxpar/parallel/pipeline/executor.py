@@ -41,6 +41,24 @@ a forward slot (embedding), two with the head (last output, head gradient), one 
 slot (chunk 0's input gradient), and ``[B/m, S]`` scalars for the loss. At the end the stages'
 embedding/head gradients are summed over ``pipe`` (those parameters' bytes).
 
+Dense first blocks (DeepSeek-V3's ``model.moe.first_dense``, the ``dense_layers`` stack): a
+*pre-phase* before the pipeline, outside its ``shard_map``. It embeds the step's whole batch and
+runs the dense blocks on it under ``jax.vjp``, with the batch rows split over ``pipe`` as well
+as the batch axes (``pipe`` appended to the ``batch`` and ``residual_batch`` rules for it), so
+each device computes the embedding and dense blocks of ``B/(d p)`` rows (``d``: the batch axes'
+devices): the work is done once per token, split ``p`` ways, never repeated on every stage. Its
+output, cut into the microbatches, is all-gathered over ``pipe`` once per step (each device
+receives ``(p-1)/p`` of ``B/d x S/c x E`` in the compute dtype) and enters chunk 0 as ``x0`` in
+place of step 1's embedding (whose all-reduce over ``pipe`` goes: one activation less per
+forward step). Chunk 0's input gradient, handed to every stage anyway (step 4), is kept per
+microbatch and returned as the gradient w.r.t. ``x0`` (no further bytes: each device slices its
+own rows); the pre-phase's VJP turns it into the embedding's and the dense blocks' gradients,
+which the partitioner sums over the batch axes and ``pipe`` (their bytes, once per step). The
+dense blocks' weights are whole over ``pipe`` (their stacked dimension is not split into
+stages, :func:`jaxpar.parallel.rules.param_specs`), like the embedding. Memory beside the
+stages': the pre-phase's residuals (its ``B/(d p)`` rows of the whole step) live across the
+pipeline, and ``x0`` and its gradient (``B/d x S/c x E`` each) on every device.
+
 Memory per stage: the stashes (arrived inputs, residuals, output gradients; each slot one
 microbatch of one chunk, and one spare slot that masked writes go to), and the gradient sums.
 Slots are handed out lowest free first when the program is compiled, so their number is the
@@ -570,7 +588,10 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
             shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid, aux_scale)
         grads = {**shared_grads, "layers": layer_grads}
         if dense:
-            (d_pre,) = pre_vjp(d_x0.astype(x0.dtype))
+            # Under the pre-phase's hooks again: the custom VJPs' backward rules are traced
+            # here, and their layouts (rows split over pipe) must be the forward's.
+            with model_hooks(pre_cfg, mesh_shape, platform):
+                (d_pre,) = pre_vjp(d_x0.astype(x0.dtype))
             grads["embedding"] = grads["embedding"] + d_pre["embedding"].astype(jnp.float32)
             grads["dense_layers"] = jax.tree.map(lambda g: g.astype(jnp.float32),
                                                  d_pre["dense_layers"])
