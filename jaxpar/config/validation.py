@@ -172,9 +172,10 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     _require(v == 1 or schedule == "interleaved", f"parallel.virtual_stages={v} needs "
              f"parallel.pipeline_schedule=interleaved (got {schedule})")
     dense = m.moe.first_dense if m.moe.enabled else 0  # run before the stages, not in them
-    _require((m.n_layers - dense) % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers} (less "
-             f"model.moe.first_dense={dense}) is not divisible by mesh.pipe x "
-             f"parallel.virtual_stages = {mesh.pipe} x {v} (layers per chunk)")
+    less = f" (less model.moe.first_dense={dense})" if dense else ""
+    _require((m.n_layers - dense) % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers}{less} "
+             f"is not divisible by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} "
+             "(layers per chunk)")
     _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
              "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
     if schedule == "interleaved" and mesh.pipe > 1:
@@ -218,8 +219,8 @@ def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
                  f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
         _check_moe_groups(moe)
         units, chunks = (m.n_layers - moe.first_dense) // moe.every, mesh.pipe * p.virtual_stages
-        _require(units % chunks == 0, f"(model.n_layers - model.moe.first_dense) / "
-                 f"model.moe.every = {units} groups is "
+        layers = "(model.n_layers - model.moe.first_dense)" if moe.first_dense else "model.n_layers"
+        _require(units % chunks == 0, f"{layers} / model.moe.every = {units} groups is "
                  f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
                  "stages take whole groups)")
 
