@@ -123,14 +123,15 @@ def fsdp_collectives(c: Ledger) -> None:
         # do not change within a stretch of steps and XLA hoists their gathers out of the
         # stretch's loop (an upper bound: how many survive is its choice).
         # One gather per stacked weight (all the stage's layers at once) each time.
-        # A pipeline's dense first blocks run before it, gathered once (their stacked weights
-        # whole: one gather each, like the embedding's).
-        other, dense = other + dense, []
+        # A pipeline's dense first blocks run before it, on the whole batch at once, gathered
+        # layer by layer as without a pipeline (below), once per step.
+        pre_runs = 1
         runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
         c.add("all-gather", ("fsdp",), runs * len(layer),
               runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
               "stage weights gathered once, kept for every microbatch", True)
     else:
+        pre_runs = st.runs
         # Reshard after forward: gathered again in the backward pass, except what remat=none
         # keeps (the router and the experts, which do not go through projection.project_all).
         kept = [p for p in layer if cfg.train.remat == "none" and not p.resharded]
@@ -142,13 +143,13 @@ def fsdp_collectives(c: Ledger) -> None:
                       round(passes * c.forwards * st.layers * st.runs * len(group)),
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
-        # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
-        # it): each layer gathered before use and again for its backward pass, like `layers`
-        # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
-        # 583M parameters in float32 on XLA:CPU).
-        c.add("all-gather", ("fsdp",), 2 * st.runs * dense_units(cfg.model) * len(dense),
-              2 * st.runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
-              "dense first blocks' weights gathered before use, and again backward", True)
+    # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
+    # it): each layer gathered before use and again for its backward pass, like `layers`
+    # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
+    # 583M parameters in float32 on XLA:CPU).
+    c.add("all-gather", ("fsdp",), 2 * pre_runs * dense_units(cfg.model) * len(dense),
+          2 * pre_runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
+          "dense first blocks' weights gathered before use, and again backward", True)
     c.add("all-gather", ("fsdp",), len(other),
           sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)

@@ -26,8 +26,13 @@ embedding, on the batch rows split over ``pipe`` too (executor docstring): no em
 all-reduce in the forward steps; one all-gather over ``pipe`` of their output per step (``B/d x
 S/c x E`` in the compute dtype); and the embedding's and dense blocks' gradients all-reduced
 over the batch axes and ``pipe`` together once per step (``cost/collectives.py``,
-``data_collectives``). Measured on tiny (MLA, ``pipe=2 expert=2``, 1F1B): every row of
-``jaxpar inspect --compare`` at 1.00, peak memory 0.99.
+``data_collectives``); under FSDP their weights are gathered layer by layer, forward and
+backward, once per step (``fsdp_collectives``). Measured on tiny (MLA, ``pipe=2 expert=2``,
+1F1B): every row of ``jaxpar inspect --compare`` at 1.00, peak memory 0.99. At DeepSeek-V3
+widths (``deepseek-v3 --devices 64 model.n_layers=3 model.moe.first_dense=1 mesh.pipe=2
+mesh.expert=8 mesh.fsdp=4 train.batch_size=64 train.microbatches=2``, XLA:CPU) every row is at
+1.00 except the all-gather over ``pipe`` (2.00: 224 MiB compiled against 112 MiB, not yet
+explained) and peak memory (1.17: the pre-phase's residuals are not in the memory model).
 
 FSDP by hand with ``tensor``: the executor gathers and reduce-scatters each
 weight's own ``tensor`` shard over ``fsdp`` (``parallel/manual.py: ByHand``), so those
