@@ -172,8 +172,11 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     _require(v >= 1, f"parallel.virtual_stages={v}: must be >= 1")
     _require(v == 1 or schedule == "interleaved", f"parallel.virtual_stages={v} needs "
              f"parallel.pipeline_schedule=interleaved (got {schedule})")
-    _require(m.n_layers % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers} is not divisible "
-             f"by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} (layers per chunk)")
+    dense = m.moe.first_dense if m.moe.enabled else 0  # run before the stages, not in them
+    less = f" (less model.moe.first_dense={dense})" if dense else ""
+    _require((m.n_layers - dense) % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers}{less} "
+             f"is not divisible by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} "
+             "(layers per chunk)")
     _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
              "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
     if schedule == "interleaved" and mesh.pipe > 1:
@@ -216,8 +219,9 @@ def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
         _require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
                  f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
         _check_moe_groups(moe)
-        units, chunks = m.n_layers // moe.every, mesh.pipe * p.virtual_stages
-        _require(units % chunks == 0, f"model.n_layers / model.moe.every = {units} groups is "
+        units, chunks = (m.n_layers - moe.first_dense) // moe.every, mesh.pipe * p.virtual_stages
+        layers = "(model.n_layers - model.moe.first_dense)" if moe.first_dense else "model.n_layers"
+        _require(units % chunks == 0, f"{layers} / model.moe.every = {units} groups is "
                  f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
                  "stages take whole groups)")
 
@@ -240,12 +244,15 @@ def _check_moe_groups(moe: MoEConfig) -> None:
 
 
 def _check_first_dense(m: ModelConfig, mesh: MeshConfig) -> None:
-    """Dense blocks before the mixtures: a stack of their own, which pipelines do not split."""
+    """Dense blocks before the mixtures: a stack of their own, which a pipeline runs before its
+    stages (beside the embedding, with the batch rows split over ``pipe`` too)."""
     first = m.moe.first_dense
     _require(0 <= first < m.n_layers, f"model.moe.first_dense={first}: must be in [0, "
              f"model.n_layers={m.n_layers})")
-    _require(first == 0 or mesh.pipe == 1, f"model.moe.first_dense={first} needs mesh.pipe=1 "
-             "(pipeline stages do not split the separate stack of dense blocks yet)")
+    _require(first == 0 or mesh.pipe == 1 or m.sliding_window is None,
+             f"model.moe.first_dense={first} with mesh.pipe={mesh.pipe} and "
+             f"model.sliding_window={m.sliding_window}: not supported yet (the dense blocks "
+             "before the stages carry no window flags)")
 
 
 def _check_batch(cfg: Config, mesh: MeshConfig) -> None:

@@ -90,6 +90,7 @@ few bytes each.
 
 from __future__ import annotations
 
+from jaxpar.config import MESH_AXES
 from jaxpar.cost.ledger import CollectiveCost, Ledger
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
 from jaxpar.cost.pipeline import pipeline_collectives
@@ -122,12 +123,15 @@ def fsdp_collectives(c: Ledger) -> None:
         # do not change within a stretch of steps and XLA hoists their gathers out of the
         # stretch's loop (an upper bound: how many survive is its choice).
         # One gather per stacked weight (all the stage's layers at once) each time.
-        other, dense = other + dense, []  # (validation refuses dense-first in a pipeline)
+        # A pipeline's dense first blocks run before it, on the whole batch at once, gathered
+        # layer by layer as without a pipeline (below), once per step.
+        pre_runs = 1
         runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
         c.add("all-gather", ("fsdp",), runs * len(layer),
               runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
               "stage weights gathered once, kept for every microbatch", True)
     else:
+        pre_runs = st.runs
         # Reshard after forward: gathered again in the backward pass, except what remat=none
         # keeps (the router and the experts, which do not go through projection.project_all).
         kept = [p for p in layer if cfg.train.remat == "none" and not p.resharded]
@@ -139,13 +143,13 @@ def fsdp_collectives(c: Ledger) -> None:
                       round(passes * c.forwards * st.layers * st.runs * len(group)),
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
-        # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
-        # it): each layer gathered before use and again for its backward pass, like `layers`
-        # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
-        # 583M parameters in float32 on XLA:CPU).
-        c.add("all-gather", ("fsdp",), 2 * st.runs * dense_units(cfg.model) * len(dense),
-              2 * st.runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
-              "dense first blocks' weights gathered before use, and again backward", True)
+    # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
+    # it): each layer gathered before use and again for its backward pass, like `layers`
+    # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
+    # 583M parameters in float32 on XLA:CPU).
+    c.add("all-gather", ("fsdp",), 2 * pre_runs * dense_units(cfg.model) * len(dense),
+          2 * pre_runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
+          "dense first blocks' weights gathered before use, and again backward", True)
     c.add("all-gather", ("fsdp",), len(other),
           sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
@@ -165,9 +169,21 @@ def data_collectives(c: Ledger) -> None:
     replicas = (("data", "expert", "context") if cfg.parallel.zero == 3 else
                 (*ZERO1_AXES, "expert", "context"))
     by_replicas: dict[tuple[str, ...], list[ParamCost]] = {}
+    # A pipeline's dense first blocks run before it with the embedding, on rows split over pipe
+    # too: their gradients (the embedding's with the stages' pieces) summed in one.
+    pre_phase: list[ParamCost] = []
     for p in c.params:
         split = {a for entry in p.spec for a in entry_axes(entry)}
+        if c.dense and st.pipeline is not None and (p.dense_stack or p.name == "embedding"):
+            pre_phase.append(p)
+            continue
         by_replicas.setdefault(tuple(a for a in replicas if a not in split), []).append(p)
+    if pre_phase:
+        axes = tuple(a for a in MESH_AXES if a in (*replicas, "pipe"))
+        c.add("all-reduce", axes, 1, c.reduced(pre_phase, by_hand=True),
+              "embedding and dense first blocks' gradients (before the pipeline) all-reduced, "
+              "once per step",
+              True)
     units = layer_units(cfg.model) // st.p  # a stage's units of the `layers` stack
     for axes, group in by_replicas.items():
         experts = "routed experts' " if all(p.expert for p in group) else ""

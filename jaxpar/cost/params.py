@@ -29,6 +29,7 @@ from jaxpar.parallel.rules import (
     param_logical_axes,
     param_name,
     resolve_spec,
+    split_names,
 )
 from jaxpar.parallel.zero import ZERO1_AXES
 
@@ -161,7 +162,7 @@ def param_costs(cfg: Config) -> list[ParamCost]:
     rules = logical_rules(cfg)
     out = []
     for p in model_params(cfg.model):
-        spec = tuple(resolve_spec(p.name, p.names, p.shape, rules, mesh))
+        spec = tuple(resolve_spec(p.name, split_names(p.name, p.names), p.shape, rules, mesh))
         spec = spec + (None,) * (len(p.shape) - len(spec))
         size = math.prod(p.shape) * PARAM_BYTES
         moment_spec = _zero1_spec(spec, p.names, mesh) if cfg.parallel.zero == 1 else spec

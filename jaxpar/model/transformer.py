@@ -14,7 +14,8 @@ groups.
 
 DeepSeek-V3's first ``moe.first_dense`` blocks are dense and the rest mixtures: the dense ones
 are a second stack, ``dense_layers`` (parameters ``dense_layers/mlp/...``), scanned before
-``layers``. Pipelines do not split it (validation refuses ``first_dense`` with ``mesh.pipe > 1``).
+``layers``. A pipeline runs it before its stages, with the embedding
+(:mod:`jaxpar.parallel.pipeline.executor`).
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class Transformer(nnx.Module):
         return constrain(x, RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: Positions, *, remat: str = "none",
-                   ) -> tuple[jax.Array, Aux]:
+                   dense: bool = True) -> tuple[jax.Array, Aux]:
         """Every unit of ``self.layers`` in order, as one ``lax.scan``.
 
         Returns the residual stream and ``aux``, the MoE layers' float32 losses and statistics
@@ -249,9 +250,11 @@ class Transformer(nnx.Module):
         :data:`jaxpar.model.moe.LAYER_STACKED` (``layer_expert_tokens`` [units, experts]),
         which keep one row per unit, in stack order, because the router-bias update needs each
         layer's own load. (A model merged with a slice of ``layers`` returns that slice's rows:
-        concatenate them over pipeline stages; add everything else.)
+        concatenate them over pipeline stages; add everything else.) ``dense=False`` leaves out
+        ``dense_layers`` (a pipeline runs them before its stages:
+        :mod:`jaxpar.parallel.pipeline.executor`).
         """
-        if hasattr(self, "dense_layers"):
+        if dense and hasattr(self, "dense_layers"):
             x, _ = scan_stack(self.dense_layers, x, positions, remat)
         x, per_unit = scan_stack(self.layers, x, positions, remat)
         aux = {k: v if k in LAYER_STACKED else jnp.sum(v, axis=0) for k, v in per_unit.items()}

@@ -168,13 +168,24 @@ def is_axes_leaf(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(n, str) or n is None for n in x)
 
 
+def split_names(name: str, names: tuple) -> tuple:
+    """The logical names a parameter is split by: its own, except that the ``dense_layers``
+    stack (DeepSeek's dense first blocks) is not cut into pipeline stages (a pipeline runs it
+    before them, its stacked dimension whole on every stage)."""
+    if name.startswith("dense_layers/") and names[:1] == ("layers",):
+        return (None, *names[1:])
+    return names
+
+
 def param_specs(abstract_params: dict, logical_axes: dict, rules: Rules,
                 mesh_shape: Mapping[str, int]) -> dict:
     """PartitionSpec for every parameter (same nesting as the params)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, names, arr: resolve_spec(param_name(path), names, arr.shape, rules,
-                                              mesh_shape),
-        logical_axes, abstract_params, is_leaf=is_axes_leaf)
+    def spec(path: tuple, names: tuple, arr: Any) -> PartitionSpec:
+        name = param_name(path)
+        return resolve_spec(name, split_names(name, names), arr.shape, rules, mesh_shape)
+
+    return jax.tree_util.tree_map_with_path(spec, logical_axes, abstract_params,
+                                            is_leaf=is_axes_leaf)
 
 
 def model_specs(abstract_model: nnx.Module, params: dict, buffers: dict, rules: Rules,

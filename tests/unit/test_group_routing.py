@@ -69,8 +69,11 @@ MOE = ["model.n_layers=4", "model.moe.num_experts=8", "model.moe.top_k=2"]
     (["model.moe.routed_scaling_factor=0"], "model.moe.routed_scaling_factor=0"),
     (["model.moe.first_dense=4"], "model.moe.first_dense=4: must be in [0, model.n_layers=4)"),
     (["model.moe.first_dense=1", "model.moe.every=2"], "less model.moe.first_dense=1"),
-    (["model.moe.first_dense=2", "mesh.pipe=2", "mesh.data=4", "train.microbatches=2"],
-     "model.moe.first_dense=2 needs mesh.pipe=1"),
+    (["model.moe.first_dense=1", "mesh.pipe=2", "mesh.data=4", "train.microbatches=2"],
+     "model.n_layers=4 (less model.moe.first_dense=1) is not divisible by mesh.pipe"),
+    (["model.moe.first_dense=2", "mesh.pipe=2", "mesh.data=4", "train.microbatches=2",
+      "model.sliding_window=8"], "model.moe.first_dense=2 with mesh.pipe=2 and "
+     "model.sliding_window=8: not supported yet"),
     (["model.rope_scaling.type=yarn"], "model.rope_scaling.type=yarn: only with multi-head"),
 ])
 def test_deepseek_moe_config_errors_are_one_line(overrides, needle):
@@ -79,3 +82,11 @@ def test_deepseek_moe_config_errors_are_one_line(overrides, needle):
     with pytest.raises(ConfigError) as info:
         validate(load_config("tiny", [*MOE, *overrides]), 8)
     assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_dense_first_blocks_validate_with_pipeline_stages_of_the_mixture_layers():
+    # The dense blocks run before the stages: only the mixture layers must split into chunks.
+    from jaxpar.config import load_config, validate
+
+    validate(load_config("tiny", [*MOE, "model.moe.first_dense=2", "mesh.pipe=2", "mesh.data=4",
+                                  "train.microbatches=2"]), 8)

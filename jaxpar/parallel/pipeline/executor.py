@@ -41,6 +41,24 @@ a forward slot (embedding), two with the head (last output, head gradient), one 
 slot (chunk 0's input gradient), and ``[B/m, S]`` scalars for the loss. At the end the stages'
 embedding/head gradients are summed over ``pipe`` (those parameters' bytes).
 
+Dense first blocks (DeepSeek-V3's ``model.moe.first_dense``, the ``dense_layers`` stack): a
+*pre-phase* before the pipeline, outside its ``shard_map``. It embeds the step's whole batch and
+runs the dense blocks on it under ``jax.vjp``, with the batch rows split over ``pipe`` as well
+as the batch axes (``pipe`` appended to the ``batch`` and ``residual_batch`` rules for it), so
+each device computes the embedding and dense blocks of ``B/(d p)`` rows (``d``: the batch axes'
+devices): the work is done once per token, split ``p`` ways, never repeated on every stage. Its
+output, cut into the microbatches, is all-gathered over ``pipe`` once per step (each device
+receives ``(p-1)/p`` of ``B/d x S/c x E`` in the compute dtype) and enters chunk 0 as ``x0`` in
+place of step 1's embedding (whose all-reduce over ``pipe`` goes: one activation less per
+forward step). Chunk 0's input gradient, handed to every stage anyway (step 4), is kept per
+microbatch and returned as the gradient w.r.t. ``x0`` (no further bytes: each device slices its
+own rows); the pre-phase's VJP turns it into the embedding's and the dense blocks' gradients,
+which the partitioner sums over the batch axes and ``pipe`` (their bytes, once per step). The
+dense blocks' weights are whole over ``pipe`` (their stacked dimension is not split into
+stages, :func:`jaxpar.parallel.rules.param_specs`), like the embedding. Memory beside the
+stages': the pre-phase's residuals (its ``B/(d p)`` rows of the whole step) live across the
+pipeline, and ``x0`` and its gradient (``B/d x S/c x E`` each) on every device.
+
 Memory per stage: the stashes (arrived inputs, residuals, output gradients; each slot one
 microbatch of one chunk, and one spare slot that masked writes go to), and the gradient sums.
 Slots are handed out lowest free first when the program is compiled, so their number is the
@@ -77,13 +95,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
 from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
-from jaxpar.model.transformer import DTYPES
+from jaxpar.model.transformer import DTYPES, scan_stack
 from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.manual import ByHand
@@ -117,6 +136,9 @@ class _Carry(NamedTuple):
     shared_grads: Any  # embedding/head (pieces, summed over pipe at the end) and final norm
     loss: jax.Array  # float32: summed token loss (the same on every stage)
     aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
+    # With a pre-phase (dense first blocks): [m, *activation], the gradient w.r.t. each
+    # microbatch's input to chunk 0 (None without one)
+    d_inputs: Any = None
 
 
 def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -191,15 +213,17 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                 # One pass of the schedule over one micro-step's microbatches; the gradient
                 # sums carry on from the previous micro-step (train.grad_accum).
                 step_env = dataclasses.replace(env, micro=microbatches)
+                if stages.pre_embedded:
+                    carry = carry._replace(d_inputs=jnp.zeros_like(microbatches["x0"]))
                 for stretch in program.stretches:
                     fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
                     carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (
                         _run_step(step_env, kinds, c, row), None), carry, fields)
-                return carry, None
+                return carry, carry.d_inputs
 
             carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
                                    shared_grad_specs)
-            carry, _ = lax.scan(micro_step, carry, micro)
+            carry, d_inputs = lax.scan(micro_step, carry, micro)
             loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
         # The one reduction of the step over the batch axes split by hand. Then each stage's
         # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
@@ -211,22 +235,22 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
         return (by_hand.total(loss), shared_grads,
                 by_hand.reduce(layer_grads, by_hand.layer_specs, by_hand.auto_layer_specs),
                 by_hand.total(aux_sums),
-                by_hand.total(aux_layers))
+                by_hand.total(aux_layers), d_inputs)
 
     def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
         stacked_keys = {k: PartitionSpec(PIPE_AXIS) for k in stages.layer_stacked}
         # [micro-steps, m, B/(accum m), S]: the batch rows and the sequence split by hand
         rows = by_hand.microbatch_spec
-        loss, shared_grads, layer_grads, aux_sums, aux_layers = jax.shard_map(
+        loss, shared_grads, layer_grads, aux_sums, aux_layers, d_inputs = jax.shard_map(
             per_device,
             in_specs=(by_hand.shared_specs, by_hand.layer_specs,
                       jax.tree.map(lambda _: PartitionSpec(PIPE_AXIS), consts), rows,
                       PartitionSpec(), PartitionSpec()),
             out_specs=(PartitionSpec(), by_hand.shared_specs, by_hand.layer_specs,
-                       PartitionSpec(), stacked_keys),
+                       PartitionSpec(), stacked_keys, rows if stages.pre_embedded else None),
             axis_names=frozenset({PIPE_AXIS, *by_hand.axes}), check_vma=False,
         )(shared, layers, consts, micro, loss_scale, aux_scale)
-        return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}
+        return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}, d_inputs
 
     return run_pipeline
 
@@ -326,9 +350,10 @@ def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
             for k, a in env.aux_shapes.items()}
     res0 = [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
             for r in env.res_shapes]
+    d_inputs = (jnp.zeros_like(env.micro["x0"]) if env.stages.pre_embedded else None)
     return _Carry(stash(program.act_slots), res0, stash(program.grad_slots),
                   zeros(env.chunks, layer_grad_specs), zeros(env.shared, shared_grad_specs),
-                  jnp.zeros((), jnp.float32), aux0)
+                  jnp.zeros((), jnp.float32), aux0, d_inputs)
 
 
 def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
@@ -340,10 +365,13 @@ def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> 
 
 
 def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, list]:
-    table = env.piece.cut(env.table())
     entering = env.microbatch(r["embed_mb"])
-    x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]),
-                         env.stages.handover_dtype)
+    if env.stages.pre_embedded:  # embedded (and through the dense blocks) before the pipeline
+        x0 = entering["x0"]
+    else:
+        table = env.piece.cut(env.table())
+        x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]),
+                             env.stages.handover_dtype)
     x0 = constrain(x0, RESIDUAL)
     x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
     on = r["f_on"] == 1
@@ -395,6 +423,11 @@ def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
     into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
     dx0 = sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)),
                           env.stages.handover_dtype)
+    if env.stages.pre_embedded:  # handed back out: the pre-phase's VJP takes it from there
+        on = r["eback_on"] == 1
+        d_in = lax.dynamic_index_in_dim(c.d_inputs, r["eback_mb"], 0, keepdims=False)
+        return c._replace(d_inputs=_put(c.d_inputs, r["eback_mb"],
+                                        d_in + jnp.where(on, dx0, jnp.zeros_like(dx0))))
     tokens = env.microbatch(r["eback_mb"])["inputs"]
     # The strided slices keep each tensor block's rows on its device (the piece's rows are
     # [shards, block] and the pieces divide the block).
@@ -503,7 +536,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
 
     auto = set(mesh_shape) - {PIPE_AXIS, *hand}
     split_auto = {a for a in auto if mesh_shape[a] > 1}
-    shared = {k: s for k, s in specs.items() if k != "layers"}
+    dense = "dense_layers" in specs  # DeepSeek's dense first blocks: run before the pipeline
+    shared = {k: s for k, s in specs.items() if k not in ("layers", "dense_layers")}
     by_hand = ByHand(hand, specs_of(shared, set(hand)),
                      specs_of(specs["layers"], {PIPE_AXIS, *hand}),
                      specs_of(shared, split_auto), specs_of(specs["layers"], split_auto),
@@ -512,22 +546,57 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                      owned=tuple(a for a in hand if a == "expert"))
     layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)
+    stand_in = (jax.tree.map(lambda _: np.zeros((), np.float32), specs["dense_layers"],
+                             is_leaf=lambda x: isinstance(x, PartitionSpec)) if dense else None)
     stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat,
-                          platform=platform)
+                          platform=platform, dense_stand_in=stand_in)
     run = pipeline_loss_and_grads(program, stages, by_hand,
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs)
 
-    def grad_fn(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
-        shared = {k: a for k, a in params.items() if k != "layers"}
-        aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
+    def split(batch: Any) -> Any:
         # [accum, m, B/(accum m), ...]: micro-steps as train.grad_accum cuts them, each cut into
         # the pipeline's microbatches.
-        micro = jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
-        loss_sum, shared_grads, layer_grads, aux = run(
-            shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid, aux_scale)
-        return {**shared_grads, "layers": layer_grads}, (loss_sum, aux)
+        return jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
 
-    order = stage_layer_order(cfg.model.n_layers, p, v)
+    # The pre-phase (dense first blocks): the batch rows split over pipe as well, so that the
+    # pipe devices share its work rather than each repeat it.
+    pre_rules = {k: (*rules[k], PIPE_AXIS) for k in ("batch", "residual_batch")}
+    pre_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, rules={**cfg.parallel.rules, **pre_rules}))
+
+    def pre_phase(pre_params: dict, params: dict, buffers: dict, batch: dict) -> jax.Array:
+        """Embedding and dense blocks on the whole batch -> chunk 0's inputs, microbatched."""
+        with model_hooks(pre_cfg, mesh_shape, platform):
+            net = nnx.merge(graphdef, {**params, **pre_params}, buffers)
+            x = net.embed(batch["inputs"], dtype=dtype,
+                          grad_pieces=cfg.embedding_grad_pieces())
+            x, _ = scan_stack(net.dense_layers, x, batch["positions"], remat)
+            x = constrain(x, RESIDUAL)
+        return split(x)
+
+    def grad_fn(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
+        shared = {k: a for k, a in params.items() if k not in ("layers", "dense_layers")}
+        aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
+        micro = split(batch)
+        if dense:
+            pre_params = {k: params[k] for k in ("embedding", "dense_layers")}
+            x0, pre_vjp = jax.vjp(lambda pp: pre_phase(pp, params, buffers, batch), pre_params)
+            micro = {**micro, "x0": x0}
+        loss_sum, shared_grads, layer_grads, aux, d_x0 = run(
+            shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid, aux_scale)
+        grads = {**shared_grads, "layers": layer_grads}
+        if dense:
+            # Under the pre-phase's hooks again: the custom VJPs' backward rules are traced
+            # here, and their layouts (rows split over pipe) must be the forward's.
+            with model_hooks(pre_cfg, mesh_shape, platform):
+                (d_pre,) = pre_vjp(d_x0.astype(x0.dtype))
+            grads["embedding"] = grads["embedding"] + d_pre["embedding"].astype(jnp.float32)
+            grads["dense_layers"] = jax.tree.map(lambda g: g.astype(jnp.float32),
+                                                 d_pre["dense_layers"])
+        return grads, (loss_sum, aux)
+
+    order = stage_layer_order(cfg.model.n_layers - (cfg.model.moe.first_dense if dense else 0),
+                              p, v)
     return grad_fn, (None if order == sorted(order) else np.asarray(order)), program

@@ -67,6 +67,9 @@ class Stages:
     embedding_grad_pieces: int = 1  # ... the embedding's gradient over this many vocab slices
     embed_scale: float = 1.0  # embeddings times this (model.embed_scale: sqrt(d_model))
     final_softcap: float = 0.0  # model.final_softcap of the logits the loss scores
+    # Chunk 0's inputs come in with the microbatches (``x0``: the embedding and the dense
+    # first blocks, run before the pipeline) and their gradients go back out.
+    pre_embedded: bool = False
 
 
 class VocabPiece(NamedTuple):
@@ -162,16 +165,19 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
 
 
 def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
-                 platform: str = "cpu") -> Stages:
+                 platform: str = "cpu", dense_stand_in: Any = None) -> Stages:
     """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
-    the logical names of the stacked layer parameters (``layers`` first)."""
+    the logical names of the stacked layer parameters (``layers`` first). ``dense_stand_in``:
+    with dense first blocks (run before the pipeline, not by the stages), stand-in leaves for
+    the ``dense_layers`` parameters, which the stages' model holds but never reads."""
+    pre = {} if dense_stand_in is None else {"dense_layers": dense_stand_in}
 
     def layers(shared: dict, layer_params: dict, consts: dict, x: jax.Array, mb: dict,
                ) -> tuple:
-        net = nnx.merge(graphdef, {**shared, "layers": layer_params},
+        net = nnx.merge(graphdef, {**shared, **pre, "layers": layer_params},
                         {"layers": consts} if consts else {})
         with use_prepared_weights():
-            return net.run_layers(x, mb["positions"], remat=remat)
+            return net.run_layers(x, mb["positions"], remat=remat, dense=not pre)
 
     def by_leaf(fn: Callable, tree: Any, leading: int) -> Any:
         """``fn(leaf, name, names)`` over the layer tree, ``names`` its stored logical names with
@@ -203,5 +209,6 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
                   embedding_grad_pieces=cfg.embedding_grad_pieces(),
                   embed_scale=cfg.model.d_model ** 0.5 if cfg.model.embed_scale else 1.0,
                   final_softcap=cfg.model.final_softcap,
+                  pre_embedded=bool(pre),
                   handover_dtype=(jnp.float32 if platform in FLOAT32_STAGE_SUM_PLATFORMS
                                   else None))
