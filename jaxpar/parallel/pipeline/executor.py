@@ -95,18 +95,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
 from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
-from jaxpar.model.transformer import DTYPES, scan_stack
+from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.manual import ByHand
 from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.pipeline.dense_first import dense_pre_phase
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
 from jaxpar.parallel.pipeline.schedules import schedule_steps, stage_layer_order
 from jaxpar.parallel.pipeline.stages import (
@@ -488,6 +488,43 @@ def _finish(env: _Env, c: _Carry) -> tuple:
     return c.loss, shared_grads, layer_grads, aux_sums, aux_layers
 
 
+
+def _keep_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """``spec`` with only the mesh axes in ``axes`` left."""
+    def entry(e: Any) -> Any:
+        names = tuple(a for a in (e if isinstance(e, tuple) else (e,) if e else ()) if a in axes)
+        return names[0] if len(names) == 1 else (names or None)
+    return PartitionSpec(*(entry(e) for e in spec))
+
+
+def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
+    """Every PartitionSpec of ``tree`` with only ``axes`` left, after ``lead`` entries."""
+    return jax.tree.map(lambda spec: PartitionSpec(*lead, *_keep_axes(spec, axes)), tree,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+def _split_by_hand(cfg: Config, platform: str) -> tuple[tuple[str, ...], dict, Callable]:
+    """The axes the executor splits by hand, the mesh as a stage sees it, and the stages' hooks.
+
+    Gradients are summed over data, fsdp, expert and context once per step: the executor
+    splits those axes by hand (the batch rows, the sequence), so inside it they look like axes
+    of size 1, and context attention runs on each device's piece of the sequence with no
+    shard_map nested in the executor's. The experts' weights too are gathered once per step and
+    their gradients summed once; the MoE layers sum their load statistics over these axes
+    themselves and exchange their tokens over expert directly (the hooks).
+    """
+    mesh_shape = cfg.mesh_shape
+    hand = tuple(a for a in (*logical_rules(cfg)["batch"], "context")
+                 if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
+    inner = {**mesh_shape, **{a: 1 for a in hand}}
+
+    def hooks() -> Any:
+        return model_hooks(cfg, inner, platform, in_stage=True,
+                           by_hand={a: mesh_shape[a] for a in hand})
+
+    hooks().close()  # a layout the hooks refuse fails here, before any trace
+    return hand, inner, hooks
+
+
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
                         dtype: Any, remat: str, platform: str,
                         ) -> tuple[Callable, np.ndarray | None, Program]:
@@ -503,36 +540,11 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     accum = cfg.train.grad_accum
     program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
-    # Gradients are summed over data, fsdp, expert and context once per step: the executor
-    # splits those axes by hand (the batch rows, the sequence), so inside it they look like
-    # axes of size 1, and context attention runs on each device's piece of the sequence with
-    # no shard_map nested in the executor's. The experts' weights too are gathered once per
-    # step and their gradients summed once; the MoE layers sum their load statistics over
-    # these axes themselves and exchange their tokens over expert directly (the hooks).
-    hand = tuple(a for a in (*rules["batch"], "context")
-                 if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
-    inner = {**mesh_shape, **{a: 1 for a in hand}}
-
-    def hooks() -> Any:
-        return model_hooks(cfg, inner, platform, in_stage=True,
-                           by_hand={a: mesh_shape[a] for a in hand})
-
-    hooks().close()  # a layout the hooks refuse fails here, before any trace
+    hand, inner, hooks = _split_by_hand(cfg, platform)
     micro_rows = cfg.train.batch_size // (accum * m)
     stash_spec = resolve_spec("pipeline stash", (None, *RESIDUAL),
                               (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
                               inner)
-
-    def keep(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
-        def entry(e: Any) -> Any:
-            names = tuple(a for a in (e if isinstance(e, tuple) else (e,) if e else ())
-                          if a in axes)
-            return names[0] if len(names) == 1 else (names or None)
-        return PartitionSpec(*(entry(e) for e in spec))
-
-    def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
-        return jax.tree.map(lambda spec: PartitionSpec(*lead, *keep(spec, axes)), tree,
-                            is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     auto = set(mesh_shape) - {PIPE_AXIS, *hand}
     split_auto = {a for a in auto if mesh_shape[a] > 1}
@@ -560,38 +572,21 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
         # the pipeline's microbatches.
         return jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
 
-    # The pre-phase (dense first blocks): the batch rows split over pipe as well, so that the
-    # pipe devices share its work rather than each repeat it.
-    pre_rules = {k: (*rules[k], PIPE_AXIS) for k in ("batch", "residual_batch")}
-    pre_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, rules={**cfg.parallel.rules, **pre_rules}))
-
-    def pre_phase(pre_params: dict, params: dict, buffers: dict, batch: dict) -> jax.Array:
-        """Embedding and dense blocks on the whole batch -> chunk 0's inputs, microbatched."""
-        with model_hooks(pre_cfg, mesh_shape, platform):
-            net = nnx.merge(graphdef, {**params, **pre_params}, buffers)
-            x = net.embed(batch["inputs"], dtype=dtype,
-                          grad_pieces=cfg.embedding_grad_pieces())
-            x, _ = scan_stack(net.dense_layers, x, batch["positions"], remat)
-            x = constrain(x, RESIDUAL)
-        return split(x)
+    pre_phase = dense_pre_phase(cfg, graphdef, mesh_shape, platform, dtype=dtype, remat=remat,
+                                 split=split)
 
     def grad_fn(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
         shared = {k: a for k, a in params.items() if k not in ("layers", "dense_layers")}
         aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
         micro = split(batch)
         if dense:
-            pre_params = {k: params[k] for k in ("embedding", "dense_layers")}
-            x0, pre_vjp = jax.vjp(lambda pp: pre_phase(pp, params, buffers, batch), pre_params)
+            x0, pre_backward = pre_phase(params, buffers, batch)
             micro = {**micro, "x0": x0}
         loss_sum, shared_grads, layer_grads, aux, d_x0 = run(
             shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid, aux_scale)
         grads = {**shared_grads, "layers": layer_grads}
         if dense:
-            # Under the pre-phase's hooks again: the custom VJPs' backward rules are traced
-            # here, and their layouts (rows split over pipe) must be the forward's.
-            with model_hooks(pre_cfg, mesh_shape, platform):
-                (d_pre,) = pre_vjp(d_x0.astype(x0.dtype))
+            d_pre = pre_backward(d_x0.astype(x0.dtype))
             grads["embedding"] = grads["embedding"] + d_pre["embedding"].astype(jnp.float32)
             grads["dense_layers"] = jax.tree.map(lambda g: g.astype(jnp.float32),
                                                  d_pre["dense_layers"])
@@ -600,3 +595,4 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     order = stage_layer_order(cfg.model.n_layers - (cfg.model.moe.first_dense if dense else 0),
                               p, v)
     return grad_fn, (None if order == sorted(order) else np.asarray(order)), program
+
