@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config.schema import LoraConfig
@@ -125,4 +126,21 @@ def merged(a: dict, b: dict) -> dict:
     out = dict(a)
     for key, value in b.items():
         out[key] = merged(out[key], value) if key in out else value
+    return out
+
+
+def merged_weights(params: dict, lora: LoraConfig) -> dict:
+    """``params`` (host arrays, as a checkpoint holds them) with each targeted weight replaced
+    by ``W + (alpha / r) A B`` and the adapters left out: the model the adapters make, as a
+    plain model's parameters (``jaxpar export --format hf``). Computed in float32."""
+    if lora.rank == 0:
+        return params
+    out = base_part(params)
+    for target in lora.targets:
+        part, attr, ins, outs = TARGETS[target]
+        adapter = params["layers"][part][PREFIX + target]
+        a, b = (np.asarray(adapter[k], np.float32) for k in ("a", "b"))
+        w = np.asarray(out["layers"][part][attr], np.float32)
+        delta = np.einsum(f"l{ins}r,lr{outs}->l{ins}{outs}", a, b)
+        out["layers"][part][attr] = w + np.float32(lora.alpha / lora.rank) * delta
     return out
