@@ -24,6 +24,11 @@ def test_lora_fine_tunes_a_checkpoint(tmp_path):
     assert "weights from" in tuned.stdout
     rows = [r for r in metrics(tmp_path / "b") if "loss" in r]
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
+    # --adapters-only of a run without adapters, or without --format hf: one line, exit 2.
+    for extra in ((), ("--format", "hf")):
+        result = run_jaxpar("export", str(tmp_path / "a"), "--to", str(tmp_path / "x"),
+                            "--adapters-only", *extra, env={**env, "JAX_PLATFORMS": "cpu"})
+        assert_one_line_error(result, "--adapters-only")
 
 
 def test_a_lora_target_the_model_lacks_is_one_line(tmp_path):
