@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from helpers import assert_grads_and_params_match, max_relative_error, per_step_bytes, run_layout
 
 from jaxpar.model.lora import adapter_part, base_part
@@ -63,3 +64,13 @@ def test_lora_step_sums_no_base_weight_gradient() -> None:
     assert summed(full) >= weights / 8, (summed(full), weights)
     assert summed(lora) <= adapters + 1024, (summed(lora), adapters)
     assert summed(lora) < summed(full) / 10, (summed(lora), summed(full))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [MESH, ("mesh.data=2", "mesh.context=2", "mesh.tensor=2"),
+                                  ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                   "parallel.zero=1")])
+def test_lora_with_micro_steps_matches_one_device(mesh: tuple[str, ...]) -> None:
+    """Two micro-steps (summed over data by hand), context parallelism, ZeRO-1."""
+    accum = (*LORA, "train.grad_accum=2")
+    assert_grads_and_params_match(run_layout((*accum, *mesh)), run_layout(accum))
