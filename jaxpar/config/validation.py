@@ -310,7 +310,7 @@ def _check_optimizer(t: TrainConfig) -> None:
 
 def _check_lora(cfg: Config) -> None:
     """``train.lora``: the targets the model has, a positive rank, no dropout yet, and the
-    layouts the adapters run on (no pipeline, MoE or MLA model yet)."""
+    layouts the adapters run on (no pipeline, MLA, or MoE feed-forward yet)."""
     lora, m = cfg.train.lora, cfg.model
     _require(lora.rank >= 0, f"train.lora.rank={lora.rank}: must be >= 0 (0: no adapters)")
     if lora.rank == 0:
@@ -318,6 +318,9 @@ def _check_lora(cfg: Config) -> None:
     for target in lora.targets:
         _require(target in LORA_TARGETS, f"train.lora.targets: {target!r} is not a LoRA target "
                  f"(allowed: {', '.join(LORA_TARGETS)})")
+        _require(not (m.moe.enabled and target in ("gate", "up", "down")),
+                 f"train.lora.targets: {target!r}: this model's feed-forward weights are its "
+                 "routed experts, not LoRA targets yet; allowed here: q, k, v, o")
         _require(not (m.mla.enabled and target in ("q", "k", "v")),
                  f"train.lora.targets: {target!r}: this model has no {target} projection "
                  "(model.mla: its attention is latent); allowed here: o, gate, up, down")
@@ -327,8 +330,9 @@ def _check_lora(cfg: Config) -> None:
     _require(math.isfinite(lora.alpha) and lora.alpha > 0,
              f"train.lora.alpha={lora.alpha}: must be a finite number > 0")
     _require(cfg.mesh.pipe == 1, "train.lora: pipelines (mesh.pipe > 1) are not supported yet")
-    _require(not m.moe.enabled, "train.lora: mixture-of-experts models (model.moe) are not "
-             "supported yet")
+    _require(not m.moe.enabled or (m.moe.every == 1 and m.moe.first_dense == 0),
+             "train.lora: a mixture-of-experts model with dense blocks (model.moe.every > 1 or "
+             "first_dense > 0) is not supported yet")
     _require(not m.mla.enabled, "train.lora: latent-attention models (model.mla) are not "
              "supported yet")
 

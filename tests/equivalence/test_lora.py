@@ -8,12 +8,25 @@ state holds adapter-shaped arrays only; and the compiled step sums no base-weigh
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import numpy as np
 import pytest
-from helpers import assert_grads_and_params_match, max_relative_error, per_step_bytes, run_layout
+from helpers import (
+    MOE_LAYOUT_BASE,
+    assert_grads_and_params_match,
+    make_batches,
+    max_relative_error,
+    per_step_bytes,
+    run_layout,
+)
 
+from jaxpar.config import load_config, validate
+from jaxpar.mesh import make_mesh
 from jaxpar.model.lora import adapter_part, base_part
+from jaxpar.train.step import build_trainer
 
 LORA = ("train.lora.rank=4", "train.lora.alpha=8")
 MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
@@ -74,3 +87,35 @@ def test_lora_with_micro_steps_matches_one_device(mesh: tuple[str, ...]) -> None
     """Two micro-steps (summed over data by hand), context parallelism, ZeRO-1."""
     accum = (*LORA, "train.grad_accum=2")
     assert_grads_and_params_match(run_layout((*accum, *mesh)), run_layout(accum))
+
+
+MOE_LORA = (*LORA, "train.lora.targets=[q,k,v,o]")
+
+
+@functools.cache
+def moe_run(overrides: tuple[str, ...]) -> dict:
+    """moe-tiny (helpers.MOE_LAYOUT_BASE: 3 steps) with ``overrides``: the first batch's loss
+    and gradients, the parameters after the steps."""
+    cfg = load_config("moe-tiny", [*MOE_LAYOUT_BASE, *MOE_LORA, *overrides])
+    n = math.prod(int(o.split("=")[1]) for o in overrides if o.startswith("mesh."))
+    cfg = validate(cfg, n)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n]))
+    batches = [trainer.put_batch(b) for b in make_batches(cfg)]
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batches[0])
+    step = trainer.compile_step()
+    for batch in batches:
+        state, _ = step(state, batch)
+    return {"loss": float(loss), "grads": jax.tree.map(np.asarray, grads),
+            "params": jax.tree.map(np.asarray, state.params)}
+
+
+@pytest.mark.slow
+def test_lora_on_a_moe_model_with_experts_matches_one_device() -> None:
+    """Adapters on the attention of moe-tiny (the routed experts stay frozen) under
+    ``data=2 expert=2 tensor=2``: the one-device loss, adapter gradients and parameters."""
+    ref = moe_run(("mesh.data=1",))
+    got = moe_run(("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"))
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert not base_part(got["grads"])
+    assert_grads_and_params_match(got, ref)

@@ -10,9 +10,9 @@ from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.config.schema import LORA_TARGETS
 
 
-def _error(*overrides: str, devices: int = 1) -> str:
+def _error(*overrides: str, devices: int = 1, preset: str = "tiny") -> str:
     with pytest.raises(ConfigError) as info:
-        validate(load_config("tiny", ["train.lora.rank=4", *overrides]), devices)
+        validate(load_config(preset, ["train.lora.rank=4", *overrides]), devices)
     return str(info.value)
 
 
@@ -31,6 +31,9 @@ def test_lora_refuses_what_it_does_not_run_yet() -> None:
     assert "\n" not in _error("train.lora.dropout=0.1")
     assert "mesh.pipe" in _error("mesh.pipe=2", "train.microbatches=2", devices=2)
     assert "train.lora.rank=-1" in _error("train.lora.rank=-1")
+    # moe-tiny's feed-forward is its routed experts: the default targets name gate first.
+    assert "'gate'" in _error(preset="moe-tiny", devices=8)
+    validate(load_config("moe-tiny", ["train.lora.rank=4", "train.lora.targets=[q,o]"]), 8)
 
 
 @pytest.mark.parametrize("mesh", [(), ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")])
