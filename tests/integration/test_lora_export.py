@@ -85,3 +85,19 @@ def test_adapter_directory_on_the_base_export_computes_the_merged_logits(runs):
         logits = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     assert np.abs(logits - merged).max() <= 1e-4
     assert np.abs(hf_logits(root / "base-hf", ids) - merged).max() > 1e-3
+
+
+def test_generation_runs_the_adapted_model(runs):
+    """``jaxpar generate``'s Generator on a LoRA checkpoint scores tokens as the adapted model
+    does (its adapters merged into the weights)."""
+    from jaxpar.generate import Generator
+
+    root, ids, merged = runs
+    path = step_dir(root / "lora")
+    cfg = validate(config_from_dict(read_config(path)), 1)
+    params, buffers, _ = read_weights(path)
+    (logprobs, _), = Generator(cfg, params, buffers).score([list(ids[0])])
+    shifted = merged[0, :-1] - merged[0, :-1].max(-1, keepdims=True)
+    expected = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logprobs, expected[np.arange(len(ids[0]) - 1), ids[0, 1:]],
+                               atol=1e-4)
