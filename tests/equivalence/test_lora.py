@@ -89,6 +89,15 @@ def test_lora_with_micro_steps_matches_one_device(mesh: tuple[str, ...]) -> None
     assert_grads_and_params_match(run_layout((*accum, *mesh)), run_layout(accum))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [("train.remat=full",),
+                                   ("train.remat=dots", "parallel.sequence_parallel=true"),
+                                   ("train.optimizer=muon",), ("train.optimizer=adafactor",)])
+def test_lora_with_remat_sp_and_other_optimizers_matches_one_device(extra: tuple) -> None:
+    assert_grads_and_params_match(run_layout((*LORA, *MESH, *extra)),
+                                  run_layout((*LORA, *extra)))
+
+
 MOE_LORA = (*LORA, "train.lora.targets=[q,k,v,o]")
 
 
