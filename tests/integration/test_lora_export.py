@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from helpers import env_without_device_flags, run_jaxpar
+from helpers import assert_one_line_error, env_without_device_flags, run_jaxpar
 from hf_models import hf_logits, jaxpar_logits
 
 from jaxpar.checkpoint.state import read_config
@@ -101,3 +101,12 @@ def test_generation_runs_the_adapted_model(runs):
     expected = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     np.testing.assert_allclose(logprobs, expected[np.arange(len(ids[0]) - 1), ids[0, 1:]],
                                atol=1e-4)
+
+
+def test_adapters_only_needs_a_lora_run_and_format_hf(runs):
+    root, _, _ = runs
+    env = {**env_without_device_flags(), "JAX_PLATFORMS": "cpu"}
+    for source, extra in ((root / "base", ("--format", "hf")), (root / "lora", ())):
+        result = run_jaxpar("export", str(source), "--to", str(root / "x"), "--adapters-only",
+                            *extra, env=env)
+        assert_one_line_error(result, "--adapters-only")
