@@ -63,6 +63,7 @@ from jaxpar.model.annotate import Attention, use_attention, use_latent_cache
 from jaxpar.model.attention import dense_attention
 from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.model.kv_cache import KVCache, UnitCache, cache_axes, model_cache
+from jaxpar.model.lora import merged_weights
 from jaxpar.model.transformer import (
     DTYPES,
     Transformer,
@@ -227,6 +228,8 @@ class Generator:
         self.dtype = DTYPES[cfg.train.dtype]
         self.graphdef = nnx.split(abstract_model(self.cfg.model), nnx.Param, ...)[0]
         buffers = complete_buffers(self.cfg.model, buffers or {})  # an import's window flags
+        # A LoRA run's weights: the adapters merged (jaxpar/model/lora.py), the same function.
+        params = merged_weights(params, cfg.train.lora)
         check_weights(self.cfg.model, params, buffers)
         self.mesh_shape = dict(mesh.shape) if mesh is not None else None
         if mesh is not None:

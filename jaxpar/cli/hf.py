@@ -24,6 +24,8 @@ def add_hf(commands) -> None:
     sub.add_argument("--format", choices=("jaxpar", "hf"), default="jaxpar", help="jaxpar "
                      "(default): stacked parameters by slash name; hf: what transformers loads")
     sub.add_argument("--max-shard-size", default="5GB", help="hf: largest file (500MB, 2GiB)")
+    sub.add_argument("--adapters-only", action="store_true", help="hf: a LoRA run's adapters "
+                     "only, as a PEFT adapter directory (default: the merged model)")
     sub = commands.add_parser("import-hf", help=IMPORT_HELP, description=IMPORT_HELP + ".")
     sub.add_argument("source", metavar="DIR", help="Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE")
     sub.add_argument("--to", metavar="CKPT_DIR", required=True, help="output directory (new)")
@@ -35,6 +37,14 @@ def run_hf(args: argparse.Namespace) -> int:
         from jaxpar.hf.importer import import_hf_main  # noqa: PLC0415
 
         return import_hf_main(Path(args.source), Path(args.to))
+    if args.adapters_only and args.format != "hf":
+        from jaxpar.config import ConfigError  # noqa: PLC0415
+
+        raise ConfigError("--adapters-only: writes PEFT's adapter directory; add --format hf")
+    if args.format == "hf" and args.adapters_only:
+        from jaxpar.hf.peft import export_adapters_main  # noqa: PLC0415
+
+        return export_adapters_main(Path(args.checkpoint), Path(args.to))
     if args.format == "hf":
         from jaxpar.hf.exporter import export_hf_main  # noqa: PLC0415
 

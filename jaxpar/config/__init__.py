@@ -32,6 +32,7 @@ from jaxpar.config.schema import (
     DistributedConfig,
     GenerationConfig,
     LoggingConfig,
+    LoraConfig,
     MeshConfig,
     MLAConfig,
     ModelConfig,
@@ -47,7 +48,7 @@ from jaxpar.config.validation import check_generation, validate
 __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
     "ConfigError", "DataConfig", "DistributedConfig", "GenerationConfig", "LoggingConfig",
-    "MeshConfig", "MLAConfig",
+    "LoraConfig", "MeshConfig", "MLAConfig",
     "ModelConfig", "MoEConfig", "ParallelConfig", "ProfileConfig", "RopeScalingConfig",
     "SourceConfig", "TrainConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",

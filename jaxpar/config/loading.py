@@ -98,6 +98,12 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
                 and all(isinstance(i, int) and not isinstance(i, bool) for i in items)):
             return tuple(items)
         raise ConfigError(f"{key}: expected a list of integers (token ids), got {value!r}")
+    if origin is tuple and typing.get_args(tp) == (str, Ellipsis):  # train.lora.targets
+        items = [value] if isinstance(value, str) else value
+        if (isinstance(items, Sequence) and not isinstance(items, str)
+                and all(isinstance(i, str) for i in items)):
+            return tuple(items)
+        raise ConfigError(f"{key}: expected a list of names, got {value!r}")
     if origin is dict:  # parallel.rules: logical axis -> tuple of mesh axes
         if not isinstance(value, Mapping):
             raise bad

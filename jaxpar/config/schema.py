@@ -17,7 +17,7 @@ BATCH_AXES = ("data", "fsdp", "expert")
 LOGICAL_AXES = (
     "batch", "residual_batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads",
     "head_dim", "mlp", "vocab", "experts", "layers", "stage", "q_lora", "kv_lora",
-    "q_lora_in", "kv_lora_in", "act_q_lora_in", "act_kv_lora_in",
+    "q_lora_in", "kv_lora_in", "act_q_lora_in", "act_kv_lora_in", "lora_rank",
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
 
@@ -211,6 +211,20 @@ class ProfileConfig:
         return self.start_step is not None
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (docs/lora.md): rank 0 trains every weight; rank r > 0 trains only
+    A [in, r] and B [r, out] beside each targeted weight, the base weights frozen."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    targets: tuple[str, ...] = LORA_TARGETS  # any of LORA_TARGETS
+    dropout: float = 0.0  # only 0 for now (validation refuses others)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
@@ -263,6 +277,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_batches: int = 4
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from jaxpar.config.schema import (
     BATCH_AXES,
     LOGICAL_AXES,
+    LORA_TARGETS,
     MESH_AXES,
     Config,
     ConfigError,
@@ -64,6 +65,7 @@ def validate(cfg: Config, device_count: int) -> Config:
     _check_moe(cfg, mesh)
     _check_batch(cfg, mesh)
     _check_optimizer(cfg.train)
+    _check_lora(cfg)
     _check_sharding(cfg, mesh)
     _check_reduce_dtype(cfg, mesh)
     _check_run(cfg)
@@ -311,6 +313,35 @@ def _check_optimizer(t: TrainConfig) -> None:
              f"train.decay_fraction={t.decay_fraction}: must be in (0, 1] (the share of "
              "train.steps that schedule=wsd decays over)")
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
+
+
+def _check_lora(cfg: Config) -> None:
+    """``train.lora``: the targets the model has, a positive rank, no dropout yet, and the
+    layouts the adapters run on (no pipeline, MLA, or MoE feed-forward yet)."""
+    lora, m = cfg.train.lora, cfg.model
+    _require(lora.rank >= 0, f"train.lora.rank={lora.rank}: must be >= 0 (0: no adapters)")
+    if lora.rank == 0:
+        return
+    for target in lora.targets:
+        _require(target in LORA_TARGETS, f"train.lora.targets: {target!r} is not a LoRA target "
+                 f"(allowed: {', '.join(LORA_TARGETS)})")
+        _require(not (m.moe.enabled and target in ("gate", "up", "down")),
+                 f"train.lora.targets: {target!r}: this model's feed-forward weights are its "
+                 "routed experts, not LoRA targets yet; allowed here: q, k, v, o")
+        _require(not (m.mla.enabled and target in ("q", "k", "v")),
+                 f"train.lora.targets: {target!r}: this model has no {target} projection "
+                 "(model.mla: its attention is latent); allowed here: o, gate, up, down")
+    _require(len(lora.targets) > 0, "train.lora.targets: empty; name one or more of "
+             + ", ".join(LORA_TARGETS))
+    _require(lora.dropout == 0, f"train.lora.dropout={lora.dropout}: only 0 is supported")
+    _require(math.isfinite(lora.alpha) and lora.alpha > 0,
+             f"train.lora.alpha={lora.alpha}: must be a finite number > 0")
+    _require(cfg.mesh.pipe == 1, "train.lora: pipelines (mesh.pipe > 1) are not supported yet")
+    _require(not m.moe.enabled or (m.moe.every == 1 and m.moe.first_dense == 0),
+             "train.lora: a mixture-of-experts model with dense blocks (model.moe.every > 1 or "
+             "first_dense > 0) is not supported yet")
+    _require(not m.mla.enabled, "train.lora: latent-attention models (model.mla) are not "
+             "supported yet")
 
 
 def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:

@@ -154,7 +154,8 @@ def fsdp_collectives(c: Ledger) -> None:
           sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
     c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
-          c.reduced(layer + dense + other, gathered=True, by_hand="fsdp" in c.by_hand),
+          c.reduced([p for p in layer + dense + other if p.trained], gathered=True,
+                    by_hand="fsdp" in c.by_hand),
           "gradients reduce-scattered to their shards, every micro-step", True)
 
 
@@ -173,6 +174,8 @@ def data_collectives(c: Ledger) -> None:
     # too: their gradients (the embedding's with the stages' pieces) summed in one.
     pre_phase: list[ParamCost] = []
     for p in c.params:
+        if not p.trained:  # a LoRA run's frozen base weights: no gradient to sum
+            continue
         split = {a for entry in p.spec for a in entry_axes(entry)}
         if c.dense and st.pipeline is not None and (p.dense_stack or p.name == "embedding"):
             pre_phase.append(p)
@@ -201,8 +204,9 @@ def data_collectives(c: Ledger) -> None:
         c.add("all-reduce", axes, count, payload,
               f"{experts}gradient shards all-reduced, every {every}", True)
     if cfg.parallel.zero == 1:
-        c.add("all-gather", ZERO1_AXES, len(c.params),
-              sum(p.bytes_per_device for p in c.params),
+        updated = [p for p in c.params if p.trained]
+        c.add("all-gather", ZERO1_AXES, len(updated),
+              sum(p.bytes_per_device for p in updated),
               "ZeRO-1: updated parameters gathered from the optimizer shards", False)
 
 

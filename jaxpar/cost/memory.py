@@ -306,17 +306,19 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     cfg, m = st.cfg, st.cfg.model
     param_bytes = sum(p.stored_bytes_per_device for p in params)
     # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient.
-    accumulator = sum(p.bytes_per_device for p in params) if st.accum > 1 else 0
+    # (A LoRA run's frozen base weights have neither gradients nor moments.)
+    accumulator = sum(p.bytes_per_device for p in params if p.trained) if st.accum > 1 else 0
     # bf16 parameters under float32 compute: the step reads float32 copies of them (the cast),
     # and its float32 weight gradients live until they are rounded to the stored dtype.
     widened = (sum(p.bytes_per_device for p in params if p.matmul)
                if cfg.train.param_dtype == "bfloat16" and st.a == 4 else 0)
-    moments = sum(p.moment_bytes_per_device for p in params)
+    moments = sum(p.moment_bytes_per_device for p in params if p.trained)
     # ZeRO-1 outside a pipeline lays the gradients out like the moments (train/step.py), from
     # whole ones that the GPU/TPU compilers keep until after the layer loop (docstring).
     zero1 = cfg.parallel.zero == 1 and st.pipeline is None
     whole_before_scatter = param_bytes if zero1 and not st.xla_cpu else 0
-    gradient_bytes = moments if zero1 else param_bytes
+    gradient_bytes = moments if zero1 else sum(p.stored_bytes_per_device for p in params
+                                               if p.trained)
     # The loss's float32 logits and their gradient, one loss piece at a time, and the
     # embedding's one-hot input, built for its gradient one slice of the vocabulary at a time.
     # (A pipeline's head and embedding are split over pipe as well: each stage its piece.)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import jax
 from flax import nnx
 
-from jaxpar.config import Config, ModelConfig
+from jaxpar.config import Config, LoraConfig, ModelConfig
+from jaxpar.model.lora import is_adapter
 from jaxpar.model.transformer import abstract_model
 from jaxpar.parallel.optimizer_state import STATE_BYTES, state_shapes, state_spec
 from jaxpar.parallel.rules import (
@@ -51,10 +52,12 @@ class ParamShape:
 
 
 @functools.cache
-def _variables(m: ModelConfig, buffers: bool) -> tuple[ParamShape, ...]:
-    """The abstract model's parameters (or, with ``buffers``, its other variables), by name.
-    Cached: ``jaxpar plan --search`` estimates many layouts of one model."""
-    model = abstract_model(m)
+def _variables(m: ModelConfig, buffers: bool, lora: LoraConfig | None = None
+               ) -> tuple[ParamShape, ...]:
+    """The abstract model's parameters (or, with ``buffers``, its other variables), by name,
+    with ``lora``'s adapters. Cached: ``jaxpar plan --search`` estimates many layouts of one
+    model."""
+    model = abstract_model(m, lora)
     _, params, others = nnx.split(model, nnx.Param, ...)
     flat = jax.tree_util.tree_flatten_with_path
     shapes = dict(flat(nnx.to_pure_dict(others if buffers else params))[0])
@@ -64,9 +67,10 @@ def _variables(m: ModelConfig, buffers: bool) -> tuple[ParamShape, ...]:
     return tuple(sorted(table, key=lambda p: p.name))
 
 
-def model_params(m: ModelConfig) -> list[ParamShape]:
-    """Every parameter of the Transformer in ``jaxpar/model``, sorted by name."""
-    return list(_variables(m, buffers=False))
+def model_params(m: ModelConfig, lora: LoraConfig | None = None) -> list[ParamShape]:
+    """Every parameter of the Transformer in ``jaxpar/model`` (with ``lora``'s adapters),
+    sorted by name."""
+    return list(_variables(m, False, lora))
 
 
 def model_buffers(m: ModelConfig) -> list[ParamShape]:
@@ -122,6 +126,9 @@ class ParamCost:
     # The optimizer state this parameter adds, per device (train.optimizer's arrays in
     # train.opt_state_dtype, split like the moments: optimizer_state.state_shapes, state_spec).
     state_bytes_per_device: int = 0
+    # Whether the optimizer updates it: all but the frozen base weights of a LoRA run, which
+    # have no gradient and no optimizer state.
+    trained: bool = True
 
     @property
     def dense_stack(self) -> bool:
@@ -160,8 +167,9 @@ def param_costs(cfg: Config) -> list[ParamCost]:
     """Split every parameter with the config's rules (a ConfigError names a bad rule)."""
     mesh = cfg.mesh_shape
     rules = logical_rules(cfg)
+    lora = cfg.train.lora if cfg.train.lora.rank > 0 else None
     out = []
-    for p in model_params(cfg.model):
+    for p in model_params(cfg.model, lora):
         spec = tuple(resolve_spec(p.name, split_names(p.name, p.names), p.shape, rules, mesh))
         spec = spec + (None,) * (len(p.shape) - len(spec))
         size = math.prod(p.shape) * PARAM_BYTES
@@ -174,9 +182,11 @@ def param_costs(cfg: Config) -> list[ParamCost]:
             gathered_bytes=size // _parts(spec, mesh) * fsdp_parts,
             stacked=p.stacked)
         stored = STORED_BYTES[cfg.train.param_dtype] if cost.matmul else PARAM_BYTES
+        trained = lora is None or is_adapter(p.name)
         out.append(dataclasses.replace(
             cost, stored_bytes_per_device=cost.bytes_per_device * stored // PARAM_BYTES,
-            state_bytes_per_device=_state_bytes(cfg, p, moment_spec)))
+            state_bytes_per_device=_state_bytes(cfg, p, moment_spec) if trained else 0,
+            trained=trained))
     return out
 
 

@@ -8,8 +8,9 @@ safetensors files of at most ``max_shard_bytes`` each (``model.safetensors``, or
 several), the tokenizer files of the run's ``data.tokenizer`` when that is a
 ``tokenizer.json``, and ``generation_config.json`` with the ids that end a sequence when
 ``generation.eos_ids`` names them (an import's own, so that transformers stops where jaxpar
-does). Reads only the parameters, on the host; a shard's converted tensors are
-the only other copy alive.
+does). A LoRA run's adapters are merged into the weights they adapt
+(:func:`jaxpar.model.lora.merged_weights`). Reads only the parameters, on the host; a shard's
+converted tensors are the only other copy alive.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jaxpar.config import ConfigError, ModelConfig, config_from_dict
 from jaxpar.hf.config import hf_config_from_model
 from jaxpar.hf.importer import INDEX, TOKENIZER_FILES
 from jaxpar.hf.names import Tensor, hf_tensors, param_at, slice_shape, to_hf
+from jaxpar.model.lora import merged_weights
 from jaxpar.model.transformer import abstract_model
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -113,6 +115,7 @@ def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHA
     cfg = config_from_dict(read_config(path))
     hf_config = hf_config_from_model(cfg.model)  # refuses before anything is read
     params, buffers, step = read_weights(path)
+    params = merged_weights(params, cfg.train.lora)  # a LoRA run's adapters, merged
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [*out_dir.glob("model*.safetensors"), out_dir / INDEX]:
         old.unlink(missing_ok=True)  # a previous export's shards would confuse loaders

@@ -36,6 +36,7 @@ from jaxpar.model.annotate import (
     weights_prepared,
 )
 from jaxpar.model.attention import dense_attention
+from jaxpar.model.lora import adapted
 from jaxpar.model.mask import UNLIMITED, Positions, rope_positions, with_window
 from jaxpar.model.projection import (
     MATMUL_INPUT,
@@ -287,6 +288,7 @@ class Attention(nnx.Module):
         (:mod:`jaxpar.model.mask`): rotary embeddings take its per-document positions, the
         attention implementation the whole description."""
         q, k, v = self._qkv(x, x_from)
+        q, k, v = (adapted(self, "q", x, q), adapted(self, "k", x, k), adapted(self, "v", x, v))
         if hasattr(self, "q_bias"):
             q = add_bias(q, self.q_bias, Q_BIAS)
             k = add_bias(k, self.k_bias, KV_BIAS)
@@ -305,7 +307,8 @@ class Attention(nnx.Module):
         attend = attention_override() or dense_attention
         out = attend(q, k, v, self._mask(positions))
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-        return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
+        return adapted(self, "o", out, project("bshd,hde->bse", out, self.wo,
+                                               ("heads", "head_dim", "act_embed")))
 
     def _mask(self, positions: Positions) -> Positions:
         """``positions`` with this layer's window (unlimited in a global layer) and soft cap."""
@@ -360,5 +363,7 @@ class SwiGLU(nnx.Module):
             both = (Projection("bse,ef->bsf", (self.w_gate,), w_names),
                     Projection("bse,ef->bsf", (self.w_up,), w_names))
         gate, up = project_all(x, both, x_from=x_from or sequence_slice(x))
+        gate, up = adapted(self, "gate", x, gate), adapted(self, "up", x, up)
         hidden = constrain(GATED_ACTIVATIONS[self.activation](gate, up), ("batch", "seq", "mlp"))
-        return project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed"))
+        return adapted(self, "down", hidden,
+                       project("bsf,fe->bse", hidden, self.w_down, ("mlp", "act_embed")))

@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config import LoraConfig, ModelConfig
 from jaxpar.model.annotate import constrain, reshard_after_forward, split_count
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
+from jaxpar.model.lora import add_adapters
 from jaxpar.model.loss import HIDDEN, head_logits
 from jaxpar.model.mask import Positions
 from jaxpar.model.mla import MLA
@@ -290,13 +291,15 @@ def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: str
         return jax.lax.scan(one_unit, x, stacked)
 
 
-def create_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """A concrete model (call under ``jax.jit`` with ``out_shardings`` to create it sharded)."""
+def create_model(cfg: ModelConfig, seed: int, lora: LoraConfig | None = None) -> Transformer:
+    """A concrete model (call under ``jax.jit`` with ``out_shardings`` to create it sharded),
+    with ``lora``'s adapters (:mod:`jaxpar.model.lora`) when given."""
     with nnx.use_eager_sharding(False):
-        return Transformer(cfg, nnx.Rngs(params=seed))
+        model = Transformer(cfg, nnx.Rngs(params=seed))
+        return model if lora is None else add_adapters(model, lora, seed)
 
 
-def abstract_model(cfg: ModelConfig) -> Transformer:
+def abstract_model(cfg: ModelConfig, lora: LoraConfig | None = None) -> Transformer:
     """Shapes and metadata only; no memory is allocated."""
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0)))
+        return nnx.eval_shape(lambda: create_model(cfg, 0, lora))

@@ -74,6 +74,9 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         "act_q_lora_in": (),
         "act_kv_lora_in": (),
         "mlp": ("tensor",),
+        # LoRA adapters' rank (jaxpar/model/lora.py): small, never split; the adapters' other
+        # axis is the adapted weight's, so they split like it.
+        "lora_rank": (),
         "vocab": ("tensor",),
         "experts": ("expert",),
         "layers": ("pipe",),  # the stacked layers are split into pipeline stages

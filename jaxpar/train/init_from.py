@@ -5,7 +5,8 @@ The parameters are read straight into this run's shardings and dtype
 and the model's buffers take their initial values (MoE router biases start at zero, the layers'
 window flags as the config sets them), except where a weights-only checkpoint holds them as
 weights (an imported DeepSeek-V3's router correction biases, which its routing needs): saved
-buffers win over the initial ones.
+buffers win over the initial ones. Under ``train.lora`` the checkpoint gives the base weights
+and the adapters start as a fresh run's (B zero: the model starts as the checkpoint's).
 """
 
 from __future__ import annotations
@@ -14,29 +15,57 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpar.checkpoint.weights import restore_params, stored_buffers
-from jaxpar.model.transformer import initial_buffers
-from jaxpar.train.step import Trainer, TrainState, make_optimizer
+from jaxpar.model.lora import adapter_part, base_part, merged
+from jaxpar.model.transformer import create_model, initial_buffers
+from jaxpar.train.step import (
+    Trainer,
+    TrainState,
+    lora_of,
+    make_optimizer,
+    stored_params,
+    trained,
+)
 
 
 def initial_state(trainer: Trainer, source: Path) -> TrainState:
     """The first state of a run with ``train.init_from=source`` (module docstring)."""
-    params = restore_params(source, trainer.abstract_state.params)
+    cfg, lora = trainer.cfg, lora_of(trainer.cfg) is not None
+    wanted = trainer.abstract_state.params
+    params = restore_params(source, base_part(wanted) if lora else wanted)
     abstract = trainer.abstract_state.buffers
     stored = stored_buffers(source) if jax.tree.leaves(abstract) else {}
     saved = restore_params(source, _held(abstract, stored), item="buffers") if stored else {}
-    tx = make_optimizer(trainer.cfg.train, trainer.logical_axes)
+    tx = make_optimizer(cfg.train, trained(cfg, trainer.logical_axes))
+    adapters = _fresh_adapters(trainer) if lora else {}
 
-    def fresh(params: dict, saved: dict) -> TrainState:
+    def fresh(params: dict, adapters: dict, saved: dict) -> TrainState:
+        params = merged(params, adapters)
         # the config's values (window flags, zero router biases), then the saved ones over them
         buffers = _over(jax.tree.map(jnp.asarray, initial_buffers(trainer.cfg.model, abstract)),
                         saved)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), buffers)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(trained(cfg, params)),
+                          buffers)
 
     with jax.set_mesh(trainer.mesh):
-        state = jax.jit(fresh, out_shardings=trainer.state_shardings)(params, saved)
+        state = jax.jit(fresh, out_shardings=trainer.state_shardings)(params, adapters, saved)
     return trainer.from_model_order(state)
+
+
+def _fresh_adapters(trainer: Trainer) -> dict:
+    """The adapters of a fresh LoRA run, laid out as the run keeps them (the base weights the
+    same program would make are not outputs: the compiler drops them)."""
+    cfg = trainer.cfg
+
+    def make() -> dict:
+        _, params, _ = nnx.split(create_model(cfg.model, cfg.train.seed, lora_of(cfg)),
+                                 nnx.Param, ...)
+        return adapter_part(stored_params(nnx.to_pure_dict(params), cfg.train.param_dtype))
+
+    with jax.set_mesh(trainer.mesh):
+        return jax.jit(make, out_shardings=adapter_part(trainer.state_shardings.params))()
 
 
 def _held(wanted: dict, stored: dict) -> dict:

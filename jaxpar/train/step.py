@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import process_batch_rows
 from jaxpar.model.layers import FULL_PRECISION
+from jaxpar.model.lora import adapter_part, base_part, merged
 from jaxpar.model.loss import summed_token_loss
 from jaxpar.model.mask import AttentionMask, document_positions
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
@@ -97,6 +98,34 @@ def stored_params(params: dict, param_dtype: str) -> dict:
     return jax.tree_util.tree_map_with_path(
         lambda path, a: a if param_name(path).split("/")[-1] in FULL_PRECISION
         else a.astype(dtype), params)
+
+
+def lora_of(cfg: Config):
+    """``train.lora`` when it adds adapters (rank > 0), else None."""
+    return cfg.train.lora if cfg.train.lora.rank > 0 else None
+
+
+def trained(cfg: Config, tree: dict) -> dict:
+    """The part of a parameter-shaped tree the optimizer updates: all of it, or under LoRA the
+    adapters (jaxpar/model/lora.py); the base weights are then frozen: no gradient, no
+    optimizer state."""
+    return tree if lora_of(cfg) is None else adapter_part(tree)
+
+
+def for_gradients(cfg: Config, params: dict, buffers: dict) -> tuple[dict, Any]:
+    """(what is differentiated, what rides along): under LoRA the frozen base weights ride
+    with the buffers, so no gradient of theirs is computed or summed."""
+    if lora_of(cfg) is None:
+        return params, buffers
+    return adapter_part(params), (buffers, base_part(params))
+
+
+def from_gradients(cfg: Config, params: dict, buffers: Any) -> tuple[dict, dict]:
+    """The inverse of :func:`for_gradients`: the whole parameters and the buffers."""
+    if lora_of(cfg) is None:
+        return params, buffers
+    buffers, frozen = buffers
+    return merged(params, frozen), buffers
 
 
 def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
@@ -238,15 +267,16 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
     """Parameters, buffers (every other variable: MoE router biases), optimizer state and the
     batch, laid out by the rules table."""
     mesh_shape, rules = cfg.mesh_shape, logical_rules(cfg)
-    model = abstract_model(cfg.model)
+    model = abstract_model(cfg.model, lora_of(cfg))
     graphdef, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, ...)
     abstract_params = jax.eval_shape(partial(stored_params, param_dtype=cfg.train.param_dtype),
                                      nnx.to_pure_dict(abstract_params))
     abstract_buffers = nnx.to_pure_dict(abstract_buffers)
     logical_axes = param_logical_axes(model)
     specs, buffer_specs = model_specs(model, abstract_params, abstract_buffers, rules, mesh_shape)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_specs = optimizer_state_specs(cfg, abstract_opt, abstract_params, specs, logical_axes)
+    abstract_opt = jax.eval_shape(tx.init, trained(cfg, abstract_params))
+    opt_specs = optimizer_state_specs(cfg, abstract_opt, trained(cfg, abstract_params),
+                                      trained(cfg, specs), trained(cfg, logical_axes))
     state = named_shardings(mesh, TrainState(step=PartitionSpec(), params=specs,
                                              opt_state=opt_specs, buffers=buffer_specs))
     batch_spec = resolve_spec("batch", ("batch", "seq"), (cfg.train.batch_size,
@@ -275,7 +305,8 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
     def objective(params: dict, buffers: dict, batch: Batch, valid: jax.Array
                   ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
         """What one micro-step differentiates; returns the summed token loss and the aux dict
-        beside it."""
+        beside it. (``params``, ``buffers``: as :func:`for_gradients` splits them.)"""
+        params, buffers = from_gradients(cfg, params, buffers)
         loss_sum, aux = batch_token_loss(params, buffers, graphdef, batch, dtype=dtype,
                                          remat=remat, loss_pieces=pieces,
                                          embedding_grad_pieces=embedding_pieces)
@@ -324,7 +355,8 @@ def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         batch = with_positions(batch, seq_order)
         with model_hooks(cfg, cfg.mesh_shape, platform):
-            grads, (loss_sum, aux) = grad_fn(state.params, state.buffers, batch, valid)
+            grads, (loss_sum, aux) = grad_fn(*for_gradients(cfg, state.params, state.buffers),
+                                             batch, valid)
         # Gradients live where their parameters live (under ZeRO-1, where the moments do:
         # parallel/zero.py: gradient_specs): under FSDP and ZeRO-1 this is what turns the
         # gradient all-reduce into a reduce-scatter.
@@ -355,8 +387,10 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         loss, grads, aux = loss_and_grads(state, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, trained(cfg, state.params))
+        params = optax.apply_updates(trained(cfg, state.params), updates)
+        if lora_of(cfg) is not None:  # the frozen base weights, as they were
+            params = merged(params, base_part(state.params))
         grad_norm = optax.tree.norm(as_float32(grads))
         # A non-finite loss or gradient drops the whole update on device (no host sync): params
         # and optimizer state (whose count drives Adam's bias correction and the lr schedule)
@@ -400,7 +434,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     hook cannot run fails before any trace), the loss-and-gradient function (plain, or the
     pipeline executor's), the train step.
     """
-    tx = make_optimizer(cfg.train, param_logical_axes(abstract_model(cfg.model)))
+    tx = make_optimizer(cfg.train, trained(cfg, param_logical_axes(
+        abstract_model(cfg.model, lora_of(cfg)))))
     sh = resolve_shardings(cfg, mesh, tx)
     platform = mesh.devices.flat[0].platform
     check_reduce_dtype(cfg, platform)
@@ -413,19 +448,22 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
             cfg, sh.graphdef, sh.param_specs, sh.logical_axes, dtype=DTYPES[cfg.train.dtype],
             remat=cfg.train.remat, platform=platform)
     else:
-        grad_fn = plain_gradients(cfg, sh.graphdef, sh.state.params, platform)
+        grad_fn = plain_gradients(cfg, sh.graphdef, trained(cfg, sh.state.params), platform)
         layer_order = program = None
-    grad_shardings = named_shardings(mesh, gradient_specs(cfg, sh.param_specs, sh.logical_axes))
+    grad_shardings = named_shardings(mesh, gradient_specs(cfg, trained(cfg, sh.param_specs),
+                                                          trained(cfg, sh.logical_axes)))
     loss_and_grads = loss_and_grads_fn(cfg, grad_fn, seq_order, grad_shardings, platform)
 
     def init() -> TrainState:
-        _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed), nnx.Param, ...)
+        _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed, lora_of(cfg)),
+                                       nnx.Param, ...)
         params = stored_params(nnx.to_pure_dict(params), cfg.train.param_dtype)
         buffers = nnx.to_pure_dict(buffers)
         if layer_order is not None:
             # The buffers too: the layers' window flags differ from layer to layer.
             params, buffers = reorder_layers((params, buffers), layer_order)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), buffers)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(trained(cfg, params)),
+                          buffers)
 
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=sh.graphdef, logical_axes=sh.logical_axes,
@@ -437,7 +475,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
                       in_shardings=(sh.state, sh.batch), out_shardings=(sh.state, None),
                       donate_argnums=0),
         _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(sh.state, sh.batch),
-                                out_shardings=(None, sh.state.params, None)),
+                                out_shardings=(None, trained(cfg, sh.state.params), None)),
         _reorder=jax.jit(reorder_layers, in_shardings=(sh.state, None),
                          out_shardings=sh.state))
 

@@ -1,0 +1,79 @@
+"""``jaxpar export CKPT --to DIR --format hf --adapters-only``: a LoRA run's adapters as a PEFT
+adapter directory (docs/lora.md).
+
+Writes ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, the Hugging Face
+module names targeted, ``lora_dropout``, ``bias: none``, ``task_type: CAUSAL_LM``) and
+``adapter_model.safetensors`` with, per targeted module of each layer,
+``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``,
+so that ``W_hf + (lora_alpha / r) lora_B lora_A`` is the merged weight (the Hugging Face
+``[out, in]`` matrix of ``W + (alpha / r) A B``; :func:`jaxpar.hf.names.to_hf` flattens the
+heads of a jaxpar weight in the same order as the adapters are flattened here).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from jaxpar.checkpoint.state import read_config
+from jaxpar.checkpoint.weights_only import read_weights, step_dir
+from jaxpar.config import ConfigError, config_from_dict
+from jaxpar.hf.config import hf_config_from_model
+from jaxpar.hf.names import hf_tensors
+from jaxpar.model.lora import PREFIX, TARGETS
+
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_tensors(cfg, params: dict) -> dict[str, np.ndarray]:
+    """PEFT's tensors of a LoRA run's parameters (``cfg``: the run's config)."""
+    lora = cfg.train.lora
+    by_weight = {(part, attr): target for target, (part, attr, _, _) in TARGETS.items()
+                 if target in lora.targets}
+    out = {}
+    for t in hf_tensors(cfg.model):
+        if len(t.path) != 3 or t.path[0] != "layers" or tuple(t.path[1:]) not in by_weight:
+            continue
+        part, _ = t.path[1:]
+        adapter = params["layers"][part][PREFIX + by_weight[tuple(t.path[1:])]]
+        a = np.asarray(adapter["a"][t.index], np.float32)  # [*in, r]
+        b = np.asarray(adapter["b"][t.index], np.float32)  # [r, *out]
+        module = PEFT_PREFIX + t.hf.removesuffix(".weight")
+        out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, lora.rank).T)
+        out[f"{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)
+    return out
+
+
+def export_adapters(source: Path, out_dir: Path) -> tuple[Path, int]:
+    """Write the PEFT adapter directory of LoRA checkpoint ``source``; returns the weights file
+    and the step."""
+    path = step_dir(source)
+    cfg = config_from_dict(read_config(path))
+    lora = cfg.train.lora
+    if lora.rank == 0:
+        raise ConfigError(f"--adapters-only: checkpoint {path} has no LoRA adapters "
+                          "(train.lora.rank is 0 in its run)")
+    hf_config_from_model(cfg.model)  # refuses a model transformers has no class for
+    params, _, step = read_weights(path)
+    tensors = adapter_tensors(cfg, params)
+    modules = sorted({name.split(".")[-3] for name in tensors})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = out_dir / "adapter_model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "modules_to_save": None, "inference_mode": True, "init_lora_weights": True,
+              "base_model_name_or_path": None}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return weights, step
+
+
+def export_adapters_main(source: Path, out_dir: Path) -> int:
+    weights, step = export_adapters(source, out_dir.expanduser())
+    print(f"exported the LoRA adapters of step {step} in PEFT's format: {weights} and "
+          f"adapter_config.json")
+    return 0

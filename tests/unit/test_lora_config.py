@@ -1,0 +1,68 @@
+"""``train.lora``'s configuration (docs/lora.md): the targets a model has, one-line errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.config.schema import LORA_TARGETS
+
+
+def _error(*overrides: str, devices: int = 1, preset: str = "tiny") -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(preset, ["train.lora.rank=4", *overrides]), devices)
+    return str(info.value)
+
+
+def test_lora_loads_targets_as_a_list() -> None:
+    cfg = validate(load_config("tiny", ["train.lora.rank=4", "train.lora.targets=[q,v]"]), 1)
+    assert cfg.train.lora.targets == ("q", "v")
+    assert validate(load_config("tiny", []), 1).train.lora.targets == LORA_TARGETS
+
+
+def test_a_target_the_model_does_not_have_is_one_line_naming_it() -> None:
+    message = _error("train.lora.targets=[q,wq_proj]")
+    assert "\n" not in message and "'wq_proj'" in message and "allowed: q, k, v" in message
+
+
+def test_lora_refuses_what_it_does_not_run_yet() -> None:
+    assert "\n" not in _error("train.lora.dropout=0.1")
+    assert "mesh.pipe" in _error("mesh.pipe=2", "train.microbatches=2", devices=2)
+    assert "train.lora.rank=-1" in _error("train.lora.rank=-1")
+    # moe-tiny's feed-forward is its routed experts: the default targets name gate first.
+    assert "'gate'" in _error(preset="moe-tiny", devices=8)
+    validate(load_config("moe-tiny", ["train.lora.rank=4", "train.lora.targets=[q,o]"]), 8)
+
+
+@pytest.mark.parametrize("mesh", [(), ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")])
+def test_plan_counts_the_adapters_state_only(mesh: tuple[str, ...]) -> None:
+    """The cost model's optimizer bytes per device (what ``jaxpar plan`` and ``inspect
+    --compare`` show) equal those of the state ``resolve_shardings`` lays out for a LoRA run,
+    adapters only; the frozen weights count neither state nor gradients (shapes only)."""
+    import jax  # noqa: PLC0415
+
+    from jaxpar.cost.params import param_costs  # noqa: PLC0415
+    from jaxpar.mesh import make_mesh  # noqa: PLC0415
+    from jaxpar.model.transformer import abstract_model  # noqa: PLC0415
+    from jaxpar.parallel.optimizer_state import state_counters  # noqa: PLC0415
+    from jaxpar.parallel.rules import param_logical_axes  # noqa: PLC0415
+    from jaxpar.train.step import lora_of, make_optimizer, resolve_shardings, trained  # noqa: PLC0415
+
+    n = 8 if mesh else 1
+    cfg = validate(load_config("tiny", ["train.lora.rank=4", *mesh]), n)
+    tx = make_optimizer(cfg.train, trained(cfg, param_logical_axes(
+        abstract_model(cfg.model, lora_of(cfg)))))
+    state = resolve_shardings(cfg, make_mesh(cfg, devices=jax.devices()[:n]), tx)
+    laid_out = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                   for a in jax.tree.leaves(state.abstract_state.opt_state))
+    costs = param_costs(cfg)
+    planned = (sum(p.state_bytes_per_device for p in costs)
+               + state_counters(cfg.train.optimizer, cfg.train.weight_decay))
+    assert planned == laid_out
+    assert {p.name.split("/")[-2] for p in costs if p.trained} == {
+        f"lora_{t}" for t in LORA_TARGETS}
+    full = sum(p.state_bytes_per_device for p in param_costs(validate(load_config(
+        "tiny", list(mesh)), n)))
+    assert planned < full / 4
