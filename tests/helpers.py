@@ -144,15 +144,16 @@ def make_batches(cfg) -> list[dict[str, np.ndarray]]:
 
 
 @functools.cache
-def run_layout(overrides: tuple[str, ...]) -> dict:
-    """The tiny preset with ``LAYOUT_BASE`` and ``overrides`` on as many devices as its mesh
-    axes multiply to, built once per test process: the first batch's loss and gradients, the
-    parameters after ``LAYOUT_STEPS`` steps, and the compiled step's collectives and HLO."""
+def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
+               base: tuple[str, ...] | None = None) -> dict:
+    """``preset`` (tiny) with ``base`` (``LAYOUT_BASE``) and ``overrides`` on as many devices as
+    its mesh axes multiply to, built once per test file: the first batch's loss and gradients,
+    the parameters after ``LAYOUT_STEPS`` steps, and the compiled step's collectives and HLO."""
     from jaxpar.inspect.hlo.collectives import parse_collectives
     from jaxpar.mesh import make_mesh
     from jaxpar.train.step import build_trainer
 
-    cfg = load_config("tiny", [*LAYOUT_BASE, *overrides])
+    cfg = load_config(preset, [*(LAYOUT_BASE if base is None else base), *overrides])
     n_devices = math.prod(
         int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")) or 1
     cfg = validate(cfg, n_devices)

@@ -8,25 +8,18 @@ state holds adapter-shaped arrays only; and the compiled step sums no base-weigh
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import numpy as np
 import pytest
 from helpers import (
     MOE_LAYOUT_BASE,
     assert_grads_and_params_match,
-    make_batches,
     max_relative_error,
     per_step_bytes,
     run_layout,
 )
 
-from jaxpar.config import load_config, validate
-from jaxpar.mesh import make_mesh
 from jaxpar.model.lora import adapter_part, base_part
-from jaxpar.train.step import build_trainer
 
 LORA = ("train.lora.rank=4", "train.lora.alpha=8")
 MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
@@ -101,22 +94,9 @@ def test_lora_with_remat_sp_and_other_optimizers_matches_one_device(extra: tuple
 MOE_LORA = (*LORA, "train.lora.targets=[q,k,v,o]")
 
 
-@functools.cache
 def moe_run(overrides: tuple[str, ...]) -> dict:
-    """moe-tiny (helpers.MOE_LAYOUT_BASE: 3 steps) with ``overrides``: the first batch's loss
-    and gradients, the parameters after the steps."""
-    cfg = load_config("moe-tiny", [*MOE_LAYOUT_BASE, *MOE_LORA, *overrides])
-    n = math.prod(int(o.split("=")[1]) for o in overrides if o.startswith("mesh."))
-    cfg = validate(cfg, n)
-    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n]))
-    batches = [trainer.put_batch(b) for b in make_batches(cfg)]
-    state = trainer.init()
-    loss, grads = trainer.loss_and_grads(state, batches[0])
-    step = trainer.compile_step()
-    for batch in batches:
-        state, _ = step(state, batch)
-    return {"loss": float(loss), "grads": jax.tree.map(np.asarray, grads),
-            "params": jax.tree.map(np.asarray, state.params)}
+    """moe-tiny (helpers.MOE_LAYOUT_BASE: 3 steps) with LoRA on its attention and ``overrides``."""
+    return run_layout((*MOE_LORA, *overrides), preset="moe-tiny", base=tuple(MOE_LAYOUT_BASE))
 
 
 @pytest.mark.slow
