@@ -91,13 +91,15 @@ def test_ctrl_c_keeps_the_finished_shards_and_resume_completes_them(bpe, tmp_pat
             "--shard-tokens", "20000", "--workers", "2"]
     out = tmp_path / "interrupted"
     # A terminal's Ctrl-C signals the whole process group: the workers as well as the main one.
-    # SIGINT back to its default in the child: a process started with SIGINT ignored (as the
+    # SIGINT back to its default in the child (no fork: the test process runs threads): a process
+    # started with SIGINT ignored (as the
     # test process may have been, by something that ran before in it) keeps ignoring it, and
     # then the run was never interrupted (twice in full-suite runs, never alone).
-    run = subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *args, "--to", str(out)],
+    restore = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "runpy.run_module('jaxpar.cli', run_name='__main__')")
+    run = subprocess.Popen([sys.executable, "-c", restore, *args, "--to", str(out)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                           start_new_session=True)
     deadline = time.monotonic() + 120
     while not (out / "progress.json").exists() and run.poll() is None:
         assert time.monotonic() < deadline, "no shard finished in 120 s"
