@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.data.sources import _user_files
+from jaxpar.data.sources import user_files
 
 Message = dict[str, str]
 
@@ -155,7 +155,7 @@ def _token_text(token: Any) -> str:
 
 def read_conversations(source: str) -> list[Conversation]:
     """The conversations of the .jsonl file(s) ``source`` (a file, directory or glob)."""
-    files = [(p, k) for p, k in _user_files(source) if p.endswith(".jsonl")]
+    files = [(p, k) for p, k in user_files(source) if p.endswith(".jsonl")]
     if not files:
         raise ValueError(f"data.source={source!r}: data.loss_on=assistant reads chat .jsonl "
                          "files (docs/data.md#chat-data)")

@@ -53,7 +53,7 @@ def iter_documents(
     # The stdlib holds a few files in legacy encodings (encoding tests); skip them, whereas a
     # user's own file that cannot be read is an error worth reporting.
     lenient = source == "stdlib"
-    files = _stdlib_files() if lenient else _user_files(source)
+    files = _stdlib_files() if lenient else user_files(source)
     return _stream(source, files, max_bytes, text_field, lenient)
 
 
@@ -89,7 +89,7 @@ def _stdlib_files() -> list[tuple[str, str]]:
     return [(p, os.path.relpath(p, root)) for p in sorted(found)]
 
 
-def _user_files(source: str) -> list[tuple[str, str]]:
+def user_files(source: str) -> list[tuple[str, str]]:
     """(path, key) pairs for a file, a directory (recursively) or a glob pattern, sorted."""
     path = os.path.expanduser(source)
     if os.path.isfile(path):
