@@ -16,23 +16,27 @@ from pathlib import Path
 from jaxpar.cli.generate import checkpoint_command
 from jaxpar.config import ConfigError
 
-EVAL_HELP = "score a checkpoint on a tokenized split: loss, perplexity and bits per byte"
+EVAL_HELP = ("score a checkpoint on a split of tokenized data, text or chat: loss, perplexity "
+             "and bits per byte")
 
 
 def add_eval(commands, positive_int: Callable[[str], int]) -> None:
     """The ``eval`` subcommand's arguments (``positive_int``: the CLI's N >= 1 type)."""
     sub = checkpoint_command(
         commands, "eval", EVAL_HELP,
-        "DIR a directory written by jaxpar tokenize with the run's tokenizer (data.tokenizer). "
+        "DIR a directory written by jaxpar tokenize with the run's tokenizer (data.tokenizer), "
+        "or anything data.source reads (text files; a chat .jsonl with data.loss_on=assistant "
+        "scores the assistant's tokens), split by data.val_fraction as training splits it. "
         "The rows are train.seq_len long, train.batch_size to a batch, in file order; "
         "key=value overrides apply to the run's config (train.batch_size=16, host_devices=4, "
         "...). The mesh is one device unless --mesh or mesh.* say otherwise; any layout "
         "training runs works. docs/evaluation.md says which tokens and bytes are scored.",
         ["jaxpar eval runs/tiny --data data/tok",
          "jaxpar eval runs/tiny --data data/tok --batches 10 --mesh data=2,tensor=2 "
-         "host_devices=4 --json eval.json"])
-    sub.add_argument("--data", metavar="DIR", required=True, help="tokenized directory "
-                     "(jaxpar tokenize)")
+         "host_devices=4 --json eval.json",
+         "jaxpar eval runs/sft --data jaxpar/data/toy_chat.jsonl data.loss_on=assistant"])
+    sub.add_argument("--data", metavar="DIR", required=True, help="a tokenized directory "
+                     "(jaxpar tokenize), or text or chat files as data.source reads them")
     sub.add_argument("--split", default="validation", choices=("validation", "train"),
                      help="which split to score (default validation)")
     sub.add_argument("--batches", type=positive_int, metavar="N", help="score the first N "

@@ -9,6 +9,11 @@ whatever precedes it in its row, across document boundaries, as in training. ``-
 reads the first N global batches only. The last batch is filled with masked rows (the padding
 scores nothing), so no row is left out and none is counted twice.
 
+Data that ``jaxpar tokenize`` did not write (text files, or chat .jsonl under
+``data.loss_on=assistant``: anything ``data.source`` reads) is tokenized, split
+(``data.val_fraction``) and packed here as training does it; chat rows score the assistant's
+tokens only, as the fine-tuning loss does, and bits per byte is not given (no byte counts).
+
 The numbers. ``loss``: the mean cross entropy in nats over the scored targets;
 ``perplexity``: exp(loss); ``bits_per_byte``: the summed nats / ln 2 / the UTF-8 bytes of the
 split's texts, as ``jaxpar tokenize`` recorded them in ``index.json``. The bytes are the whole
@@ -40,8 +45,11 @@ import numpy as np
 from jaxpar.checkpoint.weights import restore_params
 from jaxpar.checkpoint.weights_only import read_weights
 from jaxpar.config import Config, ConfigError
-from jaxpar.data.shards import split_text_bytes
+from jaxpar.data.dataset import build_dataset
+from jaxpar.data.packing import PackedDataset
+from jaxpar.data.shards import is_tokenized, split_text_bytes
 from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
+from jaxpar.data.tokenizer import make_tokenizer
 from jaxpar.model.transformer import initial_buffers
 from jaxpar.train.eval import compile_eval_step
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
@@ -68,24 +76,37 @@ class EvalResult:
         return dataclasses.asdict(self)
 
 
-def open_split(cfg: Config, directory: str, split: str) -> TokenizedDataset:
-    """The tokenized split to score, checked against ``cfg``'s tokenizer and vocabulary: a
-    one-line :class:`ConfigError` for anything wrong, before jax starts."""
+def open_split(cfg: Config, directory: str, split: str) -> TokenizedDataset | PackedDataset:
+    """The split to score, checked against ``cfg``'s tokenizer and vocabulary: a one-line
+    :class:`ConfigError` for anything wrong, before jax starts. ``directory`` is a directory
+    written by ``jaxpar tokenize``, or anything ``data.source`` reads (text files; chat .jsonl
+    under ``data.loss_on=assistant``), tokenized and split here as training does."""
     label = f"--data {directory}"
     try:
-        ds = open_tokenized(directory, split, cfg.train.seq_len, tokenizer=cfg.data.tokenizer,
-                            label=label)
+        if is_tokenized(directory):
+            ds = open_tokenized(directory, split, cfg.train.seq_len,
+                                tokenizer=cfg.data.tokenizer, label=label)
+            vocab_size = ds.vocab_size
+        else:
+            tokenizer = make_tokenizer(cfg.data.tokenizer)
+            vocab_size = tokenizer.vocab_size
+            ds = build_dataset(directory, tokenizer, cfg.train.seq_len, split=split,
+                               val_fraction=cfg.data.val_fraction,
+                               max_bytes=cfg.data.max_bytes or None,
+                               text_field=cfg.data.text_field, loss_on=cfg.data.loss_on)
+    except ImportError as err:  # an optional package (tokenizers, jinja2) the data needs
+        raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(str(err).splitlines()[0]) from None
-    if ds.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"{label}: its tokenizer has {ds.vocab_size} ids, more than the "
+        raise ConfigError(f"{label}: " + str(err).splitlines()[0]) from None
+    if vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"{label}: its tokenizer has {vocab_size} ids, more than the "
                           f"model's vocabulary (model.vocab_size={cfg.model.vocab_size})")
     return ds
 
 
-def row_batches(ds: TokenizedDataset, batch_size: int, batches: int | None,
+def row_batches(ds: TokenizedDataset | PackedDataset, batch_size: int, batches: int | None,
                 segments: bool = False) -> Iterator[tuple[dict[str, np.ndarray], int]]:
     """(global batch, real rows in it) for the first ``batches`` batches (None: all), in file
     order; the last batch of the split is filled with masked copies of its first row. With
@@ -126,8 +147,8 @@ def load_eval_state(trainer: Trainer, path: Path) -> TrainState:
     return trainer.from_model_order(TrainState(step, params, opt_state, buffers))
 
 
-def evaluate(trainer: Trainer, state: TrainState, ds: TokenizedDataset, *, checkpoint: str,
-             step: int, batches: int | None = None) -> EvalResult:
+def evaluate(trainer: Trainer, state: TrainState, ds: TokenizedDataset | PackedDataset, *,
+             checkpoint: str, step: int, batches: int | None = None) -> EvalResult:
     """Score ``ds``'s rows (module docstring) with the validation step on ``trainer``'s mesh."""
     scorer = compile_eval_step(trainer, weights_only=trainer.pipeline is None)
     local = trainer.local_batch_rows()
@@ -140,19 +161,28 @@ def evaluate(trainer: Trainer, state: TrainState, ds: TokenizedDataset, *, check
     nats = math.fsum(float(s) for s, _ in sums)
     tokens = int(round(math.fsum(float(t) for _, t in sums)))
     loss = nats / max(tokens, 1)
-    text_bytes = split_text_bytes(ds.shards)
-    if rows < len(ds):
-        note = f"--batches covers {rows} of the split's {len(ds)} rows; the bytes are the split's"
-    elif text_bytes is None:
-        note = ("the data's index.json records no text bytes (tokenized by an older jaxpar: "
-                "tokenize again to get them)")
-    else:
-        note = ""
+    text_bytes = split_text_bytes(ds.shards) if isinstance(ds, TokenizedDataset) else None
+    note = _bytes_note(ds, rows, text_bytes, trainer.cfg.data.loss_on)
     bpb = nats / math.log(2) / text_bytes if not note and text_bytes else None
     return EvalResult(checkpoint=checkpoint, step=step, data=ds.source, split=ds.split,
                       loss=loss, perplexity=math.exp(loss) if loss < 700 else None,
                       bits_per_byte=bpb, bits_per_byte_note=note, tokens=tokens,
                       text_bytes=text_bytes, rows=rows, split_rows=len(ds))
+
+
+def _bytes_note(ds: TokenizedDataset | PackedDataset, rows: int, text_bytes: int | None,
+                loss_on: str) -> str:
+    """Why bits per byte is not given ("" when it is): module docstring, "The numbers"."""
+    if not isinstance(ds, TokenizedDataset):
+        return ("the data was tokenized here, not by jaxpar tokenize, which records the texts' "
+                "bytes" + ("; the loss is over the assistant's tokens" if loss_on == "assistant"
+                           else ""))
+    if rows < len(ds):
+        return f"--batches covers {rows} of the split's {len(ds)} rows; the bytes are the split's"
+    if text_bytes is None:
+        return ("the data's index.json records no text bytes (tokenized by an older jaxpar: "
+                "tokenize again to get them)")
+    return ""
 
 
 def describe(result: EvalResult) -> str:

@@ -120,7 +120,7 @@ def test_bad_input_is_one_line_before_anything_compiles(made, tmp_path):
                              val_fraction=0.2))
     cases = [
         ((str(tmp_path / "nope"), "--data", data), ("no complete checkpoint",)),
-        ((ckpt, "--data", str(made["corpus"])), ("--data", "no index.json", "jaxpar tokenize")),
+        ((ckpt, "--data", str(tmp_path / "missing")), ("--data", "missing")),
         ((ckpt, "--data", str(byte_data)), ("not the tokenizer", "byte")),
         ((ckpt, "--data", data, "model.vocab_size=256"), ("300 ids", "model.vocab_size=256")),
         ((ckpt, "--data", data, "--json", str(tmp_path / "no" / "e.json")), ("--json",)),
@@ -129,6 +129,20 @@ def test_bad_input_is_one_line_before_anything_compiles(made, tmp_path):
     for args, needles in cases:
         result = run_jaxpar("eval", *args, *SHAPE)
         assert_one_line_error(result, *needles, empty_stdout=True)
+
+
+def test_the_text_files_score_as_their_tokenized_directory(made, tmp_path):
+    """``--data`` the corpus itself: tokenized and split here as training does, the same rows
+    as ``jaxpar tokenize`` wrote, so the same loss; no bits per byte (no byte counts)."""
+    tokenized = eval_json(made, tmp_path / "tok.json")
+    result = run_jaxpar("eval", str(made["checkpoint"]), "--data", str(made["corpus"]), *SHAPE,
+                        "data.val_fraction=0.2", "--json", str(tmp_path / "text.json"),
+                        env=env_without_device_flags())
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = json.loads((tmp_path / "text.json").read_text())
+    assert (text["rows"], text["tokens"]) == (tokenized["rows"], tokenized["tokens"])
+    assert abs(text["loss"] - tokenized["loss"]) <= 1e-6 * tokenized["loss"]
+    assert text["bits_per_byte"] is None and "jaxpar tokenize" in text["bits_per_byte_note"]
 
 
 def test_a_config_that_masks_documents_is_scored_with_its_masks_on_any_mesh(made, tmp_path):

@@ -2,8 +2,9 @@
 ``--adapters-only`` a PEFT-format adapter directory. A base run, exported; a LoRA run from its
 checkpoint (``train.init_from``), exported both ways. transformers computes from the merged
 export the logits jaxpar's adapted model computes from the checkpoint, and the base export with
-the adapter directory's tensors applied as PEFT applies them (``W + lora_alpha / r * B A`` per
-module; the ``peft`` package itself is not installed here) computes them too."""
+the adapter directory's tensors applied by hand as PEFT applies them (``W + lora_alpha / r * B A``
+per module), and the ``peft`` package loading the adapter directory onto the base export, compute
+them too."""
 
 from __future__ import annotations
 
@@ -85,6 +86,25 @@ def test_adapter_directory_on_the_base_export_computes_the_merged_logits(runs):
         logits = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     assert np.abs(logits - merged).max() <= 1e-4
     assert np.abs(hf_logits(root / "base-hf", ids) - merged).max() > 1e-3
+
+
+def test_peft_loads_the_adapter_directory_onto_the_base_export(runs):
+    """``PeftModel.from_pretrained`` (the ``peft`` package, as a user loads adapters) on the
+    base export computes the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root, ids, merged = runs
+    base = AutoModelForCausalLM.from_pretrained(root / "base-hf", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, root / "adapters").eval()
+    assert model.peft_config["default"].r == 4
+    with torch.no_grad():
+        logits = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert np.abs(logits - merged).max() <= 1e-4
+    with torch.no_grad(), model.disable_adapter():  # the adapters are what moves the logits
+        plain = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert np.abs(plain - merged).max() > 1e-3
 
 
 def test_generation_runs_the_adapted_model(runs):
