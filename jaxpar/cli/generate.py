@@ -29,7 +29,8 @@ def add_generate(commands, positive_int: Callable[[str], int]) -> None:
         "prompts, tensor the heads.",
         ["jaxpar generate runs/tiny --prompt 'def main(' --max-tokens 200",
          "jaxpar generate runs/tiny --prompts-file prompts.txt --temperature 0.8 --top-p 0.9 "
-         "--mesh data=2,tensor=2 host_devices=4"])
+         "--mesh data=2,tensor=2 host_devices=4",
+         "jaxpar generate runs/sft --chat --prompt 'What is 2 + 3?'"])
     prompts = sub.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one prompt; its tokens stream")
     prompts.add_argument("--prompts-file", metavar="FILE", help="one prompt per line, "
@@ -46,6 +47,9 @@ def add_generate(commands, positive_int: Callable[[str], int]) -> None:
     sub.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     sub.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json, or 'byte', instead "
                      "of the run's data.tokenizer")
+    sub.add_argument("--chat", action="store_true", help="each prompt is a user message, "
+                     "rendered with the tokenizer's chat template (tokenizer_config.json's "
+                     "chat_template) up to the assistant's turn")
 
 
 def checkpoint_command(commands, name: str, help_text: str, details: str,
@@ -110,6 +114,8 @@ def run_generate(args: argparse.Namespace) -> int:
     path = step_dir(Path(args.checkpoint))
     cfg = generation_config(args, saved_config(path))
     texts = _prompt_texts(args)
+    if args.chat:
+        texts = _chat_prompts(texts, args.tokenizer or cfg.data.tokenizer)
     use_host_devices(cfg.host_devices)  # before anything starts jax's backend
     import jax  # noqa: PLC0415
 
@@ -127,7 +133,8 @@ def run_generate(args: argparse.Namespace) -> int:
     generator = Generator(cfg, params, buffers, make_mesh(cfg, jax.devices()[:wanted]))
     # A model jaxpar trained gets the end-of-text token in front, an imported one what its
     # tokenizer adds (generation.prompt: jaxpar/data/prompts.py).
-    prompts = [prompt_format.encode(t) for t in texts]
+    prompts = [tokenizer.encode(t).tolist() if args.chat else prompt_format.encode(t)
+               for t in texts]  # a chat template writes the special tokens itself
     options = dict(max_tokens=args.max_tokens, sampling=sampling, seed=args.seed,
                    eos_id=prompt_format.eos_ids)
     if args.prompt is not None:
@@ -153,6 +160,20 @@ def _prompt_texts(args: argparse.Namespace) -> list[str]:
     if not texts:
         raise ConfigError(f"--prompts-file {args.prompts_file}: no prompt in it")
     return texts
+
+
+def _chat_prompts(texts: list[str], tokenizer: str) -> list[str]:
+    """Each text as a user message rendered by the chat template, up to the assistant's turn
+    (``add_generation_prompt``), as transformers' ``apply_chat_template`` renders it."""
+    from jaxpar.data.chat import ChatTemplate  # noqa: PLC0415
+
+    try:
+        template = ChatTemplate(tokenizer)
+        return [template.render([{"role": "user", "content": t}], add_generation_prompt=True)
+                for t in texts]
+    except (ValueError, ImportError) as err:
+        raise ConfigError("--chat: " + str(err).splitlines()[0].replace(
+            "data.loss_on=assistant needs", "needs")) from None
 
 
 def _prompts(cfg: Config, tokenizer: str | None):
