@@ -20,6 +20,11 @@ device can *send* per second on the links that axis uses:
   mesh axis runs along one torus dimension and sends on its two links (one each way), so it gets
   ``bidirectional ICI per chip / ICI ports``. Axes beyond one slice would cross the data-center
   network (DCN), which is far slower; the table's ``domain_size`` is the largest single slice.
+- Several slices named by ``mesh.dcn`` (:class:`~jaxpar.config.DcnConfig`): a collective over
+  axes that span slices (``dcn`` > 1 on one of them) takes the slow link, every other one stays
+  inside a slice and takes the fast link, whatever the span rule above says. Its ring is as slow
+  as its slowest hop, so the whole ``wire_bytes`` is charged at the slow link: an upper bound
+  for hierarchical algorithms, which send only the cross-slice part over DCN.
 
 Latency. Each collective launched also costs a fixed ``latency_s`` of the link it uses (the
 fast or the slow one), whatever its size: the kernel launch, the handshake between peers and the
@@ -39,7 +44,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from jaxpar.config import MESH_AXES, ConfigError
+from jaxpar.config import MESH_AXES, ConfigError, DcnConfig
 
 GB = 1e9  # vendors quote link bandwidth in decimal gigabytes (or gigabits: / 8)
 GIB = 2**30
@@ -89,24 +94,30 @@ class HardwareProfile:
         """jax's name of the backend: cpu, tpu or gpu."""
         return self.name if self.name == "cpu" else "tpu" if self.name.startswith("tpu") else "gpu"
 
-    def axis_link(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...]
-                  ) -> tuple[str, float]:
+    def axis_link(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...],
+                  dcn: DcnConfig | None = None) -> tuple[str, float]:
         """(link name, send bytes/s) a collective over ``axis`` (or several axes) gets.
 
         Devices are numbered with the innermost mesh axis fastest, so an axis's group spans
         ``size(axis) * size(every axis inside it)`` consecutive devices; it stays in one domain
-        when that span is at most ``domain_size`` (domains are assumed aligned to it).
+        when that span is at most ``domain_size`` (domains are assumed aligned to it). With
+        ``dcn`` over several slices, the slices are the domains (module docstring).
         """
-        if self._in_domain(mesh_shape, axis):
+        if self._in_domain(mesh_shape, axis, dcn):
             return self.fast_link, self.fast_bytes_per_s
         return self.slow_link, self.slow_bytes_per_s
 
-    def axis_latency(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...]) -> float:
+    def axis_latency(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...],
+                     dcn: DcnConfig | None = None) -> float:
         """Seconds one collective over ``axis`` costs before its bytes (module docstring)."""
-        return self.fast_latency_s if self._in_domain(mesh_shape, axis) else self.slow_latency_s
+        return (self.fast_latency_s if self._in_domain(mesh_shape, axis, dcn)
+                else self.slow_latency_s)
 
-    def _in_domain(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...]) -> bool:
+    def _in_domain(self, mesh_shape: Mapping[str, int], axis: str | tuple[str, ...],
+                   dcn: DcnConfig | None = None) -> bool:
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        if dcn is not None and dcn.slices > 1:
+            return not dcn.crossing(axes)
         outermost = min(MESH_AXES.index(a) for a in axes)
         span = math.prod(mesh_shape.get(a, 1) for a in MESH_AXES[outermost:])
         return span <= self.domain_size

@@ -17,6 +17,7 @@ process then feeds only the batch rows its own devices hold (:func:`process_batc
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 
@@ -85,12 +86,16 @@ def make_mesh(cfg: Config, devices=None):
     """A ``jax.sharding.Mesh`` with the six named axes, all ``Auto`` (sharding by annotation).
 
     ``cfg`` must be validated (no ``-1`` left in ``cfg.mesh``). ``devices`` defaults to all of
-    them; tests pass a prefix to compare a layout with the 1-device run in one process.
+    them; tests pass a prefix to compare a layout with the 1-device run in one process. With
+    ``mesh.dcn`` over several slices the devices are arranged by :func:`hybrid_device_mesh`.
     """
     import jax  # noqa: PLC0415
 
     shape = tuple(getattr(cfg.mesh, axis) for axis in MESH_AXES)
     axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    if cfg.mesh.dcn.slices > 1:
+        return jax.sharding.Mesh(hybrid_device_mesh(cfg, devices), MESH_AXES,
+                                 axis_types=axis_types)
     try:
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
     except NotImplementedError:
@@ -100,6 +105,42 @@ def make_mesh(cfg: Config, devices=None):
         # jax.make_mesh itself allows on v5e; the devices of each axis still form a sub-torus.
         return jax.sharding.Mesh(split_device_mesh(shape, devices), MESH_AXES,
                                  axis_types=axis_types)
+
+
+def hybrid_device_mesh(cfg: Config, devices=None) -> np.ndarray:
+    """The device array of a mesh over several slices (``mesh.dcn``): along each axis its
+    ``dcn`` outer factor steps from slice to slice and the rest stays inside one slice, so a
+    collective over an axis with ``dcn`` 1 never leaves a slice.
+
+    What a slice is: the devices' ``slice_index`` (TPU slices, and libtpu's compile-only
+    topologies of several slices), else the process (one host or one GPU node a slice), else,
+    in one process of virtual CPU devices, consecutive blocks of the devices in id order (for
+    tests and ``inspect``: nothing is slower between them). The first two are JAX's
+    ``create_hybrid_device_mesh``."""
+    import jax  # noqa: PLC0415
+    from jax.experimental import mesh_utils  # noqa: PLC0415
+
+    dcn = tuple(cfg.mesh.dcn.sizes().values())
+    ici = tuple(getattr(cfg.mesh, a) // d for a, d in zip(MESH_AXES, dcn, strict=True))
+    devices = list(jax.devices() if devices is None else devices)[: math.prod(ici) * math.prod(dcn)]
+    slices = cfg.mesh.dcn.slices
+    for key in ("slice_index", "process_index"):
+        if len({getattr(d, key, None) for d in devices}) == slices:
+            return mesh_utils.create_hybrid_device_mesh(
+                ici, dcn, devices, process_is_granule=key == "process_index",
+                allow_split_physical_axes=True)
+    found = len({d.process_index for d in devices})
+    if found > 1:
+        raise ValueError(f"mesh.dcn: {slices} slices asked for, but the devices come from "
+                         f"{found} processes and carry no slice index; run one process per slice")
+    # One process: slice s is devices [s * n, (s + 1) * n). Its block, laid out by the inner
+    # sizes, sits at the slice's position in the dcn grid (np.block's arrangement).
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = sorted(devices, key=lambda d: d.id)
+    blocks = grid.reshape(*dcn, *ici)
+    n = len(MESH_AXES)
+    order = [i for axis in range(n) for i in (axis, n + axis)]  # dcn_0, ici_0, dcn_1, ...
+    return blocks.transpose(order).reshape(tuple(cfg.mesh.sizes().values()))
 
 
 def split_device_mesh(shape: tuple[int, ...], devices=None) -> np.ndarray:

@@ -155,7 +155,8 @@ def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
 
     cfg = load_config(preset, [*(LAYOUT_BASE if base is None else base), *overrides])
     n_devices = math.prod(
-        int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")) or 1
+        int(o.split("=")[1]) for o in overrides
+        if o.startswith("mesh.") and not o.startswith("mesh.dcn.")) or 1
     cfg = validate(cfg, n_devices)
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
     batches = [trainer.put_batch(b) for b in make_batches(cfg)]

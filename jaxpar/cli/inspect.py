@@ -16,7 +16,7 @@ from jaxpar.cli.common import (
     require_matplotlib,
     tolerance,
 )
-from jaxpar.config import Config, ConfigError, load_config, validate
+from jaxpar.config import Config, ConfigError, load_config, slices_line, validate
 from jaxpar.inspect.tpu import (
     TpuTarget,
     parse_target,
@@ -67,6 +67,9 @@ def add_inspect(commands) -> None:
                          "needs pip install -e '.[tpu]'): tpu-GENERATION:TOPOLOGY, one of "
                          "tpu-v4:2x2x1, tpu-v5e:2x4, tpu-v5p:2x2x1, tpu-v6e:4x4, tpu-v7x:2x2x1, "
                          "...; the mesh spans the slice's devices")
+    sub.add_argument("--slices", metavar="N", type=positive_int, default=1,
+                     help="with --target: N such slices joined by the data-center network "
+                     "(libtpu's multi-slice topology); mesh.dcn says which axes span them")
 
 
 def load_for_target(name: str, overrides: list[str], target: TpuTarget) -> tuple[Config, list]:
@@ -76,6 +79,10 @@ def load_for_target(name: str, overrides: list[str], target: TpuTarget) -> tuple
     the slice (``host_devices``, a CPU setting, plays no part).
     """
     cfg = load_config(name, overrides)
+    if cfg.mesh.dcn.slices != target.slices:
+        raise ConfigError(f"--slices {target.slices}: the mesh spans {cfg.mesh.dcn.slices} "
+                          "slice(s) (mesh.dcn: the product of its sizes must be the slices, "
+                          "e.g. mesh.dcn.data=2 for --slices 2)")
     devices = topology_devices(target)
     return validate(cfg, len(devices)), devices
 
@@ -91,6 +98,8 @@ def run_inspect(args: argparse.Namespace, cfg: Config, devices: list | None = No
     from jaxpar.train.compiled import compiled_step  # noqa: PLC0415
 
     json_to_stdout = args.json == "-"
+    if slices_line(cfg):
+        print(slices_line(cfg), file=sys.stderr)
     step = compiled_step(cfg, make_mesh(cfg, devices=devices))
     report = build_report(step)
     if target is not None:
@@ -151,8 +160,11 @@ def inspect_command(args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.devices is not None:  # last, so it wins over a host_devices override
         overrides.append(f"host_devices={args.devices}")
+    if args.slices > 1 and args.target is None:
+        raise ConfigError("--slices goes with --target (on CPU devices mesh.dcn alone makes "
+                          "the slices)")
     if args.target is not None:  # a bad target or a missing libtpu: before the config
-        target = parse_target(args.target)
+        target = parse_target(args.target, args.slices)
         require_libtpu()
         cfg, devices = load_for_target(args.config, overrides, target)
         return run_inspect(args, cfg, devices, target)

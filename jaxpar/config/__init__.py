@@ -29,6 +29,7 @@ from jaxpar.config.schema import (
     Config,
     ConfigError,
     DataConfig,
+    DcnConfig,
     DistributedConfig,
     GenerationConfig,
     LoggingConfig,
@@ -43,14 +44,14 @@ from jaxpar.config.schema import (
     SourceConfig,
     TrainConfig,
 )
-from jaxpar.config.validation import check_generation, validate
+from jaxpar.config.validation import check_generation, slices_line, validate
 
 __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
-    "ConfigError", "DataConfig", "DistributedConfig", "GenerationConfig", "LoggingConfig",
-    "LoraConfig", "MeshConfig", "MLAConfig",
+    "ConfigError", "DataConfig", "DcnConfig", "DistributedConfig", "GenerationConfig",
+    "LoggingConfig", "LoraConfig", "MeshConfig", "MLAConfig",
     "ModelConfig", "MoEConfig", "ParallelConfig", "ProfileConfig", "RopeScalingConfig",
     "SourceConfig", "TrainConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",
-    "to_yaml", "check_generation", "validate",
+    "to_yaml", "check_generation", "slices_line", "validate",
 ]

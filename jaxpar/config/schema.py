@@ -186,6 +186,32 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DcnConfig:
+    """How many slices (or hosts) each mesh axis spans over the data-center network
+    (docs/multi-host.md#several-slices): ``mesh.dcn.data=2`` puts ``data``'s outer factor of 2
+    across two slices and the rest of every axis inside a slice. The product is the number of
+    slices; 1 everywhere (the default) is one slice."""
+
+    pipe: int = 1
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    @property
+    def slices(self) -> int:
+        return math.prod(self.sizes().values())
+
+    def crossing(self, axes: str | tuple[str, ...]) -> bool:
+        """Whether a collective over ``axes`` has members in different slices."""
+        return any(getattr(self, a) > 1 for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     pipe: int = 1
     data: int = -1
@@ -193,6 +219,7 @@ class MeshConfig:
     expert: int = 1
     context: int = 1
     tensor: int = 1
+    dcn: DcnConfig = field(default_factory=DcnConfig)  # the axes' share over slices
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}

@@ -14,6 +14,7 @@ from jaxpar.config.schema import (
     MESH_AXES,
     Config,
     ConfigError,
+    DcnConfig,
     DistributedConfig,
     MeshConfig,
     ModelConfig,
@@ -44,7 +45,40 @@ def _resolve_mesh(mesh: MeshConfig, device_count: int) -> MeshConfig:
     elif fixed != device_count:
         raise ConfigError(f"mesh: product of axis sizes ({shown or 'all 1'}) is {fixed}, "
                           f"but there are {device_count} devices")
-    return MeshConfig(**sizes)
+    _check_dcn(sizes, mesh.dcn)
+    return MeshConfig(**sizes, dcn=mesh.dcn)
+
+
+def _check_dcn(sizes: dict[str, int], dcn: DcnConfig) -> None:
+    """``mesh.dcn``: each axis's slices divide its size (the rest of it lies inside a slice)."""
+    for axis, slices in dcn.sizes().items():
+        _require(slices >= 1, f"mesh.dcn.{axis}={slices}: must be >= 1 (1: inside one slice)")
+        _require(sizes[axis] % slices == 0, f"mesh.dcn.{axis}={slices} does not divide "
+                 f"mesh.{axis}={sizes[axis]} (the axis is split into {slices} slices of equal "
+                 "size)")
+
+
+# Axes whose collectives run every layer (forward and backward) and sit on the critical path:
+# over the data-center network they are the step's bottleneck.
+_LAYER_AXES = ("tensor", "context", "expert")
+
+
+def slices_line(cfg: Config) -> str | None:
+    """What a mesh over several slices puts on the data-center network, for the start-up lines
+    of train, plan and inspect (None for one slice): a warning when an axis that communicates
+    in every layer spans slices."""
+    dcn = cfg.mesh.dcn
+    if dcn.slices == 1:
+        return None
+    over = ", ".join(f"{a}={n}" for a, n in dcn.sizes().items() if n > 1)
+    slow = [a for a in _LAYER_AXES if getattr(dcn, a) > 1]
+    if not slow:
+        return (f"{dcn.slices} slices (mesh.dcn {over}): only those axes' collectives cross the "
+                "data-center network")
+    return (f"warning: mesh.dcn puts {', '.join(slow)} over the data-center network ({over}): "
+            f"{'its' if len(slow) == 1 else 'their'} collectives run in every layer, forward and "
+            "backward, at DCN bandwidth (tens of times below ICI); put data, fsdp or pipe over "
+            "slices instead")
 
 
 def _require(condition: bool, message: str) -> None:

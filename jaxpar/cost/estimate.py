@@ -259,9 +259,9 @@ def _time(st: StepSizes, collectives: list[CollectiveCost], flops: FlopsCost,
     by_axis: dict[str, float] = {}
     blocking = overlapped = latency = 0.0
     for c in collectives:
-        link, bandwidth = hw.axis_link(st.mesh, c.axes)
+        link, bandwidth = hw.axis_link(st.mesh, c.axes, st.cfg.mesh.dcn)
         seconds = c.wire_bytes / bandwidth
-        launches = c.count * hw.axis_latency(st.mesh, c.axes)
+        launches = c.count * hw.axis_latency(st.mesh, c.axes, st.cfg.mesh.dcn)
         label = f"{'+'.join(c.axes)} ({link})"
         by_axis[label] = by_axis.get(label, 0.0) + seconds + launches
         latency += launches

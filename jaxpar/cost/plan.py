@@ -27,7 +27,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig, validate
+from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig, slices_line, validate
 from jaxpar.cost.estimate import CostReport, estimate
 from jaxpar.hardware import HardwareProfile, get_profile
 from jaxpar.model.flops import matmul_params, param_count
@@ -239,8 +239,9 @@ def _collectives_table(report: CostReport, hw: HardwareProfile) -> Table:
                             ("time", "right"), ("what", "left")):
         comms.add_column(column, justify=justify)
     for c in report.collectives:
-        link, bandwidth = hw.axis_link(report.mesh, c.axes)
-        seconds = c.wire_bytes / bandwidth + c.count * hw.axis_latency(report.mesh, c.axes)
+        dcn = report.cfg.mesh.dcn
+        link, bandwidth = hw.axis_link(report.mesh, c.axes, dcn)
+        seconds = c.wire_bytes / bandwidth + c.count * hw.axis_latency(report.mesh, c.axes, dcn)
         overlap = "" if c.overlapped else " [yellow](blocking)[/yellow]"
         comms.add_row(c.kind, ",".join(c.axes), f"{c.count:,}", _bytes(c.bytes),
                       _bytes(c.wire_bytes), link, human_seconds(seconds), c.what + overlap)
@@ -356,6 +357,8 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
     console.print(f"mesh {_mesh_text(report.mesh)} | zero={valid.parallel.zero}, "
                   f"sequence_parallel={valid.parallel.sequence_parallel} | micro-batch "
                   f"{report.micro_batch} x {valid.train.seq_len} per device")
+    if slices_line(valid):
+        console.print(slices_line(valid))
     console.print(format_plan(report))
     return 0
 

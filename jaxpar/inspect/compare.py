@@ -36,12 +36,23 @@ def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
 
     kind = str(report.get("run", {}).get("device_kind", "cpu")).lower()
     plan = estimate(cfg, None if kind == "cpu" else "h100")
-    predicted = {(r["kind"], tuple(r["axes"])): r for r in plan.collective_rows()}
-    compiled = {(r["kind"], tuple(r["axes"])): r for r in report["collectives"]}
+    # Over several slices a row is also keyed by its network: the plan's collective over an
+    # axis that spans slices is its DCN row (the compiler's in-slice part of it, if any, is a
+    # row the plan does not have).
+    dcn = cfg.mesh.dcn
+
+    def network(axes: tuple[str, ...]) -> str:
+        return "" if dcn.slices == 1 else "DCN" if dcn.crossing(axes) else "ICI"
+
+    predicted = {(r["kind"], tuple(r["axes"]), network(tuple(r["axes"]))): r
+                 for r in plan.collective_rows()}
+    compiled = {(r["kind"], tuple(r["axes"]), r.get("network", "")): r
+                for r in report["collectives"]}
     rows = []
     for key in sorted(set(predicted) | set(compiled)):
         got, want = compiled.get(key, {}), predicted.get(key, {})
-        rows.append({"kind": key[0], "axes": list(key[1]),
+        rows.append({"kind": key[0], "axes": list(key[1]), **({"network": key[2]} if key[2]
+                                                              else {}),
                      "compiled_bytes": got.get("bytes"), "predicted_bytes": want.get("bytes"),
                      "ratio": _ratio(got.get("bytes"), want.get("bytes"))})
     state = report["memory"]["params_bytes"] + report["memory"]["optimizer_bytes"]
@@ -71,7 +82,8 @@ def mismatches(comparison: Mapping[str, Any], tolerance: float = TOLERANCE,
         got, want = row["compiled_bytes"] or 0, row["predicted_bytes"] or 0
         if max(got, want) < floor or _within(row["ratio"], tolerance):
             continue
-        name = f"{row['kind']} over {','.join(row['axes']) or '-'}"
+        name = f"{row['kind']} over {','.join(row['axes']) or '-'}" + (
+            f" ({row['network']})" if "network" in row else "")
         out.append(f"{name}: compiled {human_bytes(got) if got else 'none'}, planned "
                    f"{human_bytes(want) if want else 'none'}")
     memory = comparison["memory"]
@@ -99,7 +111,8 @@ def print_comparison(comparison: Mapping[str, Any], console: Console,
                   human_bytes(memory["predicted_peak_bytes"]),
                   _ratio_text(memory["peak_ratio"], tolerance))
     for row in comparison["collectives"]:
-        table.add_row(row["kind"], ",".join(row["axes"]) or "-",
+        axes = ",".join(row["axes"]) or "-"
+        table.add_row(row["kind"], f"{axes} ({row['network']})" if "network" in row else axes,
                       human_bytes(row["compiled_bytes"]) if row["compiled_bytes"] else "none",
                       human_bytes(row["predicted_bytes"]) if row["predicted_bytes"] else "none",
                       _ratio_text(row["ratio"], tolerance))

@@ -48,7 +48,12 @@ from rich.table import Table
 
 from jaxpar.config import Config
 from jaxpar.inspect.hlo.buffers import largest_arrays
-from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
+from jaxpar.inspect.hlo.collectives import (
+    Collective,
+    parse_collectives,
+    summarize_collectives,
+)
+from jaxpar.inspect.hlo.megascale import dcn_collectives, program_partitions
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline.executor import describe
 from jaxpar.parallel.rules import param_name
@@ -60,6 +65,28 @@ from jaxpar.units import human_bytes
 def inspect_step(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     """The JSON-able report of one compiled train step (see the module docstring)."""
     return build_report(compiled_step(cfg, mesh))
+
+
+def program_collectives(cfg: Config, hlo: str) -> list[Collective]:
+    """The program's collectives, and over several slices (``mesh.dcn``) each one's network.
+
+    XLA:CPU compiles one program for every device, and a collective over an axis that spans
+    slices is DCN. The TPU compiler compiles one program per slice (its partitions are a slice's
+    devices): its collectives are over the slice's share of the axes (ICI), and the sums and
+    gathers over slices are host transfers to the megascale runtime (DCN;
+    :mod:`jaxpar.inspect.hlo.megascale`)."""
+    dcn = cfg.mesh.dcn
+    devices = math.prod(cfg.mesh_shape.values())
+    if dcn.slices == 1:
+        return parse_collectives(hlo, cfg.mesh_shape)
+    if program_partitions(hlo) == devices // dcn.slices:
+        inside = {a: n // dcn.sizes()[a] for a, n in cfg.mesh_shape.items()}
+        crossing = tuple(a for a, n in dcn.sizes().items() if n > 1)
+        found = [dataclasses.replace(c, network="ICI") for c in parse_collectives(hlo, inside)]
+        return found + [dataclasses.replace(c, network="DCN")
+                        for c in dcn_collectives(hlo, crossing, dcn.slices)]
+    return [dataclasses.replace(c, network="DCN" if dcn.crossing(c.axes) else "ICI")
+            for c in parse_collectives(hlo, cfg.mesh_shape)]
 
 
 def build_report(step: CompiledStep) -> dict[str, Any]:
@@ -75,7 +102,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
     memory["optimizer_bytes"] = _bytes_per_device(state.opt_state)
     hlo = compiled.as_text()
     memory["largest_arrays"] = largest_arrays(hlo)
-    collectives = summarize_collectives(parse_collectives(hlo, cfg.mesh_shape))
+    collectives = summarize_collectives(program_collectives(cfg, hlo))
     t, p = cfg.train, cfg.parallel
     report = {
         "devices": devices,
@@ -383,12 +410,15 @@ def _print_collectives(rows: Sequence[Mapping[str, Any]], console: Console,
         return
     table = Table(title="collectives per device, one step (ops in the layer loop count once per "
                   "layer)", title_justify="left")
-    for name, justify in (("kind", "left"), ("axes", "left"), ("count", "right"),
-                          ("bytes", "right"), ("wire bytes", "right"), ("dtypes", "left"),
-                          ("lowered as", "left")):
-        table.add_column(name, justify=justify, no_wrap=name != "lowered as")
+    network = any("network" in row for row in rows)  # a mesh over several slices
+    for name, justify in (("kind", "left"), ("axes", "left"), ("network", "left"),
+                          ("count", "right"), ("bytes", "right"), ("wire bytes", "right"),
+                          ("dtypes", "left"), ("lowered as", "left")):
+        if name != "network" or network:
+            table.add_column(name, justify=justify, no_wrap=name != "lowered as")
     for row in rows:
-        table.add_row(row["kind"], ",".join(row["axes"]) or "-", str(row["count"]),
+        net = [row.get("network", "-")] if network else []
+        table.add_row(row["kind"], ",".join(row["axes"]) or "-", *net, str(row["count"]),
                       human_bytes(row["bytes"]), human_bytes(row.get("wire_bytes")),
                       ",".join(row.get("dtypes", [])), ", ".join(row.get("lowered_as", [])))
     console.print(table)

@@ -85,6 +85,7 @@ class TpuTarget:
 
     generation: str  # user-facing, e.g. "v5e"
     dims: tuple[int, ...]  # chips along each torus axis, e.g. (2, 4)
+    slices: int = 1  # slices of that shape, joined by the data-center network (--slices)
 
     @property
     def name(self) -> str:
@@ -97,11 +98,13 @@ class TpuTarget:
 
     @property
     def chips(self) -> int:
-        return math.prod(self.dims)
+        """Chips in all the slices."""
+        return math.prod(self.dims) * self.slices
 
 
-def parse_target(text: str) -> TpuTarget:
-    """``tpu-v5e:2x4`` -> TpuTarget; anything else is a one-line ConfigError listing the forms."""
+def parse_target(text: str, slices: int = 1) -> TpuTarget:
+    """``tpu-v5e:2x4`` -> TpuTarget (``slices`` of it); anything else is a one-line ConfigError
+    listing the forms."""
     m = _TARGET_RE.fullmatch(text.strip().lower())
     generation = GENERATIONS.get(m.group("generation")) if m else None
     dims = tuple(int(d) for d in m.group("topology").split("x")) if m else ()
@@ -109,7 +112,7 @@ def parse_target(text: str) -> TpuTarget:
         raise ConfigError(
             f"--target {text}: expected tpu-GENERATION:TOPOLOGY, chips per torus axis (2 axes for "
             f"v5e/v6e, 3 for v4/v5p/v7x); accepted: {accepted_forms()}, ...")
-    return TpuTarget(m.group("generation"), dims)
+    return TpuTarget(m.group("generation"), dims, slices)
 
 
 def libtpu_installed() -> bool:
@@ -158,7 +161,8 @@ def quiet_libtpu_env() -> None:
 
 
 def topology_devices(target: TpuTarget) -> list[Any]:
-    """The compile-only devices of ``target``'s slice, from libtpu (one per TensorCore).
+    """The compile-only devices of ``target``'s slices, from libtpu (one per TensorCore; with
+    several slices each device carries its ``slice_index``, as on a multi-slice job).
 
     libtpu's own rejection of a topology (say ``tpu-v5e:3x3``, which does not tile into hosts) is
     a ConfigError carrying its message.
@@ -175,6 +179,8 @@ def topology_devices(target: TpuTarget) -> list[Any]:
     if generation.chip_config:
         kwargs["chip_config_name"] = generation.chip_config
     kwargs["wrap"] = torus_wrap(generation, dims3)
+    if target.slices > 1:
+        kwargs["num_slices"] = target.slices
     if any(d < h for d, h in zip(dims3, _DEFAULT_CHIPS_PER_HOST, strict=True)):
         # A slice smaller than a 2x2 host (tpu-v5e:1x1): libtpu needs the smaller host spelled
         # out, else it rejects the layout as "not divisible by chips_per_host_bounds".
@@ -207,6 +213,7 @@ def report_fields(target: TpuTarget, devices: list[Any]) -> dict[str, Any]:
         "target": target.name,
         "topology": target.topology_name,
         "chips": target.chips,
+        "slices": target.slices,
         "compiler": f"libtpu {version}" if version else "libtpu",
         "cores_per_chip": len(devices) // target.chips,
     }

@@ -40,7 +40,7 @@ from rich.progress import (
 from jaxpar.checkpoint import state as checkpoint
 from jaxpar.checkpoint import weights
 from jaxpar.checkpoint.weights_only import step_dir
-from jaxpar.config import Config, ConfigError, DistributedConfig, to_yaml
+from jaxpar.config import Config, ConfigError, DistributedConfig, slices_line, to_yaml
 from jaxpar.data import (
     DataIterator,
     build_dataset,
@@ -488,6 +488,8 @@ def start_lines(cfg: Config, devices: int, device_kind: str, data_line: str,
     lines.append(data_line)
     if pipeline is not None:
         lines.append(pipeline_line(pipeline))
+    if slices_line(cfg):
+        lines.append(slices_line(cfg))
     peak = peak_flops(device_kind)
     lines.append("peak " + (f"{peak / 1e12:.0f} TFLOP/s per device (bf16 dense)" if peak else
                             f"unknown for {device_kind!r}: MFU shown as n/a"))

@@ -1,7 +1,8 @@
 """Several processes on JAX's multi-controller runtime, on this machine: 2 processes x 4 virtual
 CPU devices (``scripts/launch_local.py``) against 1 process x 8.
 
-Equal losses (1e-6 relative) for a batch-split layout and for layouts whose non-batch axis spans
+Equal losses (1e-6 relative) for a batch-split layout, the same with each process a slice
+(``mesh.dcn``), and for layouts whose non-batch axis spans
 the processes (pipeline stages on different processes; tensor pairs straddling them), so every
 process must read the batch rows its devices hold, not a 1/P slice; checkpoints saved by 2
 processes resume in 1 and the other way round; one voice (process 0 logs and writes); a killed
@@ -119,6 +120,15 @@ def test_two_processes_give_the_losses_of_one(one_process, two_processes):
     assert_close(losses(run_dir), losses(one_process))
     assert len(losses(one_process)) == 4
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
+
+
+def test_two_processes_as_two_slices_give_the_losses_of_one(env, one_process, tmp_path):
+    """``mesh.dcn.fsdp=2``: each process is a slice (no slice index on CPU devices), holding
+    one fsdp half of every data x tensor group, so the FSDP collectives cross processes."""
+    result = train_two(env, tmp_path, 4, *FSDP_TENSOR, "mesh.dcn.fsdp=2",
+                       "checkpoint.enabled=false")
+    assert "2 slices (mesh.dcn fsdp=2)" in result.stdout
+    assert_close(losses(tmp_path), losses(one_process))
 
 
 def test_only_process_0_speaks(two_processes):

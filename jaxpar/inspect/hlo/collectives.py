@@ -101,6 +101,7 @@ class Collective:
     # Runs per call of the program (loop trip counts around it); a fraction when averaged
     # over devices that run different branches (pipeline stages).
     executions: float = 1
+    network: str | None = None  # over several slices (mesh.dcn): "ICI" inside one, else "DCN"
 
 # --------------------------------------------------------------------------------------------
 # Classification
@@ -283,7 +284,7 @@ def _split_combined(
                 name=instr.name if whole else f"{instr.name}[{','.join(map(str, elements))}]",
                 dtype=_dtypes(arrays),
                 bytes=payload,
-                wire_bytes=_wire_bytes(kind, lowered_as, payload, n),
+                wire_bytes=wire_bytes(kind, lowered_as, payload, n),
                 group_size=n,
                 axes=axes,
             )
@@ -331,7 +332,8 @@ def _dtypes(arrays: list) -> str:
     return "+".join(sorted(total, key=lambda d: -total[d]))
 
 
-def _wire_bytes(kind: str, lowered_as: str, payload: int, n: int) -> int:
+def wire_bytes(kind: str, lowered_as: str, payload: int, n: int) -> int:
+    """What one device sends for a collective of ``kind`` over ``n`` devices (Collective)."""
     if n <= 1:
         return 0
     if kind == "collective-permute":
@@ -368,7 +370,7 @@ def _tpu_reduce_scatter(
         name=fusion.name,
         dtype=dtype,
         bytes=payload,
-        wire_bytes=_wire_bytes("reduce-scatter", lowered_as, payload, n),
+        wire_bytes=wire_bytes("reduce-scatter", lowered_as, payload, n),
         group_size=n,
         axes=axes,
     )
@@ -401,7 +403,7 @@ def _collectives_of(module: Module, comp: Computation, instr: Instr, base: str, 
     if base == "all-gather":
         payload *= n  # the gathered result
     return [Collective(kind=kind, lowered_as=lowered_as, name=instr.name, dtype=dtype,
-                       bytes=payload, wire_bytes=_wire_bytes(kind, lowered_as, payload, n),
+                       bytes=payload, wire_bytes=wire_bytes(kind, lowered_as, payload, n),
                        group_size=n, axes=axes)]
 
 
@@ -465,14 +467,15 @@ def parse_collectives(
 
 def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
     """One row per (kind, axes), sorted by kind then axes: the `collectives` of inspect --json.
+    Over several slices the rows are per (kind, axes, network), with a `network` field.
 
     `count`, `bytes` and `wire_bytes` are per step (each collective times its `executions`);
     `instructions` is how many collective instructions the program text holds.
     """
-    rows: dict[tuple[str, tuple[str, ...]], dict] = {}
+    rows: dict[tuple[str, tuple[str, ...], str], dict] = {}
     for c in cs:
         row = rows.setdefault(
-            (c.kind, c.axes),
+            (c.kind, c.axes, c.network or ""),
             {
                 "kind": c.kind,
                 "count": 0,
@@ -484,6 +487,8 @@ def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
                 "dtypes": set(),
             },
         )
+        if c.network is not None:
+            row["network"] = c.network
         row["count"] += c.executions
         row["instructions"] += 1
         row["bytes"] += c.bytes * c.executions
