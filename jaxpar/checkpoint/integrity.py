@@ -95,7 +95,9 @@ def array_checksum(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _checksum_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
-    return [array_checksum(leaf) for leaf in leaves]
+    # Host-resident leaves (train.offload) are summed on the device: XLA computes on device
+    # memory only.
+    return [array_checksum(jax.device_put(leaf, jax.memory.Space.Device)) for leaf in leaves]
 
 
 def leaf_name(path: tuple) -> str:

@@ -253,6 +253,15 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Train state kept in host memory (docs/memory.md#host-offload)."""
+
+    # The optimizer's state (Adam's moments, ...) in pinned host memory between steps; each
+    # step brings it to the device for the update and sends the new state back.
+    optimizer: bool = False
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
     batch_size: int = 8  # global sequences per optimizer step
@@ -288,6 +297,7 @@ class TrainConfig:
     # Storage dtype of the optimizer's per-parameter state (moments, factors); each update
     # widens it to float32, computes in float32 and rounds it back (optimizers.stored_state).
     opt_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     # Start from these weights (a checkpoint step, run or checkpoints directory, or the output
     # of `jaxpar import-hf`) with a fresh optimizer at step 0; a checkpoint that train.resume
     # finds wins (so a rerun continues), see checkpoint/weights.py.

@@ -112,20 +112,31 @@ class MemoryCost:
     gradient_sums: int = 0  # pipeline with FSDP: float32 sums of the gathered weights' gradients
     before_loops: int = 0  # pipeline: the vocabulary gathered whole before the stretch loops
     buffers: int = 0  # non-trainable model state (MoE router biases)
+    # train.offload.optimizer on an accelerator: the optimizer state lives in host memory and
+    # is on the device only during the update (XLA:CPU keeps both in one memory: False there).
+    offloaded: bool = False
 
     @property
     def state(self) -> int:
-        return self.params + self.optimizer + self.buffers + 4  # + the int32 step of TrainState
+        """The device's share of the train state (+ the int32 step of TrainState)."""
+        return self.params + (0 if self.offloaded else self.optimizer) + self.buffers + 4
+
+    @property
+    def host(self) -> int:
+        """Train state in host memory (the offloaded optimizer state)."""
+        return self.optimizer if self.offloaded else 0
 
     @property
     def peak(self) -> int:
         # A pipeline's gradient sums stand in for the gradients until they are reduce-scattered
         # into them, after the stretch loops.
         during = self.gradient_sums or self.gradients
+        # An offloaded optimizer state is brought to the device for the update, and its new
+        # values are made there before they go back: both copies, at most, during the update.
         return (self.state + self.batch
                 + max(during + self.activations + self.stash + self.weight_copies + self.working,
                       during + self.stash + self.before_loops,
-                      self.gradients + max(self.gradient_sums, self.update)))
+                      self.gradients + max(self.gradient_sums, self.update) + 2 * self.host))
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
@@ -378,4 +389,5 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         weight_copies=copies,
         gradient_sums=pipeline_gradient_sums(st, params),
         before_loops=before,
-        buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)))
+        buffers=sum(math.prod(b.shape) * PARAM_BYTES for b in model_buffers(m)),
+        offloaded=cfg.train.offload.optimizer and not st.xla_cpu)

@@ -207,7 +207,9 @@ def _memory_table(report: CostReport, hw: HardwareProfile) -> Table:
     for name, value, what in (
         ("parameters", m.params, "float32 shards (rules table)"),
         ("optimizer", m.optimizer, f"{cfg.train.optimizer} state, {cfg.train.opt_state_dtype}"
-         + (" (ZeRO-1: split over data*fsdp)" if cfg.parallel.zero == 1 else "")),
+         + (" (ZeRO-1: split over data*fsdp)" if cfg.parallel.zero == 1 else "")
+         + (" in host memory (train.offload.optimizer; on the device, in and out, during the "
+            "update only)" if m.offloaded else "")),
         ("gradients", m.gradients, "float32, like the parameters"
          + (" (+ accumulator)" if cfg.train.grad_accum > 1 else "")),
         ("activations", m.activations, f"saved for backward, remat={cfg.train.remat}, "

@@ -55,9 +55,13 @@ def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
                                                               else {}),
                      "compiled_bytes": got.get("bytes"), "predicted_bytes": want.get("bytes"),
                      "ratio": _ratio(got.get("bytes"), want.get("bytes"))})
+    # The train state wherever it lives (an offloaded optimizer state in host memory too).
     state = report["memory"]["params_bytes"] + report["memory"]["optimizer_bytes"]
-    memory = {"compiled_state_bytes": state, "predicted_state_bytes": plan.memory.state,
-              "ratio": _ratio(state, plan.memory.state),
+    planned_state = plan.memory.state + plan.memory.host
+    memory = {"compiled_state_bytes": state, "predicted_state_bytes": planned_state,
+              "ratio": _ratio(state, planned_state),
+              "compiled_host_bytes": report["memory"].get("host_bytes") or 0,
+              "predicted_host_bytes": plan.memory.host,
               "compiled_peak_bytes": report["memory"]["peak_bytes"],
               "predicted_peak_bytes": plan.memory.peak,
               "peak_ratio": _ratio(report["memory"]["peak_bytes"], plan.memory.peak)}
@@ -110,6 +114,11 @@ def print_comparison(comparison: Mapping[str, Any], console: Console,
     table.add_row("peak memory", "-", human_bytes(memory["compiled_peak_bytes"]),
                   human_bytes(memory["predicted_peak_bytes"]),
                   _ratio_text(memory["peak_ratio"], tolerance))
+    host, planned_host = memory.get("compiled_host_bytes"), memory.get("predicted_host_bytes")
+    if host or planned_host:  # train.offload on an accelerator
+        table.add_row("host memory (offloaded state)", "-", human_bytes(host),
+                      human_bytes(planned_host), _ratio_text(_ratio(host, planned_host),
+                                                             tolerance))
     for row in comparison["collectives"]:
         axes = ",".join(row["axes"]) or "-"
         table.add_row(row["kind"], f"{axes} ({row['network']})" if "network" in row else axes,

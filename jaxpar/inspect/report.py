@@ -211,7 +211,12 @@ def memory_report(stats: Any, platform: str = "cpu") -> dict[str, Any]:
     xla_peak = int(getattr(stats, "peak_memory_in_bytes", 0)) or None
     buffers = argument + output - alias + temp
     use_xla_peak = platform == "tpu" and xla_peak is not None and xla_peak > buffers
+    # Host memory (train.offload: pinned_host arrays), which the TPU compiler reports apart;
+    # XLA:CPU counts it in the figures above.
+    host = {k: int(getattr(stats, f"host_{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "alias", "temp")}
     return {
+        "host_bytes": host["argument"] + host["output"] - host["alias"] + host["temp"],
         "argument_bytes": argument,
         "output_bytes": output,
         "temp_bytes": temp,
@@ -395,6 +400,9 @@ def _print_memory(memory: Mapping[str, Any], console: Console, tpu: bool = False
     if tpu:
         table.add_row("TPU compiler's peak", human_bytes(memory.get("xla_peak_bytes")),
                       "memory_analysis().peak_memory_in_bytes: its peak of live buffers")
+    if memory.get("host_bytes"):
+        table.add_row("host memory", human_bytes(memory["host_bytes"]),
+                      "pinned host buffers (train.offload), beside the device's")
     table.add_section()
     what = "argument + output - alias + temp: all buffers of the step at once"
     if tpu:  # see memory_report: on TPU neither figure covers the other

@@ -279,6 +279,9 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
                                       trained(cfg, specs), trained(cfg, logical_axes))
     state = named_shardings(mesh, TrainState(step=PartitionSpec(), params=specs,
                                              opt_state=opt_specs, buffers=buffer_specs))
+    if cfg.train.offload.optimizer:  # between steps in host memory (train_step_fn brings it)
+        state = state._replace(opt_state=jax.tree.map(
+            lambda s: s.with_memory_kind("pinned_host"), state.opt_state))
     batch_spec = resolve_spec("batch", ("batch", "seq"), (cfg.train.batch_size,
                                                           cfg.train.seq_len), rules, mesh_shape)
     abstract_state = jax.tree.map(
@@ -385,8 +388,13 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
     router-bias update."""
     schedule, moe = learning_rate_schedule(cfg.train), cfg.model.moe
 
+    offload = cfg.train.offload.optimizer
+
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         loss, grads, aux = loss_and_grads(state, batch)
+        if offload:  # the host-resident optimizer state, to the device for the update
+            state = state._replace(opt_state=jax.device_put(state.opt_state,
+                                                            jax.memory.Space.Device))
         updates, opt_state = tx.update(grads, state.opt_state, trained(cfg, state.params))
         params = optax.apply_updates(trained(cfg, state.params), updates)
         if lora_of(cfg) is not None:  # the frozen base weights, as they were
@@ -412,6 +420,8 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
                     lambda path, b: update_router_bias(b, aux["layer_expert_tokens"],
                                                        moe.bias_update_rate)
                     if getattr(path[-1], "key", None) == "router_bias" else b, buffers)
+        if offload:
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         return TrainState(state.step + 1, params, opt_state, buffers), metrics
 
     return train_step
