@@ -336,7 +336,9 @@ def _check_lora(cfg: Config) -> None:
     _require(lora.dropout == 0, f"train.lora.dropout={lora.dropout}: only 0 is supported")
     _require(math.isfinite(lora.alpha) and lora.alpha > 0,
              f"train.lora.alpha={lora.alpha}: must be a finite number > 0")
-    _require(cfg.mesh.pipe == 1, "train.lora: pipelines (mesh.pipe > 1) are not supported yet")
+    _require(cfg.mesh.pipe == 1 or not (m.moe.enabled and m.moe.first_dense),
+             "train.lora: dense first blocks (model.moe.first_dense > 0) in a pipeline "
+             "(mesh.pipe > 1) are not supported yet")
     _require(not m.moe.enabled or (m.moe.every == 1 and m.moe.first_dense == 0),
              "train.lora: a mixture-of-experts model with dense blocks (model.moe.every > 1 or "
              "first_dense > 0) is not supported yet")
