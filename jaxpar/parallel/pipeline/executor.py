@@ -71,6 +71,10 @@ are stored replicated over ``pipe``; each stage reads its vocabulary piece of th
 step the stage's weights are cast to the compute dtype and FSDP-gathered (:class:`ByHand`), so
 the VJPs save those very arrays and the stash leaves them out.
 
+LoRA (``train.lora``): the stacked base weights, the embedding, final norm and head are
+constants to the chunks' VJPs (:class:`~jaxpar.parallel.manual.Frozen`): the adapters alone are
+differentiated and summed; no embedding backward, no vocabulary-piece gradients.
+
 One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data``, ``fsdp`` and
 ``expert`` (the batch rows) and ``context`` (the sequence) by hand: each device sums its own
 tokens' weight gradients over every microbatch of every micro-step (``train.grad_accum``), and
@@ -104,8 +108,7 @@ from jaxpar.model.lora import adapter_part, base_part, merged
 from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.collectives import ppermute_in_order
-from jaxpar.parallel.hooks import model_hooks
-from jaxpar.parallel.manual import ByHand
+from jaxpar.parallel.manual import ByHand, Frozen, specs_of, split_by_hand
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline.dense_first import dense_pre_phase
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
@@ -127,17 +130,6 @@ __all__ = ["ByHand", "Program", "compile_program", "describe", "pipeline_loss_an
 
 # --------------------------------------------------------------------------------------------
 # The executor
-
-
-class Frozen(NamedTuple):
-    """Under LoRA (``train.lora``): the stacked base weights, split like ``ByHand.layer_specs``
-    (``layer_specs``: over ``pipe`` and the axes split by hand; ``auto_layer_specs``: over the
-    automatic ones). They and the shared parameters (embedding, final norm, head) are constants
-    to the stages' VJPs: gathered once per step like the trained weights, never differentiated,
-    and no gradient of theirs is held or summed."""
-
-    layer_specs: Any
-    auto_layer_specs: Any
 
 
 class _Carry(NamedTuple):
@@ -212,12 +204,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     (layer-stacked keys over all layers, in stored order). Call under the mesh.
     ``stash_spec`` lays out the activation stashes ``[slot, batch, seq, embed]``; the grad specs
     lay out the gradient sums (as the parameters, without ``pipe``); all three for the mesh left
-    automatic inside (``by_hand``).
-
-    With ``frozen`` (LoRA), ``layers`` are the trained part of the stacked layers (the
-    adapters), ``frozen_layers`` the rest, and ``shared`` is frozen too: ``shared_grads`` is
-    ``{}``, and the steps skip the embedding's backward (chunk 0's input gradient is not summed
-    over ``pipe``). Without it ``frozen_layers`` is ``{}``.
+    automatic inside (``by_hand``). With ``frozen`` (LoRA, :class:`Frozen`): ``layers`` the
+    adapters, ``frozen_layers`` the rest (else ``{}``), and ``shared_grads`` is ``{}``.
     """
     train_shared = frozen is None
 
@@ -226,8 +214,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
             shared = by_hand.gather(shared, by_hand.shared_specs, by_hand.auto_shared_specs)
             layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
             if frozen is not None:
-                frozen_layers = by_hand.gather(frozen_layers, frozen.layer_specs,
-                                               frozen.auto_layer_specs)
+                frozen_layers = by_hand.gather(frozen_layers, *frozen)
             first = jax.tree.map(lambda a: a[0], micro)
             env = _Env.make(stages, shared, (layers, frozen_layers), consts, first, loss_scale,
                             aux_scale, p=p, v=v, vocab_size=vocab_size,
@@ -249,14 +236,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                                    shared_grad_specs)
             carry, d_inputs = lax.scan(micro_step, carry, micro)
             loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
-        # The one reduction of the step over the batch axes split by hand. Then each stage's
-        # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
-        # is summed over pipe; the final norm's gradient is the same on every stage already.
         if train_shared:
-            shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs,
-                                          by_hand.auto_shared_specs)
-            shared_grads = {k: lax.psum(a, PIPE_AXIS) if k in ("embedding", "lm_head") else a
-                            for k, a in shared_grads.items()}
+            shared_grads = _summed_shared(by_hand, shared_grads)
         return (by_hand.total(loss), shared_grads,
                 by_hand.reduce(layer_grads, by_hand.layer_specs, by_hand.auto_layer_specs),
                 by_hand.total(aux_sums),
@@ -280,6 +261,15 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
         return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}, d_inputs
 
     return run_pipeline
+
+
+def _summed_shared(by_hand: ByHand, shared_grads: dict) -> dict:
+    """The one reduction of the step over the batch axes split by hand. Then each stage's
+    vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere) is
+    summed over pipe; the final norm's gradient is the same on every stage already."""
+    shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs, by_hand.auto_shared_specs)
+    return {k: lax.psum(a, PIPE_AXIS) if k in ("embedding", "lm_head") else a
+            for k, a in shared_grads.items()}
 
 
 @dataclass
@@ -525,42 +515,6 @@ def _finish(env: _Env, c: _Carry) -> tuple:
 
 
 
-def _keep_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
-    """``spec`` with only the mesh axes in ``axes`` left."""
-    def entry(e: Any) -> Any:
-        names = tuple(a for a in (e if isinstance(e, tuple) else (e,) if e else ()) if a in axes)
-        return names[0] if len(names) == 1 else (names or None)
-    return PartitionSpec(*(entry(e) for e in spec))
-
-
-def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
-    """Every PartitionSpec of ``tree`` with only ``axes`` left, after ``lead`` entries."""
-    return jax.tree.map(lambda spec: PartitionSpec(*lead, *_keep_axes(spec, axes)), tree,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-def _split_by_hand(cfg: Config, platform: str) -> tuple[tuple[str, ...], dict, Callable]:
-    """The axes the executor splits by hand, the mesh as a stage sees it, and the stages' hooks.
-
-    Gradients are summed over data, fsdp, expert and context once per step: the executor
-    splits those axes by hand (the batch rows, the sequence), so inside it they look like axes
-    of size 1, and context attention runs on each device's piece of the sequence with no
-    shard_map nested in the executor's. The experts' weights too are gathered once per step and
-    their gradients summed once; the MoE layers sum their load statistics over these axes
-    themselves and exchange their tokens over expert directly (the hooks).
-    """
-    mesh_shape = cfg.mesh_shape
-    hand = tuple(a for a in (*logical_rules(cfg)["batch"], "context")
-                 if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
-    inner = {**mesh_shape, **{a: 1 for a in hand}}
-
-    def hooks() -> Any:
-        return model_hooks(cfg, inner, platform, in_stage=True,
-                           by_hand={a: mesh_shape[a] for a in hand})
-
-    hooks().close()  # a layout the hooks refuse fails here, before any trace
-    return hand, inner, hooks
-
-
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
                         dtype: Any, remat: str, platform: str,
                         ) -> tuple[Callable, np.ndarray | None, Program]:
@@ -576,7 +530,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     accum = cfg.train.grad_accum
     program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
-    hand, inner, hooks = _split_by_hand(cfg, platform)
+    hand, inner, hooks = split_by_hand(cfg, platform)
     micro_rows = cfg.train.batch_size // (accum * m)
     stash_spec = resolve_spec("pipeline stash", (None, *RESIDUAL),
                               (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
