@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import assert_grads_and_params_match, max_relative_error, run_layout
 
 from jaxpar.model.lora import adapter_part, base_part
@@ -36,6 +37,18 @@ def test_lora_on_mla_over_data_fsdp_tensor_matches_one_device() -> None:
                                                     strict=True))
     moved = max_relative_error(adapter_part(ref["params"]), adapter_part(init))
     assert min(moved.values()) > 1e-4, moved
+
+
+@pytest.mark.slow
+def test_lora_on_mla_in_a_1f1b_pipeline_over_tensor_matches_one_device() -> None:
+    """The latent projections' adapters split over ``pipe`` with their layers, ``q_b``'s and
+    ``kv_b``'s over ``tensor`` by heads."""
+    ref = run_layout((*MLA, *LORA, "mesh.data=1"))
+    got = run_layout((*MLA, *LORA, "mesh.pipe=2", "mesh.tensor=2", "mesh.data=1",
+                      "train.microbatches=2", "parallel.pipeline_schedule=1f1b"))
+    assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+    assert not base_part(got["grads"])
+    assert_grads_and_params_match(got, ref)
 
 
 def test_merged_mla_adapters_compute_the_adapted_model() -> None:
