@@ -412,7 +412,7 @@ def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
     loss, dy, d_head, d_norm = head_and_loss(env.stages, norm_params, env.head(), env.piece,
                                               y_last, env.microbatch(r["head_mb"]),
                                               env.loss_scale)
-    if not env.train_shared:  # frozen (LoRA): d_head and d_norm unused, so never computed
+    if not env.train_shared:  # frozen (LoRA): d_head and d_norm unused (XLA drops them)
         return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
                           grads=_put(c.grads, r["head_dy"], dy))
     grads = dict(d_norm)
