@@ -178,6 +178,18 @@ def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
     }
 
 
+def in_model_order(result: dict) -> tuple[dict, dict]:
+    """Gradients and parameters with the stacked layers in model order."""
+    order = result["trainer"].layer_order
+    grads, params = result["grads"], result["params"]
+    if order is None:
+        return grads, params
+    back = np.argsort(order)
+    def unpermute(tree: dict) -> dict:
+        return dict(tree, layers=jax.tree.map(lambda a: a[back], tree["layers"]))
+    return unpermute(grads), unpermute(params)
+
+
 def per_step_bytes(cs) -> int:
     """Payload per step: a collective in the scanned layer loop runs once per layer."""
     return sum(c.bytes * c.executions for c in cs)

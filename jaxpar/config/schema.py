@@ -239,6 +239,8 @@ class ProfileConfig:
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Latent attention's projections (model.mla): W_qa, W_qb, W_kva, W_kvb (docs/lora.md)
+MLA_LORA_TARGETS = ("q_a", "q_b", "kv_a", "kv_b")
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ class LoraConfig:
 
     rank: int = 0
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
-    targets: tuple[str, ...] = LORA_TARGETS  # any of LORA_TARGETS
+    targets: tuple[str, ...] = LORA_TARGETS  # any of LORA_TARGETS (+ MLA_LORA_TARGETS)
     dropout: float = 0.0  # only 0 for now (validation refuses others)
 
 

@@ -12,6 +12,7 @@ from jaxpar.config.schema import (
     LOGICAL_AXES,
     LORA_TARGETS,
     MESH_AXES,
+    MLA_LORA_TARGETS,
     Config,
     ConfigError,
     DcnConfig,
@@ -351,31 +352,45 @@ def _check_optimizer(t: TrainConfig) -> None:
 
 def _check_lora(cfg: Config) -> None:
     """``train.lora``: the targets the model has, a positive rank, no dropout yet, and the
-    layouts the adapters run on (no pipeline, MLA, or MoE feed-forward yet)."""
+    layouts the adapters run on (no MoE feed-forward, no dense first blocks in a pipeline
+    yet)."""
     lora, m = cfg.train.lora, cfg.model
     _require(lora.rank >= 0, f"train.lora.rank={lora.rank}: must be >= 0 (0: no adapters)")
     if lora.rank == 0:
         return
     for target in lora.targets:
-        _require(target in LORA_TARGETS, f"train.lora.targets: {target!r} is not a LoRA target "
-                 f"(allowed: {', '.join(LORA_TARGETS)})")
+        _require(target in LORA_TARGETS + MLA_LORA_TARGETS, f"train.lora.targets: {target!r} "
+                 f"is not a LoRA target (allowed: {', '.join(LORA_TARGETS + MLA_LORA_TARGETS)})")
         _require(not (m.moe.enabled and target in ("gate", "up", "down")),
                  f"train.lora.targets: {target!r}: this model's feed-forward weights are its "
                  "routed experts, not LoRA targets yet; allowed here: q, k, v, o")
-        _require(not (m.mla.enabled and target in ("q", "k", "v")),
-                 f"train.lora.targets: {target!r}: this model has no {target} projection "
-                 "(model.mla: its attention is latent); allowed here: o, gate, up, down")
+        _check_lora_attention_target(m, target)
     _require(len(lora.targets) > 0, "train.lora.targets: empty; name one or more of "
              + ", ".join(LORA_TARGETS))
     _require(lora.dropout == 0, f"train.lora.dropout={lora.dropout}: only 0 is supported")
     _require(math.isfinite(lora.alpha) and lora.alpha > 0,
              f"train.lora.alpha={lora.alpha}: must be a finite number > 0")
-    _require(cfg.mesh.pipe == 1, "train.lora: pipelines (mesh.pipe > 1) are not supported yet")
+    _require(cfg.mesh.pipe == 1 or not (m.moe.enabled and m.moe.first_dense),
+             "train.lora: dense first blocks (model.moe.first_dense > 0) in a pipeline "
+             "(mesh.pipe > 1) are not supported yet")
     _require(not m.moe.enabled or (m.moe.every == 1 and m.moe.first_dense == 0),
              "train.lora: a mixture-of-experts model with dense blocks (model.moe.every > 1 or "
              "first_dense > 0) is not supported yet")
-    _require(not m.mla.enabled, "train.lora: latent-attention models (model.mla) are not "
-             "supported yet")
+
+
+def _check_lora_attention_target(m: ModelConfig, target: str) -> None:
+    """An attention target the model has: q, k, v without latent attention; with it (model.mla)
+    q_a, q_b (or q where model.mla.q_lora_rank is 0), kv_a, kv_b."""
+    if not m.mla.enabled:
+        _require(target not in MLA_LORA_TARGETS, f"train.lora.targets: {target!r} is a latent "
+                 "attention projection and this model has none (model.mla is off); allowed "
+                 "here: " + ", ".join(LORA_TARGETS))
+        return
+    queries = ("q_a", "q_b") if m.mla.q_lora_rank else ("q",)
+    allowed = (*queries, "kv_a", "kv_b", "o", "gate", "up", "down")
+    _require(target in allowed, f"train.lora.targets: {target!r}: this model has no {target} "
+             "projection (model.mla: its attention is latent); allowed here: "
+             + ", ".join(allowed))
 
 
 def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:

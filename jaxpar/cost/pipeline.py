@@ -123,8 +123,11 @@ def pipeline_collectives(c: Ledger) -> None:
     c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
     # (With dense first blocks the embedding's sum is the pre-phase's: cost/collectives.py.)
-    vocab = [p for p in c.other if p.name in ("embedding", "lm_head")
+    # (A LoRA run's embedding and head are frozen: no piece gradients, and chunk 0's input
+    # gradient is not summed for them: the executor's Frozen.)
+    vocab = [p for p in c.other if p.name in ("embedding", "lm_head") and p.trained
              and not (c.dense and p.name == "embedding")]
+    into_first = backward if vocab_trained(st) else 0
     sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
     # DeepSeek's dense first blocks: the pre-phase (embedding and dense blocks, rows split over
     # pipe) replaces the per-step embedding all-reduce; its output is gathered over pipe once
@@ -135,12 +138,18 @@ def pipeline_collectives(c: Ledger) -> None:
         c.add("all-gather", ("pipe",), 1, x0,
               "pipeline: the dense first blocks' output gathered for the stages", False)
     c.add("all-reduce", ("pipe",),
-          g * (embeds + 3 * head * st.loss_pieces + backward) + sums * len(vocab),
-          g * ((embeds + head + backward) * st.sent + head * st.sent * 4 // st.wire
+          g * (embeds + 3 * head * st.loss_pieces + into_first) + sums * len(vocab),
+          g * ((embeds + head + into_first) * st.sent + head * st.sent * 4 // st.wire
                + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "
           "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
+
+
+def vocab_trained(st: StepSizes) -> bool:
+    """Whether the embedding and head train (not under LoRA, whose executor holds them frozen:
+    no gradient of theirs is built, held or summed)."""
+    return st.cfg.train.lora.rank == 0
 
 
 def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
@@ -148,7 +157,7 @@ def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
     under FSDP by hand, whole over ``fsdp`` (module docstring, "Memory of a stage")."""
     if st.pipeline is None or st.mesh["fsdp"] == 1:
         return 0
-    return sum(p.gathered_bytes for p in params)
+    return sum(p.gathered_bytes for p in params if p.trained)
 
 
 def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
@@ -176,6 +185,8 @@ def stage_head(st: StepSizes) -> int:
     ``[E, V/(p t)]``: the embedding gradient of the stage's piece, the head gradient's partial
     sums over the loss pieces, and on XLA:CPU each piece's product and (bf16) a float32 head."""
     piece = st.cfg.model.d_model * st.cfg.model.vocab_size // (st.p * st.t) * 4
+    if not vocab_trained(st):  # frozen (LoRA): only the bf16 head's float32 copy on XLA:CPU
+        return piece if st.xla_cpu and st.a < 4 else 0
     pieces = 1 + (st.loss_pieces > 1)
     if st.xla_cpu:
         pieces += 1 + (st.a < 4)
@@ -208,7 +219,8 @@ def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer:
 def chunk_gradients(st: StepSizes, params: list[ParamCost]) -> int:
     """Bytes of the running chunk's weight gradients as a backward slot builds them: the
     weights as read (compute dtype, gathered), before they are added into the float32 sums."""
-    stack = sum(in_compute_dtype(p, p.gathered_bytes, st.a) for p in params if p.stacked)
+    stack = sum(in_compute_dtype(p, p.gathered_bytes, st.a) for p in params
+                if p.stacked and p.trained)  # (LoRA: the adapters')
     return stack // st.cfg.parallel.virtual_stages
 
 

@@ -32,6 +32,12 @@ TARGETS = {
     "gate": ("mlp", "w_gate", "e", "f"),
     "up": ("mlp", "w_up", "e", "f"),
     "down": ("mlp", "w_down", "f", "e"),
+    # latent attention (jaxpar/model/mla.py); "c" a latent (q_lora or kv_lora, with kv_a's rope
+    # key dims)
+    "q_a": ("attn", "wq_a", "e", "c"),
+    "q_b": ("attn", "wq_b", "c", "hd"),
+    "kv_a": ("attn", "wkv_a", "e", "c"),
+    "kv_b": ("attn", "wkv_b", "c", "hd"),
 }
 PREFIX = "lora_"
 

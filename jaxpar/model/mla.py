@@ -45,6 +45,7 @@ from jaxpar.config import ModelConfig, RopeScalingConfig
 from jaxpar.model.annotate import attention_override, constrain, latent_cache_override
 from jaxpar.model.attention import NEG, dense_attention
 from jaxpar.model.layers import RMSNorm, _param, rope_frequencies
+from jaxpar.model.lora import adapted
 from jaxpar.model.mask import Positions, rope_positions
 from jaxpar.model.projection import (
     Projection,
@@ -168,12 +169,15 @@ class MLA(nnx.Module):
         if hasattr(self, "wq_a"):
             q_proj = Projection("bse,er->bsr", (self.wq_a,), ("act_embed", "q_lora"))
             q_latent, kv = project_all(x, (q_proj, kv_proj), x_from=x_from)
-            q = project("bsr,rhd->bshd", self.q_norm(constrain(q_latent, ("batch", "seq",
-                                                                          "q_lora"))),
-                        self.wq_b, Q_UP)
+            q_latent = adapted(self, "q_a", x, q_latent)
+            q_normed = self.q_norm(constrain(q_latent, ("batch", "seq", "q_lora")))
+            q = adapted(self, "q_b", q_normed, project("bsr,rhd->bshd", q_normed, self.wq_b,
+                                                         Q_UP))
         else:
             q_proj = Projection("bse,ehd->bshd", (self.wq,), ("act_embed", "heads", "head_dim"))
             q, kv = project_all(x, (q_proj, kv_proj), x_from=x_from)
+            q = adapted(self, "q", x, q)
+        kv = adapted(self, "kv_a", x, kv)
         kv = constrain(kv, ("batch", "seq", "kv_lora"))
         latent = self.kv_norm(kv[..., :mla.kv_lora_rank])
         k_rope = kv[..., None, mla.kv_lora_rank:]
@@ -199,7 +203,8 @@ class MLA(nnx.Module):
         """The latent [B, T, R] and rope key [B, T, 1, P] -> k [B, T, H, N + P], v [B, T, H, V]
         (each head's up-projection of the latent; the rope key repeated for every head)."""
         n = self.config.qk_nope_head_dim
-        kv = constrain(project("bsr,rhd->bshd", latent, self.wkv_b, KV_UP), HEADS)
+        kv = constrain(adapted(self, "kv_b", latent,
+                               project("bsr,rhd->bshd", latent, self.wkv_b, KV_UP)), HEADS)
         k_nope, v = kv[..., :n], kv[..., n:]
         k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))
         k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), HEADS)
@@ -207,7 +212,8 @@ class MLA(nnx.Module):
 
     def project_out(self, out: jax.Array) -> jax.Array:
         out = constrain(out, HEADS)
-        return project("bshd,hde->bse", out, self.wo, ("heads", "head_dim", "act_embed"))
+        return adapted(self, "o", out, project("bshd,hde->bse", out, self.wo,
+                                               ("heads", "head_dim", "act_embed")))
 
 
 def padded_attention(attend, q: jax.Array, k: jax.Array, v: jax.Array, positions) -> jax.Array:

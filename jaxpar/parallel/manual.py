@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.config import Config
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.rules import logical_rules
 
 
 def sum_in(dtype: Any, x: jax.Array, axes: tuple[str, ...] | str) -> jax.Array:
@@ -158,3 +159,51 @@ def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
         return fn(x)
     return jax.shard_map(fn, in_specs=auto, out_specs=auto, axis_names=axes,
                          check_vma=False)(x)
+
+
+class Frozen(NamedTuple):
+    """Under LoRA (``train.lora``), for the pipeline executor: the stacked base weights' splits,
+    like ``ByHand.layer_specs`` (``layer_specs``: over ``pipe`` and the axes split by hand;
+    ``auto_layer_specs``: over the automatic ones). They and the shared parameters (embedding,
+    final norm, head) are constants to the stages' VJPs: gathered once per step like the
+    trained weights, never differentiated, and no gradient of theirs is held or summed."""
+
+    layer_specs: Any
+    auto_layer_specs: Any
+
+
+def _keep_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """``spec`` with only the mesh axes in ``axes`` left."""
+    def entry(e: Any) -> Any:
+        names = tuple(a for a in (e if isinstance(e, tuple) else (e,) if e else ()) if a in axes)
+        return names[0] if len(names) == 1 else (names or None)
+    return PartitionSpec(*(entry(e) for e in spec))
+
+
+def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
+    """Every PartitionSpec of ``tree`` with only ``axes`` left, after ``lead`` entries."""
+    return jax.tree.map(lambda spec: PartitionSpec(*lead, *_keep_axes(spec, axes)), tree,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def split_by_hand(cfg: Config, platform: str) -> tuple[tuple[str, ...], dict, Callable]:
+    """The axes the executor splits by hand, the mesh as a stage sees it, and the stages' hooks.
+
+    Gradients are summed over data, fsdp, expert and context once per step: the executor
+    splits those axes by hand (the batch rows, the sequence), so inside it they look like axes
+    of size 1, and context attention runs on each device's piece of the sequence with no
+    shard_map nested in the executor's. The experts' weights too are gathered once per step and
+    their gradients summed once; the MoE layers sum their load statistics over these axes
+    themselves and exchange their tokens over expert directly (the hooks).
+    """
+    mesh_shape = cfg.mesh_shape
+    hand = tuple(a for a in (*logical_rules(cfg)["batch"], "context")
+                 if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
+    inner = {**mesh_shape, **{a: 1 for a in hand}}
+
+    def hooks() -> Any:
+        return model_hooks(cfg, inner, platform, in_stage=True,
+                           by_hand={a: mesh_shape[a] for a in hand})
+
+    hooks().close()  # a layout the hooks refuse fails here, before any trace
+    return hand, inner, hooks

@@ -17,6 +17,7 @@ from helpers import (
     assert_grads_and_params_match,
     collectives_in_conditionals,
     compiled_temp_bytes,
+    in_model_order,
     max_relative_error,
     per_step_bytes,
     run_layout,
@@ -66,18 +67,6 @@ LAYOUTS = {
         "1f1b", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
         "parallel.context_impl=allgather", "train.loss_chunks=4"),
 }
-
-
-def in_model_order(result: dict) -> tuple[dict, dict]:
-    """Gradients and parameters with the stacked layers in model order."""
-    order = result["trainer"].layer_order
-    grads, params = result["grads"], result["params"]
-    if order is None:
-        return grads, params
-    back = np.argsort(order)
-    def unpermute(tree: dict) -> dict:
-        return dict(tree, layers=jax.tree.map(lambda a: a[back], tree["layers"]))
-    return unpermute(grads), unpermute(params)
 
 
 # The default suite runs every schedule once at pipe=2 and the compositions; the other

@@ -29,7 +29,14 @@ def test_a_target_the_model_does_not_have_is_one_line_naming_it() -> None:
 
 def test_lora_refuses_what_it_does_not_run_yet() -> None:
     assert "\n" not in _error("train.lora.dropout=0.1")
-    assert "mesh.pipe" in _error("mesh.pipe=2", "train.microbatches=2", devices=2)
+    # A pipeline runs the adapters (tests/equivalence/test_lora_pipeline.py), except beside
+    # DeepSeek's dense first blocks, which run before the stages.
+    validate(load_config("tiny", ["train.lora.rank=4", "mesh.pipe=2", "train.microbatches=2"]),
+             2)
+    message = _error("mesh.pipe=2", "train.microbatches=2", "train.lora.targets=[q,o]",
+                     "model.n_layers=3", "model.moe.first_dense=1", preset="moe-tiny",
+                     devices=2)
+    assert "\n" not in message and "first_dense" in message and "mesh.pipe" in message
     assert "train.lora.rank=-1" in _error("train.lora.rank=-1")
     # moe-tiny's feed-forward is its routed experts: the default targets name gate first.
     assert "'gate'" in _error(preset="moe-tiny", devices=8)
@@ -66,3 +73,34 @@ def test_plan_counts_the_adapters_state_only(mesh: tuple[str, ...]) -> None:
     full = sum(p.state_bytes_per_device for p in param_costs(validate(load_config(
         "tiny", list(mesh)), n)))
     assert planned < full / 4
+
+
+MLA = ("model.mla.q_lora_rank=24", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+       "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=12")
+
+
+def test_an_mla_model_takes_its_latent_projections_and_refuses_q_k_v_in_one_line() -> None:
+    targets = "train.lora.targets=[q_a,q_b,kv_a,kv_b,o,gate,up,down]"
+    cfg = validate(load_config("tiny", ["train.lora.rank=4", *MLA, targets]), 1)
+    assert cfg.train.lora.targets == ("q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down")
+    for target in ("q", "k", "v"):
+        message = _error(*MLA, f"train.lora.targets=[o,{target}]")
+        assert "\n" not in message and f"{target!r}" in message and "model.mla" in message
+        assert "allowed here: q_a, q_b, kv_a, kv_b, o, gate, up, down" in message
+    # Without a query latent (q_lora_rank 0) the query projection is W_q: "q", not q_a/q_b.
+    no_latent = (*MLA[1:], "model.mla.q_lora_rank=0")
+    validate(load_config("tiny", ["train.lora.rank=4", *no_latent,
+                                  "train.lora.targets=[q,kv_a,kv_b]"]), 1)
+    assert "'q_a'" in _error(*no_latent, "train.lora.targets=[q_a]")
+    # ... and a model without latent attention has none of them.
+    message = _error("train.lora.targets=[q,kv_b]")
+    assert "\n" not in message and "'kv_b'" in message and "model.mla" in message
+
+
+def test_plan_counts_the_mla_adapters_as_trained() -> None:
+    from jaxpar.cost.params import param_costs  # noqa: PLC0415
+
+    cfg = validate(load_config("tiny", ["train.lora.rank=4", *MLA,
+                                        "train.lora.targets=[q_a,q_b,kv_a,kv_b,o]"]), 1)
+    assert {p.name.split("/")[-2] for p in param_costs(cfg) if p.trained} == {
+        "lora_q_a", "lora_q_b", "lora_kv_a", "lora_kv_b", "lora_o"}

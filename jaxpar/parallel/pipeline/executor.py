@@ -71,6 +71,10 @@ are stored replicated over ``pipe``; each stage reads its vocabulary piece of th
 step the stage's weights are cast to the compute dtype and FSDP-gathered (:class:`ByHand`), so
 the VJPs save those very arrays and the stash leaves them out.
 
+LoRA (``train.lora``): the stacked base weights, the embedding, final norm and head are
+constants to the chunks' VJPs (:class:`~jaxpar.parallel.manual.Frozen`): the adapters alone are
+differentiated and summed; no embedding backward, no vocabulary-piece gradients.
+
 One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data``, ``fsdp`` and
 ``expert`` (the batch rows) and ``context`` (the sequence) by hand: each device sums its own
 tokens' weight gradients over every microbatch of every micro-step (``train.grad_accum``), and
@@ -100,11 +104,11 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
+from jaxpar.model.lora import adapter_part, base_part, merged
 from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.collectives import ppermute_in_order
-from jaxpar.parallel.hooks import model_hooks
-from jaxpar.parallel.manual import ByHand
+from jaxpar.parallel.manual import ByHand, Frozen, specs_of, split_by_hand
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline.dense_first import dense_pre_phase
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
@@ -134,6 +138,7 @@ class _Carry(NamedTuple):
     grads: jax.Array  # [grad_slots + 1, *activation]: output gradients for a backward
     layer_grads: Any  # like the local layers, [v, layers_per_chunk, ...], float32
     shared_grads: Any  # embedding/head (pieces, summed over pipe at the end) and final norm
+    # ({} when they are frozen: LoRA)
     loss: jax.Array  # float32: summed token loss (the same on every stage)
     aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
     # With a pre-phase (dense first blocks): [m, *activation], the gradient w.r.t. each
@@ -184,9 +189,10 @@ class _Residuals:
 
 def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
                             v: int, vocab_size: int, stash_spec: PartitionSpec,
-                            layer_grad_specs: Any, shared_grad_specs: Any) -> Callable:
-    """``(shared, layers, consts, micro, loss_scale, aux_scale) -> (loss_sum, shared_grads,
-    layer_grads, aux)`` running ``program``.
+                            layer_grad_specs: Any, shared_grad_specs: Any,
+                            frozen: Frozen | None = None) -> Callable:
+    """``(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale) -> (loss_sum,
+    shared_grads, layer_grads, aux)`` running ``program``.
 
     ``layers``: the stacked layer parameters ``[n_layers, ...]``, sharded over ``pipe`` on their
     first dimension, and ``consts`` the stacked non-trained state beside them; ``shared``: the
@@ -198,16 +204,21 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     (layer-stacked keys over all layers, in stored order). Call under the mesh.
     ``stash_spec`` lays out the activation stashes ``[slot, batch, seq, embed]``; the grad specs
     lay out the gradient sums (as the parameters, without ``pipe``); all three for the mesh left
-    automatic inside (``by_hand``).
+    automatic inside (``by_hand``). With ``frozen`` (LoRA, :class:`Frozen`): ``layers`` the
+    adapters, ``frozen_layers`` the rest (else ``{}``), and ``shared_grads`` is ``{}``.
     """
+    train_shared = frozen is None
 
-    def per_device(shared, layers, consts, micro, loss_scale, aux_scale):
+    def per_device(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale):
         with by_hand.hooks():
             shared = by_hand.gather(shared, by_hand.shared_specs, by_hand.auto_shared_specs)
             layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
+            if frozen is not None:
+                frozen_layers = by_hand.gather(frozen_layers, *frozen)
             first = jax.tree.map(lambda a: a[0], micro)
-            env = _Env.make(stages, shared, layers, consts, first, loss_scale, aux_scale, p=p,
-                            v=v, vocab_size=vocab_size)
+            env = _Env.make(stages, shared, (layers, frozen_layers), consts, first, loss_scale,
+                            aux_scale, p=p, v=v, vocab_size=vocab_size,
+                            train_shared=train_shared)
 
             def micro_step(carry: _Carry, microbatches: Any) -> tuple[_Carry, None]:
                 # One pass of the schedule over one micro-step's microbatches; the gradient
@@ -225,34 +236,40 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                                    shared_grad_specs)
             carry, d_inputs = lax.scan(micro_step, carry, micro)
             loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
-        # The one reduction of the step over the batch axes split by hand. Then each stage's
-        # vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere)
-        # is summed over pipe; the final norm's gradient is the same on every stage already.
-        shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs,
-                                      by_hand.auto_shared_specs)
-        shared_grads = {k: lax.psum(a, PIPE_AXIS) if k in ("embedding", "lm_head") else a
-                        for k, a in shared_grads.items()}
+        if train_shared:
+            shared_grads = _summed_shared(by_hand, shared_grads)
         return (by_hand.total(loss), shared_grads,
                 by_hand.reduce(layer_grads, by_hand.layer_specs, by_hand.auto_layer_specs),
                 by_hand.total(aux_sums),
                 by_hand.total(aux_layers), d_inputs)
 
-    def run_pipeline(shared, layers, consts, micro, loss_scale, aux_scale):
+    def run_pipeline(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale):
         stacked_keys = {k: PartitionSpec(PIPE_AXIS) for k in stages.layer_stacked}
         # [micro-steps, m, B/(accum m), S]: the batch rows and the sequence split by hand
         rows = by_hand.microbatch_spec
         loss, shared_grads, layer_grads, aux_sums, aux_layers, d_inputs = jax.shard_map(
             per_device,
             in_specs=(by_hand.shared_specs, by_hand.layer_specs,
+                      {} if frozen is None else frozen.layer_specs,
                       jax.tree.map(lambda _: PartitionSpec(PIPE_AXIS), consts), rows,
                       PartitionSpec(), PartitionSpec()),
-            out_specs=(PartitionSpec(), by_hand.shared_specs, by_hand.layer_specs,
-                       PartitionSpec(), stacked_keys, rows if stages.pre_embedded else None),
+            out_specs=(PartitionSpec(), by_hand.shared_specs if train_shared else {},
+                       by_hand.layer_specs, PartitionSpec(), stacked_keys,
+                       rows if stages.pre_embedded else None),
             axis_names=frozenset({PIPE_AXIS, *by_hand.axes}), check_vma=False,
-        )(shared, layers, consts, micro, loss_scale, aux_scale)
+        )(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale)
         return loss, shared_grads, layer_grads, {**aux_sums, **aux_layers}, d_inputs
 
     return run_pipeline
+
+
+def _summed_shared(by_hand: ByHand, shared_grads: dict) -> dict:
+    """The one reduction of the step over the batch axes split by hand. Then each stage's
+    vocabulary piece of the embedding/head gradients (rows of its own, zeros elsewhere) is
+    summed over pipe; the final norm's gradient is the same on every stage already."""
+    shared_grads = by_hand.reduce(shared_grads, by_hand.shared_specs, by_hand.auto_shared_specs)
+    return {k: lax.psum(a, PIPE_AXIS) if k in ("embedding", "lm_head") else a
+            for k, a in shared_grads.items()}
 
 
 @dataclass
@@ -264,6 +281,7 @@ class _Env:
     stage: jax.Array
     shared: dict
     chunks: Any  # layers as [v, layers_per_chunk, ...], prepared for use (Stages.prepare)
+    frozen_chunks: Any  # the frozen base weights so (LoRA; else {})
     const_chunks: Any
     micro: Any
     piece: VocabPiece
@@ -273,18 +291,21 @@ class _Env:
     act: jax.ShapeDtypeStruct  # one microbatch's activation
     aux_shapes: Any
     res_shapes: list
+    train_shared: bool = True  # False under LoRA: embedding, final norm and head are frozen
 
     @staticmethod
     def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
-             vocab_size) -> _Env:
+             vocab_size, train_shared) -> _Env:
+        """``layers``: (trained, frozen) stacked layer weights."""
         def by_chunk(tree):
             return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
 
         stage = lax.axis_index(PIPE_AXIS)
-        env = _Env(stages, stage, shared, stages.prepare(by_chunk(layers)), by_chunk(consts),
-                   micro,
+        trained, frozen = layers
+        env = _Env(stages, stage, shared, stages.prepare(by_chunk(trained)),
+                   stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
                    vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
-                   aux_scale, _Residuals(), None, None, None)
+                   aux_scale, _Residuals(), None, None, None, train_shared)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
@@ -298,9 +319,9 @@ class _Env:
     def microbatch(self, i: jax.Array) -> dict:
         return jax.tree.map(lambda a: a[i], self.micro)
 
-    def weights(self, j: jax.Array) -> tuple[Any, Any]:
-        return (jax.tree.map(lambda a: a[j], self.chunks),
-                jax.tree.map(lambda a: a[j], self.const_chunks))
+    def weights(self, j: jax.Array) -> tuple[Any, Any, Any]:
+        """Chunk ``j``'s (trained, frozen, constant) per-layer arrays."""
+        return jax.tree.map(lambda a: a[j], (self.chunks, self.frozen_chunks, self.const_chunks))
 
     def table(self) -> jax.Array:
         return self.shared["embedding"].astype(self.stages.dtype)
@@ -312,21 +333,21 @@ class _Env:
 
     def forward(self, j: jax.Array, x: jax.Array, mb: dict) -> tuple:
         """Chunk ``j``'s layers on ``x`` under ``jax.vjp``: ((y, aux), stashable residuals)."""
-        layers, consts = self.weights(j)
+        layers, frozen, consts = self.weights(j)
         stages = self.stages
 
         def objective_parts(layers, x):
-            y, aux = stages.layers(self.shared, layers, consts, x, mb)
+            # The frozen weights (LoRA) are closed over: constants, not differentiated.
+            y, aux = stages.layers(self.shared, merged(layers, frozen), consts, x, mb)
             return (y, stages.aux_loss(aux)), aux
 
         (y, _), vjp_fn, aux = jax.vjp(objective_parts, layers, x, has_aux=True)
-        weights = jax.tree.leaves((layers, consts))
+        weights = jax.tree.leaves((layers, frozen, consts))
         return (y, aux), self.residuals.split(vjp_fn, weights)
 
     def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
         """(weight gradients, input gradient) of chunk ``j`` from its stashed residuals."""
-        layers, consts = self.weights(j)
-        vjp_fn = self.residuals.join(stashed, jax.tree.leaves((layers, consts)))
+        vjp_fn = self.residuals.join(stashed, jax.tree.leaves(self.weights(j)))
         return vjp_fn((dy, jnp.where(aux_on, self.aux_scale, 0.0)))
 
 
@@ -351,8 +372,9 @@ def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
     res0 = [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
             for r in env.res_shapes]
     d_inputs = (jnp.zeros_like(env.micro["x0"]) if env.stages.pre_embedded else None)
+    shared_grads = zeros(env.shared, shared_grad_specs) if env.train_shared else {}
     return _Carry(stash(program.act_slots), res0, stash(program.grad_slots),
-                  zeros(env.chunks, layer_grad_specs), zeros(env.shared, shared_grad_specs),
+                  zeros(env.chunks, layer_grad_specs), shared_grads,
                   jnp.zeros((), jnp.float32), aux0, d_inputs)
 
 
@@ -390,6 +412,9 @@ def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
     loss, dy, d_head, d_norm = head_and_loss(env.stages, norm_params, env.head(), env.piece,
                                               y_last, env.microbatch(r["head_mb"]),
                                               env.loss_scale)
+    if not env.train_shared:  # frozen (LoRA): d_head and d_norm unused (XLA drops them)
+        return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
+                          grads=_put(c.grads, r["head_dy"], dy))
     grads = dict(d_norm)
     if env.stages.tied_embeddings:
         grads["embedding"] = env.piece.uncut(d_head.T)
@@ -454,7 +479,8 @@ def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry
     for kind in ("B", "I"):
         if kind in kinds:
             c, send_bwd = _backward_slot(env, c, r, "b", weights=kind == "B", fresh=fresh)
-            c = _embedding_backward(env, c, r, send_bwd)
+            if env.train_shared or env.stages.pre_embedded:
+                c = _embedding_backward(env, c, r, send_bwd)
     if "W" in kinds:
         c, _ = _backward_slot(env, c, r, "w", weights=True, fresh=fresh)
     # Activations to the next stage, input gradients to the previous one; in one order on
@@ -489,42 +515,6 @@ def _finish(env: _Env, c: _Carry) -> tuple:
 
 
 
-def _keep_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
-    """``spec`` with only the mesh axes in ``axes`` left."""
-    def entry(e: Any) -> Any:
-        names = tuple(a for a in (e if isinstance(e, tuple) else (e,) if e else ()) if a in axes)
-        return names[0] if len(names) == 1 else (names or None)
-    return PartitionSpec(*(entry(e) for e in spec))
-
-
-def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
-    """Every PartitionSpec of ``tree`` with only ``axes`` left, after ``lead`` entries."""
-    return jax.tree.map(lambda spec: PartitionSpec(*lead, *_keep_axes(spec, axes)), tree,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-def _split_by_hand(cfg: Config, platform: str) -> tuple[tuple[str, ...], dict, Callable]:
-    """The axes the executor splits by hand, the mesh as a stage sees it, and the stages' hooks.
-
-    Gradients are summed over data, fsdp, expert and context once per step: the executor
-    splits those axes by hand (the batch rows, the sequence), so inside it they look like axes
-    of size 1, and context attention runs on each device's piece of the sequence with no
-    shard_map nested in the executor's. The experts' weights too are gathered once per step and
-    their gradients summed once; the MoE layers sum their load statistics over these axes
-    themselves and exchange their tokens over expert directly (the hooks).
-    """
-    mesh_shape = cfg.mesh_shape
-    hand = tuple(a for a in (*logical_rules(cfg)["batch"], "context")
-                 if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
-    inner = {**mesh_shape, **{a: 1 for a in hand}}
-
-    def hooks() -> Any:
-        return model_hooks(cfg, inner, platform, in_stage=True,
-                           by_hand={a: mesh_shape[a] for a in hand})
-
-    hooks().close()  # a layout the hooks refuse fails here, before any trace
-    return hand, inner, hooks
-
-
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
                         dtype: Any, remat: str, platform: str,
                         ) -> tuple[Callable, np.ndarray | None, Program]:
@@ -540,7 +530,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     accum = cfg.train.grad_accum
     program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
-    hand, inner, hooks = _split_by_hand(cfg, platform)
+    hand, inner, hooks = split_by_hand(cfg, platform)
     micro_rows = cfg.train.batch_size // (accum * m)
     stash_spec = resolve_spec("pipeline stash", (None, *RESIDUAL),
                               (None, micro_rows, cfg.train.seq_len, cfg.model.d_model), rules,
@@ -550,13 +540,17 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     split_auto = {a for a in auto if mesh_shape[a] > 1}
     dense = "dense_layers" in specs  # DeepSeek's dense first blocks: run before the pipeline
     shared = {k: s for k, s in specs.items() if k not in ("layers", "dense_layers")}
-    by_hand = ByHand(hand, specs_of(shared, set(hand)),
-                     specs_of(specs["layers"], {PIPE_AXIS, *hand}),
-                     specs_of(shared, split_auto), specs_of(specs["layers"], split_auto),
+    lora = cfg.train.lora.rank > 0
+    # Under LoRA the adapters train and the base weights ride along as constants (Frozen).
+    trained = adapter_part(specs["layers"]) if lora else specs["layers"]
+    by_hand = ByHand(hand, specs_of(shared, set(hand)), specs_of(trained, {PIPE_AXIS, *hand}),
+                     specs_of(shared, split_auto), specs_of(trained, split_auto),
                      hooks=hooks,
                      reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
                      owned=tuple(a for a in hand if a == "expert"))
-    layer_grad_specs = specs_of(specs["layers"], auto, lead=(None,))
+    frozen = (Frozen(specs_of(base_part(specs["layers"]), {PIPE_AXIS, *hand}),
+                     specs_of(base_part(specs["layers"]), split_auto)) if lora else None)
+    layer_grad_specs = specs_of(trained, auto, lead=(None,))
     shared_grad_specs = specs_of(shared, auto)
     stand_in = (jax.tree.map(lambda _: np.zeros((), np.float32), specs["dense_layers"],
                              is_leaf=lambda x: isinstance(x, PartitionSpec)) if dense else None)
@@ -565,7 +559,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     run = pipeline_loss_and_grads(program, stages, by_hand,
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
-                                  shared_grad_specs=shared_grad_specs)
+                                  shared_grad_specs=shared_grad_specs, frozen=frozen)
 
     def split(batch: Any) -> Any:
         # [accum, m, B/(accum m), ...]: micro-steps as train.grad_accum cuts them, each cut into
@@ -575,7 +569,11 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     pre_phase = dense_pre_phase(cfg, graphdef, mesh_shape, platform, dtype=dtype, remat=remat,
                                  split=split)
 
-    def grad_fn(params: dict, buffers: dict, batch: dict, valid: jax.Array) -> tuple:
+    def grad_fn(params: dict, buffers: Any, batch: dict, valid: jax.Array) -> tuple:
+        frozen_layers = {}
+        if lora:  # as train.step.for_gradients splits them: the adapters, (buffers, the rest)
+            buffers, base = buffers
+            frozen_layers, params = base["layers"], {**base, **params}
         shared = {k: a for k, a in params.items() if k not in ("layers", "dense_layers")}
         aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
         micro = split(batch)
@@ -583,7 +581,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
             x0, pre_backward = pre_phase(params, buffers, batch)
             micro = {**micro, "x0": x0}
         loss_sum, shared_grads, layer_grads, aux, d_x0 = run(
-            shared, params["layers"], buffers.get("layers", {}), micro, 1.0 / valid, aux_scale)
+            shared, params["layers"], frozen_layers, buffers.get("layers", {}), micro,
+            1.0 / valid, aux_scale)
         grads = {**shared_grads, "layers": layer_grads}
         if dense:
             d_pre = pre_backward(d_x0.astype(x0.dtype))

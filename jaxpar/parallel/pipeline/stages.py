@@ -164,6 +164,13 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
 # The model cut into chunks
 
 
+def _matching(axes: dict, tree: dict) -> dict:
+    """The part of ``axes`` with ``tree``'s keys: under LoRA a stage prepares its adapters and
+    its frozen weights apart (:class:`jaxpar.parallel.pipeline.executor.Frozen`)."""
+    return {k: _matching(axes[k], sub) if isinstance(sub, dict) else axes[k]
+            for k, sub in tree.items()}
+
+
 def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
                  platform: str = "cpu", dense_stand_in: Any = None) -> Stages:
     """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
@@ -184,7 +191,7 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
         the stacked dimension(s) left unnamed (``pipe`` is manual inside the executor)."""
         return jax.tree_util.tree_map_with_path(
             lambda path, leaf, names: fn(leaf, path[-1].key, (None,) * leading + names[1:]),
-            tree, layer_axes, is_leaf=lambda x: isinstance(x, tuple))
+            tree, _matching(layer_axes, tree), is_leaf=lambda x: isinstance(x, tuple))
 
     def prepare(chunks: Any) -> Any:
         return by_leaf(lambda a, name, names: prepare_weight(a, name, names, dtype), chunks, 2)
