@@ -7,8 +7,10 @@ those devices, and the train step is lowered and compiled for them ahead of time
 TPU compiler itself, on this CPU machine. So the report shows what the TPU compiler makes of the
 layout, which XLA:CPU cannot: collectives run asynchronously and overlapped with matmuls, FSDP
 weights all-gathered in bf16 when the matmul only reads bf16 of them (default matmul precision),
-gradient all-reduce + slice fused into one ``all-reduce-scatter``, and memory as the TPU
-compiler's buffer assignment plans it, per device, with TPU tile padding.
+gradient all-reduce + slice fused into one ``all-reduce-scatter`` (not over a whole 3D slice,
+where the compiler keeps the all-reduce: docs/performance.md, "The whole slice's
+reduce-scatter"), and memory as the TPU compiler's buffer assignment plans it, per device, with
+TPU tile padding.
 
 Limits, because nothing runs:
 

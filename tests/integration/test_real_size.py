@@ -104,3 +104,9 @@ def test_the_tpu_compiler_moves_the_planned_bytes_at_real_size(tpu_matrix, case)
         lowered = {spelling for row in comparison["compiled_collectives"]
                    if row["kind"] == "all-gather" for spelling in row["lowered_as"]}
         assert "all-reduce+dynamic-update-slice" in lowered, lowered
+        # The gradient reduce-scatters over the whole slice are libtpu's all-reduce + slice
+        # (test_tpu_target.py's canary says why): the planned bytes, twice a ring's wire bytes.
+        scatter, = (row for row in comparison["compiled_collectives"]
+                    if row["kind"] == "reduce-scatter")
+        assert scatter["lowered_as"] == ["all-reduce+dynamic-slice"], scatter
+        assert scatter["wire_bytes"] == pytest.approx(2 * 63 / 64 * scatter["bytes"], rel=1e-3)

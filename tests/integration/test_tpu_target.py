@@ -412,3 +412,51 @@ def test_splash_attention_compiles_for_tpu_without_a_sequence_square(tmp_path):
     rows, heads = 8 // 4, 8 // 2  # tiny: batch 8 over data=4, 8 heads over tensor=2
     score_matrices = rows * heads * seq * seq * 4
     assert memory["temp_bytes"] < score_matrices / 2
+
+
+# The whole slice's reduce-scatter (docs/performance.md, "On the TPU compiler"): a reduce-scatter
+# over every chip of a 4x4x4 v5p slice, spelled three ways in the smallest program (a float32
+# [4096, 1024] partial sum per chip, scattered by rows), and what libtpu compiles each to: the
+# op and its algorithm's colors (the rings that run at once, one per link direction used).
+WHOLE_SLICE_SCATTERS = """\
+import json, re
+from jaxpar.inspect.tpu import parse_target, topology_devices
+devices = topology_devices(parse_target('tpu-v5p:4x4x4'))
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((4, 16), ('a', 'b'), devices=devices)
+rows = P(('a', 'b'))
+x = jax.ShapeDtypeStruct((64 * 4096, 1024), jnp.float32, sharding=NamedSharding(mesh, rows))
+whole = lambda t: jax.lax.psum_scatter(t, ('a', 'b'), tiled=True)
+staged = lambda t: jax.lax.psum_scatter(jax.lax.psum_scatter(t, 'b', tiled=True), 'a', tiled=True)
+no_decomposer = {'xla_disable_hlo_passes': 'reduce-scatter-decomposer'}
+out = {}
+for name, f, options in [('whole', whole, None), ('staged', staged, None),
+                         ('whole, decomposer off', whole, no_decomposer)]:
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=rows, out_specs=rows))
+    with jax.set_mesh(mesh):
+        text = step.lower(x).compile(compiler_options=options).as_text()
+    out[name] = [[m.group(1), int(m.group(2))] for m in re.finditer(
+        r' (all-reduce|reduce-scatter)(?:-start)?[(].*?colors:(\\d+)', text)]
+print(json.dumps(out))
+sys.exit(0)
+"""
+
+
+def test_libtpu_still_lowers_a_whole_slice_reduce_scatter_as_an_all_reduce_on_six_rings(
+        tmp_path):
+    """Why the fsdp=64 gradient reduce-scatters of the real-size matrix move twice their bytes
+    on tpu-v5p:4x4x4: libtpu's ``reduce-scatter-decomposer`` pass rewrites even an explicit
+    ``psum_scatter`` over the whole slice as all-reduce + dynamic-slice, whose 3D-ring algorithm
+    runs on 6 link directions at once; the reduce-scatter it replaces would be a single ring
+    (1), and two stages over a 16-chip plane then 4 chips stay reduce-scatters (2 rings, then
+    1). The compiler's choice, not the program's; a libtpu that keeps the whole-slice
+    reduce-scatter fails this (docs/performance.md to update)."""
+    needs_libtpu()
+    result = run_inspect("tiny", cwd=tmp_path, preamble=WHOLE_SLICE_SCATTERS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == {
+        "whole": [["all-reduce", 6]],
+        "staged": [["reduce-scatter", 2], ["reduce-scatter", 1]],
+        "whole, decomposer off": [["reduce-scatter", 1]],
+    }
