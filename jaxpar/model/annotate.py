@@ -9,8 +9,9 @@ replaces its dense one, the mixture-of-experts layer asks :func:`experts_overrid
 its tokens are dispatched to experts on other devices (all-to-all over ``expert``), the loss
 sums its per-shard head gradient through :func:`sum_over_token_shards`, and the MoE layer's
 batch statistics reach the tokens of other devices through :func:`sum_over_hand_split` where a
-pipeline stage holds only its own (:func:`hand_split_devices`). These are the
-only pieces of global state the model reads, and they only live for the duration of a trace.
+pipeline stage holds only its own (:func:`hand_split_devices`), and the train step hands the
+LoRA adapters their dropout key (:func:`lora_dropout_key`). These are the only pieces of
+global state the model reads, and they only live for the duration of a trace.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ _split: contextvars.ContextVar[Mapping[str, int]] = contextvars.ContextVar(
     "jaxpar_split_counts", default=MappingProxyType({}))
 _hand_split: contextvars.ContextVar[tuple[Callable, int] | None] = contextvars.ContextVar(
     "jaxpar_hand_split_tokens", default=None)
+_lora_dropout: contextvars.ContextVar[tuple[jax.Array, float] | None] = contextvars.ContextVar(
+    "jaxpar_lora_dropout", default=None)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -230,3 +233,15 @@ def _relayout_bwd(src, dst, _, grad):  # noqa: ARG001
 
 
 _relayout.defvjp(_relayout_fwd, _relayout_bwd)
+
+
+def lora_dropout_key() -> tuple[jax.Array, float] | None:
+    """(key, rate) of LoRA dropout for the layer being traced, or None: no dropout (eval,
+    generation, ``train.lora.dropout`` 0). See :func:`jaxpar.model.lora.dropped_out`."""
+    return _lora_dropout.get()
+
+
+def use_lora_dropout(key: jax.Array | None, rate: float) -> contextlib.AbstractContextManager[None]:
+    """Within this block, LoRA adapters drop their input out at ``rate`` with masks drawn from
+    ``key`` (the train step's, folded per layer by the layer scan); None or rate 0: none."""
+    return _setting(_lora_dropout, (key, rate) if key is not None and rate > 0 else None)
