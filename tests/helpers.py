@@ -177,6 +177,41 @@ def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
     }
 
 
+def with_random_adapters(trainer, state, seed: int = 7, scale: float = 0.3):
+    """``state`` with every LoRA ``B`` drawn at random (numpy, from the parameter's path and
+    ``seed``, so every layout gets the same values; laid out as the trainer lays it out): the
+    adapters then change the model from the first step, which a fresh ``B`` (zeros) does not."""
+    def leaf(path, a):
+        name = jax.tree_util.keystr(path)
+        if "lora_" not in name or not name.endswith("['b']"):
+            return a
+        rng = np.random.default_rng([seed, *name.encode()])
+        value = (scale * rng.standard_normal(a.shape)).astype(a.dtype)
+        return jax.device_put(value, a.sharding)
+    return state._replace(params=jax.tree_util.tree_map_with_path(leaf, state.params))
+
+
+def lora_loss_and_grads(overrides: tuple[str, ...], preset: str = "tiny",
+                        base: tuple[str, ...] | None = None, seed: int = 7) -> dict:
+    """Like :func:`run_layout` but cheaper (no step compiled): the first batch's loss and
+    gradients from an initial state whose LoRA ``B`` are random (:func:`with_random_adapters`);
+    also the trainer, that state (on the host) and the batch."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train.step import build_trainer
+
+    cfg = load_config(preset, [*(LAYOUT_BASE if base is None else base), *overrides])
+    n_devices = math.prod(
+        int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")) or 1
+    cfg = validate(cfg, n_devices)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
+    batch = trainer.put_batch(make_batches(cfg)[0])
+    state = with_random_adapters(trainer, trainer.init(), seed)
+    loss, grads = trainer.loss_and_grads(state, batch)
+    return {"cfg": cfg, "trainer": trainer, "state": state, "batch": batch, "loss": float(loss),
+            "grads": jax.tree.map(np.asarray, grads),
+            "params": jax.tree.map(np.asarray, state.params)}
+
+
 def per_step_bytes(cs) -> int:
     """Payload per step: a collective in the scanned layer loop runs once per layer."""
     return sum(c.bytes * c.executions for c in cs)
