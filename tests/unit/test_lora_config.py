@@ -90,3 +90,22 @@ def test_plan_counts_the_adapters_state_only(preset: str, mesh: tuple[str, ...])
     full = sum(p.state_bytes_per_device for p in param_costs(validate(load_config(
         preset, list(mesh)), n)))
     assert planned < full / 4
+
+
+def test_peft_export_of_expert_or_dense_block_adapters_is_one_line() -> None:
+    """``--adapters-only`` (PEFT's directory) refuses a MoE model's expert adapters and MoE
+    models with dense blocks; a MoE model's attention adapters pass."""
+    from jaxpar.hf.peft import check_exportable  # noqa: PLC0415
+
+    def refusal(*overrides: str) -> str:
+        cfg = validate(load_config("moe-tiny", ["train.lora.rank=4", *overrides]), 8)
+        with pytest.raises(ConfigError) as info:
+            check_exportable(cfg)
+        return str(info.value)
+
+    message = refusal()
+    assert "\n" not in message and "gate, up, down" in message and "routed experts" in message
+    message = refusal("train.lora.targets=[q,o]", "model.moe.every=2")
+    assert "\n" not in message and "dense blocks" in message
+    check_exportable(validate(load_config("moe-tiny", ["train.lora.rank=4",
+                                                       "train.lora.targets=[q,o]"]), 8))
