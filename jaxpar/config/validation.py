@@ -341,8 +341,8 @@ def _check_lora(cfg: Config) -> None:
 
 
 def _check_lora_dropout(cfg: Config) -> None:
-    """``train.lora.dropout``: a probability in [0, 1), and only where every layout draws the
-    same masks (jaxpar/model/lora.py: dropped_out draws them over the global shape)."""
+    """``train.lora.dropout``: a probability in [0, 1), not on the routed experts' adapters
+    (whose rows carry no token numbers for the masks yet: jaxpar/model/lora.py, dropped_out)."""
     lora, m, p = cfg.train.lora, cfg.model, cfg.train.lora.dropout
     _require(math.isfinite(p) and 0 <= p < 1, f"train.lora.dropout={p}: must be in [0, 1)")
     if p == 0:
@@ -350,10 +350,6 @@ def _check_lora_dropout(cfg: Config) -> None:
     _require(not (m.moe.enabled and set(lora.targets) & {"gate", "up", "down"}),
              "train.lora.dropout > 0: not with the routed experts' adapters (gate, up, down "
              "of a mixture-of-experts model) yet; allowed targets here: q, k, v, o")
-    _require(cfg.train.grad_accum == 1, "train.lora.dropout > 0: not with micro-steps "
-             "(train.grad_accum > 1) yet")
-    _require(cfg.mesh.context == 1 or not cfg.parallel.zigzag, "train.lora.dropout > 0: not "
-             "with mesh.context > 1 and parallel.zigzag (the tokens' reordering) yet")
 
 
 def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:

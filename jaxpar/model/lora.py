@@ -104,15 +104,37 @@ def dropout_key(lora: LoraConfig, seed: int, step: jax.Array) -> jax.Array | Non
 
 
 def dropped_out(x: jax.Array, salt: int) -> jax.Array:
-    """``x`` with LoRA dropout where the train step installed it (:func:`lora_dropout_key`),
-    else ``x``. The mask is drawn over ``x``'s global shape from the layer's key folded with
-    ``salt``: JAX's threefry is partitionable, so every layout draws the same bits."""
+    """``x`` [b, s, *in] with LoRA dropout where the train step installed it
+    (:func:`lora_dropout_key`), else ``x``. Each token's mask is drawn from the layer's key
+    folded with ``salt`` and the token's global number (row x seq_len + position in the
+    sequence, carried by the batch), so it is the same wherever the token is computed: any
+    split of the batch or the sequence, reordered (zigzag) or not, any micro-step; and JAX's
+    threefry is partitionable, so a split of ``in`` (over ``tensor``) draws the same bits."""
     active = lora_dropout_key()
     if active is None:
         return x
-    key, rate = active
-    keep = jax.random.bernoulli(jax.random.fold_in(key, salt), 1.0 - rate, x.shape)
+    key, rate, tokens = active
+    if tokens is None or tokens.shape != x.shape[:2]:
+        raise ValueError(f"LoRA dropout: token ids {None if tokens is None else tokens.shape} "
+                         f"for an input of shape {x.shape}")
+    key = jax.random.fold_in(key, salt)
+
+    def one_token(number: jax.Array) -> jax.Array:
+        return jax.random.bernoulli(jax.random.fold_in(key, number), 1.0 - rate, x.shape[2:])
+
+    keep = jax.vmap(jax.vmap(one_token))(tokens)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def with_dropout_tokens(batch: dict, lora: LoraConfig) -> dict:
+    """``batch`` (with ``positions``, each token's place in its row) plus ``lora_tokens``,
+    each token's global number for its dropout mask, when ``lora`` drops out; split with the
+    batch over devices and micro-steps."""
+    if lora.rank == 0 or lora.dropout == 0:
+        return batch
+    order = getattr(batch["positions"], "order", batch["positions"])
+    rows, seq = order.shape
+    return dict(batch, lora_tokens=jnp.arange(rows, dtype=jnp.int32)[:, None] * seq + order)
 
 
 def adapted(module: nnx.Module, target: str, x: jax.Array, out: jax.Array) -> jax.Array:

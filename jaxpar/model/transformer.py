@@ -295,7 +295,7 @@ def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: str
             return nnx.merge(graphdef, scanned)(x, positions)
         layer_state, index = scanned
         key = jax.random.fold_in(jax.random.fold_in(dropout[0], stack_id), index)
-        with use_lora_dropout(key, dropout[1]):
+        with use_lora_dropout(key, *dropout[1:]):
             return nnx.merge(graphdef, layer_state)(x, positions)
 
     if REMAT_POLICIES[remat] is not None:

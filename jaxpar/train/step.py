@@ -49,9 +49,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import process_batch_rows
-from jaxpar.model.annotate import use_lora_dropout
+from jaxpar.model.annotate import lora_dropout_tokens, use_lora_dropout
 from jaxpar.model.layers import FULL_PRECISION
-from jaxpar.model.lora import adapter_part, base_part, dropout_key, merged
+from jaxpar.model.lora import adapter_part, base_part, dropout_key, merged, with_dropout_tokens
 from jaxpar.model.loss import summed_token_loss
 from jaxpar.model.mask import AttentionMask, document_positions
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
@@ -138,7 +138,8 @@ def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch:
     (``{}`` for a dense model)."""
     model = nnx.merge(graphdef, params, buffers)
     x = model.embed(batch["inputs"], dtype=dtype, grad_pieces=embedding_grad_pieces)
-    x, aux = model.run_layers(x, batch["positions"], remat=remat)
+    with lora_dropout_tokens(batch.get("lora_tokens")):
+        x, aux = model.run_layers(x, batch["positions"], remat=remat)
     return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
                              batch["mask"], loss_pieces, model.cfg.final_softcap), aux
 
@@ -354,7 +355,7 @@ def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
-        batch = with_positions(batch, seq_order)
+        batch = with_dropout_tokens(with_positions(batch, seq_order), cfg.train.lora)
         with model_hooks(cfg, cfg.mesh_shape, platform), \
                 use_lora_dropout(dropout_key(cfg.train.lora, cfg.train.seed, state.step),
                                  cfg.train.lora.dropout):
@@ -442,10 +443,6 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     sh = resolve_shardings(cfg, mesh, tx)
     platform = mesh.devices.flat[0].platform
     check_reduce_dtype(cfg, platform)
-    if cfg.train.lora.dropout > 0 and data_summed_by_hand(cfg, xla_cpu=platform == "cpu"):
-        # Manual over data, each device would draw its local shape's masks (lora.py).
-        raise ConfigError("train.lora.dropout > 0: not with gradients summed over data by hand "
-                          "(train.dtype or parallel.reduce_dtype not float32, mesh.data > 1)")
     model_hooks(cfg, cfg.mesh_shape, platform).close()
     n_context = cfg.mesh.context
     seq_order = (zigzag_order(cfg.train.seq_len, n_context)
