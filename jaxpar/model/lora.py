@@ -16,10 +16,11 @@ expert: ``A [layers, experts, *in, r]``, ``B [layers, experts, r, *out]`` beside
 rows routed to each expert (jaxpar/model/moe.py); the shared experts are a dense MLP and take
 the dense adapters.
 
-``train.lora.dropout``: in the train step only (:func:`lora_dropout` is installed by
-jaxpar/train/step.py), the adapter's input is dropped out before ``A``, with a mask drawn over
-the global shape from a key of (seed, step, stack, layer, adapter), so every layout draws the
-same mask.
+``train.lora.dropout``: in the train step only (which installs :func:`dropout_key` and the
+batch's token numbers, :func:`with_dropout_tokens`), the adapter's input is dropped out before
+``A``, each token's mask drawn from (seed, step, stack, layer, adapter, the token's global
+number), so every layout draws the same masks (:func:`dropped_out`). Not yet on the routed
+experts' adapters (validation refuses it).
 """
 
 from __future__ import annotations
