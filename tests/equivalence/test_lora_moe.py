@@ -20,11 +20,13 @@ import pytest
 from helpers import (
     MOE_LAYOUT_BASE,
     assert_grads_and_params_match,
+    emulated_ragged_all_to_all,
     max_relative_error,
     run_layout,
 )
 from helpers import lora_loss_and_grads as uncached_loss_and_grads
 
+import jaxpar.parallel.expert as expert_module
 from jaxpar.model.lora import adapter_part, base_part, merged_weights
 from jaxpar.train.eval import forward_loss_fn
 from jaxpar.train.step import with_positions
@@ -61,10 +63,28 @@ def expert_grads(run: dict) -> dict:
             and "shared" not in jax.tree_util.keystr(name)}
 
 
-@pytest.mark.parametrize("dispatch", [(), DROPPING], ids=["dropless", "dropping"])
-def test_expert_adapters_match_one_device_under_expert_parallelism(dispatch: tuple) -> None:
+@pytest.mark.parametrize(("dispatch", "exchange"), [((), "padded"), ((), "ragged"),
+                                                    (DROPPING, "capacity")],
+                         ids=["dropless-padded", "dropless-ragged", "dropping"])
+def test_expert_adapters_match_one_device_under_expert_parallelism(
+        dispatch: tuple, exchange: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every dispatch: dropless with the padded all-to-all (XLA:CPU's), with
+    ``ragged_all_to_all`` (GPU/TPU's; its offsets as there, the collective emulated) and the
+    capacity buffer."""
     ref = moe_run(*dispatch)
-    got = moe_run(*dispatch, *EXPERT_MESH)
+    if exchange == "ragged":
+        monkeypatch.setattr(expert_module, "PADDED_ALL_TO_ALL_PLATFORMS", ())
+        emulated, calls = emulated_ragged_all_to_all(2), []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return emulated(*args, **kwargs)
+        monkeypatch.setattr(expert_module, "ragged_all_to_all", counted)
+        got = uncached_loss_and_grads((*LORA, *dispatch, *EXPERT_MESH), preset="moe-tiny",
+                                      base=MOE_BASE)
+        assert calls  # the ragged exchange was traced
+    else:
+        got = moe_run(*dispatch, *EXPERT_MESH)
     assert_loss_and_grads_match(got, ref)
     assert not base_part(got["grads"])  # only adapters are differentiated
     experts = expert_grads(ref)
