@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from packaging.version import Version  # a dependency of pytest
 
 from jaxpar.config import ModelConfig, load_config, validate
@@ -188,6 +190,74 @@ def in_model_order(result: dict) -> tuple[dict, dict]:
     def unpermute(tree: dict) -> dict:
         return dict(tree, layers=jax.tree.map(lambda a: a[back], tree["layers"]))
     return unpermute(grads), unpermute(params)
+
+
+def with_random_adapters(trainer, state, seed: int = 7, scale: float = 0.3):
+    """``state`` with every LoRA ``B`` drawn at random (numpy, from the parameter's path and
+    ``seed``, so every layout gets the same values; laid out as the trainer lays it out): the
+    adapters then change the model from the first step, which a fresh ``B`` (zeros) does not."""
+    def leaf(path, a):
+        name = jax.tree_util.keystr(path)
+        if "lora_" not in name or not name.endswith("['b']"):
+            return a
+        rng = np.random.default_rng([seed, *name.encode()])
+        value = (scale * rng.standard_normal(a.shape)).astype(a.dtype)
+        return jax.device_put(value, a.sharding)
+    return state._replace(params=jax.tree_util.tree_map_with_path(leaf, state.params))
+
+
+def lora_loss_and_grads(overrides: tuple[str, ...], preset: str = "tiny",
+                        base: tuple[str, ...] | None = None, seed: int = 7) -> dict:
+    """Like :func:`run_layout` but cheaper (no step compiled): the first batch's loss and
+    gradients from an initial state whose LoRA ``B`` are random (:func:`with_random_adapters`);
+    also the trainer, that state (on the host) and the batch."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train.step import build_trainer
+
+    cfg = load_config(preset, [*(LAYOUT_BASE if base is None else base), *overrides])
+    n_devices = math.prod(
+        int(o.split("=")[1]) for o in overrides
+        if o.startswith("mesh.") and not o.startswith("mesh.dcn.")) or 1
+    cfg = validate(cfg, n_devices)
+    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
+    batch = trainer.put_batch(make_batches(cfg)[0])
+    state = with_random_adapters(trainer, trainer.init(), seed)
+    loss, grads = trainer.loss_and_grads(state, batch)
+    return {"cfg": cfg, "trainer": trainer, "state": state, "batch": batch, "loss": float(loss),
+            "grads": jax.tree.map(np.asarray, grads),
+            "params": jax.tree.map(np.asarray, state.params)}
+
+
+def emulated_ragged_all_to_all(groups: int):
+    """``lax.ragged_all_to_all`` as its docstring defines it, from all-gathers (XLA:CPU cannot
+    compile the real one): source s sends operand[input_offsets[d] : + send_sizes[d]] to device
+    d, which writes it at output_offsets[d] (the offsets the *sender* passes)."""
+
+    def ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+               axis_name):
+        # The real collective's result has the receive buffer's type, which the computed one
+        # here would not show: a buffer invariant where the rows vary makes autodiff sum the
+        # received rows' gradient over those axes (not compilable on CPU, so checked here).
+        assert jax.typeof(operand).mat.varying <= jax.typeof(output).mat.varying
+        me = lax.axis_index(axis_name)
+        everyone = lax.all_gather(operand, axis_name)
+        starts, sizes, lands = (lax.all_gather(v, axis_name)
+                                for v in (input_offsets, send_sizes, output_offsets))
+        # What the receiver was told to expect matches what is sent.
+        rows = jnp.arange(output.shape[0])
+        result = output
+        for s in range(groups):
+            start, size, land = starts[s, me], sizes[s, me], lands[s, me]
+            inside = ((rows >= land) & (rows < land + size)).reshape(
+                -1, *[1] * (operand.ndim - 1))
+            source = jnp.clip(rows - land + start, 0, operand.shape[0] - 1)
+            result = jnp.where(inside, everyone[s][source], result)
+        # The contract: what each receiver expects (recv_sizes) is what is sent to it. A
+        # violation poisons the result, so the comparison with the reference fails.
+        ok = jnp.all(sizes[:, me] == recv_sizes)
+        return jnp.where(ok, result, jnp.full_like(result, -(2**20)))
+
+    return ragged
 
 
 def per_step_bytes(cs) -> int:

@@ -251,7 +251,7 @@ class LoraConfig:
     rank: int = 0
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
     targets: tuple[str, ...] = LORA_TARGETS  # any of LORA_TARGETS (+ MLA_LORA_TARGETS)
-    dropout: float = 0.0  # only 0 for now (validation refuses others)
+    dropout: float = 0.0  # on the adapters' input, train step only; in [0, 1)
 
 
 @dataclass(frozen=True)

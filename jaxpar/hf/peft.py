@@ -23,7 +23,7 @@ from jaxpar.checkpoint.weights_only import read_weights, step_dir
 from jaxpar.config import ConfigError, config_from_dict
 from jaxpar.hf.config import hf_config_from_model
 from jaxpar.hf.names import hf_tensors
-from jaxpar.model.lora import PREFIX, TARGETS
+from jaxpar.model.lora import FEED_FORWARD, PREFIX, TARGETS
 
 PEFT_PREFIX = "base_model.model."
 
@@ -47,6 +47,26 @@ def adapter_tensors(cfg, params: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def check_exportable(cfg) -> None:
+    """Refuse (one line) the adapters PEFT's directory cannot name yet: a MoE model's routed
+    experts (transformers keeps each layer's experts as fused tensors, not the per-expert
+    ``nn.Linear`` modules a ``LoraConfig`` targets) and the blocks of a MoE model with dense
+    blocks (``moe.every > 1``, ``moe.first_dense > 0``: not yet mapped to Hugging Face layers)."""
+    lora, moe = cfg.train.lora, cfg.model.moe
+    if not moe.enabled:
+        return
+    experts = [t for t in lora.targets if t in FEED_FORWARD]
+    if experts:
+        raise ConfigError(f"--adapters-only: targets {', '.join(experts)} adapt a "
+                          "mixture-of-experts model's routed experts, which PEFT's adapter "
+                          "directory cannot name yet; export the merged model (drop "
+                          "--adapters-only)")
+    if moe.every > 1 or moe.first_dense > 0:
+        raise ConfigError("--adapters-only: a mixture-of-experts model with dense blocks "
+                          "(model.moe.every > 1 or first_dense > 0) is not supported yet; "
+                          "export the merged model (drop --adapters-only)")
+
+
 def export_adapters(source: Path, out_dir: Path) -> tuple[Path, int]:
     """Write the PEFT adapter directory of LoRA checkpoint ``source``; returns the weights file
     and the step."""
@@ -57,6 +77,7 @@ def export_adapters(source: Path, out_dir: Path) -> tuple[Path, int]:
         raise ConfigError(f"--adapters-only: checkpoint {path} has no LoRA adapters "
                           "(train.lora.rank is 0 in its run)")
     hf_config_from_model(cfg.model)  # refuses a model transformers has no class for
+    check_exportable(cfg)
     params, _, step = read_weights(path)
     tensors = adapter_tensors(cfg, params)
     modules = sorted({name.split(".")[-3] for name in tensors})

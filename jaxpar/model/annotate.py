@@ -9,8 +9,9 @@ replaces its dense one, the mixture-of-experts layer asks :func:`experts_overrid
 its tokens are dispatched to experts on other devices (all-to-all over ``expert``), the loss
 sums its per-shard head gradient through :func:`sum_over_token_shards`, and the MoE layer's
 batch statistics reach the tokens of other devices through :func:`sum_over_hand_split` where a
-pipeline stage holds only its own (:func:`hand_split_devices`). These are the
-only pieces of global state the model reads, and they only live for the duration of a trace.
+pipeline stage holds only its own (:func:`hand_split_devices`), and the train step hands the
+LoRA adapters their dropout key (:func:`lora_dropout_key`). These are the only pieces of
+global state the model reads, and they only live for the duration of a trace.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ _split: contextvars.ContextVar[Mapping[str, int]] = contextvars.ContextVar(
     "jaxpar_split_counts", default=MappingProxyType({}))
 _hand_split: contextvars.ContextVar[tuple[Callable, int] | None] = contextvars.ContextVar(
     "jaxpar_hand_split_tokens", default=None)
+# (key, rate, token ids [B, S] or None), see lora_dropout_key
+_lora_dropout: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "jaxpar_lora_dropout", default=None)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -230,3 +234,28 @@ def _relayout_bwd(src, dst, _, grad):  # noqa: ARG001
 
 
 _relayout.defvjp(_relayout_fwd, _relayout_bwd)
+
+
+def lora_dropout_key() -> tuple[jax.Array, float, jax.Array | None] | None:
+    """(key, rate, token ids) of LoRA dropout for the layer being traced, or None: no dropout
+    (eval, generation, ``train.lora.dropout`` 0). The token ids ([B, S] int32, each token's
+    global number: row x seq_len + position) travel with the batch, so that a token's mask
+    does not depend on where it is computed. See :func:`jaxpar.model.lora.dropped_out`."""
+    return _lora_dropout.get()
+
+
+def use_lora_dropout(key: jax.Array | None, rate: float, tokens: jax.Array | None = None
+                     ) -> contextlib.AbstractContextManager[None]:
+    """Within this block, LoRA adapters drop their input out at ``rate`` with masks drawn from
+    ``key`` (the train step's, folded per layer by the layer scan) and the tokens' ids; None or
+    rate 0: none."""
+    return _setting(_lora_dropout, (key, rate, tokens) if key is not None and rate > 0 else None)
+
+
+def lora_dropout_tokens(tokens: jax.Array | None) -> contextlib.AbstractContextManager[None]:
+    """Within this block, the active LoRA dropout (if any) masks the tokens numbered
+    ``tokens`` (the batch's ``lora_tokens``, as split for this micro-step and device)."""
+    active = _lora_dropout.get()
+    if active is None or tokens is None:
+        return contextlib.nullcontext()
+    return _setting(_lora_dropout, (active[0], active[1], tokens))

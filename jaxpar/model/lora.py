@@ -8,6 +8,19 @@ Their logical axes are the weight's: ``A`` takes the weight's input axes and ``l
 (never split), ``B`` takes ``lora_rank`` and the weight's output axes, so the rules table splits
 them as it splits the weight. Which parameters train is read from their path
 (:func:`is_adapter`); the train step differentiates those only (jaxpar/train/step.py).
+
+Every block of every stack gets them (``layers``, a MoE model's ``block_<i>`` groups and its
+``dense_layers``). In a mixture-of-experts layer the feed-forward targets adapt each routed
+expert: ``A [layers, experts, *in, r]``, ``B [layers, experts, r, *out]`` beside ``w_gate``,
+``w_up``, ``w_down`` (split over ``expert`` like them), applied by the experts function to the
+rows routed to each expert (jaxpar/model/moe.py); the shared experts are a dense MLP and take
+the dense adapters.
+
+``train.lora.dropout``: in the train step only (which installs :func:`dropout_key` and the
+batch's token numbers, :func:`with_dropout_tokens`), the adapter's input is dropped out before
+``A``, each token's mask drawn from (seed, step, stack, layer, adapter, the token's global
+number), so every layout draws the same masks (:func:`dropped_out`). Not yet on the routed
+experts' adapters (validation refuses it).
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config.schema import LoraConfig
-from jaxpar.model.annotate import constrain
+from jaxpar.model.annotate import constrain, lora_dropout_key
 from jaxpar.model.projection import USED_NAMES, weight
 
 # target -> (the weight it adapts, its module attribute, einsum letters of the input's
@@ -40,6 +53,7 @@ TARGETS = {
     "kv_b": ("attn", "wkv_b", "c", "hd"),
 }
 PREFIX = "lora_"
+FEED_FORWARD = ("gate", "up", "down")  # in a MoE layer: its routed experts' weights
 
 
 def is_adapter(name: str) -> bool:
@@ -52,22 +66,29 @@ def _used(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 class Adapter(nnx.Module):
-    """``A`` and ``B`` of one targeted weight, stacked over ``units`` layers."""
+    """``A`` and ``B`` of one targeted weight, stacked over ``units`` layers (and, for a MoE
+    layer's experts, ``lead=1`` axis shared by both: ``experts``)."""
 
-    def __init__(self, w: nnx.Param, n_in: int, rank: int, scale: float, key: jax.Array):
-        names = tuple(w.get_metadata()["out_sharding"])  # ("layers", *in, *out)
+    def __init__(self, w: nnx.Param, n_in: int, rank: int, scale: float, key: jax.Array,
+                 salt: int = 0, lead: int = 0):
+        names = tuple(w.get_metadata()["out_sharding"])  # ("layers", *lead, *in, *out)
         shape = w.get_value().shape
-        in_names, out_names = names[1:1 + n_in], names[1 + n_in:]
-        in_shape, out_shape = shape[1:1 + n_in], shape[1 + n_in:]
+        cut = 1 + lead + n_in
+        lead_names, in_names, out_names = names[1:1 + lead], names[1 + lead:cut], names[cut:]
+        lead_shape, in_shape, out_shape = shape[1:1 + lead], shape[1 + lead:cut], shape[cut:]
         fan_in = 1
         for d in in_shape:
             fan_in *= d
         bound = fan_in ** -0.5  # PEFT's kaiming-uniform(a=sqrt(5)) bound
-        a = jax.random.uniform(key, (shape[0], *in_shape, rank), jnp.float32, -bound, bound)
-        self.a = nnx.Param(a, out_sharding=("layers", *in_names, "lora_rank"))
-        self.b = nnx.Param(jnp.zeros((shape[0], rank, *out_shape), jnp.float32),
-                           out_sharding=("layers", "lora_rank", *out_names))
+        a = jax.random.uniform(key, (shape[0], *lead_shape, *in_shape, rank), jnp.float32,
+                               -bound, bound)
+        self.a_stored = (*lead_names, *in_names, "lora_rank")  # per layer, as stored
+        self.b_stored = (*lead_names, "lora_rank", *out_names)
+        self.a = nnx.Param(a, out_sharding=("layers", *self.a_stored))
+        self.b = nnx.Param(jnp.zeros((shape[0], *lead_shape, rank, *out_shape), jnp.float32),
+                           out_sharding=("layers", *self.b_stored))
         self.scale = scale
+        self.salt = salt  # tells this adapter's dropout mask from the other adapters' of a layer
         self.a_names = _used((*in_names, "lora_rank"))
         self.b_names = _used(("lora_rank", *out_names))
 
@@ -75,8 +96,52 @@ class Adapter(nnx.Module):
         """``scale (x A) B`` for ``x [b, s, *ins]``: ``[b, s, *outs]`` in ``x``'s dtype."""
         a = weight(self.a, self.a_names, x.dtype)
         b = weight(self.b, self.b_names, x.dtype)
+        x = dropped_out(x, self.salt)
         h = constrain(jnp.einsum(f"bs{ins},{ins}r->bsr", x, a), ("batch", "seq", "lora_rank"))
         return jnp.einsum(f"bsr,r{outs}->bs{outs}", h, b) * jnp.asarray(self.scale, x.dtype)
+
+
+def dropout_key(lora: LoraConfig, seed: int, step: jax.Array) -> jax.Array | None:
+    """The key of a train step's dropout masks (from ``train.seed`` and the step; the layer
+    scan folds in each layer, :func:`dropped_out` each adapter's salt), None without dropout.
+    Only the train step's gradient installs it: eval and generation run without dropout."""
+    if lora.rank == 0 or lora.dropout == 0:
+        return None
+    return jax.random.fold_in(jax.random.key(seed + 2), step)
+
+
+def dropped_out(x: jax.Array, salt: int) -> jax.Array:
+    """``x`` [b, s, *in] with LoRA dropout where the train step installed it
+    (:func:`lora_dropout_key`), else ``x``. Each token's mask is drawn from the layer's key
+    folded with ``salt`` and the token's global number (row x seq_len + position in the
+    sequence, carried by the batch), so it is the same wherever the token is computed: any
+    split of the batch or the sequence, reordered (zigzag) or not, any micro-step; and JAX's
+    threefry is partitionable, so a split of ``in`` (over ``tensor``) draws the same bits."""
+    active = lora_dropout_key()
+    if active is None:
+        return x
+    key, rate, tokens = active
+    if tokens is None or tokens.shape != x.shape[:2]:
+        raise ValueError(f"LoRA dropout: token ids {None if tokens is None else tokens.shape} "
+                         f"for an input of shape {x.shape}")
+    key = jax.random.fold_in(key, salt)
+
+    def one_token(number: jax.Array) -> jax.Array:
+        return jax.random.bernoulli(jax.random.fold_in(key, number), 1.0 - rate, x.shape[2:])
+
+    keep = jax.vmap(jax.vmap(one_token))(tokens)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def with_dropout_tokens(batch: dict, lora: LoraConfig) -> dict:
+    """``batch`` (with ``positions``, each token's place in its row) plus ``lora_tokens``,
+    each token's global number for its dropout mask, when ``lora`` drops out; split with the
+    batch over devices and micro-steps."""
+    if lora.rank == 0 or lora.dropout == 0:
+        return batch
+    order = getattr(batch["positions"], "order", batch["positions"])
+    rows, seq = order.shape
+    return dict(batch, lora_tokens=jnp.arange(rows, dtype=jnp.int32)[:, None] * seq + order)
 
 
 def adapted(module: nnx.Module, target: str, x: jax.Array, out: jax.Array) -> jax.Array:
@@ -88,19 +153,47 @@ def adapted(module: nnx.Module, target: str, x: jax.Array, out: jax.Array) -> ja
     return out + adapter(x, ins, outs)
 
 
+def _blocks(model: nnx.Module) -> list[nnx.Module]:
+    """Every stacked block of ``model``: ``layers`` (or its ``block_<i>`` groups of a MoE model
+    with ``moe.every > 1``), then ``dense_layers``."""
+    out = []
+    for name in ("layers", "dense_layers"):
+        stack = getattr(model, name, None)
+        if stack is None:
+            continue
+        size = getattr(stack, "size", 0) if hasattr(stack, "block_0") else 0
+        out.extend([getattr(stack, f"block_{i}") for i in range(size)] if size else [stack])
+    return out
+
+
+def _owners(block: nnx.Module, target: str) -> list[tuple[nnx.Module, int]]:
+    """The modules of ``block`` holding ``target``'s weight, each with its leading axes beside
+    ``layers`` (1: a MoE layer's ``experts``): the feed-forward targets of a MoE block adapt its
+    routed experts and its shared experts (a dense MLP)."""
+    part = TARGETS[target][0]
+    if part != "mlp" or hasattr(block, "mlp"):
+        return [(getattr(block, part), 0)]
+    shared = getattr(block.moe, "shared", None)
+    return [(block.moe, 1)] + ([(shared, 0)] if shared is not None else [])
+
+
 def add_adapters(model: nnx.Module, lora: LoraConfig, seed: int) -> nnx.Module:
     """``model`` (a :class:`jaxpar.model.transformer.Transformer`) with an adapter beside each
-    targeted weight of its stacked dense blocks; the same model when ``lora.rank`` is 0."""
+    targeted weight of its stacked blocks; the same model when ``lora.rank`` is 0."""
     if lora.rank == 0:
         return model
     key = jax.random.key(seed + 1)
-    for i, target in enumerate(lora.targets):
-        part, attr, ins, _ = TARGETS[target]
-        owner = getattr(model.layers, part)
-        w = getattr(owner, attr)
-        setattr(owner, PREFIX + target,
-                Adapter(w, len(ins), lora.rank, lora.alpha / lora.rank,
-                        jax.random.fold_in(key, i)))
+    for j, block in enumerate(_blocks(model)):
+        for i, target in enumerate(lora.targets):
+            _, attr, ins, _ = TARGETS[target]
+            for n, (owner, lead) in enumerate(_owners(block, target)):
+                # The first block's first owner keeps the key a dense model's adapters had.
+                k = jax.random.fold_in(key, i)
+                k = k if j == n == 0 else jax.random.fold_in(jax.random.fold_in(k, j), n)
+                setattr(owner, PREFIX + target,
+                        Adapter(getattr(owner, attr), len(ins), lora.rank,
+                                lora.alpha / lora.rank, k, salt=(j * 4 + n) * 16 + i,
+                                lead=lead))
     return model
 
 
@@ -142,11 +235,19 @@ def merged_weights(params: dict, lora: LoraConfig) -> dict:
     if lora.rank == 0:
         return params
     out = base_part(params)
-    for target in lora.targets:
-        part, attr, ins, outs = TARGETS[target]
-        adapter = params["layers"][part][PREFIX + target]
-        a, b = (np.asarray(adapter[k], np.float32) for k in ("a", "b"))
-        w = np.asarray(out["layers"][part][attr], np.float32)
-        delta = np.einsum(f"l{ins}r,lr{outs}->l{ins}{outs}", a, b)
-        out["layers"][part][attr] = w + np.float32(lora.alpha / lora.rank) * delta
+    _merge_into(params, out, np.float32(lora.alpha / lora.rank))
     return out
+
+
+def _merge_into(node: dict, out: dict, scale: np.float32) -> None:
+    """Each adapter of ``node`` (a module's parameters) merged into its weight in ``out``
+    (``node`` without adapters), in every sub-module."""
+    for key, value in node.items():
+        if key.startswith(PREFIX):
+            _, attr, ins, outs = TARGETS[key[len(PREFIX):]]
+            lead = "x" if "router" in node else ""  # a MoE layer's experts
+            a, b = (np.asarray(value[k], np.float32) for k in ("a", "b"))
+            delta = np.einsum(f"l{lead}{ins}r,l{lead}r{outs}->l{lead}{ins}{outs}", a, b)
+            out[attr] = np.asarray(out[attr], np.float32) + scale * delta
+        elif isinstance(value, dict) and key in out:
+            _merge_into(value, out[key], scale)

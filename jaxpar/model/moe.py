@@ -76,9 +76,13 @@ from jaxpar.model.annotate import (
     sum_over_hand_split,
 )
 from jaxpar.model.layers import SwiGLU, _param, gated_silu, stored_weight
+from jaxpar.model.lora import PREFIX
 from jaxpar.model.projection import weight
 
-Weights = tuple[jax.Array, jax.Array, jax.Array]  # w_gate [X,E,F], w_up [X,E,F], w_down [X,F,E]
+# w_gate [X,E,F], w_up [X,E,F], w_down [X,F,E]; under LoRA (jaxpar/model/lora.py) an adapted
+# one is a triple (w, A [X,in,r], B [X,r,out] times alpha/r): see :func:`adapted_matmul`.
+ExpertWeight = jax.Array | tuple[jax.Array, jax.Array, jax.Array]
+Weights = tuple[ExpertWeight, ExpertWeight, ExpertWeight]
 Exchange = Callable[[jax.Array], jax.Array]  # [groups, ...] -> [groups, ...] (an all-to-all)
 
 # Logical names of the expert weights as stored (and as handed to the experts function: the
@@ -122,9 +126,29 @@ def choice_major_positions(expert_ids: jax.Array, num_experts: int) -> jax.Array
     return slot_positions(expert_ids.T.reshape(t * k), num_experts).reshape(k, t).T
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+def expert_count(w: ExpertWeight) -> int:
+    """How many experts an expert weight (or adapted triple) holds."""
+    return (w[0] if isinstance(w, tuple) else w).shape[0]
+
+
+def adapted_matmul(matmul: Callable) -> Callable:
+    """``matmul(x, w)`` that also takes an adapted triple ``(w, A, B)``: ``x w + (x A) B``, each
+    product per expert like the weight's (grouped or batched), so an expert's adapter sees
+    exactly the rows routed to it."""
+
+    def product(x: jax.Array, w: ExpertWeight) -> jax.Array:
+        if not isinstance(w, tuple):
+            return matmul(x, w)
+        w, a, b = w
+        return matmul(x, w) + matmul(matmul(x, a), b)
+
+    return product
+
+
+def swiglu(x: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight, w_down: ExpertWeight,
            matmul: Callable) -> jax.Array:
     """SwiGLU with the three matmuls done by ``matmul(x, w)`` (grouped or batched)."""
+    matmul = adapted_matmul(matmul)
     return matmul(gated_silu(matmul(x, w_gate), matmul(x, w_up)), w_down)
 
 
@@ -135,7 +159,7 @@ def grouped_swiglu(rows: jax.Array, row_expert: jax.Array, weights: Weights) -> 
     Rows are sorted by expert, each expert multiplies its contiguous block (``ragged_dot``: one
     grouped matmul, no capacity, no padding), and the results are put back in the input order.
     """
-    num_local = weights[0].shape[0]
+    num_local = expert_count(weights[0])
     order = jnp.argsort(row_expert, stable=True)  # padding (id X_local) sorts last
     group_sizes = jnp.bincount(row_expert, length=num_local).astype(jnp.int32)  # drops padding
 
@@ -189,7 +213,7 @@ def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     """
     t, k = expert_ids.shape
     e = tokens.shape[-1]
-    local = weights[0].shape[0]
+    local = expert_count(weights[0])
     groups = num_experts // local
     cap = MoEConfig(num_experts=num_experts, top_k=k, capacity_factor=capacity_factor
                     ).capacity(t)
@@ -224,12 +248,12 @@ def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights
     b, s, e = x.shape
     k = expert_ids.shape[-1]
     tokens, ids, g = x.reshape(b * s, e), expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
-    weights = tuple(w.astype(x.dtype) for w in weights)
+    weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)
     if dispatch == "dropless":
         y, stats = dropless_experts(tokens, ids, g, weights)
     else:
         y, stats = dropping_experts(tokens, ids, g, weights, capacity_factor,
-                                    num_experts=weights[0].shape[0])
+                                    num_experts=expert_count(weights[0]))
     return y.reshape(b, s, e), stats
 
 
@@ -331,9 +355,8 @@ class MoE(nnx.Module):
         # As stored: on one device the experts cast them to x's dtype; the expert-parallel hook
         # casts and all-gathers the fsdp split of ``embed`` per device, and sums the gradient
         # back (reduce-scatter) in parallel.reduce_dtype, as `weight` does for the other layers.
-        weights = (stored_weight(self.w_gate, EXPERT_IN),
-                   stored_weight(self.w_up, EXPERT_IN),
-                   stored_weight(self.w_down, EXPERT_OUT))
+        weights = (self._expert_weight("gate", EXPERT_IN), self._expert_weight("up", EXPERT_IN),
+                   self._expert_weight("down", EXPERT_OUT))
         experts = experts_override() or local_experts
         y, stats = experts(x, expert_ids, gates, weights, dispatch=moe.dispatch,
                            capacity_factor=moe.capacity_factor)
@@ -342,6 +365,17 @@ class MoE(nnx.Module):
         aux = {"aux_loss": balance, "z_loss": z_loss, "layer_expert_tokens": counts,
                "routed": _f32(slots), **stats}
         return y, aux
+
+    def _expert_weight(self, target: str, names: tuple[str, ...]) -> ExpertWeight:
+        """The experts' weight of ``target`` as stored, or with its LoRA adapter the triple
+        (w, A, B scaled by alpha / r) that :func:`adapted_matmul` multiplies."""
+        w = stored_weight(getattr(self, f"w_{target}"), names)
+        adapter = getattr(self, PREFIX + target, None)
+        if adapter is None:
+            return w
+        b = stored_weight(adapter.b, adapter.b_stored)
+        return (w, stored_weight(adapter.a, adapter.a_stored),
+                b * jnp.asarray(adapter.scale, b.dtype))
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,13 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import LoraConfig, ModelConfig
-from jaxpar.model.annotate import constrain, reshard_after_forward, split_count
+from jaxpar.model.annotate import (
+    constrain,
+    lora_dropout_key,
+    reshard_after_forward,
+    split_count,
+    use_lora_dropout,
+)
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.lora import add_adapters
 from jaxpar.model.loss import HIDDEN, head_logits
@@ -256,7 +262,7 @@ class Transformer(nnx.Module):
         :mod:`jaxpar.parallel.pipeline.executor`).
         """
         if dense and hasattr(self, "dense_layers"):
-            x, _ = scan_stack(self.dense_layers, x, positions, remat)
+            x, _ = scan_stack(self.dense_layers, x, positions, remat, stack_id=1)
         x, per_unit = scan_stack(self.layers, x, positions, remat)
         aux = {k: v if k in LAYER_STACKED else jnp.sum(v, axis=0) for k, v in per_unit.items()}
         return x, aux
@@ -277,15 +283,26 @@ class Transformer(nnx.Module):
 
 
 def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: str,
-               ) -> tuple[jax.Array, Aux]:
-    """The units of one stacked module in order, as one ``lax.scan`` (aux stacked per unit)."""
+               stack_id: int = 0) -> tuple[jax.Array, Aux]:
+    """The units of one stacked module in order, as one ``lax.scan`` (aux stacked per unit).
+    Under LoRA dropout each unit's adapters get the step's key folded with (``stack_id``, the
+    unit's index), so that every layer draws its own masks."""
     graphdef, stacked = nnx.split(stack)
+    dropout = lora_dropout_key()
 
-    def one_unit(x: jax.Array, layer_state) -> tuple[jax.Array, Aux]:
-        return nnx.merge(graphdef, layer_state)(x, positions)
+    def one_unit(x: jax.Array, scanned) -> tuple[jax.Array, Aux]:
+        if dropout is None:
+            return nnx.merge(graphdef, scanned)(x, positions)
+        layer_state, index = scanned
+        key = jax.random.fold_in(jax.random.fold_in(dropout[0], stack_id), index)
+        with use_lora_dropout(key, *dropout[1:]):
+            return nnx.merge(graphdef, layer_state)(x, positions)
 
     if REMAT_POLICIES[remat] is not None:
         one_unit = jax.checkpoint(one_unit, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    if dropout is not None:  # each unit's index rides along, for its key
+        units = jax.tree.leaves(stacked)[0].shape[0]
+        stacked = (stacked, jnp.arange(units, dtype=jnp.int32))
     # Without remat nothing would gather a layer's weights again for its backward pass.
     with reshard_after_forward(remat == "none"):
         return jax.lax.scan(one_unit, x, stacked)

@@ -65,6 +65,7 @@ from jaxpar.model.moe import (
     combine,
     dropless_experts,
     dropping_experts,
+    expert_count,
     grouped_swiglu,
     slot_positions,
 )
@@ -307,13 +308,12 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
 
     def experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                 dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
-        num_experts = weights[0].shape[0] * hand_groups  # (by hand: this device's experts)
-        dtypes = (jnp.dtype(x.dtype), summed_grad_dtype(x.dtype), jnp.dtype(weights[0].dtype))
+        num_experts = expert_count(weights[0]) * hand_groups  # (by hand: this device's)
+        dtypes = (jnp.dtype(x.dtype), summed_grad_dtype(x.dtype),
+                  jnp.dtype(jax.tree.leaves(weights[0])[0].dtype))
 
-        def gathered(w: jax.Array, axis: int) -> jax.Array:
-            if not (embed or replicated):  # nothing to gather or sum: the weight itself, which a
-                return w.astype(x.dtype)   # pipeline stage's stash then leaves out
-            return used_expert_weight(_Used(embed, replicated, axis, *dtypes), w)
+        def gathered(w, axis: int):
+            return _gathered(w, axis, embed, replicated, dtypes)
 
         def local(x, expert_ids, gates, w_gate, w_up, w_down):
             b, s, e = x.shape
@@ -342,13 +342,41 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
         # then passes its cotangent through): in float32 where the sums must be, so the
         # tokens enter in float32.
         entering = x.astype(jnp.float32) if nested and wide_sums else x
+        w_specs = tuple(_weight_spec(w, spec) for w, spec in
+                        zip(weights, (lay.w_in, lay.w_in, lay.w_out), strict=True))
         return jax.shard_map(
-            local, in_specs=(lay.tokens, lay.tokens, lay.tokens, lay.w_in, lay.w_in, lay.w_out),
+            local, in_specs=(lay.tokens, lay.tokens, lay.tokens, *w_specs),
             out_specs=(lay.tokens, stats_specs), axis_names=frozenset(lay.manual),
             check_vma=not nested,
         )(entering, expert_ids, gates, *weights)
 
     return experts
+
+
+def _gathered(w, axis: int, embed: tuple[str, ...], replicated: tuple[str, ...],
+              dtypes: tuple) -> Any:
+    """An expert weight as used (:func:`used_expert_weight`, model dimension ``axis``), or an
+    adapted triple (w, A, B) with A and B each gathered on the side that has the model
+    dimension; the other side has none, so it is replicated over ``embed``'s axes too."""
+    def one(w: jax.Array, axis: int | None) -> jax.Array:
+        how = (_Used(embed, replicated, axis, *dtypes) if axis is not None else
+               _Used((), replicated + embed, 0, *dtypes))
+        if not (how.embed or how.replicated):  # nothing to gather or sum: the weight itself,
+            return w.astype(dtypes[0])  # which a pipeline stage's stash then leaves out
+        return used_expert_weight(how, w)
+
+    if not isinstance(w, tuple):
+        return one(w, axis)
+    w, a, b = w  # A shares the weight's input axes, B its output axes
+    return one(w, axis), one(a, axis if axis == 1 else None), one(b, axis if axis == 2 else None)
+
+
+def _weight_spec(w, spec: P):
+    """The ``shard_map`` spec of an expert weight, or of an adapted triple (w, A, B): A splits
+    as the weight's input side (rank whole), B as its output side."""
+    if not isinstance(w, tuple):
+        return spec
+    return spec, P(spec[0], spec[1], None), P(spec[0], None, spec[2])
 
 
 def _tensor_varying(x: jax.Array, tensor: str, wide: bool) -> jax.Array:

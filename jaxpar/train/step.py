@@ -49,8 +49,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import process_batch_rows
+from jaxpar.model.annotate import lora_dropout_tokens, use_lora_dropout
 from jaxpar.model.layers import FULL_PRECISION
-from jaxpar.model.lora import adapter_part, base_part, merged
+from jaxpar.model.lora import adapter_part, base_part, dropout_key, merged, with_dropout_tokens
 from jaxpar.model.loss import summed_token_loss
 from jaxpar.model.mask import AttentionMask, document_positions
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
@@ -137,7 +138,8 @@ def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch:
     (``{}`` for a dense model)."""
     model = nnx.merge(graphdef, params, buffers)
     x = model.embed(batch["inputs"], dtype=dtype, grad_pieces=embedding_grad_pieces)
-    x, aux = model.run_layers(x, batch["positions"], remat=remat)
+    with lora_dropout_tokens(batch.get("lora_tokens")):
+        x, aux = model.run_layers(x, batch["positions"], remat=remat)
     return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
                              batch["mask"], loss_pieces, model.cfg.final_softcap), aux
 
@@ -356,8 +358,10 @@ def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
-        batch = with_positions(batch, seq_order)
-        with model_hooks(cfg, cfg.mesh_shape, platform):
+        batch = with_dropout_tokens(with_positions(batch, seq_order), cfg.train.lora)
+        with model_hooks(cfg, cfg.mesh_shape, platform), \
+                use_lora_dropout(dropout_key(cfg.train.lora, cfg.train.seed, state.step),
+                                 cfg.train.lora.dropout):
             grads, (loss_sum, aux) = grad_fn(*for_gradients(cfg, state.params, state.buffers),
                                              batch, valid)
         # Gradients live where their parameters live (under ZeRO-1, where the moments do:

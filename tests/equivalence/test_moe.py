@@ -21,8 +21,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import MOE_LAYOUT_BASE as BASE
-from helpers import assert_grads_and_params_match, assert_params_moved, make_batches
-from jax import lax
+from helpers import (
+    assert_grads_and_params_match,
+    assert_params_moved,
+    emulated_ragged_all_to_all,
+    make_batches,
+)
 
 import jaxpar.parallel.expert as expert_module
 from jaxpar.config import MoEConfig, load_config, validate
@@ -241,38 +245,6 @@ def test_dropping_reports_the_hand_counted_drops_and_dropped_tokens_pass_through
     assert gone.sum() > 0 or top_k > 1
     assert np.all(y.reshape(-1, 64)[gone] == 0.0)
     assert np.all(y.reshape(-1, 64)[~gone].any(axis=1))
-
-
-def emulated_ragged_all_to_all(groups: int):
-    """``lax.ragged_all_to_all`` as its docstring defines it, from all-gathers (XLA:CPU cannot
-    compile the real one): source s sends operand[input_offsets[d] : + send_sizes[d]] to device
-    d, which writes it at output_offsets[d] (the offsets the *sender* passes)."""
-
-    def ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-               axis_name):
-        # The real collective's result has the receive buffer's type, which the computed one
-        # here would not show: a buffer invariant where the rows vary makes autodiff sum the
-        # received rows' gradient over those axes (not compilable on CPU, so checked here).
-        assert jax.typeof(operand).mat.varying <= jax.typeof(output).mat.varying
-        me = lax.axis_index(axis_name)
-        everyone = lax.all_gather(operand, axis_name)
-        starts, sizes, lands = (lax.all_gather(v, axis_name)
-                                for v in (input_offsets, send_sizes, output_offsets))
-        # What the receiver was told to expect matches what is sent.
-        rows = jnp.arange(output.shape[0])
-        result = output
-        for s in range(groups):
-            start, size, land = starts[s, me], sizes[s, me], lands[s, me]
-            inside = ((rows >= land) & (rows < land + size)).reshape(
-                -1, *[1] * (operand.ndim - 1))
-            source = jnp.clip(rows - land + start, 0, operand.shape[0] - 1)
-            result = jnp.where(inside, everyone[s][source], result)
-        # The contract: what each receiver expects (recv_sizes) is what is sent to it. A
-        # violation poisons the result, so the comparison with the reference fails.
-        ok = jnp.all(sizes[:, me] == recv_sizes)
-        return jnp.where(ok, result, jnp.full_like(result, -(2**20)))
-
-    return ragged
 
 
 @pytest.mark.parametrize("exchange", ["padded", "ragged"])

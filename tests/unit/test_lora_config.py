@@ -28,26 +28,48 @@ def test_a_target_the_model_does_not_have_is_one_line_naming_it() -> None:
 
 
 def test_lora_refuses_what_it_does_not_run_yet() -> None:
-    assert "\n" not in _error("train.lora.dropout=0.1")
-    # A pipeline runs the adapters (tests/equivalence/test_lora_pipeline.py), except beside
-    # DeepSeek's dense first blocks, which run before the stages.
+    # A pipeline runs the adapters (tests/equivalence/test_lora_pipeline.py), without dropout.
     validate(load_config("tiny", ["train.lora.rank=4", "mesh.pipe=2", "train.microbatches=2"]),
              2)
-    message = _error("mesh.pipe=2", "train.microbatches=2", "train.lora.targets=[q,o]",
-                     "model.n_layers=3", "model.moe.first_dense=1", preset="moe-tiny",
-                     devices=2)
-    assert "\n" not in message and "first_dense" in message and "mesh.pipe" in message
+    message = _error("mesh.pipe=2", "train.microbatches=2", "train.lora.dropout=0.1", devices=2)
+    assert "\n" not in message and "mesh.pipe" in message and "train.lora.dropout" in message
     assert "train.lora.rank=-1" in _error("train.lora.rank=-1")
-    # moe-tiny's feed-forward is its routed experts: the default targets name gate first.
-    assert "'gate'" in _error(preset="moe-tiny", devices=8)
-    validate(load_config("moe-tiny", ["train.lora.rank=4", "train.lora.targets=[q,o]"]), 8)
 
 
-@pytest.mark.parametrize("mesh", [(), ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")])
-def test_plan_counts_the_adapters_state_only(mesh: tuple[str, ...]) -> None:
+def test_lora_takes_moe_experts_and_dense_blocks() -> None:
+    """Every target on moe-tiny (its feed-forward: the routed experts), and on MoE models with
+    dense blocks; a MoE model's adapters in a pipeline are one line."""
+    validate(load_config("moe-tiny", ["train.lora.rank=4"]), 8)
+    validate(load_config("moe-tiny", ["train.lora.rank=4", "model.n_layers=4",
+                                      "model.moe.every=2", "model.moe.first_dense=2"]), 8)
+    message = _error("mesh.pipe=2", "train.microbatches=2", preset="moe-tiny", devices=2)
+    assert "\n" not in message and "mesh.pipe" in message
+
+
+@pytest.mark.parametrize("rate", ["1.0", "-0.1", "nan"])
+def test_lora_dropout_outside_zero_to_one_is_one_line(rate: str) -> None:
+    message = _error(f"train.lora.dropout={rate}")
+    assert "\n" not in message and "train.lora.dropout=" in message and "[0, 1)" in message
+
+
+def test_lora_dropout_refuses_expert_adapters_only() -> None:
+    validate(load_config("tiny", ["train.lora.rank=4", "train.lora.dropout=0.1",
+                                  "train.grad_accum=2"]), 1)
+    validate(load_config("moe-tiny", ["train.lora.rank=4", "train.lora.dropout=0.1",
+                                      "train.lora.targets=[q,k,v,o]"]), 8)
+    message = _error("train.lora.dropout=0.1", preset="moe-tiny", devices=8)
+    assert "\n" not in message and message.startswith("train.lora.dropout > 0")
+    assert "allowed targets here: q, k, v, o" in message
+
+
+@pytest.mark.parametrize(("preset", "mesh"), [
+    ("tiny", ()), ("tiny", ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")),
+    ("moe-tiny", ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"))])
+def test_plan_counts_the_adapters_state_only(preset: str, mesh: tuple[str, ...]) -> None:
     """The cost model's optimizer bytes per device (what ``jaxpar plan`` and ``inspect
     --compare`` show) equal those of the state ``resolve_shardings`` lays out for a LoRA run,
-    adapters only; the frozen weights count neither state nor gradients (shapes only)."""
+    adapters only (on moe-tiny: the routed experts' adapters split over ``expert``); the frozen
+    weights count neither state nor gradients (shapes only)."""
     import jax  # noqa: PLC0415
 
     from jaxpar.cost.params import param_costs  # noqa: PLC0415
@@ -58,7 +80,7 @@ def test_plan_counts_the_adapters_state_only(mesh: tuple[str, ...]) -> None:
     from jaxpar.train.step import lora_of, make_optimizer, resolve_shardings, trained  # noqa: PLC0415
 
     n = 8 if mesh else 1
-    cfg = validate(load_config("tiny", ["train.lora.rank=4", *mesh]), n)
+    cfg = validate(load_config(preset, ["train.lora.rank=4", *mesh]), n)
     tx = make_optimizer(cfg.train, trained(cfg, param_logical_axes(
         abstract_model(cfg.model, lora_of(cfg)))))
     state = resolve_shardings(cfg, make_mesh(cfg, devices=jax.devices()[:n]), tx)
@@ -71,7 +93,7 @@ def test_plan_counts_the_adapters_state_only(mesh: tuple[str, ...]) -> None:
     assert {p.name.split("/")[-2] for p in costs if p.trained} == {
         f"lora_{t}" for t in LORA_TARGETS}
     full = sum(p.state_bytes_per_device for p in param_costs(validate(load_config(
-        "tiny", list(mesh)), n)))
+        preset, list(mesh)), n)))
     assert planned < full / 4
 
 
@@ -104,3 +126,22 @@ def test_plan_counts_the_mla_adapters_as_trained() -> None:
                                         "train.lora.targets=[q_a,q_b,kv_a,kv_b,o]"]), 1)
     assert {p.name.split("/")[-2] for p in param_costs(cfg) if p.trained} == {
         "lora_q_a", "lora_q_b", "lora_kv_a", "lora_kv_b", "lora_o"}
+
+
+def test_peft_export_of_expert_or_dense_block_adapters_is_one_line() -> None:
+    """``--adapters-only`` (PEFT's directory) refuses a MoE model's expert adapters and MoE
+    models with dense blocks; a MoE model's attention adapters pass."""
+    from jaxpar.hf.peft import check_exportable  # noqa: PLC0415
+
+    def refusal(*overrides: str) -> str:
+        cfg = validate(load_config("moe-tiny", ["train.lora.rank=4", *overrides]), 8)
+        with pytest.raises(ConfigError) as info:
+            check_exportable(cfg)
+        return str(info.value)
+
+    message = refusal()
+    assert "\n" not in message and "gate, up, down" in message and "routed experts" in message
+    message = refusal("train.lora.targets=[q,o]", "model.moe.every=2")
+    assert "\n" not in message and "dense blocks" in message
+    check_exportable(validate(load_config("moe-tiny", ["train.lora.rank=4",
+                                                       "train.lora.targets=[q,o]"]), 8))
