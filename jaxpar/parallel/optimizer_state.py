@@ -6,13 +6,14 @@ read it, so that ``jaxpar plan`` counts the state the step builds
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
 # Axes that are a batch of independent matrices to Muon: the scanned layers, the routed experts.
 MUON_BATCH_AXES = frozenset({"layers", "experts"})
+MUON_NS_STEPS = 5  # Newton-Schulz iterations per Muon update (optax's default)
 ADAFACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor (its default)
 STATE_BYTES = {"float32": 4, "bfloat16": 2}  # train.opt_state_dtype
 
@@ -87,3 +88,28 @@ def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) 
             if param_shape[:d] + param_shape[d + 1:] == tuple(shape):
                 return PartitionSpec(*(entries[:d] + entries[d + 1:]))
     return PartitionSpec()
+
+
+
+def muon_specs(name: str, names: Sequence[str | None], rules: Mapping[str, Sequence[str]],
+               mesh_shape: Mapping[str, int]) -> tuple[PartitionSpec, ...] | None:
+    """The layouts one parameter's momentum passes through before Muon's Newton-Schulz
+    iterations (None: not Muon's matrix), ending with the matrices whole on every device that
+    holds them: the batch axes (layers, experts) stay split as the parameter's (pipeline
+    stages, expert shards). The gather goes in two stages where ``tensor`` splits a matrix
+    axis: first over every other axis (``fsdp``, ZeRO-1's ``data`` x ``fsdp``), leaving the
+    ``tensor`` split, then over ``tensor``: the larger second gather crosses the faster link,
+    and the order is fixed rather than the partitioner's choice (``cost/collectives.py``)."""
+    if muon_matrix_axes(name, names) is None:
+        return None
+
+    def spec(keep: Any) -> PartitionSpec:
+        entries: list[Any] = []
+        for n in names:
+            axes = tuple(a for a in rules.get(n, ()) if mesh_shape.get(a, 1) > 1
+                         and (n in MUON_BATCH_AXES or keep(a)))
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*entries)
+
+    first, whole = spec(lambda a: a == "tensor"), spec(lambda a: False)
+    return (whole,) if first == whole else (first, whole)
