@@ -76,6 +76,10 @@ of it.
   expert outputs forward and its tokens' gradient backward once each ([T, E]), plus the shared
   experts' like a SwiGLU.
 
+- ``train.optimizer=muon``: each stacked matrix's momentum is gathered whole once per step
+  before its Newton-Schulz iterations, over every split axis but ``tensor`` first, then over
+  ``tensor`` (float32; :mod:`jaxpar.cost.optimizer`).
+
 Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
 layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
 (``projection.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
@@ -92,6 +96,7 @@ from __future__ import annotations
 
 from jaxpar.config import MESH_AXES
 from jaxpar.cost.ledger import CollectiveCost, Ledger
+from jaxpar.cost.optimizer import muon_collectives
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
 from jaxpar.cost.pipeline import pipeline_collectives
 from jaxpar.cost.shapes import StepSizes
@@ -105,7 +110,8 @@ def collectives(st: StepSizes, params: list[ParamCost]) -> list[CollectiveCost]:
     """Every collective of one step, per device (the module docstring's formulas)."""
     ledger = Ledger(st, params)
     for parallelism in (fsdp_collectives, data_collectives, context_collectives,
-                        expert_collectives, tensor_collectives, pipeline_collectives):
+                        expert_collectives, tensor_collectives, pipeline_collectives,
+                        muon_collectives):
         parallelism(ledger)
     return ledger.out
 

@@ -139,3 +139,29 @@ def test_weight_decay_is_decoupled_lr_times_weight_decay(optimizer: str) -> None
     updates, _ = tx.update(zeros, tx.init(params), params)
     np.testing.assert_allclose(np.asarray(updates["layers"]["mlp"]["w_up"]), -0.01 * 0.1 * 2.0,
                                rtol=1e-5)
+
+
+def test_plan_counts_muons_gathers_and_newton_schulz_flops_by_hand() -> None:
+    """tiny (2 layers, d_model 64, 8 heads and 4 kv heads of 8, d_ff 128) at data=2 fsdp=2
+    tensor=2: each of the 7 stacked matrices is gathered over fsdp (half of it: still split
+    over tensor), then over tensor (all of it), and every device iterates on every layer's
+    matrices: 5 x (4 m^2 n + 2 m^3) flops for m x n, m <= n."""
+    from jaxpar.cost.estimate import estimate  # noqa: PLC0415
+
+    cfg = validate(load_config("tiny", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                        "train.optimizer=muon"]), 8)
+    rows = {(r["kind"], tuple(r["axes"])): r for r in estimate(cfg).collective_rows()}
+    whole = 4 * 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3)  # wq, wo; wk, wv; MLP
+    assert rows[("all-gather", ("tensor",))]["bytes"] == whole
+    assert rows[("all-gather", ("tensor",))]["count"] == 7
+    adamw = validate(load_config("tiny", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]), 8)
+    adamw_rows = {(r["kind"], tuple(r["axes"])): r for r in estimate(adamw).collective_rows()}
+    assert (rows[("all-gather", ("fsdp",))]["bytes"]
+            - adamw_rows[("all-gather", ("fsdp",))]["bytes"]) == whole // 2
+
+    def ns(m: int, n: int) -> int:
+        return 5 * (4 * m * m * n + 2 * m ** 3)
+
+    flops = 2 * (2 * ns(64, 64) + 2 * ns(32, 64) + 3 * ns(64, 128))
+    assert estimate(cfg).flops.optimizer == flops
+    assert estimate(adamw).flops.optimizer == 0
