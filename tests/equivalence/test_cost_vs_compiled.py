@@ -168,6 +168,11 @@ MEMORY = {
     "moe,pipe=2,expert=2,tensor=2": [*LAYOUTS["moe,pipe=2,expert=2,tensor=2"][0], *LONG],
 }
 MEMORY_TOLERANCE = 0.10
+# Muon's update phase makes the peak when its gathered matrices outweigh the activations: 8
+# layers of d_model 256 and d_ff 1024 (31 MB of matrices gathered whole, against 9 MB of
+# activations) at fsdp=8. (Old plan, without the gathered matrices: 0.35 of the compiled peak.)
+MUON_MEMORY = ("mesh.data=1", "mesh.fsdp=8", "train.optimizer=muon", "model.d_model=256",
+               "model.d_ff=1024", "model.n_layers=8")
 
 
 @functools.cache
@@ -246,6 +251,14 @@ def test_compiled_matmul_flops_are_the_plans_executed_flops(name):
 @pytest.mark.parametrize("name", MEMORY)
 def test_compiled_peak_memory_of_a_pipeline_stage_is_the_plans(name):
     got = compiled_step(tuple(MEMORY[name]))
+    m = got["memory"]
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+    assert close(estimate(got["cfg"]).memory.peak, peak, MEMORY_TOLERANCE), peak
+
+
+def test_compiled_peak_memory_of_muons_update_is_the_plans():
+    got = compiled_step(MUON_MEMORY)
     m = got["memory"]
     peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes)
