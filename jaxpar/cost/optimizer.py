@@ -70,10 +70,10 @@ def muon_matrices(cfg: Config, params: list[ParamCost]) -> list[MuonMatrix]:
     for shape in model_params(cfg.model, cfg.train.lora if cfg.train.lora.rank > 0 else None):
         p = trained.get(shape.name)
         names = split_names(shape.name, shape.names)
-        axes = muon_matrix_axes(shape.name, names)
+        axes = muon_matrix_axes(shape.name, shape.names)
         if p is None or axes is None:
             continue
-        stages = muon_specs(shape.name, names, rules, mesh)
+        stages = muon_specs(shape.name, shape.names, rules, mesh)
         size = math.prod(shape.shape) * PARAM_BYTES
         # The momentum starts in its moment layout (ZeRO-1: embed also over data x fsdp).
         held = _axes(p.moment_spec, mesh)

@@ -11,6 +11,8 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from jaxpar.parallel.rules import split_names
+
 # Axes that are a batch of independent matrices to Muon: the scanned layers, the routed experts.
 MUON_BATCH_AXES = frozenset({"layers", "experts"})
 MUON_NS_STEPS = 5  # Newton-Schulz iterations per Muon update (optax's default)
@@ -102,10 +104,11 @@ def muon_specs(name: str, names: Sequence[str | None], rules: Mapping[str, Seque
     and the order is fixed rather than the partitioner's choice (``cost/collectives.py``)."""
     if muon_matrix_axes(name, names) is None:
         return None
+    split = split_names(name, names)  # a pipeline's dense first blocks: not cut into stages
 
     def spec(keep: Any) -> PartitionSpec:
         entries: list[Any] = []
-        for n in names:
+        for n in split:
             axes = tuple(a for a in rules.get(n, ()) if mesh_shape.get(a, 1) > 1
                          and (n in MUON_BATCH_AXES or keep(a)))
             entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)

@@ -62,6 +62,13 @@ LAYOUTS = {
                                     {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
                                      ("all-reduce", ("data",)), ("all-reduce", ("tensor",)),
                                      ("all-gather", ("tensor",))}),
+    # ... and on the routed experts, iterated on by the expert shard that holds them (optax's
+    # flattening of [layers, experts] into one axis gathered all experts over expert).
+    "moe,data=2,expert=2,tensor=2,muon": (
+        [*MOE, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "train.optimizer=muon"],
+        {("all-gather", ("tensor",)), ("all-reduce", ("data",)),
+         ("all-reduce", ("data", "expert")), ("all-reduce", ("tensor",)),
+         ("all-to-all", ("expert",))}),
     "data=4,tensor=2,sp": (["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
                            {("all-reduce", ("data",)), ("all-gather", ("tensor",)),
                             ("reduce-scatter", ("tensor",))}),
@@ -146,6 +153,7 @@ FLOPS = {
     # Muon's iterations on the whole matrices, every layer on every device: 117 of the step's
     # 137 MFLOP (old plan: 0.15 of the compiled flops).
     "data=2,fsdp=2,tensor=2,muon": LAYOUTS["data=2,fsdp=2,tensor=2,muon"][0],
+    "moe,data=2,expert=2,tensor=2,muon": LAYOUTS["moe,data=2,expert=2,tensor=2,muon"][0],
     # The vocab-parallel embedding gathers each device's rows: a one-hot matmul forward pass
     # would add 2 V/t E flops a token, a fifth of this step's (old code: 1.20 of the plan).
     "data=4,tensor=2,vocab=4096": ["mesh.data=4", "mesh.tensor=2", "model.vocab_size=4096"],

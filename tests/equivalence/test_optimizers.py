@@ -2,8 +2,8 @@
 optimizer state (``train.opt_state_dtype``) through real steps.
 
 The tiny preset (2 layers, ``helpers.LAYOUT_BASE``: 3 steps), float32. Muon's Newton-Schulz
-iterations run on matrices the partitioner reshards (docs/optimizers.md); the parameters they
-produce must still be the one-device ones.
+iterations run on each matrix's momentum gathered whole (docs/optimizers.md), and their slices
+of the result must give the one-device parameters.
 """
 
 from __future__ import annotations
