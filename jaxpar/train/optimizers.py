@@ -39,7 +39,12 @@ from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from jaxpar.config import TrainConfig
-from jaxpar.parallel.optimizer_state import ADAFACTOR_MIN_DIM, MUON_NS_STEPS, muon_matrix_axes
+from jaxpar.parallel.optimizer_state import (
+    ADAFACTOR_MIN_DIM,
+    MUON_NS_STEPS,
+    MuonLayout,
+    muon_matrix_axes,
+)
 
 MUON_BETA = 0.95  # Muon's momentum (its authors' value)
 
@@ -204,7 +209,11 @@ def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
                               optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                               optax.tree.bias_correction(updates, beta, count))
 
-        def orthogonalize(x: jax.Array, d: MuonDimensionNumbers, stages: tuple) -> jax.Array:
+        def orthogonalize(x: jax.Array, d: MuonDimensionNumbers, layout: MuonLayout
+                          ) -> jax.Array:
+            if layout.owners:
+                return _owner_newton_schulz(x, d, layout, state.ns_coeffs, eps)
+            stages = layout.stages
             for spec in stages:
                 x = jax.lax.with_sharding_constraint(x, spec)
             out = _newton_schulz(x, d, state.ns_coeffs, eps)
@@ -242,6 +251,47 @@ def _newton_schulz(x: jax.Array, d: MuonDimensionNumbers, coeffs: jax.Array,
     for _ in range(batch):
         one = jax.vmap(one)
     return one(x)
+
+
+def _owner_newton_schulz(x: jax.Array, d: MuonDimensionNumbers, layout: MuonLayout,
+                         coeffs: jax.Array, eps: float) -> jax.Array:
+    """Owner-computes (:class:`~jaxpar.parallel.optimizer_state.MuonLayout`): within each
+    group of ``layout.owners`` devices, the local matrices' B = layers x experts entries
+    (padded with zero matrices to a multiple of the group's k devices) go c = B/k to each
+    device by one all-to-all, which assembles them whole; the device iterates on its c and a
+    second all-to-all sends every device its piece of each result."""
+    owners, held = layout.owners, tuple(layout.held)
+    matrix = (*d.reduction_axis, *d.output_axis)
+    nb = x.ndim - len(matrix)  # the leading batch axes
+    # For each matrix axis, the owner axes splitting it (major first), as positions in owners.
+    splits = [[owners.index(a) for a in ((e,) if isinstance(e, str) else e or ()) if a in owners]
+              for e in held[nb:]]
+    inner = MuonDimensionNumbers(reduction_axis=tuple(a - nb + 1 for a in d.reduction_axis),
+                                 output_axis=tuple(a - nb + 1 for a in d.output_axis))
+
+    def local(xl: jax.Array) -> jax.Array:
+        sizes = [jax.lax.axis_size(a) for a in owners]
+        k, b, piece = math.prod(sizes), math.prod(xl.shape[:nb]), xl.shape[nb:]
+        c = -(-b // k)
+        y = xl.reshape(b, *piece)
+        y = jnp.pad(y, [(0, c * k - b)] + [(0, 0)] * len(piece))
+        # Block j of the entries to device j of the group; received blocks in sender order.
+        y = jax.lax.all_to_all(y, owners, 0, 0, tiled=True)
+        y = y.reshape(*sizes, c, *piece)
+        n = len(owners)
+        order = [n] + [p for i, s in enumerate(splits) for p in (*s, n + 1 + i)]
+        whole = [math.prod(sizes[p] for p in s) * piece[i] for i, s in enumerate(splits)]
+        y = y.transpose(order).reshape(c, *whole)
+        y = _newton_schulz(y, inner, coeffs, eps)
+        y = y.reshape(c, *[dim for i, s in enumerate(splits)
+                           for dim in (*[sizes[p] for p in s], piece[i])])
+        y = y.transpose([order.index(j) for j in range(len(order))])
+        y = jax.lax.all_to_all(y.reshape(k * c, *piece), owners, 0, 0, tiled=True)
+        return y[:b].reshape(xl.shape)
+
+    manual = frozenset(a for e in held for a in ((e,) if isinstance(e, str) else e or ()))
+    return jax.shard_map(local, in_specs=(layout.held,), out_specs=layout.held,
+                         axis_names=manual)(x)
 
 
 def _masked_like(specs: Mapping, updates: Any) -> Any:

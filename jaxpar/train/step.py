@@ -63,7 +63,7 @@ from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.manual import sum_over_data_once
 from jaxpar.parallel.microbatch import split_micro_steps
-from jaxpar.parallel.optimizer_state import muon_specs as muon_layouts
+from jaxpar.parallel.optimizer_state import muon_layout
 from jaxpar.parallel.pipeline.executor import Program, pipelined_gradients
 from jaxpar.parallel.rules import (
     is_axes_leaf,
@@ -265,14 +265,14 @@ class Shardings(NamedTuple):
 
 
 def muon_specs(cfg: Config, logical_axes: dict) -> dict | None:
-    """The layouts each Muon matrix's momentum is gathered through before its Newton-Schulz
-    iterations (:func:`jaxpar.parallel.optimizer_state.muon_specs`); None for the other
-    optimizers."""
+    """How each Muon matrix's Newton-Schulz iterations are laid out
+    (:func:`jaxpar.parallel.optimizer_state.muon_layout`); None for the other optimizers."""
     if cfg.train.optimizer != "muon":
         return None
     rules = logical_rules(cfg)
     return jax.tree_util.tree_map_with_path(
-        lambda path, names: muon_layouts(param_name(path), names, rules, cfg.mesh_shape),
+        lambda path, names: muon_layout(param_name(path), names, rules, cfg.mesh_shape,
+                                        cfg.parallel.zero),
         logical_axes, is_leaf=is_axes_leaf)
 
 

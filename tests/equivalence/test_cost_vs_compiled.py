@@ -54,19 +54,19 @@ LAYOUTS = {
          "model.query_scale=8", "model.final_softcap=30"],
         {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
          ("all-reduce", ("data",)), ("all-reduce", ("tensor",))}),
-    # Muon gathers each matrix's momentum whole before its Newton-Schulz iterations: over fsdp
-    # (half of each matrix, still split over tensor), then over tensor (all of it). (Before
-    # jaxpar fixed that layout, the partitioner's reshards added 2.9 MiB the plan lacked.)
+    # Muon's owner-computes: each stacked matrix's pieces go to the device of the fsdp x tensor
+    # group that iterates on its layer, and the results' pieces back (two all-to-alls). (Before,
+    # the partitioner's reshards of the iterations added 2.9 MiB the plan lacked.)
     "data=2,fsdp=2,tensor=2,muon": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
                                      "train.optimizer=muon"],
                                     {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
                                      ("all-reduce", ("data",)), ("all-reduce", ("tensor",)),
-                                     ("all-gather", ("tensor",))}),
-    # ... and on the routed experts, iterated on by the expert shard that holds them (optax's
+                                     ("all-to-all", ("fsdp", "tensor"))}),
+    # ... and on the routed experts, exchanged within the expert shard that holds them (optax's
     # flattening of [layers, experts] into one axis gathered all experts over expert).
     "moe,data=2,expert=2,tensor=2,muon": (
         [*MOE, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "train.optimizer=muon"],
-        {("all-gather", ("tensor",)), ("all-reduce", ("data",)),
+        {("all-to-all", ("tensor",)), ("all-reduce", ("data",)),
          ("all-reduce", ("data", "expert")), ("all-reduce", ("tensor",)),
          ("all-to-all", ("expert",))}),
     "data=4,tensor=2,sp": (["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
@@ -150,8 +150,8 @@ FLOPS = {
     "pipe=2,fsdp=2,tensor=2,sp": LAYOUTS["pipe=2,fsdp=2,tensor=2,sp"][0],
     "context=8,ring,contiguous": ["mesh.data=1", "mesh.context=8", "train.seq_len=64",
                                   "parallel.context_impl=ring", "parallel.zigzag=false"],
-    # Muon's iterations on the whole matrices, every layer on every device: 117 of the step's
-    # 137 MFLOP (old plan: 0.15 of the compiled flops).
+    # Muon's iterations, one layer's matrices per device (2 layers padded to the 4 devices of
+    # fsdp x tensor): 58 of the step's 78 MFLOP (old plan, without them: 0.25 of it).
     "data=2,fsdp=2,tensor=2,muon": LAYOUTS["data=2,fsdp=2,tensor=2,muon"][0],
     "moe,data=2,expert=2,tensor=2,muon": LAYOUTS["moe,data=2,expert=2,tensor=2,muon"][0],
     # The vocab-parallel embedding gathers each device's rows: a one-hot matmul forward pass
@@ -177,10 +177,11 @@ MEMORY = {
 }
 MEMORY_TOLERANCE = 0.10
 # Muon's update phase makes the peak when its gathered matrices outweigh the activations: 8
-# layers of d_model 256 and d_ff 1024 (31 MB of matrices gathered whole, against 9 MB of
-# activations) at fsdp=8. (Old plan, without the gathered matrices: 0.35 of the compiled peak.)
-MUON_MEMORY = ("mesh.data=1", "mesh.fsdp=8", "train.optimizer=muon", "model.d_model=256",
-               "model.d_ff=1024", "model.n_layers=8")
+# layers of d_model 256 and d_ff 1024 (31 MB of matrices gathered whole) at fsdp=8 under ZeRO-1,
+# which gathers rather than exchanging with owners. (Old plan, without the gathered matrices:
+# 0.39 of the compiled peak.)
+MUON_MEMORY = ("mesh.data=1", "mesh.fsdp=8", "parallel.zero=1", "train.optimizer=muon",
+               "model.d_model=256", "model.d_ff=1024", "model.n_layers=8")
 
 
 @functools.cache
