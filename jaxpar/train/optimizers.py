@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
-# optax exports scale_by_muon but not its Newton-Schulz function, which _muon_update needs to
-# lay each matrix out whole before the iterations (same function, so the same numbers).
+# optax exports scale_by_muon but not its Newton-Schulz function, which _scale_by_muon needs to
+# lay the matrices out itself before the iterations (same function, so the same numbers).
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from jaxpar.config import TrainConfig
@@ -125,9 +125,9 @@ def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None,
     """``train.optimizer`` after global-norm clipping, in float32, its state stored in
     ``train.opt_state_dtype``. ``logical_axes`` (the parameters' logical axis names, as
     :func:`jaxpar.parallel.rules.param_logical_axes`) is needed by Muon only; ``muon_specs``
-    (like it, a PartitionSpec per Muon matrix: :func:`jaxpar.parallel.optimizer_state.
-    muon_specs`) is the layout its Newton-Schulz iterations run in, inside the train step's
-    mesh (None: wherever the partitioner puts them, e.g. on one device)."""
+    (like it, a :class:`~jaxpar.parallel.optimizer_state.MuonLayout` per Muon matrix, None
+    elsewhere: ``jaxpar.train.step.muon_specs``) lays its Newton-Schulz iterations out, inside
+    the train step's mesh (None: wherever the partitioner puts them, e.g. on one device)."""
     from jaxpar.parallel.rules import param_name  # noqa: PLC0415
 
     def decay_mask(params: dict) -> dict:
@@ -186,13 +186,14 @@ def _muon(t: TrainConfig, lr: optax.Schedule, logical_axes: Mapping,
 def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
                    ) -> optax.GradientTransformation:
     """optax's ``scale_by_muon`` (Nesterov momentum, then Newton-Schulz; its state and its
-    numbers), with each matrix laid out as ``specs`` says before the iterations and after them.
+    numbers), with the iterations laid out as ``specs`` says (a MuonLayout per matrix).
 
     Left to itself the partitioner splits the iterations' matmuls over the matrix's sharded
     axes and reshards between them (on the tiny preset at data x fsdp x tensor: 2.9 MiB of
-    collectives per step for 242 KiB of state). Constrained on both sides, the iterations run
-    on whole matrices: one gather of the momentum per matrix, and the update sliced back to the
-    parameter's layout for free (docs/optimizers.md)."""
+    collectives per step for 242 KiB of state). Instead: owner-computes
+    (:func:`_owner_newton_schulz`), or the momentum gathered whole through ``layout.stages``
+    and constrained whole on the way out, each device slicing its piece of the update for free
+    (docs/optimizers.md)."""
     base = scale_by_muon(beta=MUON_BETA, eps=eps, ns_steps=MUON_NS_STEPS, nesterov=True,
                          weight_dimension_numbers=dims_fn)
     if specs is None:
