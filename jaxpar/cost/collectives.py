@@ -29,7 +29,8 @@ of it.
   to the slices of the Adam moments every micro-step (all-reduced over ``context`` as well;
   all-reduced whole in a pipeline, whose gradients keep the parameters' layout), then one
   float32 all-gather of the updated parameters over ``data`` x ``fsdp``: the bytes of plain
-  data parallelism's all-reduce. (XLA:CPU all-reduces a MoE model's gradients over ``data`` x
+  data parallelism's all-reduce (less Muon's matrices, updated whole from their gathered
+  momentum). (XLA:CPU all-reduces a MoE model's gradients over ``data`` x
   ``expert`` and slices instead.)
 - ``context`` attention: ring attention passes K and V blocks (b S/c K/t D a each) around the
   ring: 2(c-1) collective-permutes per layer forward, 2(c-1) backward plus 2c dK/dV blocks
@@ -76,6 +77,10 @@ of it.
   expert outputs forward and its tokens' gradient backward once each ([T, E]), plus the shared
   experts' like a SwiGLU.
 
+- ``train.optimizer=muon``: each stacked matrix's momentum is gathered whole once per step
+  before its Newton-Schulz iterations, over every split axis but ``tensor`` first, then over
+  ``tensor`` (float32; :mod:`jaxpar.cost.optimizer`).
+
 Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
 layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
 (``projection.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
@@ -92,6 +97,7 @@ from __future__ import annotations
 
 from jaxpar.config import MESH_AXES
 from jaxpar.cost.ledger import CollectiveCost, Ledger
+from jaxpar.cost.optimizer import muon_collectives, muon_matrices
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
 from jaxpar.cost.pipeline import pipeline_collectives
 from jaxpar.cost.shapes import StepSizes
@@ -105,7 +111,8 @@ def collectives(st: StepSizes, params: list[ParamCost]) -> list[CollectiveCost]:
     """Every collective of one step, per device (the module docstring's formulas)."""
     ledger = Ledger(st, params)
     for parallelism in (fsdp_collectives, data_collectives, context_collectives,
-                        expert_collectives, tensor_collectives, pipeline_collectives):
+                        expert_collectives, tensor_collectives, pipeline_collectives,
+                        muon_collectives):
         parallelism(ledger)
     return ledger.out
 
@@ -204,7 +211,10 @@ def data_collectives(c: Ledger) -> None:
         c.add("all-reduce", axes, count, payload,
               f"{experts}gradient shards all-reduced, every {every}", True)
     if cfg.parallel.zero == 1:
-        updated = [p for p in c.params if p.trained]
+        # Muon's matrices are updated whole on every device (their momentum gathered for the
+        # iterations, muon_collectives): nothing of theirs to gather afterwards.
+        whole = {m.name for m in muon_matrices(cfg, c.params)}
+        updated = [p for p in c.params if p.trained and p.name not in whole]
         c.add("all-gather", ZERO1_AXES, len(updated),
               sum(p.bytes_per_device for p in updated),
               "ZeRO-1: updated parameters gathered from the optimizer shards", False)

@@ -47,7 +47,8 @@ skipped blocks: (2c-1)/(4c) of the square.) A mixture of experts adds its paddin
 experts compute beyond the T x k slots (capacity slack, padded exchange blocks, and on XLA:CPU
 the dense masked matmul that lowers ``ragged_dot`` over all local experts), 6 flops per row
 and expert weight, for each of the stage's MoE layers and microbatches (in a pipeline, in
-every slot, masked ones too).
+every slot, masked ones too). Muon adds its Newton-Schulz iterations on the matrices each
+device holds (:mod:`~jaxpar.cost.optimizer`), once per step.
 
 Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
 as no kernel reaches it and memory-bound work is ignored); each collective takes
@@ -66,6 +67,7 @@ tokens) is too short to cover it, so every launch adds it to the step::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -75,6 +77,7 @@ from jaxpar.cost.collectives import collectives as all_collectives
 from jaxpar.cost.ledger import CollectiveCost, summarize, wire_bytes
 from jaxpar.cost.memory import MemoryCost
 from jaxpar.cost.memory import memory as step_memory
+from jaxpar.cost.optimizer import muon_flops
 from jaxpar.cost.params import ParamCost, param_costs
 from jaxpar.cost.pipeline import pipeline_compute, pipeline_note
 from jaxpar.cost.shapes import StepSizes, step_sizes
@@ -96,11 +99,12 @@ class FlopsCost:
     # flash attention the scores recomputed backward.
     attention_extra: float = 0.0
     expert_padding: float = 0.0  # MoE rows computed that carry no token (and XLA:CPU's ragged_dot)
+    optimizer: float = 0.0  # Muon's Newton-Schulz iterations (cost/optimizer.py)
 
     @property
     def executed(self) -> float:
         return (self.model + self.embedding_one_hot + self.recompute + self.attention_extra
-                + self.expert_padding)
+                + self.expert_padding + self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,7 @@ def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> Cost
                     platform="cpu" if hw is None else hw.platform)
     params = param_costs(cfg)
     collectives = all_collectives(st, params)
-    flops = _flops(st)
+    flops = dataclasses.replace(_flops(st), optimizer=muon_flops(cfg, params))
     memory = step_memory(st, params)
     time = _time(st, collectives, flops, hw) if hw is not None else None
     return CostReport(cfg=cfg, devices=math.prod(st.mesh.values()), mesh=st.mesh, params=params,

@@ -14,7 +14,8 @@ The optimizer state is split like the parameters (ZeRO-3) or with ``embed`` also
 stacked layer matrices and AdamW's two for the rest, Adafactor a row and a column factor for
 arrays it factors and a full second moment for the rest (``parallel/optimizer_state.py``:
 ``state_shapes``), in ``train.opt_state_dtype`` (bfloat16 halves it). The update's float32
-temporaries (``update``) are one float32 moment's worth whatever the optimizer.
+temporaries (``update``) are one float32 moment's worth whatever the optimizer; Muon adds its
+gathered matrices and one matrix's iteration temporaries (``cost/optimizer.py``).
 Saved activations per layer and micro-batch, with ``r = A/t`` under sequence parallelism
 (else ``r = A``: the residual stream is replicated over ``tensor``):
 
@@ -78,6 +79,7 @@ import math
 from dataclasses import dataclass
 
 from jaxpar.config import BATCH_AXES
+from jaxpar.cost.optimizer import update_bytes as muon_update_bytes
 from jaxpar.cost.params import (
     PARAM_BYTES,
     ParamCost,
@@ -384,7 +386,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         + (dense_units(m) * _layer_activations(st, cfg.train.remat)
            if st.pipeline is None else 0),
         working=max(layer_set + head + gathered + widened + _dense_ragged_dot(st), loss_phase),
-        update=moments,
+        update=moments + muon_update_bytes(cfg, params),
         stash=stash,
         weight_copies=copies,
         gradient_sums=pipeline_gradient_sums(st, params),

@@ -129,6 +129,9 @@ class ParamCost:
     # Whether the optimizer updates it: all but the frozen base weights of a LoRA run, which
     # have no gradient and no optimizer state.
     trained: bool = True
+    # How its optimizer moments are split: the spec, or under ZeRO-1 with embed also over
+    # data x fsdp.
+    moment_spec: tuple[SpecEntry, ...] = ()
 
     @property
     def dense_stack(self) -> bool:
@@ -186,7 +189,7 @@ def param_costs(cfg: Config) -> list[ParamCost]:
         out.append(dataclasses.replace(
             cost, stored_bytes_per_device=cost.bytes_per_device * stored // PARAM_BYTES,
             state_bytes_per_device=_state_bytes(cfg, p, moment_spec) if trained else 0,
-            trained=trained))
+            trained=trained, moment_spec=moment_spec))
     return out
 
 

@@ -6,13 +6,16 @@ read it, so that ``jaxpar plan`` counts the state the step builds
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from jax.sharding import PartitionSpec
 
+from jaxpar.parallel.rules import resolve_spec, split_names
+
 # Axes that are a batch of independent matrices to Muon: the scanned layers, the routed experts.
 MUON_BATCH_AXES = frozenset({"layers", "experts"})
+MUON_NS_STEPS = 5  # Newton-Schulz iterations per Muon update (optax's default)
 ADAFACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor (its default)
 STATE_BYTES = {"float32": 4, "bfloat16": 2}  # train.opt_state_dtype
 
@@ -87,3 +90,63 @@ def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) 
             if param_shape[:d] + param_shape[d + 1:] == tuple(shape):
                 return PartitionSpec(*(entries[:d] + entries[d + 1:]))
     return PartitionSpec()
+
+
+
+def muon_specs(name: str, names: Sequence[str | None], rules: Mapping[str, Sequence[str]],
+               mesh_shape: Mapping[str, int]) -> tuple[PartitionSpec, ...] | None:
+    """The layouts one parameter's momentum passes through before Muon's Newton-Schulz
+    iterations (None: not Muon's matrix), ending with the matrices whole on every device that
+    holds them: the batch axes (layers, experts) stay split as the parameter's (pipeline
+    stages, expert shards). The gather goes in two stages where ``tensor`` splits a matrix
+    axis: first over every other axis (``fsdp``, ZeRO-1's ``data`` x ``fsdp``), leaving the
+    ``tensor`` split, then over ``tensor``: the larger second gather crosses the faster link,
+    and the order is fixed rather than the partitioner's choice (``cost/collectives.py``)."""
+    if muon_matrix_axes(name, names) is None:
+        return None
+    split = split_names(name, names)  # a pipeline's dense first blocks: not cut into stages
+
+    def spec(keep: Any) -> PartitionSpec:
+        entries: list[Any] = []
+        for n in split:
+            axes = tuple(a for a in rules.get(n, ()) if mesh_shape.get(a, 1) > 1
+                         and (n in MUON_BATCH_AXES or keep(a)))
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*entries)
+
+    first, whole = spec(lambda a: a == "tensor"), spec(lambda a: False)
+    return (whole,) if first == whole else (first, whole)
+
+
+class MuonLayout(NamedTuple):
+    """How one Muon parameter's Newton-Schulz iterations are laid out (``train/optimizers.py``).
+
+    ``owners`` empty: the momentum is gathered whole through ``stages`` and every device that
+    holds a matrix iterates on it. Else owner-computes: the momentum, split by ``held`` (the
+    parameter's spec), is exchanged over ``owners`` (the axes that split its matrix axes) by an
+    all-to-all so that each device of an ``owners`` group holds whole matrices of its share of
+    the group's layers (and experts), iterates on them, and sends the pieces back."""
+
+    stages: tuple[PartitionSpec, ...]
+    held: PartitionSpec
+    owners: tuple[str, ...]
+
+
+def muon_layout(name: str, names: Sequence[str | None], rules: Mapping[str, Sequence[str]],
+                mesh_shape: Mapping[str, int], zero: int) -> MuonLayout | None:
+    """One parameter's :class:`MuonLayout` (None: not Muon's matrix). Owner-computes where the
+    momentum is split like the parameter (ZeRO-3; ZeRO-1 splits it differently, and gathers)
+    and its batch axes lead (layers, experts: always so for jaxpar's weights)."""
+    stages = muon_specs(name, names, rules, mesh_shape)
+    if stages is None:
+        return None
+    split = split_names(name, names)
+    held = resolve_spec(name, split, None, rules, mesh_shape)
+    entries = list(held) + [None] * (len(names) - len(held))
+    batch = [n in MUON_BATCH_AXES for n in names]
+    owners: tuple[str, ...] = ()
+    if zero == 3 and batch == sorted(batch, reverse=True):
+        in_matrix = {a for e, b in zip(entries, batch, strict=True) if not b
+                     for a in ((e,) if isinstance(e, str) else e or ())}
+        owners = tuple(a for a in mesh_shape if a in in_matrix)
+    return MuonLayout(stages, PartitionSpec(*entries), owners)

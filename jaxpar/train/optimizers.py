@@ -32,10 +32,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
+
+# optax exports scale_by_muon but not its Newton-Schulz function, which _scale_by_muon needs to
+# lay the matrices out itself before the iterations (same function, so the same numbers).
+from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from jaxpar.config import TrainConfig
-from jaxpar.parallel.optimizer_state import ADAFACTOR_MIN_DIM, muon_matrix_axes
+from jaxpar.parallel.optimizer_state import (
+    ADAFACTOR_MIN_DIM,
+    MUON_NS_STEPS,
+    MuonLayout,
+    muon_matrix_axes,
+)
 
 MUON_BETA = 0.95  # Muon's momentum (its authors' value)
 
@@ -111,11 +120,14 @@ def muon_dimensions(name: str, names: Sequence[str | None]) -> MuonDimensionNumb
 # The transformation
 
 
-def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None
-                   ) -> optax.GradientTransformation:
+def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None,
+                   muon_specs: Mapping | None = None) -> optax.GradientTransformation:
     """``train.optimizer`` after global-norm clipping, in float32, its state stored in
     ``train.opt_state_dtype``. ``logical_axes`` (the parameters' logical axis names, as
-    :func:`jaxpar.parallel.rules.param_logical_axes`) is needed by Muon only."""
+    :func:`jaxpar.parallel.rules.param_logical_axes`) is needed by Muon only; ``muon_specs``
+    (like it, a :class:`~jaxpar.parallel.optimizer_state.MuonLayout` per Muon matrix, None
+    elsewhere: ``jaxpar.train.step.muon_specs``) lays its Newton-Schulz iterations out, inside
+    the train step's mesh (None: wherever the partitioner puts them, e.g. on one device)."""
     from jaxpar.parallel.rules import param_name  # noqa: PLC0415
 
     def decay_mask(params: dict) -> dict:
@@ -139,14 +151,14 @@ def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None
     elif t.optimizer == "muon":
         if logical_axes is None:
             raise ValueError("train.optimizer=muon needs the parameters' logical axes")
-        parts.append(_muon(t, lr, logical_axes, decay_mask))
+        parts.append(_muon(t, lr, logical_axes, decay_mask, muon_specs))
     else:
         raise ValueError(f"unknown train.optimizer {t.optimizer}")
     return in_float32(stored_state(optax.chain(*parts), t.opt_state_dtype))
 
 
 def _muon(t: TrainConfig, lr: optax.Schedule, logical_axes: Mapping,
-          decay_mask: Any) -> optax.GradientTransformation:
+          decay_mask: Any, specs: Mapping | None) -> optax.GradientTransformation:
     """Muon on the stacked layer matrices, AdamW (no decay on norms) on the rest."""
     from jaxpar.parallel.rules import is_axes_leaf, param_name  # noqa: PLC0415
 
@@ -162,14 +174,134 @@ def _muon(t: TrainConfig, lr: optax.Schedule, logical_axes: Mapping,
                             is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
     muon = optax.chain(
-        scale_by_muon(beta=MUON_BETA, eps=t.eps, nesterov=True,
-                      weight_dimension_numbers=muon_dims),
+        _scale_by_muon(t.eps, muon_dims, specs),
         _scale_by_matrix_shape(muon_dims),
         optax.add_decayed_weights(t.weight_decay),
         optax.scale_by_learning_rate(lr))
     adam = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                        mask=decay_mask)
     return optax.partition({"muon": muon, "adamw": adam}, labels)
+
+
+def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
+                   ) -> optax.GradientTransformation:
+    """optax's ``scale_by_muon`` (Nesterov momentum, then Newton-Schulz; its state and its
+    numbers), with the iterations laid out as ``specs`` says (a MuonLayout per matrix).
+
+    Left to itself the partitioner splits the iterations' matmuls over the matrix's sharded
+    axes and reshards between them (on the tiny preset at data x fsdp x tensor: 2.9 MiB of
+    collectives per step for 242 KiB of state). Instead: owner-computes
+    (:func:`_owner_newton_schulz`), or the momentum gathered whole through ``layout.stages``
+    and constrained whole on the way out, each device slicing its piece of the update for free
+    (docs/optimizers.md)."""
+    base = scale_by_muon(beta=MUON_BETA, eps=eps, ns_steps=MUON_NS_STEPS, nesterov=True,
+                         weight_dimension_numbers=dims_fn)
+    if specs is None:
+        return base
+    beta = MUON_BETA
+    is_dims = lambda x: isinstance(x, MuonDimensionNumbers)  # noqa: E731
+
+    def update(updates: Any, state: MuonState, params: Any = None) -> tuple[Any, MuonState]:
+        del params
+        # optax 0.2.8's scale_by_muon update, nesterov=True, mu_dtype=None, step for step.
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                              optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                              optax.tree.bias_correction(updates, beta, count))
+
+        def orthogonalize(x: jax.Array, d: MuonDimensionNumbers, layout: MuonLayout
+                          ) -> jax.Array:
+            if layout.owners:
+                return _owner_newton_schulz(x, d, layout, state.ns_coeffs, eps)
+            stages = layout.stages
+            for spec in stages:
+                x = jax.lax.with_sharding_constraint(x, spec)
+            out = _newton_schulz(x, d, state.ns_coeffs, eps)
+            # Whole on the way out too, or the partitioner splits the last iterations after
+            # the parameter's layout (and reshards between them).
+            return jax.lax.with_sharding_constraint(out, stages[-1])
+
+        out = jax.tree.map(orthogonalize, mu_hat, dims_fn(updates), _masked_like(specs, updates),
+                           is_leaf=is_dims)
+        return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+
+    return optax.GradientTransformation(base.init, update)
+
+
+def _newton_schulz(x: jax.Array, d: MuonDimensionNumbers, coeffs: jax.Array,
+                   eps: float) -> jax.Array:
+    """optax's orthogonalisation of each matrix of ``x``, vmapped over the leading batch axes
+    (layers, experts) one at a time. optax flattens them into one axis first, and a flattened
+    [layers x experts] axis cannot keep the experts' split over ``expert``: the partitioner
+    gathers every expert to every device (moe-tiny at data=2 expert=2 tensor=2: an all-gather
+    of all routed experts' momentum, and each device iterating on all of them)."""
+    matrix = (*d.reduction_axis, *d.output_axis)
+    batch = x.ndim - len(matrix)
+    # One batch axis: optax's own flattening (it keeps the split; and XLA:CPU's compiled peak
+    # for it is half that of the vmapped form). Else jaxpar's [layers, experts, ...] vmapped.
+    if batch < 2 or sorted(matrix) != list(range(batch, x.ndim)):
+        return orthogonalize_via_newton_schulz(x, coeffs, MUON_NS_STEPS, "frobenius", eps, d)
+    inner = MuonDimensionNumbers(reduction_axis=tuple(a - batch for a in d.reduction_axis),
+                                 output_axis=tuple(a - batch for a in d.output_axis))
+
+    def one(m: jax.Array) -> jax.Array:
+        return orthogonalize_via_newton_schulz(m, coeffs, MUON_NS_STEPS, "frobenius", eps,
+                                               inner)
+
+    for _ in range(batch):
+        one = jax.vmap(one)
+    return one(x)
+
+
+def _owner_newton_schulz(x: jax.Array, d: MuonDimensionNumbers, layout: MuonLayout,
+                         coeffs: jax.Array, eps: float) -> jax.Array:
+    """Owner-computes (:class:`~jaxpar.parallel.optimizer_state.MuonLayout`): within each
+    group of ``layout.owners`` devices, the local matrices' B = layers x experts entries
+    (padded with zero matrices to a multiple of the group's k devices) go c = B/k to each
+    device by one all-to-all, which assembles them whole; the device iterates on its c and a
+    second all-to-all sends every device its piece of each result."""
+    owners, held = layout.owners, tuple(layout.held)
+    matrix = (*d.reduction_axis, *d.output_axis)
+    nb = x.ndim - len(matrix)  # the leading batch axes
+    # For each matrix axis, the owner axes splitting it (major first), as positions in owners.
+    splits = [[owners.index(a) for a in ((e,) if isinstance(e, str) else e or ()) if a in owners]
+              for e in held[nb:]]
+    inner = MuonDimensionNumbers(reduction_axis=tuple(a - nb + 1 for a in d.reduction_axis),
+                                 output_axis=tuple(a - nb + 1 for a in d.output_axis))
+
+    def local(xl: jax.Array) -> jax.Array:
+        sizes = [jax.lax.axis_size(a) for a in owners]
+        k, b, piece = math.prod(sizes), math.prod(xl.shape[:nb]), xl.shape[nb:]
+        c = -(-b // k)
+        y = xl.reshape(b, *piece)
+        y = jnp.pad(y, [(0, c * k - b)] + [(0, 0)] * len(piece))
+        # Block j of the entries to device j of the group; received blocks in sender order.
+        y = jax.lax.all_to_all(y, owners, 0, 0, tiled=True)
+        y = y.reshape(*sizes, c, *piece)
+        n = len(owners)
+        order = [n] + [p for i, s in enumerate(splits) for p in (*s, n + 1 + i)]
+        whole = [math.prod(sizes[p] for p in s) * piece[i] for i, s in enumerate(splits)]
+        y = y.transpose(order).reshape(c, *whole)
+        y = _newton_schulz(y, inner, coeffs, eps)
+        y = y.reshape(c, *[dim for i, s in enumerate(splits)
+                           for dim in (*[sizes[p] for p in s], piece[i])])
+        y = y.transpose([order.index(j) for j in range(len(order))])
+        y = jax.lax.all_to_all(y.reshape(k * c, *piece), owners, 0, 0, tiled=True)
+        return y[:b].reshape(xl.shape)
+
+    manual = frozenset(a for e in held for a in ((e,) if isinstance(e, str) else e or ()))
+    return jax.shard_map(local, in_specs=(layout.held,), out_specs=layout.held,
+                         axis_names=manual)(x)
+
+
+def _masked_like(specs: Mapping, updates: Any) -> Any:
+    """``specs`` (a tuple of PartitionSpecs per Muon matrix, None elsewhere) with
+    optax.MaskedNode()s where ``updates`` has them (AdamW's parameters)."""
+    return jax.tree.map(lambda s, u: optax.MaskedNode() if isinstance(u, optax.MaskedNode) else s,
+                        specs, updates,
+                        is_leaf=lambda x: x is None or isinstance(x, (tuple,
+                                                                     optax.MaskedNode)))
 
 
 def _scale_by_matrix_shape(dims_fn: Any) -> optax.GradientTransformation:

@@ -64,8 +64,10 @@ from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.manual import sum_over_data_once
 from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.optimizer_state import muon_layout
 from jaxpar.parallel.pipeline.executor import Program, pipelined_gradients
 from jaxpar.parallel.rules import (
+    is_axes_leaf,
     logical_rules,
     model_specs,
     named_shardings,
@@ -264,6 +266,18 @@ class Shardings(NamedTuple):
     batch: NamedSharding
 
 
+def muon_specs(cfg: Config, logical_axes: dict) -> dict | None:
+    """How each Muon matrix's Newton-Schulz iterations are laid out
+    (:func:`jaxpar.parallel.optimizer_state.muon_layout`); None for the other optimizers."""
+    if cfg.train.optimizer != "muon":
+        return None
+    rules = logical_rules(cfg)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, names: muon_layout(param_name(path), names, rules, cfg.mesh_shape,
+                                        cfg.parallel.zero),
+        logical_axes, is_leaf=is_axes_leaf)
+
+
 def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
                       tx: optax.GradientTransformation) -> Shardings:
     """Parameters, buffers (every other variable: MoE router biases), optimizer state and the
@@ -448,8 +462,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     hook cannot run fails before any trace), the loss-and-gradient function (plain, or the
     pipeline executor's), the train step.
     """
-    tx = make_optimizer(cfg.train, trained(cfg, param_logical_axes(
-        abstract_model(cfg.model, lora_of(cfg)))))
+    logical_axes = trained(cfg, param_logical_axes(abstract_model(cfg.model, lora_of(cfg))))
+    tx = make_optimizer(cfg.train, logical_axes, muon_specs(cfg, logical_axes))
     sh = resolve_shardings(cfg, mesh, tx)
     platform = mesh.devices.flat[0].platform
     check_reduce_dtype(cfg, platform)

@@ -2,8 +2,8 @@
 optimizer state (``train.opt_state_dtype``) through real steps.
 
 The tiny preset (2 layers, ``helpers.LAYOUT_BASE``: 3 steps), float32. Muon's Newton-Schulz
-iterations run on matrices the partitioner reshards (docs/optimizers.md); the parameters they
-produce must still be the one-device ones.
+iterations run on each matrix's momentum gathered whole (docs/optimizers.md), and their slices
+of the result must give the one-device parameters.
 """
 
 from __future__ import annotations
@@ -97,3 +97,35 @@ def test_muon_on_experts_with_expert_parallelism_matches_one_device() -> None:
     assert min(moved.values()) > 1e-4, moved
     errors = max_relative_error(got, ref)
     assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.mark.parametrize(("shape", "dims", "spec"), [
+    # wq-like [layers, embed, heads, head_dim]: 4 layers over 4 owners, 2 (padded), 5 (c=2)
+    ((4, 64, 8, 8), ((1,), (2, 3)), (None, "fsdp", "tensor", None)),
+    ((2, 64, 8, 8), ((1,), (2, 3)), (None, "fsdp", "tensor", None)),
+    ((5, 64, 8, 8), ((1,), (2, 3)), (None, "fsdp", "tensor", None)),
+    # wo-like [layers, heads, head_dim, embed]: inputs first, embed last
+    ((2, 8, 8, 64), ((1, 2), (3,)), (None, "tensor", None, "fsdp")),
+    # experts-like [layers, experts, embed, mlp], the experts split over another axis
+    ((2, 4, 32, 64), ((2,), (3,)), (None, "data", "fsdp", "tensor")),
+])
+def test_owner_computes_newton_schulz_is_the_one_device_orthogonalisation(shape, dims, spec):
+    """Muon's owner-computes exchange (two all-to-alls over fsdp x tensor, zero matrices as
+    padding) gives each device's piece of optax's orthogonalisation of every matrix."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    from optax.contrib import MuonDimensionNumbers
+    from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+    from jaxpar.parallel.optimizer_state import MuonLayout
+    from jaxpar.train.optimizers import _owner_newton_schulz
+
+    d = MuonDimensionNumbers(reduction_axis=dims[0], output_axis=dims[1])
+    coeffs = jnp.asarray((3.4445, -4.775, 2.0315))
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+    want = orthogonalize_via_newton_schulz(x, coeffs, 5, "frobenius", 1e-8, d)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    layout = MuonLayout((), PartitionSpec(*spec), ("fsdp", "tensor"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda a: _owner_newton_schulz(a, d, layout, coeffs, 1e-8))(
+            jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec))))
+    assert max(max_relative_error({"x": np.asarray(got)}, {"x": np.asarray(want)}).values()) < 1e-5

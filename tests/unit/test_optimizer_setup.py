@@ -139,3 +139,48 @@ def test_weight_decay_is_decoupled_lr_times_weight_decay(optimizer: str) -> None
     updates, _ = tx.update(zeros, tx.init(params), params)
     np.testing.assert_allclose(np.asarray(updates["layers"]["mlp"]["w_up"]), -0.01 * 0.1 * 2.0,
                                rtol=1e-5)
+
+
+def _ns(m: int, n: int) -> int:
+    """Newton-Schulz matmul flops of one m x n matrix, m <= n: 5 x (4 m^2 n + 2 m^3)."""
+    return 5 * (4 * m * m * n + 2 * m ** 3)
+
+
+# tiny: 2 layers of wq, wo (64 x 64), wk, wv (32 x 64 as iterated) and the MLP's 64 x 128.
+TINY_MUON_FLOPS = 2 * _ns(64, 64) + 2 * _ns(32, 64) + 3 * _ns(64, 128)  # one layer
+TINY_MUON_BYTES = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3)  # one layer, float32
+
+
+def _muon_plan(*overrides: str) -> tuple[dict, float]:
+    from jaxpar.cost.estimate import estimate  # noqa: PLC0415
+
+    cfg = validate(load_config("tiny", [*overrides, "train.optimizer=muon"]), 8)
+    report = estimate(cfg)
+    return {(r["kind"], tuple(r["axes"])): r for r in report.collective_rows()}, \
+        report.flops.optimizer
+
+
+def test_plan_counts_muons_owner_exchanges_and_newton_schulz_flops_by_hand() -> None:
+    """tiny at data=2 fsdp=2 tensor=2 (ZeRO-3): each of the 7 stacked matrices' 2 layers,
+    padded to the 4 devices of fsdp x tensor, go one to a device (an all-to-all of twice the
+    quarter each device holds) and back; each device iterates on one layer's matrices."""
+    rows, flops = _muon_plan("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    exchange = rows[("all-to-all", ("fsdp", "tensor"))]
+    assert (exchange["count"], exchange["bytes"]) == (14, 2 * 2 * (2 * TINY_MUON_BYTES // 4))
+    assert flops == TINY_MUON_FLOPS
+
+
+def test_plan_counts_muons_gathers_under_zero1_by_hand() -> None:
+    """ZeRO-1 (moments split over data x fsdp): the momentum gathered over data x fsdp (half
+    of each matrix, still split over tensor), then over tensor (all of it); every device
+    iterates on both layers; ZeRO-1's final gather leaves the matrices out."""
+    rows, flops = _muon_plan("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero=1")
+    assert rows[("all-gather", ("tensor",))]["bytes"] == 2 * TINY_MUON_BYTES
+    assert flops == 2 * TINY_MUON_FLOPS
+    adamw = validate(load_config("tiny", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                          "parallel.zero=1"]), 8)
+    from jaxpar.cost.estimate import estimate  # noqa: PLC0415
+    zero1 = {(r["kind"], tuple(r["axes"])): r for r in estimate(adamw).collective_rows()}
+    gathered = rows[("all-gather", ("data", "fsdp"))]["bytes"]
+    # Muon's gather of its matrices (less their tensor split) in place of ZeRO-1's of them.
+    assert gathered == zero1[("all-gather", ("data", "fsdp"))]["bytes"]
