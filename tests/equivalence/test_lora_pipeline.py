@@ -93,3 +93,22 @@ def test_lora_in_a_pipeline_with_fsdp_and_tensor_matches_one_device() -> None:
     gradients reduce-scattered back, ``o``/``down``'s ``(x A)`` summed over ``tensor``."""
     got = run_layout(lora_pipeline("1f1b", "mesh.fsdp=2", "mesh.tensor=2"))
     assert_lora_run_matches_one_device(got, run_layout(REFERENCE))
+
+
+# A mixture of experts in the stages: the objective's MoE aux losses are per microbatch, so the
+# reference is the one-device run with as many micro-steps (as tests/equivalence/test_pipeline.py).
+MOE = ("model.n_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2",
+       "model.moe.router=sigmoid_bias", *LORA[:2])
+
+
+def test_expert_adapters_in_a_pipeline_with_expert_parallelism_match_one_device() -> None:
+    """Every target, the routed experts' own adapters among them, in a 1F1B pipeline whose
+    stages split the experts over ``expert`` (the dispatch's shard_map nested in the
+    executor's)."""
+    ref = run_layout(("mesh.data=1", "train.grad_accum=2", *MOE))
+    got = run_layout(("mesh.pipe=2", "mesh.expert=2", "mesh.data=1", "train.microbatches=2",
+                      "parallel.pipeline_schedule=1f1b", *MOE))
+    assert_lora_run_matches_one_device(got, ref)
+    experts = [a for path, a in jax.tree_util.tree_leaves_with_path(adapter_part(got["grads"]))
+               if "'moe'" in jax.tree_util.keystr(path)]
+    assert len(experts) == 6 and all(a.shape[1] == 4 for a in experts)  # per expert

@@ -38,12 +38,15 @@ def test_lora_refuses_what_it_does_not_run_yet() -> None:
 
 def test_lora_takes_moe_experts_and_dense_blocks() -> None:
     """Every target on moe-tiny (its feed-forward: the routed experts), and on MoE models with
-    dense blocks; a MoE model's adapters in a pipeline are one line."""
+    dense blocks, in a pipeline too; dense first blocks in a pipeline are one line."""
     validate(load_config("moe-tiny", ["train.lora.rank=4"]), 8)
     validate(load_config("moe-tiny", ["train.lora.rank=4", "model.n_layers=4",
                                       "model.moe.every=2", "model.moe.first_dense=2"]), 8)
-    message = _error("mesh.pipe=2", "train.microbatches=2", preset="moe-tiny", devices=2)
-    assert "\n" not in message and "mesh.pipe" in message
+    validate(load_config("moe-tiny", ["train.lora.rank=4", "mesh.pipe=2",
+                                      "train.microbatches=2"]), 2)
+    message = _error("mesh.pipe=2", "train.microbatches=2", "model.n_layers=3",
+                     "model.moe.first_dense=1", preset="moe-tiny", devices=2)
+    assert "\n" not in message and "first_dense" in message and "mesh.pipe" in message
 
 
 @pytest.mark.parametrize("rate", ["1.0", "-0.1", "nan"])
