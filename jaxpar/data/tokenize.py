@@ -20,6 +20,7 @@ import itertools
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -265,6 +266,7 @@ class _Encoder:
             self._pool = ProcessPoolExecutor(self._options.workers,
                                              mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start_worker)
+            _start_ignoring_ctrl_c(self._pool, self._options.workers)
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:
@@ -306,6 +308,21 @@ def _encode(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: str) -> 
     for a, end in zip(ids, ends, strict=True):
         tokens[end - 1 - len(a):end - 1] = a
     return _Encoded(tokens, ends, np.array([len(t.encode("utf-8")) for t in texts], np.int64))
+
+
+def _start_ignoring_ctrl_c(pool: ProcessPoolExecutor, workers: int) -> None:
+    """Start ``pool``'s worker processes now (a spawn pool starts one per submitted task until
+    it has them all) with SIGINT ignored, which a new process keeps from its parent: a Ctrl-C
+    while they still import (before ``_start_worker`` runs) would print a worker's traceback.
+    Ctrl-C is the main process's to handle; it is ignored here only while the processes start."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for _ in range(workers):
+            pool.submit(os.getpid)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _start_worker() -> None:
