@@ -96,6 +96,7 @@ def test_expert_adapters_match_one_device_under_expert_parallelism(
         assert np.all(np.abs(g).reshape(4, -1).max(axis=1) > 0), path
 
 
+@pytest.mark.slow
 def test_merged_expert_and_dense_block_adapters_equal_the_adapted_model() -> None:
     """``merged_weights`` (what ``jaxpar export --format hf`` writes) of a model with a dense
     first block, a (dense, MoE) group and a shared expert: the plain model with those weights

@@ -101,6 +101,7 @@ MOE = ("model.n_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2",
        "model.moe.router=sigmoid_bias", *LORA[:2])
 
 
+@pytest.mark.slow
 def test_expert_adapters_in_a_pipeline_with_expert_parallelism_match_one_device() -> None:
     """Every target, the routed experts' own adapters among them, in a 1F1B pipeline whose
     stages split the experts over ``expert`` (the dispatch's shard_map nested in the
