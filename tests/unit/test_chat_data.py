@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 from helpers import CHATML, save_chat_tokenizer, write_chat
 
-from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.data import build_dataset, make_tokenizer
-from jaxpar.data.chat import ChatTemplate, Conversation, encode_conversation, parse_conversation
+# The data extra's tokenizers and jinja2: chat data renders and tokenizes with them.
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from jaxpar.config import ConfigError, load_config, validate  # noqa: E402
+from jaxpar.data import build_dataset, make_tokenizer  # noqa: E402
+from jaxpar.data.chat import ChatTemplate, Conversation, encode_conversation, parse_conversation  # noqa: E402
 
 # One that renders user and assistant messages only and drops any other role silently.
 SILENT = (
