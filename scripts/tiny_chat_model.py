@@ -15,17 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
+from jaxpar.data.chat import CHATML
+
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB = 320  # 256 bytes and the specials, padded to a multiple of 64
-# ChatML, as Qwen's tokenizer_config.json spells it (an unknown role raises).
-CHATML = (
-    "{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def save_tokenizer(directory: Path) -> dict[str, int]:

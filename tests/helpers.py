@@ -33,6 +33,7 @@ from jax import lax
 from packaging.version import Version  # a dependency of pytest
 
 from jaxpar.config import ModelConfig, load_config, validate
+from jaxpar.data.chat import CHATML
 from jaxpar.inspect.tpu import INSTALL_HINT, libtpu_installed, libtpu_version
 
 TESTS = Path(__file__).resolve().parent
@@ -146,12 +147,11 @@ def make_batches(cfg) -> list[dict[str, np.ndarray]]:
 
 
 @functools.cache
-def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
-               base: tuple[str, ...] | None = None) -> dict:
-    """``preset`` (tiny) with ``base`` (``LAYOUT_BASE``) and ``overrides`` on as many devices as
-    its mesh axes multiply to, built once per test file: the first batch's loss and gradients,
-    the parameters after ``LAYOUT_STEPS`` steps, and the compiled step's collectives and HLO."""
-    from jaxpar.inspect.hlo.collectives import parse_collectives
+def layout_trainer(overrides: tuple[str, ...], preset: str = "tiny",
+                   base: tuple[str, ...] | None = None):
+    """(config, trainer) of ``preset`` with ``base`` (``LAYOUT_BASE``) and ``overrides`` on the
+    first devices, as many as the mesh axes in ``overrides`` multiply to (``mesh.dcn.*`` split
+    those axes over slices and add none)."""
     from jaxpar.mesh import make_mesh
     from jaxpar.train.step import build_trainer
 
@@ -160,7 +160,17 @@ def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
         int(o.split("=")[1]) for o in overrides
         if o.startswith("mesh.") and not o.startswith("mesh.dcn.")) or 1
     cfg = validate(cfg, n_devices)
-    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
+    return cfg, build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
+
+
+def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
+               base: tuple[str, ...] | None = None) -> dict:
+    """``preset`` (tiny) with ``base`` (``LAYOUT_BASE``) and ``overrides`` on as many devices as
+    its mesh axes multiply to, built once per test file: the first batch's loss and gradients,
+    the parameters after ``LAYOUT_STEPS`` steps, and the compiled step's collectives and HLO."""
+    from jaxpar.inspect.hlo.collectives import parse_collectives
+
+    cfg, trainer = layout_trainer(overrides, preset, base)
     batches = [trainer.put_batch(b) for b in make_batches(cfg)]
     state = trainer.init()
     loss, grads = trainer.loss_and_grads(state, batches[0])
@@ -211,15 +221,7 @@ def lora_loss_and_grads(overrides: tuple[str, ...], preset: str = "tiny",
     """Like :func:`run_layout` but cheaper (no step compiled): the first batch's loss and
     gradients from an initial state whose LoRA ``B`` are random (:func:`with_random_adapters`);
     also the trainer, that state (on the host) and the batch."""
-    from jaxpar.mesh import make_mesh
-    from jaxpar.train.step import build_trainer
-
-    cfg = load_config(preset, [*(LAYOUT_BASE if base is None else base), *overrides])
-    n_devices = math.prod(
-        int(o.split("=")[1]) for o in overrides
-        if o.startswith("mesh.") and not o.startswith("mesh.dcn.")) or 1
-    cfg = validate(cfg, n_devices)
-    trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
+    cfg, trainer = layout_trainer(overrides, preset, base)
     batch = trainer.put_batch(make_batches(cfg)[0])
     state = with_random_adapters(trainer, trainer.init(), seed)
     loss, grads = trainer.loss_and_grads(state, batch)
@@ -700,15 +702,6 @@ def write_bpe_tokenizer(path: Path, texts: list[str], vocab_size: int = 300) -> 
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
-# ChatML, as Qwen's tokenizer_config.json spells it (an unknown role raises).
-CHATML = (
-    "{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def save_chat_tokenizer(directory: Path, template: str | None = CHATML) -> str:

@@ -30,6 +30,17 @@ from jaxpar.data.sources import user_files
 
 Message = dict[str, str]
 
+# ChatML, as Qwen's tokenizer_config.json spells it (an unknown role raises): the template of
+# scripts/tiny_chat_model.py's tokenizer and of the tests' chat tokenizers.
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class Conversation:
