@@ -219,6 +219,7 @@ def test_moe_pipeline_with_expert_parallelism_matches_one_device_with_as_many_mi
     assert ("all-to-all", ("expert",)) in kinds and ("collective-permute", ("pipe",)) in kinds
 
 
+@pytest.mark.slow  # about 40 s; MoE in stages with expert parallelism runs in the default suite
 def test_moe_load_statistics_add_up_over_the_devices_a_stage_splits_by_hand():
     # pipe x fsdp x context: each device of a stage holds its own rows and sequence piece; its
     # MoE layers sum the expert load over the others and add their share of the balance and

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import benchmark_script as _benchmark
 
 TINY = ["model.d_model=64", "model.d_ff=128", "model.n_layers=4", "train.seq_len=32",
         "train.batch_size=8"]
 
 
+@pytest.mark.slow  # about 70 s: the script's rows; its step timing is checked in the default suite
 def test_benchmark_rows_ratios_and_no_recompiles(tmp_path, capsys):
     """The quick matrix and the 16-device 5d row on the shrunk preset (16 sequences: the
     pipelines' 4 microbatches x 4 data shards)."""

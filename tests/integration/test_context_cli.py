@@ -26,7 +26,7 @@ def test_plan_predicts_the_context_traffic_that_inspect_compiles(impl, kinds):
     assert all(0.9 <= row["ratio"] <= 1.1 for row in rows.values()), rows
 
 
-@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("impl", ["ring", pytest.param("allgather", marks=pytest.mark.slow)])
 def test_eight_devices_train_a_2048_token_sequence_split_over_context(tmp_path, impl):
     """The benchmark's context rows (scripts/benchmark.py, bench-cpu as one 2048-token sequence
     over context=8), trained for two steps in their own process: XLA:CPU aborts a step whose

@@ -66,6 +66,7 @@ def check(errors: dict) -> None:
     assert errors["pipe_permutes"] >= 1, errors
 
 
+@pytest.mark.slow  # about 35 s; the 8-device MoE pipelines run in the default suite
 def test_moe_dropless_inside_stages_with_fsdp_expert_and_tensor_on_16_devices():
     check(run_in_subprocess(16, (*PIPE, "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", *MOE)))
 
