@@ -146,7 +146,6 @@ def make_batches(cfg) -> list[dict[str, np.ndarray]]:
     return batches
 
 
-@functools.cache
 def layout_trainer(overrides: tuple[str, ...], preset: str = "tiny",
                    base: tuple[str, ...] | None = None):
     """(config, trainer) of ``preset`` with ``base`` (``LAYOUT_BASE``) and ``overrides`` on the
@@ -163,6 +162,7 @@ def layout_trainer(overrides: tuple[str, ...], preset: str = "tiny",
     return cfg, build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
 
 
+@functools.cache
 def run_layout(overrides: tuple[str, ...], preset: str = "tiny",
                base: tuple[str, ...] | None = None) -> dict:
     """``preset`` (tiny) with ``base`` (``LAYOUT_BASE``) and ``overrides`` on as many devices as
