@@ -111,8 +111,9 @@ def search(cfg: Config, device_count: int, hardware: str | HardwareProfile
     tried: list[Candidate] = []
     for data, fsdp, expert, context, tensor, sp, zero in layouts(device_count,
                                                                  cfg.model.moe.enabled):
+        # The config's slices stay: a layout whose axes they do not divide is rejected.
         mesh = MeshConfig(pipe=1, data=data, fsdp=fsdp, expert=expert, context=context,
-                          tensor=tensor)
+                          tensor=tensor, dcn=cfg.mesh.dcn)
         parallel = dataclasses.replace(cfg.parallel, sequence_parallel=sp, zero=zero)
         variant = dataclasses.replace(cfg, mesh=mesh, parallel=parallel)
         report, reason = None, None
