@@ -8,14 +8,15 @@ the per-process iterator.
 
 ``jaxpar tokenize`` (:mod:`.tokenize`) writes a corpus once as shards of token ids
 (:mod:`.shards`); :func:`open_tokenized` reads a split of it as the same rows, and
-:func:`open_mixture` several of them as one stream drawn by weight (:mod:`.mixture`). Importing this
-package does not import jax: :class:`DataIterator` needs grain (which does), so it is imported on
-first use, and tokenizing runs without either.
+:func:`open_mixture` several of them as one stream drawn by weight (:mod:`.mixture`);
+:func:`open_source` opens one split of either kind of source, as ``data.source`` names it.
+Importing this package does not import jax: :class:`DataIterator` needs grain (which does), so
+it is imported on first use, and tokenizing runs without either.
 """
 
 from typing import TYPE_CHECKING
 
-from jaxpar.data.dataset import build_dataset, dataset_line
+from jaxpar.data.dataset import build_dataset, dataset_line, open_source
 from jaxpar.data.mixture import MixtureDataset, open_mixture
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.shards import is_tokenized
@@ -38,6 +39,7 @@ __all__ = [
     "is_tokenized",
     "make_tokenizer",
     "open_mixture",
+    "open_source",
     "open_tokenized",
 ]
 

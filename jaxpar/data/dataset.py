@@ -12,11 +12,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxpar.config import DataConfig
 from jaxpar.data.chat import ChatTemplate, encode_conversation, read_conversations
 from jaxpar.data.packing import PackedDataset, pack_tokens, pack_weights
+from jaxpar.data.shards import is_tokenized
 from jaxpar.data.sources import Document, read_documents
-from jaxpar.data.tokenized import TokenizedDataset
-from jaxpar.data.tokenizer import Tokenizer
+from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
+from jaxpar.data.tokenizer import Tokenizer, make_tokenizer
 
 SPLITS = ("train", "validation")
 
@@ -96,6 +98,31 @@ def build_dataset(
             f"too few for one row of train.seq_len={seq_len}"
         )
     return dataset
+
+
+def open_source(data: DataConfig, source: str, split: str, seq_len: int, *, vocab_size: int,
+                label: str | None = None) -> TokenizedDataset | PackedDataset:
+    """``split`` of one source: a directory written by ``jaxpar tokenize`` (read, never
+    scanned), or anything else ``data.source`` reads (tokenized and split here, as ``data``
+    says). ValueError when anything is off, and before any work when the tokenizer has more
+    ids than the model's ``vocab_size``."""
+    label = label or f"data.source={source!r}"
+
+    def check_vocab(ids: int) -> None:
+        if ids > vocab_size:
+            raise ValueError(f"{label}: its tokenizer has {ids} ids, more than the model's "
+                             f"vocabulary (model.vocab_size={vocab_size})")
+
+    if is_tokenized(source):
+        ds = open_tokenized(source, split, seq_len, tokenizer=data.tokenizer,
+                            checksums=data.verify, label=label)
+        check_vocab(ds.vocab_size)
+        return ds
+    tokenizer = make_tokenizer(data.tokenizer)
+    check_vocab(tokenizer.vocab_size)
+    return build_dataset(source, tokenizer, seq_len, split=split,
+                         val_fraction=data.val_fraction, max_bytes=data.max_bytes or None,
+                         text_field=data.text_field, loss_on=data.loss_on)
 
 
 def validation_mask(keys: Sequence[str], val_fraction: float) -> np.ndarray:

@@ -45,11 +45,10 @@ import numpy as np
 from jaxpar.checkpoint.weights import restore_params
 from jaxpar.checkpoint.weights_only import read_weights
 from jaxpar.config import Config, ConfigError
-from jaxpar.data.dataset import build_dataset
+from jaxpar.data.dataset import open_source
 from jaxpar.data.packing import PackedDataset
-from jaxpar.data.shards import is_tokenized, split_text_bytes
-from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
-from jaxpar.data.tokenizer import make_tokenizer
+from jaxpar.data.shards import split_text_bytes
+from jaxpar.data.tokenized import TokenizedDataset
 from jaxpar.model.transformer import initial_buffers
 from jaxpar.train.eval import compile_eval_step
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
@@ -83,27 +82,15 @@ def open_split(cfg: Config, directory: str, split: str) -> TokenizedDataset | Pa
     under ``data.loss_on=assistant``), tokenized and split here as training does."""
     label = f"--data {directory}"
     try:
-        if is_tokenized(directory):
-            ds = open_tokenized(directory, split, cfg.train.seq_len,
-                                tokenizer=cfg.data.tokenizer, label=label)
-            vocab_size = ds.vocab_size
-        else:
-            tokenizer = make_tokenizer(cfg.data.tokenizer)
-            vocab_size = tokenizer.vocab_size
-            ds = build_dataset(directory, tokenizer, cfg.train.seq_len, split=split,
-                               val_fraction=cfg.data.val_fraction,
-                               max_bytes=cfg.data.max_bytes or None,
-                               text_field=cfg.data.text_field, loss_on=cfg.data.loss_on)
+        return open_source(cfg.data, directory, split, cfg.train.seq_len,
+                           vocab_size=cfg.model.vocab_size, label=label)
     except ImportError as err:  # an optional package (tokenizers, jinja2) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"{label}: " + str(err).splitlines()[0]) from None
-    if vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"{label}: its tokenizer has {vocab_size} ids, more than the "
-                          f"model's vocabulary (model.vocab_size={cfg.model.vocab_size})")
-    return ds
+        line = str(err).splitlines()[0]
+        raise ConfigError(line if line.startswith(label) else f"{label}: {line}") from None
 
 
 def row_batches(ds: TokenizedDataset | PackedDataset, batch_size: int, batches: int | None,

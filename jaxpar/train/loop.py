@@ -43,12 +43,9 @@ from jaxpar.checkpoint.weights_only import step_dir
 from jaxpar.config import Config, ConfigError, DistributedConfig, slices_line, to_yaml
 from jaxpar.data import (
     DataIterator,
-    build_dataset,
     dataset_line,
-    is_tokenized,
-    make_tokenizer,
     open_mixture,
-    open_tokenized,
+    open_source,
 )
 from jaxpar.distributed import barrier
 from jaxpar.hardware import peak_flops
@@ -131,17 +128,9 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
                               tokenizer=cfg.data.tokenizer, seed=cfg.train.seed,
                               shuffle=cfg.data.shuffle, checksums=cfg.data.verify)
             _check_vocab(cfg, ds.vocab_size)
-        elif is_tokenized(cfg.data.source):  # written by jaxpar tokenize: read, never scanned
-            ds = open_tokenized(cfg.data.source, split, cfg.train.seq_len,
-                                tokenizer=cfg.data.tokenizer, checksums=cfg.data.verify)
-            _check_vocab(cfg, ds.vocab_size)
         else:
-            tokenizer = make_tokenizer(cfg.data.tokenizer)
-            _check_vocab(cfg, tokenizer.vocab_size)
-            ds = build_dataset(cfg.data.source, tokenizer, cfg.train.seq_len, split=split,
-                               val_fraction=cfg.data.val_fraction,
-                               max_bytes=cfg.data.max_bytes or None,
-                               text_field=cfg.data.text_field, loss_on=cfg.data.loss_on)
+            ds = open_source(cfg.data, cfg.data.source, split, cfg.train.seq_len,
+                             vocab_size=cfg.model.vocab_size)
         it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed,
                           shuffle=cfg.data.shuffle and split == "train" and not cfg.data.sources,
                           segments=cfg.documents_masked())
@@ -157,8 +146,8 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
 
 def _check_vocab(cfg: Config, vocab_size: int) -> None:
     if vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                          f"tokenizer's vocabulary ({vocab_size})")
+        raise ConfigError(f"data.sources: their tokenizer has {vocab_size} ids, more than the "
+                          f"model's vocabulary (model.vocab_size={cfg.model.vocab_size})")
 
 
 def train(cfg: Config, console: Console | None = None) -> Summary:

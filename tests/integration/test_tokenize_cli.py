@@ -176,7 +176,7 @@ def test_the_wrong_tokenizer_or_a_small_vocabulary_is_one_line(byte_shards, bpe,
     assert made.returncode == 0, made.stderr
     result = _train_error(tmp_path, f"data.source={tmp_path / 'bpe'}",
                           f"data.tokenizer={tokenizer}")  # tiny: model.vocab_size=256
-    assert_one_line_error(result, "model.vocab_size=256 is smaller", "(300)")
+    assert_one_line_error(result, "tokenizer has 300 ids", "model.vocab_size=256")
 
 
 def test_an_empty_source_or_a_missing_field_is_one_line(tmp_path):
