@@ -359,14 +359,16 @@ class _Env:
         weights = jax.tree.leaves((layers, frozen, consts))
         return (y, aux), self.residuals.split(vjp_fn, weights)
 
-    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
+    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
+                 weights: bool = True):
         """(weight gradients, float32 in the stored layout; input gradient) of chunk ``j`` from
-        its stashed residuals."""
+        its stashed residuals (``weights=False``: an I slot, whose weight gradients go unused:
+        per layer, none is reduce-scattered)."""
         aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
         if self.fsdp is not None:
             layers, _, consts = self.weights(j)
             return layer_backward(self.fsdp, self.residuals, layers, consts, stashed, dy,
-                                  aux_cotangent)
+                                  aux_cotangent, weights)
         vjp_fn = self.residuals.join(stashed, jax.tree.leaves(self.weights(j)))
         d_layers, dx = vjp_fn((dy, aux_cotangent))
         return self.stages.unprepare(d_layers), dx
@@ -454,7 +456,7 @@ def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool,
     if fresh is not None:  # this step's forward wrote them: if to this slot, take them as made
         same = r[f"{prefix}_res"] == r["f_res"]
         stashed = [jnp.where(same, new, old) for new, old in zip(fresh, stashed, strict=True)]
-    d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
+    d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on, weights)
     if weights:
         layer_grads = jax.tree.map(
             lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))

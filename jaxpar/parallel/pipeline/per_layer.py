@@ -116,16 +116,17 @@ def layer_forward(fsdp: LayerFsdp, residuals: Any, shared: dict, chunk: Any, con
 
 
 def layer_backward(fsdp: LayerFsdp, residuals: Any, chunk: Any, consts: Any, stashed: list,
-                   dy: jax.Array, aux_cotangent: jax.Array) -> tuple[Any, jax.Array]:
+                   dy: jax.Array, aux_cotangent: jax.Array, weights: bool = True,
+                   ) -> tuple[Any, jax.Array]:
     """(weight gradients ``[layers, ...]``, float32 in the stored shards; input gradient) of a
     chunk from :func:`layer_forward`'s stashed residuals, the layers in reverse, each gathered
-    again."""
+    again. ``weights=False`` (an I slot): the input gradient alone (weight gradients None)."""
     def one(dy: jax.Array, xs: tuple) -> tuple:
         shard, const, stash = xs
         layer = fsdp.gathered(shard)
         vjp_fn = residuals.join(stash, jax.tree.leaves((layer, {}, _units(const))))
         d_layer, dx = vjp_fn((dy, aux_cotangent))
-        return dx, fsdp.scattered(d_layer)
+        return dx, fsdp.scattered(d_layer) if weights else None
 
     dx, d_layers = lax.scan(one, dy, (chunk, consts, stashed), reverse=True)
     return d_layers, dx
