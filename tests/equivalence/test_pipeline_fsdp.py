@@ -19,6 +19,7 @@ from helpers import (
     run_layout,
 )
 
+from jaxpar.config import load_config, validate
 from jaxpar.parallel.pipeline.executor import describe
 
 MODEL = ("model.n_layers=8",)
@@ -32,7 +33,12 @@ def layout(schedule: str, fsdp: str = "per_layer") -> tuple[str, ...]:
             f"parallel.pipeline_fsdp={fsdp}", *MODEL)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+# The interleaved layout and per_step's bytes (a compile each) run in the slow suite:
+# `pytest -m slow tests/equivalence/test_pipeline_fsdp.py`.
+SCHEDULES = ["1f1b", pytest.param("interleaved", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_per_layer_fsdp_matches_single_device_loss_grads_and_params(schedule):
     got, ref = run_layout(layout(schedule)), run_layout(REFERENCE)
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
@@ -45,7 +51,7 @@ def over_fsdp(result: dict, kind: str) -> list:
     return [c for c in result["collectives"] if c.kind == kind and c.axes == ("fsdp",)]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_per_layer_gathers_and_scatters_each_layer_in_the_loops(schedule):
     result = run_layout(layout(schedule))
     cfg = result["cfg"]
@@ -64,9 +70,40 @@ def test_per_layer_gathers_and_scatters_each_layer_in_the_loops(schedule):
     assert collectives_in_conditionals(result["hlo"]) == []
 
 
+@pytest.mark.slow
 def test_per_layer_moves_more_bytes_over_fsdp_than_per_step():
     per_layer = run_layout(layout("1f1b"))
     per_step = run_layout(layout("1f1b", "per_step"))
     assert max(c.executions for c in over_fsdp(per_step, "all-gather")) == 1
     assert (per_step_bytes(over_fsdp(per_layer, "all-gather"))
             > 4 * per_step_bytes(over_fsdp(per_step, "all-gather")))
+
+
+def test_a_stashed_layer_holds_activations_but_not_its_gathered_weights(monkeypatch):
+    # Each layer's VJP saves the weights gathered for it; the stash leaves them out (the
+    # backward slot gathers them again), so a stashed microbatch costs activations only.
+    from jaxpar.mesh import make_mesh
+    from jaxpar.parallel.pipeline import stages
+    from jaxpar.train.step import build_trainer
+
+    seen = {}
+    split = stages.Residuals.split
+
+    def record(self, vjp_fn, weights):
+        stashed = split(self, vjp_fn, weights)
+        seen["stashed"] = [(tuple(a.shape), a.dtype) for a in stashed]
+        seen["weights"] = [(tuple(a.shape), a.dtype) for a in weights]
+        seen["reused"] = sum(w is not None for w in self.layout[1])
+        return stashed
+
+    monkeypatch.setattr(stages.Residuals, "split", record)
+    cfg = validate(load_config("tiny", ["mesh.pipe=2", "mesh.data=1", "mesh.fsdp=4",
+                                        "train.microbatches=2", "train.remat=none",
+                                        "parallel.pipeline_schedule=1f1b",
+                                        "parallel.pipeline_fsdp=per_layer"]), 8)
+    build_trainer(cfg, make_mesh(cfg)).compile_step()
+    weights = [w for w in seen["weights"] if len(w[0]) > 2]  # one layer's matrices, [1, ...]
+    assert seen["reused"] >= len(weights) > 0
+    # gathered whole over fsdp=4: d_model 64 in full
+    assert all(64 in shape for shape, _ in weights), weights
+    assert not set(weights) & set(seen["stashed"]), seen["stashed"]

@@ -58,7 +58,8 @@ def test_per_layer_holds_one_layer_whole_and_sums_in_shards():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (("mesh.pipe=2", "mesh.data=4", "train.microbatches=2"), "needs mesh.pipe > 1 and mesh.fsdp > 1"),
+    (("mesh.pipe=2", "mesh.data=4", "train.microbatches=2"),
+     "needs mesh.pipe > 1 and mesh.fsdp > 1"),
     (("mesh.pipe=1", "mesh.fsdp=8"), "needs mesh.pipe > 1 and mesh.fsdp > 1"),
     (("mesh.pipe=2", "mesh.data=1", "mesh.fsdp=4", "train.microbatches=2", "train.lora.rank=4"),
      "not with train.lora"),

@@ -84,7 +84,10 @@ summed over it. A MoE layer sums its load statistics over these axes itself
 (:class:`jaxpar.model.moe.MoE`) and exchanges its tokens over ``expert`` directly
 (:func:`jaxpar.parallel.expert.expert_parallel`, ``hand_groups``). The cost: the stage's
 weights whole (compute dtype) and its gradient sums whole (float32) on every device for the
-step. With ``context`` manual here, context attention runs on each device's piece of the
+step (``parallel.pipeline_fsdp=per_step``). ``per_layer`` keeps the layers in their shards
+instead, gathering each as a slot runs it and reduce-scattering its gradient at once
+(:mod:`jaxpar.parallel.pipeline.per_layer`): one layer whole at a time, more bytes. With
+``context`` manual here, context attention runs on each device's piece of the
 sequence directly, with no ``shard_map`` of its own nested in this one (which the TPU compiler
 aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
 """
@@ -116,6 +119,7 @@ from jaxpar.parallel.pipeline.program import Program, compile_program, describe
 from jaxpar.parallel.pipeline.schedules import schedule_steps, stage_layer_order
 from jaxpar.parallel.pipeline.stages import (
     PIPE_AXIS,
+    Residuals,
     Stages,
     VocabPiece,
     embed_partial,
@@ -156,38 +160,6 @@ def _masked_add(on: jax.Array, total: Any, new: Any) -> Any:
                         total, new)
 
 
-class _Residuals:
-    """The forward's VJP as data: which of its leaves are the chunk's own weights (taken from
-    the weights again at the backward) and which must wait in the stash.
-
-    ``jax.vjp`` returns a pytree whose leaves are the saved residuals; a weight used as it is
-    appears among them as the very array passed in. Keeping those out of the stash means a
-    stashed microbatch costs its activations only, not a copy of the stage's weights.
-    """
-
-    def __init__(self):
-        self.layout: tuple | None = None  # (treedef, [leaf -> weight index or None])
-
-    def split(self, vjp_fn: Callable, weights: list) -> list:
-        leaves, treedef = jax.tree.flatten(vjp_fn)
-        which = tuple(next((i for i, w in enumerate(weights) if leaf is w), None)
-                      for leaf in leaves)
-        shapes = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
-        if self.layout is None:
-            # The first trace's pullback serves every later one: its function is a jaxpr of
-            # the residuals alone, and every trace of the same chunk saves the same leaves.
-            self.layout = (treedef, which, shapes)
-        elif self.layout[1:] != (which, shapes):
-            raise AssertionError("the forward's residuals changed between traces")
-        return [leaf for leaf, w in zip(leaves, which, strict=True) if w is None]
-
-    def join(self, stashed: list, weights: list) -> Callable:
-        treedef, which, _ = self.layout
-        stashed = iter(stashed)
-        return jax.tree.unflatten(treedef, [next(stashed) if w is None else weights[w]
-                                            for w in which])
-
-
 def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
                             v: int, vocab_size: int, stash_spec: PartitionSpec,
                             layer_grad_specs: Any, shared_grad_specs: Any,
@@ -208,8 +180,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     lay out the gradient sums (as the parameters, without ``pipe``); all three for the mesh left
     automatic inside (``by_hand``). With ``frozen`` (LoRA, :class:`Frozen`): ``layers`` the
     adapters, ``frozen_layers`` the rest (else ``{}``), and ``shared_grads`` is ``{}``.
-    ``per_layer`` (``parallel.pipeline_fsdp``): the layers stay in their stored shards, each
-    gathered as a slot runs it, its gradient reduce-scattered at once
+    ``per_layer`` (``parallel.pipeline_fsdp``): the layers stay in their stored shards
     (:mod:`jaxpar.parallel.pipeline.per_layer`).
     """
     train_shared = frozen is None
@@ -297,7 +268,7 @@ class _Env:
     piece: VocabPiece
     loss_scale: jax.Array
     aux_scale: jax.Array
-    residuals: _Residuals
+    residuals: Residuals
     act: jax.ShapeDtypeStruct  # one microbatch's activation
     aux_shapes: Any
     res_shapes: list
@@ -317,7 +288,7 @@ class _Env:
         env = _Env(stages, stage, shared, chunks,
                    stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
                    vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
-                   aux_scale, _Residuals(), None, None, None, train_shared, fsdp)
+                   aux_scale, Residuals(), None, None, None, train_shared, fsdp)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,

@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.parallel.manual import ByHand
-from jaxpar.parallel.pipeline.stages import Stages
+from jaxpar.parallel.pipeline.stages import Residuals, Stages
 
 
 def _one_layer(specs: Any) -> Any:
@@ -93,12 +93,12 @@ def _units(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[None], tree)
 
 
-def layer_forward(fsdp: LayerFsdp, residuals: Any, shared: dict, chunk: Any, consts: Any,
+def layer_forward(fsdp: LayerFsdp, residuals: Residuals, shared: dict, chunk: Any, consts: Any,
                   x: jax.Array, mb: dict) -> tuple[tuple[jax.Array, dict], list]:
     """A chunk's layers on ``x``, one gathered layer at a time: ((y, aux), stashable
     residuals, each leaf ``[layers of the chunk, ...]``). ``chunk``: the stored shards of the
     chunk's layers ``[layers, ...]``; ``residuals`` splits a VJP into what waits in the stash
-    (the executor's ``_Residuals``)."""
+    (:class:`Residuals`)."""
     stages = fsdp.stages
 
     def one(x: jax.Array, xs: tuple) -> tuple:
@@ -115,7 +115,7 @@ def layer_forward(fsdp: LayerFsdp, residuals: Any, shared: dict, chunk: Any, con
     return (y, aux), stash
 
 
-def layer_backward(fsdp: LayerFsdp, residuals: Any, chunk: Any, consts: Any, stashed: list,
+def layer_backward(fsdp: LayerFsdp, residuals: Residuals, chunk: Any, consts: Any, stashed: list,
                    dy: jax.Array, aux_cotangent: jax.Array, weights: bool = True,
                    ) -> tuple[Any, jax.Array]:
     """(weight gradients ``[layers, ...]``, float32 in the stored shards; input gradient) of a
