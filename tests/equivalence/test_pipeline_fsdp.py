@@ -16,6 +16,7 @@ from helpers import (
     collectives_in_conditionals,
     in_model_order,
     per_step_bytes,
+    record_stash,
     run_layout,
 )
 
@@ -83,20 +84,9 @@ def test_a_stashed_layer_holds_activations_but_not_its_gathered_weights(monkeypa
     # Each layer's VJP saves the weights gathered for it; the stash leaves them out (the
     # backward slot gathers them again), so a stashed microbatch costs activations only.
     from jaxpar.mesh import make_mesh
-    from jaxpar.parallel.pipeline import stages
     from jaxpar.train.step import build_trainer
 
-    seen = {}
-    split = stages.Residuals.split
-
-    def record(self, vjp_fn, weights):
-        stashed = split(self, vjp_fn, weights)
-        seen["stashed"] = [(tuple(a.shape), a.dtype) for a in stashed]
-        seen["weights"] = [(tuple(a.shape), a.dtype) for a in weights]
-        seen["reused"] = sum(w is not None for w in self.layout[1])
-        return stashed
-
-    monkeypatch.setattr(stages.Residuals, "split", record)
+    seen = record_stash(monkeypatch)
     cfg = validate(load_config("tiny", ["mesh.pipe=2", "mesh.data=1", "mesh.fsdp=4",
                                         "train.microbatches=2", "train.remat=none",
                                         "parallel.pipeline_schedule=1f1b",
