@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import (
+    MOE_LAYOUT_BASE,
     assert_grads_and_params_match,
     collectives_in_conditionals,
     in_model_order,
@@ -28,7 +29,9 @@ REFERENCE = ("mesh.data=1", *MODEL)
 
 
 def layout(schedule: str, fsdp: str = "per_layer") -> tuple[str, ...]:
-    v = ("parallel.virtual_stages=2",) if schedule == "interleaved" else ()
+    # (interleaved: under remat=dots too, each layer's VJP recomputing inside its own gather)
+    v = (("parallel.virtual_stages=2", "train.remat=dots") if schedule == "interleaved"
+         else ())
     return ("mesh.pipe=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
             "train.microbatches=4", f"parallel.pipeline_schedule={schedule}", *v,
             f"parallel.pipeline_fsdp={fsdp}", *MODEL)
@@ -46,6 +49,19 @@ def test_per_layer_fsdp_matches_single_device_loss_grads_and_params(schedule):
     assert abs(got["last_loss"] - ref["last_loss"]) / ref["last_loss"] < 1e-5
     grads, params = in_model_order(got)
     assert_grads_and_params_match({"grads": grads, "params": params}, ref)
+
+
+@pytest.mark.slow
+def test_per_layer_fsdp_of_a_moe_model_matches_single_device():
+    """The MoE layers' statistics per layer (the layer-stacked load rows, the summed aux
+    losses) and their experts split over expert, never gathered over it."""
+    moe = dict(preset="moe-tiny", base=tuple(MOE_LAYOUT_BASE))
+    got = run_layout(("mesh.pipe=2", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2",
+                      "train.microbatches=2", "parallel.pipeline_schedule=1f1b",
+                      "parallel.pipeline_fsdp=per_layer"), **moe)
+    ref = run_layout(("mesh.data=1",), **moe)
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    assert_grads_and_params_match(got, ref)
 
 
 def over_fsdp(result: dict, kind: str) -> list:
