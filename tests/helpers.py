@@ -262,6 +262,26 @@ def emulated_ragged_all_to_all(groups: int):
     return ragged
 
 
+def record_stash(monkeypatch) -> dict:
+    """Patch the pipeline's residual split to record, per trace, the shapes and dtypes of what a
+    stage stashes (``stashed``) and of the weights it leaves out (``weights``), and how many
+    VJP leaves are taken from the weights again (``reused``)."""
+    from jaxpar.parallel.pipeline import stages
+
+    seen = {}
+    split = stages.Residuals.split
+
+    def record(self, vjp_fn, weights):
+        stashed = split(self, vjp_fn, weights)
+        seen["stashed"] = [(tuple(a.shape), a.dtype) for a in stashed]
+        seen["weights"] = [(tuple(a.shape), a.dtype) for a in weights]
+        seen["reused"] = sum(w is not None for w in self.layout[1])
+        return stashed
+
+    monkeypatch.setattr(stages.Residuals, "split", record)
+    return seen
+
+
 def per_step_bytes(cs) -> int:
     """Payload per step: a collective in the scanned layer loop runs once per layer."""
     return sum(c.bytes * c.executions for c in cs)

@@ -333,6 +333,10 @@ class ParallelConfig:
     zigzag: bool = True  # load-balanced causal layout for context parallelism
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "gpipe"
     virtual_stages: int = 1
+    # FSDP inside pipeline stages: "per_step" gathers a stage's weights once per step and sums
+    # its gradients whole; "per_layer" gathers each layer as a slot runs it and reduce-scatters
+    # its gradient at once (less memory, more bytes: parallel/pipeline/executor.py).
+    pipeline_fsdp: Literal["per_step", "per_layer"] = "per_step"
     # Dtype of the gradient sums jaxpar takes by hand (over data, and over data/fsdp in the
     # pipeline executor); see validation._check_reduce_dtype for where it applies.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -215,6 +215,12 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     _require((m.n_layers - dense) % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers}{less} "
              f"is not divisible by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} "
              "(layers per chunk)")
+    if p.pipeline_fsdp == "per_layer":
+        _require(mesh.pipe > 1 and mesh.fsdp > 1, "parallel.pipeline_fsdp=per_layer needs "
+                 f"mesh.pipe > 1 and mesh.fsdp > 1 (got pipe={mesh.pipe}, fsdp={mesh.fsdp}); "
+                 "use per_step")
+        _require(t.lora.rank == 0, "parallel.pipeline_fsdp=per_layer: not with train.lora "
+                 "(the frozen base weights are gathered once per step); use per_step")
     _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
              "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
     if schedule == "interleaved" and mesh.pipe > 1:

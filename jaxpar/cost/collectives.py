@@ -99,7 +99,11 @@ from jaxpar.config import MESH_AXES
 from jaxpar.cost.ledger import CollectiveCost, Ledger
 from jaxpar.cost.optimizer import muon_collectives, muon_matrices
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
-from jaxpar.cost.pipeline import pipeline_collectives
+from jaxpar.cost.pipeline import (
+    per_layer_fsdp,
+    per_layer_fsdp_collectives,
+    pipeline_collectives,
+)
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
 from jaxpar.parallel.zero import ZERO1_AXES
@@ -134,9 +138,12 @@ def fsdp_collectives(c: Ledger) -> None:
         # layer by layer as without a pipeline (below), once per step.
         pre_runs = 1
         runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
-        c.add("all-gather", ("fsdp",), runs * len(layer),
-              runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
-              "stage weights gathered once, kept for every microbatch", True)
+        if per_layer_fsdp(st):  # parallel.pipeline_fsdp=per_layer: in every slot, by layer
+            per_layer_fsdp_collectives(c, layer)
+        else:
+            c.add("all-gather", ("fsdp",), runs * len(layer),
+                  runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
+                  "stage weights gathered once, kept for every microbatch", True)
     else:
         pre_runs = st.runs
         # Reshard after forward: gathered again in the backward pass, except what remat=none
@@ -162,8 +169,11 @@ def fsdp_collectives(c: Ledger) -> None:
     c.add("all-gather", ("fsdp",), len(other),
           sum(c.moved(p, p.gathered_bytes) for p in other),
           "embedding, lm_head and final norm gathered once per step", True)
-    c.add("reduce-scatter", ("fsdp",), (st.layers + 1) * c.runs_over(("fsdp",)),
-          c.reduced([p for p in layer + dense + other if p.trained], gathered=True,
+    # (per_layer: the layers' were reduce-scattered in the slots, per_layer_fsdp_collectives)
+    by_layer = per_layer_fsdp(st)
+    scattered = dense + other if by_layer else layer + dense + other
+    c.add("reduce-scatter", ("fsdp",), (1 if by_layer else st.layers + 1) * c.runs_over(("fsdp",)),
+          c.reduced([p for p in scattered if p.trained], gathered=True,
                     by_hand="fsdp" in c.by_hand),
           "gradients reduce-scattered to their shards, every micro-step", True)
 

@@ -275,7 +275,7 @@ def _matmul(spec: str, out_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
     """``einsum(spec, x, w)`` (accumulated in ``out_dtype``; None: the inputs') with
     :func:`_matmul_grads` for its backward pass. Its residuals are ``x`` and ``w`` as passed
     in, so the pipeline's stash recognises the weight as the stage's own
-    (``parallel/pipeline/executor.py: _Residuals``) and does not stash it."""
+    (``parallel/pipeline/stages.py: Residuals``) and does not stash it."""
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
 
 

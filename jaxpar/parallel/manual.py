@@ -109,12 +109,18 @@ class ByHand:
             return _per_shard(gather_shard, x, auto) if split else x
         return jax.tree.map(leaf, tree, specs, auto_specs)
 
-    def reduce(self, tree: Any, specs: Any, auto_specs: Any) -> Any:
+    def reduce(self, tree: Any, specs: Any, auto_specs: Any, *, scatter: bool = True,
+               replicas: bool = True) -> Any:
         """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
-        where the parameter is split (FSDP), an all-reduce where it is replicated (data)."""
+        where the parameter is split (FSDP), an all-reduce where it is replicated (data).
+        ``scatter=False``: the sums are already the stored split (reduce-scattered layer by
+        layer: ``parallel.pipeline_fsdp=per_layer``); ``replicas=False``: the reduce-scatter
+        alone (the all-reduce waits for the step's end)."""
         def leaf(g: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
-            split = self._split(spec)
-            rest = tuple(a for a in self.axes if a not in _axes_of(spec))
+            split = self._split(spec) if scatter else []
+            rest = tuple(a for a in self.axes if a not in _axes_of(spec)) if replicas else ()
+            if not (split or rest or (scatter and replicas)):
+                return g  # (the one-pass default keeps its cast to reduce_dtype and back)
 
             def sum_shard(a: jax.Array) -> jax.Array:
                 dtype = a.dtype

@@ -20,6 +20,7 @@ from helpers import (
     in_model_order,
     max_relative_error,
     per_step_bytes,
+    record_stash,
     run_layout,
 )
 
@@ -259,20 +260,9 @@ def test_a_stashed_microbatch_holds_activations_but_no_copy_of_the_weights(monke
     # The stage's weights are cast and gathered once per step; the forward's VJP saves those
     # very arrays, which the stash leaves out and the backward takes from the weights again.
     from jaxpar.mesh import make_mesh
-    from jaxpar.parallel.pipeline import executor as pipeline
     from jaxpar.train.step import build_trainer
 
-    seen = {}
-    split = pipeline._Residuals.split
-
-    def record(self, vjp_fn, weights):
-        stashed = split(self, vjp_fn, weights)
-        seen["stashed"] = [(tuple(a.shape), a.dtype) for a in stashed]
-        seen["weights"] = [(tuple(a.shape), a.dtype) for a in weights]
-        seen["reused"] = sum(w is not None for w in self.layout[1])
-        return stashed
-
-    monkeypatch.setattr(pipeline._Residuals, "split", record)
+    seen = record_stash(monkeypatch)
     cfg = validate(load_config("tiny", ["mesh.pipe=2", "mesh.data=1", "train.microbatches=2",
                                         "parallel.pipeline_schedule=1f1b", *overrides]), 8)
     build_trainer(cfg, make_mesh(cfg)).compile_step()

@@ -84,7 +84,10 @@ summed over it. A MoE layer sums its load statistics over these axes itself
 (:class:`jaxpar.model.moe.MoE`) and exchanges its tokens over ``expert`` directly
 (:func:`jaxpar.parallel.expert.expert_parallel`, ``hand_groups``). The cost: the stage's
 weights whole (compute dtype) and its gradient sums whole (float32) on every device for the
-step. With ``context`` manual here, context attention runs on each device's piece of the
+step (``parallel.pipeline_fsdp=per_step``). ``per_layer`` keeps the layers in their shards
+instead, gathering each as a slot runs it and reduce-scattering its gradient at once
+(:mod:`jaxpar.parallel.pipeline.per_layer`): one layer whole at a time, more bytes. With
+``context`` manual here, context attention runs on each device's piece of the
 sequence directly, with no ``shard_map`` of its own nested in this one (which the TPU compiler
 aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
 """
@@ -111,10 +114,12 @@ from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.manual import ByHand, Frozen, specs_of, split_by_hand
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline.dense_first import dense_pre_phase
+from jaxpar.parallel.pipeline.per_layer import LayerFsdp, layer_backward, layer_forward
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
 from jaxpar.parallel.pipeline.schedules import schedule_steps, stage_layer_order
 from jaxpar.parallel.pipeline.stages import (
     PIPE_AXIS,
+    Residuals,
     Stages,
     VocabPiece,
     embed_partial,
@@ -155,42 +160,11 @@ def _masked_add(on: jax.Array, total: Any, new: Any) -> Any:
                         total, new)
 
 
-class _Residuals:
-    """The forward's VJP as data: which of its leaves are the chunk's own weights (taken from
-    the weights again at the backward) and which must wait in the stash.
-
-    ``jax.vjp`` returns a pytree whose leaves are the saved residuals; a weight used as it is
-    appears among them as the very array passed in. Keeping those out of the stash means a
-    stashed microbatch costs its activations only, not a copy of the stage's weights.
-    """
-
-    def __init__(self):
-        self.layout: tuple | None = None  # (treedef, [leaf -> weight index or None])
-
-    def split(self, vjp_fn: Callable, weights: list) -> list:
-        leaves, treedef = jax.tree.flatten(vjp_fn)
-        which = tuple(next((i for i, w in enumerate(weights) if leaf is w), None)
-                      for leaf in leaves)
-        shapes = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
-        if self.layout is None:
-            # The first trace's pullback serves every later one: its function is a jaxpr of
-            # the residuals alone, and every trace of the same chunk saves the same leaves.
-            self.layout = (treedef, which, shapes)
-        elif self.layout[1:] != (which, shapes):
-            raise AssertionError("the forward's residuals changed between traces")
-        return [leaf for leaf, w in zip(leaves, which, strict=True) if w is None]
-
-    def join(self, stashed: list, weights: list) -> Callable:
-        treedef, which, _ = self.layout
-        stashed = iter(stashed)
-        return jax.tree.unflatten(treedef, [next(stashed) if w is None else weights[w]
-                                            for w in which])
-
-
 def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
                             v: int, vocab_size: int, stash_spec: PartitionSpec,
                             layer_grad_specs: Any, shared_grad_specs: Any,
-                            frozen: Frozen | None = None) -> Callable:
+                            frozen: Frozen | None = None, per_layer: bool = False,
+                            ) -> Callable:
     """``(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale) -> (loss_sum,
     shared_grads, layer_grads, aux)`` running ``program``.
 
@@ -206,19 +180,23 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     lay out the gradient sums (as the parameters, without ``pipe``); all three for the mesh left
     automatic inside (``by_hand``). With ``frozen`` (LoRA, :class:`Frozen`): ``layers`` the
     adapters, ``frozen_layers`` the rest (else ``{}``), and ``shared_grads`` is ``{}``.
+    ``per_layer`` (``parallel.pipeline_fsdp``): the layers stay in their stored shards
+    (:mod:`jaxpar.parallel.pipeline.per_layer`).
     """
     train_shared = frozen is None
+    fsdp = LayerFsdp.of(by_hand, stages) if per_layer else None
 
     def per_device(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale):
         with by_hand.hooks():
             shared = by_hand.gather(shared, by_hand.shared_specs, by_hand.auto_shared_specs)
-            layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
+            if fsdp is None:
+                layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
             if frozen is not None:
                 frozen_layers = by_hand.gather(frozen_layers, *frozen)
             first = jax.tree.map(lambda a: a[0], micro)
             env = _Env.make(stages, shared, (layers, frozen_layers), consts, first, loss_scale,
                             aux_scale, p=p, v=v, vocab_size=vocab_size,
-                            train_shared=train_shared)
+                            train_shared=train_shared, fsdp=fsdp)
 
             def micro_step(carry: _Carry, microbatches: Any) -> tuple[_Carry, None]:
                 # One pass of the schedule over one micro-step's microbatches; the gradient
@@ -239,7 +217,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
         if train_shared:
             shared_grads = _summed_shared(by_hand, shared_grads)
         return (by_hand.total(loss), shared_grads,
-                by_hand.reduce(layer_grads, by_hand.layer_specs, by_hand.auto_layer_specs),
+                by_hand.reduce(layer_grads, by_hand.layer_specs, by_hand.auto_layer_specs,
+                               scatter=fsdp is None),
                 by_hand.total(aux_sums),
                 by_hand.total(aux_layers), d_inputs)
 
@@ -280,32 +259,36 @@ class _Env:
     stages: Stages
     stage: jax.Array
     shared: dict
-    chunks: Any  # layers as [v, layers_per_chunk, ...], prepared for use (Stages.prepare)
+    # layers as [v, layers_per_chunk, ...], prepared for use (Stages.prepare); with ``fsdp``
+    # (pipeline_fsdp=per_layer) their stored shards, each layer gathered as it runs
+    chunks: Any
     frozen_chunks: Any  # the frozen base weights so (LoRA; else {})
     const_chunks: Any
     micro: Any
     piece: VocabPiece
     loss_scale: jax.Array
     aux_scale: jax.Array
-    residuals: _Residuals
+    residuals: Residuals
     act: jax.ShapeDtypeStruct  # one microbatch's activation
     aux_shapes: Any
     res_shapes: list
     train_shared: bool = True  # False under LoRA: embedding, final norm and head are frozen
+    fsdp: LayerFsdp | None = None
 
     @staticmethod
     def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
-             vocab_size, train_shared) -> _Env:
+             vocab_size, train_shared, fsdp=None) -> _Env:
         """``layers``: (trained, frozen) stacked layer weights."""
         def by_chunk(tree):
             return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
 
         stage = lax.axis_index(PIPE_AXIS)
         trained, frozen = layers
-        env = _Env(stages, stage, shared, stages.prepare(by_chunk(trained)),
+        chunks = by_chunk(trained) if fsdp else stages.prepare(by_chunk(trained))
+        env = _Env(stages, stage, shared, chunks,
                    stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
                    vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
-                   aux_scale, _Residuals(), None, None, None, train_shared)
+                   aux_scale, Residuals(), None, None, None, train_shared, fsdp)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
@@ -335,6 +318,8 @@ class _Env:
         """Chunk ``j``'s layers on ``x`` under ``jax.vjp``: ((y, aux), stashable residuals)."""
         layers, frozen, consts = self.weights(j)
         stages = self.stages
+        if self.fsdp is not None:
+            return layer_forward(self.fsdp, self.residuals, self.shared, layers, consts, x, mb)
 
         def objective_parts(layers, x):
             # The frozen weights (LoRA) are closed over: constants, not differentiated.
@@ -345,10 +330,19 @@ class _Env:
         weights = jax.tree.leaves((layers, frozen, consts))
         return (y, aux), self.residuals.split(vjp_fn, weights)
 
-    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
-        """(weight gradients, input gradient) of chunk ``j`` from its stashed residuals."""
+    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
+                 weights: bool = True):
+        """(weight gradients, float32 in the stored layout; input gradient) of chunk ``j`` from
+        its stashed residuals (``weights=False``: an I slot, whose weight gradients go unused:
+        per layer, none is reduce-scattered)."""
+        aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
+        if self.fsdp is not None:
+            layers, _, consts = self.weights(j)
+            return layer_backward(self.fsdp, self.residuals, layers, consts, stashed, dy,
+                                  aux_cotangent, weights)
         vjp_fn = self.residuals.join(stashed, jax.tree.leaves(self.weights(j)))
-        return vjp_fn((dy, jnp.where(aux_on, self.aux_scale, 0.0)))
+        d_layers, dx = vjp_fn((dy, aux_cotangent))
+        return self.stages.unprepare(d_layers), dx
 
 
 def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
@@ -433,9 +427,8 @@ def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool,
     if fresh is not None:  # this step's forward wrote them: if to this slot, take them as made
         same = r[f"{prefix}_res"] == r["f_res"]
         stashed = [jnp.where(same, new, old) for new, old in zip(fresh, stashed, strict=True)]
-    d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on)
+    d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on, weights)
     if weights:
-        d_layers = env.stages.unprepare(d_layers)
         layer_grads = jax.tree.map(
             lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))
                                          .astype(acc.dtype)),
@@ -559,7 +552,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     run = pipeline_loss_and_grads(program, stages, by_hand,
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
-                                  shared_grad_specs=shared_grad_specs, frozen=frozen)
+                                  shared_grad_specs=shared_grad_specs, frozen=frozen,
+                                  per_layer=cfg.parallel.pipeline_fsdp == "per_layer")
 
     def split(batch: Any) -> Any:
         # [accum, m, B/(accum m), ...]: micro-steps as train.grad_accum cuts them, each cut into

@@ -201,5 +201,10 @@ def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
             "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in steps),
             "head_steps": sum(len(s.fields["f_on"]) for s in program.stretches
                               if "H" in s.kinds),
+            # executed steps with an input-gradient-only (I) and a weight-gradient (W) slot
+            "input_steps": sum(len(s.fields["f_on"]) for s in program.stretches
+                               if "I" in s.kinds),
+            "weight_steps": sum(len(s.fields["f_on"]) for s in program.stretches
+                                if "W" in s.kinds),
             "activation_slots": program.act_slots, "residual_slots": program.res_slots,
             "gradient_slots": program.grad_slots}

@@ -100,6 +100,38 @@ class VocabPiece(NamedTuple):
         return blocks.reshape(v, *piece.shape[1:])
 
 
+class Residuals:
+    """The forward's VJP as data: which of its leaves are the chunk's own weights (taken from
+    the weights again at the backward) and which must wait in the stash.
+
+    ``jax.vjp`` returns a pytree whose leaves are the saved residuals; a weight used as it is
+    appears among them as the very array passed in. Keeping those out of the stash means a
+    stashed microbatch costs its activations only, not a copy of the stage's weights.
+    """
+
+    def __init__(self):
+        self.layout: tuple | None = None  # (treedef, [leaf -> weight index or None])
+
+    def split(self, vjp_fn: Callable, weights: list) -> list:
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        which = tuple(next((i for i, w in enumerate(weights) if leaf is w), None)
+                      for leaf in leaves)
+        shapes = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+        if self.layout is None:
+            # The first trace's pullback serves every later one: its function is a jaxpr of
+            # the residuals alone, and every trace of the same chunk saves the same leaves.
+            self.layout = (treedef, which, shapes)
+        elif self.layout[1:] != (which, shapes):
+            raise AssertionError("the forward's residuals changed between traces")
+        return [leaf for leaf, w in zip(leaves, which, strict=True) if w is None]
+
+    def join(self, stashed: list, weights: list) -> Callable:
+        treedef, which, _ = self.layout
+        stashed = iter(stashed)
+        return jax.tree.unflatten(treedef, [next(stashed) if w is None else weights[w]
+                                            for w in which])
+
+
 def sum_over_stages(x: jax.Array, dtype: Any = None) -> jax.Array:
     """``psum`` over ``pipe`` in ``dtype`` (None: ``x``'s), returned in ``x``'s dtype."""
     return lax.psum(x.astype(dtype or x.dtype), PIPE_AXIS).astype(x.dtype)
