@@ -24,6 +24,7 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
 from jaxpar.model.projection import RESIDUAL
+from jaxpar.model.remat import Remat
 from jaxpar.model.transformer import scan_stack
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.pipeline.stages import PIPE_AXIS
@@ -31,7 +32,7 @@ from jaxpar.parallel.rules import logical_rules
 
 
 def dense_pre_phase(cfg: Config, graphdef: Any, mesh_shape: dict, platform: str, *,
-                     dtype: Any, remat: str, split: Callable) -> Callable:
+                     dtype: Any, remat: Remat, split: Callable) -> Callable:
     """DeepSeek's dense first blocks, run before the stages: ``(params, buffers, batch) ->
     (x0, backward)``, chunk 0's inputs (microbatched by ``split``) and the map from their
     gradient to the embedding's and ``dense_layers``' gradients. The batch rows are split over

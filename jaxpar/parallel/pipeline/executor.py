@@ -109,6 +109,7 @@ from jaxpar.config import Config
 from jaxpar.model.annotate import constrain
 from jaxpar.model.lora import adapter_part, base_part, merged
 from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
+from jaxpar.model.remat import Remat
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.manual import ByHand, Frozen, specs_of, split_by_hand
@@ -509,7 +510,7 @@ def _finish(env: _Env, c: _Carry) -> tuple:
 
 
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
-                        dtype: Any, remat: str, platform: str,
+                        dtype: Any, remat: Remat, platform: str,
                         ) -> tuple[Callable, np.ndarray | None, Program]:
     """The pipelined ``(params, buffers, batch, valid) -> (grads, (loss_sum, aux))`` (what
     ``jax.grad(objective, has_aux=True)`` returns without a pipeline), the stored layer order

@@ -24,6 +24,7 @@ from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
 from jaxpar.model.loss import joined_pieces, sequence_pieces, vocab_piece_loss
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
 from jaxpar.model.projection import owned_rows
+from jaxpar.model.remat import Remat
 from jaxpar.parallel.rules import logical_rules
 
 PIPE_AXIS = "pipe"
@@ -203,7 +204,7 @@ def _matching(axes: dict, tree: dict) -> dict:
             for k, sub in tree.items()}
 
 
-def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: str,
+def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, remat: Remat,
                  platform: str = "cpu", dense_stand_in: Any = None) -> Stages:
     """The model's pieces as the executor calls them (see :class:`Stages`); ``layer_axes``:
     the logical names of the stacked layer parameters (``layers`` first). ``dense_stand_in``:
