@@ -182,8 +182,9 @@ def test_gpu_axes_inside_a_node_use_nvlink_and_the_rest_the_network():
 
 
 def test_search_tries_every_layout_and_ranks_the_valid_ones_by_step_time():
-    candidates = search(load_config("tiny"), DEVICES, "h100")
-    assert len(candidates) == len(list(layouts(DEVICES)))
+    candidates = search(load_config("tiny"), DEVICES, "h100", keep=None)
+    assert len(candidates) == len(list(layouts(load_config("tiny"), DEVICES)))
+    assert not any(c.pruned for c in candidates)  # keep=None: every layout expanded
     ranked = [c for c in candidates if c.fits]
     assert [c.rank for c in ranked] == list(range(1, len(ranked) + 1))
     steps = [c.report.time.step for c in ranked]
