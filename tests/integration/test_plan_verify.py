@@ -7,7 +7,6 @@ stay for the life of a process). Without libtpu the tests skip (fail in CI where
 
 from __future__ import annotations
 
-import pytest
 from helpers import assert_one_line_error, needs_libtpu, run_inspect
 
 TARGET = "tpu-v5e:2x4"

@@ -7,6 +7,7 @@ import dataclasses
 import typing
 
 import pytest
+from rich.console import Console
 
 from jaxpar.cli.main import main
 from jaxpar.config import ConfigError, load_config, validate
@@ -21,6 +22,7 @@ from jaxpar.cost.search import (
     search,
 )
 from jaxpar.hardware import get_profile
+from jaxpar.inspect.verify import Verified, compile_depth, print_verification
 
 DEVICES = 8
 
@@ -156,3 +158,31 @@ def test_layout_overrides_reach_the_config():
     assert cfg.train.remat == "dots" and cfg.train.offload.optimizer
     with pytest.raises(ConfigError):
         validate(Layout(8, 1, 1, 1, pipe=1, microbatches=2).apply(cfg, "none", False), 8)
+
+
+def test_verify_compiles_the_fewest_layers_the_layout_takes():
+    cfg = _eight_layers()
+    for lay, layers in ((Layout(8, 1, 1, 1), 2),
+                        (Layout(2, 1, 1, 1, pipe=4, schedule="1f1b", microbatches=4), 4),
+                        (Layout(4, 1, 1, 1, pipe=2, schedule="interleaved", virtual_stages=2,
+                                microbatches=4), 4)):
+        assert compile_depth(validate(lay.apply(cfg, "none", False), DEVICES), DEVICES) == layers
+    assert compile_depth(validate(load_config("tiny"), DEVICES), DEVICES) == 2  # its own depth
+
+
+def test_verify_fails_a_candidate_whose_full_depth_peak_is_over_the_hbm():
+    """The full-depth figure: the compiled peak where nothing was cut, else the plan's full-depth
+    peak times compiled / predicted at the depth compiled; over the chip's HBM: exit 1."""
+    hw = get_profile("tpu-v5e")
+    best = next(c for c in search(_eight_layers(), DEVICES, hw) if c.fits)
+    full = best.report.memory.peak
+    fits = Verified(best, 2, 8, predicted_peak=100, compiled_peak=110, predicted_host=0,
+                    compiled_host=0, predicted_full_peak=full)
+    assert fits.ratio == pytest.approx(1.1) and fits.full_peak == pytest.approx(1.1 * full)
+    over = dataclasses.replace(fits, compiled_peak=int(100 * hw.hbm_bytes / full) + 100)
+    console = Console(record=True, width=200)
+    assert print_verification([fits], hw, "tpu-v5e:2x4", console) == 0
+    assert print_verification([fits, over], hw, "tpu-v5e:2x4", console) == 1
+    assert "do not fit" in console.export_text()
+    whole = dataclasses.replace(fits, layers=8)  # nothing cut: the compiled peak itself
+    assert whole.full_peak == 110
