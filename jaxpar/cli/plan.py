@@ -46,6 +46,8 @@ def _target(args: argparse.Namespace):
     """The parsed ``--target`` for ``--verify`` (None without), or a one-line ConfigError."""
     from jaxpar.inspect.tpu import parse_target  # noqa: PLC0415  (no jax until topology)
 
+    if args.show_all and not (args.search or args.verify):
+        raise ConfigError("--all goes with --search (every layout, not just the top 15)")
     if args.verify is None:
         if args.target is not None or args.slices is not None:
             raise ConfigError("--target and --slices go with --verify K (compile the best K)")

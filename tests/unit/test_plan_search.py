@@ -130,6 +130,7 @@ def test_search_ranks_pipelines_and_says_why_layouts_fail():
     (["--verify", "1", "--target", "tpu-v5e:2x4", "--slices", "3"],
      "--slices 3 does not divide the 8 devices"),
     (["--target", "tpu-v5e:2x4"], "--target and --slices go with --verify K"),
+    (["--all"], "--all goes with --search"),
     (["--verify", "1", "--target", "tpu-v5e:9"], "--target tpu-v5e:9: expected"),
     (["--verify", "1", "--target", "tpu-v5p:2x2x2", "--hardware", "tpu-v5e"],
      "plan for it with --hardware tpu-v5p"),
