@@ -243,8 +243,9 @@ def _expand(cfg: Config, probe: Candidate, devices: int, hw: HardwareProfile) ->
         return probe
     smallest = min(estimated, key=lambda c: c.report.memory.peak)
     levers = f"remat={smallest.remat}" + (", optimizer offloaded" if smallest.offload else "")
-    return dataclasses.replace(smallest, reason=f"{smallest.reason} even with {levers} (every "
-                               "remat and offload tried)")
+    tried_all = "every remat" + (" and offload" if hw.platform != "cpu" else "") + " tried"
+    return dataclasses.replace(smallest, reason=f"{smallest.reason} even with {levers} "
+                               f"({tried_all})")
 
 
 def search(cfg: Config, device_count: int, hardware: str | HardwareProfile,
