@@ -97,6 +97,7 @@ def validate(cfg: Config, device_count: int) -> Config:
     mesh = _resolve_mesh(cfg.mesh, device_count)
     _check_model(cfg.model, mesh)
     _check_pipeline(cfg, mesh)
+    _check_remat(cfg, mesh)
     _check_moe(cfg, mesh)
     _check_batch(cfg, mesh)
     _check_optimizer(cfg.train)
@@ -224,6 +225,25 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     _require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
              f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
              f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
+
+
+def _check_remat(cfg: Config, mesh: MeshConfig) -> None:
+    """``train.remat_every``: the policy applies to one scanned unit in every k, so k must
+    divide the units each layer loop runs (a pipeline chunk's, and the dense first blocks')."""
+    k, m = cfg.train.remat_every, cfg.model
+    _require(k >= 1, f"train.remat_every={k}: must be >= 1")
+    if k == 1:
+        return
+    _require(cfg.train.remat != "none", f"train.remat_every={k} needs a train.remat policy "
+             "(full, dots, attention or offload_dots): with none every layer keeps everything")
+    units = m.n_layers if not m.moe.enabled else (m.n_layers - m.moe.first_dense) // m.moe.every
+    chunk = units // (mesh.pipe * cfg.parallel.virtual_stages)
+    _require(chunk % k == 0, f"train.remat_every={k} does not divide the {chunk} scanned "
+             "layers " + ("of a pipeline chunk " if mesh.pipe > 1 else "")
+             + "(model.n_layers, in groups of model.moe.every)")
+    dense = m.moe.first_dense if m.moe.enabled else 0
+    _require(dense % k == 0, f"train.remat_every={k} does not divide model.moe.first_dense="
+             f"{dense} (the dense first blocks are a layer loop of their own)")
 
 
 def _check_moe(cfg: Config, mesh: MeshConfig) -> None:

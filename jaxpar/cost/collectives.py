@@ -141,8 +141,10 @@ def fsdp_collectives(c: Ledger) -> None:
         pre_runs = st.runs
         # Reshard after forward: gathered again in the backward pass, except what remat=none
         # keeps (the router and the experts, which do not go through projection.project_all).
-        kept = [p for p in layer if cfg.train.remat == "none" and not p.resharded]
-        for group, passes, what in ((kept, 1, "MoE weights gathered, kept for the backward"),
+        # (A layer that remat recomputes gathers those again too.)
+        kept = [p for p in layer if not p.resharded]
+        for group, passes, what in ((kept, 1 + _rematted(st),
+                                     "MoE weights gathered, kept for the backward"),
                                     ([p for p in layer if p not in kept], 2,
                                      "layer weights gathered before use, and again backward")):
             if group:
@@ -254,8 +256,9 @@ def context_collectives(c: Ledger) -> None:
     elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
         gathered, fw, bw = st.kv_block * st.c * st.wire, c.forwards, c.backwards
         # remat (dots or full) recomputes attention in the backward pass, the gathers with it
-        fw += bw if st.cfg.train.remat != "none" else 0
-        c.add("all-gather", ("context",), 2 * per_layer * fw, 2 * per_layer * fw * gathered,
+        fw += bw * _rematted(st)
+        c.add("all-gather", ("context",), round(2 * per_layer * fw),
+              round(2 * per_layer * fw * gathered),
               "context allgather attention: K, V of the whole sequence (forward, and again "
               "where remat recomputes attention)", False)
         c.add("reduce-scatter", ("context",), 2 * per_layer * bw,
@@ -274,7 +277,7 @@ def expert_collectives(c: Ledger) -> None:
     rows = st.expert_rows
     payload = rows * cfg.model.d_model * st.wire
     kind = "ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all"
-    again = cfg.train.remat != "none"  # remat redoes the forward pair in the backward pass
+    again = _rematted(st)  # remat redoes the forward pair in the backward pass
     # Per step: the stage's MoE layers x microbatches, x the slots they run in (pipeline).
     forward = round(st.moe_layers * st.runs * (2 * c.forwards + 2 * again * c.backwards))
     backward = round(st.moe_layers * st.runs * 2 * c.backwards)
@@ -313,7 +316,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     # it. Without post-norms nothing in the backward pass reads the MLP's output.
     again = _attention_again(st)
     mlp_again = (rows_per_layer - n_layers) * (again and m.post_norms)
-    row_outputs = st.runs * (rows_per_layer + n_layers * again + mlp_again)
+    row_outputs = round(st.runs * (rows_per_layer + n_layers * again + mlp_again))
     if st.pipeline is None:
         return row_outputs, st.runs * columns, st.runs, st.runs
     embeds, heads = (round(st.accum * st.pipeline[k] / st.executed("forward"))
@@ -321,13 +324,20 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     return row_outputs, st.runs * columns, embeds, heads
 
 
-def _attention_again(st: StepSizes) -> bool:
-    """Whether the backward pass recomputes attention's output, and so reduces it again:
-    remat=full, and remat=dots in a pipeline stage, whose matmuls' custom VJP
-    (``projection._matmul``) the dots policy does not save (measured: Llama-3-8B widths,
-    pipe=4 x fsdp=4 x tensor=4)."""
+def _rematted(st: StepSizes) -> float:
+    """The share of the layers a remat policy recomputes: one in ``train.remat_every``."""
+    return 0.0 if st.cfg.train.remat == "none" else 1 / st.cfg.train.remat_every
+
+
+def _attention_again(st: StepSizes) -> float:
+    """The share of the layers whose backward pass recomputes attention's output, and so
+    reduces it again: remat=full, and remat=dots (or offload_dots) in a pipeline stage, whose
+    matmuls' custom VJP (``projection._matmul``) the dots policy does not save (measured:
+    Llama-3-8B widths, pipe=4 x fsdp=4 x tensor=4). remat=attention keeps the attention
+    branch's output."""
     remat = st.cfg.train.remat
-    return remat == "full" or (remat == "dots" and st.pipeline is not None)
+    again = remat == "full" or (remat in ("dots", "offload_dots") and st.pipeline is not None)
+    return _rematted(st) if again else 0.0
 
 
 def _input_regathers(c: Ledger) -> int:
@@ -336,15 +346,18 @@ def _input_regathers(c: Ledger) -> int:
     without remat ``project_all`` keeps each input's slice and gathers it again (a pipeline
     stage's prepared weights skip that VJP, and keep the gathered input)."""
     st = c.st
-    remat, shared = st.cfg.train.remat, 1 if st.cfg.model.moe.num_shared_experts else 0
-    if remat in ("dots", "full"):
-        return 2 * st.layers * st.runs
-    if st.pipeline is not None:
-        return 0
+    shared = 1 if st.cfg.model.moe.num_shared_experts else 0
+    rematted = 2 * st.layers * st.runs
+    if st.cfg.train.remat == "attention":
+        # The MLP's recomputation gathers its input, and its weight gradients' backward rule
+        # gathers it again (not merged: Llama-3-8B widths, fsdp=8 tensor=8 with SP: 3 a layer).
+        rematted += (st.layers - st.moe_layers) * st.runs
     # One gather per input, whatever the matmuls reading it (they share its kept slice); a MoE
     # layer's experts read their own token copies.
-    per_step = (st.layers - st.moe_layers) * 2 + st.moe_layers * (1 + shared)
-    return per_step * st.runs
+    kept = 0 if st.pipeline is not None else (
+        ((st.layers - st.moe_layers) * 2 + st.moe_layers * (1 + shared)) * st.runs)
+    share = _rematted(st)
+    return round(share * rematted + (1 - share) * kept)
 
 
 def tensor_collectives(c: Ledger) -> None:

@@ -82,7 +82,7 @@ from jaxpar.cost.params import ParamCost, param_costs
 from jaxpar.cost.pipeline import pipeline_compute, pipeline_note
 from jaxpar.cost.shapes import StepSizes, step_sizes
 from jaxpar.hardware import HardwareProfile, get_profile
-from jaxpar.model.flops import matmul_params, train_flops_per_token
+from jaxpar.model.flops import attention_params, matmul_params, train_flops_per_token
 
 __all__ = ["CollectiveCost", "CostReport", "FlopsCost", "MemoryCost", "ParamCost", "TimeCost",
            "estimate", "wire_bytes"]
@@ -215,8 +215,17 @@ def _flops(st: StepSizes) -> FlopsCost:
     # The routed experts' matmuls (ragged or batched dots) are not what `dots` saves.
     expert = 3 * m.d_model * m.resolved_d_ff_expert if m.moe.enabled else 0
     recomputed_experts = 2 * m.n_moe_layers * m.moe.top_k * expert
+    # remat=attention redoes the feed-forward layers but for the outputs of the dense and
+    # shared experts' down projections (never read backward), and dense attention's scores
+    # and probabilities (the output it keeps: half the attention forward).
+    down = ((m.n_layers - m.n_moe_layers) * m.d_model * m.d_ff
+            + m.n_moe_layers * m.moe.num_shared_experts * m.d_model * m.resolved_d_ff_expert)
+    feed_forward = layer_matmuls - m.n_layers * attention_params(m)
     recompute = {"none": 0, "dots": recomputed_attention + recomputed_experts,
+                 "offload_dots": recomputed_attention + recomputed_experts,
+                 "attention": 2 * (feed_forward - down) + recomputed_attention / 2,
                  "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
+    recompute /= cfg.train.remat_every  # one layer in every k is rematerialised
     if st.loss_pieces > 1:  # each piece's logits are made again in the backward pass
         recompute += 2 * m.d_model * m.vocab_size
     # The pipeline executor recomputes nothing (the forward's residuals wait in its stash), but

@@ -34,6 +34,14 @@ Saved activations per layer and micro-batch, with ``r = A/t`` under sequence par
   VJP of their own that the policy does not save, only the block input, as under ``full``
   (and a MoE router's float32 logits).
 - ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
+- ``remat=attention`` (by name, ``model/remat.py``): the block input, q, k, v after rotary, the
+  attention output (b S/c H/t D a) and the attention branch's output (r); the MLP (or MoE
+  layer) and the norms are recomputed. Also in a pipeline stage: the names are outside the
+  matmuls' custom VJP.
+- ``remat=offload_dots``: on the GPU/TPU compilers what ``dots`` keeps but the block input goes
+  to host memory (``MemoryCost.host_activations``); on XLA:CPU, one memory, ``dots``.
+- ``train.remat_every = k``: one layer in k under the policy, the others as under ``none``
+  (with the weights ``none`` keeps): the per-layer figure is their average.
 - On XLA:CPU in bf16 the stacks ``dots`` and ``full`` save are float32 (XLA:CPU has no bf16
   dynamic-slice: the backward loop converts the whole stack once, before it).
 - Weights: under ``remat=none`` the layers reshard after the forward pass
@@ -117,6 +125,8 @@ class MemoryCost:
     # train.offload.optimizer on an accelerator: the optimizer state lives in host memory and
     # is on the device only during the update (XLA:CPU keeps both in one memory: False there).
     offloaded: bool = False
+    # train.remat=offload_dots on an accelerator: the saved matmul outputs, in host memory.
+    host_activations: int = 0
 
     @property
     def state(self) -> int:
@@ -125,7 +135,12 @@ class MemoryCost:
 
     @property
     def host(self) -> int:
-        """Train state in host memory (the offloaded optimizer state)."""
+        """Host memory: the offloaded optimizer state and saved activations."""
+        return self.host_state + self.host_activations
+
+    @property
+    def host_state(self) -> int:
+        """The train state in host memory (the offloaded optimizer state)."""
         return self.optimizer if self.offloaded else 0
 
     @property
@@ -138,7 +153,7 @@ class MemoryCost:
         return (self.state + self.batch
                 + max(during + self.activations + self.stash + self.weight_copies + self.working,
                       during + self.stash + self.before_loops,
-                      self.gradients + max(self.gradient_sums, self.update) + 2 * self.host))
+                      self.gradients + max(self.gradient_sums, self.update) + 2 * self.host_state))
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
@@ -170,12 +185,19 @@ def _norms(st: StepSizes) -> int:
 
 
 def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
-    """Bytes one layer saves for the backward pass, one micro-batch (module docstring)."""
+    """Bytes one layer saves for the backward pass in device memory, one micro-batch (module
+    docstring); ``offload_dots`` keeps its matmul outputs in host memory instead
+    (:func:`_host_activations`)."""
+    if remat == "offload_dots":
+        # XLA:CPU keeps the "offloaded" outputs in place: its program is the dots one.
+        if st.xla_cpu:
+            return _layer_activations(st, "dots", moe)
+        return _layer_activations(st, "full", moe)
     m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
     d = m.resolved_head_dim
     full = b * s * m.d_model * a  # A
     residual = full // t if st.sp else full
-    if st.pipeline is not None and remat != "none":
+    if st.pipeline is not None and remat in ("dots", "full"):
         # A stage's matmuls are a custom VJP of their own, which the dots policy does not
         # save: only the block input, as under full (and a MoE router's float32 logits).
         router = st.tokens * m.moe.num_experts * 4 if moe and remat == "dots" else 0
@@ -186,7 +208,7 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     # (float-normalization-bf16, then loop-invariant code motion): the bf16 stack the forward
     # loop wrote dies there and a float32 copy of it lives through the backward pass. (The
     # dots policy's saved matmul outputs alike.)
-    if st.xla_cpu and remat in ("dots", "full"):
+    if st.xla_cpu and remat != "none":
         residual, a = residual * 4 // a, 4
     q = b * s * (m.n_heads // t) * d * a
     kv = 2 * b * s * (m.n_kv_heads // t) * d * a
@@ -195,6 +217,10 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     flash = b * s * (m.n_heads // t) * (d + 1) * 4 if st.flash else 0
     if remat == "full":
         return residual + flash
+    if remat == "attention":
+        # q, k, v and the attention output (by name), and the attention branch's output, laid
+        # out as the residual stream; the MLP (or the MoE layer) is recomputed.
+        return 2 * residual + q + kv + q + flash
     ffn = _moe_activations(st, remat) if moe else (3 if remat == "none" else 2) * mlp
     if remat == "dots":
         # post_norms: the MLP's output, which its post-norm's backward pass reads, saved too
@@ -206,6 +232,27 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
     keys = st.s if st.c > 1 else s  # allgather attention: local queries x the whole sequence
     probs = 0 if st.flash else b * (m.n_heads // t) * s * keys * (4 + (a if a < 4 else 0))
     return _norms(st) + q + kv + q + ffn + probs + flash
+
+
+def _host_activations(st: StepSizes, moe: bool) -> int:
+    """Bytes one layer keeps in host memory, one micro-batch: under ``offload_dots`` on a
+    GPU/TPU compiler, the matmul outputs ``dots`` would keep on the device (outside a
+    pipeline, whose stage matmuls the policy does not see)."""
+    if st.cfg.train.remat != "offload_dots" or st.xla_cpu or st.pipeline is not None:
+        return 0
+    return _layer_activations(st, "dots", moe) - _layer_activations(st, "full", moe)
+
+
+def _unit_activations(st: StepSizes, blocks: list[bool], kept_weights: int = 0) -> int:
+    """Bytes one scanned unit saves on the device, averaged over ``train.remat_every``: one
+    unit in k under the policy, the others keeping everything (and ``kept_weights``, the
+    weights a ``remat=none`` layer keeps)."""
+    cfg, k = st.cfg, st.cfg.train.remat_every
+    policy = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks)
+    if cfg.train.remat == "none":
+        return policy + kept_weights
+    everything = sum(_layer_activations(st, "none", moe) for moe in blocks) + kept_weights
+    return (policy + (k - 1) * everything) // k
 
 
 def _stage_layer(st: StepSizes, moe: bool) -> int:
@@ -350,18 +397,17 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     units = layer_units(m)  # of the `layers` stack (DeepSeek's dense first blocks aside)
     layer_weights = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                         for p in params if p.stacked) // units
-    kept_weights = 0
-    if cfg.train.remat == "none" and st.pipeline is not None:
-        kept_weights = layer_weights
-    elif cfg.train.remat == "none":  # the stored shard of what it reshards (a stacked residual)
-        kept_weights = sum(p.stored_bytes_per_device or p.bytes_per_device if p.resharded
-                           else in_compute_dtype(p, p.gathered_bytes, st.a)
-                           for p in params if p.stacked) // units
+    # What a remat=none layer keeps of its weights: the stored shard of what it reshards (a
+    # stacked residual), the rest as read. (A pipeline stage's weights, read once per step,
+    # are its weight copies.)
+    kept_weights = sum(p.stored_bytes_per_device or p.bytes_per_device if p.resharded
+                       else in_compute_dtype(p, p.gathered_bytes, st.a)
+                       for p in params if p.stacked) // units
     gathered = _fsdp_gathered(st, params, layer_weights)
     if st.flash:  # one block's float32 scores, probabilities and their gradients
         head += 4 * st.b * (m.n_heads // st.t) * st.block * st.block * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
-    per_layer = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks) // len(blocks)
+    per_layer = _unit_activations(st, blocks) // len(blocks)
     # The backward pass's working set: one layer's remat=none set (recomputed, or its
     # gradients) and the norm output its matmuls rebuild (A); in a pipeline stage, the
     # residuals of the chunk a slot is running (remat=none) or the layer it recomputes, and
@@ -381,10 +427,11 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         + state_counters(cfg.train.optimizer, cfg.train.weight_decay),
         gradients=gradient_bytes + accumulator + whole_before_scatter,
         batch=rows * st.sl * 12,
-        activations=saved_layers * (sum(_layer_activations(st, cfg.train.remat, moe)
-                                        for moe in blocks) + kept_weights)
-        + (dense_units(m) * _layer_activations(st, cfg.train.remat)
-           if st.pipeline is None else 0),
+        activations=saved_layers * _unit_activations(st, blocks, kept_weights)
+        + (dense_units(m) * _unit_activations(st, [False]) if st.pipeline is None else 0),
+        host_activations=(units * sum(_host_activations(st, moe) for moe in blocks)
+                          + dense_units(m) * _host_activations(st, False))
+        // st.cfg.train.remat_every,
         working=max(layer_set + head + gathered + widened + _dense_ragged_dot(st), loss_phase),
         update=moments + muon_update_bytes(cfg, params),
         stash=stash,

@@ -57,7 +57,7 @@ def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
                      "ratio": _ratio(got.get("bytes"), want.get("bytes"))})
     # The train state wherever it lives (an offloaded optimizer state in host memory too).
     state = report["memory"]["params_bytes"] + report["memory"]["optimizer_bytes"]
-    planned_state = plan.memory.state + plan.memory.host
+    planned_state = plan.memory.state + plan.memory.host_state
     memory = {"compiled_state_bytes": state, "predicted_state_bytes": planned_state,
               "ratio": _ratio(state, planned_state),
               "compiled_host_bytes": report["memory"].get("host_bytes") or 0,
@@ -116,7 +116,7 @@ def print_comparison(comparison: Mapping[str, Any], console: Console,
                   _ratio_text(memory["peak_ratio"], tolerance))
     host, planned_host = memory.get("compiled_host_bytes"), memory.get("predicted_host_bytes")
     if host or planned_host:  # train.offload on an accelerator
-        table.add_row("host memory (offloaded state)", "-", human_bytes(host),
+        table.add_row("host memory (offloaded state, activations)", "-", human_bytes(host),
                       human_bytes(planned_host), _ratio_text(_ratio(host, planned_host),
                                                              tolerance))
     for row in comparison["collectives"]:

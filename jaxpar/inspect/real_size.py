@@ -41,6 +41,8 @@ CPU_CASES: tuple[Case, ...] = (
     _layout("data", "llama3-8b", "mesh.data=64", "mesh.fsdp=1"),
     _layout("fsdp", "llama3-8b"),
     _layout("fsdp-70b", "llama3-70b"),
+    # remat=attention: q, k, v, the attention output and branch kept, the MLP recomputed.
+    _layout("fsdp-remat-attention", "llama3-8b", "train.remat=attention", layers=4),
     _layout("fsdp-tensor", "llama3-8b", "mesh.fsdp=8", "mesh.tensor=8"),
     _layout("fsdp-tensor-sp", "llama3-8b", "mesh.fsdp=8", "mesh.tensor=8",
             "parallel.sequence_parallel=true"),

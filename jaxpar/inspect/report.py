@@ -117,6 +117,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
             "grad_accum": t.grad_accum,
             "dtype": t.dtype,
             "remat": t.remat,
+            "remat_every": t.remat_every,
             "zero": p.zero,
             "sequence_parallel": p.sequence_parallel,
             "compile_seconds": round(step.compile_seconds, 3),
@@ -252,7 +253,8 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
     t = cfg.train
     tokens = t.batch_size * t.seq_len
     analytic = train_flops_per_token(cfg.model, t.seq_len) * tokens / devices
-    one_layer = dataclasses.replace(cfg.model, n_layers=1)
+    # The loop body: one layer, or the train.remat_every layers of one group.
+    one_layer = dataclasses.replace(cfg.model, n_layers=t.remat_every)
     pieces = cfg.loss_pieces() if cfg.mesh.pipe == 1 else 1
     head = 6 * cfg.model.d_model * cfg.model.vocab_size * (1 - 1 / pieces)
     once = ((train_flops_per_token(one_layer, t.seq_len) - head) * tokens / t.grad_accum
@@ -301,7 +303,9 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
     console.print(
         f"[bold]jaxpar inspect[/bold] {report['devices']} x {run['device_kind']} | mesh "
         f"{mesh_text(mesh)} | {run['param_count'] / 1e6:.2f}M params | {run['dtype']}, "
-        f"remat={run['remat']}, zero={run['zero']}, sequence_parallel={run['sequence_parallel']}")
+        f"remat={run['remat']}"
+        + (f" (every {run['remat_every']})" if run.get("remat_every", 1) > 1 else "")
+        + f", zero={run['zero']}, sequence_parallel={run['sequence_parallel']}")
     if run.get("moe"):
         moe = run["moe"]
         console.print(f"mixture of experts: {moe['moe_layers']} MoE layers of {moe['num_experts']} "
@@ -454,7 +458,7 @@ def _print_flops(flops: Mapping[str, Any], run: Mapping[str, Any], console: Cons
 
     table.add_row("compiled (XLA cost_analysis)", human_flops(flops["compiled"]), "")
     table.add_row("analytic, whole step", human_flops(flops["analytic"]), ratio(flops["ratio"]))
-    loops = f"1 of {run['n_layers']} layers" + (
+    loops = f"{run.get('remat_every', 1)} of {run['n_layers']} layers" + (
         f", 1 of {run['grad_accum']} micro-steps" if run["grad_accum"] > 1 else "")
     table.add_row(f"analytic, loops once ({loops})", human_flops(flops["analytic_loops_once"]),
                   ratio(flops["ratio_loops_once"]))

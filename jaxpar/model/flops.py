@@ -21,7 +21,7 @@ from __future__ import annotations
 from jaxpar.config import ModelConfig
 
 
-def _attention_params(cfg: ModelConfig) -> int:
+def attention_params(cfg: ModelConfig) -> int:
     """The attention's weights; multi-head latent attention's (``model.mla``): the query's
     down- and up-projections (or its full-rank one), the key/value latent with the rope key,
     its up-projection to every head's k_nope and v, and the output projection."""
@@ -60,13 +60,13 @@ def matmul_params(cfg: ModelConfig) -> int:
     if n_moe:
         ffn += n_moe * _moe_params(cfg, cfg.moe.top_k)
     # + output projection (tied or not)
-    return cfg.n_layers * _attention_params(cfg) + ffn + cfg.d_model * cfg.vocab_size
+    return cfg.n_layers * attention_params(cfg) + ffn + cfg.d_model * cfg.vocab_size
 
 
 def param_count(cfg: ModelConfig) -> int:
     """All parameters, including every expert, the embedding table and norm scales."""
     n_moe = cfg.n_moe_layers
-    layers = (cfg.n_layers * _attention_params(cfg)
+    layers = (cfg.n_layers * attention_params(cfg)
               + (cfg.n_layers - n_moe) * 3 * cfg.d_model * cfg.d_ff)
     if n_moe:
         layers += n_moe * _moe_params(cfg, cfg.moe.num_experts)

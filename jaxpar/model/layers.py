@@ -49,6 +49,7 @@ from jaxpar.model.projection import (
     project_all,
     sequence_slice,
 )
+from jaxpar.model.remat import ATTENTION_INPUTS, ATTENTION_OUTPUT, named
 
 Q_WEIGHT = ("act_embed", "heads", "head_dim")
 KV_WEIGHT = ("act_embed", "kv_heads", "head_dim")
@@ -305,7 +306,8 @@ class Attention(nnx.Module):
         if self.q_multiplier != 1.0:
             q = q * jnp.asarray(self.q_multiplier, q.dtype)
         attend = attention_override() or dense_attention
-        out = attend(q, k, v, self._mask(positions))
+        q, k, v = named(ATTENTION_INPUTS, q, k, v)
+        out, = named(ATTENTION_OUTPUT, attend(q, k, v, self._mask(positions)))
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return adapted(self, "o", out, project("bshd,hde->bse", out, self.wo,
                                                ("heads", "head_dim", "act_embed")))

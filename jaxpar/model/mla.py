@@ -55,6 +55,7 @@ from jaxpar.model.projection import (
     sequence_slice,
     weight,
 )
+from jaxpar.model.remat import ATTENTION_INPUTS, ATTENTION_OUTPUT, named
 
 # DeepSeek's latent norms use their own epsilon, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -157,7 +158,9 @@ class MLA(nnx.Module):
             return self.project_out(cached(self, q, latent, k_rope, positions))
         k, v = self.expand(latent, k_rope)
         attend = attention_override() or dense_attention
-        return self.project_out(padded_attention(attend, q, k, v, positions))
+        q, k, v = named(ATTENTION_INPUTS, q, k, v)
+        out, = named(ATTENTION_OUTPUT, padded_attention(attend, q, k, v, positions))
+        return self.project_out(out)
 
     def project_in(self, x: jax.Array, positions: Positions, x_from: Rebuild | None,
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -20,6 +20,7 @@ are a second stack, ``dense_layers`` (parameters ``dense_layers/mlp/...``), scan
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import jax
@@ -42,16 +43,9 @@ from jaxpar.model.mask import Positions
 from jaxpar.model.mla import MLA
 from jaxpar.model.moe import LAYER_STACKED, MoE
 from jaxpar.model.projection import RESIDUAL, lookup, weight
+from jaxpar.model.remat import ATTENTION_BRANCH, Remat, named, rematted
 
 Aux = dict[str, jax.Array]  # float32 statistics and losses of the MoE layers ({} when dense)
-
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,  # keep every activation
-    "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute all
-    # keep the outputs of the weight matmuls (no batch dims), recompute the cheap elementwise
-    # ops and the attention scores/probabilities
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -82,7 +76,8 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: Positions) -> tuple[jax.Array, Aux]:
         h, h_from = self.attn_norm.for_matmul(x)
-        x = x + self._post_norm("attn_post_norm", self.attn(h, positions, h_from))
+        branch = self._post_norm("attn_post_norm", self.attn(h, positions, h_from))
+        x = x + named(ATTENTION_BRANCH, branch)[0]
         h, h_from = self.mlp_norm.for_matmul(x)
         if hasattr(self, "moe"):
             out, aux = self.moe(h)
@@ -223,7 +218,7 @@ class Transformer(nnx.Module):
                                   cfg.init_std)
 
     def __call__(self, tokens: jax.Array, positions: Positions, *, dtype=jnp.float32,
-                 remat: str = "none") -> tuple[jax.Array, Aux]:
+                 remat: Remat | str = "none") -> tuple[jax.Array, Aux]:
         """tokens, positions: int32 [B, S] (or positions as a mask description of packed
         documents, :mod:`jaxpar.model.mask`) -> (float32 logits [B, S, vocab], aux of
         :meth:`run_layers`)."""
@@ -248,7 +243,7 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.d_model ** 0.5, dtype)
         return constrain(x, RESIDUAL)
 
-    def run_layers(self, x: jax.Array, positions: Positions, *, remat: str = "none",
+    def run_layers(self, x: jax.Array, positions: Positions, *, remat: Remat | str = "none",
                    dense: bool = True) -> tuple[jax.Array, Aux]:
         """Every unit of ``self.layers`` in order, as one ``lax.scan``.
 
@@ -282,13 +277,17 @@ class Transformer(nnx.Module):
                 else weight(self.lm_head, ("act_embed", "vocab"), dtype))
 
 
-def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: str,
+def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: Remat | str,
                stack_id: int = 0) -> tuple[jax.Array, Aux]:
-    """The units of one stacked module in order, as one ``lax.scan`` (aux stacked per unit).
-    Under LoRA dropout each unit's adapters get the step's key folded with (``stack_id``, the
-    unit's index), so that every layer draws its own masks."""
+    """The units of one stacked module in order, as one ``lax.scan`` (aux stacked per unit),
+    each under ``remat``'s policy, or with ``remat.every = k`` one in every k
+    (:mod:`jaxpar.model.remat`: the scan then runs groups of k units). Under LoRA dropout each
+    unit's adapters get the step's key folded with (``stack_id``, the unit's index), so that
+    every layer draws its own masks."""
+    remat = Remat.of(remat)
     graphdef, stacked = nnx.split(stack)
     dropout = lora_dropout_key()
+    units = jax.tree.leaves(stacked)[0].shape[0]
 
     def one_unit(x: jax.Array, scanned) -> tuple[jax.Array, Aux]:
         if dropout is None:
@@ -298,14 +297,26 @@ def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: str
         with use_lora_dropout(key, *dropout[1:]):
             return nnx.merge(graphdef, layer_state)(x, positions)
 
-    if REMAT_POLICIES[remat] is not None:
-        one_unit = jax.checkpoint(one_unit, policy=REMAT_POLICIES[remat], prevent_cse=False)
     if dropout is not None:  # each unit's index rides along, for its key
-        units = jax.tree.leaves(stacked)[0].shape[0]
         stacked = (stacked, jnp.arange(units, dtype=jnp.int32))
-    # Without remat nothing would gather a layer's weights again for its backward pass.
-    with reshard_after_forward(remat == "none"):
-        return jax.lax.scan(one_unit, x, stacked)
+    if remat.every == 1:
+        # Without remat nothing would gather a layer's weights again for its backward pass.
+        with reshard_after_forward(remat.policy == "none"):
+            return jax.lax.scan(rematted(one_unit, remat.policy), x, stacked)
+    k, first = remat.every, rematted(one_unit, remat.policy)
+
+    def one_group(x: jax.Array, group) -> tuple[jax.Array, Aux]:
+        per_unit = []
+        for i in range(k):
+            with reshard_after_forward(i > 0):  # the units that keep everything
+                unit = jax.tree.map(operator.itemgetter(i), group)
+                x, aux = (first if i == 0 else one_unit)(x, unit)
+            per_unit.append(aux)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *per_unit)
+
+    groups = jax.tree.map(lambda a: a.reshape(units // k, k, *a.shape[1:]), stacked)
+    x, aux = jax.lax.scan(one_group, x, groups)
+    return x, jax.tree.map(lambda a: a.reshape(units, *a.shape[2:]), aux)
 
 
 def create_model(cfg: ModelConfig, seed: int, lora: LoraConfig | None = None) -> Transformer:

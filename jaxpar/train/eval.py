@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.data.mixture import source_names
+from jaxpar.model.remat import Remat
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.microbatch import split_micro_steps
@@ -50,7 +51,8 @@ def forward_loss_fn(trainer: Trainer) -> Callable[[TrainState, Batch], jax.Array
     """``(state, batch) -> sum of the token losses`` without a pipeline: the train step's loss
     code, forward only, micro-step by micro-step like the train step."""
     cfg = trainer.cfg
-    dtype, remat, pieces = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.loss_pieces()
+    dtype, pieces = DTYPES[cfg.train.dtype], cfg.loss_pieces()
+    remat = Remat(cfg.train.remat, cfg.train.remat_every)
     accum, platform = cfg.train.grad_accum, trainer.mesh.devices.flat[0].platform
 
     def loss_sum(state: TrainState, batch: Batch) -> jax.Array:

@@ -478,7 +478,9 @@ def start_lines(cfg: Config, devices: int, device_kind: str, data_line: str,
     t = cfg.train
     lines = [f"[bold]jaxpar train[/bold] {devices} x {device_kind} | mesh "
              f"{mesh_text(cfg.mesh_shape)} | {param_count(cfg.model) / 1e6:.2f}M params | "
-             f"{t.dtype}, remat={t.remat}, zero={cfg.parallel.zero}, "
+             f"{t.dtype}, remat={t.remat}"
+             + (f" (every {t.remat_every})" if t.remat_every > 1 else "")
+             + f", zero={cfg.parallel.zero}, "
              f"sequence_parallel={cfg.parallel.sequence_parallel}"]
     moe = cfg.model.moe
     if moe.enabled:

@@ -55,6 +55,7 @@ from jaxpar.model.lora import adapter_part, base_part, dropout_key, merged, with
 from jaxpar.model.loss import summed_token_loss
 from jaxpar.model.mask import AttentionMask, document_positions
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
+from jaxpar.model.remat import Remat
 from jaxpar.model.transformer import (
     DTYPES,
     abstract_model,
@@ -132,7 +133,7 @@ def from_gradients(cfg: Config, params: dict, buffers: Any) -> tuple[dict, dict]
 
 
 def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
-                     dtype: Any, remat: str, loss_pieces: int, embedding_grad_pieces: int = 1
+                     dtype: Any, remat: Remat, loss_pieces: int, embedding_grad_pieces: int = 1
                      ) -> tuple[jax.Array, dict]:
     """Sum over valid tokens of the cross entropy (normalised later by the global count), the
     logits made ``loss_pieces`` pieces at a time (the embedding's gradient
@@ -318,7 +319,8 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
     by hand once per step: :func:`sum_over_data_once` runs the micro-steps with ``data`` split
     by hand and sums in the reduce dtype. (``fsdp`` keeps its per-micro-step gathers and
     reduce-scatters: one layer's weights whole at a time is what FSDP is for.)"""
-    dtype, remat, accum = DTYPES[cfg.train.dtype], cfg.train.remat, cfg.train.grad_accum
+    dtype, accum = DTYPES[cfg.train.dtype], cfg.train.grad_accum
+    remat = Remat(cfg.train.remat, cfg.train.remat_every)
     moe, pieces, embedding_pieces = cfg.model.moe, cfg.loss_pieces(), cfg.embedding_grad_pieces()
 
     def objective(params: dict, buffers: dict, batch: Batch, valid: jax.Array
@@ -455,6 +457,26 @@ def check_reduce_dtype(cfg: Config, platform: str) -> None:
                           "compiles them for a TPU)")
 
 
+def check_host_memory(cfg: Config, device: Any) -> None:
+    """``train.offload.optimizer`` and ``train.remat=offload_dots`` put arrays in the devices'
+    pinned host memory: a platform without that memory kind is a config error here, before
+    any trace. (CPU, GPU and TPU have it; a device that cannot list its memories is let
+    through, and the compiler has the last word.)"""
+    asked = [name for name, on in (("train.offload.optimizer=true", cfg.train.offload.optimizer),
+                                   ("train.remat=offload_dots",
+                                    cfg.train.remat == "offload_dots")) if on]
+    if not asked:
+        return
+    try:
+        kinds = sorted({memory.kind for memory in device.addressable_memories()})
+    except Exception:  # noqa: BLE001  (compile-only or exotic devices)
+        return
+    if "pinned_host" not in kinds:
+        raise ConfigError(f"{asked[0]}: {device.platform} devices have no pinned_host memory "
+                          f"(their memory kinds: {', '.join(kinds) or 'none'}); turn host "
+                          "offload off on this platform")
+
+
 def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     """Resolve every sharding for ``cfg`` on ``mesh`` and jit init/step. ``cfg`` is validated.
 
@@ -464,6 +486,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     """
     logical_axes = trained(cfg, param_logical_axes(abstract_model(cfg.model, lora_of(cfg))))
     tx = make_optimizer(cfg.train, logical_axes, muon_specs(cfg, logical_axes))
+    check_host_memory(cfg, mesh.devices.flat[0])
     sh = resolve_shardings(cfg, mesh, tx)
     platform = mesh.devices.flat[0].platform
     check_reduce_dtype(cfg, platform)
@@ -474,7 +497,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     if cfg.mesh.pipe > 1:
         grad_fn, layer_order, program = pipelined_gradients(
             cfg, sh.graphdef, sh.param_specs, sh.logical_axes, dtype=DTYPES[cfg.train.dtype],
-            remat=cfg.train.remat, platform=platform)
+            remat=Remat(cfg.train.remat, cfg.train.remat_every), platform=platform)
     else:
         grad_fn = plain_gradients(cfg, sh.graphdef, trained(cfg, sh.state.params), platform)
         layer_order = program = None

@@ -208,6 +208,18 @@ ERROR_CASES = {
     "distributed-device-ids": (["distributed.local_device_ids=0;1"],
                                ["distributed.local_device_ids=0;1", "comma-separated"]),
     "distributed-timeout": (["distributed.timeout_s=0"], ["distributed.timeout_s=0", ">= 1"]),
+    # train.remat_every: a policy in one scanned unit of every k, k dividing each layer loop.
+    "remat-every-zero": (["train.remat=full", "train.remat_every=0"],
+                         ["train.remat_every=0", ">= 1"]),
+    "remat-every-without-policy": (["train.remat_every=2"],
+                                   ["train.remat_every=2", "train.remat", "attention"]),
+    "remat-every-not-dividing": (["train.remat=dots", "train.remat_every=3"],
+                                 ["train.remat_every=3", "does not divide", "2 scanned"]),
+    "remat-every-pipeline-chunk": (["train.remat=dots", "train.remat_every=2", "model.n_layers=4",
+                                    "mesh.pipe=4", "train.microbatches=4"],
+                                   ["train.remat_every=2", "1 scanned", "pipeline chunk"]),
+    "remat-unknown": (["train.remat=sometimes"],
+                      ["train.remat", "sometimes", "attention", "offload_dots"]),
     # Override syntax.
     "override-without-equals": (["mesh.tensor"], ["mesh.tensor", "key=value"]),
     "override-empty-key": (["=3"], ["=3", "empty key"]),

@@ -147,6 +147,40 @@ def test_remat_trades_saved_activations_for_recompute():
     assert recompute[0] == 0 < recompute[1] < recompute[2]
 
 
+def test_attention_policy_saves_and_recomputes_between_dots_and_full():
+    reports = {r: estimate(tiny("mesh.data=8", f"train.remat={r}"), "tpu-v5p")
+               for r in ("dots", "attention", "full")}
+    saved = [reports[r].memory.activations for r in ("dots", "attention", "full")]
+    recompute = [reports[r].flops.recompute for r in ("dots", "attention", "full")]
+    assert saved[0] > saved[1] > saved[2]
+    assert recompute[0] < recompute[1] < recompute[2]
+
+
+def test_remat_every_interpolates_between_none_and_the_policy():
+    """remat_every=2: half the layers under the policy, half keeping everything."""
+    def report(*overrides):
+        return estimate(tiny("mesh.data=8", "model.n_layers=4", *overrides))
+    none, full = report("train.remat=none"), report("train.remat=full")
+    half = report("train.remat=full", "train.remat_every=2")
+    expected = (none.memory.activations + full.memory.activations) / 2
+    assert abs(half.memory.activations - expected) <= 4
+    assert half.flops.recompute == pytest.approx(full.flops.recompute / 2)
+
+
+def test_offload_dots_keeps_the_dots_in_host_memory_on_an_accelerator():
+    """On a GPU/TPU compiler the matmul outputs dots keeps go to host memory (the device keeps
+    each layer's input, as under full); XLA:CPU, one memory, compiles dots' program."""
+    def report(remat, hardware):
+        return estimate(tiny("mesh.data=8", f"train.remat={remat}"), hardware).memory
+    dots, full = report("dots", "tpu-v5p"), report("full", "tpu-v5p")
+    offload = report("offload_dots", "tpu-v5p")
+    assert offload.activations == full.activations
+    assert offload.host_activations == dots.activations - full.activations > 0
+    assert offload.host == offload.host_activations and offload.host_state == 0
+    on_cpu = report("offload_dots", None)
+    assert on_cpu.activations == report("dots", None).activations and on_cpu.host == 0
+
+
 def test_estimate_needs_a_validated_config():
     with pytest.raises(ConfigError, match="validated"):
         estimate(load_config("tiny"))

@@ -5,8 +5,11 @@ host buffers with the rest, nothing moves."""
 
 from __future__ import annotations
 
-from jaxpar.config import load_config, validate
+import pytest
+
+from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.cost.estimate import estimate
+from jaxpar.train.step import check_host_memory
 
 LAYOUT = ["mesh.data=2", "mesh.fsdp=4"]
 
@@ -28,3 +31,28 @@ def test_on_xla_cpu_nothing_moves():
     plain, offloaded = memory(False, None), memory(True, None)
     assert offloaded.host == 0 and offloaded.state == plain.state
     assert offloaded.peak == plain.peak
+
+
+class _Memory:
+    def __init__(self, kind: str):
+        self.kind = kind
+
+
+class _Device:
+    platform = "metal"
+
+    def __init__(self, *kinds: str):
+        self.kinds = kinds
+
+    def addressable_memories(self):
+        return [_Memory(k) for k in self.kinds]
+
+
+@pytest.mark.parametrize("override", ["train.offload.optimizer=true", "train.remat=offload_dots"])
+def test_offload_on_a_platform_without_host_memory_is_a_one_line_config_error(override):
+    cfg = validate(load_config("tiny", [override]), 8)
+    with pytest.raises(ConfigError, match=r"^train\.\S+: metal devices have no pinned_host "
+                                          r"memory \(their memory kinds: device\)"):
+        check_host_memory(cfg, _Device("device"))
+    check_host_memory(cfg, _Device("device", "pinned_host"))  # CPU, GPU, TPU
+    check_host_memory(validate(load_config("tiny"), 8), _Device("device"))  # nothing asked

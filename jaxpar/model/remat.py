@@ -1,0 +1,74 @@
+"""What a layer keeps for its backward pass: ``train.remat`` and ``train.remat_every``.
+
+Autodiff keeps every intermediate a layer's backward pass reads (``none``). A policy keeps
+fewer and the backward pass recomputes the rest from the layer's input, which every policy
+keeps (``jax.checkpoint`` around one scanned unit):
+
+- ``full``: nothing else; the whole layer runs again.
+- ``dots``: the outputs of the weight matmuls (``dots_with_no_batch_dims_saveable``: q, k, v,
+  the attention's output projection, gate and up). Norms, rotary, the attention scores and the
+  SwiGLU product are recomputed: elementwise work, and the scores' batched matmuls.
+- ``attention``: what attention reads and writes, by name (:data:`ATTENTION_SAVED`): q, k and
+  v as the attention kernel reads them, its output, and the attention branch's output (after
+  the output projection, so the MLP's input is one add away). The MLP runs again (its gate and
+  up matmuls: two thirds of its flops, and under tensor parallelism its input's gather), and
+  dense attention its scores; the q, k, v and output projections are not redone. It keeps
+  less than ``dots`` by the MLP's two ``d_ff``-wide tensors, the largest a dense layer saves.
+- ``offload_dots``: what ``dots`` keeps, in host memory (``pinned_host``) instead of the
+  device's: the forward pass copies each out as it is made, the backward pass copies it back
+  (``offload_dot_with_no_batch_dims``). On XLA:CPU, whose host and device memory are one, the
+  compiler keeps them in place: the same program as ``dots``.
+
+``remat_every = k`` applies the policy to one unit in every k (the first of each group of k
+consecutive units): the others keep everything, as under ``none``. Memory and recomputation
+scale between ``none`` (k large) and the policy (k = 1); the layer loop then scans groups of k
+units, each group one step of the scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+# Names the model gives the tensors ``remat=attention`` keeps.
+ATTENTION_INPUTS = "attention_inputs"  # q, k, v as the attention kernel reads them
+ATTENTION_OUTPUT = "attention_output"  # the kernel's output, the output projection's input
+ATTENTION_BRANCH = "attention_branch"  # the projected output, added to the residual stream
+ATTENTION_SAVED = (ATTENTION_INPUTS, ATTENTION_OUTPUT, ATTENTION_BRANCH)
+
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attention": jax.checkpoint_policies.save_only_these_names(*ATTENTION_SAVED),
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        offload_src="device", offload_dst="pinned_host"),
+}
+
+
+def named(name: str, *xs: jax.Array) -> tuple[jax.Array, ...]:
+    """``xs`` tagged with ``name`` for the policies that select by name (the identity
+    otherwise)."""
+    return tuple(checkpoint_name(x, name) for x in xs)
+
+
+def rematted(fn: Callable, remat: str) -> Callable:
+    """``fn`` (one scanned unit) under ``remat``'s policy; ``fn`` itself for ``none``."""
+    policy = REMAT_POLICIES[remat]
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+@dataclass(frozen=True)
+class Remat:
+    """``train.remat`` and ``train.remat_every`` together: the policy of one unit in every
+    ``every`` (the others keep everything)."""
+
+    policy: str = "none"
+    every: int = 1
+
+    @classmethod
+    def of(cls, remat: Remat | str) -> Remat:
+        return remat if isinstance(remat, Remat) else cls(remat)
