@@ -34,10 +34,12 @@ few ms each) would take minutes; two rules keep the search to about one estimate
    layout is first estimated with ``remat=none`` and no offload: its *probe*, whose step time
    is a lower bound on every lever's. Only the layouts that may enter the top (rule 2) are
    expanded: every remat value without offload, and only if none of them fits, with the
-   optimizer offloaded too (its host transfers are not timed, so it is a last resort, not a
-   free win). The fastest variant that fits stands for the layout (ties, e.g. ``dots`` and
-   ``none`` under flash attention, which neither recomputes: least memory); a layout none of
-   whose variants fits is rejected with the reason of the smallest one.
+   optimizer offloaded too. The fastest variant that fits stands for the layout (ties, e.g.
+   ``dots`` and ``none`` under flash attention, which neither recomputes: least memory), but
+   one that keeps nothing in host memory wins over one that does (the optimizer offloaded, or
+   a remat policy that offloads what it saves): the host link's time is not in the step, so
+   host memory is a last resort, not a free win. A layout none of whose variants fits is
+   rejected with the reason of the smallest one.
 2. *Top K.* Layouts are expanded in the order of their probes' step times; once ``keep``
    layouts fit and the next probe is slower than the ``keep``-th fastest of them, no layout
    left can enter the top ``keep`` (each is at least as slow as its probe), so the rest are
@@ -237,7 +239,8 @@ def _expand(cfg: Config, probe: Candidate, devices: int, hw: HardwareProfile) ->
                   if (r, offload) != (probe.remat, probe.offload)]
         fitting = [c for c in tried if c.fits]
         if fitting:
-            return min(fitting, key=lambda c: (c.report.time.step, c.report.memory.peak))
+            return min(fitting, key=lambda c: (c.report.memory.host > 0, c.report.time.step,
+                                               c.report.memory.peak))
     estimated = [c for c in tried if c.report is not None]
     if not estimated:
         return probe

@@ -239,8 +239,8 @@ def test_search_never_ranks_a_layout_that_replicates_the_gradients_when_they_do_
     reduce-scatters its gradients to the moments' layout after the layer loop, so they are
     whole at the end of the backward pass (compiled for tpu-v5e:2x4 at data=8 ZeRO-1 with the
     config's remat=dots: a peak of 15.6 GiB of the chip's 15.75, beyond the plan's margin).
-    Unpipelined, only FSDP layouts rank first; without FSDP only ZeRO-1 under remat=full
-    (13.5 GiB planned) fits, far down the ranking."""
+    Unpipelined, only FSDP layouts rank first; without FSDP only ZeRO-1 saving less than
+    dots (remat=full: 13.5 GiB planned) fits, far down the ranking."""
     cfg = load_config("llama-1b", ["model.n_kv_heads=1", "model.attention=dense"])
     candidates = search(cfg, DEVICES, "tpu-v5e", keep=None)
     # A pipeline splits the layers over its stages instead: only unpipelined layouts count.
@@ -250,7 +250,8 @@ def test_search_never_ranks_a_layout_that_replicates_the_gradients_when_they_do_
     for c in candidates:
         if c.fsdp == 1 and c.pipe == 1:
             if c.fits:
-                assert (c.zero, c.remat) == (1, "full"), c.layout
+                # saving less than dots does (full, or what the lead's policies offload)
+                assert c.zero == 1 and c.remat not in ("none", "dots"), c.layout
                 continue
             assert ("HBM" in c.reason and c.reason.startswith("needs ")
                     or "not divisible by mesh.tensor" in c.reason), c.reason

@@ -73,8 +73,8 @@ def _brute_force_best(cfg, lay: Layout, hw):
     tried = [_try(cfg, lay, r, o, DEVICES, hw) for r in schema_values(TrainConfig, "remat")
              for o in (False, True)]
     fitting = [c for c in tried if c.fits]
-    return min(fitting, key=lambda c: (c.offload, c.report.time.step, c.report.memory.peak),
-               default=None)
+    return min(fitting, key=lambda c: (c.offload, c.report.memory.host > 0, c.report.time.step,
+                                       c.report.memory.peak), default=None)
 
 
 def test_the_levers_chosen_are_the_fastest_that_fit():
@@ -84,7 +84,7 @@ def test_the_levers_chosen_are_the_fastest_that_fit():
     hw = get_profile("tpu-v5e")
     candidates = search(cfg, DEVICES, hw, keep=None)
     fitting = [c for c in candidates if c.fits]
-    assert {c.remat for c in fitting} >= {"dots", "full"}  # full: where dots does not fit
+    assert len({c.remat for c in fitting}) >= 2  # some layouts need more than the fastest
     for c in fitting[:12]:
         best = _brute_force_best(cfg, c.layout_, hw)
         assert (c.remat, c.offload) == (best.remat, best.offload), c.layout
