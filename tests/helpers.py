@@ -488,13 +488,14 @@ def needs_libtpu() -> None:
 
 
 def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False,
-                preamble: str = "") -> subprocess.CompletedProcess:
+                preamble: str = "", command: str = "inspect") -> subprocess.CompletedProcess:
     """``jaxpar inspect ARGS`` in a fresh interpreter, without the test process's CPU and TPU
     settings: ``--target`` must keep jax off any TPU and quiet libtpu by itself. (jax exports
     TPU_LIBRARY_PATH and TPU_SKIP_MDS_QUERY into os.environ once it has found libtpu.)
 
     ``hide_libtpu``: run as an interpreter without libtpu would (it may be installed here).
     ``preamble``: Python lines run first in that interpreter (after ``import sys``).
+    ``command``: another subcommand that compiles for ``--target`` (``plan --verify``).
     """
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
@@ -502,7 +503,7 @@ def run_inspect(*args: str, cwd: Path, hide_libtpu: bool = False,
     if hide_libtpu:
         preamble = "sys.modules['libtpu'] = None\n" + preamble
     code = f"import sys\n{preamble}from jaxpar.cli.main import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, "inspect", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-c", code, command, *args], capture_output=True,
                           text=True, timeout=CLI_TIMEOUT_S, cwd=cwd, env=env)
 
 

@@ -4,139 +4,33 @@
 (:func:`jaxpar.cost.estimate.estimate`) of the config's own layout: memory per device against the
 device's HBM, every collective with its bytes and link time, flops, step time and MFU.
 
-``--search`` instead tries every layout of N devices that jaxpar can run today -- each ordered
-factorisation ``data x fsdp x context x tensor = N`` (``data x fsdp x expert x context x tensor``
-for a mixture-of-experts model; for a dense one ``expert`` would only be data parallelism under
-another name), with sequence parallelism off and on where ``tensor > 1``, with ZeRO-3 and (where
-data x fsdp > 1) ZeRO-1 -- keeping everything else in the config (context parallelism uses its
-``context_impl``; ``pipe`` stays 1, as it is not implemented yet). A layout is rejected when
-:func:`jaxpar.config.validate` refuses it (the reason is its error message) or when its peak
-memory does not fit in ``HBM_USABLE`` of the device's HBM ("needs X GiB > Y GiB HBM"); the rest
-are ranked by estimated step time, then by memory. Nothing is compiled and jax never starts a
-backend, so planning 512 GPUs takes about a second on a laptop.
+``--search`` instead ranks every layout of N devices (mesh, sequence parallelism, ZeRO, pipeline
+schedule and microbatches) with the remat policy and optimizer offload that make it fit
+(:mod:`jaxpar.cost.search`: what is tried and how it is pruned), and ``--verify K --target TPU``
+compiles the best K for a TPU slice to set the compiler's peak memory beside the plan's
+(:mod:`jaxpar.inspect.verify`). Nothing else compiles, and jax never starts a backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import re
+from collections import Counter
+from collections.abc import Sequence
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig, slices_line, validate
+from jaxpar.config import MESH_AXES, Config, ConfigError, slices_line, validate
 from jaxpar.cost.estimate import CostReport, estimate
+from jaxpar.cost.search import GIB, HBM_USABLE, TOP, Candidate, Layout, layouts, search
 from jaxpar.hardware import HardwareProfile, get_profile
 from jaxpar.model.flops import matmul_params, param_count
 from jaxpar.units import human_bytes
 
-HBM_USABLE = 0.9  # headroom for the runtime, XLA's scratch and allocator fragmentation
-GIB = 2**30
-
-
-# --------------------------------------------------------------------------------------------
-# Search
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout tried by :func:`search`."""
-
-    data: int
-    fsdp: int
-    context: int
-    tensor: int
-    sequence_parallel: bool
-    zero: int
-    report: CostReport | None  # None when validation rejected the layout
-    reason: str | None  # why it was rejected; None when it fits
-    rank: int | None = None  # 1 = fastest; None when rejected
-    expert: int = 1
-
-    @property
-    def fits(self) -> bool:
-        return self.reason is None
-
-    @property
-    def layout(self) -> str:
-        parts = [f"{a}={n}" for a, n in (("data", self.data), ("fsdp", self.fsdp),
-                                          ("expert", self.expert), ("context", self.context),
-                                          ("tensor", self.tensor))
-                 if n > 1] or ["data=1"]
-        if self.sequence_parallel:
-            parts.append("sp")
-        parts.append(f"zero={self.zero}")
-        return " ".join(parts)
-
-    def overrides(self) -> list[str]:
-        """The ``key=value`` overrides that select this layout (for ``jaxpar train``)."""
-        return [f"mesh.data={self.data}", f"mesh.fsdp={self.fsdp}",
-                *([f"mesh.expert={self.expert}"] if self.expert > 1 else []),
-                f"mesh.context={self.context}", f"mesh.tensor={self.tensor}",
-                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
-                f"parallel.zero={self.zero}"]
-
-
-def _factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
-    """Ordered tuples of ``parts`` positive ints whose product is ``n``."""
-    if parts == 1:
-        yield (n,)
-        return
-    for first in range(1, n + 1):
-        if n % first == 0:
-            for rest in _factorisations(n // first, parts - 1):
-                yield (first, *rest)
-
-
-def layouts(device_count: int, moe: bool = False
-            ) -> Iterator[tuple[int, int, int, int, int, bool, int]]:
-    """(data, fsdp, expert, context, tensor, sequence_parallel, zero) for every layout of the
-    devices; ``expert`` is 1 unless ``moe``."""
-    for sizes in _factorisations(device_count, 5 if moe else 4):
-        data, fsdp, expert, context, tensor = sizes if moe else (*sizes[:2], 1, *sizes[2:])
-        for sp in (False, True) if tensor > 1 else (False,):
-            # ZeRO-1 splits over data and fsdp: without either it is ZeRO-3 again.
-            for zero in (3, 1) if data * fsdp > 1 else (3,):
-                yield data, fsdp, expert, context, tensor, sp, zero
-
-
-def search(cfg: Config, device_count: int, hardware: str | HardwareProfile
-           ) -> list[Candidate]:
-    """Every layout of ``device_count`` devices, ranked (fitting ones first, by step time)."""
-    hw = get_profile(hardware)
-    usable = HBM_USABLE * hw.hbm_bytes
-    tried: list[Candidate] = []
-    for data, fsdp, expert, context, tensor, sp, zero in layouts(device_count,
-                                                                 cfg.model.moe.enabled):
-        # The config's slices stay: a layout whose axes they do not divide is rejected.
-        mesh = MeshConfig(pipe=1, data=data, fsdp=fsdp, expert=expert, context=context,
-                          tensor=tensor, dcn=cfg.mesh.dcn)
-        parallel = dataclasses.replace(cfg.parallel, sequence_parallel=sp, zero=zero)
-        variant = dataclasses.replace(cfg, mesh=mesh, parallel=parallel)
-        report, reason = None, None
-        try:
-            report = estimate(validate(variant, device_count), hw)
-        except ConfigError as err:
-            reason = str(err)
-        if report is not None and report.memory.peak > usable:
-            reason = (f"needs {report.memory.peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB HBM "
-                      f"({HBM_USABLE:.0%} of {hw.hbm_bytes / GIB:.0f} GiB usable)")
-        tried.append(Candidate(data, fsdp, context, tensor, sp, zero, report, reason,
-                               expert=expert))
-
-    def order(c: Candidate) -> tuple:
-        if c.fits:
-            return (0, c.report.time.step, c.report.memory.peak)
-        return (1, 0 if c.report is not None else 1, c.report.memory.peak if c.report else 0)
-
-    ranked = sorted(tried, key=order)
-    return [dataclasses.replace(c, rank=i + 1) if c.fits else c for i, c in enumerate(ranked)]
-
-
-_search = search  # plan_main's ``search`` flag shadows the function's name
+__all__ = ["GIB", "HBM_USABLE", "Candidate", "Layout", "format_plan", "format_search",
+           "layouts", "plan_main", "planned_devices", "print_search", "search"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,33 +184,48 @@ def _timing_table(report: CostReport) -> Table:
     return timing
 
 
-def format_search(candidates: Sequence[Candidate]) -> Table:
-    """One row per layout: ranked ones by step time, then the rejected ones with the reason."""
+def format_search(candidates: Sequence[Candidate], rows: int | None = TOP) -> Table:
+    """The ranked candidates (the first ``rows`` of them; None: all, the rejected ones too, with
+    their reasons)."""
     table = Table(title="layouts, fastest first", title_justify="left")
-    for column, justify in (("#", "right"), ("layout", "left"), ("step (ideal)", "right"),
-                            ("MFU bound", "right"), ("tokens/s", "right"), ("peak mem", "right"),
+    for column, justify in (("#", "right"), ("layout", "left"), ("micro", "right"),
+                            ("remat", "left"), ("offload", "left"), ("step (ideal)", "right"),
+                            ("MFU bound", "right"), ("peak mem", "right"),
                             ("exposed comm", "right"), ("busiest link", "left")):
         table.add_column(column, justify=justify)
-    for c in candidates:
+    shown = [c for c in candidates if c.fits][:rows] if rows is not None else candidates
+    for c in shown:
+        micro = str(c.microbatches) if c.pipe > 1 else "-"
+        offload = "optimizer" if c.offload else "-"
         if c.fits:
             t, m = c.report.time, c.report.memory
             busiest = max(t.comm_by_axis.items(), key=lambda kv: kv[1], default=None)
             busy = f"{busiest[0]} {human_seconds(busiest[1])}" if busiest else "-"
-            table.add_row(str(c.rank), c.layout, human_seconds(t.step), f"{t.mfu:.1%}",
-                          f"{t.tokens_per_s:,.0f}", _bytes(m.peak),
+            table.add_row(str(c.rank), c.layout, micro, c.remat, offload, human_seconds(t.step),
+                          f"{t.mfu:.1%}", _bytes(m.peak),
                           human_seconds(t.blocking_comm + t.exposed_comm + t.latency), busy)
         else:
             peak = _bytes(c.report.memory.peak) if c.report is not None else "-"
-            table.add_row("-", f"[dim]{c.layout}[/dim]", "", "", "", peak, "",
-                          f"[red]rejected[/red]: {c.reason}")
+            why = ("[yellow]pruned[/yellow]: slower than the top layouts even with remat=none"
+                   if c.pruned else f"[red]rejected[/red]: {c.reason}")
+            table.add_row("-", f"[dim]{c.layout}[/dim]", micro, c.remat, offload, "", "", peak,
+                          "", why)
     return table
+
+
+def reason_counts(candidates: Sequence[Candidate], top: int = 5) -> list[tuple[int, str]]:
+    """The most common reasons for rejection, numbers replaced by N so that one rule's
+    messages count together: [(count, reason)], most common first."""
+    counts = Counter(re.sub(r"\d+(\.\d+)?", "N", c.reason) for c in candidates
+                     if c.reason is not None)
+    return [(n, why) for why, n in counts.most_common(top)]
 
 
 # --------------------------------------------------------------------------------------------
 # The command
 
 
-def _devices(cfg: Config, device_count: int | None) -> int:
+def planned_devices(cfg: Config, device_count: int | None) -> int:
     """``--devices``, else ``host_devices``, else the product of a fully given mesh."""
     if device_count is not None:
         return device_count
@@ -330,7 +239,8 @@ def _devices(cfg: Config, device_count: int | None) -> int:
 
 
 def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
-              device_count: int | None = None, console: Console | None = None) -> int:
+              device_count: int | None = None, console: Console | None = None,
+              show_all: bool = False) -> int:
     """``jaxpar plan``: print the plan (or the ranked search); 0 when done.
 
     ``cfg`` is loaded but need not be validated (this validates it for ``device_count``). An
@@ -338,23 +248,9 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
     """
     console = console or Console()
     hw = get_profile(hardware)
-    devices = _devices(cfg, device_count)
+    devices = planned_devices(cfg, device_count)
     if search:
-        candidates = _search(cfg, devices, hw)
-        console.print(f"jaxpar plan --search | {hardware_line(cfg, devices, hw)}")
-        console.print(format_search(candidates))
-        best = [c for c in candidates if c.fits]
-        rejected = len(candidates) - len(best)
-        if best:
-            console.print(f"{len(best)} layouts fit, {rejected} rejected. Fastest: "
-                          f"{best[0].layout} -> " + " ".join(best[0].overrides()))
-        else:
-            console.print(f"[red]no layout of {devices} x {hw.name} fits[/red] "
-                          f"({rejected} rejected): try more devices, remat=full, a smaller "
-                          "train.batch_size or more train.grad_accum")
-        console.print("step: ideal (peak flops and link bandwidth, plus a fixed latency per "
-                      "collective); ranking is what to trust, not the absolute times. MFU counts "
-                      "causal attention as half the square (MaxText's count).", style="dim")
+        print_search(cfg, devices, hw, console, show_all)
         return 0
     valid = validate(cfg, devices)
     report = estimate(valid, hw)
@@ -367,3 +263,36 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
     console.print(format_plan(report))
     return 0
 
+
+
+def print_search(cfg: Config, devices: int, hw: HardwareProfile, console: Console,
+                 show_all: bool = False) -> list[Candidate]:
+    """``plan --search``: the top layouts (all of them, rejected ones too, with ``show_all``),
+    the most common reasons for rejection, the overrides of the fastest; returns the ranked
+    candidates."""
+    candidates = _search(cfg, devices, hw, keep=None if show_all else TOP)
+    console.print(f"jaxpar plan --search | {hardware_line(cfg, devices, hw)}")
+    console.print(format_search(candidates, rows=None if show_all else TOP))
+    best = [c for c in candidates if c.fits]
+    rejected = [c for c in candidates if c.reason is not None]
+    pruned = len(candidates) - len(best) - len(rejected)
+    console.print(f"{len(best)} layouts fit" + (f" (top {TOP} shown; --all for every one)"
+                                                if len(best) > TOP and not show_all else "")
+                  + f", {len(rejected)} rejected"
+                  + (f", {pruned} pruned (slower than the top {TOP} even with remat=none)"
+                     if pruned else "") + ".")
+    for count, why in reason_counts(rejected):
+        console.print(f"  {count:>6,} x {why}", style="dim", markup=False)
+    if best:
+        console.print(f"Fastest: {best[0].layout} -> " + " ".join(best[0].overrides()),
+                      markup=False)
+    else:
+        console.print(f"[red]no layout of {devices} x {hw.name} fits[/red]: try more devices, "
+                      "a smaller train.batch_size or more train.grad_accum")
+    console.print("step: ideal (peak flops and link bandwidth, plus a fixed latency per "
+                  "collective); ranking is what to trust, not the absolute times. MFU counts "
+                  "causal attention as half the square (MaxText's count).", style="dim")
+    return candidates
+
+
+_search = search  # plan_main's ``search`` flag shadows the function's name

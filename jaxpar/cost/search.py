@@ -1,0 +1,280 @@
+"""``jaxpar plan --search``: every layout of N devices with the memory levers that make it fit,
+ranked by estimated step time.
+
+What is tried
+-------------
+A *layout* is everything that changes how the work is split:
+
+- the mesh: each ordered factorisation ``pipe x data x fsdp x context x tensor = N``
+  (``pipe x data x fsdp x expert x context x tensor`` for a mixture of experts: for a dense model
+  ``expert`` would only be data parallelism under another name), the config's ``mesh.dcn`` kept
+  (a layout whose axes it does not divide is rejected with the reason);
+- sequence parallelism off and on where ``tensor > 1``; ZeRO-3 and, where ``data x fsdp > 1``,
+  ZeRO-1;
+- with ``pipe > 1``: each schedule of ``parallel.pipeline_schedule`` except ``gpipe`` (it has
+  1F1B's ticks and bubble and stashes all m microbatches instead of at most ``pipe``, so it is
+  never faster nor smaller: ``tests/unit/test_plan_search.py`` checks it), ``interleaved`` with
+  ``virtual_stages=2`` where the layers split into ``2 x pipe`` chunks;
+  ``train.microbatches`` m of ``pipe``, ``2 pipe`` and ``4 pipe`` where m divides the rows a
+  replica gets per micro-step (``batch_size / (grad_accum x data x fsdp x expert)``); and, where
+  ``fsdp > 1`` and the config has the field, every value of ``parallel.pipeline_fsdp``.
+
+The *levers* only trade memory for time on a layout: ``train.remat`` (every value the schema
+allows, read from :class:`~jaxpar.config.schema.TrainConfig`'s annotation, so a new policy is
+searched without an edit here) and ``train.offload.optimizer`` (only on a profile whose devices
+have a host memory apart from the device's, i.e. not ``cpu``).
+
+Pruning
+-------
+Estimating everything (layouts x levers: over 30,000 estimates for llama3-70b on 256 chips, a
+few ms each) would take minutes; two rules keep the search to about one estimate per layout:
+
+1. *A lever never speeds a step up.* ``remat=none`` recomputes nothing and gathers no weight
+   again, and the host link's time is not in the step (docs/memory.md#host-offload), so each
+   layout is first estimated with ``remat=none`` and no offload: its *probe*, whose step time
+   is a lower bound on every lever's. Only the layouts that may enter the top (rule 2) are
+   expanded: every remat value without offload, and only if none of them fits, with the
+   optimizer offloaded too. The fastest variant that fits stands for the layout (ties, e.g.
+   ``dots`` and ``none`` under flash attention, which neither recomputes: least memory), but
+   one that keeps nothing in host memory wins over one that does (the optimizer offloaded, or
+   a remat policy that offloads what it saves): the host link's time is not in the step, so
+   host memory is a last resort, not a free win. A layout none of whose variants fits is
+   rejected with the reason of the smallest one.
+2. *Top K.* Layouts are expanded in the order of their probes' step times; once ``keep``
+   layouts fit and the next probe is slower than the ``keep``-th fastest of them, no layout
+   left can enter the top ``keep`` (each is at least as slow as its probe), so the rest are
+   marked *pruned* and not expanded (``keep=None``, ``plan --all``: every layout expanded).
+
+The ranking (fitting ones by step time, then memory) is exact for the top ``keep`` under the
+model; the count of layouts that fit is a lower bound when some were pruned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from jaxpar.config import Config, ConfigError, MeshConfig, validate
+from jaxpar.config.schema import ParallelConfig, TrainConfig
+from jaxpar.cost.estimate import CostReport, estimate
+from jaxpar.hardware import HardwareProfile, get_profile
+
+HBM_USABLE = 0.9  # headroom for the runtime, XLA's scratch and allocator fragmentation
+GIB = 2**30
+TOP = 15  # layouts `plan --search` shows (and expands in full) unless --all
+
+
+def schema_values(cls: type, name: str) -> tuple:
+    """The values a ``Literal`` field of a config dataclass allows, in the schema's order."""
+    return typing.get_args(typing.get_type_hints(cls)[name])
+
+
+def pipeline_fsdp_values() -> tuple[str | None, ...]:
+    """``parallel.pipeline_fsdp``'s values, or ``(None,)`` where the config has no such field."""
+    if "pipeline_fsdp" not in {f.name for f in dataclasses.fields(ParallelConfig)}:
+        return (None,)
+    return schema_values(ParallelConfig, "pipeline_fsdp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the work is split (module docstring): the mesh and the settings that go with it."""
+
+    data: int
+    fsdp: int
+    context: int
+    tensor: int
+    sequence_parallel: bool = False
+    zero: int = 3
+    expert: int = 1
+    pipe: int = 1
+    schedule: str | None = None  # parallel.pipeline_schedule; None without a pipeline
+    virtual_stages: int = 1
+    microbatches: int = 1
+    pipeline_fsdp: str | None = None  # None: the config's (or no such field)
+
+    def apply(self, cfg: Config, remat: str, offload: bool) -> Config:
+        """``cfg`` with this layout and these levers."""
+        mesh = MeshConfig(pipe=self.pipe, data=self.data, fsdp=self.fsdp, expert=self.expert,
+                          context=self.context, tensor=self.tensor, dcn=cfg.mesh.dcn)
+        pipeline = {"pipeline_schedule": self.schedule} if self.schedule else {}
+        if self.pipeline_fsdp is not None:
+            pipeline["pipeline_fsdp"] = self.pipeline_fsdp
+        parallel = dataclasses.replace(cfg.parallel, sequence_parallel=self.sequence_parallel,
+                                       zero=self.zero, virtual_stages=self.virtual_stages,
+                                       **pipeline)
+        train = dataclasses.replace(cfg.train, remat=remat, microbatches=self.microbatches,
+                                    offload=dataclasses.replace(cfg.train.offload,
+                                                                optimizer=offload))
+        return dataclasses.replace(cfg, mesh=mesh, parallel=parallel, train=train)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout tried by :func:`search`, with the levers chosen for it."""
+
+    layout_: Layout
+    remat: str
+    offload: bool
+    report: CostReport | None  # None when validation rejected it or it was pruned
+    reason: str | None  # why it was rejected; None when it fits (or was pruned)
+    rank: int | None = None  # 1 = fastest; None when rejected or pruned
+    pruned: bool = False  # not expanded: its probe is slower than the top `keep`
+
+    def __getattr__(self, name: str):  # c.data, c.pipe, c.schedule ... read the layout
+        if name == "layout_":
+            raise AttributeError(name)
+        return getattr(self.layout_, name)
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None and not self.pruned
+
+    @property
+    def layout(self) -> str:
+        """``pipe=4 fsdp=16 tensor=4 sp zero=3 1f1b`` (microbatches and levers: own columns)."""
+        lay = self.layout_
+        parts = [f"{a}={getattr(lay, a)}" for a in ("pipe", "data", "fsdp", "expert", "context",
+                                                      "tensor") if getattr(lay, a) > 1]
+        parts = parts or ["data=1"]
+        if lay.sequence_parallel:
+            parts.append("sp")
+        parts.append(f"zero={lay.zero}")
+        if lay.schedule:
+            parts.append(lay.schedule + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1
+                                         else ""))
+        if lay.pipeline_fsdp:
+            parts.append(lay.pipeline_fsdp)
+        return " ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The ``key=value`` overrides that select this candidate (for ``jaxpar train``)."""
+        lay = self.layout_
+        out = [f"mesh.pipe={lay.pipe}", f"mesh.data={lay.data}", f"mesh.fsdp={lay.fsdp}",
+               *([f"mesh.expert={lay.expert}"] if lay.expert > 1 else []),
+               f"mesh.context={lay.context}", f"mesh.tensor={lay.tensor}",
+               f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}",
+               f"parallel.zero={lay.zero}"]
+        if lay.schedule:
+            out += [f"parallel.pipeline_schedule={lay.schedule}",
+                    f"parallel.virtual_stages={lay.virtual_stages}"]
+        if lay.pipeline_fsdp:
+            out.append(f"parallel.pipeline_fsdp={lay.pipeline_fsdp}")
+        return [*out, f"train.microbatches={lay.microbatches}", f"train.remat={self.remat}",
+                f"train.offload.optimizer={str(self.offload).lower()}"]
+
+
+def _factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Ordered tuples of ``parts`` positive ints whose product is ``n``."""
+    if parts == 1:
+        yield (n,)
+        return
+    for first in range(1, n + 1):
+        if n % first == 0:
+            for rest in _factorisations(n // first, parts - 1):
+                yield (first, *rest)
+
+
+def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
+               ) -> Iterator[tuple[str | None, int, int, str | None]]:
+    """(schedule, virtual_stages, microbatches, pipeline_fsdp) for ``pipe`` stages."""
+    if pipe == 1:
+        yield None, 1, 1, None
+        return
+    m, t = cfg.model, cfg.train
+    rows = t.batch_size // max(1, t.grad_accum * replicas)
+    counts = [k * pipe for k in (1, 2, 4) if rows % (k * pipe) == 0] or [pipe]  # else: rejected
+    units = m.n_layers - (m.moe.first_dense if m.moe.enabled else 0)
+    fsdp_modes = pipeline_fsdp_values() if fsdp > 1 else (None,)
+    for schedule in schema_values(ParallelConfig, "pipeline_schedule"):
+        if schedule == "gpipe":  # 1F1B's time, more memory (module docstring)
+            continue
+        virtual = 2 if schedule == "interleaved" else 1
+        if schedule == "interleaved" and units % (2 * pipe):
+            continue
+        for count in counts:
+            for mode in fsdp_modes:
+                yield schedule, virtual, count, mode
+
+
+def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
+    """Every layout of ``device_count`` devices that :func:`search` tries (module docstring)."""
+    moe = cfg.model.moe.enabled
+    for sizes in _factorisations(device_count, 6 if moe else 5):
+        pipe, data, fsdp, expert, context, tensor = sizes if moe else (*sizes[:3], 1,
+                                                                        *sizes[3:])
+        for sp in (False, True) if tensor > 1 else (False,):
+            # ZeRO-1 splits over data and fsdp: without either it is ZeRO-3 again.
+            for zero in (3, 1) if data * fsdp > 1 else (3,):
+                for schedule, virtual, count, mode in _pipelines(cfg, pipe, fsdp,
+                                                                 data * fsdp * expert):
+                    yield Layout(data, fsdp, context, tensor, sp, zero, expert, pipe, schedule,
+                                 virtual, count, mode)
+
+
+def _try(cfg: Config, layout: Layout, remat: str, offload: bool, devices: int,
+         hw: HardwareProfile) -> Candidate:
+    """One estimate: fits, or the reason it does not (validation's message, or the memory)."""
+    try:
+        report = estimate(validate(layout.apply(cfg, remat, offload), devices), hw)
+    except ConfigError as err:
+        return Candidate(layout, remat, offload, None, str(err))
+    usable = HBM_USABLE * hw.hbm_bytes
+    reason = None
+    if report.memory.peak > usable:
+        reason = (f"needs {report.memory.peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB HBM "
+                  f"({HBM_USABLE:.0%} of {hw.hbm_bytes / GIB:.0f} GiB usable)")
+    return Candidate(layout, remat, offload, report, reason)
+
+
+def _expand(cfg: Config, probe: Candidate, devices: int, hw: HardwareProfile) -> Candidate:
+    """The fastest lever setting of the probe's layout that fits (ties: least memory), else the
+    smallest one (rule 1 of the module docstring)."""
+    remats = schema_values(TrainConfig, "remat")
+    tried = [probe]
+    for offload in (False, True) if hw.platform != "cpu" else (False,):
+        tried += [_try(cfg, probe.layout_, r, offload, devices, hw) for r in remats
+                  if (r, offload) != (probe.remat, probe.offload)]
+        fitting = [c for c in tried if c.fits]
+        if fitting:
+            return min(fitting, key=lambda c: (c.report.memory.host > 0, c.report.time.step,
+                                               c.report.memory.peak))
+    estimated = [c for c in tried if c.report is not None]
+    if not estimated:
+        return probe
+    smallest = min(estimated, key=lambda c: c.report.memory.peak)
+    levers = f"remat={smallest.remat}" + (", optimizer offloaded" if smallest.offload else "")
+    tried_all = "every remat" + (" and offload" if hw.platform != "cpu" else "") + " tried"
+    return dataclasses.replace(smallest, reason=f"{smallest.reason} even with {levers} "
+                               f"({tried_all})")
+
+
+def search(cfg: Config, device_count: int, hardware: str | HardwareProfile,
+           keep: int | None = TOP) -> list[Candidate]:
+    """Every layout of ``device_count`` devices: the ones that fit ranked by step time (then
+    memory), then the pruned ones, then the rejected ones (module docstring)."""
+    hw = get_profile(hardware)
+    probe_remat = "none" if "none" in schema_values(TrainConfig, "remat") else cfg.train.remat
+    probes = [_try(cfg, lay, probe_remat, False, device_count, hw)
+              for lay in layouts(cfg, device_count)]
+    estimated = sorted((p for p in probes if p.report is not None),
+                       key=lambda p: (p.report.time.step, p.report.memory.peak))
+    fitting: list[Candidate] = []
+    rejected = [p for p in probes if p.report is None]
+    pruned: list[Candidate] = []
+    for probe in estimated:
+        if (keep is not None and len(fitting) >= keep
+                and probe.report.time.step > fitting[keep - 1].report.time.step):
+            pruned.append(dataclasses.replace(probe, reason=None, pruned=True))
+            continue
+        best = _expand(cfg, probe, device_count, hw)
+        if best.fits:
+            fitting.append(best)
+            fitting.sort(key=lambda c: (c.report.time.step, c.report.memory.peak))
+        else:
+            rejected.append(best)
+    rejected.sort(key=lambda c: (0, c.report.memory.peak) if c.report else (1, 0))
+    ranked = [dataclasses.replace(c, rank=i + 1) for i, c in enumerate(fitting)]
+    return ranked + pruned + rejected

@@ -1,0 +1,131 @@
+"""``jaxpar plan --search --verify K --target TPU``: the best K candidates compiled ahead of time
+for a TPU slice, the compiler's peak memory beside the plan's.
+
+Each candidate is compiled exactly as ``jaxpar inspect CONFIG --target TPU`` compiles it (the
+slice's compile-only devices from :func:`jaxpar.inspect.tpu.topology_devices`, the mesh laid over
+them, :func:`jaxpar.train.compiled.compiled_step`, :func:`jaxpar.inspect.report.build_report`):
+nothing runs, nothing is allocated, and the peak is the TPU compiler's buffer plan.
+
+Depth: a real-size step compiles in about a minute per layer-stack on two cores, so, as the
+real-size matrix does (:mod:`jaxpar.inspect.real_size`: ``model.n_layers=2``, or one layer per
+pipeline chunk), each candidate is compiled with the fewest layers its layout accepts, at least
+two (``d``; the config's own depth when that is smaller). The plan is estimated for the same
+``d``-layer config, so ``compiled / predicted`` compares like with like. The full-depth line is
+an extrapolation: the plan's full-depth peak times that ratio (the state and the saved
+activations grow with the layers, the model's error is assumed to grow with them); when ``d``
+is the config's depth it is the compiled peak itself. A candidate fails when that figure is
+over the chip's HBM (the compiler's plan, which already holds its scratch: not the planner's
+90% margin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from jaxpar.config import Config, ConfigError, validate
+from jaxpar.cost.estimate import estimate
+from jaxpar.cost.search import Candidate
+from jaxpar.hardware import HardwareProfile
+from jaxpar.units import human_bytes
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One candidate compiled for the target: predicted and compiled at ``layers`` layers."""
+
+    candidate: Candidate
+    layers: int  # the depth compiled (d)
+    full_layers: int  # the config's depth
+    predicted_peak: int  # the plan's, at d layers
+    compiled_peak: int  # the TPU compiler's, at d layers
+    predicted_host: int
+    compiled_host: int
+    predicted_full_peak: int  # the plan's, at the config's depth
+
+    @property
+    def ratio(self) -> float:
+        return self.compiled_peak / self.predicted_peak
+
+    @property
+    def full_peak(self) -> float:
+        """The compiled peak at full depth: measured when d is the full depth, else the plan's
+        full-depth peak times the ratio at d (module docstring)."""
+        if self.layers == self.full_layers:
+            return float(self.compiled_peak)
+        return self.predicted_full_peak * self.ratio
+
+
+def compile_depth(cfg: Config, device_count: int) -> int:
+    """The fewest layers (at least two, at most the config's) the layout accepts."""
+    full = cfg.model.n_layers
+    for layers in range(min(2, full), full):
+        try:
+            validate(_with_layers(cfg, layers), device_count)
+        except ConfigError:
+            continue
+        return layers
+    return full
+
+
+def _with_layers(cfg: Config, layers: int) -> Config:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=layers))
+
+
+def verify_candidate(candidate: Candidate, devices: Sequence[Any],
+                     hw: HardwareProfile) -> Verified:
+    """Compile ``candidate`` (estimated by ``plan --search``) for the slice's ``devices``."""
+    from jaxpar.inspect.report import build_report  # noqa: PLC0415  (imports jax)
+    from jaxpar.mesh import make_mesh  # noqa: PLC0415
+    from jaxpar.train.compiled import compiled_step  # noqa: PLC0415
+
+    full = candidate.report.cfg
+    layers = compile_depth(full, len(devices))
+    cfg = validate(_with_layers(full, layers), len(devices))
+    plan = estimate(cfg, hw)
+    memory = build_report(compiled_step(cfg, make_mesh(cfg, devices=list(devices))))["memory"]
+    # The TPU compiler's own peak (its buffer plan), as the TPU memory tests compare; the
+    # report's peak_bytes is the larger of it and argument + output - alias + temp, an upper
+    # bound whose temp buffer is not all live at once (inspect/report.py: memory_report).
+    compiled = memory.get("xla_peak_bytes") or memory["peak_bytes"]
+    return Verified(candidate, layers, full.model.n_layers, plan.memory.peak, compiled,
+                    plan.memory.host, memory.get("host_bytes") or 0,
+                    candidate.report.memory.peak)
+
+
+def print_verification(rows: Sequence[Verified], hw: HardwareProfile, target: str,
+                       console: Console) -> int:
+    """The table; 1 when a candidate's full-depth peak is over the chip's HBM, else 0."""
+    table = Table(title=f"compiled for {target} (TPU compiler, ahead of time) vs predicted, "
+                  "per device", title_justify="left")
+    offload = any(r.candidate.offload for r in rows)
+    columns = ["#", "layout", "remat", "layers", "predicted peak", "compiled peak",
+               "compiled / predicted",
+               *(["predicted host", "compiled host"] if offload else []),
+               "full depth", "fits"]
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("layout", "remat", "fits")
+                         else "right")
+    failed = 0
+    for r in rows:
+        c = r.candidate
+        fits = r.full_peak <= hw.hbm_bytes
+        failed += not fits
+        full = human_bytes(r.full_peak) + ("" if r.layers == r.full_layers else
+                                           f" ({r.full_layers} layers, extrapolated)")
+        table.add_row(str(c.rank), c.layout, c.remat, str(r.layers),
+                      human_bytes(r.predicted_peak), human_bytes(r.compiled_peak),
+                      f"{r.ratio:.2f}",
+                      *([human_bytes(r.predicted_host), human_bytes(r.compiled_host)]
+                        if offload else []),
+                      full, "yes" if fits else f"[red]no[/red]: over {human_bytes(hw.hbm_bytes)}")
+    console.print(table)
+    if failed:
+        console.print(f"[red]{failed} verified candidate(s) do not fit in {hw.name}'s "
+                      f"{human_bytes(hw.hbm_bytes)} of HBM[/red]")
+    return 1 if failed else 0
