@@ -242,6 +242,9 @@ def _check_remat(cfg: Config, mesh: MeshConfig) -> None:
         return
     _require(cfg.train.remat != "none", f"train.remat_every={k} needs a train.remat policy "
              "(full, dots, attention or offload_dots): with none every layer keeps everything")
+    _require(mesh.pipe == 1 or cfg.parallel.pipeline_fsdp == "per_step", f"train.remat_every={k}"
+             " with parallel.pipeline_fsdp=per_layer: a stage runs each layer alone there, so the "
+             "policy applies to every layer; set train.remat_every=1")
     units = m.n_layers if not m.moe.enabled else (m.n_layers - m.moe.first_dense) // m.moe.every
     chunk = units // (mesh.pipe * cfg.parallel.virtual_stages)
     _require(chunk % k == 0, f"train.remat_every={k} does not divide the {chunk} scanned "

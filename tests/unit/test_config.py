@@ -218,6 +218,10 @@ ERROR_CASES = {
     "remat-every-pipeline-chunk": (["train.remat=dots", "train.remat_every=2", "model.n_layers=4",
                                     "mesh.pipe=4", "train.microbatches=4"],
                                    ["train.remat_every=2", "1 scanned", "pipeline chunk"]),
+    "remat-every-per-layer-fsdp": (["train.remat=dots", "train.remat_every=2", "model.n_layers=4",
+                                    "mesh.pipe=2", "mesh.fsdp=2", "mesh.data=2",
+                                    "train.microbatches=2", "parallel.pipeline_fsdp=per_layer"],
+                                   ["train.remat_every=2", "pipeline_fsdp=per_layer"]),
     "remat-unknown": (["train.remat=sometimes"],
                       ["train.remat", "sometimes", "attention", "offload_dots"]),
     # Override syntax.
