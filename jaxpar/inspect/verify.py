@@ -29,9 +29,11 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxpar.config import Config, ConfigError, validate
-from jaxpar.cost.estimate import estimate
+from jaxpar.cost.estimate import CostReport, estimate
+from jaxpar.cost.plan import human_flops
 from jaxpar.cost.search import Candidate
 from jaxpar.hardware import HardwareProfile
+from jaxpar.inspect.compare import FLOOR_BYTES, compare_with_plan
 from jaxpar.units import human_bytes
 
 
@@ -47,6 +49,11 @@ class Verified:
     predicted_host: int
     compiled_host: int
     predicted_full_peak: int  # the plan's, at the config's depth
+    # Collective bytes per device per step by network ("ICI", "DCN"): (compiled, predicted)
+    # at d layers, and the plan's at the config's depth.
+    collectives: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    predicted_full_collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    worst_collective: str = ""  # the (kind, axes) row furthest from the plan, with its ratio
 
     @property
     def ratio(self) -> float:
@@ -88,14 +95,81 @@ def verify_candidate(candidate: Candidate, devices: Sequence[Any],
     layers = compile_depth(full, len(devices))
     cfg = validate(_with_layers(full, layers), len(devices))
     plan = estimate(cfg, hw)
-    memory = build_report(compiled_step(cfg, make_mesh(cfg, devices=list(devices))))["memory"]
+    report = build_report(compiled_step(cfg, make_mesh(cfg, devices=list(devices))))
+    memory = report["memory"]
     # The TPU compiler's own peak (its buffer plan), as the TPU memory tests compare; the
     # report's peak_bytes is the larger of it and argument + output - alias + temp, an upper
     # bound whose temp buffer is not all live at once (inspect/report.py: memory_report).
     compiled = memory.get("xla_peak_bytes") or memory["peak_bytes"]
+    rows = compare_with_plan(report, cfg)["collectives"]
     return Verified(candidate, layers, full.model.n_layers, plan.memory.peak, compiled,
                     plan.memory.host, memory.get("host_bytes") or 0,
-                    candidate.report.memory.peak)
+                    candidate.report.memory.peak, collectives=_by_network(rows),
+                    predicted_full_collectives=planned_by_network(candidate.report),
+                    worst_collective=_worst(rows))
+
+
+def _network(dcn: Any, axes: Sequence[str]) -> str:
+    return "DCN" if dcn.crossing(tuple(axes)) else "ICI"
+
+
+def planned_by_network(plan: CostReport) -> dict[str, int]:
+    """The plan's collective bytes per device per step, summed by network (ICI, DCN)."""
+    totals: dict[str, int] = {}
+    for row in plan.collective_rows():
+        net = _network(plan.cfg.mesh.dcn, row["axes"])
+        totals[net] = totals.get(net, 0) + row["bytes"]
+    return totals
+
+
+def _by_network(rows: Sequence[dict]) -> dict[str, tuple[int, int]]:
+    """(compiled, predicted) bytes by network from :func:`compare_with_plan`'s rows (one slice:
+    every row is ICI), rows under the comparison's floor left out."""
+    totals: dict[str, tuple[int, int]] = {}
+    for row in rows:
+        got, want = row["compiled_bytes"] or 0, row["predicted_bytes"] or 0
+        if max(got, want) < FLOOR_BYTES:
+            continue
+        net = row.get("network") or "ICI"
+        have = totals.get(net, (0, 0))
+        totals[net] = (have[0] + got, have[1] + want)
+    return totals
+
+
+def _worst(rows: Sequence[dict]) -> str:
+    """The row furthest from the plan (a row only one side has is the furthest), as text."""
+    def distance(row: dict) -> float:
+        return abs(row["ratio"] - 1) if row["ratio"] is not None else float("inf")
+
+    big = [r for r in rows if max(r["compiled_bytes"] or 0, r["predicted_bytes"] or 0)
+           >= FLOOR_BYTES]
+    if not big:
+        return "-"
+    row = max(big, key=distance)
+    ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "one side only"
+    return f"{row['kind']} {','.join(row['axes'])}: {ratio}"
+
+
+def _collectives_table(rows: Sequence[Verified]) -> Table:
+    """Per candidate: collective bytes per device per step by network, compiled / predicted at
+    the compiled depth, the row furthest from the plan, and the plan's full-depth bytes and
+    executed flops."""
+    table = Table(title="collectives per device and step (ICI: within a slice; DCN: between "
+                  "slices), and the plan's flops", title_justify="left")
+    for name in ("#", "network", "compiled", "predicted", "compiled / predicted",
+                 "furthest row", "plan, full depth", "plan flops, full depth"):
+        table.add_column(name, justify="left" if name in ("network", "furthest row")
+                         else "right")
+    for r in rows:
+        for i, net in enumerate(sorted(set(r.collectives) | set(r.predicted_full_collectives))):
+            got, want = r.collectives.get(net, (0, 0))
+            table.add_row(str(r.candidate.rank) if i == 0 else "", net,
+                          human_bytes(got), human_bytes(want),
+                          f"{got / want:.2f}" if got and want else "-",
+                          r.worst_collective if i == 0 else "",
+                          human_bytes(r.predicted_full_collectives.get(net, 0)),
+                          human_flops(r.candidate.report.flops.executed) if i == 0 else "")
+    return table
 
 
 def print_verification(rows: Sequence[Verified], hw: HardwareProfile, target: str,
@@ -125,6 +199,7 @@ def print_verification(rows: Sequence[Verified], hw: HardwareProfile, target: st
                         if offload else []),
                       full, "yes" if fits else f"[red]no[/red]: over {human_bytes(hw.hbm_bytes)}")
     console.print(table)
+    console.print(_collectives_table(rows))
     if failed:
         console.print(f"[red]{failed} verified candidate(s) do not fit in {hw.name}'s "
                       f"{human_bytes(hw.hbm_bytes)} of HBM[/red]")

@@ -40,6 +40,11 @@ def test_verify_compiles_the_best_candidate_within_10_percent_of_the_plan(tmp_pa
     layers, ratio, fits = cells[3], float(cells[6]), cells[-1]
     assert layers == "1" and fits == "yes", cells
     assert 0.9 <= ratio <= 1.1, cells
+    # The collectives by network: one slice, all ICI, the compiled bytes the plan's.
+    table = result.stdout[result.stdout.index("collectives per device and step"):]
+    row = next(line for line in table.splitlines() if line.startswith("│ 1 "))
+    cells = [cell.strip() for cell in row.strip("│").split("│")]
+    assert cells[1] == "ICI" and 0.9 <= float(cells[4]) <= 1.1, cells
 
 
 def test_verify_refuses_a_target_of_another_device_count(tmp_path):
