@@ -41,16 +41,22 @@ def matrix(tmp_path_factory) -> dict:
 # The TPU compiler's program for a 64-chip v5p slice: the cases whose every collective row is
 # the plan's there (docs/performance.md, "On the TPU compiler", has the others and why). Each
 # compile takes about a minute on 2 cores.
+# (`data` is in the slow suite: about a minute and a half; `fsdp` shows the TPU compiler's
+# lowering of a whole slice's gathers as well.)
 TPU_TARGET = "tpu-v5p:4x4x4"
-TPU_CASES = ("data", "fsdp")
+TPU_CASES = ("fsdp", pytest.param("data", marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="module")
-def tpu_matrix(tmp_path_factory) -> dict:
+def tpu_matrix(tmp_path_factory, request) -> dict:
+    """The TPU cases the session selected, compiled in one run of the script."""
     needs_libtpu()
+    cases = sorted({item.callspec.params["case"] for item in request.session.items
+                    if item.originalname == "test_the_tpu_compiler_moves_the_planned_bytes_at_"
+                    "real_size"})
     out = tmp_path_factory.mktemp("real_size_tpu") / "matrix.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--target", TPU_TARGET, "--cases",
-                          ",".join(TPU_CASES), "--json", str(out)], capture_output=True,
+                          ",".join(cases), "--json", str(out)], capture_output=True,
                          text=True, timeout=1200, env=env_without_device_flags())
     assert out.exists(), run.stdout[-2000:] + run.stderr[-3000:]
     return json.loads(out.read_text())

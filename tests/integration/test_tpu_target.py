@@ -326,7 +326,7 @@ PIPE_FSDP = ("train.dtype=bfloat16", "mesh.data=1", "mesh.pipe=2", "train.microb
 
 @pytest.mark.parametrize("layout", [
     ("mesh.fsdp=4",),
-    ("mesh.data=2", "mesh.fsdp=2"),
+    pytest.param(("mesh.data=2", "mesh.fsdp=2"), marks=pytest.mark.slow),  # about 25 s
 ], ids=["fsdp=4", "data=2,fsdp=2"])
 def test_pipeline_with_fsdp_peak_memory_is_the_plans_for_tpu(tmp_path, layout):
     """The executor sums each microbatch's weight gradients into float32 sums of the weights
@@ -340,7 +340,8 @@ def test_pipeline_with_fsdp_peak_memory_is_the_plans_for_tpu(tmp_path, layout):
 
 
 @LIBTPU_KEEPS_DONATED_BUFFERS
-@pytest.mark.parametrize("layout", [("mesh.data=8",), ("mesh.data=4", "mesh.fsdp=2")],
+@pytest.mark.parametrize("layout", [("mesh.data=8",), pytest.param(("mesh.data=4", "mesh.fsdp=2"),
+                                                                   marks=pytest.mark.slow)],
                          ids=["data=8", "data=4,fsdp=2"])
 def test_zero1_peak_memory_is_the_plans_for_tpu(tmp_path, layout):
     """ZeRO-1 reduce-scatters the gradients to the moments' layout; the TPU compiler does it
