@@ -17,7 +17,7 @@ A *layout* is everything that changes how the work is split:
   ``virtual_stages=2`` where the layers split into ``2 x pipe`` chunks;
   ``train.microbatches`` m of ``pipe``, ``2 pipe`` and ``4 pipe`` where m divides the rows a
   replica gets per micro-step (``batch_size / (grad_accum x data x fsdp x expert)``); and, where
-  ``fsdp > 1`` and the config has the field, every value of ``parallel.pipeline_fsdp``.
+  ``fsdp > 1``, every value of ``parallel.pipeline_fsdp``.
 
 The *levers* only trade memory for time on a layout: ``train.remat`` (every value the schema
 allows, read from :class:`~jaxpar.config.schema.TrainConfig`'s annotation, so a new policy is
@@ -71,10 +71,8 @@ def schema_values(cls: type, name: str) -> tuple:
     return typing.get_args(typing.get_type_hints(cls)[name])
 
 
-def pipeline_fsdp_values() -> tuple[str | None, ...]:
-    """``parallel.pipeline_fsdp``'s values, or ``(None,)`` where the config has no such field."""
-    if "pipeline_fsdp" not in {f.name for f in dataclasses.fields(ParallelConfig)}:
-        return (None,)
+def pipeline_fsdp_values() -> tuple[str, ...]:
+    """``parallel.pipeline_fsdp``'s values (read from the schema, as the remat policies)."""
     return schema_values(ParallelConfig, "pipeline_fsdp")
 
 
@@ -93,7 +91,7 @@ class Layout:
     schedule: str | None = None  # parallel.pipeline_schedule; None without a pipeline
     virtual_stages: int = 1
     microbatches: int = 1
-    pipeline_fsdp: str | None = None  # None: the config's (or no such field)
+    pipeline_fsdp: str | None = None  # None: the config's
 
     def apply(self, cfg: Config, remat: str, offload: bool) -> Config:
         """``cfg`` with this layout and these levers."""
