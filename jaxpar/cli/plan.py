@@ -33,7 +33,8 @@ def add_plan(commands) -> None:
     sub.add_argument("--verify", metavar="K", type=positive_int,
                      help="search, then compile the best K ahead of time for --target (about a "
                      "minute each at real widths on two cores) and print their compiled peak "
-                     "memory beside the predicted one; exit 1 if one does not fit")
+                     "memory and collective bytes (ICI, DCN) beside the predicted ones; exit 1 "
+                     "if one does not fit")
     sub.add_argument("--target", metavar="TPU", help="with --verify: the TPU slice to compile "
                      "for, tpu-GENERATION:TOPOLOGY (as jaxpar inspect --target; needs pip "
                      "install -e '.[tpu]'); its devices must number --devices")
