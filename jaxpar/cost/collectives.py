@@ -151,7 +151,8 @@ def fsdp_collectives(c: Ledger) -> None:
         # (A layer that remat recomputes gathers those again too.)
         kept = [p for p in layer if not p.resharded]
         for group, passes, what in ((kept, 1 + _rematted(st),
-                                     "MoE weights gathered, kept for the backward"),
+                                     "MoE weights gathered, kept for the backward (gathered "
+                                     "again where remat recomputes the layer)"),
                                     ([p for p in layer if p not in kept], 2,
                                      "layer weights gathered before use, and again backward")):
             if group:

@@ -38,8 +38,9 @@ Saved activations per layer and micro-batch, with ``r = A/t`` under sequence par
   attention output (b S/c H/t D a) and the attention branch's output (r); the MLP (or MoE
   layer) and the norms are recomputed. Also in a pipeline stage: the names are outside the
   matmuls' custom VJP.
-- ``remat=offload_dots``: on the GPU/TPU compilers what ``dots`` keeps but the block input goes
-  to host memory (``MemoryCost.host_activations``); on XLA:CPU, one memory, ``dots``.
+- ``remat=offload_dots``: on the GPU/TPU compilers what ``dots`` keeps, the block input
+  excepted, goes to host memory (``MemoryCost.host_activations``); on XLA:CPU, one memory,
+  ``dots``.
 - ``train.remat_every = k``: one layer in k under the policy, the others as under ``none``
   (with the weights ``none`` keeps): the per-layer figure is their average.
 - On XLA:CPU in bf16 the stacks ``dots`` and ``full`` save are float32 (XLA:CPU has no bf16

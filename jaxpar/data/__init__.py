@@ -16,7 +16,7 @@ it is imported on first use, and tokenizing runs without either.
 
 from typing import TYPE_CHECKING
 
-from jaxpar.data.dataset import build_dataset, dataset_line, open_source
+from jaxpar.data.dataset import build_dataset, check_vocabulary, dataset_line, open_source
 from jaxpar.data.mixture import MixtureDataset, open_mixture
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.shards import is_tokenized
@@ -35,6 +35,7 @@ __all__ = [
     "TokenizedDataset",
     "Tokenizer",
     "build_dataset",
+    "check_vocabulary",
     "dataset_line",
     "is_tokenized",
     "make_tokenizer",

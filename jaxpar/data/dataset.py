@@ -100,6 +100,13 @@ def build_dataset(
     return dataset
 
 
+def check_vocabulary(ids: int, vocab_size: int, label: str) -> None:
+    """ValueError unless a tokenizer's ``ids`` fit the model's ``vocab_size``."""
+    if ids > vocab_size:
+        raise ValueError(f"{label}: its tokenizer has {ids} ids, more than the model's "
+                         f"vocabulary (model.vocab_size={vocab_size})")
+
+
 def open_source(data: DataConfig, source: str, split: str, seq_len: int, *, vocab_size: int,
                 label: str | None = None) -> TokenizedDataset | PackedDataset:
     """``split`` of one source: a directory written by ``jaxpar tokenize`` (read, never
@@ -107,19 +114,13 @@ def open_source(data: DataConfig, source: str, split: str, seq_len: int, *, voca
     says). ValueError when anything is off, and before any work when the tokenizer has more
     ids than the model's ``vocab_size``."""
     label = label or f"data.source={source!r}"
-
-    def check_vocab(ids: int) -> None:
-        if ids > vocab_size:
-            raise ValueError(f"{label}: its tokenizer has {ids} ids, more than the model's "
-                             f"vocabulary (model.vocab_size={vocab_size})")
-
     if is_tokenized(source):
         ds = open_tokenized(source, split, seq_len, tokenizer=data.tokenizer,
                             checksums=data.verify, label=label)
-        check_vocab(ds.vocab_size)
+        check_vocabulary(ds.vocab_size, vocab_size, label)
         return ds
     tokenizer = make_tokenizer(data.tokenizer)
-    check_vocab(tokenizer.vocab_size)
+    check_vocabulary(tokenizer.vocab_size, vocab_size, label)
     return build_dataset(source, tokenizer, seq_len, split=split,
                          val_fraction=data.val_fraction, max_bytes=data.max_bytes or None,
                          text_field=data.text_field, loss_on=data.loss_on)

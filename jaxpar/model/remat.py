@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.config import TrainConfig
+
 # Names the model gives the tensors ``remat=attention`` keeps.
 ATTENTION_INPUTS = "attention_inputs"  # q, k, v as the attention kernel reads them
 ATTENTION_OUTPUT = "attention_output"  # the kernel's output, the output projection's input
@@ -72,3 +74,8 @@ class Remat:
     @classmethod
     def of(cls, remat: Remat | str) -> Remat:
         return remat if isinstance(remat, Remat) else cls(remat)
+
+    @classmethod
+    def of_train(cls, train: TrainConfig) -> Remat:
+        """The config's ``train.remat`` and ``train.remat_every``."""
+        return cls(train.remat, train.remat_every)

@@ -52,7 +52,7 @@ def forward_loss_fn(trainer: Trainer) -> Callable[[TrainState, Batch], jax.Array
     code, forward only, micro-step by micro-step like the train step."""
     cfg = trainer.cfg
     dtype, pieces = DTYPES[cfg.train.dtype], cfg.loss_pieces()
-    remat = Remat(cfg.train.remat, cfg.train.remat_every)
+    remat = Remat.of_train(cfg.train)
     accum, platform = cfg.train.grad_accum, trainer.mesh.devices.flat[0].platform
 
     def loss_sum(state: TrainState, batch: Batch) -> jax.Array:

@@ -43,6 +43,7 @@ from jaxpar.checkpoint.weights_only import step_dir
 from jaxpar.config import Config, ConfigError, DistributedConfig, slices_line, to_yaml
 from jaxpar.data import (
     DataIterator,
+    check_vocabulary,
     dataset_line,
     open_mixture,
     open_source,
@@ -127,7 +128,7 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
             ds = open_mixture([(s.path, s.weight) for s in cfg.data.sources], cfg.train.seq_len,
                               tokenizer=cfg.data.tokenizer, seed=cfg.train.seed,
                               shuffle=cfg.data.shuffle, checksums=cfg.data.verify)
-            _check_vocab(cfg, ds.vocab_size)
+            check_vocabulary(ds.vocab_size, cfg.model.vocab_size, "data.sources")
         else:
             ds = open_source(cfg.data, cfg.data.source, split, cfg.train.seq_len,
                              vocab_size=cfg.model.vocab_size)
@@ -142,12 +143,6 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
         raise ConfigError(str(err).splitlines()[0]) from None
     line = ds.describe() if cfg.data.sources else dataset_line(ds)
     return it, line + ("; attention within each document" if cfg.documents_masked() else "")
-
-
-def _check_vocab(cfg: Config, vocab_size: int) -> None:
-    if vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.sources: their tokenizer has {vocab_size} ids, more than the "
-                          f"model's vocabulary (model.vocab_size={cfg.model.vocab_size})")
 
 
 def train(cfg: Config, console: Console | None = None) -> Summary:

@@ -320,7 +320,7 @@ def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
     by hand and sums in the reduce dtype. (``fsdp`` keeps its per-micro-step gathers and
     reduce-scatters: one layer's weights whole at a time is what FSDP is for.)"""
     dtype, accum = DTYPES[cfg.train.dtype], cfg.train.grad_accum
-    remat = Remat(cfg.train.remat, cfg.train.remat_every)
+    remat = Remat.of_train(cfg.train)
     moe, pieces, embedding_pieces = cfg.model.moe, cfg.loss_pieces(), cfg.embedding_grad_pieces()
 
     def objective(params: dict, buffers: dict, batch: Batch, valid: jax.Array
@@ -497,7 +497,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     if cfg.mesh.pipe > 1:
         grad_fn, layer_order, program = pipelined_gradients(
             cfg, sh.graphdef, sh.param_specs, sh.logical_axes, dtype=DTYPES[cfg.train.dtype],
-            remat=Remat(cfg.train.remat, cfg.train.remat_every), platform=platform)
+            remat=Remat.of_train(cfg.train), platform=platform)
     else:
         grad_fn = plain_gradients(cfg, sh.graphdef, trained(cfg, sh.state.params), platform)
         layer_order = program = None

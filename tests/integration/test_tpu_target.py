@@ -461,3 +461,21 @@ def test_libtpu_still_lowers_a_whole_slice_reduce_scatter_as_an_all_reduce_on_si
         "staged": [["reduce-scatter", 2], ["reduce-scatter", 1]],
         "whole, decomposer off": [["reduce-scatter", 1]],
     }
+
+
+def test_host_offload_puts_the_planned_bytes_in_host_memory_on_tpu(tmp_path):
+    """``train.offload.optimizer`` and ``train.remat=offload_dots`` together: the TPU compiler
+    reports host memory apart from HBM (XLA:CPU cannot: one memory), and it is the plan's, the
+    optimizer state plus the matmul outputs dots would keep (docs/memory.md)."""
+    needs_libtpu()
+    overrides = ("model.d_model=1024", "model.d_ff=4096", "model.n_layers=4",
+                 "train.batch_size=16", "mesh.data=2", "mesh.fsdp=4",
+                 "train.remat=offload_dots", "train.offload.optimizer=true")
+    result = run_inspect("tiny", *overrides, "--target", TARGET, "--compare", "--json", "-",
+                         cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    memory = json.loads(result.stdout)["compare"]["memory"]
+    plan = estimate(validate(load_config("tiny", list(overrides)), 8), "tpu-v5e").memory
+    assert plan.host_state > 0 and plan.host_activations > 0
+    assert memory["predicted_host_bytes"] == plan.host
+    assert abs(memory["compiled_host_bytes"] / plan.host - 1) < 0.01, memory
