@@ -43,9 +43,12 @@ def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
     print(f"executed: {info['steps']} steps ({', then '.join(info['stretches'])}); every stage "
           f"runs every slot, so '.' is a masked slot: work factor "
           f"{info['executed_work_factor']:.2f} x the useful work")
+    waits = info["weight_stash_slots"]
     print(f"each device holds at most {info['activation_slots']} arrived inputs, "
           f"{info['residual_slots']} forward residual sets and {info['gradient_slots']} output "
-          "gradients between forward and backward")
+          "gradients between forward and backward"
+          + (f", and {waits} W stashes (what an I leaves its W: each weight matmul's output "
+             "gradient)" if waits else ""))
     if args.png:
         from jaxpar.pictures.figures import draw_schedule  # noqa: PLC0415
 

@@ -331,7 +331,8 @@ class ParallelConfig:
     zero: Literal[1, 3] = 3
     context_impl: Literal["ring", "allgather"] = "ring"
     zigzag: bool = True  # load-balanced causal layout for context parallelism
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "gpipe"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble",
+                               "dualpipe_v"] = "gpipe"
     virtual_stages: int = 1
     # FSDP inside pipeline stages: "per_step" gathers a stage's weights once per step and sums
     # its gradients whole; "per_layer" gathers each layer as a slot runs it and reduce-scatters

@@ -95,6 +95,7 @@ def validate(cfg: Config, device_count: int) -> Config:
     if cfg.host_devices is not None:
         _require(cfg.host_devices >= 1, f"host_devices={cfg.host_devices}: must be >= 1")
     mesh = _resolve_mesh(cfg.mesh, device_count)
+    cfg = _resolve_chunks(cfg)
     _check_model(cfg.model, mesh)
     _check_pipeline(cfg, mesh)
     _check_remat(cfg, mesh)
@@ -203,13 +204,25 @@ def _check_rope_scaling(r: RopeScalingConfig) -> None:
              ">= 1")
 
 
+def _resolve_chunks(cfg: Config) -> Config:
+    """DualPipe-V runs two chunks per stage (its V): ``parallel.virtual_stages`` left at 1
+    becomes 2; any other value is an error."""
+    p = cfg.parallel
+    if p.pipeline_schedule != "dualpipe_v":
+        return cfg
+    _require(p.virtual_stages in (1, 2), f"parallel.virtual_stages={p.virtual_stages}: "
+             "dualpipe_v runs two chunks per stage (its V); leave it at 1 or set 2")
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, virtual_stages=2))
+
+
 def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     """Pipeline: chunks of whole layers, microbatches only with stages, schedule constraints."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     v, schedule = p.virtual_stages, p.pipeline_schedule
     _require(v >= 1, f"parallel.virtual_stages={v}: must be >= 1")
-    _require(v == 1 or schedule == "interleaved", f"parallel.virtual_stages={v} needs "
-             f"parallel.pipeline_schedule=interleaved (got {schedule})")
+    _require(v == 1 or schedule in ("interleaved", "zero_bubble", "dualpipe_v"),
+             f"parallel.virtual_stages={v} needs parallel.pipeline_schedule=interleaved or "
+             f"zero_bubble (got {schedule})")
     dense = m.moe.first_dense if m.moe.enabled else 0  # run before the stages, not in them
     less = f" (less model.moe.first_dense={dense})" if dense else ""
     _require((m.n_layers - dense) % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers}{less} "
@@ -223,9 +236,13 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
                  "(the frozen base weights are gathered once per step); use per_step")
     _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
              "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
-    if schedule == "interleaved" and mesh.pipe > 1:
+    if schedule == "dualpipe_v" and mesh.pipe > 1:
+        _require(t.microbatches >= 2 * mesh.pipe, f"train.microbatches={t.microbatches}: "
+                 f"dualpipe_v needs at least 2 x mesh.pipe = {2 * mesh.pipe} (DualPipe's m >= 2p)")
+    elif (schedule == "interleaved" or v > 1) and mesh.pipe > 1:
         _require(t.microbatches % mesh.pipe == 0, f"train.microbatches={t.microbatches} is not "
-                 f"divisible by mesh.pipe={mesh.pipe}, which the interleaved schedule needs")
+                 f"divisible by mesh.pipe={mesh.pipe}, which the {schedule} schedule needs "
+                 f"with parallel.virtual_stages={v}")
     # The pipeline splits the vocabulary (embedding, head, loss) into one piece per stage,
     # each split again over tensor.
     _require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,

@@ -101,6 +101,7 @@ from jaxpar.cost.pipeline import (
     pipeline_gradient_sums,
     pipeline_memory,
     stage_head,
+    weight_stash_per_layer,
 )
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
@@ -420,7 +421,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         saved_layers, before = 0, before_loops(st, params)
         recomputed = (None if cfg.train.remat == "none"
                       else max(_stage_layer(st, moe) for moe in blocks))
-        stash, copies, layer_set = pipeline_memory(st, params, per_layer, recomputed)
+        waiting = sum(weight_stash_per_layer(st, moe) for moe in blocks) // len(blocks)
+        stash, copies, layer_set = pipeline_memory(st, params, per_layer, recomputed, waiting)
         head += stage_head(st)
     return MemoryCost(
         params=param_bytes,

@@ -127,9 +127,13 @@ def pipeline_collectives(c: Ledger) -> None:
     g = st.accum
     forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
     head = st.pipeline["head_steps"]
-    sends = forward + backward - 1
+    # In DualPipe-V's V activations and gradients each go both ways (two sends a step each,
+    # each masked where it is not kept: parallel/pipeline/executor.py, _send).
+    ways = 2 if st.pipeline.get("placement") == "v" else 1
+    sends = ways * (forward + backward - 1)
     c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
-          f"pipeline: activations forward ({forward} steps), gradients back ({backward})", False)
+          f"pipeline: activations forward ({forward} steps), gradients back ({backward})"
+          + (", both ways in the V" if ways == 2 else ""), False)
     # (With dense first blocks the embedding's sum is the pre-phase's: cost/collectives.py.)
     # (A LoRA run's embedding and head are frozen: no piece gradients, and chunk 0's input
     # gradient is not summed for them: the executor's Frozen.)
@@ -258,15 +262,53 @@ def before_loops(st: StepSizes, params: list[ParamCost]) -> int:
     return gathered + cast
 
 
+def weight_stash_per_layer(st: StepSizes, moe: bool = False) -> int:
+    """Bytes one layer's I leaves its W, one microbatch (zero bubble's W stash:
+    :mod:`jaxpar.parallel.pipeline.backward_split`): the output gradient of every weight
+    matmul, in the compute dtype, laid out as the matmul reads it (the column-parallel
+    outputs' split over ``tensor``, the row-parallel outputs' gradients whole, as their weight
+    gradient contracts them): q, k and v, the attention output projection's (A), gate and up,
+    down's (A); a MoE layer's routed experts' per expert row instead of gate, up and down.
+    Under ``remat`` policies that recompute them in I, the matmul inputs W cannot rebuild
+    cheaply from the residuals wait too: ``full`` (and ``dots``, which in a stage keeps what
+    ``full`` keeps) the attention output, the MLP's input (A) and down's input; ``attention``
+    down's input. (The norms' scales' gradients cross as well, ``E`` floats a layer: left
+    out.)"""
+    m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
+    d = m.resolved_head_dim
+    full = b * s * m.d_model * a
+    q = b * s * (m.n_heads // t) * d * a
+    kv = 2 * b * s * (m.n_kv_heads // t) * d * a
+    if moe:
+        e = m.resolved_d_ff_expert
+        shared = b * s * m.moe.num_shared_experts * e // t * a
+        ffn = st.expert_rows * (2 * e // t * a + m.d_model * a) + 3 * shared
+        inner = st.expert_rows * e // t * a + shared
+    else:
+        mlp = b * s * (m.d_ff // t) * a
+        ffn, inner = 2 * mlp + full, mlp
+    remat = st.cfg.train.remat
+    recomputed = {"full": q + full + inner, "dots": q + full + inner, "attention": inner}
+    return q + kv + full + ffn + recomputed.get(remat, 0)
+
+
 def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer: int,
-                    recomputed_layer: int | None) -> tuple[int, int, int]:
+                    recomputed_layer: int | None, waiting_per_layer: int = 0,
+                    ) -> tuple[int, int, int]:
     """(stash bytes, weights as read, a backward slot's working set) of a stage (module
     docstring, "What each part holds"): the chunk's residuals under ``remat=none``, else
-    ``recomputed_layer``, one layer's working set as its backward recomputes it."""
-    chunk = st.layers // st.cfg.parallel.virtual_stages * residuals_per_layer
+    ``recomputed_layer``, one layer's working set as its backward recomputes it; with I and W
+    apart (zero bubble), ``waiting_per_layer`` (:func:`weight_stash_per_layer`) for each slot
+    of the W stash."""
+    layers = st.layers // st.cfg.parallel.virtual_stages
+    chunk = layers * residuals_per_layer
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
-    stash = slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
+    waits = st.pipeline.get("weight_stash_slots", 0)
+    stash = (slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
+             + (waits + 1 if waits else 0) * layers * waiting_per_layer)
     working = chunk if recomputed_layer is None else recomputed_layer
+    if waits:  # an I's crossing values, made for the whole chunk before they are stashed
+        working += layers * waiting_per_layer
     return stash, stage_weights(st, params), working + chunk_gradients(st, params)
 
 

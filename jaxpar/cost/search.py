@@ -13,8 +13,10 @@ A *layout* is everything that changes how the work is split:
   ZeRO-1;
 - with ``pipe > 1``: each schedule of ``parallel.pipeline_schedule`` except ``gpipe`` (it has
   1F1B's ticks and bubble and stashes all m microbatches instead of at most ``pipe``, so it is
-  never faster nor smaller: ``tests/unit/test_plan_search.py`` checks it), ``interleaved`` with
-  ``virtual_stages=2`` where the layers split into ``2 x pipe`` chunks;
+  never faster nor smaller: ``tests/unit/test_plan_search.py`` checks it), ``interleaved`` and
+  ``zero_bubble`` with ``virtual_stages=2`` where the layers split into ``2 x pipe`` chunks (and
+  ``zero_bubble`` with 1), ``dualpipe_v`` (two chunks a stage, in its V) where they do and
+  m >= 2 pipe;
   ``train.microbatches`` m of ``pipe``, ``2 pipe`` and ``4 pipe`` where m divides the rows a
   replica gets per micro-step (``batch_size / (grad_accum x data x fsdp x expert)``); and, where
   ``fsdp > 1``, every value of ``parallel.pipeline_fsdp``.
@@ -175,6 +177,10 @@ def _factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (first, *rest)
 
 
+# The chunks per stage tried for each schedule (1 for the others).
+SEARCHED_CHUNKS = {"interleaved": (2,), "zero_bubble": (1, 2), "dualpipe_v": (2,)}
+
+
 def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
                ) -> Iterator[tuple[str | None, int, int, str | None]]:
     """(schedule, virtual_stages, microbatches, pipeline_fsdp) for ``pipe`` stages."""
@@ -189,12 +195,14 @@ def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
     for schedule in schema_values(ParallelConfig, "pipeline_schedule"):
         if schedule == "gpipe":  # 1F1B's time, more memory (module docstring)
             continue
-        virtual = 2 if schedule == "interleaved" else 1
-        if schedule == "interleaved" and units % (2 * pipe):
-            continue
-        for count in counts:
-            for mode in fsdp_modes:
-                yield schedule, virtual, count, mode
+        for virtual in SEARCHED_CHUNKS.get(schedule, (1,)):
+            if virtual > 1 and units % (virtual * pipe):
+                continue
+            for count in counts:
+                if schedule == "dualpipe_v" and count < 2 * pipe:  # DualPipe's m >= 2p
+                    continue
+                for mode in fsdp_modes:
+                    yield schedule, virtual, count, mode
 
 
 def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:

@@ -33,13 +33,14 @@ MODEL = ("model.n_layers=8",)
 REFERENCE = ("mesh.data=1", *MODEL)
 
 
-def pipeline(schedule: str, p: int, m: int, *mesh: str) -> tuple[str, ...]:
-    v = ("parallel.virtual_stages=2",) if schedule == "interleaved" else ()
+def pipeline(schedule: str, p: int, m: int, *mesh: str, v: int = 0) -> tuple[str, ...]:
+    v = v or (2 if schedule == "interleaved" else 1)
+    v = (f"parallel.virtual_stages={v}",) if v > 1 else ()
     return (f"mesh.pipe={p}", *(mesh or ("mesh.data=1",)), f"train.microbatches={m}",
             f"parallel.pipeline_schedule={schedule}", *v, *MODEL)
 
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipe_v"]
 LAYOUTS = {
     **{f"{s},pipe=2,m=4": pipeline(s, 2, 4) for s in SCHEDULES},
     **{f"{s},pipe=4,m=8": pipeline(s, 4, 8) for s in SCHEDULES},
@@ -67,6 +68,14 @@ LAYOUTS = {
     "1f1b,pipe=2,context=2,tensor=2,loss_chunks=4": pipeline(
         "1f1b", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
         "parallel.context_impl=allgather", "train.loss_chunks=4"),
+    # The schedules that split B into I and W (zero bubble, DualPipe-V): interleaved zero
+    # bubble, and both beside tensor parallelism with sequence parallelism and data.
+    "zero_bubble,v=2,pipe=2,m=4": pipeline("zero_bubble", 2, 4, v=2),
+    "zero_bubble,v=2,pipe=4,m=8": pipeline("zero_bubble", 4, 8, v=2),
+    **{f"{s},pipe={p},tensor=2,sp{',data=2' if p == 2 else ''}": pipeline(
+        s, p, 2 * p, "mesh.tensor=2", *(("mesh.data=2",) if p == 2 else ("mesh.data=1",)),
+        "parallel.sequence_parallel=true", v=v)
+       for s, v in (("zero_bubble", 1), ("zero_bubble", 2), ("dualpipe_v", 2)) for p in (2, 4)},
 }
 
 
@@ -77,7 +86,9 @@ DEFAULT = {"gpipe,pipe=2,m=4", "1f1b,pipe=2,m=4", "interleaved,pipe=2,m=4",
            "zero_bubble,pipe=2,m=4", "zero_bubble,pipe=2,tensor=2,data=2",
            "1f1b,pipe=2,fsdp=2,context=2,dots", "gpipe,pipe=2,tensor=2,data=2,sp,full",
            "1f1b,pipe=2,data=2,grad_accum=2", "1f1b,pipe=2,context=2,tensor=2,ring",
-           "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4"}
+           "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4",
+           "zero_bubble,v=2,pipe=2,m=4", "dualpipe_v,pipe=2,m=4",
+           "dualpipe_v,pipe=2,tensor=2,sp,data=2"}
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
@@ -219,6 +230,25 @@ def test_moe_pipeline_with_expert_parallelism_matches_one_device_with_as_many_mi
                  jax.device_get(ref["state"].buffers))
     kinds = {(c.kind, c.axes) for c in got["collectives"]}
     assert ("all-to-all", ("expert",)) in kinds and ("collective-permute", ("pipe",)) in kinds
+
+
+@pytest.mark.parametrize("schedule,v", [
+    ("dualpipe_v", 2),
+    pytest.param("zero_bubble", 1, marks=pytest.mark.slow),
+    pytest.param("zero_bubble", 2, marks=pytest.mark.slow)])
+def test_moe_pipeline_that_splits_backwards_into_i_and_w_matches_one_device(schedule, v):
+    # The experts' weight gradients (W) apart from the all-to-alls that bring their input
+    # gradients back (I): each routed expert's dw waits for its W with its rows' gradients.
+    ref = run_layout(("mesh.data=1", "train.grad_accum=4", *MOE))
+    got = run_layout(("mesh.pipe=2", "mesh.expert=2", "mesh.data=1", "train.microbatches=4",
+                      f"parallel.pipeline_schedule={schedule}", f"parallel.virtual_stages={v}",
+                      *MOE))
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    grads, params = in_model_order(got)
+    assert_grads_and_params_match({"grads": grads, "params": params}, ref)
+    buffers = got["trainer"].to_model_order(got["state"]).buffers  # the router biases
+    jax.tree.map(np.testing.assert_allclose, jax.device_get(buffers),
+                 jax.device_get(ref["state"].buffers))
 
 
 @pytest.mark.slow  # about 40 s; MoE in stages with expert parallelism runs in the default suite

@@ -17,76 +17,119 @@ from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.parallel.pipeline.program import compile_program, executed_kinds, step_kind
 from jaxpar.parallel.pipeline.schedules import (
     peak_in_flight,
+    peak_weight_stash,
+    placement_of,
     schedule_steps,
     stage_of,
     table_of,
 )
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipe_v"]
+
+
+def rows_of(program):
+    """Every executed step: (kinds, {field: [stages]})."""
+    for stretch in program.stretches:
+        for repeat in range(len(stretch.fields["f_on"])):
+            for i, kinds in enumerate(stretch.pattern):
+                yield kinds, {k: a[repeat, i] for k, a in stretch.fields.items()}
+
+
+def model_chunk(stage: int, local: int, p: int, placement: str) -> int:
+    """Which chunk a device's ``local``-th is (schedules.stage_of, inverted)."""
+    if placement == "v":
+        return stage if local == 0 else 2 * p - 1 - stage
+    return local * p + stage
 
 
 def simulate(program, p: int) -> None:
     """Run the program's slot bookkeeping in Python: every read must find what its action
-    expects (the key a forward stored, an arrived input), never a slot refilled meanwhile."""
+    expects (the key a forward stored, an arrived input), never a slot refilled meanwhile, and
+    every send must arrive where its receiver looks for it."""
     res = [dict() for _ in range(p)]  # stage -> slot -> (mb, chunk) of the residuals there
     acts = [dict() for _ in range(p)]
     grads = [dict() for _ in range(p)]
-    for stretch in program.stretches:
-        f = stretch.fields
-        for t in range(len(f["f_on"])):
-            arrivals = []
-            for s in range(p):
-                if f["f_on"][t, s]:
-                    key = (int(f["f_mb"][t, s]), int(f["f_chunk"][t, s]) * p + s)
-                    if not f["f_first"][t, s]:
-                        assert acts[s].pop(int(f["f_in"][t, s])) == key
-                    res[s][int(f["f_res"][t, s])] = key
-                    if f["head_last"][t, s]:
-                        grads[s][int(f["head_dy"][t, s])] = key
-                    else:
-                        arrivals.append((acts, stage_of(key[1] + 1, p), "recv_act",
-                                         (key[0], key[1] + 1)))
-                for prefix in ("b", "w"):
-                    if not f[f"{prefix}_on"][t, s]:
-                        continue
-                    key = res[s][int(f[f"{prefix}_res"][t, s])]
-                    assert key[1] == int(f[f"{prefix}_chunk"][t, s]) * p + s
-                    assert grads[s][int(f[f"{prefix}_grad"][t, s])] == key
-                    if prefix == "b" and key[1] > 0:
-                        arrivals.append((grads, stage_of(key[1] - 1, p), "recv_grad",
+    waits = [dict() for _ in range(p)]  # what an I left for its W
+    placement = program.placement
+    for kinds, f in rows_of(program):
+        arrivals = []
+        for s in range(p):
+            if f["f_on"][s]:
+                key = (int(f["f_mb"][s]), model_chunk(s, int(f["f_chunk"][s]), p, placement))
+                if not f["f_first"][s]:
+                    assert acts[s].pop(int(f["f_in"][s])) == key
+                res[s][int(f["f_res"][s])] = key
+                if f["head_last"][s]:
+                    grads[s][int(f["head_dy"][s])] = key
+                else:
+                    arrivals.append((acts, stage_of(key[1] + 1, p, placement), "act", s,
+                                     (key[0], key[1] + 1)))
+            for prefix in ("b", "w"):
+                if not f[f"{prefix}_on"][s]:
+                    continue
+                key = res[s][int(f[f"{prefix}_res"][s])]
+                assert key[1] == model_chunk(s, int(f[f"{prefix}_chunk"][s]), p, placement)
+                if prefix == "b":
+                    assert grads[s].pop(int(f["b_grad"][s])) == key
+                    if "I" in kinds:
+                        waits[s][int(f["b_wait"][s])] = key
+                    if key[1] > 0:
+                        arrivals.append((grads, stage_of(key[1] - 1, p, placement), "grad", s,
                                          (key[0], key[1] - 1)))
-            for store, receiver, name, key in arrivals:
-                store[receiver][int(f[name][t, receiver])] = key
+                else:  # a W reads what its I left, in this step or an earlier one
+                    assert waits[s].pop(int(f["w_wait"][s])) == key
+        for store, receiver, name, sender, key in arrivals:
+            usual = 1 if name == "act" else -1
+            if placement == "ring":
+                field = f"recv_{name}"
+            elif receiver == sender:
+                field = f"keep_{name}"
+            else:
+                field = f"recv_{name}" if receiver - sender == usual else f"recv_{name}_back"
+            store[receiver][int(f[field][receiver])] = key
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight(schedule, p, m):
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "dualpipe_v") else 1
     steps = schedule_steps(schedule, p, m, v)
-    program = compile_program(steps, p, v)
+    program = compile_program(steps, p, v, placement_of(schedule))
     assert program.steps == len(steps)
     kinds = [executed_kinds(s) for s in steps]
-    # Stretches are the maximal runs of one kind; the head runs in exactly the steps where a
+    # Stretches repeat patterns of the steps' kinds; the head runs in exactly the steps where a
     # stage's forward is the last chunk, once per microbatch.
-    assert [k for s in program.stretches for k in [s.kinds] * len(s.fields["f_on"])] == [
-        step_kind(s, v * p) for s in steps]
-    assert all(a.kinds != b.kinds for a, b in zip(program.stretches, program.stretches[1:],
-                                                      strict=False))
-    with_head = [s for s in program.stretches if "H" in s.kinds]
-    assert sum(int(s.fields["head_last"].sum()) for s in with_head) == m
-    assert all(s.fields["head_last"].any(axis=1).all() for s in with_head)
-    if schedule == "zero_bubble":  # each I and its W land in one step: one backward pass
-        assert all("W" not in k for k in kinds)
+    assert program.step_kinds() == [step_kind(s, v * p) for s in steps]
+    heads = [row for k, row in rows_of(program) if "H" in k]
+    assert sum(int(row["head_last"].sum()) for row in heads) == m
+    assert all(row["head_last"].any() for row in heads)
+    if schedule == "zero_bubble":  # W's apart from their I's, but only where every stage has one
+        assert [k for k in kinds if "W" in k] == [("F", "I", "W")] * (m - p + 1) + [
+            ("I", "W")] * (p - 1)
+        assert program.wait_slots == max(peak_weight_stash(table_of(steps))) + 1
     # Every forward and backward placed once; the residual stash is the peak in flight.
-    assert sum(int(s.fields["f_on"].sum()) for s in program.stretches) == m * v * p
-    assert sum(int(s.fields["b_on"].sum()) for s in program.stretches) == m * v * p
+    rows = [row for _, row in rows_of(program)]
+    assert sum(int(row["f_on"].sum()) for row in rows) == m * v * p
+    assert sum(int(row["b_on"].sum()) for row in rows) == m * v * p
     assert program.res_slots == max(peak_in_flight(table_of(steps)))
     if schedule == "gpipe":
         assert program.res_slots == m
     if schedule in ("1f1b", "zero_bubble"):
         assert program.res_slots == min(2 * p - 1, m)
+    elif schedule != "dualpipe_v":
+        assert program.wait_slots == 0
     simulate(program, p)
+
+
+def test_stretches_repeat_a_pattern_so_alternating_steps_compile_once():
+    # DualPipe-V's steady state runs the head every other step (the first device alternates
+    # its two chunks): one stretch whose scan body is the pair, not a stretch per step.
+    program = compile_program(schedule_steps("dualpipe_v", 4, 16, 2), 4, 2, "v")
+    assert len(program.stretches) < 12
+    assert any(len(s.pattern) == 2 and len(s.fields["f_on"]) >= 8 for s in program.stretches)
+    assert sum(len(s.pattern) for s in program.stretches) < 24
+    one = compile_program(schedule_steps("1f1b", 4, 16), 4)
+    assert [s.pattern for s in one.stretches] == [(("F",),), (("F", "B", "H"),), (("B",),)]
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -112,7 +155,7 @@ def test_pipeline_config_errors_name_the_field(overrides, message):
 def test_plan_predicts_the_stash_and_the_bubble_of_each_schedule():
     from jaxpar.cost.estimate import estimate
 
-    for schedule, bubble in [("gpipe", 3 / 11), ("1f1b", 3 / 11), ("zero_bubble", 3 / 11)]:
+    for schedule, bubble in [("gpipe", 3 / 11), ("1f1b", 3 / 11), ("zero_bubble", 6 / 30)]:
         cfg = validate(load_config("tiny", [
             "mesh.pipe=4", "mesh.data=2", "model.n_layers=4", "train.microbatches=8",
             "train.batch_size=16", f"parallel.pipeline_schedule={schedule}"]), 8)

@@ -15,13 +15,17 @@ from jaxpar.parallel.pipeline.schedules import (
     Table,
     as_soon_as_possible,
     bubble_fraction,
+    dualpipe_v,
     gpipe,
     interleaved,
     one_f_one_b,
     peak_in_flight,
+    peak_weight_stash,
+    placement_of,
     render,
     schedule_steps,
     schedule_table,
+    stage_of,
     validate,
     zero_bubble,
 )
@@ -43,8 +47,8 @@ def column(table: Table, stage: int) -> list[Action | None]:
 @pytest.mark.parametrize("name", list(SCHEDULES))
 @pytest.mark.parametrize("p,m", SIZES)
 def test_every_schedule_builds_a_valid_table(name, p, m):
-    v = V if name == "interleaved" else 1
-    validate(schedule_table(name, p, m, v), p, m, v)
+    v = V if name in ("interleaved", "dualpipe_v") else 1
+    validate(schedule_table(name, p, m, v), p, m, v, placement_of(name))
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
@@ -55,7 +59,9 @@ def test_tables_stay_valid_for_odd_sizes_including_fewer_microbatches_than_stage
     if m % p == 0:
         for v in (1, 3):
             validate(interleaved(p, m, v), p, m, v)
-    assert bubble_fraction(zero_bubble(p, m)) == bubble_fraction(one_f_one_b(p, m))
+    if m % p == 0:
+        validate(zero_bubble(p, m, 3), p, m, 3)
+    assert bubble_fraction(zero_bubble(p, m)) <= bubble_fraction(one_f_one_b(p, m))
 
 
 @pytest.mark.parametrize("p,m", SIZES)
@@ -70,10 +76,38 @@ def test_interleaved_idle_fraction_is_exactly_p_minus_1_over_vm_plus_p_minus_1(p
 
 
 @pytest.mark.parametrize("p,m", SIZES)
-def test_zero_bubble_costs_what_1f1b_costs_when_every_stage_runs_every_slot(p, m):
-    # A W moved into 1F1B's cool-down would still cost a W slot on every stage there.
-    assert bubble_fraction(zero_bubble(p, m)) == bubble_fraction(one_f_one_b(p, m))
-    assert len(zero_bubble(p, m)) == len(one_f_one_b(p, m))
+@pytest.mark.parametrize("v", [1, 2])
+def test_zero_bubble_takes_the_least_ticks_uniform_steps_allow(p, m, v):
+    # vm + p - 1 steps with a forward slot, as many with an I slot, vm of them with a W slot:
+    # (p - 1)(T_F + T_I) idle per stage, where 1F1B and interleaved idle (p - 1)(T_F + T_B).
+    steps = schedule_steps("zero_bubble", p, m, v)
+    assert sum("F" in s.kinds for s in steps) == v * m + p - 1
+    assert sum("I" in s.kinds for s in steps) == v * m + p - 1
+    assert sum("W" in s.kinds for s in steps) == v * m
+    assert len(zero_bubble(p, m, v)) == 2 * (v * m + p - 1) + v * m
+    assert bubble_fraction(zero_bubble(p, m, v)) == Fraction(2 * (p - 1),
+                                                             3 * v * m + 2 * (p - 1))
+
+
+def test_zero_bubble_at_4_stages_and_16_microbatches_beats_1f1b_and_interleaved():
+    assert (len(zero_bubble(4, 16)), len(one_f_one_b(4, 16))) == (54, 57)
+    assert (len(zero_bubble(4, 16, 2)), len(interleaved(4, 16, 2))) == (102, 105)
+    assert float(bubble_fraction(zero_bubble(4, 16, 2))) == pytest.approx(0.0588, abs=1e-4)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+@pytest.mark.parametrize("v", [1, 2])
+def test_zero_bubble_runs_each_stages_kth_w_in_one_step_after_every_stages_kth_i(p, m, v):
+    steps = schedule_steps("zero_bubble", p, m, v)
+    for step in steps:
+        if "W" in step.kinds:  # no stage idles in a W slot
+            assert all("W" in actions for actions in step.actions)
+    for s in range(p):
+        done = {(a.mb, a.chunk): t for t, step in enumerate(steps)
+                for kind, a in step.actions[s].items() if kind == "I"}
+        for t, step in enumerate(steps):
+            if (w := step.actions[s].get("W")) is not None:
+                assert done[(w.mb, w.chunk)] <= t
 
 
 @pytest.mark.parametrize("p,m", SIZES)
@@ -94,8 +128,13 @@ def test_1f1b_holds_2p_minus_1_microbatches_on_the_first_stage_while_gpipe_holds
 
 
 @pytest.mark.parametrize("p,m", SIZES)
-def test_zero_bubble_keeps_the_peak_in_flight_of_1f1b(p, m):
-    assert peak_in_flight(zero_bubble(p, m)) == peak_in_flight(one_f_one_b(p, m))
+def test_zero_bubble_holds_at_most_1f1bs_peak_on_any_stage(p, m):
+    # Stage s keeps each microbatch s steps longer (to its W), never past the first stage's.
+    held = peak_in_flight(zero_bubble(p, m))
+    assert held[0] == peak_in_flight(one_f_one_b(p, m))[0]
+    assert max(held) == held[0]
+    assert peak_weight_stash(zero_bubble(p, m)) == tuple(min(s, m) for s in range(p))
+    assert peak_weight_stash(one_f_one_b(p, m)) == (0,) * p
 
 
 @pytest.mark.parametrize("p,m", SIZES)
@@ -104,19 +143,56 @@ def test_interleaved_holds_more_chunks_than_1f1b_as_megatron_warns(p, m):
     assert peak_in_flight(interleaved(p, m, V))[0] == first_stage
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16), (4, 32), (8, 16)])
+def test_dualpipe_v_takes_the_least_ticks_its_v_allows_in_lockstep(p, m):
+    # The device at the bottom of the V runs both its chunks of every microbatch, one forward
+    # a step: the last forward leaves it p - 1 steps before the loss. So 2m + 2(p-1) steps with
+    # a forward slot, as many with an I slot, 2m with a W slot; the greedy order reaches it.
+    steps = schedule_steps("dualpipe_v", p, m, 2)
+    assert sum("F" in s.kinds for s in steps) == 2 * m + 2 * (p - 1)
+    assert sum("I" in s.kinds for s in steps) == 2 * m + 2 * (p - 1)
+    assert sum("W" in s.kinds for s in steps) == 2 * m
+    table = dualpipe_v(p, m)
+    validate(table, p, m, 2, "v")
+    assert len(table) == 6 * m + 4 * (p - 1)
+    assert bubble_fraction(table) == bubble_fraction(zero_bubble(p, m))
+    assert bubble_fraction(table) < bubble_fraction(one_f_one_b(p, m))
+
+
+def test_dualpipe_v_at_4_stages_and_16_microbatches_holds_less_than_1f1b_on_the_first_stage():
+    table = dualpipe_v(4, 16)
+    assert len(table) == 108 and float(bubble_fraction(table)) == pytest.approx(0.111, abs=1e-3)
+    # In layer units (a chunk is 1/8 of the layers, a 1F1B stage 1/4): 11/8 against 7/4.
+    held = peak_in_flight(table)
+    assert held[0] == 11 and Fraction(held[0], 8) < Fraction(peak_in_flight(
+        one_f_one_b(4, 16))[0], 4)
+    # The V: the loss (the last chunk's forward) and the first chunk on the first device.
+    last = [tick[0] for tick in table if tick[0] is not None and tick[0].chunk == 7]
+    assert last and all(a.kind in "FIW" for a in last)
+    assert {stage_of(c, 4, "v") for c in range(8)} == {0, 1, 2, 3}
+    assert [stage_of(c, 4, "v") for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def test_dualpipe_v_runs_two_chunks_per_stage_only():
+    with pytest.raises(ValueError, match="'dualpipe_v' runs two chunks per stage; v=1"):
+        schedule_table("dualpipe_v", 2, 4, 1)
+
+
 def test_interleaved_rejects_microbatches_not_divisible_by_stages_in_one_line():
     with pytest.raises(ValueError, match=r"^interleaved schedule needs microbatches divisible by "
                        r"stages: m=6 is not divisible by p=4$"):
         interleaved(4, 6, 2)
 
 
-def test_schedules_are_named_by_the_config_values_and_only_interleaved_takes_chunks():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
+def test_schedules_are_named_by_the_config_values_and_only_two_take_chunks():
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipe_v"}
     assert schedule_table("1f1b", 2, 4) == one_f_one_b(2, 4)
+    assert schedule_table("zero_bubble", 2, 4, v=2) == zero_bubble(2, 4, 2)
     with pytest.raises(ValueError, match="runs one chunk per stage; v=2"):
         schedule_table("1f1b", 2, 4, v=2)
     with pytest.raises(ValueError, match="'dualpipe' is not one of gpipe, 1f1b"):
         schedule_table("dualpipe", 2, 4)
+    assert placement_of("dualpipe_v") == "v" and placement_of("interleaved") == "ring"
 
 
 def test_validate_catches_a_backward_before_its_forward():
@@ -189,9 +265,11 @@ def test_render_shows_one_row_per_stage_and_a_backward_in_both_its_ticks():
     assert render(one_f_one_b(2, 2)) == (
         "stage 0: F0 F1 .  .  .  B0 B0 B1 B1\n"
         "stage 1: .  F0 B0 B0 F1 B1 B1 .  .")
+    # Zero bubble: step 1 is F+I (stage 0 idles one tick, not two), and stage 1's W's wait
+    # for the steps where stage 0 runs its I's.
     assert render(zero_bubble(2, 2)) == (
-        "stage 0: F0 F1 .  .  .  I0 W0 I1 W1\n"
-        "stage 1: .  F0 I0 W0 F1 I1 W1 .  .")
+        "stage 0: F0 F1 .  .  I0 W0 I1 W1\n"
+        "stage 1: .  F0 I0 F1 I1 W0 .  W1")
 
 
 def test_render_names_the_chunk_of_an_interleaved_table_by_letter():

@@ -35,14 +35,19 @@ def test_layouts_add_pipelines_with_their_schedules_and_microbatches():
     cfg = _eight_layers()
     piped = [lay for lay in layouts(cfg, DEVICES) if lay.pipe > 1]
     schedules = set(schema_values(ParallelConfig, "pipeline_schedule")) - {"gpipe"}
-    assert {lay.schedule for lay in piped} == schedules  # 1f1b, interleaved, zero_bubble
+    assert {lay.schedule for lay in piped} == schedules  # 1f1b, interleaved, zero_bubble, ...
     assert {lay.pipe for lay in piped} == {2, 4, 8}
     for lay in piped:
         rows = cfg.train.batch_size // (lay.data * lay.fsdp * lay.expert)
         assert lay.microbatches in (lay.pipe, 2 * lay.pipe, 4 * lay.pipe)
         assert rows % lay.microbatches == 0 or lay.microbatches == lay.pipe, lay
-        assert (lay.virtual_stages == 2) == (lay.schedule == "interleaved")
+        if lay.schedule in ("interleaved", "dualpipe_v"):
+            assert lay.virtual_stages == 2
         assert cfg.model.n_layers % (lay.pipe * lay.virtual_stages) == 0
+        assert lay.schedule != "dualpipe_v" or lay.microbatches >= 2 * lay.pipe
+    # Zero bubble on the ring of devices, and interleaved over two chunks a stage.
+    assert {lay.virtual_stages for lay in piped if lay.schedule == "zero_bubble"} == {1, 2}
+    assert {lay.virtual_stages for lay in piped if lay.schedule == "1f1b"} == {1}
     # pipe=2 with 16 rows a replica: 2, 4 and 8 microbatches.
     assert {lay.microbatches for lay in piped if lay.pipe == 2 and lay.data == 2} == {2, 4, 8}
     # Where the config has parallel.pipeline_fsdp, each value is searched with fsdp > 1.

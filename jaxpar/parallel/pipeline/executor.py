@@ -114,10 +114,18 @@ from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.manual import ByHand, Frozen, specs_of, split_by_hand
 from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.pipeline.backward_split import SplitBackward, split_backward
 from jaxpar.parallel.pipeline.dense_first import dense_pre_phase
-from jaxpar.parallel.pipeline.per_layer import LayerFsdp, layer_backward, layer_forward
+from jaxpar.parallel.pipeline.per_layer import (
+    LayerFsdp,
+    layer_backward,
+    layer_backward_input,
+    layer_backward_weights,
+    layer_forward,
+    layer_split,
+)
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
-from jaxpar.parallel.pipeline.schedules import schedule_steps, stage_layer_order
+from jaxpar.parallel.pipeline.schedules import placement_of, schedule_steps, stage_layer_order
 from jaxpar.parallel.pipeline.stages import (
     PIPE_AXIS,
     Residuals,
@@ -150,6 +158,9 @@ class _Carry(NamedTuple):
     # With a pre-phase (dense first blocks): [m, *activation], the gradient w.r.t. each
     # microbatch's input to chunk 0 (None without one)
     d_inputs: Any = None
+    # Per crossing leaf [wait_slots + 1, ...]: what an I leaves its W (zero bubble's W stash;
+    # [] when every backward runs whole)
+    waits: list = ()
 
 
 def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -197,7 +208,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
             first = jax.tree.map(lambda a: a[0], micro)
             env = _Env.make(stages, shared, (layers, frozen_layers), consts, first, loss_scale,
                             aux_scale, p=p, v=v, vocab_size=vocab_size,
-                            train_shared=train_shared, fsdp=fsdp)
+                            train_shared=train_shared, fsdp=fsdp,
+                            split=program.wait_slots > 0, placement=program.placement)
 
             def micro_step(carry: _Carry, microbatches: Any) -> tuple[_Carry, None]:
                 # One pass of the schedule over one micro-step's microbatches; the gradient
@@ -207,8 +219,13 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                     carry = carry._replace(d_inputs=jnp.zeros_like(microbatches["x0"]))
                 for stretch in program.stretches:
                     fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
-                    carry, _ = lax.scan(lambda c, row, kinds=stretch.kinds: (
-                        _run_step(step_env, kinds, c, row), None), carry, fields)
+
+                    def steps(c, rows, pattern=stretch.pattern):
+                        for i, kinds in enumerate(pattern):
+                            c = _run_step(step_env, kinds, c, {k: a[i] for k, a in rows.items()})
+                        return c, None
+
+                    carry, _ = lax.scan(steps, carry, fields)
                 return carry, carry.d_inputs
 
             carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
@@ -275,10 +292,13 @@ class _Env:
     res_shapes: list
     train_shared: bool = True  # False under LoRA: embedding, final norm and head are frozen
     fsdp: LayerFsdp | None = None
+    placement: str = "ring"  # how chunks sit on the devices (schedules.stage_of)
+    # The backward cut into I and W (backward_split.py), where the schedule runs them apart
+    split: SplitBackward | None = None
 
     @staticmethod
     def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
-             vocab_size, train_shared, fsdp=None) -> _Env:
+             vocab_size, train_shared, fsdp=None, split=False, placement="ring") -> _Env:
         """``layers``: (trained, frozen) stacked layer weights."""
         def by_chunk(tree):
             return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
@@ -289,7 +309,8 @@ class _Env:
         env = _Env(stages, stage, shared, chunks,
                    stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
                    vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
-                   aux_scale, Residuals(), None, None, None, train_shared, fsdp)
+                   aux_scale, Residuals(), None, None, None, train_shared, fsdp,
+                   placement)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
@@ -298,7 +319,28 @@ class _Env:
         # Traced with a traced chunk index, as the steps will be, so the residuals match.
         (_, aux), res = jax.eval_shape(lambda j: env.forward(j, x, first), jnp.int32(0))
         env.aux_shapes, env.res_shapes = aux, res
+        if split:
+            env.split = env.split_backward()
         return env
+
+    def split_backward(self) -> SplitBackward:
+        """The chunk's backward (per layer with ``fsdp``) cut into I and W, traced on abstract
+        values: the stash's residuals and the weights for both, the output gradient and the
+        aux cotangent for I alone."""
+        dy = jax.ShapeDtypeStruct(self.act.shape, self.act.dtype)
+        aux = jax.ShapeDtypeStruct((), jnp.float32)
+        if self.fsdp is not None:
+            return layer_split(self.fsdp, self.residuals, self.weights(jnp.int32(0)),
+                               self.res_shapes, dy, aux)
+        weights = [jax.ShapeDtypeStruct(w.shape, w.dtype)
+                   for w in jax.tree.leaves(self.weights(jnp.int32(0)))]
+        stashed = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in self.res_shapes]
+
+        def backward(primals, cotangents):
+            vjp_fn = self.residuals.join(*primals)
+            return vjp_fn(cotangents)
+
+        return split_backward(backward, (stashed, weights), (dy, aux))
 
     def microbatch(self, i: jax.Array) -> dict:
         return jax.tree.map(lambda a: a[i], self.micro)
@@ -331,19 +373,39 @@ class _Env:
         weights = jax.tree.leaves((layers, frozen, consts))
         return (y, aux), self.residuals.split(vjp_fn, weights)
 
-    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
-                 weights: bool = True):
+    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
         """(weight gradients, float32 in the stored layout; input gradient) of chunk ``j`` from
-        its stashed residuals (``weights=False``: an I slot, whose weight gradients go unused:
-        per layer, none is reduce-scattered)."""
+        its stashed residuals: a whole backward (B)."""
         aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
         if self.fsdp is not None:
             layers, _, consts = self.weights(j)
             return layer_backward(self.fsdp, self.residuals, layers, consts, stashed, dy,
-                                  aux_cotangent, weights)
+                                  aux_cotangent)
         vjp_fn = self.residuals.join(stashed, jax.tree.leaves(self.weights(j)))
         d_layers, dx = vjp_fn((dy, aux_cotangent))
         return self.stages.unprepare(d_layers), dx
+
+    def backward_input(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
+                       ) -> tuple[jax.Array, list]:
+        """An I: chunk ``j``'s input gradient, and what its W will need (the crossing values,
+        :mod:`jaxpar.parallel.pipeline.backward_split`); no weight-gradient matmul runs."""
+        aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
+        if self.fsdp is not None:
+            layers, _, consts = self.weights(j)
+            return layer_backward_input(self.fsdp, self.split, layers, consts, stashed, dy,
+                                        aux_cotangent)
+        weights = jax.tree.leaves(self.weights(j))
+        return self.split.input_part((stashed, weights), (dy, aux_cotangent))
+
+    def backward_weights(self, j: jax.Array, stashed: list, crossing: list) -> Any:
+        """A W: chunk ``j``'s weight gradients (float32, stored layout) from its residuals and
+        what its I left: only the weight-gradient matmuls run."""
+        if self.fsdp is not None:
+            layers, _, consts = self.weights(j)
+            return layer_backward_weights(self.fsdp, self.split, layers, consts, stashed,
+                                          crossing)
+        weights = jax.tree.leaves(self.weights(j))
+        return self.stages.unprepare(self.split.weight_part((stashed, weights), crossing))
 
 
 def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
@@ -355,7 +417,8 @@ def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
     # Each stash starts filled with its own value (what a slot holds before its first write
     # is never used): XLA merges equal constant buffers into one and copies it into each
     # carry, which kept one more stash-sized buffer alive (seen: +25% of GPipe's stash).
-    fills = iter(range(2 + len(env.res_shapes)))
+    wait_shapes = env.split.crossing_shapes if program.wait_slots else ()
+    fills = iter(range(2 + len(env.res_shapes) + len(wait_shapes)))
 
     def stash(slots: int) -> jax.Array:
         return lax.with_sharding_constraint(
@@ -368,9 +431,11 @@ def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
             for r in env.res_shapes]
     d_inputs = (jnp.zeros_like(env.micro["x0"]) if env.stages.pre_embedded else None)
     shared_grads = zeros(env.shared, shared_grad_specs) if env.train_shared else {}
+    waits = [jnp.full((program.wait_slots + 1, *w.shape), next(fills), w.dtype)
+             for w in wait_shapes]
     return _Carry(stash(program.act_slots), res0, stash(program.grad_slots),
                   zeros(env.chunks, layer_grad_specs), shared_grads,
-                  jnp.zeros((), jnp.float32), aux0, d_inputs)
+                  jnp.zeros((), jnp.float32), aux0, d_inputs, waits)
 
 
 def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
@@ -421,21 +486,51 @@ def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
                       shared_grads=shared_grads)
 
 
-def _backward_slot(env: _Env, c: _Carry, r: dict, prefix: str, weights: bool,
-                   fresh: list | None) -> tuple[_Carry, jax.Array]:
-    on, j = r[f"{prefix}_on"] == 1, r[f"{prefix}_chunk"]
+def _stashed(c: _Carry, r: dict, prefix: str, fresh: list | None) -> list:
+    """The residuals a backward slot reads; if this step's forward wrote them, as made."""
     stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
-    if fresh is not None:  # this step's forward wrote them: if to this slot, take them as made
+    if fresh is not None:
         same = r[f"{prefix}_res"] == r["f_res"]
         stashed = [jnp.where(same, new, old) for new, old in zip(fresh, stashed, strict=True)]
-    d_layers, dx = env.backward(j, stashed, c.grads[r[f"{prefix}_grad"]], on, weights)
-    if weights:
-        layer_grads = jax.tree.map(
-            lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g))
-                                         .astype(acc.dtype)),
-            c.layer_grads, d_layers)
-        c = c._replace(layer_grads=layer_grads)
-    return c, dx
+    return stashed
+
+
+def _add_layer_grads(c: _Carry, on: jax.Array, j: jax.Array, d_layers: Any) -> _Carry:
+    layer_grads = jax.tree.map(
+        lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g)).astype(acc.dtype)),
+        c.layer_grads, d_layers)
+    return c._replace(layer_grads=layer_grads)
+
+
+def _backward_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
+                   ) -> tuple[_Carry, jax.Array]:
+    """A B: the whole backward of the slot's chunk, its weight gradients added to the sums."""
+    on, j = r["b_on"] == 1, r["b_chunk"]
+    d_layers, dx = env.backward(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on)
+    return _add_layer_grads(c, on, j, d_layers), dx
+
+
+def _input_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
+                ) -> tuple[_Carry, jax.Array, list]:
+    """An I: the input gradient, and what its W needs written to the W stash."""
+    on, j = r["b_on"] == 1, r["b_chunk"]
+    dx, crossing = env.backward_input(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on)
+    waits = [_put(buf, r["b_wait"], leaf) for buf, leaf in zip(c.waits, crossing, strict=True)]
+    return c._replace(waits=waits), dx, crossing
+
+
+def _weight_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
+                 fresh_crossing: list | None) -> _Carry:
+    """A W: the weight gradients from the residuals and what the I left (as made, if this
+    step's I wrote them), added to the sums."""
+    on, j = r["w_on"] == 1, r["w_chunk"]
+    crossing = [buf[r["w_wait"]] for buf in c.waits]
+    if fresh_crossing is not None:
+        same = r["w_wait"] == r["b_wait"]
+        crossing = [jnp.where(same, new, old)
+                    for new, old in zip(fresh_crossing, crossing, strict=True)]
+    d_layers = env.backward_weights(j, _stashed(c, r, "w", fresh), crossing)
+    return _add_layer_grads(c, on, j, d_layers)
 
 
 def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
@@ -462,7 +557,6 @@ def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry
     """One step of a stretch of ``kinds`` (the scan body): the slots in order, the head after
     the forward (in steps where a stage's forward is the last chunk), then the sends. ``row``
     holds every field for every stage; each device reads its own column."""
-    p = env.piece.p
     r = {k: a[env.stage] for k, a in row.items()}
     send_fwd = send_bwd = fresh = None
     if "F" in kinds:
@@ -470,22 +564,46 @@ def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry
         if "H" in kinds:
             c = _head_slot(env, c, r, y)
         send_fwd = y
-    for kind in ("B", "I"):
-        if kind in kinds:
-            c, send_bwd = _backward_slot(env, c, r, "b", weights=kind == "B", fresh=fresh)
-            if env.train_shared or env.stages.pre_embedded:
-                c = _embedding_backward(env, c, r, send_bwd)
+    crossing = None
+    if "B" in kinds:
+        c, send_bwd = _backward_slot(env, c, r, fresh)
+    elif "I" in kinds:
+        c, send_bwd, crossing = _input_slot(env, c, r, fresh)
+    if send_bwd is not None and (env.train_shared or env.stages.pre_embedded):
+        c = _embedding_backward(env, c, r, send_bwd)
     if "W" in kinds:
-        c, _ = _backward_slot(env, c, r, "w", weights=True, fresh=fresh)
-    # Activations to the next stage, input gradients to the previous one; in one order on
-    # every device, since independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
-    sends = [(x, [(s, (s + step) % p) for s in range(p)])
-             for x, step in ((send_fwd, 1), (send_bwd, -1)) if x is not None]
-    arrived = iter(ppermute_in_order([x for x, _ in sends], PIPE_AXIS, [q for _, q in sends]))
-    if send_fwd is not None:
-        c = c._replace(acts=_put(c.acts, r["recv_act"], next(arrived)))
-    if send_bwd is not None:
-        c = c._replace(grads=_put(c.grads, r["recv_grad"], next(arrived)))
+        c = _weight_slot(env, c, r, fresh, crossing)
+    return _send(env, c, r, send_fwd, send_bwd)
+
+
+def _send(env: _Env, c: _Carry, r: dict, y: jax.Array | None, dx: jax.Array | None,
+          ) -> _Carry:
+    """The step's sends over ``pipe``, and where what arrives is kept. On the ring, activations
+    go on to the next device and input gradients back to the previous one (two ``ppermute``s).
+    In the V (``dualpipe_v``) the first half of the chunks goes down the devices and the second
+    back up, so each goes both ways, masked by where it is kept (four ``ppermute``s: twice the
+    ring's bytes), and the device at the bottom hands its own output to itself. In one order
+    on every device, since independent ppermutes can cross on XLA:CPU
+    (parallel/collectives.py)."""
+    p = env.piece.p
+    ring = env.placement == "ring"
+
+    def pairs(step: int) -> list[tuple[int, int]]:
+        return [(s, (s + step) % p) for s in range(p) if ring or 0 <= s + step < p]
+
+    routes = [(y, 1, "acts", "recv_act"), (dx, -1, "grads", "recv_grad")]
+    if not ring:
+        routes += [(y, -1, "acts", "recv_act_back"), (dx, 1, "grads", "recv_grad_back")]
+    routes = [route for route in routes if route[0] is not None]
+    arrived = ppermute_in_order([x for x, *_ in routes], PIPE_AXIS,
+                                [pairs(step) for _, step, *_ in routes])
+    for (_, _, stash, field), x in zip(routes, arrived, strict=True):
+        c = c._replace(**{stash: _put(getattr(c, stash), r[field], x)})
+    if not ring:  # the bottom of the V keeps its own (a spare slot everywhere else)
+        if y is not None:
+            c = c._replace(acts=_put(c.acts, r["keep_act"], y))
+        if dx is not None:
+            c = c._replace(grads=_put(c.grads, r["keep_grad"], dx))
     return c
 
 
@@ -522,7 +640,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     """
     p, v, m = cfg.mesh.pipe, cfg.parallel.virtual_stages, cfg.train.microbatches
     accum = cfg.train.grad_accum
-    program = compile_program(schedule_steps(cfg.parallel.pipeline_schedule, p, m, v), p, v)
+    schedule = cfg.parallel.pipeline_schedule
+    program = compile_program(schedule_steps(schedule, p, m, v), p, v, placement_of(schedule))
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
     hand, inner, hooks = split_by_hand(cfg, platform)
     micro_rows = cfg.train.batch_size // (accum * m)
@@ -587,6 +706,6 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
         return grads, (loss_sum, aux)
 
     order = stage_layer_order(cfg.model.n_layers - (cfg.model.moe.first_dense if dense else 0),
-                              p, v)
+                              p, v, program.placement)
     return grad_fn, (None if order == sorted(order) else np.asarray(order)), program
 

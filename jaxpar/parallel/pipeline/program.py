@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 
 from jaxpar.parallel.pipeline.schedules import (
+    Placement,
     Step,
     bubble_fraction,
+    placement_of,
     schedule_steps,
     stage_of,
     table_of,
@@ -28,10 +30,14 @@ from jaxpar.parallel.pipeline.schedules import (
 FIELDS = (
     "f_on", "f_mb", "f_chunk", "f_first", "f_in", "f_res",  # forward slot
     "b_on", "b_chunk", "b_first", "b_res", "b_grad",  # backward slot (B or I)
-    "w_on", "w_chunk", "w_res", "w_grad",  # weight-gradient slot (W)
+    "b_wait",  # I: where what its W will need waits (the W stash)
+    "w_on", "w_chunk", "w_res", "w_wait",  # weight-gradient slot (W)
     "embed_mb", "head_on", "head_mb", "head_last", "head_dy",  # shared work of the step
     "eback_on", "eback_mb",
     "recv_act", "recv_grad",  # where what arrives at the end of the step is stored
+    # ... in the V (dualpipe_v): activations from the next device, input gradients from the
+    # previous one, and what the device at the bottom of the V hands itself
+    "recv_act_back", "recv_grad_back", "keep_act", "keep_grad",
 )
 
 
@@ -62,10 +68,21 @@ class _Slots:
 
 @dataclass(frozen=True)
 class Stretch:
-    """Consecutive steps of one kind: ``fields[name]`` is int32 ``[steps, stages]``."""
+    """Consecutive steps that repeat one pattern of kinds (one kind, or a few in turn: the
+    head every other step of DualPipe-V's steady state): ``fields[name]`` is int32
+    ``[repeats, len(pattern), stages]``. The executor runs it as one scan over the repeats,
+    whose body runs the pattern's steps in order."""
 
-    kinds: tuple[str, ...]
+    pattern: tuple[tuple[str, ...], ...]
     fields: dict[str, np.ndarray]
+
+    @property
+    def steps(self) -> int:
+        return len(self.fields["f_on"]) * len(self.pattern)
+
+    def step_kinds(self) -> list[tuple[str, ...]]:
+        """The kinds of each of its steps, in order."""
+        return list(self.pattern) * len(self.fields["f_on"])
 
 
 @dataclass(frozen=True)
@@ -75,18 +92,24 @@ class Program:
 
     stretches: tuple[Stretch, ...]
     act_slots: int  # activations that arrived and wait for their forward
-    res_slots: int  # forward residuals that wait for their backward
+    res_slots: int  # forward residuals that wait for their backward (a split one's W)
     grad_slots: int  # output gradients that wait for their backward
+    wait_slots: int = 0  # what an I leaves its W (the W stash)
+    placement: Placement = "ring"  # how chunks sit on devices (schedules.stage_of)
 
     @property
     def steps(self) -> int:
-        return sum(len(s.fields["f_on"]) for s in self.stretches)
+        return sum(s.steps for s in self.stretches)
+
+    def step_kinds(self) -> list[tuple[str, ...]]:
+        """The kinds of every executed step, in order."""
+        return [k for s in self.stretches for k in s.step_kinds()]
 
 
 def executed_kinds(step: Step) -> tuple[str, ...]:
     """The slots the executor runs for ``step``: its kinds, except that an I and a W of the
-    same (microbatch, chunk) on every stage run as one B (the same arithmetic in one backward
-    pass; computed apart, W would redo the input-gradient chain through the chunk's layers)."""
+    same (microbatch, chunk) on every stage run as one B (one backward pass, where apart the
+    I would stash what the W needs, only to read it back at once)."""
     if "I" in step.kinds and "W" in step.kinds and all(
             (a.get("I") is None) == (a.get("W") is None)
             and (a.get("I") is None or a["I"].mb == a["W"].mb and a["I"].chunk == a["W"].chunk)
@@ -106,7 +129,7 @@ def step_kind(step: Step, n_chunks: int) -> tuple[str, ...]:
 def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
                 ) -> tuple[list, list]:
     """Fill row ``t`` of ``f`` for ``step``; return the slots it frees and what it sends."""
-    acts, res, grads = pools["act"], pools["res"], pools["grad"]
+    acts, res, grads, waits = pools["act"], pools["res"], pools["grad"], pools["wait"]
     frees, sends = [], []
     p = len(step.actions)
     fused = "B" in executed_kinds(step) and "B" not in step.kinds
@@ -128,26 +151,47 @@ def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
                 f["head_on"][t, :], f["head_mb"][t, :], f["head_last"][t, s] = 1, a.mb, 1
                 f["head_dy"][t, s] = grads.take(s, key)
             else:
-                sends.append((acts, "recv_act", a.mb, a.chunk + 1))
+                sends.append((acts, s, a.mb, a.chunk + 1))
         for kind, prefix in (("B", "b"), ("I", "b"), ("W", "w")):
             if (a := slots.get(kind)) is None:
                 continue
             key = (a.mb, a.chunk)
             f[f"{prefix}_on"][t, s], f[f"{prefix}_chunk"][t, s] = 1, a.chunk // p
-            f[f"{prefix}_res"][t, s], f[f"{prefix}_grad"][t, s] = (res.find(s, key),
-                                                                   grads.find(s, key))
+            f[f"{prefix}_res"][t, s] = res.find(s, key)
             if kind in ("B", "I"):
+                f["b_grad"][t, s] = grads.find(s, key)
+                frees.append((grads, s, key))
                 f["b_first"][t, s] = a.chunk == 0
                 if a.chunk == 0:  # every stage adds to the embedding's gradient
                     f["eback_on"][t, :], f["eback_mb"][t, :] = 1, a.mb
                 else:
-                    sends.append((grads, "recv_grad", a.mb, a.chunk - 1))
+                    sends.append((grads, s, a.mb, a.chunk - 1))
+            if kind == "I":
+                f["b_wait"][t, s] = waits.take(s, key)
+            if kind == "W":
+                f["w_wait"][t, s] = waits.find(s, key)
+                frees.append((waits, s, key))
             if kind in ("B", "W"):
-                frees += [(res, s, key), (grads, s, key)]
+                frees.append((res, s, key))
     return frees, sends
 
 
-def compile_program(steps: Sequence[Step], p: int, v: int = 1) -> Program:
+def _arrival_field(pools: dict, pool: _Slots, sender: int, receiver: int,
+                   placement: Placement) -> str:
+    """The field naming where a send arrives: on the ring activations go on to the next device
+    and input gradients back to the previous one (``recv_act``, ``recv_grad``); in the V
+    either may go either way, or stay (``*_back``, ``keep_*``)."""
+    name = "act" if pool is pools["act"] else "grad"
+    if placement == "ring":
+        return f"recv_{name}"
+    if receiver == sender:
+        return f"keep_{name}"
+    usual = 1 if name == "act" else -1  # the ring's direction
+    return f"recv_{name}" if receiver - sender == usual else f"recv_{name}_back"
+
+
+def compile_program(steps: Sequence[Step], p: int, v: int = 1,
+                    placement: Placement = "ring") -> Program:
     """The arrays the executor indexes, step by step, grouped into stretches.
 
     A slot read in a step is freed at its end; what arrives at the end of a step then takes
@@ -160,27 +204,64 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1) -> Program:
                  "f_mb", "f_chunk", "b_chunk", "w_chunk", "embed_mb", "head_mb", "eback_on",
                  "eback_mb"):
         f[name][:] = 0
-    pools = {"act": _Slots(p), "res": _Slots(p), "grad": _Slots(p)}
+    pools = {"act": _Slots(p), "res": _Slots(p), "grad": _Slots(p), "wait": _Slots(p)}
     for t, step in enumerate(steps):
         frees, sends = _place_step(t, step, n_chunks, f, pools)
         for pool, s, key in frees:
             pool.free(s, key)
-        for pool, name, mb, chunk in sends:
-            receiver = stage_of(chunk, p)
+        for pool, sender, mb, chunk in sends:
+            receiver = stage_of(chunk, p, placement)
+            name = _arrival_field(pools, pool, sender, receiver, placement)
             f[name][t, receiver] = pool.take(receiver, (mb, chunk))
     sizes = {name: pool.peak for name, pool in pools.items()}
     # -1 (no slot) reads and writes the spare slot at the end of each stash.
     spare = {"f_in": "act", "recv_act": "act", "f_res": "res", "b_res": "res", "w_res": "res",
-             "b_grad": "grad", "w_grad": "grad", "head_dy": "grad", "recv_grad": "grad"}
+             "b_grad": "grad", "head_dy": "grad", "recv_grad": "grad", "b_wait": "wait",
+             "w_wait": "wait", "recv_act_back": "act", "recv_grad_back": "grad",
+             "keep_act": "act", "keep_grad": "grad"}
     for name, pool in spare.items():
         f[name][f[name] < 0] = sizes[pool]
     kinds = [step_kind(step, n_chunks) for step in steps]
-    stretches, start = [], 0
-    for t in range(1, len(steps) + 1):
-        if t == len(steps) or kinds[t] != kinds[start]:
-            stretches.append(Stretch(kinds[start], {k: a[start:t] for k, a in f.items()}))
-            start = t
-    return Program(tuple(stretches), sizes["act"], sizes["res"], sizes["grad"])
+    stretches = []
+    for start, period, repeats in _stretches(kinds):
+        end = start + period * repeats
+        stretches.append(Stretch(tuple(kinds[start:start + period]),
+                                 {k: a[start:end].reshape(repeats, period, p)
+                                  for k, a in f.items()}))
+    return Program(tuple(stretches), sizes["act"], sizes["res"], sizes["grad"], sizes["wait"],
+                   placement)
+
+
+def _stretches(kinds: Sequence[tuple], longest: int = 8) -> list[tuple[int, int, int]]:
+    """Cut the steps' kinds into stretches ``(start, period, repeats)``, each a pattern of
+    ``period`` kinds repeated: the cut whose patterns hold the fewest steps in all (each
+    pattern step is a step body to compile), then the fewest stretches (scans)."""
+    n = len(kinds)
+    best: list[tuple[int, int, tuple | None]] = [(0, 0, None)] * (n + 1)  # cost from i on
+    for i in range(n - 1, -1, -1):
+        options = []
+        for period in range(1, min(longest, n - i) + 1):
+            pattern = kinds[i:i + period]
+            repeats = 1
+            while kinds[i + repeats * period:i + (repeats + 1) * period] == pattern:
+                repeats += 1
+            for r in range(1, repeats + 1):
+                body, scans, _ = best[i + r * period]
+                options.append((period + body, 1 + scans, (period, r)))
+        best[i] = min(options, key=lambda o: o[:2])
+    cut, i = [], 0
+    while i < n:
+        period, repeats = best[i][2]
+        cut.append((i, period, repeats))
+        i += period * repeats
+    return cut
+
+
+def _stretch_name(stretch: Stretch) -> str:
+    names = ["+".join("head" if k == "H" else k for k in kinds) for kinds in stretch.pattern]
+    if len(names) == 1:
+        return names[0]
+    return f"({', '.join(names)}) x {len(stretch.fields['f_on'])}"
 
 
 def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
@@ -190,21 +271,18 @@ def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
     stash sizes of the busiest stage (spare slot not counted)."""
     steps = schedule_steps(name, p, m, v)
     table = table_of(steps)
-    program = compile_program(steps, p, v)
+    program = compile_program(steps, p, v, placement_of(name))
     bubble = bubble_fraction(table)
     return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
+            "placement": program.placement,
             "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
             "executed_work_factor": float(1 / (1 - bubble)),
-            "stretches": ["+".join("head" if k == "H" else k for k in s.kinds)
-                          for s in program.stretches],
+            "stretches": [_stretch_name(s) for s in program.stretches],
             "forward_steps": sum("F" in s.kinds for s in steps),
             "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in steps),
-            "head_steps": sum(len(s.fields["f_on"]) for s in program.stretches
-                              if "H" in s.kinds),
+            "head_steps": sum("H" in k for k in program.step_kinds()),
             # executed steps with an input-gradient-only (I) and a weight-gradient (W) slot
-            "input_steps": sum(len(s.fields["f_on"]) for s in program.stretches
-                               if "I" in s.kinds),
-            "weight_steps": sum(len(s.fields["f_on"]) for s in program.stretches
-                                if "W" in s.kinds),
+            "input_steps": sum("I" in k for k in program.step_kinds()),
+            "weight_steps": sum("W" in k for k in program.step_kinds()),
             "activation_slots": program.act_slots, "residual_slots": program.res_slots,
-            "gradient_slots": program.grad_slots}
+            "gradient_slots": program.grad_slots, "weight_stash_slots": program.wait_slots}

@@ -50,6 +50,7 @@ A table is a list of ticks, each a tuple with one entry per stage: an :class:`Ac
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -86,9 +87,26 @@ Tick = tuple[Action | None, ...]
 Table = list[Tick]
 
 
-def stage_of(chunk: int, p: int) -> int:
-    """The device along ``pipe`` that holds ``chunk``: chunks go round the ring, s, s+p, ..."""
+Placement = Literal["ring", "v"]
+
+
+def stage_of(chunk: int, p: int, placement: Placement = "ring") -> int:
+    """The device along ``pipe`` that holds ``chunk``. On the ring (every schedule but
+    DualPipe-V) chunks go round it, s, s+p, ...; in the V (``dualpipe_v``) down the stages and
+    back up: device ``d`` holds chunks ``d`` and ``2p-1-d``, so the last chunk, and the loss,
+    are on the first device. Either way a chunk is its device's ``chunk // p``-th."""
+    if placement == "v":
+        return chunk if chunk < p else 2 * p - 1 - chunk
     return chunk % p
+
+
+# Schedules whose chunks are not placed round the ring.
+PLACEMENTS: dict[str, Placement] = {"dualpipe_v": "v"}
+
+
+def placement_of(name: str) -> Placement:
+    """How ``parallel.pipeline_schedule=name`` places its chunks on the devices."""
+    return PLACEMENTS.get(name, "ring")
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,16 +255,15 @@ def _gpipe_orders(p: int, m: int) -> list[list[Action]]:
             for s in range(p)]
 
 
-def _one_f_one_b_orders(p: int, m: int, split_backward: bool) -> list[list[Action]]:
-    """Per-stage orders of 1F1B and ZB-H1, written as one loop over x = 0 .. m+2(p-1)-1.
+def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False) -> list[list[Action]]:
+    """Per-stage orders of 1F1B, written as one loop over x = 0 .. m+2(p-1)-1.
 
     At x stage s runs F(x), then the backward of microbatch x-2(p-1-s): the last stage turns
     each microbatch around at once; stage s runs 2(p-1-s) forwards ahead (warm-up), the time
     its first microbatch takes to reach the last stage and its gradient to come back, one step
     per stage each way; the x past m are the cool-down. With ``split_backward`` that backward
-    is I, and W follows it at once: in an executor whose steps are the same on every stage, a
-    W put off to later still costs a W slot on every stage then, so delaying it (as ZB-H1 does
-    on hardware where an idle stage costs nothing) gains no time here.
+    is its input-gradient half I alone (zero bubble places the W's afterwards:
+    :func:`defer_weight_grads`).
     """
     orders = []
     for s in range(p):
@@ -255,8 +272,7 @@ def _one_f_one_b_orders(p: int, m: int, split_backward: bool) -> list[list[Actio
             if x < m:
                 order.append(Action("F", x, s))
             if 0 <= (back := x - 2 * (p - 1 - s)) < m:
-                order += ([Action("I", back, s), Action("W", back, s)] if split_backward
-                          else [Action("B", back, s)])
+                order.append(Action("I" if split_backward else "B", back, s))
         orders.append(order)
     return orders
 
@@ -292,7 +308,8 @@ def interleaved(p: int, m: int, v: int) -> Table:
     return as_soon_as_possible(_interleaved_orders(p, m, v), v)
 
 
-def _interleaved_orders(p: int, m: int, v: int) -> list[list[Action]]:
+def _interleaved_orders(p: int, m: int, v: int, split_backward: bool = False,
+                        ) -> list[list[Action]]:
     _check_sizes(p, m, v)
     if m % p:
         raise ValueError(f"interleaved schedule needs microbatches divisible by stages: "
@@ -307,27 +324,140 @@ def _interleaved_orders(p: int, m: int, v: int) -> list[list[Action]]:
     orders = []
     for s in range(p):
         warmup = min(2 * (p - 1 - s) + (v - 1) * p, total)
+        back = "I" if split_backward else "B"
         order = [nth(s, k, "F") for k in range(warmup)]
         for k in range(total - warmup):
-            order += [nth(s, warmup + k, "F"), nth(s, k, "B")]
-        order += [nth(s, k, "B") for k in range(total - warmup, total)]
+            order += [nth(s, warmup + k, "F"), nth(s, k, back)]
+        order += [nth(s, k, back) for k in range(total - warmup, total)]
         orders.append(order)
     return orders
 
 
-def zero_bubble(p: int, m: int) -> Table:
-    """ZB-H1's split (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B with each
-    backward split into ``I`` (input gradient, which the previous stage waits for) and ``W``
-    (weight gradient), both computed from the same stashed residuals.
+def zero_bubble(p: int, m: int, v: int = 1) -> Table:
+    """Zero bubble in lockstep (after Qi et al., "Zero Bubble Pipeline Parallelism", 2024):
+    1F1B (``v = 1``) or interleaved 1F1B (``v > 1``) with every backward split into ``I``, the
+    input gradient the previous stage waits for, and ``W``, the weight gradients nobody waits
+    for, each W deferred by :func:`defer_weight_grads`.
 
-    On hardware where an idle stage costs nothing, delaying W's into 1F1B's cool-down shrinks
-    the bubble to (p-1)/(3m+p-1). In this executor every stage runs every slot of a step, so a
-    delayed W costs a W slot on every stage wherever it goes: the timing (and the bubble) equal
-    1F1B's, (p-1)/(m+p-1). The split is kept because it is the schedule's definition and
-    the I/W pieces are what a hardware-specific executor would place; see the module docstring.
+    Why it pays here. In 1F1B the steps between the warm-up and the steady state run a
+    forward and a backward slot on every stage (F + B = 3 ticks) although the first stage has
+    no backward yet; with B split, those steps run F + I (2 ticks), and the W's go where the
+    first stage runs its I's: every stage runs its k-th W in the step where the last of them
+    runs its k-th I, so each of those ``v m`` steps carries one W slot that no stage idles in.
+    Steps: ``v m + p - 1`` with a forward slot, as many with an I slot, ``v m`` of those with a
+    W slot too, so ``2(v m + p - 1) + v m`` ticks: 54 for p=4, m=16 (1F1B: 57) and 102 with
+    ``v = 2`` (interleaved: 105), the least any schedule of uniform steps can take
+    ((p-1)(T_F + T_I) idle on each stage). Stage ``s`` holds a microbatch from its forward to
+    its W, ``s`` steps longer than to its I: at most ``2(p-1-s) + 1 + s`` residual sets,
+    still ``2p - 1`` on the first stage (1F1B's), and up to ``s`` W stashes.
     """
+    orders = (_one_f_one_b_orders(p, m, split_backward=True) if v == 1
+              else _interleaved_orders(p, m, v, split_backward=True))
+    return table_of(defer_weight_grads(time_steps(orders, v)))
+
+
+def defer_weight_grads(steps: Sequence[Step]) -> list[Step]:
+    """``steps`` whose backwards are I's alone, with each stage's k-th W put in the step where
+    the last stage to reach its k-th I runs it (the first stage, for the zero-bubble orders):
+    every W slot is then busy on every stage. Raises ValueError if the stages run different
+    numbers of I's."""
+    steps = list(steps)
+    p = len(steps[0].actions) if steps else 0
+    inputs = [[(t, step.actions[s]["I"]) for t, step in enumerate(steps)
+               if "I" in step.actions[s]] for s in range(p)]
+    if len({len(runs) for runs in inputs}) > 1:
+        raise ValueError("stages run different numbers of I actions: "
+                         + ", ".join(f"stage {s}: {len(r)}" for s, r in enumerate(inputs)))
+    actions = [[dict(a) for a in step.actions] for step in steps]
+    for k in range(len(inputs[0]) if inputs else 0):
+        at = max(runs[k][0] for runs in inputs)
+        for s, runs in enumerate(inputs):
+            i = runs[k][1]
+            actions[at][s]["W"] = Action("W", i.mb, i.chunk)
+    return [Step(tuple(kind for kind in SLOT_ORDER
+                       if any(kind in row for row in rows)), tuple(rows))
+            for rows in actions]
+
+
+def dualpipe_v(p: int, m: int) -> Table:
+    """DualPipe-V (DeepSeek-V3's report; the deepseek-ai/DualPipe repository) in lockstep:
+    the V placement, two chunks a device (device ``d`` holds chunks ``d`` and ``2p-1-d``: down
+    the stages and back up, the loss on the first device), every backward split into I and W
+    with the W's deferred as zero bubble's (:func:`defer_weight_grads`), and in the steady
+    state steps that run one microbatch's forward beside another's input gradient (F&I).
+
+    The order is found, not transcribed: DeepSeek's per-rank phases written as steps that are
+    the same on every stage pay for the union of their kinds (18.6% at p=4, m=16). Here every
+    stage, at every step, runs the ready I of the earliest microbatch (the deeper chunk first)
+    and the ready forward of the earliest microbatch, as long as it holds fewer than ``cap``
+    chunks between forward and I; the least ``cap`` that reaches the fewest ticks is kept
+    (:func:`_dualpipe_v_steps`).
+
+    What the one program costs it. A stage runs one forward per step, and the device at the
+    bottom of the V runs both its chunks, so the last microbatch leaves it ``p - 1`` steps
+    before the loss: ``2m + 2(p-1)`` steps with a forward slot, as many with an I slot, ``2m``
+    with a W slot: ``6m + 4(p-1)`` chunk ticks, a bubble of 2(p-1)/(3m+2(p-1)), zero bubble's
+    at ``v = 1`` (11.1% at p=4, m=16; 1F1B 15.8%), where interleaving's ring (no device runs
+    two chunks of one microbatch back to back) reaches (p-1)/(3m+p-1)... for its forward
+    steps. What it buys: the first stage holds ``2p + 1`` chunks, ``p + 1/2`` stages' worth,
+    where 1F1B's holds ``2p - 1`` stages' (DualPipe-V's own figure), and the loss on the first
+    device.
+    """
+    return table_of(_dualpipe_v_steps(p, m))
+
+
+@functools.cache
+def _dualpipe_v_steps(p: int, m: int) -> list[Step]:
     _check_sizes(p, m)
-    return as_soon_as_possible(_one_f_one_b_orders(p, m, split_backward=True))
+    best: tuple[int, list[Step]] | None = None
+    for cap in range(2, 4 * p + 3):
+        greedy = _v_greedy(p, m, cap)
+        if greedy is None:
+            continue
+        steps = defer_weight_grads(greedy)
+        ticks = sum(step.ticks for step in steps)
+        if best is None or ticks < best[0]:
+            best = (ticks, steps)
+    assert best is not None  # a cap of 4p + 2 never stalls
+    return best[1]
+
+
+def _v_greedy(p: int, m: int, cap: int) -> list[Step] | None:
+    """DualPipe-V's forwards and I's, step by step (:func:`dualpipe_v`); None if the stages
+    stall with work left (``cap`` too small)."""
+    last = 2 * p - 1
+    ready: list[dict[Action, int]] = [{} for _ in range(p)]  # stage -> action -> first step
+    held, entered, left = [0] * p, 0, 2 * p * m
+    steps: list[Step] = []
+    while left:
+        t = len(steps)
+        rows: list[dict[str, Action]] = [{} for _ in range(p)]
+        for s in range(p):
+            forwards = [a for a, at in ready[s].items() if a.kind == "F" and at <= t]
+            if s == 0 and entered < m:
+                forwards.append(Action("F", entered, 0))
+            if forwards and held[s] < cap:
+                f = rows[s]["F"] = min(forwards, key=lambda a: (a.mb, a.chunk))
+                held[s] += 1
+                ready[s].pop(f, None)
+                entered += f.chunk == 0
+                if f.chunk == last:  # the loss, then its I in this very step
+                    ready[s][Action("I", f.mb, f.chunk)] = t
+                else:
+                    ready[stage_of(f.chunk + 1, p, "v")][Action("F", f.mb, f.chunk + 1)] = t + 1
+            inputs = [a for a, at in ready[s].items() if a.kind == "I" and at <= t]
+            if inputs:
+                i = rows[s]["I"] = min(inputs, key=lambda a: (a.mb, -a.chunk))
+                held[s] -= 1
+                left -= 1
+                del ready[s][i]
+                if i.chunk > 0:
+                    ready[stage_of(i.chunk - 1, p, "v")][Action("I", i.mb, i.chunk - 1)] = t + 1
+        if not any(rows):
+            return None
+        steps.append(Step(tuple(k for k in SLOT_ORDER if any(k in row for row in rows)),
+                          tuple(rows)))
+    return steps
 
 
 SCHEDULES: dict[str, Callable[..., Table]] = {
@@ -335,19 +465,27 @@ SCHEDULES: dict[str, Callable[..., Table]] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "zero_bubble": zero_bubble,
+    "dualpipe_v": dualpipe_v,
 }
 
 
 def schedule_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Each stage's order of actions for ``parallel.pipeline_schedule=name`` (``v``:
-    ``parallel.virtual_stages``)."""
+    """Each stage's order of forwards and backwards for ``parallel.pipeline_schedule=name``
+    (``v``: ``parallel.virtual_stages``). Zero bubble's are I's: its W's are placed after the
+    timing (:func:`schedule_steps`)."""
     if name not in SCHEDULES:
         raise ValueError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
-    if name == "interleaved":
-        return _interleaved_orders(p, m, v)
+    if name == "dualpipe_v":  # its order is found step by step: read it off the steps
+        if v != 2:
+            raise ValueError(f"pipeline schedule 'dualpipe_v' runs two chunks per stage; v={v}")
+        steps = _dualpipe_v_steps(p, m)
+        return [[a for step in steps for kind, a in step.actions[s].items() if kind != "W"]
+                for s in range(p)]
+    if name == "interleaved" or (name == "zero_bubble" and v > 1):
+        return _interleaved_orders(p, m, v, split_backward=name == "zero_bubble")
     if v != 1:
         raise ValueError(f"pipeline schedule {name!r} runs one chunk per stage; v={v} needs "
-                         "'interleaved'")
+                         "'interleaved' or 'zero_bubble'")
     _check_sizes(p, m)
     if name == "gpipe":
         return _gpipe_orders(p, m)
@@ -356,7 +494,11 @@ def schedule_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]
 
 def schedule_steps(name: str, p: int, m: int, v: int = 1) -> list[Step]:
     """The executor's steps for ``parallel.pipeline_schedule=name``."""
-    return time_steps(schedule_orders(name, p, m, v), v)
+    if name == "dualpipe_v":
+        schedule_orders(name, p, m, v)  # checks v
+        return list(_dualpipe_v_steps(p, m))
+    steps = time_steps(schedule_orders(name, p, m, v), v)
+    return defer_weight_grads(steps) if name == "zero_bubble" else steps
 
 
 def schedule_table(name: str, p: int, m: int, v: int = 1) -> Table:
@@ -431,6 +573,23 @@ def peak_in_flight(table: Sequence[Tick]) -> tuple[int, ...]:
     return tuple(peak)
 
 
+def peak_weight_stash(table: Sequence[Tick]) -> tuple[int, ...]:
+    """Per stage, the most (microbatch, chunk) pairs whose I has finished but whose W has not
+    started: what waits in the W stash (:mod:`jaxpar.parallel.pipeline.backward_split`). A W
+    in the step of its own I (and a fused B) holds none."""
+    p = _width(table)
+    done: dict[tuple[int, int, int], int] = {}
+    for run in _runs(table):
+        if run.action.kind == "I":
+            done[(run.stage, run.action.mb, run.action.chunk)] = run.end
+    waiting = [[0] * len(table) for _ in range(p)]
+    for run in _runs(table):
+        if run.action.kind == "W":
+            for t in range(done[(run.stage, run.action.mb, run.action.chunk)], run.start):
+                waiting[run.stage][t] += 1
+    return tuple(max(row, default=0) for row in waiting)
+
+
 def render(table: Sequence[Tick]) -> str:
     """One text row per stage, one column per tick: ``F3`` = forward of microbatch 3, ``.`` =
     idle; a B shows in both its ticks. When stages hold several chunks a letter names which
@@ -458,7 +617,8 @@ def render(table: Sequence[Tick]) -> str:
 # Validation
 
 
-def validate(table: Sequence[Tick], p: int, m: int, v: int = 1) -> None:
+def validate(table: Sequence[Tick], p: int, m: int, v: int = 1,
+             placement: Placement = "ring") -> None:
     """Raise ValueError naming the first thing that makes ``table`` an impossible schedule.
 
     Checked in this order, each in tick order: the shape (``p`` entries per tick, one action or
@@ -483,8 +643,8 @@ def validate(table: Sequence[Tick], p: int, m: int, v: int = 1) -> None:
             raise ValueError(f"{where}: microbatch out of range 0..{m - 1}")
         if not 0 <= a.chunk < n_chunks:
             raise ValueError(f"{where}: chunk out of range 0..{n_chunks - 1}")
-        if stage_of(a.chunk, p) != r.stage:
-            raise ValueError(f"{where}: chunk {a.chunk} lives on stage {stage_of(a.chunk, p)}")
+        if (home := stage_of(a.chunk, p, placement)) != r.stage:
+            raise ValueError(f"{where}: chunk {a.chunk} lives on stage {home}")
 
     placed: dict[Action, _Run] = {}
     for r in runs:
@@ -496,7 +656,7 @@ def validate(table: Sequence[Tick], p: int, m: int, v: int = 1) -> None:
     for mb in range(m):
         for chunk in range(n_chunks):
             has = {kind: Action(kind, mb, chunk) in placed for kind in TICKS}
-            home = f"(stage {stage_of(chunk, p)})"
+            home = f"(stage {stage_of(chunk, p, placement)})"
             if not has["F"]:
                 raise ValueError(f"{Action('F', mb, chunk)} never runs {home}")
             if has["B"] and (has["I"] or has["W"]):
@@ -524,14 +684,16 @@ def validate(table: Sequence[Tick], p: int, m: int, v: int = 1) -> None:
 
 
 
-def stage_layer_order(n_layers: int, p: int, v: int) -> list[int]:
+def stage_layer_order(n_layers: int, p: int, v: int, placement: Placement = "ring",
+                      ) -> list[int]:
     """Which model layer each stored layer is, when device ``s``'s contiguous ``n_layers / p``
-    stored layers must be its chunks ``s, s+p, ..., s+(v-1)p`` in that order.
+    stored layers must be its chunks in order (``s, s+p, ..., s+(v-1)p`` on the ring; ``s``
+    and ``2p-1-s`` in the V: :func:`stage_of`).
 
     The identity for ``v = 1``. For ``v > 1`` a contiguous split of the stacked layers over
     ``pipe`` would hand device 0 chunks 0 and 1; storing the layers in this order instead lets
     each device read its chunks without any parameter crossing ``pipe``.
     """
     per_chunk = n_layers // (p * v)
-    return [(j * p + s) * per_chunk + k
-            for s in range(p) for j in range(v) for k in range(per_chunk)]
+    chunks = {stage_of(c, p, placement) * v + c // p: c for c in range(p * v)}
+    return [chunks[i] * per_chunk + k for i in range(p * v) for k in range(per_chunk)]
