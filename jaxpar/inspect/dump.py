@@ -75,9 +75,9 @@ def memory_from_buffers(text: str) -> dict[str, Any]:
 
 def dump_report(hlo_text: str, mesh: list[tuple[str, int]],
                 buffers_text: str | None = None) -> dict[str, Any]:
-    """``{"devices", "mesh", "collectives", "overlap", "memory"}`` of a dump (module docstring;
-    ``overlap``: :func:`jaxpar.inspect.hlo.overlap.add_overlap`); ``memory`` is None without a
-    buffer assignment."""
+    """``{"devices", "mesh", "collectives", "memory"}`` of a dump (module docstring; the rows
+    with their hidden and exposed bytes, :func:`jaxpar.inspect.hlo.overlap.add_overlap`);
+    ``memory`` is None without a buffer assignment."""
     module = parse_module(hlo_text)
     devices = math.prod(size for _, size in mesh)
     declared = (module.replica_count or 1) * (module.num_partitions or 1)
@@ -87,7 +87,6 @@ def dump_report(hlo_text: str, mesh: list[tuple[str, int]],
                           f"{module.num_partitions or 1} partitions)")
     found = parse_collectives(hlo_text, mesh)
     rows = summarize_collectives(found)
-    overlap = add_overlap(rows, found, hlo_text)
+    add_overlap(rows, found, hlo_text)
     memory = memory_from_buffers(buffers_text) if buffers_text is not None else None
-    return {"devices": devices, "mesh": dict(mesh), "collectives": rows, "overlap": overlap,
-            "memory": memory}
+    return {"devices": devices, "mesh": dict(mesh), "collectives": rows, "memory": memory}

@@ -51,5 +51,5 @@ def overlap_line(totals: Mapping[str, Any]) -> str:
     return (f"collectives: {human_bytes(totals['bytes'])}, {share}, "
             f"{human_bytes(totals['exposed_bytes'])} exposed. Hidden: a matmul is scheduled "
             "between the collective's start and done (synchronous collectives are exposed); "
-            "window matmuls: the matmul flops in the hidden ones' windows, which overlap "
+            "window matmuls: the flops of the matmuls in a row's hidden windows, each once "
             "(docs/inspect.md).")

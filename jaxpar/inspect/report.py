@@ -26,7 +26,9 @@ many collectives run per step, their payload ``bytes`` per device, the ``wire_by
 algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step totals: a
 collective inside the scanned layer stack (or the gradient-accumulation loop) counts once per
 iteration, using the loop trip counts XLA records; ``instructions`` is how many collective
-instructions the program text holds.
+instructions the program text holds. Each row also says how much of it the schedule hides
+behind matmuls (``hidden_bytes``, ``exposed_bytes``, ``hidden_count``, ``window_matmul_flops``;
+:mod:`jaxpar.inspect.hlo.overlap`).
 5. ``flops`` per device: ``compiled`` is XLA's ``cost_analysis()['flops']``, ``analytic`` is the
    model's useful work (:func:`jaxpar.model.flops.train_flops_per_token` x tokens / devices). See
    :func:`flops_report` for why XLA's number must be compared with ``analytic_loops_once``.
@@ -106,7 +108,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
     memory["largest_arrays"] = largest_arrays(hlo)
     found = program_collectives(cfg, hlo)
     collectives = summarize_collectives(found)
-    overlap = add_overlap(collectives, found, hlo)
+    add_overlap(collectives, found, hlo)
     t, p = cfg.train, cfg.parallel
     report = {
         "devices": devices,
@@ -130,7 +132,6 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
         "params": params,
         "memory": memory,
         "collectives": collectives,
-        "overlap": overlap,
         "flops": flops_report(cfg, compiled.cost_analysis(), devices),
     }
     if cfg.mesh.pipe > 1:

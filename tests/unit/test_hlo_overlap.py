@@ -12,7 +12,7 @@ from jaxpar.inspect.dump import dump_report
 from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
 from jaxpar.inspect.hlo.flops import dot_flops
 from jaxpar.inspect.hlo.megascale import dcn_collectives
-from jaxpar.inspect.hlo.overlap import add_overlap, collective_windows
+from jaxpar.inspect.hlo.overlap import add_overlap, collective_windows, overlap_totals
 from jaxpar.inspect.report import print_dump
 
 MESH = {"data": 2, "tensor": 4}
@@ -79,7 +79,7 @@ def row_of(text: str, mesh=MESH) -> dict:
 def test_all_gather_with_a_matmul_fusion_between_start_and_done_is_hidden():
     text = all_gather(MATMUL)
     window = collective_windows(text)["ags"]
-    assert (window.start, window.done, window.matmuls) == ("ags", "agd", 1)
+    assert (window.start, window.done, window.matmuls) == ("ags", "agd", ("between.0",))
     assert window.hidden and window.flops == MATMUL_FLOPS
     row = row_of(text)
     assert row["bytes"] == 64 * 128 * 2
@@ -95,7 +95,7 @@ def test_all_gather_with_only_elementwise_fusions_between_is_exposed():
 
 def test_matmuls_before_the_start_or_after_the_done_hide_nothing():
     window = collective_windows(all_gather(ELEMENTWISE, before=MATMUL, after=MATMUL))["ags"]
-    assert not window.hidden and (window.matmuls, window.flops) == (0, 0)
+    assert not window.hidden and (window.matmuls, window.flops) == ((), 0)
 
 
 def test_synchronous_all_reduce_is_exposed_even_beside_a_matmul():
@@ -221,7 +221,7 @@ def test_matmuls_inside_loops_and_calls_between_start_and_done_hide_it(between, 
         "  %init = (s32[], bf16[32,64]{1,0}, bf16[64,128]{1,0}) tuple(%zero, %x, %y)\n  %ags =")
     text = entry.replace("ENTRY %main", _DOT_LOOP + "\n\nENTRY %main")
     window = collective_windows(text)["ags"]
-    assert window.hidden and window.matmuls == len(between)
+    assert window.hidden and len(window.matmuls) == len(between)
     assert window.flops == flops
     assert dot_flops(text) == flops  # the same matmuls, counted once per step
 
@@ -239,6 +239,25 @@ def test_a_collective_inside_a_loop_in_another_collectives_window_keeps_its_own_
     windows = collective_windows(text)
     assert windows["ags"].flops == 4 * MATMUL_FLOPS
     assert windows["cps"].flops == MATMUL_FLOPS and windows["cps"].done == "cpd"
+
+
+def test_a_matmul_in_several_windows_of_a_row_counts_once_in_the_rows_flops():
+    # Two gathers in flight over one matmul (as the two permutes of an unrolled collective-matmul
+    # step): both windows hold %second, the row's window flops count it once.
+    start = ("(bf16[16,128]{1,0}, bf16[64,128]{1,0}) all-gather-start(%w), channel_id=ID, "
+             f"{TENSOR}, dimensions={{0}}")
+    text = module(_INPUTS
+                  + f"  %ags = {start.replace('ID', '1')}\n  %first = {MATMUL}\n"
+                  f"  %ags.2 = {start.replace('ID', '2')}\n  %second = {MATMUL}\n"
+                  "  %agd = bf16[64,128]{1,0} all-gather-done(%ags)\n"
+                  "  %agd.2 = bf16[64,128]{1,0} all-gather-done(%ags.2)\n"
+                  "  ROOT %out = (bf16[64,128]{1,0}, bf16[64,128]{1,0}) tuple(%agd, %agd.2)")
+    windows = collective_windows(text)
+    assert windows["ags"].matmuls == ("first", "second")
+    assert windows["ags.2"].matmuls == ("second",)
+    row = row_of(text)
+    assert (row["count"], row["hidden_count"]) == (2, 2)
+    assert row["window_matmul_flops"] == 2 * MATMUL_FLOPS  # not 3: %second once
 
 
 def test_a_start_without_its_done_in_the_computation_has_a_window_to_its_end():
@@ -294,7 +313,7 @@ def test_tpu_async_collective_fusion_carried_through_a_matmul_fusion_is_hidden(o
     text = module(_TPU_ENTRY, *(_TPU_CHAIN[k] for k in order))
     c = only(parse_collectives(text, MESH))
     window = collective_windows(text)[c.name]
-    assert (window.start, window.done, window.matmuls) == ("start", "done", 1)
+    assert (window.start, window.done, window.matmuls) == ("start", "done", ("carry",))
     row = row_of(text)
     assert (row["bytes"], row["hidden_bytes"], row["exposed_bytes"]) == (16 * 128 * 2,) * 2 + (0,)
 
@@ -354,8 +373,8 @@ def test_rows_add_hidden_and_exposed_up_to_their_bytes_and_the_dump_prints_them(
     rows = {r["kind"]: r for r in report["collectives"]}
     assert rows["all-gather"]["hidden_bytes"] == rows["all-gather"]["bytes"] == 16384
     assert rows["all-reduce"]["exposed_bytes"] == rows["all-reduce"]["bytes"] == 16384
-    assert report["overlap"] == {"bytes": 32768, "hidden_bytes": 16384, "exposed_bytes": 16384,
-                                 "hidden_fraction": 0.5}
+    assert overlap_totals(report["collectives"]) == {
+        "bytes": 32768, "hidden_bytes": 16384, "exposed_bytes": 16384, "hidden_fraction": 0.5}
     report["source"] = {"hlo_file": "dump.txt", "buffer_assignment": ""}
     console = Console(record=True, width=160)
     print_dump(report, console)

@@ -35,10 +35,10 @@ that computation: the instructions after the computation returns are not looked 
 **Exposed**: everything else, synchronous collectives included.
 
 The window's **flops** are those matmul flops, per execution of the collective. Windows of
-collectives in flight at the same time overlap, so one matmul can be in the windows of several:
-window flops say how much work a collective could hide behind, and summed over collectives they
-are not the step's flops. Hidden is a property of the schedule, not a measurement: a window's
-matmuls may be shorter than its transfer (then the rest of the transfer waits at the done).
+collectives in flight at the same time overlap, so one matmul can be in the windows of several;
+a row's ``window_matmul_flops`` (:func:`add_overlap`) counts each matmul once. Hidden is a
+property of the schedule, not a measurement: a window's matmuls may be shorter than its transfer
+(then the rest of the transfer waits at the done).
 
 Counting per step is :mod:`jaxpar.inspect.hlo.collectives`' (each collective's ``executions``),
 so a row's hidden and exposed bytes add up to its ``bytes``.
@@ -53,7 +53,14 @@ from typing import Any
 
 from jaxpar.inspect.hlo.collectives import KINDS, Collective
 from jaxpar.inspect.hlo.flops import instruction_flops
-from jaxpar.inspect.hlo.text import Computation, Instr, Module, attr, parse_module
+from jaxpar.inspect.hlo.text import (
+    Computation,
+    Instr,
+    Module,
+    attr,
+    computation_runs,
+    parse_module,
+)
 
 ASYNC_START_TARGET = "AsyncCollectiveStart"
 ASYNC_DONE_TARGET = "AsyncCollectiveDone"
@@ -69,14 +76,25 @@ _TO_START = frozenset({"get-tuple-element", "async-update", "bitcast", "copy"})
 class Window:
     """The schedule between one asynchronous collective's start and its done."""
 
+    computation: str  # where start and done are
     start: str  # the instruction that starts it
     done: str | None  # the one that waits for it; None: not in the computation (window to its end)
-    matmuls: int  # instructions strictly between that are, or call, matmuls
+    matmuls: tuple[str, ...]  # the instructions strictly between that are, or call, matmuls
     flops: float  # their matmul flops, one execution of the collective (loops: x trip counts)
 
     @property
     def hidden(self) -> bool:
-        return self.matmuls > 0
+        return bool(self.matmuls)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A module's async collectives and the matmuls in their windows."""
+
+    windows: dict[str, Window]  # by the collective's instruction name (collective_windows)
+    # (computation, instruction) -> matmul flops per step (per execution x the computation's
+    # runs), for the matmuls in any window.
+    step_flops: dict[tuple[str, str], float]
 
 
 @dataclass(frozen=True)
@@ -90,13 +108,22 @@ def collective_windows(hlo_text: str) -> dict[str, Window]:
     """Each asynchronous collective's window, by the instruction name its
     :class:`~jaxpar.inspect.hlo.collectives.Collective` carries (the module docstring). A
     collective that is not in the result is synchronous."""
+    return read_schedule(hlo_text).windows
+
+
+def read_schedule(hlo_text: str) -> Schedule:
+    """The windows of every computation, with the per-step flops of the matmuls in them."""
     module = parse_module(hlo_text)
     quoted = _quoted_attributes(hlo_text)
+    runs = computation_runs(module)
     memo: dict[str, float] = {}
     windows: dict[str, Window] = {}
+    step_flops: dict[tuple[str, str], float] = {}
     for comp in module.computations.values():
-        windows.update(_computation_windows(module, comp, quoted, memo))
-    return windows
+        found, flops = _computation_windows(module, comp, quoted, memo)
+        windows.update(found)
+        step_flops.update({(comp.name, name): f * runs[comp.name] for name, f in flops.items()})
+    return Schedule(windows, step_flops)
 
 
 def _quoted_attributes(hlo_text: str) -> dict[str, str]:
@@ -110,23 +137,25 @@ def _quoted_attributes(hlo_text: str) -> dict[str, str]:
 
 
 def _computation_windows(module: Module, comp: Computation, quoted: dict[str, str],
-                         memo: dict[str, float]) -> dict[str, Window]:
+                         memo: dict[str, float]) -> tuple[dict[str, Window], dict[str, float]]:
+    """The windows of the collectives started in ``comp``, and the flops (one execution) of
+    its matmul instructions."""
     order = list(comp.instrs.values())  # the schedule
     starts = [(k, s) for k, instr in enumerate(order)
               if (s := _start(module, comp, instr, quoted)) is not None]
     if not starts:
-        return {}
-    flops_before, matmuls_before = [0.0], [0]  # prefix sums over the schedule
-    for instr in order:
-        f = instruction_flops(module, comp, instr, memo)
+        return {}, {}
+    flops = [instruction_flops(module, comp, instr, memo) for instr in order]
+    flops_before = [0.0]  # prefix sums over the schedule
+    for f in flops:
         flops_before.append(flops_before[-1] + f)
-        matmuls_before.append(matmuls_before[-1] + (f > 0))
     windows = {}
     for k, start in starts:
         done = next((j for j in range(k + 1, len(order)) if start.is_done(order[j])), None)
         end = len(order) if done is None else done
-        window = Window(start=order[k].name, done=None if done is None else order[done].name,
-                        matmuls=matmuls_before[end] - matmuls_before[k + 1],
+        window = Window(computation=comp.name, start=order[k].name,
+                        done=None if done is None else order[done].name,
+                        matmuls=tuple(order[j].name for j in range(k + 1, end) if flops[j] > 0),
                         flops=flops_before[end] - flops_before[k + 1])
         names = list(start.names)
         if start.channel is not None:  # the collective also sits in the fusions it rides along
@@ -134,7 +163,7 @@ def _computation_windows(module: Module, comp: Computation, quoted: dict[str, st
                 names += [n for n, kind, channel in _fused_collectives(module, member)
                           if (kind, channel) == start.channel]
         windows.update(dict.fromkeys(names, window))
-    return windows
+    return windows, {instr.name: f for instr, f in zip(order, flops, strict=True) if f > 0}
 
 
 def _start(module: Module, comp: Computation, instr: Instr,
@@ -221,28 +250,34 @@ def _row_key(kind: str, axes: Sequence[str], network: str | None) -> tuple:
 
 
 def add_overlap(rows: list[dict[str, Any]], collectives: Sequence[Collective],
-                hlo_text: str) -> dict[str, Any]:
+                hlo_text: str) -> None:
     """Add to each row of :func:`~jaxpar.inspect.hlo.collectives.summarize_collectives` (made
     from ``collectives``) its ``hidden_bytes``, ``exposed_bytes`` (the two add up to ``bytes``),
-    ``hidden_count`` (executions hidden, of ``count``) and ``window_matmul_flops`` (the matmul
-    flops in the hidden collectives' windows), all per step; return :func:`overlap_totals`."""
-    windows = collective_windows(hlo_text)
+    ``hidden_count`` (executions hidden, of ``count``) and ``window_matmul_flops``, all per step.
+
+    ``window_matmul_flops`` are the flops of the matmuls in any of the row's hidden windows,
+    each matmul once per execution, though several of the row's windows hold it (the two
+    permutes of an unrolled collective-matmul step overlap the same matmul): the work the row's
+    communication is scheduled beside, at most the program's. Rows can share a matmul.
+    """
+    schedule = read_schedule(hlo_text)
     sums: dict[tuple, list[float]] = {}
+    matmuls: dict[tuple, set[tuple[str, str]]] = {}
     for c in collectives:
-        window = windows.get(c.name.partition("[")[0])  # `ar[0,1]`: part of a split all-reduce
-        entry = sums.setdefault(_row_key(c.kind, c.axes, c.network), [0.0, 0.0, 0.0])
+        window = schedule.windows.get(c.name.partition("[")[0])  # `ar[0,1]`: a split all-reduce
+        key = _row_key(c.kind, c.axes, c.network)
+        entry = sums.setdefault(key, [0.0, 0.0])
         if window is not None and window.hidden:
             entry[0] += c.bytes * c.executions
             entry[1] += c.executions
-            entry[2] += window.flops * c.executions
+            matmuls.setdefault(key, set()).update((window.computation, m) for m in window.matmuls)
     for row in rows:
-        hidden, count, flops = sums.get(_row_key(row["kind"], row["axes"], row.get("network")),
-                                        (0.0, 0.0, 0.0))
+        key = _row_key(row["kind"], row["axes"], row.get("network"))
+        hidden, count = sums.get(key, (0.0, 0.0))
         row["hidden_bytes"] = round(hidden)
         row["exposed_bytes"] = row["bytes"] - row["hidden_bytes"]
         row["hidden_count"] = round(count)
-        row["window_matmul_flops"] = flops
-    return overlap_totals(rows)
+        row["window_matmul_flops"] = sum(schedule.step_flops[m] for m in matmuls.get(key, ()))
 
 
 def overlap_totals(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
