@@ -101,7 +101,7 @@ class Schedule:
 class _Start:
     names: tuple[str, ...]  # the collective instructions (as parse_collectives names them)
     is_done: Callable[[Instr], bool]
-    channel: tuple[str, str] | None = None  # TPU async fusions: (kind, channel_id) they carry
+    channel: tuple[str, str | None] | None = None  # TPU async fusions: (kind, channel_id) carried
 
 
 def collective_windows(hlo_text: str) -> dict[str, Window]:
