@@ -24,6 +24,7 @@ from typing import Any
 
 from jaxpar.config import ConfigError
 from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
+from jaxpar.inspect.hlo.overlap import add_overlap
 from jaxpar.inspect.hlo.text import parse_module
 
 _AXIS_RE = re.compile(r"^([A-Za-z_][\w]*)=(\d+)$")
@@ -74,8 +75,9 @@ def memory_from_buffers(text: str) -> dict[str, Any]:
 
 def dump_report(hlo_text: str, mesh: list[tuple[str, int]],
                 buffers_text: str | None = None) -> dict[str, Any]:
-    """``{"devices", "mesh", "collectives", "memory"}`` of a dump (module docstring); ``memory``
-    is None without a buffer assignment."""
+    """``{"devices", "mesh", "collectives", "memory"}`` of a dump (module docstring; the rows
+    with their hidden and exposed bytes, :func:`jaxpar.inspect.hlo.overlap.add_overlap`);
+    ``memory`` is None without a buffer assignment."""
     module = parse_module(hlo_text)
     devices = math.prod(size for _, size in mesh)
     declared = (module.replica_count or 1) * (module.num_partitions or 1)
@@ -83,6 +85,8 @@ def dump_report(hlo_text: str, mesh: list[tuple[str, int]],
         raise ConfigError(f"--mesh: {devices} devices, but the dump's module runs on {declared} "
                           f"({module.replica_count or 1} replicas x "
                           f"{module.num_partitions or 1} partitions)")
-    rows = summarize_collectives(parse_collectives(hlo_text, mesh))
+    found = parse_collectives(hlo_text, mesh)
+    rows = summarize_collectives(found)
+    add_overlap(rows, found, hlo_text)
     memory = memory_from_buffers(buffers_text) if buffers_text is not None else None
     return {"devices": devices, "mesh": dict(mesh), "collectives": rows, "memory": memory}

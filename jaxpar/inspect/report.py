@@ -26,7 +26,9 @@ many collectives run per step, their payload ``bytes`` per device, the ``wire_by
 algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step totals: a
 collective inside the scanned layer stack (or the gradient-accumulation loop) counts once per
 iteration, using the loop trip counts XLA records; ``instructions`` is how many collective
-instructions the program text holds.
+instructions the program text holds. Each row also says how much of it the schedule hides
+behind matmuls (``hidden_bytes``, ``exposed_bytes``, ``hidden_count``, ``window_matmul_flops``;
+:mod:`jaxpar.inspect.hlo.overlap`).
 5. ``flops`` per device: ``compiled`` is XLA's ``cost_analysis()['flops']``, ``analytic`` is the
    model's useful work (:func:`jaxpar.model.flops.train_flops_per_token` x tokens / devices). See
    :func:`flops_report` for why XLA's number must be compared with ``analytic_loops_once``.
@@ -54,6 +56,8 @@ from jaxpar.inspect.hlo.collectives import (
     summarize_collectives,
 )
 from jaxpar.inspect.hlo.megascale import dcn_collectives, program_partitions
+from jaxpar.inspect.hlo.overlap import add_overlap
+from jaxpar.inspect.overlap_table import print_overlap
 from jaxpar.model.flops import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline.executor import describe
 from jaxpar.parallel.rules import param_name
@@ -102,7 +106,9 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
     memory["optimizer_bytes"] = _bytes_per_device(state.opt_state)
     hlo = compiled.as_text()
     memory["largest_arrays"] = largest_arrays(hlo)
-    collectives = summarize_collectives(program_collectives(cfg, hlo))
+    found = program_collectives(cfg, hlo)
+    collectives = summarize_collectives(found)
+    add_overlap(collectives, found, hlo)
     t, p = cfg.train, cfg.parallel
     report = {
         "devices": devices,
@@ -329,7 +335,8 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
                       "on-core vector memory (VMEM, 128 MiB on v5e), where it puts most "
                       "temporaries of a narrow model: below a few hundred MiB per chip it "
                       "overstates the HBM a step needs.")
-    _print_collectives(report["collectives"], console, tpu=bool(run.get("target")))
+    _print_collectives(report["collectives"], console, tpu=bool(run.get("target")),
+                       overlap=bool(run.get("target")))
     if report.get("pipeline"):
         console.print(pipeline_line(report["pipeline"]))
     _print_flops(report["flops"], run, console)
@@ -347,7 +354,7 @@ def print_dump(report: Mapping[str, Any], console: Console) -> None:
     else:
         _print_memory(report["memory"], console, title="memory per device (the dump's buffer "
                       f"assignment: {Path(source['buffer_assignment']).name})")
-    _print_collectives(report["collectives"], console)
+    _print_collectives(report["collectives"], console, overlap=True)
 
 
 def _print_params(report: Mapping[str, Any], console: Console) -> None:
@@ -416,7 +423,10 @@ def _print_memory(memory: Mapping[str, Any], console: Console, tpu: bool = False
 
 
 def _print_collectives(rows: Sequence[Mapping[str, Any]], console: Console,
-                       tpu: bool = False) -> None:
+                       tpu: bool = False, overlap: bool = False) -> None:
+    """The collectives table; ``overlap``: then a table of the bytes the schedule hides behind
+    matmuls and the rest (:mod:`jaxpar.inspect.hlo.overlap`), for schedules that overlap
+    communication (a TPU target, a dump)."""
     if not rows:
         console.print("[bold]collectives[/bold]: none (nothing is split, or one device)")
         return
@@ -445,6 +455,8 @@ def _print_collectives(rows: Sequence[Mapping[str, Any]], console: Console,
                       "reduce-scatter op; it all-reduces the whole array and each device keeps "
                       "its slice. Same result, at an all-reduce's traffic (wire bytes count that); "
                       "TPU fuses the pair into one reduce-scatter.")
+    if overlap and all("hidden_bytes" in row for row in rows):
+        print_overlap(rows, console, network)
 
 
 def _print_flops(flops: Mapping[str, Any], run: Mapping[str, Any], console: Console) -> None:

@@ -39,6 +39,8 @@ def test_cli_writes_json_and_hlo_files_and_prints_tables(tmp_path):
     assert "HloModule" in (tmp_path / "s.hlo").read_text()
     for needle in ("parameters", "memory per device", "collectives", "flops per device"):
         assert needle in result.stdout, needle
+    # All synchronous on CPU: the table of hidden bytes is for TPU targets and dumps.
+    assert "collectives hidden behind matmuls" not in result.stdout
 
 
 def test_cli_json_dash_prints_only_json_on_stdout(json_to_stdout_4_devices):
@@ -51,6 +53,15 @@ def test_cli_devices_flag_compiles_for_that_many_devices(json_to_stdout_4_device
     report = json.loads(json_to_stdout_4_devices.stdout)
     assert report["devices"] == 4  # the preset says host_devices: 8; --devices wins
     assert report["mesh"]["data"] == 2 and report["mesh"]["tensor"] == 2
+
+
+def test_cpu_collectives_are_synchronous_so_every_byte_is_exposed(json_to_stdout_4_devices):
+    # XLA:CPU schedules no async collectives: no start/done, so no window to hide bytes in.
+    report = json.loads(json_to_stdout_4_devices.stdout)
+    assert report["collectives"]
+    for row in report["collectives"]:
+        assert (row["hidden_bytes"], row["hidden_count"]) == (0, 0)
+        assert row["exposed_bytes"] == row["bytes"]
 
 
 def test_cli_config_error_is_one_line_exit_2(tmp_path):

@@ -31,6 +31,7 @@ from rich.console import Console
 
 from jaxpar.config import load_config, validate
 from jaxpar.cost.estimate import estimate
+from jaxpar.inspect.hlo.overlap import overlap_totals
 from jaxpar.inspect.report import print_report
 from jaxpar.inspect.tpu import INSTALL_HINT
 
@@ -124,6 +125,47 @@ def test_printed_report_names_the_target_and_the_tpu_memory(fsdp8_on_v5e):
                    "TPU memory is laid out in tiles", "all-reduce-scatter-fusion"):
         assert needle in text, needle
     assert "XLA:CPU never emits" not in text
+
+
+def test_every_collective_row_splits_its_bytes_into_hidden_and_exposed(fsdp8_on_v5e):
+    """The schedule read off the TPU program (jaxpar.inspect.hlo.overlap): each row's bytes are
+    hidden (a matmul between start and done) or exposed, never both or neither."""
+    _, report, _ = fsdp8_on_v5e
+    for row in report["collectives"]:
+        assert row["hidden_bytes"] + row["exposed_bytes"] == row["bytes"], row
+        assert 0 <= row["hidden_bytes"] <= row["bytes"] and 0 <= row["hidden_count"] <= row["count"]
+        hidden = row["hidden_count"] > 0
+        assert (row["hidden_bytes"] > 0) == hidden == (row["window_matmul_flops"] > 0), row
+    total = sum(r["bytes"] for r in report["collectives"])
+    hidden = sum(r["hidden_bytes"] for r in report["collectives"])
+    assert overlap_totals(report["collectives"]) == {
+        "bytes": total, "hidden_bytes": hidden, "exposed_bytes": total - hidden,
+        "hidden_fraction": hidden / total}
+    assert 0 < hidden < total
+
+
+def test_weight_gathers_ride_matmul_fusions_and_gradient_scatters_are_exposed(fsdp8_on_v5e):
+    """On v5e (libtpu 0.0.42.1) the FSDP weight gathers in the layer loops are async collective
+    fusions (start, fusions that carry the gather along with a matmul, done): each of them is
+    hidden, once per layer. The gradients' all-reduce-scatter fusions are synchronous."""
+    _, report, hlo = fsdp8_on_v5e
+    (gathers,) = rows(report, "all-gather", ["fsdp"])
+    chains = hlo.count('custom_call_target="AsyncCollectiveStart"')
+    assert chains > 0 and gathers["hidden_count"] == report["run"]["n_layers"] * chains
+    assert 0 < gathers["hidden_bytes"] < gathers["bytes"]  # the loss head's gathers are not
+    (scatters,) = rows(report, "reduce-scatter", ["fsdp"])
+    assert scatters["hidden_bytes"] == 0 and scatters["exposed_bytes"] == scatters["bytes"]
+
+
+def test_printed_report_says_how_much_communication_is_hidden(fsdp8_on_v5e):
+    _, report, _ = fsdp8_on_v5e
+    console = Console(record=True, width=160)
+    print_report(report, console)
+    text = console.export_text()
+    totals = overlap_totals(report["collectives"])
+    assert "collectives hidden behind matmuls" in text
+    assert f"{totals['hidden_fraction']:.1%} hidden" in text
+    assert "all-reduce-scatter-fusion" in text  # the collectives table keeps its columns
 
 
 # --------------------------------------------------------------------------------------------

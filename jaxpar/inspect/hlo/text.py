@@ -334,7 +334,16 @@ def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int 
 
 def called(module: Module, comp: Computation, instr: Instr) -> list[tuple[str, float, bool]]:
     """The computations ``instr`` calls: (name, times per execution of ``instr``, whether it
-    is one branch of a conditional, of which each execution runs exactly one)."""
+    is one branch of a conditional, of which each execution runs exactly one).
+
+    An ``async-update`` or ``async-done`` may name its ``async-start``'s wrapped computation
+    (``calls=``) too; it runs once, as part of the start, so only the start calls it. A ``call``
+    names its computation ``to_apply=`` (elsewhere a reduction's per-element function).
+    """
+    if instr.opcode in ("async-update", "async-done"):
+        return []
+    if instr.opcode == "call" and (callee := attr(instr, "to_apply")):
+        return [(callee.lstrip("%"), 1, False)]
     out = []
     for m in _CALLED_RE.finditer(instr.attrs):
         key = m.group("key")
