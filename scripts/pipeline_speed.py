@@ -27,7 +27,7 @@ from bench_timing import random_batch, step_times  # noqa: E402
 
 from jaxpar.config import load_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
-from jaxpar.parallel.pipeline.executor import describe  # noqa: E402
+from jaxpar.parallel.pipeline.executor import describe_config  # noqa: E402
 from jaxpar.train.step import build_trainer  # noqa: E402
 
 MODEL = ["model.d_model=256", "model.d_ff=1024", "model.n_layers=4", "model.n_heads=8",
@@ -63,8 +63,7 @@ def main() -> int:
     for name, layout in LAYOUTS:
         seconds = step_seconds([*model, *layout], DEVICES, args.steps)
         cfg = validate(load_config("tiny", [*model, *layout]), DEVICES)
-        factor = describe(cfg.parallel.pipeline_schedule, cfg.mesh.pipe,
-                          cfg.train.microbatches)["executed_work_factor"]
+        factor = describe_config(cfg)["executed_work_factor"]
         ratio = seconds / base
         worst = max(worst, ratio / factor)
         print(f"{name:<28} {seconds:7.3f} {ratio:7.2f} {factor:7.3f} {ratio / factor:8.2f}",

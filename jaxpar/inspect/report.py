@@ -55,7 +55,7 @@ from jaxpar.inspect.hlo.collectives import (
 )
 from jaxpar.inspect.hlo.megascale import dcn_collectives, program_partitions
 from jaxpar.model.flops import param_count, train_flops_per_token
-from jaxpar.parallel.pipeline.executor import describe
+from jaxpar.parallel.pipeline.executor import describe_config
 from jaxpar.parallel.rules import param_name
 from jaxpar.train.compiled import CompiledStep, compiled_step
 from jaxpar.train.metrics import mesh_text, pipeline_line
@@ -129,8 +129,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
         "flops": flops_report(cfg, compiled.cost_analysis(), devices),
     }
     if cfg.mesh.pipe > 1:
-        report["pipeline"] = describe(p.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
-                                      p.virtual_stages)
+        report["pipeline"] = describe_config(cfg)
     return report
 
 

@@ -183,16 +183,21 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1) -> Program:
     return Program(tuple(stretches), sizes["act"], sizes["res"], sizes["grad"])
 
 
-def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
+def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1) -> dict[str, Any]:
     """What ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report about a run's
     schedule: the executed timeline's ticks and bubble (masked slots count as idle), the
     executed-work factor (ticks a stage runs / ticks of useful work = 1 / (1 - bubble)), and the
-    stash sizes of the busiest stage (spare slot not counted)."""
-    steps = schedule_steps(name, p, m, v)
+    stash sizes of the busiest stage (spare slot not counted).
+
+    ``accum`` (``train.grad_accum``) micro-steps of ``m`` microbatches each run as one schedule
+    of ``accum x m`` microbatches (the executor folds them in): ``microbatches`` is that count,
+    and the bubble, steps and stashes are that schedule's."""
+    steps = schedule_steps(name, p, accum * m, v)
     table = table_of(steps)
     program = compile_program(steps, p, v)
     bubble = bubble_fraction(table)
-    return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
+    return {"schedule": name, "stages": p, "microbatches": accum * m, "grad_accum": accum,
+            "virtual_stages": v,
             "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
             "executed_work_factor": float(1 / (1 - bubble)),
             "stretches": ["+".join("head" if k == "H" else k for k in s.kinds)
