@@ -5,8 +5,9 @@ Notation (all per device unless "global"): B global batch (sequences per optimiz
 d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes, G ``expert``; X experts,
 k ``top_k``; g ``grad_accum``; a the bytes of the compute dtype (4 float32, 2 bfloat16). Each
 device runs g micro-batches of ``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens (with
-a pipeline, each micro-batch is cut into ``train.microbatches``). One activation of the residual
-stream is ``A = b * S/c * E * a`` bytes.
+a pipeline, each micro-batch is cut into ``train.microbatches`` m, and ``b`` is a pipeline
+microbatch's rows: the step runs one schedule over all ``g m`` of them, ``StepSizes.pipeline``).
+One activation of the residual stream is ``A = b * S/c * E * a`` bytes.
 """
 
 from __future__ import annotations
