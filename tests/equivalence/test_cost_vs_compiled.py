@@ -100,6 +100,13 @@ LAYOUTS = {
          "parallel.pipeline_schedule=1f1b"],
         {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
          ("all-reduce", ("tensor",)), ("all-reduce", ("data",))}),
+    # ... with grad_accum=2 folded in: the sends and sums over pipe of one schedule over 8
+    # microbatches, not of two over 4 (measured: every row 1.00 of the plan).
+    "pipe=2,tensor=2,data=2,1f1b,grad_accum=2": (
+        ["mesh.pipe=2", "mesh.tensor=2", "mesh.data=2", "train.microbatches=4",
+         "parallel.pipeline_schedule=1f1b", "train.grad_accum=2", "train.batch_size=16"],
+        {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
+         ("all-reduce", ("tensor",)), ("all-reduce", ("data",))}),
     # LoRA in a pipeline: the frozen embedding and head's pieces are not summed over pipe, nor
     # chunk 0's input gradient for them; only the adapters' gradients over data.
     "lora,pipe=2,tensor=2,data=2,1f1b": (
