@@ -577,11 +577,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                                   shared_grad_specs=shared_grad_specs, frozen=frozen,
                                   per_layer=cfg.parallel.pipeline_fsdp == "per_layer")
 
-    def split(batch: Any) -> Any:
-        return split_microbatches(batch, accum, m)
-
     pre_phase = dense_pre_phase(cfg, graphdef, mesh_shape, platform, dtype=dtype, remat=remat,
-                                 split=split)
+                                 split=lambda batch: split_microbatches(batch, accum, m))
 
     def grad_fn(params: dict, buffers: Any, batch: dict, valid: jax.Array) -> tuple:
         frozen_layers = {}
@@ -590,7 +587,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
             frozen_layers, params = base["layers"], {**base, **params}
         shared = {k: a for k, a in params.items() if k not in ("layers", "dense_layers")}
         aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
-        micro = split(batch)
+        micro = split_microbatches(batch, accum, m)  # one schedule over all of them
         if dense:
             x0, pre_backward = pre_phase(params, buffers, batch)
             micro = {**micro, "x0": x0}
