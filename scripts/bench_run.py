@@ -26,7 +26,7 @@ from jaxpar.inspect.compare import compare_with_plan
 from jaxpar.inspect.hlo.flops import dot_flops
 from jaxpar.inspect.report import build_report
 from jaxpar.mesh import make_mesh
-from jaxpar.parallel.pipeline.executor import describe
+from jaxpar.parallel.pipeline.executor import describe_config
 from jaxpar.train.compiled import CompiledStep
 from jaxpar.train.metrics import mesh_text
 from jaxpar.train.step import build_trainer
@@ -80,9 +80,7 @@ def _work_factor(cfg: Config) -> float:
     """Executed work / useful work of the layout's pipeline (1 without one): masked slots run."""
     if cfg.mesh.pipe == 1:
         return 1.0
-    p, t = cfg.parallel, cfg.train
-    return describe(p.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
-                    p.virtual_stages)["executed_work_factor"]
+    return describe_config(cfg)["executed_work_factor"]
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

@@ -33,7 +33,7 @@ from bench_timing import Stepper, random_batch, step_times  # noqa: E402
 
 from jaxpar.config import load_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
-from jaxpar.parallel.pipeline.executor import describe  # noqa: E402
+from jaxpar.parallel.pipeline.executor import describe_config  # noqa: E402
 from jaxpar.train.step import build_trainer  # noqa: E402
 
 MODEL = ["model.d_model=256", "model.d_ff=1024", "model.n_layers=4", "model.n_heads=8",
@@ -64,8 +64,7 @@ PAIRS = [(("zero_bubble", 1), ("1f1b", 1)), (("zero_bubble", 2), ("interleaved",
 def _stepper(overrides: list[str]) -> tuple[Stepper, dict]:
     cfg = validate(load_config("tiny", overrides), DEVICES)
     trainer = build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:DEVICES]))
-    info = describe(cfg.parallel.pipeline_schedule, cfg.mesh.pipe, cfg.train.microbatches,
-                    cfg.parallel.virtual_stages)
+    info = describe_config(cfg)
     return Stepper(trainer.compile_step(), trainer.init(), random_batch(cfg, trainer)), info
 
 
@@ -108,8 +107,7 @@ def main() -> int:
     for name, layout in LAYOUTS:
         seconds = step_seconds([*model, *layout], DEVICES, args.steps)
         cfg = validate(load_config("tiny", [*model, *layout]), DEVICES)
-        factor = describe(cfg.parallel.pipeline_schedule, cfg.mesh.pipe,
-                          cfg.train.microbatches)["executed_work_factor"]
+        factor = describe_config(cfg)["executed_work_factor"]
         ratio = seconds / base
         worst = max(worst, ratio / factor)
         print(f"{name:<28} {seconds:7.3f} {ratio:7.2f} {factor:7.3f} {ratio / factor:8.2f}",

@@ -27,17 +27,22 @@ def add_schedule(commands) -> None:
 
 def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
     """Print the schedule table of ``cfg`` (validated), its bubble and stash; draw it."""
-    from jaxpar.parallel.pipeline.executor import describe  # noqa: PLC0415
+    from jaxpar.parallel.pipeline.executor import describe_config  # noqa: PLC0415
     from jaxpar.parallel.pipeline.schedules import render, schedule_table  # noqa: PLC0415
 
-    p, m, v = cfg.mesh.pipe, cfg.train.microbatches, cfg.parallel.virtual_stages
+    p, v = cfg.mesh.pipe, cfg.parallel.virtual_stages
     if p == 1:
         raise ConfigError("mesh.pipe=1: no pipeline to schedule; set mesh.pipe > 1 (and "
                           "train.microbatches)")
-    name = cfg.parallel.pipeline_schedule
-    table, info = schedule_table(name, p, m, v), describe(name, p, m, v)
-    title = (f"{name}: {p} stages" + (f" x {v} chunks" if v > 1 else "") + f", {m} "
-             f"microbatches, {info['ticks']} ticks, bubble {info['bubble']:.1%}")
+    name, info = cfg.parallel.pipeline_schedule, describe_config(cfg)
+    # train.grad_accum is folded in: the step runs one schedule over all its microbatches.
+    table = schedule_table(name, p, info["microbatches"], v)
+    accum = cfg.train.grad_accum
+    folded = (f" ({accum} micro-steps x {cfg.train.microbatches}: train.grad_accum folded in)"
+              if accum > 1 else "")
+    title = (f"{name}: {p} stages" + (f" x {v} chunks" if v > 1 else "") + f", "
+             f"{info['microbatches']} microbatches{folded}, {info['ticks']} ticks, "
+             f"bubble {info['bubble']:.1%}")
     print(title)
     print(render(table))
     print(f"executed: {info['steps']} steps ({', then '.join(info['stretches'])}); every stage "

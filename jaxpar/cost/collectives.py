@@ -137,7 +137,7 @@ def fsdp_collectives(c: Ledger) -> None:
         # A pipeline's dense first blocks run before it, on the whole batch at once, gathered
         # layer by layer as without a pipeline (below), once per step.
         pre_runs = 1
-        runs = 1 if "fsdp" in c.by_hand else st.accum * len(st.pipeline["stretches"])
+        runs = 1 if "fsdp" in c.by_hand else len(st.pipeline["stretches"])
         if per_layer_fsdp(st):  # parallel.pipeline_fsdp=per_layer: in every slot, by layer
             per_layer_fsdp_collectives(c, layer)
         else:
@@ -330,7 +330,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     row_outputs = round(st.runs * (rows_per_layer + n_layers * again + mlp_again))
     if st.pipeline is None:
         return row_outputs, st.runs * columns, st.runs, st.runs
-    embeds, heads = (round(st.accum * st.pipeline[k] / st.executed("forward"))
+    embeds, heads = (round(st.pipeline[k] / st.executed("forward"))
                      for k in ("forward_steps", "head_steps"))
     return row_outputs, st.runs * columns, embeds, heads
 

@@ -190,9 +190,13 @@ def _notes(st: StepSizes) -> list[str]:
                      "the default table")
     if st.cfg.train.dtype == "float32":
         notes.append("train.dtype=float32: compute timed at the dense bf16 peak (optimistic)")
-    if st.accum > 1:
+    if st.accum > 1 and st.pipeline is None:
         notes.append(f"grad_accum={st.accum}: gradients are reduced every micro-step, as the "
                      "compiled step does")
+    elif st.accum > 1:
+        notes.append(f"grad_accum={st.accum}: folded into the pipeline schedule, one pass over "
+                     f"{st.pipeline['microbatches']} microbatches per step (bubble, stash and "
+                     "sends are that schedule's; gradients reduced once per step)")
     if st.pipeline is not None:
         notes.append(pipeline_note(st))
     if st.moe_exchange is not None:

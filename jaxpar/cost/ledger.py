@@ -81,7 +81,7 @@ class Ledger:
         """Gradient reductions per step: every micro-step, or every backward slot."""
         if self.st.pipeline is None:
             return self.st.accum
-        return self.st.accum * self.st.pipeline["backward_steps"]
+        return self.st.pipeline["backward_steps"]  # of the one schedule, grad_accum folded in
 
     @property
     def by_hand(self) -> tuple[str, ...]:
@@ -165,7 +165,7 @@ class Ledger:
         tied = st.cfg.model.tie_embeddings
         steps = {"embedding": (backward + head * tied) / st.p, "lm_head": head / st.p}
         shared = sum(size(p) * steps.get(p.name, head) for p in group if not p.stacked)
-        return round(st.accum * (backward * layers / st.pipeline["virtual_stages"] + shared))
+        return round(backward * layers / st.pipeline["virtual_stages"] + shared)
 
     def _tied_head_grad(self, group: list[ParamCost], gathered: bool) -> int:
         """A tied embedding's second reduction outside a pipeline: the loss's backward pass

@@ -368,8 +368,10 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     cfg, m = st.cfg, st.cfg.model
     param_bytes = sum(p.stored_bytes_per_device for p in params)
     # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient.
-    # (A LoRA run's frozen base weights have neither gradients nor moments.)
-    accumulator = sum(p.bytes_per_device for p in params if p.trained) if st.accum > 1 else 0
+    # (A LoRA run's frozen base weights have neither gradients nor moments. A pipeline folds
+    # the micro-steps into its schedule: its gradient sums are the gradients.)
+    accumulator = (sum(p.bytes_per_device for p in params if p.trained)
+                   if st.accum > 1 and st.pipeline is None else 0)
     # bf16 parameters under float32 compute: the step reads float32 copies of them (the cast),
     # and its float32 weight gradients live until they are rounded to the stored dtype.
     widened = (sum(p.bytes_per_device for p in params if p.matmul)

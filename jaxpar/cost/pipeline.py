@@ -16,10 +16,12 @@ S/(c t), E]). They travel in the compute dtype (one stage's value, zeros from th
 except the head's input gradient, whose pieces all contribute: float32
 (``parallel/pipeline/stages.py: head_and_loss``). The last step's send is never read (XLA drops
 it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
-micro-step. Inside the stages, every formula of :mod:`~jaxpar.cost.collectives` runs on the stage's
-layers (and its share of the MoE layers) once per executed slot (masked ones included:
-``StepSizes.executed``); the executor sums gradients over ``data``, ``fsdp``, ``expert`` and
-``context`` by hand once per step and gathers FSDP weights (the experts' too) once.
+step. ``train.grad_accum`` micro-steps are folded into the schedule: the step counts are
+those of one schedule over ``g x m`` microbatches (``describe``). Inside the stages, every
+formula of :mod:`~jaxpar.cost.collectives` runs on the stage's layers (and its share of the
+MoE layers) once per executed slot (masked ones included: ``StepSizes.executed``); the
+executor sums gradients over ``data``, ``fsdp``, ``expert`` and ``context`` by hand once per
+step and gathers FSDP weights (the experts' too) once.
 
 DeepSeek's dense first blocks (``model.moe.first_dense``) run before the pipeline with the
 embedding, on the batch rows split over ``pipe`` too (executor docstring): no embedding
@@ -124,14 +126,14 @@ def pipeline_collectives(c: Ledger) -> None:
     st = c.st
     if st.pipeline is None:
         return
-    g = st.accum
+    # The steps of the one schedule a step runs (train.grad_accum folded in: describe()).
     forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
     head = st.pipeline["head_steps"]
     # In DualPipe-V's V activations and gradients each go both ways (two sends a step each,
     # each masked where it is not kept: parallel/pipeline/executor.py, _send).
     ways = 2 if st.pipeline.get("placement") == "v" else 1
     sends = ways * (forward + backward - 1)
-    c.add("collective-permute", ("pipe",), sends * g, sends * g * st.sent,
+    c.add("collective-permute", ("pipe",), sends, sends * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})"
           + (", both ways in the V" if ways == 2 else ""), False)
     # (With dense first blocks the embedding's sum is the pre-phase's: cost/collectives.py.)
@@ -140,19 +142,19 @@ def pipeline_collectives(c: Ledger) -> None:
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head") and p.trained
              and not (c.dense and p.name == "embedding")]
     into_first = backward if vocab_trained(st) else 0
-    sums = 1  # the vocabulary pieces' gradients: once per step, after all micro-steps
+    sums = 1  # the vocabulary pieces' gradients: once per step, after all microbatches
     # DeepSeek's dense first blocks: the pre-phase (embedding and dense blocks, rows split over
     # pipe) replaces the per-step embedding all-reduce; its output is gathered over pipe once
     # per step (executor docstring; its weights' gradients: cost/collectives.py, data).
     embeds = 0 if c.dense else forward
     if c.dense:
-        x0 = g * st.cfg.train.microbatches * st.tokens_x_embed(st.a)
+        x0 = st.runs * st.tokens_x_embed(st.a)  # every microbatch of the step
         c.add("all-gather", ("pipe",), 1, x0,
               "pipeline: the dense first blocks' output gathered for the stages", False)
     c.add("all-reduce", ("pipe",),
-          g * (embeds + 3 * head * st.loss_pieces + into_first) + sums * len(vocab),
-          g * ((embeds + head + into_first) * st.sent + head * st.sent * 4 // st.wire
-               + 3 * head * st.b * st.sl * 4)
+          embeds + 3 * head * st.loss_pieces + into_first + sums * len(vocab),
+          ((embeds + head + into_first) * st.sent + head * st.sent * 4 // st.wire
+           + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "
           "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
@@ -166,28 +168,28 @@ def per_layer_fsdp(st: StepSizes) -> bool:
 
 
 def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
-    """``parallel.pipeline_fsdp=per_layer``: a stage's layers over ``fsdp``, per micro-step.
+    """``parallel.pipeline_fsdp=per_layer``: a stage's layers over ``fsdp``, per step.
 
     With ``W_c`` a chunk's layer weights gathered (``gathered_bytes / v`` of the stacked
-    parameters: the stage's ``L_s/v`` layers), ``F``, ``B``, ``I``, ``W`` the executed steps
-    with a forward slot, a backward slot (B or I), an I slot and a W slot (masked ones run
-    too), and ``g`` micro-steps:
+    parameters: the stage's ``L_s/v`` layers) and ``F``, ``B``, ``I``, ``W`` the executed steps
+    of the step's one schedule (``train.grad_accum`` folded in) with a forward slot, a backward
+    slot (B or I), an I slot and a W slot (masked ones run too):
 
-    - all-gather: ``g (F + B + W) L_s/v`` times per weight, ``g (F + B + W) W_c`` bytes in the
+    - all-gather: ``(F + B + W) L_s/v`` times per weight, ``(F + B + W) W_c`` bytes in the
       compute dtype (every slot gathers each layer of its chunk as it runs it);
-    - reduce-scatter: ``g (B - I + W) L_s/v`` times, ``g (B - I + W) W_c`` bytes in
+    - reduce-scatter: ``(B - I + W) L_s/v`` times, ``(B - I + W) W_c`` bytes in
       ``parallel.reduce_dtype`` (every slot that makes weight gradients scatters each layer's).
 
     Against ``per_step``'s one gather and one reduce-scatter of ``L_s`` layers per step, the
-    gathers move ``g (F + B + W) / v`` times the bytes (2 g m for 1F1B at v = 1, masked slots
-    aside)."""
+    gathers move ``(F + B + W) / v`` times the bytes (2 (g m + p - 1) for 1F1B at v = 1 with
+    ``g`` micro-steps)."""
     st = c.st
     if not layer:
         return
     info, v = st.pipeline, st.cfg.parallel.virtual_stages
     units = st.layers // len(unit_blocks(st.cfg.model)) // v  # scanned units of a chunk
-    gathers = st.accum * (info["forward_steps"] + info["backward_steps"] + info["weight_steps"])
-    scatters = st.accum * (info["backward_steps"] - info["input_steps"] + info["weight_steps"])
+    gathers = info["forward_steps"] + info["backward_steps"] + info["weight_steps"]
+    scatters = info["backward_steps"] - info["input_steps"] + info["weight_steps"]
     c.add("all-gather", ("fsdp",), gathers * units * len(layer),
           gathers * sum(c.moved(p, p.gathered_bytes) for p in layer) // v,
           "stage weights gathered layer by layer, in every forward and backward slot", True)

@@ -106,7 +106,7 @@ def _memory_table(report: CostReport, hw: HardwareProfile) -> Table:
          + (" in host memory (train.offload.optimizer; on the device, in and out, during the "
             "update only)" if m.offloaded else "")),
         ("gradients", m.gradients, "float32, like the parameters"
-         + (" (+ accumulator)" if cfg.train.grad_accum > 1 else "")),
+         + (" (+ accumulator)" if cfg.train.grad_accum > 1 and not report.pipeline else "")),
         ("activations", m.activations, f"saved for backward, remat={cfg.train.remat}, "
          f"micro-batch {report.micro_batch}"
          + (" (and each layer's weights)" if cfg.train.remat == "none" else "")),

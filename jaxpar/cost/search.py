@@ -12,7 +12,8 @@ A *layout* is everything that changes how the work is split:
 - sequence parallelism off and on where ``tensor > 1``; ZeRO-3 and, where ``data x fsdp > 1``,
   ZeRO-1;
 - with ``pipe > 1``: each schedule of ``parallel.pipeline_schedule`` except ``gpipe`` (it has
-  1F1B's ticks and bubble and stashes all m microbatches instead of at most ``pipe``, so it is
+  1F1B's ticks and bubble and stashes all its microbatches (``grad_accum x m``: the step runs one
+  schedule over them) instead of at most ``2 pipe - 1``, so it is
   never faster nor smaller: ``tests/unit/test_plan_search.py`` checks it), ``interleaved`` and
   ``zero_bubble`` with ``virtual_stages=2`` where the layers split into ``2 x pipe`` chunks (and
   ``zero_bubble`` with 1), ``dualpipe_v`` (two chunks a stage, in its V) where they do and

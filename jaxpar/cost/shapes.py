@@ -5,8 +5,9 @@ Notation (all per device unless "global"): B global batch (sequences per optimiz
 d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes, G ``expert``; X experts,
 k ``top_k``; g ``grad_accum``; a the bytes of the compute dtype (4 float32, 2 bfloat16). Each
 device runs g micro-batches of ``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens (with
-a pipeline, each micro-batch is cut into ``train.microbatches``). One activation of the residual
-stream is ``A = b * S/c * E * a`` bytes.
+a pipeline, each micro-batch is cut into ``train.microbatches`` m, and ``b`` is a pipeline
+microbatch's rows: the step runs one schedule over all ``g m`` of them, ``StepSizes.pipeline``).
+One activation of the residual stream is ``A = b * S/c * E * a`` bytes.
 """
 
 from __future__ import annotations
@@ -230,11 +231,11 @@ class StepSizes:
 
 
 @functools.lru_cache(maxsize=1024)
-def _schedule(name: str, p: int, m: int, v: int) -> dict:
+def _schedule(name: str, p: int, m: int, v: int, accum: int) -> dict:
     """``describe``, kept: it simulates the schedule tick by tick (milliseconds) and depends on
-    these four values only, and ``plan --search`` asks it for thousands of layouts (half its
+    these five values only, and ``plan --search`` asks it for thousands of layouts (half its
     time for llama3-70b on 256 devices). Callers get a copy."""
-    return describe(name, p, m, v)
+    return describe(name, p, m, v, accum=accum)
 
 
 def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
@@ -243,8 +244,9 @@ def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
     shards = math.prod(mesh[a] for a in BATCH_AXES)
     t, par = cfg.train, cfg.parallel
     b = t.batch_size // (t.grad_accum * t.microbatches * shards)
+    # One schedule over grad_accum x microbatches (the executor folds the micro-steps in).
     pipeline = (dict(_schedule(par.pipeline_schedule, mesh["pipe"], t.microbatches,
-                               par.virtual_stages)) if mesh["pipe"] > 1 else None)
+                               par.virtual_stages, t.grad_accum)) if mesh["pipe"] > 1 else None)
     return StepSizes(cfg=cfg, b=b, s=t.seq_len, a=DTYPE_BYTES[t.dtype], accum=t.grad_accum,
                      mesh=mesh, sp=par.sequence_parallel and mesh["tensor"] > 1,
                      xla_cpu=xla_cpu, pipeline=pipeline, platform=platform)

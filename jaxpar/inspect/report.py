@@ -59,7 +59,7 @@ from jaxpar.inspect.hlo.megascale import dcn_collectives, program_partitions
 from jaxpar.inspect.hlo.overlap import add_overlap
 from jaxpar.inspect.overlap_table import print_overlap
 from jaxpar.model.flops import param_count, train_flops_per_token
-from jaxpar.parallel.pipeline.executor import describe
+from jaxpar.parallel.pipeline.executor import describe_config
 from jaxpar.parallel.rules import param_name
 from jaxpar.train.compiled import CompiledStep, compiled_step
 from jaxpar.train.metrics import mesh_text, pipeline_line
@@ -135,8 +135,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
         "flops": flops_report(cfg, compiled.cost_analysis(), devices),
     }
     if cfg.mesh.pipe > 1:
-        report["pipeline"] = describe(p.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
-                                      p.virtual_stages)
+        report["pipeline"] = describe_config(cfg)
     return report
 
 

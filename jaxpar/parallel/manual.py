@@ -133,10 +133,10 @@ class ByHand:
 
     @property
     def microbatch_spec(self) -> PartitionSpec:
-        """The microbatches' split ([micro-steps, m, rows, S]): rows over the batch axes, the
+        """The microbatches' split ([grad_accum x m, rows, S]): rows over the batch axes, the
         sequence over ``context``."""
         rows = tuple(a for a in self.axes if a != "context")
-        return PartitionSpec(None, None, rows or None,
+        return PartitionSpec(None, rows or None,
                              "context" if "context" in self.axes else None)
 
     def total(self, x: Any) -> Any:

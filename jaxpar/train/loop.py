@@ -52,7 +52,7 @@ from jaxpar.distributed import barrier
 from jaxpar.hardware import peak_flops
 from jaxpar.mesh import make_mesh
 from jaxpar.model.flops import param_count, train_flops_per_token
-from jaxpar.parallel.pipeline.executor import describe as describe_schedule
+from jaxpar.parallel.pipeline.executor import describe_config as describe_schedule
 from jaxpar.train.eval import Validation, eval_due, make_validation, validation_data
 from jaxpar.train.init_from import initial_state
 from jaxpar.train.metrics import MetricsFile, fmt, log_line, mesh_text, pipeline_line, val_text
@@ -291,9 +291,7 @@ class _Run:
         metrics_file = _run_dir_files(cfg, append=source is not None, start_step=start_step)
 
         device_kind = jax.devices()[0].device_kind
-        t, par = cfg.train, cfg.parallel
-        pipeline = (describe_schedule(par.pipeline_schedule, cfg.mesh.pipe, t.microbatches,
-                                      par.virtual_stages) if cfg.mesh.pipe > 1 else None)
+        pipeline = describe_schedule(cfg) if cfg.mesh.pipe > 1 else None
         run = cls(cfg=cfg, console=console, trainer=trainer, data=data, state=state,
                   start_step=start_step, saved_step=start_step if source is not None else None,
                   skipped=skipped, metrics_file=metrics_file, peak=peak_flops(device_kind),

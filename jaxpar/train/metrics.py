@@ -52,8 +52,10 @@ def pipeline_line(info: Mapping[str, Any]) -> str:
     """One line on the pipeline schedule (``describe``'s dict): what the executor runs."""
     chunks = (f", {info['virtual_stages']} chunks per stage" if info["virtual_stages"] > 1
               else "")
+    accum = info.get("grad_accum", 1)
+    folded = f" (train.grad_accum={accum} folded in)" if accum > 1 else ""
     return (f"pipeline: {info['schedule']} over {info['stages']} stages{chunks}, "
-            f"{info['microbatches']} microbatches, {info['steps']} steps = {info['ticks']} "
+            f"{info['microbatches']} microbatches{folded}, {info['steps']} steps = {info['ticks']} "
             f"ticks, executed bubble {info['bubble']:.1%} (work factor "
             f"{info['executed_work_factor']:.2f}); stash of {info['activation_slots']} inputs, "
             f"{info['residual_slots']} residual sets, {info['gradient_slots']} gradients per "

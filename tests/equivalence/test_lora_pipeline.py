@@ -88,6 +88,13 @@ def test_lora_in_other_pipeline_schedules_matches_one_device(schedule: str) -> N
 
 
 @pytest.mark.slow
+def test_lora_with_grad_accum_folded_into_the_pipeline_matches_one_device() -> None:
+    """``train.grad_accum=2`` micro-steps of 2 microbatches, one schedule of 4."""
+    got = run_layout((*lora_pipeline("1f1b", "mesh.data=2"), "train.grad_accum=2"))
+    assert_lora_run_matches_one_device(got, run_layout(REFERENCE))
+
+
+@pytest.mark.slow
 def test_lora_in_a_pipeline_with_fsdp_and_tensor_matches_one_device() -> None:
     """pipe x fsdp x tensor: the adapters gathered over ``fsdp`` once per step and their
     gradients reduce-scattered back, ``o``/``down``'s ``(x A)`` summed over ``tensor``."""

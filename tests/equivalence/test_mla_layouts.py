@@ -97,12 +97,13 @@ def test_mla_hlo_has_the_collectives_of_its_layouts():
 # DeepSeek's dense first block in a pipeline: run before the stages (embedding and dense blocks
 # on the batch rows split over pipe as well), its output fed to chunk 0. The MoE statistics are
 # per microbatch, so the reference is the one-device run with as many micro-steps.
-def _dense_first_pipeline(schedule: str) -> tuple[dict, dict]:
+def _dense_first_pipeline(schedule: str, accum: int = 1) -> tuple[dict, dict]:
     # interleaved: 2 chunks per stage, so 4 mixture layers after the dense one
     layers = ("model.n_layers=5", "parallel.virtual_stages=2") if schedule == "interleaved" else ()
-    ref = _run(("mesh.data=1", "train.grad_accum=2"), (*DEEPSEEK_MOE, *layers[:1]))
+    ref = _run(("mesh.data=1", f"train.grad_accum={2 * accum}"), (*DEEPSEEK_MOE, *layers[:1]))
     got = _run(("mesh.pipe=2", "mesh.expert=2", "mesh.data=1", "train.microbatches=2",
-                f"parallel.pipeline_schedule={schedule}"), (*DEEPSEEK_MOE, *layers))
+                f"train.grad_accum={accum}", f"parallel.pipeline_schedule={schedule}"),
+               (*DEEPSEEK_MOE, *layers))
     assert set(got["params"]) >= {"dense_layers", "layers"}
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
     order = got["trainer"].layer_order  # interleaved stores each device's chunks together
@@ -141,3 +142,10 @@ def test_deepseek_dense_first_block_in_a_1f1b_pipeline_matches_one_device_and_ru
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zero_bubble"])
 def test_deepseek_dense_first_block_in_every_pipeline_schedule_matches_one_device(schedule):
     _dense_first_pipeline(schedule)
+
+
+@pytest.mark.slow  # about 60 s; the pre-phase's split without grad_accum runs by default
+def test_deepseek_dense_first_block_with_grad_accum_folded_into_the_pipeline_matches():
+    # The pre-phase cuts the step's batch into the one schedule's 2 x 2 microbatches (the
+    # rows each micro-step's microbatches hold) and takes their input gradients back.
+    _dense_first_pipeline("1f1b", accum=2)

@@ -56,6 +56,9 @@ LAYOUTS = {
         "train.remat=full"),
     "1f1b,pipe=2,data=2,grad_accum=2": pipeline("1f1b", 2, 2, "mesh.data=2",
                                                 "train.grad_accum=2"),
+    # ... folded into the interleaved schedule: 2 chunks a stage over 2 x 2 microbatches.
+    "interleaved,pipe=2,grad_accum=2": pipeline("interleaved", 2, 2, "mesh.data=1",
+                                                "train.grad_accum=2"),
     # Ring attention (zigzag) inside the stages, beside tensor parallelism.
     "1f1b,pipe=2,context=2,tensor=2,ring": pipeline(
         "1f1b", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
@@ -219,9 +222,14 @@ MOE = ("model.n_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2",
        "model.moe.router=sigmoid_bias")
 
 
-def test_moe_pipeline_with_expert_parallelism_matches_one_device_with_as_many_micro_steps():
+@pytest.mark.parametrize("microbatches, accum", [(2, 1), (1, 2)])
+def test_moe_pipeline_with_expert_parallelism_matches_one_device_with_as_many_micro_steps(
+        microbatches, accum):
+    # 2 microbatches, or 2 micro-steps of 1 folded into one schedule of 2: the same rows in
+    # each, whose aux losses count 1/(accum m) each.
     ref = run_layout(("mesh.data=1", "train.grad_accum=2", *MOE))
-    got = run_layout(("mesh.pipe=2", "mesh.expert=2", "mesh.data=1", "train.microbatches=2",
+    got = run_layout(("mesh.pipe=2", "mesh.expert=2", "mesh.data=1",
+                      f"train.microbatches={microbatches}", f"train.grad_accum={accum}",
                       "parallel.pipeline_schedule=1f1b", *MOE))
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
     assert_grads_and_params_match(got, ref)
@@ -248,6 +256,23 @@ def test_moe_pipeline_that_splits_backwards_into_i_and_w_matches_one_device(sche
     assert_grads_and_params_match({"grads": grads, "params": params}, ref)
     buffers = got["trainer"].to_model_order(got["state"]).buffers  # the router biases
     jax.tree.map(np.testing.assert_allclose, jax.device_get(buffers),
+                 jax.device_get(ref["state"].buffers))
+
+
+@pytest.mark.slow  # about 45 s; grad_accum folded into a MoE pipeline runs by default above
+def test_moe_pipeline_with_grad_accum_averages_aux_losses_over_every_microbatch():
+    # grad_accum=2 micro-steps of 2 microbatches run as one schedule of 4: each microbatch
+    # holds the rows it held micro-step by micro-step, and its aux losses (weighted up so that
+    # a wrong scale shows in the gradients) count 1/(accum m), as on one device with 4
+    # micro-steps.
+    weights = ("model.moe.aux_loss_weight=1.0", "model.moe.z_loss_weight=0.1")
+    ref = run_layout(("mesh.data=1", "train.grad_accum=4", *MOE, *weights))
+    got = run_layout(("mesh.pipe=2", "mesh.expert=2", "mesh.data=1", "train.microbatches=2",
+                      "train.grad_accum=2", "parallel.pipeline_schedule=1f1b", *MOE, *weights))
+    assert describe("1f1b", 2, 2, 1, accum=2)["microbatches"] == 4
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    assert_grads_and_params_match(got, ref)
+    jax.tree.map(np.testing.assert_allclose, jax.device_get(got["state"].buffers),
                  jax.device_get(ref["state"].buffers))
 
 
@@ -301,6 +326,21 @@ def test_a_stashed_microbatch_holds_activations_but_no_copy_of_the_weights(monke
     weights = [w for w in seen["weights"] if len(w[0]) > 2]  # matrices, not norm scales
     assert seen["reused"] >= len(weights) > 0
     assert not set(weights) & set(seen["stashed"]), seen["stashed"]
+
+
+def test_grad_accum_runs_one_schedule_over_all_its_microbatches():
+    """train.grad_accum=2 micro-steps of m=2 microbatches at pipe=2: the step runs one 1F1B
+    schedule over 4 microbatches (one fill and drain, work factor (4+1)/4), not the m=2
+    schedule twice ((2+1)/2): the compiled matmul flops, all stages together, say which."""
+    got, ref = run_layout(LAYOUTS["1f1b,pipe=2,data=2,grad_accum=2"]), run_layout(REFERENCE)
+    cfg = got["cfg"]
+    folded = describe("1f1b", 2, 2, 1, accum=2)
+    assert folded["microbatches"] == 4 and folded["executed_work_factor"] == pytest.approx(1.25)
+    per_micro_step = describe("1f1b", 2, 2, 1)["executed_work_factor"]  # 1.5
+    # The pipe devices together, over the 1-device step (data=2 halves each device's rows).
+    ratio = (dot_flops(got["hlo"]) * cfg.mesh.pipe * cfg.mesh.data / dot_flops(ref["hlo"]))
+    assert 0.95 * folded["executed_work_factor"] <= ratio <= 1.05 * folded["executed_work_factor"]
+    assert ratio < 0.9 * per_micro_step, (ratio, per_micro_step)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])

@@ -1,5 +1,6 @@
 """Pipelines as the user sees them, through the command line: ``inspect --compare``, the
-``schedule`` command and its picture, and the bubble in a training run's metrics."""
+``schedule`` command and its picture, and the bubble in a training run's metrics (with
+``train.grad_accum`` folded into the schedule)."""
 
 from __future__ import annotations
 
@@ -52,9 +53,24 @@ def test_schedule_command_without_a_pipeline_is_a_usage_error():
     assert "mesh.pipe=1: no pipeline to schedule" in result.stderr
 
 
-def test_training_with_a_pipeline_logs_the_bubble_in_metrics(tmp_path):
-    result = run_jaxpar("train", "tiny", *PIPE_TINY, "train.steps=3", f"run_dir={tmp_path}")
+def test_schedule_command_folds_grad_accum_into_one_schedule():
+    result = run_jaxpar("schedule", "tiny", "host_devices=4", "mesh.pipe=4", "mesh.data=1",
+                        "model.n_layers=8", "train.microbatches=8", "train.batch_size=16",
+                        "train.grad_accum=2",
+                        "parallel.pipeline_schedule=1f1b")
+    assert result.returncode == 0, result.stderr
+    # One fill and drain over 2 x 8 microbatches: (p-1)/(2m+p-1) = 3/19, 3 x 19 ticks.
+    assert ("1f1b: 4 stages, 16 microbatches (2 micro-steps x 8: train.grad_accum folded in), "
+            "57 ticks, bubble 15.8%") in result.stdout
+    assert "F15" in result.stdout and "executed: 22 steps" in result.stdout
+
+
+def test_training_with_a_pipeline_and_grad_accum_logs_the_one_schedules_bubble(tmp_path):
+    result = run_jaxpar("train", "tiny", *PIPE_TINY, "train.grad_accum=2",
+                        "train.batch_size=16", "train.steps=3", f"run_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "pipeline: 1f1b over 2 stages" in result.stdout
+    assert ("pipeline: 1f1b over 2 stages, 8 microbatches (train.grad_accum=2 folded in)"
+            in result.stdout)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows and all(row["pipeline_bubble"] == pytest.approx(0.2) for row in rows)
+    # (p-1)/(2m+p-1) over the 2 x 4 microbatches, where each micro-step alone had 1/5
+    assert rows and all(row["pipeline_bubble"] == pytest.approx(1 / 9) for row in rows)

@@ -30,12 +30,14 @@ def fsdp_bytes(report, kind: str) -> int:
                if r["kind"] == kind and tuple(r["axes"]) == ("fsdp",))
 
 
-@pytest.mark.parametrize("schedule, v, slots", [
-    # (forward + backward steps) x micro-steps: 1F1B at p=2, m=4 runs 5 steps with a forward
-    # slot and 5 with a backward one; interleaved (2 chunks of 2 layers a stage) 9 and 9.
-    ("1f1b", 1, 5 + 5), ("interleaved", 2, 9 + 9)])
-@pytest.mark.parametrize("accum", [1, 2])
-def test_per_layer_gathers_every_layer_in_every_slot(schedule, v, slots, accum):
+@pytest.mark.parametrize("schedule, v, accum, slots", [
+    # forward + backward steps of the step's one schedule: 1F1B at p=2 over m=4 microbatches
+    # runs 5 steps with a forward slot and 5 with a backward one; interleaved (2 chunks of 2
+    # layers a stage) 9 and 9. grad_accum=2 folds in: one schedule over 8 microbatches, 9 and
+    # 9 (17 and 17 interleaved), not twice 5 and 5.
+    ("1f1b", 1, 1, 5 + 5), ("interleaved", 2, 1, 9 + 9),
+    ("1f1b", 1, 2, 9 + 9), ("interleaved", 2, 2, 17 + 17)])
+def test_per_layer_gathers_every_layer_in_every_slot(schedule, v, accum, slots):
     more = (f"parallel.pipeline_schedule={schedule}", f"parallel.virtual_stages={v}",
             f"train.grad_accum={accum}", f"train.batch_size={8 * accum}")
     per_step, per_layer = estimate(layout("per_step", *more)), estimate(layout("per_layer", *more))
@@ -43,8 +45,8 @@ def test_per_layer_gathers_every_layer_in_every_slot(schedule, v, slots, accum):
     assert fsdp_bytes(per_step, "reduce-scatter") == STAGE + OTHER  # float32, once per step
     # Each slot gathers its chunk (STAGE / v) layer by layer, and a backward slot
     # reduce-scatters the chunk's gradients (float32): half of the slots.
-    assert fsdp_bytes(per_layer, "all-gather") == accum * slots * STAGE // v + OTHER
-    assert fsdp_bytes(per_layer, "reduce-scatter") == accum * slots // 2 * STAGE // v + OTHER
+    assert fsdp_bytes(per_layer, "all-gather") == slots * STAGE // v + OTHER
+    assert fsdp_bytes(per_layer, "reduce-scatter") == slots // 2 * STAGE // v + OTHER
 
 
 def test_per_layer_holds_one_layer_whole_and_sums_in_shards():

@@ -1,6 +1,6 @@
 """Pipeline tools around the executor, without compiling anything: the executor's program of
-slots (simulated in Python), the pipeline config errors, and the plan's stash and bubble per
-schedule.
+slots (simulated in Python), the pipeline config errors, the plan's stash and bubble per
+schedule, and ``train.grad_accum`` folded into one schedule (its rows, bubble, stash, plan).
 
 The executor's equivalence with the single-device run, its collectives and its compiled memory
 per schedule: tests/equivalence/test_pipeline.py; the command line (inspect --compare, schedule,
@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.parallel.pipeline.program import compile_program, executed_kinds, step_kind
+from jaxpar.parallel.microbatch import split_micro_steps
+from jaxpar.parallel.pipeline.executor import split_microbatches
+from jaxpar.parallel.pipeline.program import compile_program, describe, executed_kinds, step_kind
 from jaxpar.parallel.pipeline.schedules import (
     peak_in_flight,
     peak_weight_stash,
@@ -132,6 +135,47 @@ def test_stretches_repeat_a_pattern_so_alternating_steps_compile_once():
     assert [s.pattern for s in one.stretches] == [(("F",),), (("F", "B", "H"),), (("B",),)]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grad_accum_is_one_schedule_over_accum_x_microbatches(schedule):
+    # train.grad_accum=2 micro-steps of m=8 on 4 stages: one schedule of 16 microbatches, so
+    # one fill and drain per step: bubble (p-1)/(v A m + p-1) where each micro-step alone had
+    # (p-1)/(v m + p-1).
+    p, m, accum = 4, 8, 2
+    v = 2 if schedule in ("interleaved", "dualpipe_v") else 1
+    folded, alone = describe(schedule, p, m, v, accum=accum), describe(schedule, p, m, v)
+    assert folded == {**describe(schedule, p, accum * m, v), "grad_accum": accum}
+    assert folded["microbatches"] == accum * m
+    # Zero bubble's idle ticks are (p-1)(T_F + T_I), 2(p-1) of 3 v per microbatch; DualPipe-V's
+    # twice that on chunks half the size, the same share.
+    idle, work = (2 * (p - 1), 3 * (v if schedule == "zero_bubble" else 1)) if schedule in (
+        "zero_bubble", "dualpipe_v") else (p - 1, v)
+    assert folded["bubble"] == pytest.approx(idle / (work * accum * m + idle))
+    assert alone["bubble"] == pytest.approx(idle / (work * m + idle))
+    # The stash: GPipe holds every microbatch of the step at its turn, the others what they
+    # held with m alone (1F1B: 2p-1 on the first stage).
+    grown = folded["residual_slots"] - alone["residual_slots"]
+    if schedule == "dualpipe_v":  # at most 2p + 3 chunks, whatever the microbatches
+        assert folded["residual_slots"] <= 2 * p + 3
+    else:
+        assert grown == ((accum - 1) * m if schedule == "gpipe" else 0)
+
+
+def test_grad_accum_microbatches_hold_the_rows_of_the_micro_step_by_micro_step_split():
+    # 16 rows, grad_accum=2 micro-steps of m=4: microbatch j m + k of the one schedule is
+    # micro-step j's microbatch k, and the 8 row sets are those of one device's
+    # train.grad_accum=8 micro-steps (the MoE aux losses, per microbatch, average the same).
+    rows = np.arange(16)
+    got = np.asarray(split_microbatches({"x": rows}, 2, 4)["x"])
+    assert got.shape == (8, 2)
+    steps = np.asarray(split_micro_steps({"x": rows}, 2)["x"])
+    for j in range(2):
+        for k in range(4):
+            assert (got[j * 4 + k] == np.asarray(split_micro_steps({"x": steps[j]}, 4)["x"])[k]
+                    ).all()
+    one_device = np.asarray(split_micro_steps({"x": rows}, 8)["x"])
+    assert sorted(map(tuple, got)) == sorted(map(tuple, one_device))
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["mesh.pipe=2", "mesh.data=1", "model.n_layers=3"], "model.n_layers=3 is not divisible"),
     (["mesh.pipe=2", "mesh.data=1", "parallel.virtual_stages=2"], "needs parallel.pipeline_sch"),
@@ -167,3 +211,36 @@ def test_plan_predicts_the_stash_and_the_bubble_of_each_schedule():
         residual_sets = report.pipeline["residual_slots"] + 1
         assert report.memory.stash > slots * message + residual_sets * message
         assert report.pipeline["residual_slots"] == (8 if schedule == "gpipe" else 7)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_plan_runs_grad_accum_as_one_schedule_with_its_bubble_stash_and_sends(schedule):
+    from jaxpar.cost.estimate import estimate
+
+    def plan(accum: int):
+        return estimate(validate(load_config("tiny", [
+            "mesh.pipe=4", "mesh.data=2", "model.n_layers=4", "train.microbatches=8",
+            f"train.grad_accum={accum}", f"train.batch_size={16 * accum}",
+            f"parallel.pipeline_schedule={schedule}"]), 8), "h100")
+
+    alone, folded = plan(1), plan(2)  # the same microbatch rows; twice the rows per step
+    assert alone.pipeline["bubble"] == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
+    assert folded.pipeline["bubble"] == pytest.approx(3 / 19)  # (p-1)/(2m+p-1)
+
+    # Compute time is the executed flops under the folded schedule's work factor: 19/16, not
+    # the per-micro-step schedule's 11/8.
+    def factor(report) -> float:
+        return report.time.compute / report.flops.executed
+
+    assert factor(folded) / factor(alone) == pytest.approx((19 / 16) / (11 / 8))
+    # GPipe's stash holds all 16 microbatches' residuals; 1F1B's is flat in them (2p-1). The
+    # executor's gradient sums are the gradients: no accumulator beside them.
+    assert folded.pipeline["residual_slots"] == (16 if schedule == "gpipe" else 7)
+    if schedule == "gpipe":
+        assert folded.memory.stash > alone.memory.stash
+    else:
+        assert folded.memory.stash == alone.memory.stash
+    assert folded.memory.gradients == alone.memory.gradients
+    # One activation per step with a forward or backward slot, but the last: 2 (16+3) - 1.
+    sends = [r for r in folded.collective_rows() if r["kind"] == "collective-permute"]
+    assert [r["count"] for r in sends] == [2 * (16 + 3) - 1]

@@ -59,10 +59,16 @@ stages, :func:`jaxpar.parallel.rules.param_specs`), like the embedding. Memory b
 stages': the pre-phase's residuals (its ``B/(d p)`` rows of the whole step) live across the
 pipeline, and ``x0`` and its gradient (``B/d x S/c x E`` each) on every device.
 
+Gradient accumulation (``train.grad_accum = A``) is folded into the schedule: the step's batch
+is cut into ``A m`` microbatches (:func:`split_microbatches`, the rows each micro-step's
+microbatches would hold) and the schedule runs once over all of them, so the pipeline fills
+and drains once per step: 1F1B's bubble is (p-1)/(A m+p-1), not (p-1)/(m+p-1).
+
 Memory per stage: the stashes (arrived inputs, residuals, output gradients; each slot one
 microbatch of one chunk, and one spare slot that masked writes go to), and the gradient sums.
 Slots are handed out lowest free first when the program is compiled, so their number is the
-schedule's peak in flight: ``m`` for GPipe, ``2(p-1)+1`` on the first stage for 1F1B.
+schedule's peak in flight: ``A m`` for GPipe (it grows with ``train.grad_accum``), ``2(p-1)+1``
+on the first stage for 1F1B (flat in the microbatches).
 
 Parameters. A device's slice of the stacked layers, ``[v * layers_per_chunk, ...]``, holds its
 chunks s, s+p, ... in that order (for ``v > 1`` the trainer stores the layers permuted so;
@@ -94,7 +100,6 @@ aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -139,8 +144,8 @@ from jaxpar.parallel.pipeline.stages import (
 )
 from jaxpar.parallel.rules import logical_rules, resolve_spec
 
-__all__ = ["ByHand", "Program", "compile_program", "describe", "pipeline_loss_and_grads",
-           "pipelined_gradients"]
+__all__ = ["ByHand", "Program", "compile_program", "describe", "describe_config",
+           "pipeline_loss_and_grads", "pipelined_gradients", "split_microbatches"]
 
 # --------------------------------------------------------------------------------------------
 # The executor
@@ -182,9 +187,10 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
 
     ``layers``: the stacked layer parameters ``[n_layers, ...]``, sharded over ``pipe`` on their
     first dimension, and ``consts`` the stacked non-trained state beside them; ``shared``: the
-    other parameters (replicated over ``pipe``); ``micro``: ``[accum, m, rows, ...]`` arrays of
-    the microbatches of each micro-step (the schedule runs once per micro-step; the gradient
-    sums over all of them are reduced once). The gradients are those of
+    other parameters (replicated over ``pipe``); ``micro``: ``[n, rows, ...]`` arrays of the
+    ``n`` microbatches ``program`` runs (``train.grad_accum`` x ``train.microbatches``: the
+    schedule runs once per step, over all of them; the gradient sums are reduced once). The
+    gradients are those of
     ``loss_scale * sum(token losses) + aux_scale * sum over chunks and microbatches of
     aux_loss``; ``loss_sum`` is the unscaled token-loss sum and ``aux`` the aux sums
     (layer-stacked keys over all layers, in stored order). Call under the mesh.
@@ -205,32 +211,24 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                 layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
             if frozen is not None:
                 frozen_layers = by_hand.gather(frozen_layers, *frozen)
-            first = jax.tree.map(lambda a: a[0], micro)
-            env = _Env.make(stages, shared, (layers, frozen_layers), consts, first, loss_scale,
+            env = _Env.make(stages, shared, (layers, frozen_layers), consts, micro, loss_scale,
                             aux_scale, p=p, v=v, vocab_size=vocab_size,
                             train_shared=train_shared, fsdp=fsdp,
                             split=program.wait_slots > 0, placement=program.placement)
-
-            def micro_step(carry: _Carry, microbatches: Any) -> tuple[_Carry, None]:
-                # One pass of the schedule over one micro-step's microbatches; the gradient
-                # sums carry on from the previous micro-step (train.grad_accum).
-                step_env = dataclasses.replace(env, micro=microbatches)
-                if stages.pre_embedded:
-                    carry = carry._replace(d_inputs=jnp.zeros_like(microbatches["x0"]))
-                for stretch in program.stretches:
-                    fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
-
-                    def steps(c, rows, pattern=stretch.pattern):
-                        for i, kinds in enumerate(pattern):
-                            c = _run_step(step_env, kinds, c, {k: a[i] for k, a in rows.items()})
-                        return c, None
-
-                    carry, _ = lax.scan(steps, carry, fields)
-                return carry, carry.d_inputs
-
+            # One pass of the schedule over all the step's microbatches (train.grad_accum is
+            # folded into them: one fill and one drain per step, not per micro-step).
             carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
                                    shared_grad_specs)
-            carry, d_inputs = lax.scan(micro_step, carry, micro)
+            for stretch in program.stretches:
+                fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
+
+                def steps(c, rows, pattern=stretch.pattern):
+                    for i, kinds in enumerate(pattern):
+                        c = _run_step(env, kinds, c, {k: a[i] for k, a in rows.items()})
+                    return c, None
+
+                carry, _ = lax.scan(steps, carry, fields)
+            d_inputs = carry.d_inputs
             loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
         if train_shared:
             shared_grads = _summed_shared(by_hand, shared_grads)
@@ -242,7 +240,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
 
     def run_pipeline(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale):
         stacked_keys = {k: PartitionSpec(PIPE_AXIS) for k in stages.layer_stacked}
-        # [micro-steps, m, B/(accum m), S]: the batch rows and the sequence split by hand
+        # [accum m, B/(accum m), S]: the batch rows and the sequence split by hand
         rows = by_hand.microbatch_spec
         loss, shared_grads, layer_grads, aux_sums, aux_layers, d_inputs = jax.shard_map(
             per_device,
@@ -627,6 +625,26 @@ def _finish(env: _Env, c: _Carry) -> tuple:
 
 
 
+def split_microbatches(batch: Any, accum: int, m: int) -> Any:
+    """``[B, ...] -> [accum m, B/(accum m), ...]``: the schedule's microbatches of one step.
+
+    Microbatch ``j m + k`` is micro-step ``j``'s microbatch ``k``: ``train.grad_accum`` cuts
+    the rows into micro-steps and each is cut into ``m`` (both interleaved, so each device's
+    rows stay on it), exactly the rows a micro-step-by-micro-step run gives each microbatch.
+    The gradient is a sum over them whatever their order, and the MoE aux losses (one per
+    microbatch) average over the same row sets.
+    """
+    steps = jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
+    return jax.tree.map(lambda a: a.reshape(accum * m, *a.shape[2:]), steps)
+
+
+def describe_config(cfg: Config) -> dict[str, Any]:
+    """:func:`describe` of ``cfg``'s pipeline (``mesh.pipe > 1``) as the executor runs it: one
+    schedule over ``train.grad_accum x train.microbatches`` microbatches."""
+    return describe(cfg.parallel.pipeline_schedule, cfg.mesh.pipe, cfg.train.microbatches,
+                    cfg.parallel.virtual_stages, accum=cfg.train.grad_accum)
+
+
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
                         dtype: Any, remat: Remat, platform: str,
                         ) -> tuple[Callable, np.ndarray | None, Program]:
@@ -636,12 +654,15 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
 
     The objective is the plain one: summed token loss / ``valid``, plus each microbatch's MoE
     aux losses averaged over every microbatch of every micro-step (as ``grad_accum`` =
-    accum x microbatches would).
+    accum x microbatches would). The ``train.grad_accum`` micro-steps are folded into the
+    schedule: it runs once over their ``accum x m`` microbatches (:func:`split_microbatches`),
+    so the pipeline fills and drains once per step.
     """
     p, v, m = cfg.mesh.pipe, cfg.parallel.virtual_stages, cfg.train.microbatches
     accum = cfg.train.grad_accum
     schedule = cfg.parallel.pipeline_schedule
-    program = compile_program(schedule_steps(schedule, p, m, v), p, v, placement_of(schedule))
+    program = compile_program(schedule_steps(schedule, p, accum * m, v), p, v,
+                              placement_of(schedule))
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
     hand, inner, hooks = split_by_hand(cfg, platform)
     micro_rows = cfg.train.batch_size // (accum * m)
@@ -675,13 +696,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                                   shared_grad_specs=shared_grad_specs, frozen=frozen,
                                   per_layer=cfg.parallel.pipeline_fsdp == "per_layer")
 
-    def split(batch: Any) -> Any:
-        # [accum, m, B/(accum m), ...]: micro-steps as train.grad_accum cuts them, each cut into
-        # the pipeline's microbatches.
-        return jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
-
     pre_phase = dense_pre_phase(cfg, graphdef, mesh_shape, platform, dtype=dtype, remat=remat,
-                                 split=split)
+                                 split=lambda batch: split_microbatches(batch, accum, m))
 
     def grad_fn(params: dict, buffers: Any, batch: dict, valid: jax.Array) -> tuple:
         frozen_layers = {}
@@ -690,7 +706,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
             frozen_layers, params = base["layers"], {**base, **params}
         shared = {k: a for k, a in params.items() if k not in ("layers", "dense_layers")}
         aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
-        micro = split(batch)
+        micro = split_microbatches(batch, accum, m)  # one schedule over all of them
         if dense:
             x0, pre_backward = pre_phase(params, buffers, batch)
             micro = {**micro, "x0": x0}

@@ -264,17 +264,21 @@ def _stretch_name(stretch: Stretch) -> str:
     return f"({', '.join(names)}) x {len(stretch.fields['f_on'])}"
 
 
-def describe(name: str, p: int, m: int, v: int = 1) -> dict[str, Any]:
+def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1) -> dict[str, Any]:
     """What ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report about a run's
     schedule: the executed timeline's ticks and bubble (masked slots count as idle), the
     executed-work factor (ticks a stage runs / ticks of useful work = 1 / (1 - bubble)), and the
-    stash sizes of the busiest stage (spare slot not counted)."""
-    steps = schedule_steps(name, p, m, v)
+    stash sizes of the busiest stage (spare slot not counted).
+
+    ``accum`` (``train.grad_accum``) micro-steps of ``m`` microbatches each run as one schedule
+    of ``accum x m`` microbatches (the executor folds them in): ``microbatches`` is that count,
+    and the bubble, steps and stashes are that schedule's."""
+    steps = schedule_steps(name, p, accum * m, v)
     table = table_of(steps)
     program = compile_program(steps, p, v, placement_of(name))
     bubble = bubble_fraction(table)
-    return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
-            "placement": program.placement,
+    return {"schedule": name, "stages": p, "microbatches": accum * m, "grad_accum": accum,
+            "virtual_stages": v, "placement": program.placement,
             "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
             "executed_work_factor": float(1 / (1 - bubble)),
             "stretches": [_stretch_name(s) for s in program.stretches],
