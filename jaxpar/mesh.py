@@ -44,6 +44,25 @@ def use_host_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
+# libtpu flags a config needs: a pipeline's forward/backward overlap (parallel.pipeline_overlap)
+# hides the expert all-to-alls of one pass behind the other's matmuls only where the TPU
+# compiler makes them asynchronous, which libtpu 0.0.42 does not by default (checked with
+# jaxpar inspect --target: synchronous without it, inside the other pass's matmuls with it).
+OVERLAP_LIBTPU_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
+
+
+def use_compiler_flags(cfg: Config) -> None:
+    """Add the libtpu flags ``cfg`` needs to ``LIBTPU_INIT_ARGS`` (before libtpu loads; a flag
+    the user set stays as set). Nothing on other platforms reads them."""
+    if not cfg.parallel.pipeline_overlap:
+        return
+    current = os.environ.get("LIBTPU_INIT_ARGS", "")
+    names = {flag.split("=")[0] for flag in current.split()}
+    added = [flag for flag in OVERLAP_LIBTPU_FLAGS if flag.split("=")[0] not in names]
+    if added:
+        os.environ["LIBTPU_INIT_ARGS"] = " ".join([current, *added]).strip()
+
+
 def keep_host_memory() -> None:
     """Have XLA:CPU's step buffers reuse memory instead of faulting fresh pages in every step.
 

@@ -20,10 +20,8 @@ import argparse
 from fractions import Fraction
 
 from jaxpar.parallel.pipeline.program import describe
-from jaxpar.parallel.pipeline.schedules import (
-    peak_in_flight,
-    schedule_table,
-)
+from jaxpar.parallel.pipeline.schedules import schedule_table
+from jaxpar.parallel.pipeline.timeline import peak_in_flight
 
 # (schedule, virtual stages), in the order of the table.
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1),

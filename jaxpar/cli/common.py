@@ -95,9 +95,10 @@ def load_validated(name: str, overrides: list[str], join: bool = False) -> Confi
     ``train``: inspect, plan and schedule stay one process), first join the multi-process
     runtime when the ``distributed`` section asks for it, so the mesh spans every process."""
     from jaxpar.distributed import barrier, start_distributed  # noqa: PLC0415
-    from jaxpar.mesh import device_count, use_host_devices  # noqa: PLC0415
+    from jaxpar.mesh import device_count, use_compiler_flags, use_host_devices  # noqa: PLC0415
 
     cfg = load_config(name, overrides)
+    use_compiler_flags(cfg)
     if join:
         use_host_devices(cfg.host_devices)
         start_distributed(cfg.distributed)

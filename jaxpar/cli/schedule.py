@@ -28,7 +28,8 @@ def add_schedule(commands) -> None:
 def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
     """Print the schedule table of ``cfg`` (validated), its bubble and stash; draw it."""
     from jaxpar.parallel.pipeline.executor import describe_config  # noqa: PLC0415
-    from jaxpar.parallel.pipeline.schedules import render, schedule_table  # noqa: PLC0415
+    from jaxpar.parallel.pipeline.schedules import schedule_table  # noqa: PLC0415
+    from jaxpar.parallel.pipeline.timeline import render  # noqa: PLC0415
 
     p, v = cfg.mesh.pipe, cfg.parallel.virtual_stages
     if p == 1:
@@ -36,7 +37,7 @@ def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
                           "train.microbatches)")
     name, info = cfg.parallel.pipeline_schedule, describe_config(cfg)
     # train.grad_accum is folded in: the step runs one schedule over all its microbatches.
-    table = schedule_table(name, p, info["microbatches"], v)
+    table = schedule_table(name, p, info["microbatches"], v, cfg.parallel.pipeline_overlap)
     accum = cfg.train.grad_accum
     folded = (f" ({accum} micro-steps x {cfg.train.microbatches}: train.grad_accum folded in)"
               if accum > 1 else "")

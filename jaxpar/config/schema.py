@@ -338,6 +338,10 @@ class ParallelConfig:
     # its gradients whole; "per_layer" gathers each layer as a slot runs it and reduce-scatters
     # its gradient at once (less memory, more bytes: parallel/pipeline/executor.py).
     pipeline_fsdp: Literal["per_step", "per_layer"] = "per_step"
+    # A pipeline step's forward and backward slots in one layer loop, so the compiler can
+    # overlap one's collectives with the other's matmuls (DualPipe's F&B overlap;
+    # parallel/pipeline/layerwise.py); the last chunk then turns round a step later.
+    pipeline_overlap: bool = False
     # Dtype of the gradient sums jaxpar takes by hand (over data, and over data/fsdp in the
     # pipeline executor); see validation._check_reduce_dtype for where it applies.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+from jaxpar.config.model_checks import check_model, require
 from jaxpar.config.schema import (
     BATCH_AXES,
     LOGICAL_AXES,
@@ -20,7 +21,6 @@ from jaxpar.config.schema import (
     MeshConfig,
     ModelConfig,
     MoEConfig,
-    RopeScalingConfig,
     TrainConfig,
 )
 
@@ -53,10 +53,10 @@ def _resolve_mesh(mesh: MeshConfig, device_count: int) -> MeshConfig:
 def _check_dcn(sizes: dict[str, int], dcn: DcnConfig) -> None:
     """``mesh.dcn``: each axis's slices divide its size (the rest of it lies inside a slice)."""
     for axis, slices in dcn.sizes().items():
-        _require(slices >= 1, f"mesh.dcn.{axis}={slices}: must be >= 1 (1: inside one slice)")
-        _require(sizes[axis] % slices == 0, f"mesh.dcn.{axis}={slices} does not divide "
-                 f"mesh.{axis}={sizes[axis]} (the axis is split into {slices} slices of equal "
-                 "size)")
+        require(slices >= 1, f"mesh.dcn.{axis}={slices}: must be >= 1 (1: inside one slice)")
+        require(sizes[axis] % slices == 0, f"mesh.dcn.{axis}={slices} does not divide "
+                f"mesh.{axis}={sizes[axis]} (the axis is split into {slices} slices of equal "
+                "size)")
 
 
 # Axes whose collectives run every layer (forward and backward) and sit on the critical path:
@@ -82,21 +82,16 @@ def slices_line(cfg: Config) -> str | None:
             "slices instead")
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def validate(cfg: Config, device_count: int) -> Config:
     """Check every cross-field rule; return the config with the mesh's ``-1`` axis resolved.
 
     The checks run in a fixed order (model, pipeline, mixture of experts, batch and sequence,
     optimiser, parameter sharding, run settings) and the first broken rule is the error."""
     if cfg.host_devices is not None:
-        _require(cfg.host_devices >= 1, f"host_devices={cfg.host_devices}: must be >= 1")
+        require(cfg.host_devices >= 1, f"host_devices={cfg.host_devices}: must be >= 1")
     mesh = _resolve_mesh(cfg.mesh, device_count)
     cfg = _resolve_chunks(cfg)
-    _check_model(cfg.model, mesh)
+    check_model(cfg.model, mesh)
     _check_pipeline(cfg, mesh)
     _check_remat(cfg, mesh)
     _check_moe(cfg, mesh)
@@ -109,109 +104,14 @@ def validate(cfg: Config, device_count: int) -> Config:
     return dataclasses.replace(cfg, mesh=mesh)
 
 
-def _check_model(m: ModelConfig, mesh: MeshConfig) -> None:
-    """Model shape: positive sizes, grouped-query heads, rotary's even head_dim, tensor splits."""
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        value = getattr(m, name)
-        _require(value >= 1, f"model.{name}={value}: must be >= 1")
-    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of "
-             f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
-    if m.head_dim is None and not m.mla.enabled:
-        _require(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by "
-                 f"model.n_heads={m.n_heads} (or set model.head_dim)")
-    _require(m.mla.enabled or m.resolved_head_dim % 2 == 0, f"model.head_dim="
-             f"{m.resolved_head_dim}: rotary embeddings need an even head_dim")
-    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        value = getattr(m, name)
-        _require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
-                 f"mesh.tensor={mesh.tensor}")
-    _require(math.isfinite(m.rope_theta) and m.rope_theta > 1, f"model.rope_theta={m.rope_theta}: "
-             "must be a finite number > 1")
-    _require(math.isfinite(m.norm_eps) and m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must "
-             "be a finite number > 0")
-    _check_rope_scaling(m.rope_scaling)
-    _check_mla(m)
-    _require(m.rope_scaling.type != "yarn" or m.mla.enabled, "model.rope_scaling.type=yarn: "
-             "only with multi-head latent attention (model.mla); others take none, llama3 or "
-             "linear")
-    _check_window(m)
-    _check_gemma_features(m)
-
-
-def _check_mla(m: ModelConfig) -> None:
-    """Multi-head latent attention: sizes that make a query, a key and a value."""
-    a = m.mla
-    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                 "v_head_dim"):
-        value = getattr(a, name)
-        _require(value >= 0, f"model.mla.{name}={value}: must be >= 0")
-    if not a.enabled:
-        _require(not (a.q_lora_rank or a.qk_rope_head_dim or a.v_head_dim), "model.mla: set "
-                 "kv_lora_rank > 0 to use multi-head latent attention (0 leaves it off, so its "
-                 "other sizes must stay 0)")
-        return
-    _require(a.qk_rope_head_dim >= 2 and a.qk_rope_head_dim % 2 == 0, "model.mla."
-             f"qk_rope_head_dim={a.qk_rope_head_dim}: rotary embeddings need an even size >= 2")
-    _require(a.v_head_dim >= 1, f"model.mla.v_head_dim={a.v_head_dim}: must be >= 1")
-    _require(m.sliding_window is None and not m.attn_softcap, "model.mla: multi-head latent "
-             "attention has no sliding window or score cap (set model.sliding_window: null, "
-             "model.attn_softcap: 0)")
-
-
-def _check_window(m: ModelConfig) -> None:
-    """Sliding windows, score soft-capping and the local layers' RoPE base."""
-    w = m.sliding_window
-    _require(w is None or w >= 1, f"model.sliding_window={w}: must be >= 1 (or null: global "
-             "attention)")
-    _require(m.global_every >= 0, f"model.global_every={m.global_every}: must be >= 0")
-    _require(m.global_every == 0 or w is not None, f"model.global_every={m.global_every} "
-             "needs model.sliding_window (the window of the other layers)")
-    _require(math.isfinite(m.attn_softcap) and m.attn_softcap >= 0, f"model.attn_softcap="
-             f"{m.attn_softcap}: must be 0 (off) or a finite number > 0")
-    t = m.rope_local_theta
-    _require(t is None or (math.isfinite(t) and t > 1), f"model.rope_local_theta={t}: must be "
-             "a finite number > 1 (or null: model.rope_theta)")
-    _require(t is None or w is not None, f"model.rope_local_theta={t} needs "
-             "model.sliding_window (it is the local layers' RoPE base)")
-
-
-def _check_gemma_features(m: ModelConfig) -> None:
-    """The Gemma 2/3 settings (``jaxpar/hf/config.py`` reads them from Hugging Face)."""
-    _require(m.mlp_activation in ("silu", "gelu_tanh"), f"model.mlp_activation="
-             f"{m.mlp_activation!r}: must be silu or gelu_tanh")
-    _require(m.mlp_activation == "silu" or not m.moe.enabled, "model.mlp_activation="
-             f"{m.mlp_activation}: the experts of model.moe are SwiGLU (silu) only")
-    _require(math.isfinite(m.final_softcap) and m.final_softcap >= 0, "model.final_softcap="
-             f"{m.final_softcap}: must be a finite number >= 0 (0: off)")
-    _require(m.query_scale is None or (math.isfinite(m.query_scale) and m.query_scale > 0),
-             f"model.query_scale={m.query_scale}: must be null or a finite number > 0")
-
-
-def _check_rope_scaling(r: RopeScalingConfig) -> None:
-    """The llama3 and yarn rules interpolate between two wavelengths: they must be ordered."""
-    if not r.enabled:
-        return
-    _require(r.factor >= 1, f"model.rope_scaling.factor={r.factor}: must be >= 1")
-    if r.type == "linear":
-        return
-    _require(r.type != "yarn" or 0 < r.beta_slow < r.beta_fast, "model.rope_scaling: "
-             f"beta_slow={r.beta_slow} must be > 0 and below beta_fast={r.beta_fast} (yarn)")
-    _require(r.type == "yarn" or 0 < r.low_freq_factor < r.high_freq_factor,
-             f"model.rope_scaling: low_freq_factor={r.low_freq_factor} must be > 0 and below "
-             f"high_freq_factor={r.high_freq_factor}")
-    _require(r.original_max_position_embeddings >= 1, "model.rope_scaling."
-             f"original_max_position_embeddings={r.original_max_position_embeddings}: must be "
-             ">= 1")
-
-
 def _resolve_chunks(cfg: Config) -> Config:
     """DualPipe-V runs two chunks per stage (its V): ``parallel.virtual_stages`` left at 1
     becomes 2; any other value is an error."""
     p = cfg.parallel
     if p.pipeline_schedule != "dualpipe_v":
         return cfg
-    _require(p.virtual_stages in (1, 2), f"parallel.virtual_stages={p.virtual_stages}: "
-             "dualpipe_v runs two chunks per stage (its V); leave it at 1 or set 2")
+    require(p.virtual_stages in (1, 2), f"parallel.virtual_stages={p.virtual_stages}: "
+            "dualpipe_v runs two chunks per stage (its V); leave it at 1 or set 2")
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, virtual_stages=2))
 
 
@@ -219,181 +119,189 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     """Pipeline: chunks of whole layers, microbatches only with stages, schedule constraints."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     v, schedule = p.virtual_stages, p.pipeline_schedule
-    _require(v >= 1, f"parallel.virtual_stages={v}: must be >= 1")
-    _require(v == 1 or schedule in ("interleaved", "zero_bubble", "dualpipe_v"),
-             f"parallel.virtual_stages={v} needs parallel.pipeline_schedule=interleaved or "
-             f"zero_bubble (got {schedule})")
+    require(v >= 1, f"parallel.virtual_stages={v}: must be >= 1")
+    require(v == 1 or schedule in ("interleaved", "zero_bubble", "dualpipe_v"),
+            f"parallel.virtual_stages={v} needs parallel.pipeline_schedule=interleaved or "
+            f"zero_bubble (got {schedule})")
     dense = m.moe.first_dense if m.moe.enabled else 0  # run before the stages, not in them
     less = f" (less model.moe.first_dense={dense})" if dense else ""
-    _require((m.n_layers - dense) % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers}{less} "
-             f"is not divisible by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} "
-             "(layers per chunk)")
+    require((m.n_layers - dense) % (mesh.pipe * v) == 0, f"model.n_layers={m.n_layers}{less} "
+            f"is not divisible by mesh.pipe x parallel.virtual_stages = {mesh.pipe} x {v} "
+            "(layers per chunk)")
     if p.pipeline_fsdp == "per_layer":
-        _require(mesh.pipe > 1 and mesh.fsdp > 1, "parallel.pipeline_fsdp=per_layer needs "
-                 f"mesh.pipe > 1 and mesh.fsdp > 1 (got pipe={mesh.pipe}, fsdp={mesh.fsdp}); "
-                 "use per_step")
-        _require(t.lora.rank == 0, "parallel.pipeline_fsdp=per_layer: not with train.lora "
-                 "(the frozen base weights are gathered once per step); use per_step")
-    _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
-             "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
+        require(mesh.pipe > 1 and mesh.fsdp > 1, "parallel.pipeline_fsdp=per_layer needs "
+                f"mesh.pipe > 1 and mesh.fsdp > 1 (got pipe={mesh.pipe}, fsdp={mesh.fsdp}); "
+                "use per_step")
+        require(t.lora.rank == 0, "parallel.pipeline_fsdp=per_layer: not with train.lora "
+                "(the frozen base weights are gathered once per step); use per_step")
+    if p.pipeline_overlap:
+        require(mesh.pipe > 1, "parallel.pipeline_overlap=true needs mesh.pipe > 1 (it runs a "
+                "pipeline step's forward and backward in one layer loop)")
+        require(schedule != "gpipe", "parallel.pipeline_overlap=true: gpipe never runs a "
+                "forward and a backward in one step; use 1f1b, interleaved, zero_bubble or "
+                "dualpipe_v")
+        require(t.lora.rank == 0, "parallel.pipeline_overlap=true: not with train.lora (the "
+                "layer-by-layer slots take no frozen base weights); set it false")
+    require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
+            "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
     if schedule == "dualpipe_v" and mesh.pipe > 1:
-        _require(t.microbatches >= 2 * mesh.pipe, f"train.microbatches={t.microbatches}: "
-                 f"dualpipe_v needs at least 2 x mesh.pipe = {2 * mesh.pipe} (DualPipe's m >= 2p)")
+        require(t.microbatches >= 2 * mesh.pipe, f"train.microbatches={t.microbatches}: "
+                f"dualpipe_v needs at least 2 x mesh.pipe = {2 * mesh.pipe} (DualPipe's m >= 2p)")
     elif (schedule == "interleaved" or v > 1) and mesh.pipe > 1:
-        _require(t.microbatches % mesh.pipe == 0, f"train.microbatches={t.microbatches} is not "
-                 f"divisible by mesh.pipe={mesh.pipe}, which the {schedule} schedule needs "
-                 f"with parallel.virtual_stages={v}")
+        require(t.microbatches % mesh.pipe == 0, f"train.microbatches={t.microbatches} is not "
+                f"divisible by mesh.pipe={mesh.pipe}, which the {schedule} schedule needs "
+                f"with parallel.virtual_stages={v}")
     # The pipeline splits the vocabulary (embedding, head, loss) into one piece per stage,
     # each split again over tensor.
-    _require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
-             f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
-             f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
+    require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
+            f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
+            f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
 
 
 def _check_remat(cfg: Config, mesh: MeshConfig) -> None:
     """``train.remat_every``: the policy applies to one scanned unit in every k, so k must
     divide the units each layer loop runs (a pipeline chunk's, and the dense first blocks')."""
     k, m = cfg.train.remat_every, cfg.model
-    _require(k >= 1, f"train.remat_every={k}: must be >= 1")
+    require(k >= 1, f"train.remat_every={k}: must be >= 1")
     if k == 1:
         return
-    _require(cfg.train.remat != "none", f"train.remat_every={k} needs a train.remat policy "
-             "(full, dots, attention or offload_dots): with none every layer keeps everything")
-    _require(mesh.pipe == 1 or cfg.parallel.pipeline_fsdp == "per_step", f"train.remat_every={k}"
-             " with parallel.pipeline_fsdp=per_layer: a stage runs each layer alone there, so the "
-             "policy applies to every layer; set train.remat_every=1")
+    require(cfg.train.remat != "none", f"train.remat_every={k} needs a train.remat policy "
+            "(full, dots, attention or offload_dots): with none every layer keeps everything")
+    require(mesh.pipe == 1 or cfg.parallel.pipeline_fsdp == "per_step", f"train.remat_every={k}"
+            " with parallel.pipeline_fsdp=per_layer: a stage runs each layer alone there, so the "
+            "policy applies to every layer; set train.remat_every=1")
     units = m.n_layers if not m.moe.enabled else (m.n_layers - m.moe.first_dense) // m.moe.every
     chunk = units // (mesh.pipe * cfg.parallel.virtual_stages)
-    _require(chunk % k == 0, f"train.remat_every={k} does not divide the {chunk} scanned "
-             "layers " + ("of a pipeline chunk " if mesh.pipe > 1 else "")
-             + "(model.n_layers, in groups of model.moe.every)")
+    require(chunk % k == 0, f"train.remat_every={k} does not divide the {chunk} scanned "
+            "layers " + ("of a pipeline chunk " if mesh.pipe > 1 else "")
+            + "(model.n_layers, in groups of model.moe.every)")
     dense = m.moe.first_dense if m.moe.enabled else 0
-    _require(dense % k == 0, f"train.remat_every={k} does not divide model.moe.first_dense="
-             f"{dense} (the dense first blocks are a layer loop of their own)")
+    require(dense % k == 0, f"train.remat_every={k} does not divide model.moe.first_dense="
+            f"{dense} (the dense first blocks are a layer loop of their own)")
 
 
 def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
     """Mixture of experts: routing settings, and experts and groups that split evenly."""
     m, p = cfg.model, cfg.parallel
     moe = m.moe
-    _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 "
-             "(0 = dense)")
+    require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 "
+            "(0 = dense)")
     if moe.enabled:
-        _require(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be in "
-                 f"[1, model.moe.num_experts={moe.num_experts}]")
-        _require(moe.every >= 1, f"model.moe.every={moe.every}: must be >= 1")
+        require(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be in "
+                f"[1, model.moe.num_experts={moe.num_experts}]")
+        require(moe.every >= 1, f"model.moe.every={moe.every}: must be >= 1")
         _check_first_dense(m, mesh)
-        _require((m.n_layers - moe.first_dense) % moe.every == 0, f"model.n_layers="
-                 f"{m.n_layers} (less model.moe.first_dense={moe.first_dense}) is not divisible "
-                 f"by model.moe.every={moe.every} (the layer stack is scanned in groups of "
-                 "`every` blocks, the last of each a MoE block)")
-        _require(m.resolved_d_ff_expert >= 1, f"model.moe.d_ff_expert={moe.d_ff_expert}: must "
-                 "be >= 1 (or null for model.d_ff)")
-        _require(moe.num_shared_experts >= 0, f"model.moe.num_shared_experts="
-                 f"{moe.num_shared_experts}: must be >= 0")
-        _require(math.isfinite(moe.capacity_factor) and moe.capacity_factor > 0,
-                 f"model.moe.capacity_factor={moe.capacity_factor}: must be a finite number > 0")
+        require((m.n_layers - moe.first_dense) % moe.every == 0, f"model.n_layers="
+                f"{m.n_layers} (less model.moe.first_dense={moe.first_dense}) is not divisible "
+                f"by model.moe.every={moe.every} (the layer stack is scanned in groups of "
+                "`every` blocks, the last of each a MoE block)")
+        require(m.resolved_d_ff_expert >= 1, f"model.moe.d_ff_expert={moe.d_ff_expert}: must "
+                "be >= 1 (or null for model.d_ff)")
+        require(moe.num_shared_experts >= 0, f"model.moe.num_shared_experts="
+                f"{moe.num_shared_experts}: must be >= 0")
+        require(math.isfinite(moe.capacity_factor) and moe.capacity_factor > 0,
+                f"model.moe.capacity_factor={moe.capacity_factor}: must be a finite number > 0")
         for name in ("aux_loss_weight", "z_loss_weight", "bias_update_rate"):
             value = getattr(moe, name)
-            _require(math.isfinite(value) and value >= 0, f"model.moe.{name}={value}: must be a "
-                     "finite number >= 0")
-        _require(moe.num_experts % mesh.expert == 0, f"model.moe.num_experts={moe.num_experts} "
-                 f"is not divisible by mesh.expert={mesh.expert}")
-        _require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
-                 f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
+            require(math.isfinite(value) and value >= 0, f"model.moe.{name}={value}: must be a "
+                    "finite number >= 0")
+        require(moe.num_experts % mesh.expert == 0, f"model.moe.num_experts={moe.num_experts} "
+                f"is not divisible by mesh.expert={mesh.expert}")
+        require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
+                f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
         _check_moe_groups(moe)
         units, chunks = (m.n_layers - moe.first_dense) // moe.every, mesh.pipe * p.virtual_stages
         layers = "(model.n_layers - model.moe.first_dense)" if moe.first_dense else "model.n_layers"
-        _require(units % chunks == 0, f"{layers} / model.moe.every = {units} groups is "
-                 f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
-                 "stages take whole groups)")
+        require(units % chunks == 0, f"{layers} / model.moe.every = {units} groups is "
+                f"not divisible by mesh.pipe x parallel.virtual_stages = {chunks} (pipeline "
+                "stages take whole groups)")
 
 
 def _check_moe_groups(moe: MoEConfig) -> None:
     """Group-limited routing (DeepSeek-V3): groups of equal size, enough experts in the kept
     groups for top_k, and a group score (its two best experts) that exists."""
-    _require(moe.n_group >= 1 and moe.num_experts % moe.n_group == 0, f"model.moe.n_group="
-             f"{moe.n_group}: must be >= 1 and divide model.moe.num_experts={moe.num_experts}")
+    require(moe.n_group >= 1 and moe.num_experts % moe.n_group == 0, f"model.moe.n_group="
+            f"{moe.n_group}: must be >= 1 and divide model.moe.num_experts={moe.num_experts}")
     per_group = moe.num_experts // moe.n_group
-    _require(1 <= moe.topk_group <= moe.n_group, f"model.moe.topk_group={moe.topk_group}: "
-             f"must be in [1, model.moe.n_group={moe.n_group}]")
-    _require(moe.n_group == 1 or per_group >= 2, f"model.moe.n_group={moe.n_group}: a group "
-             f"is scored by its two best experts, so it needs >= 2 (has {per_group})")
-    _require(moe.top_k <= moe.topk_group * per_group, f"model.moe.top_k={moe.top_k}: more "
-             f"than the {moe.topk_group * per_group} experts of the topk_group kept groups")
-    _require(math.isfinite(moe.routed_scaling_factor) and moe.routed_scaling_factor > 0,
-             f"model.moe.routed_scaling_factor={moe.routed_scaling_factor}: must be a finite "
-             "number > 0")
+    require(1 <= moe.topk_group <= moe.n_group, f"model.moe.topk_group={moe.topk_group}: "
+            f"must be in [1, model.moe.n_group={moe.n_group}]")
+    require(moe.n_group == 1 or per_group >= 2, f"model.moe.n_group={moe.n_group}: a group "
+            f"is scored by its two best experts, so it needs >= 2 (has {per_group})")
+    require(moe.top_k <= moe.topk_group * per_group, f"model.moe.top_k={moe.top_k}: more "
+            f"than the {moe.topk_group * per_group} experts of the topk_group kept groups")
+    require(math.isfinite(moe.routed_scaling_factor) and moe.routed_scaling_factor > 0,
+            f"model.moe.routed_scaling_factor={moe.routed_scaling_factor}: must be a finite "
+            "number > 0")
 
 
 def _check_first_dense(m: ModelConfig, mesh: MeshConfig) -> None:
     """Dense blocks before the mixtures: a stack of their own, which a pipeline runs before its
     stages (beside the embedding, with the batch rows split over ``pipe`` too)."""
     first = m.moe.first_dense
-    _require(0 <= first < m.n_layers, f"model.moe.first_dense={first}: must be in [0, "
-             f"model.n_layers={m.n_layers})")
-    _require(first == 0 or mesh.pipe == 1 or m.sliding_window is None,
-             f"model.moe.first_dense={first} with mesh.pipe={mesh.pipe} and "
-             f"model.sliding_window={m.sliding_window}: not supported yet (the dense blocks "
-             "before the stages carry no window flags)")
+    require(0 <= first < m.n_layers, f"model.moe.first_dense={first}: must be in [0, "
+            f"model.n_layers={m.n_layers})")
+    require(first == 0 or mesh.pipe == 1 or m.sliding_window is None,
+            f"model.moe.first_dense={first} with mesh.pipe={mesh.pipe} and "
+            f"model.sliding_window={m.sliding_window}: not supported yet (the dense blocks "
+            "before the stages carry no window flags)")
 
 
 def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
     """Batch and sequence: rows for every batch shard, tokens for every sequence shard."""
     t, p = cfg.train, cfg.parallel
-    _require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")
-    _require(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1")
-    _require(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be >= 1")
-    _require(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")
-    _require(t.seq_len >= 2, f"train.seq_len={t.seq_len}: must be >= 2")
+    require(t.steps >= 1, f"train.steps={t.steps}: must be >= 1")
+    require(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1")
+    require(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be >= 1")
+    require(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")
+    require(t.seq_len >= 2, f"train.seq_len={t.seq_len}: must be >= 2")
     batch_shards = math.prod(getattr(mesh, a) for a in BATCH_AXES)
     per_step = t.grad_accum * t.microbatches * batch_shards
-    _require(t.batch_size % per_step == 0,
-             f"train.batch_size={t.batch_size} is not divisible by grad_accum x microbatches x "
-             f"batch shards (data*fsdp*expert) = {t.grad_accum} x {t.microbatches} x "
-             f"{batch_shards} = {per_step}")
+    require(t.batch_size % per_step == 0,
+            f"train.batch_size={t.batch_size} is not divisible by grad_accum x microbatches x "
+            f"batch shards (data*fsdp*expert) = {t.grad_accum} x {t.microbatches} x "
+            f"{batch_shards} = {per_step}")
     seq_shards = mesh.context * 2 if mesh.context > 1 else 1  # load-balanced causal: 2 chunks each
     if p.sequence_parallel:
         seq_shards = math.lcm(seq_shards, mesh.context * mesh.tensor)
-    _require(t.seq_len % seq_shards == 0,
-             f"train.seq_len={t.seq_len} is not divisible by {seq_shards}, which "
-             + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
+    require(t.seq_len % seq_shards == 0,
+            f"train.seq_len={t.seq_len} is not divisible by {seq_shards}, which "
+            + ("sequence parallelism (context*tensor)" if p.sequence_parallel else
                 "context parallelism (2*context)") + " needs")
     _check_attention_blocks(cfg, mesh)
     local_seq = t.seq_len // mesh.context
-    _require(t.loss_chunks >= 0 and (t.loss_chunks == 0 or local_seq % t.loss_chunks == 0),
-             f"train.loss_chunks={t.loss_chunks}: must be 0 (auto) or divide the {local_seq} "
-             "tokens of a device's sequence (train.seq_len / mesh.context)")
+    require(t.loss_chunks >= 0 and (t.loss_chunks == 0 or local_seq % t.loss_chunks == 0),
+            f"train.loss_chunks={t.loss_chunks}: must be 0 (auto) or divide the {local_seq} "
+            "tokens of a device's sequence (train.seq_len / mesh.context)")
 
 
 def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
     """Blockwise attention tiles the sequence a device attends with (each chunk of it, under
     context parallelism) into blocks of ``model.attention_block``, or one block if shorter."""
     m, t = cfg.model, cfg.train
-    _require(m.attention_block >= 1, f"model.attention_block={m.attention_block}: must be >= 1")
+    require(m.attention_block >= 1, f"model.attention_block={m.attention_block}: must be >= 1")
     tiled = t.seq_len // (mesh.context * (2 if cfg.parallel.zigzag else 1)
                           if mesh.context > 1 else 1)
-    _require(m.attention != "splash" or cfg.splash_possible(),
-             f"model.attention=splash cannot run in pipeline stages split over tensor "
-             f"(mesh.pipe={mesh.pipe} mesh.tensor={mesh.tensor}): the TPU compiler aborts; "
-             "use auto (blockwise there) or blockwise")
+    require(m.attention != "splash" or cfg.splash_possible(),
+            f"model.attention=splash cannot run in pipeline stages split over tensor "
+            f"(mesh.pipe={mesh.pipe} mesh.tensor={mesh.tensor}): the TPU compiler aborts; "
+            "use auto (blockwise there) or blockwise")
     if m.attention in ("auto", "blockwise") or mesh.context > 1:
-        _require(tiled <= m.attention_block or tiled % m.attention_block == 0,
-                 f"model.attention_block={m.attention_block} does not divide the {tiled} tokens "
-                 "blockwise attention tiles (train.seq_len" + (" / context chunks" if
+        require(tiled <= m.attention_block or tiled % m.attention_block == 0,
+                f"model.attention_block={m.attention_block} does not divide the {tiled} tokens "
+                "blockwise attention tiles (train.seq_len" + (" / context chunks" if
                                                                mesh.context > 1 else "")
-                 + "); pick a divisor, or a block at least that long")
+                + "); pick a divisor, or a block at least that long")
 
 
 def _check_optimizer(t: TrainConfig) -> None:
     """Optimiser and schedule."""
-    _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr={t.lr}: must be a finite number > 0")
-    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
-    _require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
-    _require(math.isfinite(t.decay_fraction) and 0 < t.decay_fraction <= 1,
-             f"train.decay_fraction={t.decay_fraction}: must be in (0, 1] (the share of "
-             "train.steps that schedule=wsd decays over)")
-    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
+    require(math.isfinite(t.lr) and t.lr > 0, f"train.lr={t.lr}: must be a finite number > 0")
+    require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
+    require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+    require(math.isfinite(t.decay_fraction) and 0 < t.decay_fraction <= 1,
+            f"train.decay_fraction={t.decay_fraction}: must be in (0, 1] (the share of "
+            "train.steps that schedule=wsd decays over)")
+    require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
 
 
 def _check_lora(cfg: Config) -> None:
@@ -401,52 +309,52 @@ def _check_lora(cfg: Config) -> None:
     layouts the adapters run on (not yet: dense first blocks in a pipeline, dropout in a
     pipeline)."""
     lora, m = cfg.train.lora, cfg.model
-    _require(lora.rank >= 0, f"train.lora.rank={lora.rank}: must be >= 0 (0: no adapters)")
+    require(lora.rank >= 0, f"train.lora.rank={lora.rank}: must be >= 0 (0: no adapters)")
     if lora.rank == 0:
         return
     for target in lora.targets:
-        _require(target in LORA_TARGETS + MLA_LORA_TARGETS, f"train.lora.targets: {target!r} "
+        require(target in LORA_TARGETS + MLA_LORA_TARGETS, f"train.lora.targets: {target!r} "
                  f"is not a LoRA target (allowed: {', '.join(LORA_TARGETS + MLA_LORA_TARGETS)})")
         _check_lora_attention_target(m, target)
-    _require(len(lora.targets) > 0, "train.lora.targets: empty; name one or more of "
-             + ", ".join(LORA_TARGETS))
+    require(len(lora.targets) > 0, "train.lora.targets: empty; name one or more of "
+            + ", ".join(LORA_TARGETS))
     _check_lora_dropout(cfg)
-    _require(math.isfinite(lora.alpha) and lora.alpha > 0,
-             f"train.lora.alpha={lora.alpha}: must be a finite number > 0")
+    require(math.isfinite(lora.alpha) and lora.alpha > 0,
+            f"train.lora.alpha={lora.alpha}: must be a finite number > 0")
     # They run before the stages, differentiated by hand as a whole (pipeline/dense_first.py).
-    _require(cfg.mesh.pipe == 1 or not (m.moe.enabled and m.moe.first_dense),
-             "train.lora: dense first blocks (model.moe.first_dense > 0) in a pipeline "
-             "(mesh.pipe > 1) are not supported yet")
+    require(cfg.mesh.pipe == 1 or not (m.moe.enabled and m.moe.first_dense),
+            "train.lora: dense first blocks (model.moe.first_dense > 0) in a pipeline "
+            "(mesh.pipe > 1) are not supported yet")
 
 
 def _check_lora_attention_target(m: ModelConfig, target: str) -> None:
     """An attention target the model has: q, k, v without latent attention; with it (model.mla)
     q_a, q_b (or q where model.mla.q_lora_rank is 0), kv_a, kv_b."""
     if not m.mla.enabled:
-        _require(target not in MLA_LORA_TARGETS, f"train.lora.targets: {target!r} is a latent "
+        require(target not in MLA_LORA_TARGETS, f"train.lora.targets: {target!r} is a latent "
                  "attention projection and this model has none (model.mla is off); allowed "
                  "here: " + ", ".join(LORA_TARGETS))
         return
     queries = ("q_a", "q_b") if m.mla.q_lora_rank else ("q",)
     allowed = (*queries, "kv_a", "kv_b", "o", "gate", "up", "down")
-    _require(target in allowed, f"train.lora.targets: {target!r}: this model has no {target} "
-             "projection (model.mla: its attention is latent); allowed here: "
-             + ", ".join(allowed))
+    require(target in allowed, f"train.lora.targets: {target!r}: this model has no {target} "
+            "projection (model.mla: its attention is latent); allowed here: "
+            + ", ".join(allowed))
 
 
 def _check_lora_dropout(cfg: Config) -> None:
     """``train.lora.dropout``: a probability in [0, 1), not on the routed experts' adapters
     (whose rows carry no token numbers for the masks yet: jaxpar/model/lora.py, dropped_out)."""
     lora, m, p = cfg.train.lora, cfg.model, cfg.train.lora.dropout
-    _require(math.isfinite(p) and 0 <= p < 1, f"train.lora.dropout={p}: must be in [0, 1)")
+    require(math.isfinite(p) and 0 <= p < 1, f"train.lora.dropout={p}: must be in [0, 1)")
     if p == 0:
         return
-    _require(not (m.moe.enabled and set(lora.targets) & {"gate", "up", "down"}),
-             "train.lora.dropout > 0: not with the routed experts' adapters (gate, up, down "
-             "of a mixture-of-experts model) yet; allowed targets here: q, k, v, o")
+    require(not (m.moe.enabled and set(lora.targets) & {"gate", "up", "down"}),
+            "train.lora.dropout > 0: not with the routed experts' adapters (gate, up, down "
+            "of a mixture-of-experts model) yet; allowed targets here: q, k, v, o")
     # The pipeline executor does not carry the batch's token numbers the masks are drawn from.
-    _require(cfg.mesh.pipe == 1, f"train.lora.dropout={p}: not in pipelines (mesh.pipe > 1) "
-             "yet; 0 runs there")
+    require(cfg.mesh.pipe == 1, f"train.lora.dropout={p}: not in pipelines (mesh.pipe > 1) "
+            "yet; 0 runs there")
 
 
 def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:
@@ -454,15 +362,15 @@ def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:
     optimizer state's embed dim over every batch axis. Rule overrides name known axes."""
     m, p = cfg.model, cfg.parallel
     zero_shards = mesh.fsdp if p.zero == 3 else mesh.data * mesh.fsdp
-    _require(m.d_model % zero_shards == 0, f"model.d_model={m.d_model} is not divisible by "
-             f"{zero_shards}, the " + ("fsdp axis (ZeRO-3)" if p.zero == 3 else
+    require(m.d_model % zero_shards == 0, f"model.d_model={m.d_model} is not divisible by "
+            f"{zero_shards}, the " + ("fsdp axis (ZeRO-3)" if p.zero == 3 else
                                       "data*fsdp axes that ZeRO-1 shards optimizer state over"))
     for logical, axes in p.rules.items():
-        _require(logical in LOGICAL_AXES, f"parallel.rules.{logical}: unknown logical axis; "
-                 f"allowed: {', '.join(LOGICAL_AXES)}")
+        require(logical in LOGICAL_AXES, f"parallel.rules.{logical}: unknown logical axis; "
+                f"allowed: {', '.join(LOGICAL_AXES)}")
         for axis in axes:
-            _require(axis in MESH_AXES, f"parallel.rules.{logical}: unknown mesh axis {axis!r}; "
-                     f"allowed: {', '.join(MESH_AXES)}")
+            require(axis in MESH_AXES, f"parallel.rules.{logical}: unknown mesh axis {axis!r}; "
+                    f"allowed: {', '.join(MESH_AXES)}")
 
 
 def _check_reduce_dtype(cfg: Config, mesh: MeshConfig) -> None:
@@ -474,38 +382,38 @@ def _check_reduce_dtype(cfg: Config, mesh: MeshConfig) -> None:
     bfloat16 there with float32 matmuls would be ignored."""
     if cfg.parallel.reduce_dtype == "float32" or mesh.pipe > 1 or cfg.train.dtype == "bfloat16":
         return
-    _require(mesh.fsdp == 1 and not (cfg.model.moe.enabled and mesh.data > 1),
-             "parallel.reduce_dtype=bfloat16 with mesh.fsdp > 1 or a mixture of experts needs "
-             "train.dtype=bfloat16 (the partitioner reduces those gradients in train.dtype)")
+    require(mesh.fsdp == 1 and not (cfg.model.moe.enabled and mesh.data > 1),
+            "parallel.reduce_dtype=bfloat16 with mesh.fsdp > 1 or a mixture of experts needs "
+            "train.dtype=bfloat16 (the partitioner reduces those gradients in train.dtype)")
 
 
 def _check_run(cfg: Config) -> None:
     """Data, checkpoints, logging."""
     t = cfg.train
-    _require(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must "
-             "be in [0, 1)")
-    _require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
-    _require(cfg.data.text_field.strip() != "", "data.text_field is empty; allowed: the name of "
-             "the JSON field or column that holds the text")
+    require(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must "
+            "be in [0, 1)")
+    require(cfg.data.max_bytes >= 0, f"data.max_bytes={cfg.data.max_bytes}: must be >= 0")
+    require(cfg.data.text_field.strip() != "", "data.text_field is empty; allowed: the name of "
+            "the JSON field or column that holds the text")
     _check_sources(cfg)
     _check_loss_on(cfg)
     check_generation(cfg)
-    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
-    _require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
-             "or a checkpoint path")
+    require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
+    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    require(t.resume.strip() != "", "train.resume is empty; allowed: auto, never, a step number "
+            "or a checkpoint path")
     if t.init_from is not None:
-        _require(t.init_from.strip() != "", "train.init_from is empty; allowed: null or a "
-                 "checkpoint path")
+        require(t.init_from.strip() != "", "train.init_from is empty; allowed: null or a "
+                "checkpoint path")
         # auto and never leave room for init_from (auto: a rerun resumes its own checkpoint);
         # a named checkpoint to resume and weights to start from contradict each other.
-        _require(t.resume.strip() in ("auto", "never"), f"train.init_from={t.init_from} and "
-                 f"train.resume={t.resume} both name where to start; set one (train.resume=auto "
-                 "resumes run_dir's own checkpoints before init_from applies)")
-    _require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
-    _require(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0: no "
-             "validation)")
-    _require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1")
+        require(t.resume.strip() in ("auto", "never"), f"train.init_from={t.init_from} and "
+                f"train.resume={t.resume} both name where to start; set one (train.resume=auto "
+                "resumes run_dir's own checkpoints before init_from applies)")
+    require(cfg.logging.every >= 1, f"logging.every={cfg.logging.every}: must be >= 1")
+    require(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0: no "
+            "validation)")
+    require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1")
     _check_profile(cfg)
 
 
@@ -514,8 +422,8 @@ def check_generation(cfg: Config) -> None:
     that generate, which do not validate the whole config)."""
     vocab = cfg.model.vocab_size
     bad = [i for i in cfg.generation.eos_ids if not 0 <= i < vocab]
-    _require(not bad, f"generation.eos_ids={list(cfg.generation.eos_ids)}: {bad[0] if bad else 0} "
-             f"is not a token id; allowed: ids in [0, {vocab}) (model.vocab_size), or [] for "
+    require(not bad, f"generation.eos_ids={list(cfg.generation.eos_ids)}: {bad[0] if bad else 0} "
+            f"is not a token id; allowed: ids in [0, {vocab}) (model.vocab_size), or [] for "
              "the tokenizer's end-of-text token")
 
 
@@ -525,56 +433,56 @@ def _check_sources(cfg: Config) -> None:
     d = cfg.data
     # data.source's default is stdlib, which a preset may also spell out: only another value
     # counts as "set", so `jaxpar train tiny data.sources=[...]` works on any preset.
-    _require(not d.sources or d.source == "stdlib", f"data.source={d.source} and data.sources "
-             "are both set; a run reads one source or a mixture: drop one of them")
+    require(not d.sources or d.source == "stdlib", f"data.source={d.source} and data.sources "
+            "are both set; a run reads one source or a mixture: drop one of them")
     for i, s in enumerate(d.sources):
-        _require(s.path.strip() != "", f"data.sources[{i}].path is empty; allowed: a directory "
-                 "written by jaxpar tokenize")
-        _require(math.isfinite(s.weight) and s.weight > 0, f"data.sources[{i}].weight="
-                 f"{s.weight}: must be a finite number > 0")
+        require(s.path.strip() != "", f"data.sources[{i}].path is empty; allowed: a directory "
+                "written by jaxpar tokenize")
+        require(math.isfinite(s.weight) and s.weight > 0, f"data.sources[{i}].weight="
+                f"{s.weight}: must be a finite number > 0")
 
 
 def _check_loss_on(cfg: Config) -> None:
     """``data.loss_on``: assistant reads chat .jsonl with a tokenizer.json's chat template."""
     d = cfg.data
-    _require(d.loss_on in ("all", "assistant"), f"data.loss_on={d.loss_on}; allowed: all, "
-             "assistant")
+    require(d.loss_on in ("all", "assistant"), f"data.loss_on={d.loss_on}; allowed: all, "
+            "assistant")
     if d.loss_on != "assistant":
         return
-    _require(d.tokenizer != "byte", "data.loss_on=assistant with data.tokenizer=byte: the chat "
-             "template comes from the tokenizer_config.json beside a tokenizer.json; set "
-             "data.tokenizer to one")
-    _require(not d.sources and not (Path(d.source).expanduser() / "index.json").is_file(),
-             f"data.loss_on=assistant reads chat .jsonl, not a tokenized directory or mixture "
-             f"(data.source={d.source}); use a .jsonl file, directory or glob")
-    _require(d.source != "stdlib", "data.loss_on=assistant with data.source=stdlib: allowed: "
-             "chat .jsonl (a file, directory or glob)")
+    require(d.tokenizer != "byte", "data.loss_on=assistant with data.tokenizer=byte: the chat "
+            "template comes from the tokenizer_config.json beside a tokenizer.json; set "
+            "data.tokenizer to one")
+    require(not d.sources and not (Path(d.source).expanduser() / "index.json").is_file(),
+            f"data.loss_on=assistant reads chat .jsonl, not a tokenized directory or mixture "
+            f"(data.source={d.source}); use a .jsonl file, directory or glob")
+    require(d.source != "stdlib", "data.loss_on=assistant with data.source=stdlib: allowed: "
+            "chat .jsonl (a file, directory or glob)")
 
 
 def _check_profile(cfg: Config) -> None:
     """``train.profile``: whole steps inside the run."""
     p, steps = cfg.train.profile, cfg.train.steps
-    _require(p.steps >= 1, f"train.profile.steps={p.steps}: must be >= 1")
+    require(p.steps >= 1, f"train.profile.steps={p.steps}: must be >= 1")
     if not p.enabled:
         return
-    _require(p.start_step >= 1, f"train.profile.start_step={p.start_step}: must be >= 1 (steps "
-             "count from 1), or null for no trace")
+    require(p.start_step >= 1, f"train.profile.start_step={p.start_step}: must be >= 1 (steps "
+            "count from 1), or null for no trace")
     last = p.start_step + p.steps - 1
-    _require(last <= steps, f"train.profile.start_step={p.start_step} + train.profile.steps="
-             f"{p.steps} traces up to step {last}, beyond train.steps={steps}")
+    require(last <= steps, f"train.profile.start_step={p.start_step} + train.profile.steps="
+            f"{p.steps} traces up to step {last}, beyond train.steps={steps}")
 
 
 def check_distributed(d: DistributedConfig) -> None:
     """Before jax starts (joining the runtime comes first): the process fields make sense."""
-    _require(d.timeout_s >= 1, f"distributed.timeout_s={d.timeout_s}: must be >= 1")
+    require(d.timeout_s >= 1, f"distributed.timeout_s={d.timeout_s}: must be >= 1")
     host, _, port = (d.coordinator or "h:1").rpartition(":")
-    _require(bool(host) and port.isdigit(), f"distributed.coordinator={d.coordinator}: expected "
-             "host:port, e.g. 10.0.0.1:1234")
-    _require(d.num_processes is None or d.num_processes >= 1, f"distributed.num_processes="
-             f"{d.num_processes}: must be >= 1")
+    require(bool(host) and port.isdigit(), f"distributed.coordinator={d.coordinator}: expected "
+            "host:port, e.g. 10.0.0.1:1234")
+    require(d.num_processes is None or d.num_processes >= 1, f"distributed.num_processes="
+            f"{d.num_processes}: must be >= 1")
     if d.process_id is not None:
-        _require(0 <= d.process_id < (d.num_processes or d.process_id + 1), f"distributed."
-                 f"process_id={d.process_id}: must be in [0, distributed.num_processes)")
+        require(0 <= d.process_id < (d.num_processes or d.process_id + 1), f"distributed."
+                f"process_id={d.process_id}: must be in [0, distributed.num_processes)")
     ids = (d.local_device_ids or "0").split(",")
-    _require(all(i.strip().isdigit() for i in ids), f"distributed.local_device_ids="
-             f"{d.local_device_ids}: expected comma-separated device ids, e.g. 0,1,2,3")
+    require(all(i.strip().isdigit() for i in ids), f"distributed.local_device_ids="
+            f"{d.local_device_ids}: expected comma-separated device ids, e.g. 0,1,2,3")

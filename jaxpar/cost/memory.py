@@ -101,7 +101,6 @@ from jaxpar.cost.pipeline import (
     pipeline_gradient_sums,
     pipeline_memory,
     stage_head,
-    weight_stash_per_layer,
 )
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
@@ -367,9 +366,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     """Bytes per device of one step (the module docstring's accounting)."""
     cfg, m = st.cfg, st.cfg.model
     param_bytes = sum(p.stored_bytes_per_device for p in params)
-    # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient.
-    # (A LoRA run's frozen base weights have neither gradients nor moments. A pipeline folds
-    # the micro-steps into its schedule: its gradient sums are the gradients.)
+    # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient (not
+    # LoRA's frozen base weights'; a pipeline folds its micro-steps into one schedule).
     accumulator = (sum(p.bytes_per_device for p in params if p.trained)
                    if st.accum > 1 and st.pipeline is None else 0)
     # bf16 parameters under float32 compute: the step reads float32 copies of them (the cast),
@@ -423,8 +421,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
         saved_layers, before = 0, before_loops(st, params)
         recomputed = (None if cfg.train.remat == "none"
                       else max(_stage_layer(st, moe) for moe in blocks))
-        waiting = sum(weight_stash_per_layer(st, moe) for moe in blocks) // len(blocks)
-        stash, copies, layer_set = pipeline_memory(st, params, per_layer, recomputed, waiting)
+        stash, copies, layer_set = pipeline_memory(st, params, per_layer, recomputed)
         head += stage_head(st)
     return MemoryCost(
         params=param_bytes,

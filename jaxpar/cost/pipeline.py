@@ -130,7 +130,7 @@ def pipeline_collectives(c: Ledger) -> None:
     forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
     head = st.pipeline["head_steps"]
     # In DualPipe-V's V activations and gradients each go both ways (two sends a step each,
-    # each masked where it is not kept: parallel/pipeline/executor.py, _send).
+    # each masked where it is not kept: parallel/pipeline/slots.py, _send).
     ways = 2 if st.pipeline.get("placement") == "v" else 1
     sends = ways * (forward + backward - 1)
     c.add("collective-permute", ("pipe",), sends, sends * st.sent,
@@ -295,13 +295,14 @@ def weight_stash_per_layer(st: StepSizes, moe: bool = False) -> int:
 
 
 def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer: int,
-                    recomputed_layer: int | None, waiting_per_layer: int = 0,
-                    ) -> tuple[int, int, int]:
+                    recomputed_layer: int | None) -> tuple[int, int, int]:
     """(stash bytes, weights as read, a backward slot's working set) of a stage (module
     docstring, "What each part holds"): the chunk's residuals under ``remat=none``, else
     ``recomputed_layer``, one layer's working set as its backward recomputes it; with I and W
-    apart (zero bubble), ``waiting_per_layer`` (:func:`weight_stash_per_layer`) for each slot
-    of the W stash."""
+    apart (zero bubble, DualPipe-V), each slot of the W stash
+    (:func:`weight_stash_per_layer`, per layer)."""
+    blocks = unit_blocks(st.cfg.model)
+    waiting_per_layer = sum(weight_stash_per_layer(st, moe) for moe in blocks) // len(blocks)
     layers = st.layers // st.cfg.parallel.virtual_stages
     chunk = layers * residuals_per_layer
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)

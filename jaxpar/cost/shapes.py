@@ -231,11 +231,11 @@ class StepSizes:
 
 
 @functools.lru_cache(maxsize=1024)
-def _schedule(name: str, p: int, m: int, v: int, accum: int) -> dict:
+def _schedule(name: str, p: int, m: int, v: int, accum: int, overlap: bool) -> dict:
     """``describe``, kept: it simulates the schedule tick by tick (milliseconds) and depends on
-    these five values only, and ``plan --search`` asks it for thousands of layouts (half its
+    these six values only, and ``plan --search`` asks it for thousands of layouts (half its
     time for llama3-70b on 256 devices). Callers get a copy."""
-    return describe(name, p, m, v, accum=accum)
+    return describe(name, p, m, v, accum=accum, overlap=overlap)
 
 
 def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
@@ -246,7 +246,8 @@ def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
     b = t.batch_size // (t.grad_accum * t.microbatches * shards)
     # One schedule over grad_accum x microbatches (the executor folds the micro-steps in).
     pipeline = (dict(_schedule(par.pipeline_schedule, mesh["pipe"], t.microbatches,
-                               par.virtual_stages, t.grad_accum)) if mesh["pipe"] > 1 else None)
+                               par.virtual_stages, t.grad_accum, par.pipeline_overlap))
+                if mesh["pipe"] > 1 else None)
     return StepSizes(cfg=cfg, b=b, s=t.seq_len, a=DTYPE_BYTES[t.dtype], accum=t.grad_accum,
                      mesh=mesh, sp=par.sequence_parallel and mesh["tensor"] > 1,
                      xla_cpu=xla_cpu, pipeline=pipeline, platform=platform)

@@ -27,8 +27,9 @@ REFERENCE = (*LORA, "mesh.data=1")
 
 
 def lora_pipeline(schedule: str, *mesh: str) -> tuple[str, ...]:
-    v = ("parallel.virtual_stages=2",) if schedule == "interleaved" else ()
-    return (*LORA, "mesh.pipe=2", *mesh, "train.microbatches=2",
+    v = ("parallel.virtual_stages=2",) if schedule in ("interleaved", "dualpipe_v") else ()
+    m = 4 if schedule == "dualpipe_v" else 2  # DualPipe's m >= 2p
+    return (*LORA, "mesh.pipe=2", *mesh, f"train.microbatches={m}",
             f"parallel.pipeline_schedule={schedule}", *v)
 
 
@@ -81,8 +82,10 @@ def test_lora_pipeline_sums_only_adapter_gradients() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zero_bubble", "dualpipe_v"])
 def test_lora_in_other_pipeline_schedules_matches_one_device(schedule: str) -> None:
+    # (zero bubble and DualPipe-V: the adapters' I and W cut from the backward's equations;
+    # the frozen base weights are constants of both)
     assert_lora_run_matches_one_device(run_layout(lora_pipeline(schedule, "mesh.data=2")),
                                        run_layout(REFERENCE))
 

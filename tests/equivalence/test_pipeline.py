@@ -68,17 +68,27 @@ LAYOUTS = {
     "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4": pipeline(
         "zero_bubble", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
         "parallel.context_impl=ring", "train.loss_chunks=4"),
+    "dualpipe_v,pipe=2,context=2,tensor=2,ring": pipeline(
+        "dualpipe_v", 2, 4, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
+        "parallel.context_impl=ring", v=2),
     "1f1b,pipe=2,context=2,tensor=2,loss_chunks=4": pipeline(
         "1f1b", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
         "parallel.context_impl=allgather", "train.loss_chunks=4"),
     # The schedules that split B into I and W (zero bubble, DualPipe-V): interleaved zero
-    # bubble, and both beside tensor parallelism with sequence parallelism and data.
+    # bubble, and each beside tensor parallelism with sequence parallelism (and data at pipe=2).
     "zero_bubble,v=2,pipe=2,m=4": pipeline("zero_bubble", 2, 4, v=2),
     "zero_bubble,v=2,pipe=4,m=8": pipeline("zero_bubble", 4, 8, v=2),
-    **{f"{s},pipe={p},tensor=2,sp{',data=2' if p == 2 else ''}": pipeline(
+    **{f"{s},v={v},pipe={p},tensor=2,sp{',data=2' if p == 2 else ''}": pipeline(
         s, p, 2 * p, "mesh.tensor=2", *(("mesh.data=2",) if p == 2 else ("mesh.data=1",)),
         "parallel.sequence_parallel=true", v=v)
        for s, v in (("zero_bubble", 1), ("zero_bubble", 2), ("dualpipe_v", 2)) for p in (2, 4)},
+    # One layer loop for a step's forward and backward (parallel.pipeline_overlap).
+    **{f"{s},overlap,pipe=2,m=4": pipeline(s, 2, 4, "mesh.data=1",
+                                           "parallel.pipeline_overlap=true", v=v)
+       for s, v in (("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("dualpipe_v", 2))},
+    "zero_bubble,overlap,pipe=2,tensor=2,sp,data=2": pipeline(
+        "zero_bubble", 2, 4, "mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true",
+        "parallel.pipeline_overlap=true"),
 }
 
 
@@ -90,8 +100,8 @@ DEFAULT = {"gpipe,pipe=2,m=4", "1f1b,pipe=2,m=4", "interleaved,pipe=2,m=4",
            "1f1b,pipe=2,fsdp=2,context=2,dots", "gpipe,pipe=2,tensor=2,data=2,sp,full",
            "1f1b,pipe=2,data=2,grad_accum=2", "1f1b,pipe=2,context=2,tensor=2,ring",
            "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4",
-           "zero_bubble,v=2,pipe=2,m=4", "dualpipe_v,pipe=2,m=4",
-           "dualpipe_v,pipe=2,tensor=2,sp,data=2"}
+           "dualpipe_v,pipe=2,m=4", "zero_bubble,v=2,pipe=2,tensor=2,sp,data=2",
+           "dualpipe_v,v=2,pipe=2,tensor=2,sp,data=2", "zero_bubble,overlap,pipe=2,m=4"}
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
@@ -207,7 +217,12 @@ def test_pipeline_sums_gradients_over_context_once_per_step(name):
 
 @pytest.mark.parametrize("name", ["1f1b,pipe=2,context=2,tensor=2,ring",
                                   "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4",
-                                  "interleaved,pipe=2,m=4", "gpipe,pipe=2,tensor=2,data=2,sp,full"])
+                                  "interleaved,pipe=2,m=4", "gpipe,pipe=2,tensor=2,data=2,sp,full",
+                                  "dualpipe_v,v=2,pipe=2,tensor=2,sp,data=2",
+                                  "zero_bubble,v=2,pipe=2,tensor=2,sp,data=2",
+                                  "zero_bubble,overlap,pipe=2,m=4",
+                                  pytest.param("dualpipe_v,pipe=2,context=2,tensor=2,ring",
+                                               marks=pytest.mark.slow)])
 def test_no_collective_runs_under_control_flow_in_a_pipelined_step(name):
     # Every device runs the same program: a collective inside a conditional's branch would wait
     # for devices that took the other branch (the ring's block switch holds compute only).
@@ -355,6 +370,16 @@ def test_compiled_matmul_flops_are_the_executed_work_factor_times_the_one_device
     ratio = (dot_flops(got["trainer"].compile_step().as_text()) * cfg.mesh.pipe
              / dot_flops(ref["trainer"].compile_step().as_text()))
     assert 0.95 * factor <= ratio <= 1.05 * factor, (ratio, factor)
+
+
+@pytest.mark.parametrize("name", ["zero_bubble,pipe=2,m=4", "dualpipe_v,pipe=2,m=4"])
+def test_a_split_backward_recomputes_nothing_its_matmul_flops_are_at_most_1f1bs(name):
+    # W runs only the weight-gradient matmuls (backward_split.py): every matmul of a backward
+    # runs in exactly one of I and W, so the step's compiled matmul flops are at most 1F1B's
+    # (+2%), and fewer, since fewer ticks run masked.
+    split = dot_flops(run_layout(LAYOUTS[name])["trainer"].compile_step().as_text())
+    one = dot_flops(run_layout(LAYOUTS["1f1b,pipe=2,m=4"])["trainer"].compile_step().as_text())
+    assert split <= 1.02 * one, (split, one)
 
 
 def reduction_rows(m: int, accum: int = 1) -> dict:

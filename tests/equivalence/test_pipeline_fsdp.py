@@ -30,7 +30,7 @@ REFERENCE = ("mesh.data=1", *MODEL)
 def layout(schedule: str, fsdp: str = "per_layer") -> tuple[str, ...]:
     # (interleaved: under remat=dots too, each layer's VJP recomputing inside its own gather)
     v = (("parallel.virtual_stages=2", "train.remat=dots") if schedule == "interleaved"
-         else ())
+         else ("parallel.virtual_stages=2",) if schedule == "dualpipe_v" else ())
     return ("mesh.pipe=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
             "train.microbatches=4", f"parallel.pipeline_schedule={schedule}", *v,
             f"parallel.pipeline_fsdp={fsdp}", *MODEL)
@@ -38,7 +38,10 @@ def layout(schedule: str, fsdp: str = "per_layer") -> tuple[str, ...]:
 
 # The interleaved layout and per_step's bytes (a compile each) run in the slow suite:
 # `pytest -m slow tests/equivalence/test_pipeline_fsdp.py`.
-SCHEDULES = ["1f1b", pytest.param("interleaved", marks=pytest.mark.slow)]
+SCHEDULES = ["1f1b", pytest.param("interleaved", marks=pytest.mark.slow),
+             # I and W apart, each layer's I and W cut from its own VJP (layerwise.layer_split)
+             pytest.param("zero_bubble", marks=pytest.mark.slow),
+             pytest.param("dualpipe_v", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -313,6 +313,28 @@ def test_a_pipelined_moe_model_split_by_hand_compiles_for_tpu(tmp_path, layout):
     assert ("all-reduce", ("data",)) in kinds or ("all-to-all", ("expert",)) in kinds
 
 
+def test_one_layer_loop_for_forward_and_backward_hides_more_expert_all_to_alls(tmp_path):
+    """parallel.pipeline_overlap runs a step's forward and backward in one layer loop, so the
+    TPU compiler can put one pass's matmuls between the other's all-to-all start and done.
+    Both programs with libtpu's asynchronous all-to-alls on (what the overlap turns on by
+    itself): measured 600 -> 240 KiB exposed over expert (50% -> 80% hidden)."""
+    needs_libtpu()
+    flags = ("import os\nos.environ['LIBTPU_INIT_ARGS'] = "
+             "'--xla_tpu_enable_async_all_to_all=true'\n")
+    exposed = {}
+    for overlap in ("false", "true"):
+        result = run_inspect("moe-tiny", "mesh.pipe=2", "mesh.expert=2", "mesh.data=2",
+                             "model.n_layers=4", "train.microbatches=4", "train.batch_size=32",
+                             "parallel.pipeline_schedule=1f1b", "model.moe.dispatch=dropping",
+                             f"parallel.pipeline_overlap={overlap}", "--target", TARGET,
+                             "--json", "-", cwd=tmp_path, preamble=flags)
+        assert result.returncode == 0, result.stderr[-2000:]
+        (row,) = rows(json.loads(result.stdout), "all-to-all", ["expert"])
+        exposed[overlap] = row["exposed_bytes"]
+        assert row["hidden_bytes"] + row["exposed_bytes"] == row["bytes"]
+    assert exposed["true"] < 0.6 * exposed["false"], exposed
+
+
 def test_context_parallelism_inside_pipeline_stages_compiles_for_tpu(tmp_path):
     """The pipeline splits the sequence over context by hand, so ring attention runs in the
     executor's own shard_map (a nested one aborts libtpu, as above): K/V ride the ring over

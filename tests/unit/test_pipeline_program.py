@@ -19,13 +19,12 @@ from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline.executor import split_microbatches
 from jaxpar.parallel.pipeline.program import compile_program, describe, executed_kinds, step_kind
 from jaxpar.parallel.pipeline.schedules import (
-    peak_in_flight,
-    peak_weight_stash,
     placement_of,
     schedule_steps,
     stage_of,
     table_of,
 )
+from jaxpar.parallel.pipeline.timeline import peak_in_flight, peak_weight_stash
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipe_v"]
 
@@ -185,8 +184,26 @@ def test_grad_accum_microbatches_hold_the_rows_of_the_micro_step_by_micro_step_s
      "mesh.pipe=2"),
     (["mesh.pipe=2", "mesh.tensor=2", "mesh.data=1", "model.vocab_size=250"],
      "model.vocab_size=250 is not divisible by mesh.pipe x mesh.tensor = 4"),
+    (["mesh.data=2", "parallel.pipeline_overlap=true"],
+     "parallel.pipeline_overlap=true needs mesh.pipe > 1"),
+    (["mesh.pipe=2", "mesh.data=1", "parallel.pipeline_overlap=true"],
+     "parallel.pipeline_overlap=true: gpipe never runs a forward and a backward in one step; "
+     "use 1f1b, interleaved, zero_bubble or dualpipe_v"),
+    (["mesh.pipe=2", "mesh.data=1", "parallel.pipeline_overlap=true",
+      "parallel.pipeline_schedule=1f1b", "train.lora.rank=4"],
+     "parallel.pipeline_overlap=true: not with train.lora"),
+    (["mesh.pipe=2", "mesh.data=1", "parallel.pipeline_schedule=dualpipe_v",
+      "train.microbatches=2", "train.batch_size=8", "model.n_layers=4"],
+     "train.microbatches=2: dualpipe_v needs at least 2 x mesh.pipe = 4"),
+    (["mesh.pipe=2", "mesh.data=1", "parallel.pipeline_schedule=dualpipe_v",
+      "parallel.virtual_stages=3", "model.n_layers=12"],
+     "parallel.virtual_stages=3: dualpipe_v runs two chunks per stage (its V); leave it at 1 "
+     "or set 2"),
+    (["mesh.pipe=2", "mesh.data=1", "parallel.pipeline_schedule=dualpipe_v",
+      "model.n_layers=6", "train.microbatches=4"],
+     "model.n_layers=6 is not divisible by mesh.pipe x parallel.virtual_stages = 2 x 2"),
 ])
-def test_pipeline_config_errors_name_the_field(overrides, message):
+def test_pipeline_config_errors_name_the_field_and_what_it_allows(overrides, message):
     cfg = load_config("tiny", overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(cfg, 4 if "mesh.tensor=2" in overrides else 2)
@@ -244,3 +261,21 @@ def test_plan_runs_grad_accum_as_one_schedule_with_its_bubble_stash_and_sends(sc
     # One activation per step with a forward or backward slot, but the last: 2 (16+3) - 1.
     sends = [r for r in folded.collective_rows() if r["kind"] == "collective-permute"]
     assert [r["count"] for r in sends] == [2 * (16 + 3) - 1]
+
+
+def test_overlap_asks_libtpu_for_asynchronous_all_to_alls_and_keeps_the_users_flags(monkeypatch):
+    import os
+
+    from jaxpar.mesh import use_compiler_flags
+
+    on = load_config("tiny", ["mesh.pipe=2", "parallel.pipeline_overlap=true"])
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    use_compiler_flags(load_config("tiny", ["mesh.pipe=2"]))
+    assert "LIBTPU_INIT_ARGS" not in os.environ
+    use_compiler_flags(on)
+    use_compiler_flags(on)  # once only
+    assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_tpu_enable_async_all_to_all=true"
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--foo=1 --xla_tpu_enable_async_all_to_all=false")
+    use_compiler_flags(on)  # the user's choice stands
+    assert os.environ["LIBTPU_INIT_ARGS"] == (
+        "--foo=1 --xla_tpu_enable_async_all_to_all=false")

@@ -14,20 +14,23 @@ from jaxpar.parallel.pipeline.schedules import (
     Action,
     Table,
     as_soon_as_possible,
-    bubble_fraction,
     dualpipe_v,
     gpipe,
     interleaved,
     one_f_one_b,
-    peak_in_flight,
-    peak_weight_stash,
     placement_of,
-    render,
     schedule_steps,
     schedule_table,
     stage_of,
-    validate,
+    table_of,
     zero_bubble,
+)
+from jaxpar.parallel.pipeline.timeline import (
+    bubble_fraction,
+    peak_in_flight,
+    peak_weight_stash,
+    render,
+    validate,
 )
 
 SIZES = [(2, 4), (2, 8), (4, 4), (4, 8)]  # (p stages, m microbatches)
@@ -176,6 +179,25 @@ def test_dualpipe_v_at_4_stages_and_16_microbatches_holds_less_than_1f1b_on_the_
 def test_dualpipe_v_runs_two_chunks_per_stage_only():
     with pytest.raises(ValueError, match="'dualpipe_v' runs two chunks per stage; v=1"):
         schedule_table("dualpipe_v", 2, 4, 1)
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1),
+                                    ("zero_bubble", 2), ("dualpipe_v", 2)])
+def test_overlap_turns_the_last_chunk_round_a_step_later_at_no_cost_in_ticks(name, v):
+    # A step's forward and backward in one layer loop (parallel.pipeline_overlap): no backward
+    # reads its own step's forward, so the loss's backward waits a step; the stages run one
+    # more forward ahead, and the ticks stay the same.
+    p, m = 4, 16
+    steps = schedule_steps(name, p, m, v, overlap=True)
+    for step in steps:
+        for actions in step.actions:
+            f, b = actions.get("F"), actions.get("B") or actions.get("I")
+            assert f is None or b is None or (f.mb, f.chunk) != (b.mb, b.chunk)
+    table = table_of(steps)
+    validate(table, p, m, v, placement_of(name))
+    assert len(table) == len(schedule_table(name, p, m, v))
+    held, before = peak_in_flight(table), peak_in_flight(schedule_table(name, p, m, v))
+    assert held[0] <= before[0] + 1
 
 
 def test_interleaved_rejects_microbatches_not_divisible_by_stages_in_one_line():

@@ -6,9 +6,10 @@ runs them, with the model cut by :mod:`jaxpar.parallel.pipeline.stages`.
 
 One program on every stage. Every device runs the same operations at every step; the arrays
 choose only data: which microbatch, which of the device's chunks, which stash slot to read and
-write, and masks for slots a stage has no work in. The steps of one kind (forward only, forward
-and backward, backward only, ...) form a *stretch*, run as one ``lax.scan`` whose body holds
-exactly that kind's slots. No collective sits inside a conditional, so every collective the
+write, and masks for slots a stage has no work in. Consecutive steps that repeat a pattern of
+kinds (forward only, forward and backward, backward only, the head every other step, ...) form
+a *stretch*, run as one ``lax.scan`` whose body holds exactly that pattern's slots. No
+collective sits inside a conditional, so every collective the
 compiler inserts inside a stage (tensor all-reduces, context rings, expert all-to-alls, FSDP
 gathers) is reached by all its participants, on every backend.
 
@@ -29,12 +30,21 @@ A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
    derives its piece's logit gradients by hand; the gradient w.r.t. the last chunk's output is a
    ``psum`` of the pieces' contributions. The head's weights and work are split ``p`` ways, not
    repeated.
-4. *Backward slot* (``B``, or ``I`` then ``W``). Rebuild the VJP from the stash and the
-   chunk's weights and pull the output gradient through it: the input gradient goes to the
-   previous stage, the weight gradient is added to the stage's local sum. Chunk 0's input
-   gradient is handed to all stages (``psum``) for the embedding pieces' gradients.
-5. *Send*: one ``ppermute`` forward (activations) and one backward (input gradients), each
-   only in steps that have that slot.
+4. *Backward slot* (``B``, or ``I``). Rebuild the VJP from the stash and the chunk's weights
+   and pull the output gradient through it: the input gradient goes to the previous stage, the
+   weight gradient is added to the stage's local sum. An ``I`` (zero bubble, DualPipe-V) runs
+   only the input-gradient half of the backward's equations and writes what its ``W`` needs
+   to the W stash (:mod:`jaxpar.parallel.pipeline.backward_split`). Chunk 0's input gradient
+   is handed to all stages (``psum``) for the embedding pieces' gradients.
+5. *Weight-gradient slot* (``W``): the other half, the weight-gradient matmuls alone, from the
+   residuals and the W stash.
+6. *Send*: one ``ppermute`` forward (activations) and one backward (input gradients), each
+   only in steps that have that slot; in DualPipe-V's V each both ways
+   (:mod:`jaxpar.parallel.pipeline.slots`).
+
+With ``parallel.pipeline_overlap`` the forward and backward slots of a step run as one layer
+loop (:mod:`jaxpar.parallel.pipeline.layerwise`), so that the compiler can hide one's
+collectives behind the other's matmuls.
 
 Bytes over ``pipe`` per step: one activation per ``ppermute``, one all-reduced activation with
 a forward slot (embedding), two with the head (last output, head gradient), one with a backward
@@ -101,8 +111,7 @@ aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,77 +120,37 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.model.annotate import constrain
-from jaxpar.model.lora import adapter_part, base_part, merged
-from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
+from jaxpar.model.lora import adapter_part, base_part
+from jaxpar.model.projection import RESIDUAL
 from jaxpar.model.remat import Remat
 from jaxpar.model.transformer import DTYPES
-from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.manual import ByHand, Frozen, specs_of, split_by_hand
 from jaxpar.parallel.microbatch import split_micro_steps
-from jaxpar.parallel.pipeline.backward_split import SplitBackward, split_backward
 from jaxpar.parallel.pipeline.dense_first import dense_pre_phase
-from jaxpar.parallel.pipeline.per_layer import (
-    LayerFsdp,
-    layer_backward,
-    layer_backward_input,
-    layer_backward_weights,
-    layer_forward,
-    layer_split,
+from jaxpar.parallel.pipeline.layerwise import (
+    LayerWeights,
 )
+from jaxpar.parallel.pipeline.per_layer import LayerFsdp
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
 from jaxpar.parallel.pipeline.schedules import placement_of, schedule_steps, stage_layer_order
+from jaxpar.parallel.pipeline.slots import finish, initial_carry, run_program
+from jaxpar.parallel.pipeline.stage_env import StageEnv
 from jaxpar.parallel.pipeline.stages import (
     PIPE_AXIS,
-    Residuals,
     Stages,
-    VocabPiece,
-    embed_partial,
-    head_and_loss,
     model_stages,
-    sum_over_stages,
-    vocab_piece,
 )
 from jaxpar.parallel.rules import logical_rules, resolve_spec
 
 __all__ = ["ByHand", "Program", "compile_program", "describe", "describe_config",
            "pipeline_loss_and_grads", "pipelined_gradients", "split_microbatches"]
 
-# --------------------------------------------------------------------------------------------
-# The executor
-
-
-class _Carry(NamedTuple):
-    acts: jax.Array  # [act_slots + 1, *activation]: inputs that arrived for a forward
-    res: list  # per residual leaf [res_slots + 1, ...]: what a backward needs
-    grads: jax.Array  # [grad_slots + 1, *activation]: output gradients for a backward
-    layer_grads: Any  # like the local layers, [v, layers_per_chunk, ...], float32
-    shared_grads: Any  # embedding/head (pieces, summed over pipe at the end) and final norm
-    # ({} when they are frozen: LoRA)
-    loss: jax.Array  # float32: summed token loss (the same on every stage)
-    aux: Any  # the chunks' aux sums (layer-stacked keys: [v, layers_per_chunk, ...])
-    # With a pre-phase (dense first blocks): [m, *activation], the gradient w.r.t. each
-    # microbatch's input to chunk 0 (None without one)
-    d_inputs: Any = None
-    # Per crossing leaf [wait_slots + 1, ...]: what an I leaves its W (zero bubble's W stash;
-    # [] when every backward runs whole)
-    waits: list = ()
-
-
-def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)
-
-
-def _masked_add(on: jax.Array, total: Any, new: Any) -> Any:
-    return jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)).astype(a.dtype),
-                        total, new)
-
 
 def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
                             v: int, vocab_size: int, stash_spec: PartitionSpec,
                             layer_grad_specs: Any, shared_grad_specs: Any,
                             frozen: Frozen | None = None, per_layer: bool = False,
-                            ) -> Callable:
+                            overlap: bool = False) -> Callable:
     """``(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale) -> (loss_sum,
     shared_grads, layer_grads, aux)`` running ``program``.
 
@@ -199,10 +168,13 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     automatic inside (``by_hand``). With ``frozen`` (LoRA, :class:`Frozen`): ``layers`` the
     adapters, ``frozen_layers`` the rest (else ``{}``), and ``shared_grads`` is ``{}``.
     ``per_layer`` (``parallel.pipeline_fsdp``): the layers stay in their stored shards
-    (:mod:`jaxpar.parallel.pipeline.per_layer`).
+    (:mod:`jaxpar.parallel.pipeline.per_layer`). ``overlap`` (``parallel.pipeline_overlap``):
+    a step's forward and backward slots run in one layer loop
+    (:mod:`jaxpar.parallel.pipeline.layerwise`).
     """
     train_shared = frozen is None
     fsdp = LayerFsdp.of(by_hand, stages) if per_layer else None
+    layerwise = LayerWeights(stages, fsdp) if per_layer or overlap else None
 
     def per_device(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale):
         with by_hand.hooks():
@@ -211,25 +183,17 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                 layers = by_hand.gather(layers, by_hand.layer_specs, by_hand.auto_layer_specs)
             if frozen is not None:
                 frozen_layers = by_hand.gather(frozen_layers, *frozen)
-            env = _Env.make(stages, shared, (layers, frozen_layers), consts, micro, loss_scale,
-                            aux_scale, p=p, v=v, vocab_size=vocab_size,
-                            train_shared=train_shared, fsdp=fsdp,
-                            split=program.wait_slots > 0, placement=program.placement)
+            env = StageEnv.make(stages, shared, (layers, frozen_layers), consts, micro,
+                                loss_scale, aux_scale, p=p, v=v, vocab_size=vocab_size,
+                                train_shared=train_shared, layerwise=layerwise,
+                                split=program.wait_slots > 0, placement=program.placement,
+                                overlap=overlap)
             # One pass of the schedule over all the step's microbatches (train.grad_accum is
             # folded into them: one fill and one drain per step, not per micro-step).
-            carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
-                                   shared_grad_specs)
-            for stretch in program.stretches:
-                fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
-
-                def steps(c, rows, pattern=stretch.pattern):
-                    for i, kinds in enumerate(pattern):
-                        c = _run_step(env, kinds, c, {k: a[i] for k, a in rows.items()})
-                    return c, None
-
-                carry, _ = lax.scan(steps, carry, fields)
+            carry = run_program(env, program, initial_carry(
+                env, program, stash_spec, layer_grad_specs, shared_grad_specs))
             d_inputs = carry.d_inputs
-            loss, shared_grads, layer_grads, aux_sums, aux_layers = _finish(env, carry)
+            loss, shared_grads, layer_grads, aux_sums, aux_layers = finish(env, carry)
         if train_shared:
             shared_grads = _summed_shared(by_hand, shared_grads)
         return (by_hand.total(loss), shared_grads,
@@ -267,364 +231,6 @@ def _summed_shared(by_hand: ByHand, shared_grads: dict) -> dict:
             for k, a in shared_grads.items()}
 
 
-@dataclass
-class _Env:
-    """What every step of one device reads: its stage, weights by chunk, the microbatches, the
-    vocabulary piece, the scales, and the residual layout (filled by the first trace)."""
-
-    stages: Stages
-    stage: jax.Array
-    shared: dict
-    # layers as [v, layers_per_chunk, ...], prepared for use (Stages.prepare); with ``fsdp``
-    # (pipeline_fsdp=per_layer) their stored shards, each layer gathered as it runs
-    chunks: Any
-    frozen_chunks: Any  # the frozen base weights so (LoRA; else {})
-    const_chunks: Any
-    micro: Any
-    piece: VocabPiece
-    loss_scale: jax.Array
-    aux_scale: jax.Array
-    residuals: Residuals
-    act: jax.ShapeDtypeStruct  # one microbatch's activation
-    aux_shapes: Any
-    res_shapes: list
-    train_shared: bool = True  # False under LoRA: embedding, final norm and head are frozen
-    fsdp: LayerFsdp | None = None
-    placement: str = "ring"  # how chunks sit on the devices (schedules.stage_of)
-    # The backward cut into I and W (backward_split.py), where the schedule runs them apart
-    split: SplitBackward | None = None
-
-    @staticmethod
-    def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
-             vocab_size, train_shared, fsdp=None, split=False, placement="ring") -> _Env:
-        """``layers``: (trained, frozen) stacked layer weights."""
-        def by_chunk(tree):
-            return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
-
-        stage = lax.axis_index(PIPE_AXIS)
-        trained, frozen = layers
-        chunks = by_chunk(trained) if fsdp else stages.prepare(by_chunk(trained))
-        env = _Env(stages, stage, shared, chunks,
-                   stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
-                   vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
-                   aux_scale, Residuals(), None, None, None, train_shared, fsdp,
-                   placement)
-        first = env.microbatch(jnp.int32(0))
-        table = env.piece.cut(env.table())
-        env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
-                                                        first["inputs"]))
-        x = jnp.zeros(env.act.shape, env.act.dtype)
-        # Traced with a traced chunk index, as the steps will be, so the residuals match.
-        (_, aux), res = jax.eval_shape(lambda j: env.forward(j, x, first), jnp.int32(0))
-        env.aux_shapes, env.res_shapes = aux, res
-        if split:
-            env.split = env.split_backward()
-        return env
-
-    def split_backward(self) -> SplitBackward:
-        """The chunk's backward (per layer with ``fsdp``) cut into I and W, traced on abstract
-        values: the stash's residuals and the weights for both, the output gradient and the
-        aux cotangent for I alone."""
-        dy = jax.ShapeDtypeStruct(self.act.shape, self.act.dtype)
-        aux = jax.ShapeDtypeStruct((), jnp.float32)
-        if self.fsdp is not None:
-            return layer_split(self.fsdp, self.residuals, self.weights(jnp.int32(0)),
-                               self.res_shapes, dy, aux)
-        weights = [jax.ShapeDtypeStruct(w.shape, w.dtype)
-                   for w in jax.tree.leaves(self.weights(jnp.int32(0)))]
-        stashed = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in self.res_shapes]
-
-        def backward(primals, cotangents):
-            vjp_fn = self.residuals.join(*primals)
-            return vjp_fn(cotangents)
-
-        return split_backward(backward, (stashed, weights), (dy, aux))
-
-    def microbatch(self, i: jax.Array) -> dict:
-        return jax.tree.map(lambda a: a[i], self.micro)
-
-    def weights(self, j: jax.Array) -> tuple[Any, Any, Any]:
-        """Chunk ``j``'s (trained, frozen, constant) per-layer arrays."""
-        return jax.tree.map(lambda a: a[j], (self.chunks, self.frozen_chunks, self.const_chunks))
-
-    def table(self) -> jax.Array:
-        return self.shared["embedding"].astype(self.stages.dtype)
-
-    def head(self) -> jax.Array:
-        if self.stages.tied_embeddings:
-            return self.piece.cut(self.table()).T
-        return self.piece.cut(self.shared["lm_head"].astype(self.stages.dtype).T).T
-
-    def forward(self, j: jax.Array, x: jax.Array, mb: dict) -> tuple:
-        """Chunk ``j``'s layers on ``x`` under ``jax.vjp``: ((y, aux), stashable residuals)."""
-        layers, frozen, consts = self.weights(j)
-        stages = self.stages
-        if self.fsdp is not None:
-            return layer_forward(self.fsdp, self.residuals, self.shared, layers, consts, x, mb)
-
-        def objective_parts(layers, x):
-            # The frozen weights (LoRA) are closed over: constants, not differentiated.
-            y, aux = stages.layers(self.shared, merged(layers, frozen), consts, x, mb)
-            return (y, stages.aux_loss(aux)), aux
-
-        (y, _), vjp_fn, aux = jax.vjp(objective_parts, layers, x, has_aux=True)
-        weights = jax.tree.leaves((layers, frozen, consts))
-        return (y, aux), self.residuals.split(vjp_fn, weights)
-
-    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
-        """(weight gradients, float32 in the stored layout; input gradient) of chunk ``j`` from
-        its stashed residuals: a whole backward (B)."""
-        aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
-        if self.fsdp is not None:
-            layers, _, consts = self.weights(j)
-            return layer_backward(self.fsdp, self.residuals, layers, consts, stashed, dy,
-                                  aux_cotangent)
-        vjp_fn = self.residuals.join(stashed, jax.tree.leaves(self.weights(j)))
-        d_layers, dx = vjp_fn((dy, aux_cotangent))
-        return self.stages.unprepare(d_layers), dx
-
-    def backward_input(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
-                       ) -> tuple[jax.Array, list]:
-        """An I: chunk ``j``'s input gradient, and what its W will need (the crossing values,
-        :mod:`jaxpar.parallel.pipeline.backward_split`); no weight-gradient matmul runs."""
-        aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
-        if self.fsdp is not None:
-            layers, _, consts = self.weights(j)
-            return layer_backward_input(self.fsdp, self.split, layers, consts, stashed, dy,
-                                        aux_cotangent)
-        weights = jax.tree.leaves(self.weights(j))
-        return self.split.input_part((stashed, weights), (dy, aux_cotangent))
-
-    def backward_weights(self, j: jax.Array, stashed: list, crossing: list) -> Any:
-        """A W: chunk ``j``'s weight gradients (float32, stored layout) from its residuals and
-        what its I left: only the weight-gradient matmuls run."""
-        if self.fsdp is not None:
-            layers, _, consts = self.weights(j)
-            return layer_backward_weights(self.fsdp, self.split, layers, consts, stashed,
-                                          crossing)
-        weights = jax.tree.leaves(self.weights(j))
-        return self.stages.unprepare(self.split.weight_part((stashed, weights), crossing))
-
-
-def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
-                   layer_grad_specs: Any, shared_grad_specs: Any) -> _Carry:
-    def zeros(tree: Any, specs: Any) -> Any:
-        return lax.with_sharding_constraint(
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree), specs)
-
-    # Each stash starts filled with its own value (what a slot holds before its first write
-    # is never used): XLA merges equal constant buffers into one and copies it into each
-    # carry, which kept one more stash-sized buffer alive (seen: +25% of GPipe's stash).
-    wait_shapes = env.split.crossing_shapes if program.wait_slots else ()
-    fills = iter(range(2 + len(env.res_shapes) + len(wait_shapes)))
-
-    def stash(slots: int) -> jax.Array:
-        return lax.with_sharding_constraint(
-            jnp.full((slots + 1, *env.act.shape), next(fills), env.act.dtype), stash_spec)
-
-    v = jax.tree.leaves(env.chunks)[0].shape[0]
-    aux0 = {k: jnp.zeros((v, *a.shape) if k in env.stages.layer_stacked else a.shape, a.dtype)
-            for k, a in env.aux_shapes.items()}
-    res0 = [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
-            for r in env.res_shapes]
-    d_inputs = (jnp.zeros_like(env.micro["x0"]) if env.stages.pre_embedded else None)
-    shared_grads = zeros(env.shared, shared_grad_specs) if env.train_shared else {}
-    waits = [jnp.full((program.wait_slots + 1, *w.shape), next(fills), w.dtype)
-             for w in wait_shapes]
-    return _Carry(stash(program.act_slots), res0, stash(program.grad_slots),
-                  zeros(env.chunks, layer_grad_specs), shared_grads,
-                  jnp.zeros((), jnp.float32), aux0, d_inputs, waits)
-
-
-def _add_aux(env: _Env, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
-    out = {}
-    for k, a in aux.items():
-        a = jnp.where(on, a, jnp.zeros_like(a))
-        out[k] = total[k].at[j].add(a) if k in env.stages.layer_stacked else total[k] + a
-    return out
-
-
-def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, list]:
-    entering = env.microbatch(r["embed_mb"])
-    if env.stages.pre_embedded:  # embedded (and through the dense blocks) before the pipeline
-        x0 = entering["x0"]
-    else:
-        table = env.piece.cut(env.table())
-        x0 = sum_over_stages(embed_partial(env.stages, table, env.piece, entering["inputs"]),
-                             env.stages.handover_dtype)
-    x0 = constrain(x0, RESIDUAL)
-    x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
-    on = r["f_on"] == 1
-    (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
-    c = c._replace(res=[_put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
-                                                                           strict=True)],
-                   aux=_add_aux(env, c.aux, aux, r["f_chunk"], on))
-    return c, y, res
-
-
-def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
-    on = r["head_on"] == 1
-    y_last = sum_over_stages(jnp.where(r["head_last"] == 1, y, jnp.zeros_like(y)),
-                             env.stages.handover_dtype)
-    norm_params = {k: a for k, a in env.shared.items() if k not in ("embedding", "lm_head")}
-    loss, dy, d_head, d_norm = head_and_loss(env.stages, norm_params, env.head(), env.piece,
-                                              y_last, env.microbatch(r["head_mb"]),
-                                              env.loss_scale)
-    if not env.train_shared:  # frozen (LoRA): d_head and d_norm unused (XLA drops them)
-        return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
-                          grads=_put(c.grads, r["head_dy"], dy))
-    grads = dict(d_norm)
-    if env.stages.tied_embeddings:
-        grads["embedding"] = env.piece.uncut(d_head.T)
-    else:
-        grads["lm_head"] = env.piece.uncut(d_head.T).T
-    shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, grads))
-    return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
-                      grads=_put(c.grads, r["head_dy"], dy),
-                      shared_grads=shared_grads)
-
-
-def _stashed(c: _Carry, r: dict, prefix: str, fresh: list | None) -> list:
-    """The residuals a backward slot reads; if this step's forward wrote them, as made."""
-    stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
-    if fresh is not None:
-        same = r[f"{prefix}_res"] == r["f_res"]
-        stashed = [jnp.where(same, new, old) for new, old in zip(fresh, stashed, strict=True)]
-    return stashed
-
-
-def _add_layer_grads(c: _Carry, on: jax.Array, j: jax.Array, d_layers: Any) -> _Carry:
-    layer_grads = jax.tree.map(
-        lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g)).astype(acc.dtype)),
-        c.layer_grads, d_layers)
-    return c._replace(layer_grads=layer_grads)
-
-
-def _backward_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
-                   ) -> tuple[_Carry, jax.Array]:
-    """A B: the whole backward of the slot's chunk, its weight gradients added to the sums."""
-    on, j = r["b_on"] == 1, r["b_chunk"]
-    d_layers, dx = env.backward(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on)
-    return _add_layer_grads(c, on, j, d_layers), dx
-
-
-def _input_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
-                ) -> tuple[_Carry, jax.Array, list]:
-    """An I: the input gradient, and what its W needs written to the W stash."""
-    on, j = r["b_on"] == 1, r["b_chunk"]
-    dx, crossing = env.backward_input(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on)
-    waits = [_put(buf, r["b_wait"], leaf) for buf, leaf in zip(c.waits, crossing, strict=True)]
-    return c._replace(waits=waits), dx, crossing
-
-
-def _weight_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
-                 fresh_crossing: list | None) -> _Carry:
-    """A W: the weight gradients from the residuals and what the I left (as made, if this
-    step's I wrote them), added to the sums."""
-    on, j = r["w_on"] == 1, r["w_chunk"]
-    crossing = [buf[r["w_wait"]] for buf in c.waits]
-    if fresh_crossing is not None:
-        same = r["w_wait"] == r["b_wait"]
-        crossing = [jnp.where(same, new, old)
-                    for new, old in zip(fresh_crossing, crossing, strict=True)]
-    d_layers = env.backward_weights(j, _stashed(c, r, "w", fresh), crossing)
-    return _add_layer_grads(c, on, j, d_layers)
-
-
-def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
-    into_first = (r["b_on"] == 1) & (r["b_first"] == 1)
-    dx0 = sum_over_stages(jnp.where(into_first, dx, jnp.zeros_like(dx)),
-                          env.stages.handover_dtype)
-    if env.stages.pre_embedded:  # handed back out: the pre-phase's VJP takes it from there
-        on = r["eback_on"] == 1
-        d_in = lax.dynamic_index_in_dim(c.d_inputs, r["eback_mb"], 0, keepdims=False)
-        return c._replace(d_inputs=_put(c.d_inputs, r["eback_mb"],
-                                        d_in + jnp.where(on, dx0, jnp.zeros_like(dx0))))
-    tokens = env.microbatch(r["eback_mb"])["inputs"]
-    # The strided slices keep each tensor block's rows on its device (the piece's rows are
-    # [shards, block] and the pieces divide the block).
-    if env.stages.embed_scale != 1.0:  # the gradient of the scaled rows
-        dx0 = dx0 * jnp.asarray(env.stages.embed_scale, dx0.dtype)
-    d_table = one_hot_weight_grad(env.piece.ids, tokens, dx0, env.stages.embedding_grad_pieces,
-                                  jnp.float32)
-    grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table)})
-    return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
-
-
-def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry:
-    """One step of a stretch of ``kinds`` (the scan body): the slots in order, the head after
-    the forward (in steps where a stage's forward is the last chunk), then the sends. ``row``
-    holds every field for every stage; each device reads its own column."""
-    r = {k: a[env.stage] for k, a in row.items()}
-    send_fwd = send_bwd = fresh = None
-    if "F" in kinds:
-        c, y, fresh = _forward_slot(env, c, r)
-        if "H" in kinds:
-            c = _head_slot(env, c, r, y)
-        send_fwd = y
-    crossing = None
-    if "B" in kinds:
-        c, send_bwd = _backward_slot(env, c, r, fresh)
-    elif "I" in kinds:
-        c, send_bwd, crossing = _input_slot(env, c, r, fresh)
-    if send_bwd is not None and (env.train_shared or env.stages.pre_embedded):
-        c = _embedding_backward(env, c, r, send_bwd)
-    if "W" in kinds:
-        c = _weight_slot(env, c, r, fresh, crossing)
-    return _send(env, c, r, send_fwd, send_bwd)
-
-
-def _send(env: _Env, c: _Carry, r: dict, y: jax.Array | None, dx: jax.Array | None,
-          ) -> _Carry:
-    """The step's sends over ``pipe``, and where what arrives is kept. On the ring, activations
-    go on to the next device and input gradients back to the previous one (two ``ppermute``s).
-    In the V (``dualpipe_v``) the first half of the chunks goes down the devices and the second
-    back up, so each goes both ways, masked by where it is kept (four ``ppermute``s: twice the
-    ring's bytes), and the device at the bottom hands its own output to itself. In one order
-    on every device, since independent ppermutes can cross on XLA:CPU
-    (parallel/collectives.py)."""
-    p = env.piece.p
-    ring = env.placement == "ring"
-
-    def pairs(step: int) -> list[tuple[int, int]]:
-        return [(s, (s + step) % p) for s in range(p) if ring or 0 <= s + step < p]
-
-    routes = [(y, 1, "acts", "recv_act"), (dx, -1, "grads", "recv_grad")]
-    if not ring:
-        routes += [(y, -1, "acts", "recv_act_back"), (dx, 1, "grads", "recv_grad_back")]
-    routes = [route for route in routes if route[0] is not None]
-    arrived = ppermute_in_order([x for x, *_ in routes], PIPE_AXIS,
-                                [pairs(step) for _, step, *_ in routes])
-    for (_, _, stash, field), x in zip(routes, arrived, strict=True):
-        c = c._replace(**{stash: _put(getattr(c, stash), r[field], x)})
-    if not ring:  # the bottom of the V keeps its own (a spare slot everywhere else)
-        if y is not None:
-            c = c._replace(acts=_put(c.acts, r["keep_act"], y))
-        if dx is not None:
-            c = c._replace(grads=_put(c.grads, r["keep_grad"], dx))
-    return c
-
-
-def _fill(like: dict, some: dict) -> dict:
-    """``some`` completed with zeros for the keys of ``like`` it lacks."""
-    return {k: some[k] if k in some else jax.tree.map(jnp.zeros_like, a)
-            for k, a in like.items()}
-
-
-def _finish(env: _Env, c: _Carry) -> tuple:
-    def stacked(a: jax.Array) -> jax.Array:
-        return a.reshape(-1, *a.shape[2:])
-
-    stages = env.stages
-    layer_grads = jax.tree.map(stacked, c.layer_grads)
-    shared_grads = c.shared_grads
-    aux_sums = {k: lax.psum(a, PIPE_AXIS) for k, a in c.aux.items()
-                if k not in stages.layer_stacked}
-    aux_layers = {k: stacked(a) for k, a in c.aux.items() if k in stages.layer_stacked}
-    return c.loss, shared_grads, layer_grads, aux_sums, aux_layers
-
-
-
 def split_microbatches(batch: Any, accum: int, m: int) -> Any:
     """``[B, ...] -> [accum m, B/(accum m), ...]``: the schedule's microbatches of one step.
 
@@ -642,7 +248,17 @@ def describe_config(cfg: Config) -> dict[str, Any]:
     """:func:`describe` of ``cfg``'s pipeline (``mesh.pipe > 1``) as the executor runs it: one
     schedule over ``train.grad_accum x train.microbatches`` microbatches."""
     return describe(cfg.parallel.pipeline_schedule, cfg.mesh.pipe, cfg.train.microbatches,
-                    cfg.parallel.virtual_stages, accum=cfg.train.grad_accum)
+                    cfg.parallel.virtual_stages, accum=cfg.train.grad_accum,
+                    overlap=cfg.parallel.pipeline_overlap)
+
+
+def config_program(cfg: Config) -> Program:
+    """``cfg``'s pipeline compiled for the executor: one schedule over ``train.grad_accum x
+    train.microbatches`` microbatches."""
+    schedule, p, v = cfg.parallel.pipeline_schedule, cfg.mesh.pipe, cfg.parallel.virtual_stages
+    steps = schedule_steps(schedule, p, cfg.train.grad_accum * cfg.train.microbatches, v,
+                           cfg.parallel.pipeline_overlap)
+    return compile_program(steps, p, v, placement_of(schedule))
 
 
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,
@@ -660,9 +276,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     """
     p, v, m = cfg.mesh.pipe, cfg.parallel.virtual_stages, cfg.train.microbatches
     accum = cfg.train.grad_accum
-    schedule = cfg.parallel.pipeline_schedule
-    program = compile_program(schedule_steps(schedule, p, accum * m, v), p, v,
-                              placement_of(schedule))
+    program = config_program(cfg)
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
     hand, inner, hooks = split_by_hand(cfg, platform)
     micro_rows = cfg.train.batch_size // (accum * m)
@@ -694,7 +308,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs, frozen=frozen,
-                                  per_layer=cfg.parallel.pipeline_fsdp == "per_layer")
+                                  per_layer=cfg.parallel.pipeline_fsdp == "per_layer",
+                                  overlap=cfg.parallel.pipeline_overlap)
 
     pre_phase = dense_pre_phase(cfg, graphdef, mesh_shape, platform, dtype=dtype, remat=remat,
                                  split=lambda batch: split_microbatches(batch, accum, m))

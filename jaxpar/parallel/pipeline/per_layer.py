@@ -5,7 +5,8 @@ whole over ``fsdp`` once per step and sums its weight gradients whole in float32
 step's one reduce-scatter: ``L_s`` layers of weights (compute dtype) and of float32 sums on
 every device for the whole step (``L_s``: the stage's layers).
 
-Here a slot runs its chunk's layers as a ``lax.scan`` of its own, one layer per iteration:
+Here a slot runs its chunk's layers as a ``lax.scan`` of its own, one layer per iteration
+(:mod:`jaxpar.parallel.pipeline.layerwise`, with :class:`LayerFsdp` for each layer's weights):
 
 - forward slot: all-gather layer ``l``'s stored shard over ``fsdp`` (cast to the compute dtype
   first: ``(f-1)/f`` of the layer's weights in that dtype arrive per device), run the layer
@@ -34,12 +35,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.parallel.manual import ByHand
-from jaxpar.parallel.pipeline.backward_split import SplitBackward, split_backward
-from jaxpar.parallel.pipeline.stages import Residuals, Stages
+from jaxpar.parallel.pipeline.stages import Stages
 
 
 def _one_layer(specs: Any) -> Any:
@@ -81,111 +80,3 @@ class LayerFsdp:
         summed = self.by_hand.reduce(jax.tree.map(lambda g: g[None], stored), self.specs,
                                      self.auto_specs, replicas=False)
         return jax.tree.map(lambda g: g[0, 0].astype(jnp.float32), summed)
-
-
-def _objective(stages: Stages, shared: dict, consts: Any, mb: dict):
-    def run(layer: Any, x: jax.Array) -> tuple:
-        y, aux = stages.layers(shared, layer, consts, x, mb)
-        return (y, stages.aux_loss(aux)), aux
-    return run
-
-
-def _units(tree: Any) -> Any:
-    return jax.tree.map(lambda a: a[None], tree)
-
-
-def layer_forward(fsdp: LayerFsdp, residuals: Residuals, shared: dict, chunk: Any, consts: Any,
-                  x: jax.Array, mb: dict) -> tuple[tuple[jax.Array, dict], list]:
-    """A chunk's layers on ``x``, one gathered layer at a time: ((y, aux), stashable
-    residuals, each leaf ``[layers of the chunk, ...]``). ``chunk``: the stored shards of the
-    chunk's layers ``[layers, ...]``; ``residuals`` splits a VJP into what waits in the stash
-    (:class:`Residuals`)."""
-    stages = fsdp.stages
-
-    def one(x: jax.Array, xs: tuple) -> tuple:
-        shard, const = xs
-        layer, const = fsdp.gathered(shard), _units(const)
-        (y, _), vjp_fn, aux = jax.vjp(_objective(stages, shared, const, mb), layer, x,
-                                      has_aux=True)
-        return y, (residuals.split(vjp_fn, jax.tree.leaves((layer, {}, const))), aux)
-
-    y, (stash, aux) = lax.scan(one, x, (chunk, consts))
-    # One row per layer for the layer-stacked statistics, the rest summed over the layers.
-    aux = {k: a.reshape(-1, *a.shape[2:]) if k in stages.layer_stacked else jnp.sum(a, axis=0)
-           for k, a in aux.items()}
-    return (y, aux), stash
-
-
-def layer_backward(fsdp: LayerFsdp, residuals: Residuals, chunk: Any, consts: Any, stashed: list,
-                   dy: jax.Array, aux_cotangent: jax.Array) -> tuple[Any, jax.Array]:
-    """(weight gradients ``[layers, ...]``, float32 in the stored shards; input gradient) of a
-    chunk from :func:`layer_forward`'s stashed residuals, the layers in reverse, each gathered
-    again."""
-    def one(dy: jax.Array, xs: tuple) -> tuple:
-        shard, const, stash = xs
-        layer = fsdp.gathered(shard)
-        vjp_fn = residuals.join(stash, jax.tree.leaves((layer, {}, _units(const))))
-        d_layer, dx = vjp_fn((dy, aux_cotangent))
-        return dx, fsdp.scattered(d_layer)
-
-    dx, d_layers = lax.scan(one, dy, (chunk, consts, stashed), reverse=True)
-    return d_layers, dx
-
-
-def layer_split(fsdp: LayerFsdp, residuals: Residuals, chunk: tuple, res_shapes: list,
-                dy: jax.ShapeDtypeStruct, aux: jax.ShapeDtypeStruct) -> SplitBackward:
-    """One layer's backward cut into I and W (:mod:`~jaxpar.parallel.pipeline.backward_split`),
-    traced on abstract values: the stash's residuals of one layer (``res_shapes`` without
-    their layer dimension) and the gathered layer's weights for both parts, the output
-    gradient and the aux cotangent for I alone. ``chunk``: a chunk's (stored shards,
-    frozen, consts)."""
-    shards, _, consts = chunk
-    layer = jax.eval_shape(lambda s: fsdp.gathered(jax.tree.map(lambda a: a[0], s)), shards)
-    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in jax.tree.leaves(
-        (layer, {}, jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
-                                 consts)))]
-    stashed = [jax.ShapeDtypeStruct(r.shape[1:], r.dtype) for r in res_shapes]
-
-    def backward(primals, cotangents):
-        return residuals.join(*primals)(cotangents)
-
-    return split_backward(backward, (stashed, weights), (dy, aux))
-
-
-def _weights_of(fsdp: LayerFsdp, shard: Any, const: Any) -> list:
-    return jax.tree.leaves((fsdp.gathered(shard), {}, _units(const)))
-
-
-def layer_backward_input(fsdp: LayerFsdp, split: SplitBackward, chunk: Any, consts: Any,
-                         stashed: list, dy: jax.Array, aux_cotangent: jax.Array,
-                         ) -> tuple[jax.Array, list]:
-    """An I, layer by layer in reverse: each layer gathered again, the input gradient pulled
-    through it; what each layer's W needs comes out stacked ``[layers, ...]``. Nothing is
-    reduce-scattered: no weight gradient exists yet."""
-    def one(dy: jax.Array, xs: tuple) -> tuple:
-        shard, const, stash = xs
-        return split.input_part((stash, _weights_of(fsdp, shard, const)),
-                                (dy, aux_cotangent))
-
-    return lax.scan(one, dy, (chunk, consts, stashed), reverse=True)
-
-
-def layer_backward_weights(fsdp: LayerFsdp, split: SplitBackward, chunk: Any, consts: Any,
-                           stashed: list, crossing: list) -> Any:
-    """A W, layer by layer: each layer's weight gradients from its residuals and what its I
-    left, reduce-scattered over ``fsdp`` at once. A layer is gathered again only where its
-    weight gradients read its weights (a LoRA adapter's: the other factor)."""
-    reads_weights = any(split.primal_reads[len(stashed):])
-
-    def one(_: None, xs: tuple) -> tuple:
-        shard, const, stash, crossed = xs
-        if reads_weights:
-            weights = _weights_of(fsdp, shard, const)
-        else:  # W reads none of them: placeholders, not a gather
-            weights = [jnp.zeros(w.shape, w.dtype) for w in jax.eval_shape(
-                lambda: _weights_of(fsdp, shard, const))]
-        d_layer = split.weight_part((stash, weights), crossed)
-        return None, fsdp.scattered(d_layer)
-
-    _, d_layers = lax.scan(one, None, (chunk, consts, stashed, crossing))
-    return d_layers

@@ -19,12 +19,12 @@ import numpy as np
 from jaxpar.parallel.pipeline.schedules import (
     Placement,
     Step,
-    bubble_fraction,
     placement_of,
     schedule_steps,
     stage_of,
     table_of,
 )
+from jaxpar.parallel.pipeline.timeline import bubble_fraction
 
 # Per (step, stage) integers the executor reads; "trash" slot indices where there is no work.
 FIELDS = (
@@ -261,10 +261,12 @@ def _stretch_name(stretch: Stretch) -> str:
     names = ["+".join("head" if k == "H" else k for k in kinds) for kinds in stretch.pattern]
     if len(names) == 1:
         return names[0]
-    return f"({', '.join(names)}) x {len(stretch.fields['f_on'])}"
+    repeats = len(stretch.fields["f_on"])
+    return f"({', '.join(names)})" + (f" x {repeats}" if repeats > 1 else "")
 
 
-def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1) -> dict[str, Any]:
+def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1, overlap: bool = False,
+             ) -> dict[str, Any]:
     """What ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report about a run's
     schedule: the executed timeline's ticks and bubble (masked slots count as idle), the
     executed-work factor (ticks a stage runs / ticks of useful work = 1 / (1 - bubble)), and the
@@ -272,8 +274,9 @@ def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1) -> dict[str,
 
     ``accum`` (``train.grad_accum``) micro-steps of ``m`` microbatches each run as one schedule
     of ``accum x m`` microbatches (the executor folds them in): ``microbatches`` is that count,
-    and the bubble, steps and stashes are that schedule's."""
-    steps = schedule_steps(name, p, accum * m, v)
+    and the bubble, steps and stashes are that schedule's. ``overlap``
+    (``parallel.pipeline_overlap``): the last chunk turns round a step later."""
+    steps = schedule_steps(name, p, accum * m, v, overlap)
     table = table_of(steps)
     program = compile_program(steps, p, v, placement_of(name))
     bubble = bubble_fraction(table)

@@ -53,7 +53,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Literal
 
 Kind = Literal["F", "B", "I", "W"]
@@ -117,12 +116,12 @@ def placement_of(name: str) -> Placement:
 # reuses what I computed).
 
 
-def _provides(a: Action) -> list[tuple[str, int, int]]:
+def provides(a: Action) -> list[tuple[str, int, int]]:
     roles = {"F": ["out"], "B": ["dx"], "I": ["dx", "I"], "W": []}[a.kind]
     return [(role, a.mb, a.chunk) for role in roles]
 
 
-def _needs(a: Action, n_chunks: int) -> list[tuple[str, tuple[str, int, int]]]:
+def needs(a: Action, n_chunks: int) -> list[tuple[str, tuple[str, int, int]]]:
     """(why, key) pairs: the results ``a`` must wait for."""
     if a.kind == "F":
         # The first chunk reads the microbatch itself; the others the previous chunk's output.
@@ -158,24 +157,31 @@ class Step:
 
 
 def _ready_for(a: Action, s: int, step: int, ready: dict, made_here: dict, n_chunks: int,
-               ) -> bool:
+               overlap: bool = False) -> bool:
     """Whether everything ``a`` needs exists when stage ``s`` reaches it at ``step``: made on
-    an earlier step, or earlier in this step by this stage in a slot that runs first."""
-    for _, key in _needs(a, n_chunks):
+    an earlier step, or earlier in this step by this stage in a slot that runs first (with
+    ``overlap`` not a backward's forward: the two run in one layer loop)."""
+    for _, key in needs(a, n_chunks):
         if key in ready and ready[key] < step:
             continue
+        if overlap and a.kind in ("B", "I") and key[0] == "out":
+            return False
         slot = made_here.get((s, key))
         if slot is None or SLOT_ORDER.index(slot) >= SLOT_ORDER.index(a.kind):
             return False
     return True
 
 
-def time_steps(orders: Sequence[Sequence[Action]], v: int = 1) -> list[Step]:
+def time_steps(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = False,
+               ) -> list[Step]:
     """Time per-stage orders as executor steps: at each step every stage takes its next actions
     in order, at most one per slot kind, while what they need is ready (module docstring).
 
-    ``orders[s]`` is stage ``s``'s list; ``v`` is the number of chunks per stage. Raises
-    ValueError if the orders deadlock (some stage waits for a result that never comes).
+    ``orders[s]`` is stage ``s``'s list; ``v`` is the number of chunks per stage. With
+    ``overlap`` (``parallel.pipeline_overlap``) a step's forward and backward slots run in one
+    layer loop, so a backward cannot read what the same step's forward makes: the last chunk's
+    backward comes the step after its forward. Raises ValueError if the orders deadlock (some
+    stage waits for a result that never comes).
     """
     p = len(orders)
     n_chunks = v * p
@@ -193,11 +199,12 @@ def time_steps(orders: Sequence[Sequence[Action]], v: int = 1) -> list[Step]:
                 if (s, a) in seen:
                     raise ValueError(f"stage {s} lists {a} twice")
                 slot = "B" if a.kind == "I" else a.kind  # I takes B's place
-                if slot in taken[s] or not _ready_for(a, s, t, ready, made_here, n_chunks):
+                if slot in taken[s] or not _ready_for(a, s, t, ready, made_here, n_chunks,
+                                                      overlap):
                     break
                 taken[s][slot] = a
                 seen.add((s, a))
-                for key in _provides(a):
+                for key in provides(a):
                     made_here[(s, key)] = a.kind
                 next_index[s] += 1
         if not any(taken):
@@ -255,7 +262,8 @@ def _gpipe_orders(p: int, m: int) -> list[list[Action]]:
             for s in range(p)]
 
 
-def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False) -> list[list[Action]]:
+def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False, lag: int = 0,
+                        ) -> list[list[Action]]:
     """Per-stage orders of 1F1B, written as one loop over x = 0 .. m+2(p-1)-1.
 
     At x stage s runs F(x), then the backward of microbatch x-2(p-1-s): the last stage turns
@@ -263,15 +271,17 @@ def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False) -> list[li
     its first microbatch takes to reach the last stage and its gradient to come back, one step
     per stage each way; the x past m are the cool-down. With ``split_backward`` that backward
     is its input-gradient half I alone (zero bubble places the W's afterwards:
-    :func:`defer_weight_grads`).
+    :func:`defer_weight_grads`). ``lag`` more steps in the round trip (the last stage's
+    backward a step after its forward: ``parallel.pipeline_overlap``) mean ``lag`` more
+    forwards ahead.
     """
     orders = []
     for s in range(p):
         order = []
-        for x in range(m + 2 * (p - 1)):
+        for x in range(m + 2 * (p - 1) + lag):
             if x < m:
                 order.append(Action("F", x, s))
-            if 0 <= (back := x - 2 * (p - 1 - s)) < m:
+            if 0 <= (back := x - 2 * (p - 1 - s) - lag) < m:
                 order.append(Action("I" if split_backward else "B", back, s))
         orders.append(order)
     return orders
@@ -308,7 +318,7 @@ def interleaved(p: int, m: int, v: int) -> Table:
     return as_soon_as_possible(_interleaved_orders(p, m, v), v)
 
 
-def _interleaved_orders(p: int, m: int, v: int, split_backward: bool = False,
+def _interleaved_orders(p: int, m: int, v: int, split_backward: bool = False, lag: int = 0,
                         ) -> list[list[Action]]:
     _check_sizes(p, m, v)
     if m % p:
@@ -323,7 +333,7 @@ def _interleaved_orders(p: int, m: int, v: int, split_backward: bool = False,
 
     orders = []
     for s in range(p):
-        warmup = min(2 * (p - 1 - s) + (v - 1) * p, total)
+        warmup = min(2 * (p - 1 - s) + (v - 1) * p + lag, total)
         back = "I" if split_backward else "B"
         order = [nth(s, k, "F") for k in range(warmup)]
         for k in range(total - warmup):
@@ -407,11 +417,11 @@ def dualpipe_v(p: int, m: int) -> Table:
 
 
 @functools.cache
-def _dualpipe_v_steps(p: int, m: int) -> list[Step]:
+def _dualpipe_v_steps(p: int, m: int, lag: int = 0) -> list[Step]:
     _check_sizes(p, m)
     best: tuple[int, list[Step]] | None = None
     for cap in range(2, 4 * p + 3):
-        greedy = _v_greedy(p, m, cap)
+        greedy = _v_greedy(p, m, cap, lag)
         if greedy is None:
             continue
         steps = defer_weight_grads(greedy)
@@ -422,9 +432,10 @@ def _dualpipe_v_steps(p: int, m: int) -> list[Step]:
     return best[1]
 
 
-def _v_greedy(p: int, m: int, cap: int) -> list[Step] | None:
+def _v_greedy(p: int, m: int, cap: int, lag: int = 0) -> list[Step] | None:
     """DualPipe-V's forwards and I's, step by step (:func:`dualpipe_v`); None if the stages
-    stall with work left (``cap`` too small)."""
+    stall with work left (``cap`` too small). The loss's I comes ``lag`` steps after its
+    forward (1 with ``parallel.pipeline_overlap``)."""
     last = 2 * p - 1
     ready: list[dict[Action, int]] = [{} for _ in range(p)]  # stage -> action -> first step
     held, entered, left = [0] * p, 0, 2 * p * m
@@ -441,8 +452,8 @@ def _v_greedy(p: int, m: int, cap: int) -> list[Step] | None:
                 held[s] += 1
                 ready[s].pop(f, None)
                 entered += f.chunk == 0
-                if f.chunk == last:  # the loss, then its I in this very step
-                    ready[s][Action("I", f.mb, f.chunk)] = t
+                if f.chunk == last:  # the loss, then its I in this very step (or lag later)
+                    ready[s][Action("I", f.mb, f.chunk)] = t + lag
                 else:
                     ready[stage_of(f.chunk + 1, p, "v")][Action("F", f.mb, f.chunk + 1)] = t + 1
             inputs = [a for a, at in ready[s].items() if a.kind == "I" and at <= t]
@@ -469,219 +480,45 @@ SCHEDULES: dict[str, Callable[..., Table]] = {
 }
 
 
-def schedule_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+def schedule_orders(name: str, p: int, m: int, v: int = 1, overlap: bool = False,
+                    ) -> list[list[Action]]:
     """Each stage's order of forwards and backwards for ``parallel.pipeline_schedule=name``
-    (``v``: ``parallel.virtual_stages``). Zero bubble's are I's: its W's are placed after the
+    (``v``: ``parallel.virtual_stages``; ``overlap``: ``parallel.pipeline_overlap``, whose
+    last chunk turns round a step later). Zero bubble's are I's: its W's are placed after the
     timing (:func:`schedule_steps`)."""
     if name not in SCHEDULES:
         raise ValueError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+    lag = 1 if overlap else 0
     if name == "dualpipe_v":  # its order is found step by step: read it off the steps
         if v != 2:
             raise ValueError(f"pipeline schedule 'dualpipe_v' runs two chunks per stage; v={v}")
-        steps = _dualpipe_v_steps(p, m)
+        steps = _dualpipe_v_steps(p, m, lag)
         return [[a for step in steps for kind, a in step.actions[s].items() if kind != "W"]
                 for s in range(p)]
     if name == "interleaved" or (name == "zero_bubble" and v > 1):
-        return _interleaved_orders(p, m, v, split_backward=name == "zero_bubble")
+        return _interleaved_orders(p, m, v, split_backward=name == "zero_bubble", lag=lag)
     if v != 1:
         raise ValueError(f"pipeline schedule {name!r} runs one chunk per stage; v={v} needs "
                          "'interleaved' or 'zero_bubble'")
     _check_sizes(p, m)
     if name == "gpipe":
         return _gpipe_orders(p, m)
-    return _one_f_one_b_orders(p, m, split_backward=name == "zero_bubble")
+    return _one_f_one_b_orders(p, m, split_backward=name == "zero_bubble", lag=lag)
 
 
-def schedule_steps(name: str, p: int, m: int, v: int = 1) -> list[Step]:
-    """The executor's steps for ``parallel.pipeline_schedule=name``."""
+def schedule_steps(name: str, p: int, m: int, v: int = 1, overlap: bool = False) -> list[Step]:
+    """The executor's steps for ``parallel.pipeline_schedule=name`` (``overlap``:
+    :func:`time_steps`)."""
     if name == "dualpipe_v":
         schedule_orders(name, p, m, v)  # checks v
-        return list(_dualpipe_v_steps(p, m))
-    steps = time_steps(schedule_orders(name, p, m, v), v)
+        return list(_dualpipe_v_steps(p, m, 1 if overlap else 0))
+    steps = time_steps(schedule_orders(name, p, m, v, overlap), v, overlap)
     return defer_weight_grads(steps) if name == "zero_bubble" else steps
 
 
-def schedule_table(name: str, p: int, m: int, v: int = 1) -> Table:
+def schedule_table(name: str, p: int, m: int, v: int = 1, overlap: bool = False) -> Table:
     """The executed timeline (ticks x stages) for ``parallel.pipeline_schedule=name``."""
-    return table_of(schedule_steps(name, p, m, v))
-
-
-# --------------------------------------------------------------------------------------------
-# Reading tables
-
-
-@dataclass(frozen=True)
-class _Run:
-    """An action placed in a table: stage, first tick, tick after the last."""
-
-    action: Action
-    stage: int
-    start: int
-    end: int
-
-
-def _width(table: Sequence[Tick]) -> int:
-    """The number of stages; every tick must have that many entries."""
-    if not table:
-        raise ValueError("the schedule table is empty")
-    p = len(table[0])
-    for t, tick in enumerate(table):
-        if len(tick) != p:
-            raise ValueError(f"tick {t} has {len(tick)} entries, tick 0 has {p}")
-        for s, cell in enumerate(tick):
-            if cell is not None and not isinstance(cell, Action):
-                raise ValueError(f"tick {t}, stage {s}: {cell!r} is neither an Action nor None")
-    return p
-
-
-def _runs(table: Sequence[Tick]) -> list[_Run]:
-    """Each stage's consecutive equal entries merged into one run, all sorted by start tick."""
-    p = _width(table)
-    runs = []
-    for s in range(p):
-        t = 0
-        while t < len(table):
-            a = table[t][s]
-            end = t + 1
-            while end < len(table) and table[end][s] == a:
-                end += 1
-            if a is not None:
-                runs.append(_Run(a, s, t, end))
-            t = end
-    return sorted(runs, key=lambda r: (r.start, r.stage))
-
-
-def bubble_fraction(table: Sequence[Tick]) -> Fraction:
-    """Idle entries / all entries (ticks x stages), exactly."""
-    p = _width(table)
-    idle = sum(cell is None for tick in table for cell in tick)
-    return Fraction(idle, len(table) * p)
-
-
-def peak_in_flight(table: Sequence[Tick]) -> tuple[int, ...]:
-    """Per stage, the most (microbatch, chunk) pairs whose forward has started but whose
-    backward (B, or W for a split backward) has not finished: the activations it must hold."""
-    p = _width(table)
-    held = [0] * p
-    peak = [0] * p
-    for run in _runs(table):
-        if run.action.kind == "F":
-            held[run.stage] += 1
-            peak[run.stage] = max(peak[run.stage], held[run.stage])
-        elif run.action.kind in ("B", "W"):
-            held[run.stage] -= 1
-    return tuple(peak)
-
-
-def peak_weight_stash(table: Sequence[Tick]) -> tuple[int, ...]:
-    """Per stage, the most (microbatch, chunk) pairs whose I has finished but whose W has not
-    started: what waits in the W stash (:mod:`jaxpar.parallel.pipeline.backward_split`). A W
-    in the step of its own I (and a fused B) holds none."""
-    p = _width(table)
-    done: dict[tuple[int, int, int], int] = {}
-    for run in _runs(table):
-        if run.action.kind == "I":
-            done[(run.stage, run.action.mb, run.action.chunk)] = run.end
-    waiting = [[0] * len(table) for _ in range(p)]
-    for run in _runs(table):
-        if run.action.kind == "W":
-            for t in range(done[(run.stage, run.action.mb, run.action.chunk)], run.start):
-                waiting[run.stage][t] += 1
-    return tuple(max(row, default=0) for row in waiting)
-
-
-def render(table: Sequence[Tick]) -> str:
-    """One text row per stage, one column per tick: ``F3`` = forward of microbatch 3, ``.`` =
-    idle; a B shows in both its ticks. When stages hold several chunks a letter names which
-    (``F3a`` on stage s = chunk s, ``F3b`` = chunk s+p, ...)."""
-    p = _width(table)
-    several = any(cell is not None and cell.chunk >= p for tick in table for cell in tick)
-
-    def label(cell: Action | None) -> str:
-        if cell is None:
-            return "."
-        lap = chr(ord("a") + cell.chunk // p) if several else ""
-        return f"{cell.kind}{cell.mb}{lap}"
-
-    labels = [[label(cell) for cell in tick] for tick in table]
-    width = max(len(text) for row in labels for text in row)
-    name = len(str(p - 1))
-    rows = []
-    for s in range(p):
-        cells = " ".join(row[s].ljust(width) for row in labels)
-        rows.append(f"stage {s:>{name}}: {cells}".rstrip())
-    return "\n".join(rows)
-
-
-# --------------------------------------------------------------------------------------------
-# Validation
-
-
-def validate(table: Sequence[Tick], p: int, m: int, v: int = 1,
-             placement: Placement = "ring") -> None:
-    """Raise ValueError naming the first thing that makes ``table`` an impossible schedule.
-
-    Checked in this order, each in tick order: the shape (``p`` entries per tick, one action or
-    None each, so no stage does two things at once); each run of an action lasts its ticks, on
-    the stage that holds its chunk, with ``mb`` and ``chunk`` in range; every (mb, chunk) has
-    exactly one F and exactly one backward (a B, or an I and a W); and nothing starts before
-    what it needs has finished on an earlier tick (F after the previous chunk's F, B/I after
-    their own F and the next chunk's B/I, W after its I).
-    """
-    if table and len(table[0]) != p:
-        raise ValueError(f"tick 0 has {len(table[0])} entries, expected one per stage (p={p})")
-    runs = _runs(table)
-    n_chunks = v * p
-
-    for r in runs:
-        a = r.action
-        where = f"{a} on stage {r.stage} at tick {r.start}"
-        if r.end - r.start != a.ticks:
-            raise ValueError(f"{where} lasts {r.end - r.start} tick(s); a {a.kind} takes "
-                             f"{a.ticks}")
-        if not 0 <= a.mb < m:
-            raise ValueError(f"{where}: microbatch out of range 0..{m - 1}")
-        if not 0 <= a.chunk < n_chunks:
-            raise ValueError(f"{where}: chunk out of range 0..{n_chunks - 1}")
-        if (home := stage_of(a.chunk, p, placement)) != r.stage:
-            raise ValueError(f"{where}: chunk {a.chunk} lives on stage {home}")
-
-    placed: dict[Action, _Run] = {}
-    for r in runs:
-        if r.action in placed:
-            first = placed[r.action]
-            raise ValueError(f"{r.action} runs twice, on stage {first.stage} at tick "
-                             f"{first.start} and on stage {r.stage} at tick {r.start}")
-        placed[r.action] = r
-    for mb in range(m):
-        for chunk in range(n_chunks):
-            has = {kind: Action(kind, mb, chunk) in placed for kind in TICKS}
-            home = f"(stage {stage_of(chunk, p, placement)})"
-            if not has["F"]:
-                raise ValueError(f"{Action('F', mb, chunk)} never runs {home}")
-            if has["B"] and (has["I"] or has["W"]):
-                raise ValueError(f"microbatch {mb}, chunk {chunk} has both a B and an I/W "
-                                 f"backward {home}")
-            if not (has["B"] or has["I"] or has["W"]):
-                raise ValueError(f"microbatch {mb}, chunk {chunk} has no backward (B, or I "
-                                 f"and W) {home}")
-            if has["I"] != has["W"]:
-                present, missing = ("I", "W") if has["I"] else ("W", "I")
-                raise ValueError(f"{Action(present, mb, chunk)} has no matching "
-                                 f"{Action(missing, mb, chunk)} {home}")
-
-    ready: dict[tuple[str, int, int], _Run] = {}
-    for r in runs:
-        for key in _provides(r.action):
-            ready[key] = r
-    for r in runs:
-        for why, key in _needs(r.action, n_chunks):
-            source = ready[key]  # present: the exactly-once checks above passed
-            if source.end > r.start:
-                raise ValueError(f"{r.action} on stage {r.stage} starts at tick {r.start} but "
-                                 f"needs {why} {source.action} on stage {source.stage}, "
-                                 f"done only at tick {source.end}")
-
+    return table_of(schedule_steps(name, p, m, v, overlap))
 
 
 def stage_layer_order(n_layers: int, p: int, v: int, placement: Placement = "ring",

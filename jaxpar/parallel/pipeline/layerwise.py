@@ -1,0 +1,210 @@
+"""A pipeline chunk run one layer at a time, and a step's forward and backward in one loop.
+
+The executor's default runs a slot's chunk as one function under ``jax.vjp`` (its layers a
+``lax.scan`` inside the model). Two modes run the chunk here instead, as a ``lax.scan`` of the
+slot's own whose iteration runs one layer under ``jax.vjp`` and stashes its residuals:
+
+- ``parallel.pipeline_fsdp=per_layer``: each layer gathered over ``fsdp`` as the slot runs it
+  and its gradient reduce-scattered at once (:class:`~jaxpar.parallel.pipeline.per_layer.
+  LayerFsdp`);
+- ``parallel.pipeline_overlap=true``: a step that has a forward slot and a backward slot (B or
+  I) runs both in one loop, :func:`layer_forward_backward`: iteration ``k`` runs layer ``k`` of
+  the forward's chunk for one microbatch and layer ``L-1-k`` of the backward's chunk for
+  another. The two are independent, so the compiler may schedule one's collectives (the expert
+  all-to-alls, tensor and FSDP gathers) beside the other's matmuls: DeepSeek's forward/backward
+  overlap (DualPipe's "F&B"), where two loops one after the other leave each loop's
+  communication waiting on its own matmuls. The schedule then turns the last chunk round a step
+  later (:func:`jaxpar.parallel.pipeline.schedules.time_steps`), since a backward in the loop
+  cannot read what the same step's forward makes.
+
+:class:`LayerWeights` says how an iteration reads its layer's weights and hands back its
+gradient; with a zero-bubble split (:mod:`~jaxpar.parallel.pipeline.backward_split`) the I and
+W halves are cut per layer (:func:`layer_split`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpar.parallel.pipeline.backward_split import SplitBackward, split_backward
+from jaxpar.parallel.pipeline.per_layer import LayerFsdp
+from jaxpar.parallel.pipeline.stages import Residuals, Stages
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """How a layer-by-layer slot reads one layer's weights and hands back its gradient:
+    gathered over ``fsdp`` and reduce-scattered at once (``fsdp``: per_layer FSDP), or sliced
+    from the stage's weights as prepared once per step (the chunk's ``[layers, ...]``), its
+    gradient in the stored layout, float32."""
+
+    stages: Stages
+    fsdp: LayerFsdp | None = None
+
+    def take(self, stored: Any) -> Any:
+        """One layer's slice -> its weights as a one-unit stack ``[1, ...]``."""
+        if self.fsdp is not None:
+            return self.fsdp.gathered(stored)
+        return jax.tree.map(lambda a: a[None], stored)
+
+    def give(self, grad: Any) -> Any:
+        """The gradient w.r.t. :meth:`take`'s weights -> the layer's, float32, stored layout."""
+        if self.fsdp is not None:
+            return self.fsdp.scattered(grad)
+        return jax.tree.map(lambda g: g[0].astype(jnp.float32), self.stages.unprepare(grad))
+
+    def leaves(self, stored: Any, const: Any) -> list:
+        """What a layer's VJP holds of its weights (the stash leaves them out)."""
+        return jax.tree.leaves((self.take(stored), {}, _units(const)))
+
+
+def _objective(stages: Stages, shared: dict, consts: Any, mb: dict):
+    def run(layer: Any, x: jax.Array) -> tuple:
+        y, aux = stages.layers(shared, layer, consts, x, mb)
+        return (y, stages.aux_loss(aux)), aux
+    return run
+
+
+def _units(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def _flipped(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[::-1], tree)
+
+
+# --------------------------------------------------------------------------------------------
+# One layer of each slot kind
+
+
+def _forward_one(lw: LayerWeights, residuals: Residuals, shared: dict, mb: dict, x: jax.Array,
+                 stored: Any, const: Any) -> tuple[jax.Array, tuple[list, dict]]:
+    layer, const = lw.take(stored), _units(const)
+    (y, _), vjp_fn, aux = jax.vjp(_objective(lw.stages, shared, const, mb), layer, x,
+                                  has_aux=True)
+    return y, (residuals.split(vjp_fn, jax.tree.leaves((layer, {}, const))), aux)
+
+
+def _backward_one(lw: LayerWeights, residuals: Residuals, dy: jax.Array,
+                  aux_cotangent: jax.Array, stored: Any, const: Any, stash: list,
+                  ) -> tuple[jax.Array, Any]:
+    vjp_fn = residuals.join(stash, lw.leaves(stored, const))
+    d_layer, dx = vjp_fn((dy, aux_cotangent))
+    return dx, lw.give(d_layer)
+
+
+def _input_one(lw: LayerWeights, split: SplitBackward, dy: jax.Array, aux_cotangent: jax.Array,
+               stored: Any, const: Any, stash: list) -> tuple[jax.Array, list]:
+    return split.input_part((stash, lw.leaves(stored, const)), (dy, aux_cotangent))
+
+
+def _stacked_aux(stages: Stages, aux: dict) -> dict:
+    """One row per layer for the layer-stacked statistics, the rest summed over the layers."""
+    return {k: a.reshape(-1, *a.shape[2:]) if k in stages.layer_stacked else jnp.sum(a, axis=0)
+            for k, a in aux.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Slots
+
+
+def layer_forward(lw: LayerWeights, residuals: Residuals, shared: dict, chunk: Any, consts: Any,
+                  x: jax.Array, mb: dict) -> tuple[tuple[jax.Array, dict], list]:
+    """A chunk's layers on ``x``, one at a time: ((y, aux), stashable residuals, each leaf
+    ``[layers of the chunk, ...]``). ``chunk``: the chunk's layers as :class:`LayerWeights`
+    reads them ``[layers, ...]``; ``residuals`` splits a VJP into what waits in the stash."""
+    def one(x: jax.Array, xs: tuple) -> tuple:
+        return _forward_one(lw, residuals, shared, mb, x, *xs)
+
+    y, (stash, aux) = lax.scan(one, x, (chunk, consts))
+    return (y, _stacked_aux(lw.stages, aux)), stash
+
+
+def layer_backward(lw: LayerWeights, residuals: Residuals, chunk: Any, consts: Any,
+                   stashed: list, dy: jax.Array, aux_cotangent: jax.Array,
+                   ) -> tuple[Any, jax.Array]:
+    """(weight gradients ``[layers, ...]``, float32 in the stored layout; input gradient) of a
+    chunk from :func:`layer_forward`'s stashed residuals, the layers in reverse."""
+    def one(dy: jax.Array, xs: tuple) -> tuple:
+        return _backward_one(lw, residuals, dy, aux_cotangent, *xs)
+
+    dx, d_layers = lax.scan(one, dy, (chunk, consts, stashed), reverse=True)
+    return d_layers, dx
+
+
+def layer_backward_input(lw: LayerWeights, split: SplitBackward, chunk: Any, consts: Any,
+                         stashed: list, dy: jax.Array, aux_cotangent: jax.Array,
+                         ) -> tuple[jax.Array, list]:
+    """An I, layer by layer in reverse: the input gradient pulled through each layer; what each
+    layer's W needs comes out stacked ``[layers, ...]``. No weight gradient exists yet (with
+    FSDP nothing is reduce-scattered)."""
+    def one(dy: jax.Array, xs: tuple) -> tuple:
+        return _input_one(lw, split, dy, aux_cotangent, *xs)
+
+    return lax.scan(one, dy, (chunk, consts, stashed), reverse=True)
+
+
+def layer_backward_weights(lw: LayerWeights, split: SplitBackward, chunk: Any, consts: Any,
+                           stashed: list, crossing: list) -> Any:
+    """A W, layer by layer: each layer's weight gradients from its residuals and what its I
+    left. With FSDP a layer is gathered again only where its weight gradients read its weights
+    (a LoRA adapter's: the other factor)."""
+    reads_weights = any(split.primal_reads[len(stashed):])
+
+    def one(_: None, xs: tuple) -> tuple:
+        stored, const, stash, crossed = xs
+        if reads_weights:
+            weights = lw.leaves(stored, const)
+        else:  # W reads none of them: placeholders, not a gather
+            weights = [jnp.zeros(w.shape, w.dtype)
+                       for w in jax.eval_shape(lambda: lw.leaves(stored, const))]
+        return None, lw.give(split.weight_part((stash, weights), crossed))
+
+    _, d_layers = lax.scan(one, None, (chunk, consts, stashed, crossing))
+    return d_layers
+
+
+def layer_forward_backward(lw: LayerWeights, residuals: Residuals, split: SplitBackward | None,
+                           shared: dict, forward: tuple, x: jax.Array, mb: dict,
+                           backward: tuple, dy: jax.Array, aux_cotangent: jax.Array) -> tuple:
+    """A step's forward slot and backward slot in one loop (module docstring): iteration ``k``
+    runs layer ``k`` of the forward's chunk on its microbatch and layer ``L-1-k`` of the
+    backward's chunk on another's gradient. ``forward``: the forward chunk's (layers,
+    consts); ``backward``: the backward chunk's (layers, consts, stashed residuals). With
+    ``split`` the backward is an I. Returns ((y, aux), residuals to stash, the backward's
+    weight gradients (or, for an I, what its W needs), stacked ``[layers, ...]``, dx)."""
+    def one(carry: tuple, xs: tuple) -> tuple:
+        x, dy = carry
+        forward_layer, backward_layer = xs
+        y, made = _forward_one(lw, residuals, shared, mb, x, *forward_layer)
+        if split is None:
+            dx, out = _backward_one(lw, residuals, dy, aux_cotangent, *backward_layer)
+        else:
+            dx, out = _input_one(lw, split, dy, aux_cotangent, *backward_layer)
+        return (y, dx), (made, out)
+
+    (y, dx), ((stash, aux), out) = lax.scan(one, (x, dy), (forward, _flipped(backward)))
+    return (y, _stacked_aux(lw.stages, aux)), stash, _flipped(out), dx
+
+
+def layer_split(lw: LayerWeights, residuals: Residuals, chunk: tuple, res_shapes: list,
+                dy: jax.ShapeDtypeStruct, aux: jax.ShapeDtypeStruct) -> SplitBackward:
+    """One layer's backward cut into I and W (:mod:`~jaxpar.parallel.pipeline.backward_split`),
+    traced on abstract values: the stash's residuals of one layer (``res_shapes`` without
+    their layer dimension) and the layer's weights for both parts, the output gradient and the
+    aux cotangent for I alone. ``chunk``: a chunk's (layers as read, frozen, consts)."""
+    stored, _, consts = chunk
+    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in jax.eval_shape(
+        lambda s, c: lw.leaves(jax.tree.map(lambda a: a[0], s), jax.tree.map(
+            lambda a: a[0], c)), stored, consts)]
+    stashed = [jax.ShapeDtypeStruct(r.shape[1:], r.dtype) for r in res_shapes]
+
+    def backward(primals, cotangents):
+        return residuals.join(*primals)(cotangents)
+
+    return split_backward(backward, (stashed, weights), (dy, aux))
