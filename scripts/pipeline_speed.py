@@ -13,8 +13,8 @@ beyond the masked slots; the acceptance bound is 1.10).
 
 ``--pairs`` times schedules side by side on one layout (p=4, m=8, the same remat): each timed
 step of the one is followed by a step of the other, so both come from the same minutes of the
-machine, and prints the ratio of their median step times beside the ratio of their ticks
-(zero bubble / 1F1B: 30/33 = 0.91; the acceptance bound is 0.97).
+machine, and prints the ratio of their median step times beside the ratio of their ticks, in
+stages' units (zero bubble / 1F1B: 30/33 = 0.91; the acceptance bound is 0.97).
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ def pairs(model: list[str], steps: int) -> float:
         times, _ = step_times(a.step, a.state, a.batch, warmup=2, steps=steps, alongside=b)
         ratio = statistics.median(times) / statistics.median(b.times)
         first = first or ratio
-        ticks = f"{info_a['ticks']}/{info_b['ticks']} = {info_a['ticks'] / info_b['ticks']:.3f}"
+        # Ticks in stages' units (a chunk tick is 1/v of one), so that v = 1 and 2 compare.
+        a_ticks = info_a["ticks"] / info_a["virtual_stages"]
+        b_ticks = info_b["ticks"] / info_b["virtual_stages"]
+        ticks = f"{a_ticks:g}/{b_ticks:g} = {a_ticks / b_ticks:.3f}"
         print(f"{name + f' v={v}':<16} {other + f' v={w}':<14} {statistics.median(times):7.3f} "
               f"{statistics.median(b.times):7.3f} {ratio:6.3f} {ticks:>9}", flush=True)
     return first
