@@ -27,6 +27,9 @@ from jaxpar.parallel.pipeline.stages import (
 
 
 class Carry(NamedTuple):
+    """What a device carries from step to step: the stashes (one slot per microbatch in
+    flight, and a spare one that masked writes go to), the gradient sums and the loss."""
+
     acts: jax.Array  # [act_slots + 1, *activation]: inputs that arrived for a forward
     res: list  # per residual leaf [res_slots + 1, ...]: what a backward needs
     grads: jax.Array  # [grad_slots + 1, *activation]: output gradients for a backward
@@ -53,7 +56,7 @@ def _masked_add(on: jax.Array, total: Any, new: Any) -> Any:
 
 
 def initial_carry(env: StageEnv, program: Program, stash_spec: PartitionSpec,
-                   layer_grad_specs: Any, shared_grad_specs: Any) -> Carry:
+                  layer_grad_specs: Any, shared_grad_specs: Any) -> Carry:
     def zeros(tree: Any, specs: Any) -> Any:
         return lax.with_sharding_constraint(
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree), specs)
@@ -78,8 +81,8 @@ def initial_carry(env: StageEnv, program: Program, stash_spec: PartitionSpec,
     waits = [jnp.full((program.wait_slots + 1, *w.shape), next(fills), w.dtype)
              for w in wait_shapes]
     return Carry(stash(program.act_slots), res0, stash(program.grad_slots),
-                  zeros(env.chunks, layer_grad_specs), shared_grads,
-                  jnp.zeros((), jnp.float32), aux0, d_inputs, waits)
+                 zeros(env.chunks, layer_grad_specs), shared_grads,
+                 jnp.zeros((), jnp.float32), aux0, d_inputs, waits)
 
 
 def _add_aux(env: StageEnv, total: dict, aux: dict, j: jax.Array, on: jax.Array) -> dict:
@@ -105,8 +108,8 @@ def _forward_input(env: StageEnv, c: Carry, r: dict) -> jax.Array:
 
 def _forward_kept(env: StageEnv, c: Carry, r: dict, aux: dict, res: list) -> Carry:
     """The forward's residuals into their stash slot, its aux statistics into the sums."""
-    return c._replace(res=[put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
-                                                                            strict=True)],
+    return c._replace(res=[put(buf, r["f_res"], leaf)
+                           for buf, leaf in zip(c.res, res, strict=True)],
                       aux=_add_aux(env, c.aux, aux, r["f_chunk"], r["f_on"] == 1))
 
 

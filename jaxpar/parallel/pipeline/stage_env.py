@@ -78,10 +78,10 @@ class StageEnv:
         by_layer_fsdp = layerwise is not None and layerwise.fsdp is not None
         chunks = by_chunk(trained) if by_layer_fsdp else stages.prepare(by_chunk(trained))
         env = StageEnv(stages, stage, shared, chunks,
-                   stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
-                   vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
-                   aux_scale, Residuals(), None, None, None, train_shared, layerwise,
-                   placement, overlap)
+                       stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
+                       vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
+                       aux_scale, Residuals(), None, None, None, train_shared, layerwise,
+                       placement, overlap)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
