@@ -117,7 +117,7 @@ x the executed-work factor = compute / (1 - bubble).
 from __future__ import annotations
 
 from jaxpar.cost.ledger import Ledger
-from jaxpar.cost.params import ParamCost, in_compute_dtype, unit_blocks
+from jaxpar.cost.params import PARAM_BYTES, ParamCost, in_compute_dtype, unit_blocks
 from jaxpar.cost.shapes import StepSizes
 
 
@@ -227,7 +227,11 @@ def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
     stack = sum(in_compute_dtype(p, p.gathered_bytes, widened) for p in params if p.stacked)
     units = st.layers // len(unit_blocks(st.cfg.model))  # scanned units in a stage
     # per_layer: the one layer gathered, and again as its matmuls read it; no stage copy
+    # (but on the TPU compiler the cast of the stage's shards: per_layer_stage_cast)
     layers = (2 if per_layer_fsdp(st) else units + 1) * stack // units
+    if per_layer_fsdp(st) and not st.xla_cpu:
+        layers = per_layer_stage_cast(st, params) + max(
+            in_compute_dtype(p, p.gathered_bytes, st.a) for p in params if p.stacked) // units
     head = embedding = 0
     for p in params:
         if p.name == "embedding":
@@ -238,6 +242,20 @@ def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
     others = sum(p.gathered_bytes for p in params if not p.stacked
                  and p.name not in ("embedding", "lm_head"))  # the final norm, float32
     return layers + head + embedding + others
+
+
+def per_layer_stage_cast(st: StepSizes, params: list[ParamCost]) -> int:
+    """Under ``pipeline_fsdp=per_layer`` on the GPU/TPU compilers: the stage's stored layer
+    shards cast to the compute dtype once per step. A slot casts each layer's shard before its
+    gather (half the bytes in bf16), inside the layer loops; the compiler hoists that cast of
+    loop-invariant weights out of the loops, for the whole stage (as it does outside a
+    pipeline: ``cost/memory.py: _cast_stack``). Seen in libtpu 0.0.52's heap at its peak for
+    Llama-3-70B at ``pipe=4 fsdp=4 tensor=4``: 2.0 GiB of bf16 ``[1, 20, ...]`` shards. Its one
+    layer whole at a time is then one weight at a time (the largest, gathered as read)."""
+    if st.a == PARAM_BYTES or st.cfg.train.param_dtype != "float32":
+        return 0
+    return sum(in_compute_dtype(p, p.stored_bytes_per_device or p.bytes_per_device, st.a)
+               for p in params if p.stacked and p.matmul)
 
 
 def stage_head(st: StepSizes) -> int:
@@ -321,12 +339,13 @@ def chunk_gradients(st: StepSizes, params: list[ParamCost]) -> int:
                 if p.stacked and p.trained)  # (LoRA: the adapters')
     v = st.cfg.parallel.virtual_stages
     if per_layer_fsdp(st):
-        # One layer's gradient whole (float32 for its reduce-scatter) and the chunk's
-        # scattered float32 ones, before they are added into the sums.
+        # One layer's gradient whole (float32 for its reduce-scatter); each scattered one is
+        # added into the sums as the layer loop makes it (per_layer.layer_backward). The
+        # GPU/TPU compilers scatter each weight's as it is made: one weight's at a time (the
+        # largest; libtpu 0.0.52, Llama-3-70B: w_down's, 224 MiB, at the peak).
         units = st.layers // len(unit_blocks(st.cfg.model))
-        whole = sum(p.gathered_bytes for p in params if p.stacked and p.trained) // units
-        return whole + sum(p.stored_bytes_per_device or p.bytes_per_device
-                           for p in params if p.stacked and p.trained) // v
+        grads = [p.gathered_bytes for p in params if p.stacked and p.trained]
+        return (sum(grads) if st.xla_cpu else max(grads, default=0)) // units
     return stack // v
 
 

@@ -123,6 +123,7 @@ from jaxpar.parallel.pipeline.backward_split import SplitBackward, split_backwar
 from jaxpar.parallel.pipeline.dense_first import dense_pre_phase
 from jaxpar.parallel.pipeline.per_layer import (
     LayerFsdp,
+    added,
     layer_backward,
     layer_backward_input,
     layer_backward_weights,
@@ -371,17 +372,18 @@ class _Env:
         weights = jax.tree.leaves((layers, frozen, consts))
         return (y, aux), self.residuals.split(vjp_fn, weights)
 
-    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
-        """(weight gradients, float32 in the stored layout; input gradient) of chunk ``j`` from
-        its stashed residuals: a whole backward (B)."""
+    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
+                 sums: Any) -> tuple[Any, jax.Array]:
+        """(``sums`` with chunk ``j``'s weight gradients added where ``aux_on``, float32 in the
+        stored layout; input gradient) from its stashed residuals: a whole backward (B)."""
         aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
-        if self.fsdp is not None:
+        if self.fsdp is not None:  # each layer's gradient added as its loop makes it
             layers, _, consts = self.weights(j)
             return layer_backward(self.fsdp, self.residuals, layers, consts, stashed, dy,
-                                  aux_cotangent)
+                                  aux_cotangent, sums, j, aux_on)
         vjp_fn = self.residuals.join(stashed, jax.tree.leaves(self.weights(j)))
         d_layers, dx = vjp_fn((dy, aux_cotangent))
-        return self.stages.unprepare(d_layers), dx
+        return added(sums, aux_on, j, self.stages.unprepare(d_layers)), dx
 
     def backward_input(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
                        ) -> tuple[jax.Array, list]:
@@ -395,15 +397,18 @@ class _Env:
         weights = jax.tree.leaves(self.weights(j))
         return self.split.input_part((stashed, weights), (dy, aux_cotangent))
 
-    def backward_weights(self, j: jax.Array, stashed: list, crossing: list) -> Any:
-        """A W: chunk ``j``'s weight gradients (float32, stored layout) from its residuals and
-        what its I left: only the weight-gradient matmuls run."""
+    def backward_weights(self, j: jax.Array, stashed: list, crossing: list, sums: Any,
+                         on: jax.Array) -> Any:
+        """A W: ``sums`` with chunk ``j``'s weight gradients (float32, stored layout) from its
+        residuals and what its I left added where ``on``: only the weight-gradient matmuls
+        run."""
         if self.fsdp is not None:
             layers, _, consts = self.weights(j)
             return layer_backward_weights(self.fsdp, self.split, layers, consts, stashed,
-                                          crossing)
+                                          crossing, sums, j, on)
         weights = jax.tree.leaves(self.weights(j))
-        return self.stages.unprepare(self.split.weight_part((stashed, weights), crossing))
+        d_layers = self.split.weight_part((stashed, weights), crossing)
+        return added(sums, on, j, self.stages.unprepare(d_layers))
 
 
 def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
@@ -473,12 +478,12 @@ def _head_slot(env: _Env, c: _Carry, r: dict, y: jax.Array) -> _Carry:
     if not env.train_shared:  # frozen (LoRA): d_head and d_norm unused (XLA drops them)
         return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
                           grads=_put(c.grads, r["head_dy"], dy))
-    grads = dict(d_norm)
-    if env.stages.tied_embeddings:
-        grads["embedding"] = env.piece.uncut(d_head.T)
-    else:
-        grads["lm_head"] = env.piece.uncut(d_head.T).T
-    shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, grads))
+    shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, dict(d_norm)))
+    # The head piece's gradient into its rows of the sums (VocabPiece.added: in place)
+    key, piece, axis = (("embedding", d_head.T, 0) if env.stages.tied_embeddings
+                        else ("lm_head", d_head, 1))
+    shared_grads[key] = env.piece.added(shared_grads[key],
+                                        jnp.where(on, piece, jnp.zeros_like(piece)), axis)
     return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
                       grads=_put(c.grads, r["head_dy"], dy),
                       shared_grads=shared_grads)
@@ -493,19 +498,13 @@ def _stashed(c: _Carry, r: dict, prefix: str, fresh: list | None) -> list:
     return stashed
 
 
-def _add_layer_grads(c: _Carry, on: jax.Array, j: jax.Array, d_layers: Any) -> _Carry:
-    layer_grads = jax.tree.map(
-        lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g)).astype(acc.dtype)),
-        c.layer_grads, d_layers)
-    return c._replace(layer_grads=layer_grads)
-
-
 def _backward_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
                    ) -> tuple[_Carry, jax.Array]:
     """A B: the whole backward of the slot's chunk, its weight gradients added to the sums."""
     on, j = r["b_on"] == 1, r["b_chunk"]
-    d_layers, dx = env.backward(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on)
-    return _add_layer_grads(c, on, j, d_layers), dx
+    layer_grads, dx = env.backward(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on,
+                                   c.layer_grads)
+    return c._replace(layer_grads=layer_grads), dx
 
 
 def _input_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
@@ -527,8 +526,8 @@ def _weight_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
         same = r["w_wait"] == r["b_wait"]
         crossing = [jnp.where(same, new, old)
                     for new, old in zip(fresh_crossing, crossing, strict=True)]
-    d_layers = env.backward_weights(j, _stashed(c, r, "w", fresh), crossing)
-    return _add_layer_grads(c, on, j, d_layers)
+    return c._replace(layer_grads=env.backward_weights(j, _stashed(c, r, "w", fresh), crossing,
+                                                       c.layer_grads, on))
 
 
 def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
@@ -547,8 +546,9 @@ def _embedding_backward(env: _Env, c: _Carry, r: dict, dx: jax.Array) -> _Carry:
         dx0 = dx0 * jnp.asarray(env.stages.embed_scale, dx0.dtype)
     d_table = one_hot_weight_grad(env.piece.ids, tokens, dx0, env.stages.embedding_grad_pieces,
                                   jnp.float32)
-    grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table)})
-    return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
+    d_table = jnp.where(r["eback_on"] == 1, d_table, jnp.zeros_like(d_table))
+    return c._replace(shared_grads={
+        **c.shared_grads, "embedding": env.piece.added(c.shared_grads["embedding"], d_table)})
 
 
 def _run_step(env: _Env, kinds: tuple[str, ...], c: _Carry, row: dict) -> _Carry:
