@@ -338,6 +338,11 @@ class ParallelConfig:
     # its gradients whole; "per_layer" gathers each layer as a slot runs it and reduce-scatters
     # its gradient at once (less memory, more bytes: parallel/pipeline/executor.py).
     pipeline_fsdp: Literal["per_step", "per_layer"] = "per_step"
+    # What a pipeline stage keeps of a microbatch between a chunk's forward and its backward:
+    # "residuals" (the chunk's VJP residuals, what train.remat saves of each layer) or
+    # "inputs" (the chunk's input alone; its backward slot runs the chunk's forward again
+    # first: parallel/pipeline/recompute.py).
+    pipeline_stash: Literal["residuals", "inputs"] = "residuals"
     # Dtype of the gradient sums jaxpar takes by hand (over data, and over data/fsdp in the
     # pipeline executor); see validation._check_reduce_dtype for where it applies.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -234,6 +234,7 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
                  "use per_step")
         _require(t.lora.rank == 0, "parallel.pipeline_fsdp=per_layer: not with train.lora "
                  "(the frozen base weights are gathered once per step); use per_step")
+    _check_pipeline_stash(cfg, mesh)
     _require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
              "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
     if schedule == "dualpipe_v" and mesh.pipe > 1:
@@ -248,6 +249,21 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     _require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
              f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
              f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
+
+
+def _check_pipeline_stash(cfg: Config, mesh: MeshConfig) -> None:
+    """``parallel.pipeline_stash=inputs``: a stage keeps each chunk's input and runs the chunk
+    again in its backward slot. Where the backward is cut into I and W (zero bubble,
+    DualPipe-V), the W would need the chunk's residuals again, long after the I: refused."""
+    p = cfg.parallel
+    if p.pipeline_stash == "residuals":
+        return
+    _require(mesh.pipe > 1, f"parallel.pipeline_stash={p.pipeline_stash} needs mesh.pipe > 1 "
+             "(it is what a pipeline stage keeps between a chunk's forward and backward)")
+    _require(p.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
+             f"parallel.pipeline_stash={p.pipeline_stash}: not with parallel.pipeline_schedule="
+             f"{p.pipeline_schedule}, whose I and W apart would run the chunk again for each; "
+             "use gpipe, 1f1b or interleaved, or pipeline_stash=residuals")
 
 
 def _check_remat(cfg: Config, mesh: MeshConfig) -> None:

@@ -176,7 +176,8 @@ def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
     slot (B or I), an I slot and a W slot (masked ones run too):
 
     - all-gather: ``(F + B + W) L_s/v`` times per weight, ``(F + B + W) W_c`` bytes in the
-      compute dtype (every slot gathers each layer of its chunk as it runs it);
+      compute dtype (every slot gathers each layer of its chunk as it runs it; with
+      ``pipeline_stash=inputs`` a backward slot runs its chunk's forward first: ``F + 2B``);
     - reduce-scatter: ``(B - I + W) L_s/v`` times, ``(B - I + W) W_c`` bytes in
       ``parallel.reduce_dtype`` (every slot that makes weight gradients scatters each layer's).
 
@@ -189,6 +190,8 @@ def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
     info, v = st.pipeline, st.cfg.parallel.virtual_stages
     units = st.layers // len(unit_blocks(st.cfg.model)) // v  # scanned units of a chunk
     gathers = info["forward_steps"] + info["backward_steps"] + info["weight_steps"]
+    if st.stashes_inputs:  # the chunk's forward again, in each backward slot
+        gathers += info["backward_steps"]
     scatters = info["backward_steps"] - info["input_steps"] + info["weight_steps"]
     c.add("all-gather", ("fsdp",), gathers * units * len(layer),
           gathers * sum(c.moved(p, p.gathered_bytes) for p in layer) // v,
@@ -319,14 +322,24 @@ def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer:
     docstring, "What each part holds"): the chunk's residuals under ``remat=none``, else
     ``recomputed_layer``, one layer's working set as its backward recomputes it; with I and W
     apart (zero bubble), ``waiting_per_layer`` (:func:`weight_stash_per_layer`) for each slot
-    of the W stash."""
+    of the W stash. With ``pipeline_stash=inputs`` a residual slot holds the chunk's input (one
+    activation), and a backward slot makes the chunk's residuals again for its microbatch
+    beside the working set."""
     layers = st.layers // st.cfg.parallel.virtual_stages
     chunk = layers * residuals_per_layer
+    activation = st.act // (st.t if st.sp else 1)
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
     waits = st.pipeline.get("weight_stash_slots", 0)
-    stash = (slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
+    stashed = activation if st.stashes_inputs else chunk
+    stash = (slots * activation + (st.pipeline["residual_slots"] + 1) * stashed
              + (waits + 1 if waits else 0) * layers * waiting_per_layer)
     working = chunk if recomputed_layer is None else recomputed_layer
+    if st.stashes_inputs:
+        # The chunk's residuals made again, beside the backward that reads them; under
+        # per_layer that backward runs one layer at a time (remat=none: one layer's set).
+        if recomputed_layer is None and per_layer_fsdp(st):
+            working = residuals_per_layer
+        working += chunk
     if waits:  # an I's crossing values, made for the whole chunk before they are stashed
         working += layers * waiting_per_layer
     return stash, stage_weights(st, params), working + chunk_gradients(st, params)
@@ -355,6 +368,9 @@ def pipeline_compute(st: StepSizes, compute: float) -> float:
 
 
 def pipeline_note(st: StepSizes) -> str:
+    stash = ("each chunk's input is stashed and the chunk run again in its backward slot "
+             "(parallel.pipeline_stash=inputs)" if st.stashes_inputs else
+             "nothing is recomputed beyond train.remat (forward residuals are stashed)")
     return (f"pipeline {st.pipeline['schedule']}: executed bubble {st.pipeline['bubble']:.1%} "
             f"(masked slots run too: compute time x {st.pipeline['executed_work_factor']:.2f}); "
-            "nothing is recomputed beyond train.remat (forward residuals are stashed)")
+            + stash)

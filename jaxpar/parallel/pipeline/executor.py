@@ -22,7 +22,9 @@ A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
 2. *Forward slot*. Run the chunk's layers on the input (the embedding, or an activation that
    arrived earlier) under ``jax.vjp``; keep the VJP's residuals in a stash slot. Nothing is
    recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
-   each layer's input).
+   each layer's input). With ``parallel.pipeline_stash=inputs`` the slot keeps the chunk's
+   input instead, and the backward slot runs the chunk again from it
+   (:mod:`jaxpar.parallel.pipeline.recompute`).
 3. *Head and loss* (steps where a stage's forward is the last chunk). A ``psum`` hands the last
    stage's output to every stage; each computes the logits of its vocabulary piece, the
    log-sum-exp and target logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage
@@ -131,6 +133,7 @@ from jaxpar.parallel.pipeline.per_layer import (
     layer_split,
 )
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
+from jaxpar.parallel.pipeline.recompute import kept, rebuilt
 from jaxpar.parallel.pipeline.schedules import placement_of, schedule_steps, stage_layer_order
 from jaxpar.parallel.pipeline.stages import (
     PIPE_AXIS,
@@ -182,7 +185,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                             v: int, vocab_size: int, stash_spec: PartitionSpec,
                             layer_grad_specs: Any, shared_grad_specs: Any,
                             frozen: Frozen | None = None, per_layer: bool = False,
-                            ) -> Callable:
+                            stash_inputs: bool = False) -> Callable:
     """``(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale) -> (loss_sum,
     shared_grads, layer_grads, aux)`` running ``program``.
 
@@ -200,8 +203,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     automatic inside (``by_hand``). With ``frozen`` (LoRA, :class:`Frozen`): ``layers`` the
     adapters, ``frozen_layers`` the rest (else ``{}``), and ``shared_grads`` is ``{}``.
     ``per_layer`` (``parallel.pipeline_fsdp``): the layers stay in their stored shards
-    (:mod:`jaxpar.parallel.pipeline.per_layer`).
-    """
+    (:mod:`jaxpar.parallel.pipeline.per_layer`); ``stash_inputs``: each chunk's input stashed
+    (``parallel.pipeline_stash``, :mod:`jaxpar.parallel.pipeline.recompute`)."""
     train_shared = frozen is None
     fsdp = LayerFsdp.of(by_hand, stages) if per_layer else None
 
@@ -215,7 +218,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
             env = _Env.make(stages, shared, (layers, frozen_layers), consts, micro, loss_scale,
                             aux_scale, p=p, v=v, vocab_size=vocab_size,
                             train_shared=train_shared, fsdp=fsdp,
-                            split=program.wait_slots > 0, placement=program.placement)
+                            split=program.wait_slots > 0, placement=program.placement,
+                            stash_inputs=stash_inputs)
             # One pass of the schedule over all the step's microbatches (train.grad_accum is
             # folded into them: one fill and one drain per step, not per micro-step).
             carry = _initial_carry(env, program, stash_spec, layer_grad_specs,
@@ -294,10 +298,12 @@ class _Env:
     placement: str = "ring"  # how chunks sit on the devices (schedules.stage_of)
     # The backward cut into I and W (backward_split.py), where the schedule runs them apart
     split: SplitBackward | None = None
+    stash_inputs: bool = False  # parallel.pipeline_stash=inputs (recompute.py)
 
     @staticmethod
     def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
-             vocab_size, train_shared, fsdp=None, split=False, placement="ring") -> _Env:
+             vocab_size, train_shared, fsdp=None, split=False, placement="ring",
+             stash_inputs=False) -> _Env:
         """``layers``: (trained, frozen) stacked layer weights."""
         def by_chunk(tree):
             return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
@@ -309,7 +315,7 @@ class _Env:
                    stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
                    vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
                    aux_scale, Residuals(), None, None, None, train_shared, fsdp,
-                   placement)
+                   placement, stash_inputs=stash_inputs)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
@@ -317,7 +323,7 @@ class _Env:
         x = jnp.zeros(env.act.shape, env.act.dtype)
         # Traced with a traced chunk index, as the steps will be, so the residuals match.
         (_, aux), res = jax.eval_shape(lambda j: env.forward(j, x, first), jnp.int32(0))
-        env.aux_shapes, env.res_shapes = aux, res
+        env.aux_shapes, env.res_shapes = aux, [env.act] if stash_inputs else res
         if split:
             env.split = env.split_backward()
         return env
@@ -430,8 +436,9 @@ def _initial_carry(env: _Env, program: Program, stash_spec: PartitionSpec,
     v = jax.tree.leaves(env.chunks)[0].shape[0]
     aux0 = {k: jnp.zeros((v, *a.shape) if k in env.stages.layer_stacked else a.shape, a.dtype)
             for k, a in env.aux_shapes.items()}
-    res0 = [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
-            for r in env.res_shapes]
+    res0 = ([stash(program.res_slots)] if env.stash_inputs  # chunk inputs, laid out as such
+            else [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
+                  for r in env.res_shapes])
     d_inputs = (jnp.zeros_like(env.micro["x0"]) if env.stages.pre_embedded else None)
     shared_grads = zeros(env.shared, shared_grad_specs) if env.train_shared else {}
     waits = [jnp.full((program.wait_slots + 1, *w.shape), next(fills), w.dtype)
@@ -461,6 +468,7 @@ def _forward_slot(env: _Env, c: _Carry, r: dict) -> tuple[_Carry, jax.Array, lis
     x = jnp.where(r["f_first"] == 1, x0.astype(env.act.dtype), c.acts[r["f_in"]])
     on = r["f_on"] == 1
     (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
+    res = kept(env, x, res)
     c = c._replace(res=[_put(buf, r["f_res"], leaf) for buf, leaf in zip(c.res, res,
                                                                            strict=True)],
                    aux=_add_aux(env, c.aux, aux, r["f_chunk"], on))
@@ -502,8 +510,8 @@ def _backward_slot(env: _Env, c: _Carry, r: dict, fresh: list | None,
                    ) -> tuple[_Carry, jax.Array]:
     """A B: the whole backward of the slot's chunk, its weight gradients added to the sums."""
     on, j = r["b_on"] == 1, r["b_chunk"]
-    layer_grads, dx = env.backward(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on,
-                                   c.layer_grads)
+    stashed = rebuilt(env, j, _stashed(c, r, "b", fresh), r["b_mb"])
+    layer_grads, dx = env.backward(j, stashed, c.grads[r["b_grad"]], on, c.layer_grads)
     return c._replace(layer_grads=layer_grads), dx
 
 
@@ -694,7 +702,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                                   p=p, v=v, vocab_size=cfg.model.vocab_size,
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs, frozen=frozen,
-                                  per_layer=cfg.parallel.pipeline_fsdp == "per_layer")
+                                  per_layer=cfg.parallel.pipeline_fsdp == "per_layer",
+                                  stash_inputs=cfg.parallel.pipeline_stash == "inputs")
 
     pre_phase = dense_pre_phase(cfg, graphdef, mesh_shape, platform, dtype=dtype, remat=remat,
                                  split=lambda batch: split_microbatches(batch, accum, m))
