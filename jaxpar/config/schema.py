@@ -342,6 +342,11 @@ class ParallelConfig:
     # overlap one's collectives with the other's matmuls (DualPipe's F&B overlap;
     # parallel/pipeline/layerwise.py); the last chunk then turns round a step later.
     pipeline_overlap: bool = False
+    # What a pipeline stage keeps of a microbatch between a chunk's forward and its backward:
+    # "residuals" (the chunk's VJP residuals, what train.remat saves of each layer) or
+    # "inputs" (the chunk's input alone; its backward slot runs the chunk's forward again
+    # first: parallel/pipeline/recompute.py).
+    pipeline_stash: Literal["residuals", "inputs"] = "residuals"
     # Dtype of the gradient sums jaxpar takes by hand (over data, and over data/fsdp in the
     # pipeline executor); see validation._check_reduce_dtype for where it applies.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"

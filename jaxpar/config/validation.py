@@ -142,6 +142,7 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
                 "dualpipe_v")
         require(t.lora.rank == 0, "parallel.pipeline_overlap=true: not with train.lora (the "
                 "layer-by-layer slots take no frozen base weights); set it false")
+    _check_pipeline_stash(cfg, mesh)
     require(t.microbatches == 1 or mesh.pipe > 1, f"train.microbatches={t.microbatches} needs "
             "mesh.pipe > 1 (without a pipeline, split a step with train.grad_accum)")
     if schedule == "dualpipe_v" and mesh.pipe > 1:
@@ -156,6 +157,24 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
     require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
             f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
             f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
+
+
+def _check_pipeline_stash(cfg: Config, mesh: MeshConfig) -> None:
+    """``parallel.pipeline_stash=inputs``: a stage keeps each chunk's input and runs the chunk
+    again in its backward slot. Where the backward is cut into I and W (zero bubble,
+    DualPipe-V), the W would need the chunk's residuals again, long after the I: refused."""
+    p = cfg.parallel
+    if p.pipeline_stash == "residuals":
+        return
+    require(mesh.pipe > 1, f"parallel.pipeline_stash={p.pipeline_stash} needs mesh.pipe > 1 "
+            "(it is what a pipeline stage keeps between a chunk's forward and backward)")
+    require(p.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
+            f"parallel.pipeline_stash={p.pipeline_stash}: not with parallel.pipeline_schedule="
+            f"{p.pipeline_schedule}, whose I and W apart would run the chunk again for each; "
+            "use gpipe, 1f1b or interleaved, or pipeline_stash=residuals")
+    require(not p.pipeline_overlap, f"parallel.pipeline_stash={p.pipeline_stash}: not with "
+            "parallel.pipeline_overlap=true (its one layer loop runs a chunk's forward beside "
+            "another's backward, not again); set pipeline_stash=residuals")
 
 
 def _check_remat(cfg: Config, mesh: MeshConfig) -> None:

@@ -116,7 +116,7 @@ def collectives(st: StepSizes, params: list[ParamCost]) -> list[CollectiveCost]:
     ledger = Ledger(st, params)
     for parallelism in (fsdp_collectives, data_collectives, context_collectives,
                         expert_collectives, tensor_collectives, pipeline_collectives,
-                        muon_collectives):
+                        rerun_collectives, muon_collectives):
         parallelism(ledger)
     return ledger.out
 
@@ -318,7 +318,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     st, m = c.st, c.st.cfg.model
     n_layers, n_moe = st.layers, st.moe_layers
     shared = 1 if m.moe.num_shared_experts else 0
-    rows_per_layer = (n_layers - n_moe) * ROW_PARALLEL_MATMULS + n_moe * (2 + shared)
+    rows_per_layer = _row_outputs(st)
     moe_column = (st.attention_matmuls + 1 + shared * st.mlp_matmuls if st.xla_cpu
                   else 1 + 1 + shared)
     columns = (n_layers - n_moe) * st.column_parallel_reductions + n_moe * moe_column
@@ -333,6 +333,62 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     embeds, heads = (round(st.pipeline[k] / st.executed("forward"))
                      for k in ("forward_steps", "head_steps"))
     return row_outputs, st.runs * columns, embeds, heads
+
+
+def _row_outputs(st: StepSizes) -> int:
+    """Row-parallel outputs a forward of the stage's layers reduces over ``tensor``, one
+    microbatch: attention's and the MLP's (a MoE layer: the experts' summed outputs and the
+    shared experts')."""
+    shared = 1 if st.cfg.model.moe.num_shared_experts else 0
+    return ((st.layers - st.moe_layers) * ROW_PARALLEL_MATMULS
+            + st.moe_layers * (2 + shared))
+
+
+def _input_gathers(st: StepSizes) -> int:
+    """Megatron-SP's gathers of the column-parallel matmuls' inputs in a forward of the stage's
+    layers, one microbatch: one per input, whatever the matmuls reading it (attention's and
+    the MLP's; a MoE layer's experts read their own token copies)."""
+    shared = 1 if st.cfg.model.moe.num_shared_experts else 0
+    return (st.layers - st.moe_layers) * 2 + st.moe_layers * (1 + shared)
+
+
+def rerun_collectives(c: Ledger) -> None:
+    """``parallel.pipeline_stash=inputs``: every backward slot (masked ones too) runs its
+    chunk's forward again before its backward (:mod:`jaxpar.parallel.pipeline.recompute`), so
+    the forward's collectives inside the stage's layers run once more per backward slot:
+    tensor's row-parallel reductions (or, under sequence parallelism, the input gathers and
+    output scatters), the context ring's K and V blocks or gathers, the MoE dispatch and
+    combine. (The embedding and head are not in a chunk; ``per_layer`` FSDP gathers:
+    :func:`~jaxpar.cost.pipeline.per_layer_fsdp_collectives`.) Measured on tiny, ``pipe=2
+    fsdp=2 tensor=2`` with SP under ``remat`` none and full: the tensor gathers and scatters
+    grow by one forward's per backward slot, as here."""
+    st = c.st
+    if not st.stashes_inputs:
+        return
+    again = c.backwards  # per useful run of the chunk
+    what = " again, the chunk's forward in each backward slot (pipeline_stash=inputs)"
+    if st.t > 1:
+        act, rows = st.tokens_x_embed(st.wire), round(st.runs * _row_outputs(st) * again)
+        if st.sp:
+            gathers = round(st.runs * _input_gathers(st) * again)
+            c.add("all-gather", ("tensor",), gathers, gathers * act,
+                  "sequence gathered entering attention/MLP" + what, False)
+        c.add("reduce-scatter" if st.sp else "all-reduce", ("tensor",), rows, rows * act,
+              "row-parallel outputs" + what, False)
+    per_layer = st.layers * st.runs * again
+    if st.ring:
+        hops = round(per_layer * 2 * (st.c - 1))
+        c.add("collective-permute", ("context",), hops, hops * st.kv_block * st.wire,
+              "ring attention: K, V blocks" + what, True)
+    elif st.c > 1:
+        count = round(2 * per_layer)
+        c.add("all-gather", ("context",), count, count * st.kv_block * st.c * st.wire,
+              "context allgather attention: K, V" + what, False)
+    if st.moe_exchange is not None:
+        count = round(st.moe_layers * st.runs * 2 * again)
+        payload = st.expert_rows * st.cfg.model.d_model * st.wire
+        c.add("ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all",
+              ("expert",), count, count * payload, "MoE dispatch + combine" + what, True)
 
 
 def _rematted(st: StepSizes) -> float:
@@ -357,7 +413,6 @@ def _input_regathers(c: Ledger) -> int:
     without remat ``project_all`` keeps each input's slice and gathers it again (a pipeline
     stage's prepared weights skip that VJP, and keep the gathered input)."""
     st = c.st
-    shared = 1 if st.cfg.model.moe.num_shared_experts else 0
     rematted = 2 * st.layers * st.runs
     if st.cfg.train.remat == "attention":
         # The MLP's recomputation gathers its input, and its weight gradients' backward rule
@@ -365,8 +420,7 @@ def _input_regathers(c: Ledger) -> int:
         rematted += (st.layers - st.moe_layers) * st.runs
     # One gather per input, whatever the matmuls reading it (they share its kept slice); a MoE
     # layer's experts read their own token copies.
-    kept = 0 if st.pipeline is not None else (
-        ((st.layers - st.moe_layers) * 2 + st.moe_layers * (1 + shared)) * st.runs)
+    kept = 0 if st.pipeline is not None else _input_gathers(st) * st.runs
     share = _rematted(st)
     return round(share * rematted + (1 - share) * kept)
 

@@ -234,7 +234,9 @@ def _flops(st: StepSizes) -> FlopsCost:
         recompute += 2 * m.d_model * m.vocab_size
     # The pipeline executor recomputes nothing (the forward's residuals wait in its stash), but
     # every stage runs every slot of a step: masked forward and backward slots execute too.
-    recompute += ((st.executed("forward") - 1) * (2 * layer_matmuls + attention_forward)
+    # (With parallel.pipeline_stash=inputs each backward slot runs its chunk's forward again
+    # first: StepSizes.chunk_forwards.)
+    recompute += ((st.chunk_forwards() - 1) * (2 * layer_matmuls + attention_forward)
                   + (st.executed("backward") - 1) * 2 * (2 * layer_matmuls + attention_forward))
     padding = 0.0
     if m.moe.enabled:

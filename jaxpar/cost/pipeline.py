@@ -117,7 +117,7 @@ x the executed-work factor = compute / (1 - bubble).
 from __future__ import annotations
 
 from jaxpar.cost.ledger import Ledger
-from jaxpar.cost.params import ParamCost, in_compute_dtype, unit_blocks
+from jaxpar.cost.params import PARAM_BYTES, ParamCost, in_compute_dtype, unit_blocks
 from jaxpar.cost.shapes import StepSizes
 
 
@@ -176,7 +176,8 @@ def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
     slot (B or I), an I slot and a W slot (masked ones run too):
 
     - all-gather: ``(F + B + W) L_s/v`` times per weight, ``(F + B + W) W_c`` bytes in the
-      compute dtype (every slot gathers each layer of its chunk as it runs it);
+      compute dtype (every slot gathers each layer of its chunk as it runs it; with
+      ``pipeline_stash=inputs`` a backward slot runs its chunk's forward first: ``F + 2B``);
     - reduce-scatter: ``(B - I + W) L_s/v`` times, ``(B - I + W) W_c`` bytes in
       ``parallel.reduce_dtype`` (every slot that makes weight gradients scatters each layer's).
 
@@ -189,6 +190,8 @@ def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
     info, v = st.pipeline, st.cfg.parallel.virtual_stages
     units = st.layers // len(unit_blocks(st.cfg.model)) // v  # scanned units of a chunk
     gathers = info["forward_steps"] + info["backward_steps"] + info["weight_steps"]
+    if st.stashes_inputs:  # the chunk's forward again, in each backward slot
+        gathers += info["backward_steps"]
     scatters = info["backward_steps"] - info["input_steps"] + info["weight_steps"]
     c.add("all-gather", ("fsdp",), gathers * units * len(layer),
           gathers * sum(c.moved(p, p.gathered_bytes) for p in layer) // v,
@@ -227,7 +230,11 @@ def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
     stack = sum(in_compute_dtype(p, p.gathered_bytes, widened) for p in params if p.stacked)
     units = st.layers // len(unit_blocks(st.cfg.model))  # scanned units in a stage
     # per_layer: the one layer gathered, and again as its matmuls read it; no stage copy
+    # (but on the TPU compiler the cast of the stage's shards: per_layer_stage_cast)
     layers = (2 if per_layer_fsdp(st) else units + 1) * stack // units
+    if per_layer_fsdp(st) and not st.xla_cpu:
+        layers = per_layer_stage_cast(st, params) + max(
+            in_compute_dtype(p, p.gathered_bytes, st.a) for p in params if p.stacked) // units
     head = embedding = 0
     for p in params:
         if p.name == "embedding":
@@ -238,6 +245,20 @@ def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
     others = sum(p.gathered_bytes for p in params if not p.stacked
                  and p.name not in ("embedding", "lm_head"))  # the final norm, float32
     return layers + head + embedding + others
+
+
+def per_layer_stage_cast(st: StepSizes, params: list[ParamCost]) -> int:
+    """Under ``pipeline_fsdp=per_layer`` on the GPU/TPU compilers: the stage's stored layer
+    shards cast to the compute dtype once per step. A slot casts each layer's shard before its
+    gather (half the bytes in bf16), inside the layer loops; the compiler hoists that cast of
+    loop-invariant weights out of the loops, for the whole stage (as it does outside a
+    pipeline: ``cost/memory.py: _cast_stack``). Seen in libtpu 0.0.52's heap at its peak for
+    Llama-3-70B at ``pipe=4 fsdp=4 tensor=4``: 2.0 GiB of bf16 ``[1, 20, ...]`` shards. Its one
+    layer whole at a time is then one weight at a time (the largest, gathered as read)."""
+    if st.a == PARAM_BYTES or st.cfg.train.param_dtype != "float32":
+        return 0
+    return sum(in_compute_dtype(p, p.stored_bytes_per_device or p.bytes_per_device, st.a)
+               for p in params if p.stacked and p.matmul)
 
 
 def stage_head(st: StepSizes) -> int:
@@ -300,16 +321,26 @@ def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer:
     docstring, "What each part holds"): the chunk's residuals under ``remat=none``, else
     ``recomputed_layer``, one layer's working set as its backward recomputes it; with I and W
     apart (zero bubble, DualPipe-V), each slot of the W stash
-    (:func:`weight_stash_per_layer`, per layer)."""
+    (:func:`weight_stash_per_layer`, per layer). With ``pipeline_stash=inputs`` a residual
+    slot holds the chunk's input (one activation), and a backward slot makes the chunk's
+    residuals again for its microbatch beside the working set."""
     blocks = unit_blocks(st.cfg.model)
     waiting_per_layer = sum(weight_stash_per_layer(st, moe) for moe in blocks) // len(blocks)
     layers = st.layers // st.cfg.parallel.virtual_stages
     chunk = layers * residuals_per_layer
+    activation = st.act // (st.t if st.sp else 1)
     slots = st.pipeline["activation_slots"] + 1 + 2 * (st.pipeline["gradient_slots"] + 1)
     waits = st.pipeline.get("weight_stash_slots", 0)
-    stash = (slots * st.act // (st.t if st.sp else 1) + (st.pipeline["residual_slots"] + 1) * chunk
+    stashed = activation if st.stashes_inputs else chunk
+    stash = (slots * activation + (st.pipeline["residual_slots"] + 1) * stashed
              + (waits + 1 if waits else 0) * layers * waiting_per_layer)
     working = chunk if recomputed_layer is None else recomputed_layer
+    if st.stashes_inputs:
+        # The chunk's residuals made again, beside the backward that reads them; under
+        # per_layer that backward runs one layer at a time (remat=none: one layer's set).
+        if recomputed_layer is None and per_layer_fsdp(st):
+            working = residuals_per_layer
+        working += chunk
     if waits:  # an I's crossing values, made for the whole chunk before they are stashed
         working += layers * waiting_per_layer
     return stash, stage_weights(st, params), working + chunk_gradients(st, params)
@@ -322,12 +353,13 @@ def chunk_gradients(st: StepSizes, params: list[ParamCost]) -> int:
                 if p.stacked and p.trained)  # (LoRA: the adapters')
     v = st.cfg.parallel.virtual_stages
     if per_layer_fsdp(st):
-        # One layer's gradient whole (float32 for its reduce-scatter) and the chunk's
-        # scattered float32 ones, before they are added into the sums.
+        # One layer's gradient whole (float32 for its reduce-scatter); each scattered one is
+        # added into the sums as the layer loop makes it (per_layer.layer_backward). The
+        # GPU/TPU compilers scatter each weight's as it is made: one weight's at a time (the
+        # largest; libtpu 0.0.52, Llama-3-70B: w_down's, 224 MiB, at the peak).
         units = st.layers // len(unit_blocks(st.cfg.model))
-        whole = sum(p.gathered_bytes for p in params if p.stacked and p.trained) // units
-        return whole + sum(p.stored_bytes_per_device or p.bytes_per_device
-                           for p in params if p.stacked and p.trained) // v
+        grads = [p.gathered_bytes for p in params if p.stacked and p.trained]
+        return (sum(grads) if st.xla_cpu else max(grads, default=0)) // units
     return stack // v
 
 
@@ -337,6 +369,9 @@ def pipeline_compute(st: StepSizes, compute: float) -> float:
 
 
 def pipeline_note(st: StepSizes) -> str:
+    stash = ("each chunk's input is stashed and the chunk run again in its backward slot "
+             "(parallel.pipeline_stash=inputs)" if st.stashes_inputs else
+             "nothing is recomputed beyond train.remat (forward residuals are stashed)")
     return (f"pipeline {st.pipeline['schedule']}: executed bubble {st.pipeline['bubble']:.1%} "
             f"(masked slots run too: compute time x {st.pipeline['executed_work_factor']:.2f}); "
-            "nothing is recomputed beyond train.remat (forward residuals are stashed)")
+            + stash)

@@ -112,7 +112,9 @@ def _memory_table(report: CostReport, hw: HardwareProfile) -> Table:
          + (" (and each layer's weights)" if cfg.train.remat == "none" else "")),
         ("working", m.working, "one layer's backward, logits, gathered weights"),
         *([("pipeline stash", m.stash, f"{report.pipeline['activation_slots']} stage inputs + "
-            f"{report.pipeline['gradient_slots']} output gradients held "
+            f"{report.pipeline['residual_slots']} "
+            + ("chunk inputs" if cfg.parallel.pipeline_stash == "inputs" else "residual sets")
+            + f" + {report.pipeline['gradient_slots']} output gradients held "
             f"({report.pipeline['schedule']})")] if report.pipeline else []),
         *([("weight copies", m.weight_copies, "the stage's weights as its matmuls read them, "
             "copied beside the stashes" if report.pipeline else "the layer stack cast to "

@@ -24,8 +24,13 @@ A *layout* is everything that changes how the work is split:
 
 The *levers* only trade memory for time on a layout: ``train.remat`` (every value the schema
 allows, read from :class:`~jaxpar.config.schema.TrainConfig`'s annotation, so a new policy is
-searched without an edit here) and ``train.offload.optimizer`` (only on a profile whose devices
-have a host memory apart from the device's, i.e. not ``cpu``).
+searched without an edit here), ``train.offload.optimizer`` (only on a profile whose devices
+have a host memory apart from the device's, i.e. not ``cpu``) and, in a pipeline whose
+schedule runs each backward whole (``1f1b``, ``interleaved``), ``parallel.pipeline_stash``
+(``inputs``: a stage keeps each chunk's input and runs the chunk again in its backward slot,
+one more forward for less memory; zero bubble and DualPipe-V refuse it). A layout is probed
+with ``residuals``, which recomputes nothing, and ``inputs`` is tried beside every remat value
+when it is expanded.
 
 Pruning
 -------
@@ -34,15 +39,16 @@ few ms each) would take minutes; two rules keep the search to about one estimate
 
 1. *A lever never speeds a step up.* ``remat=none`` recomputes nothing and gathers no weight
    again, and the host link's time is not in the step (docs/memory.md#host-offload), so each
-   layout is first estimated with ``remat=none`` and no offload: its *probe*, whose step time
-   is a lower bound on every lever's. Only the layouts that may enter the top (rule 2) are
-   expanded: every remat value without offload, and only if none of them fits, with the
-   optimizer offloaded too. The fastest variant that fits stands for the layout (ties, e.g.
-   ``dots`` and ``none`` under flash attention, which neither recomputes: least memory), but
-   one that keeps nothing in host memory wins over one that does (the optimizer offloaded, or
-   a remat policy that offloads what it saves): the host link's time is not in the step, so
-   host memory is a last resort, not a free win. A layout none of whose variants fits is
-   rejected with the reason of the smallest one.
+   layout is first estimated with ``remat=none``, no offload and (a pipeline) its residuals
+   stashed: its *probe*, whose step time is a lower bound on every lever's. Only the layouts
+   that may enter the top (rule 2) are expanded: every remat value, with each
+   ``pipeline_stash`` value the schedule takes, without offload, and only if none of them
+   fits, with the optimizer offloaded too. The fastest variant that fits stands for the
+   layout (ties, e.g. ``dots`` and ``none`` under flash attention, which neither
+   recomputes: least memory), but one that keeps nothing in host memory wins over one that
+   does (the optimizer offloaded, or a remat policy that offloads what it saves): the host
+   link's time is not in the step, so host memory is a last resort, not a free win. A layout
+   none of whose variants fits is rejected with the reason of the smallest one.
 2. *Top K.* Layouts are expanded in the order of their probes' step times; once ``keep``
    layouts fit and the next probe is slower than the ``keep``-th fastest of them, no layout
    left can enter the top ``keep`` (each is at least as slow as its probe), so the rest are
@@ -79,6 +85,11 @@ def pipeline_fsdp_values() -> tuple[str, ...]:
     return schema_values(ParallelConfig, "pipeline_fsdp")
 
 
+# The schedules whose backward runs whole, which a stage can run again from the chunk's input
+# (parallel.pipeline_stash=inputs: config/validation.py refuses the others).
+WHOLE_BACKWARD = ("gpipe", "1f1b", "interleaved")
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the work is split (module docstring): the mesh and the settings that go with it."""
@@ -95,14 +106,20 @@ class Layout:
     virtual_stages: int = 1
     microbatches: int = 1
     pipeline_fsdp: str | None = None  # None: the config's
+    pipeline_stash: str | None = None  # None: the config's
 
     def apply(self, cfg: Config, remat: str, offload: bool) -> Config:
         """``cfg`` with this layout and these levers."""
         mesh = MeshConfig(pipe=self.pipe, data=self.data, fsdp=self.fsdp, expert=self.expert,
                           context=self.context, tensor=self.tensor, dcn=cfg.mesh.dcn)
         pipeline = {"pipeline_schedule": self.schedule} if self.schedule else {}
+        if self.pipe == 1:  # the config's pipeline-only settings would be refused here
+            pipeline.update(pipeline_fsdp=ParallelConfig.pipeline_fsdp,
+                            pipeline_stash=ParallelConfig.pipeline_stash)
         if self.pipeline_fsdp is not None:
             pipeline["pipeline_fsdp"] = self.pipeline_fsdp
+        if self.pipeline_stash is not None:
+            pipeline["pipeline_stash"] = self.pipeline_stash
         parallel = dataclasses.replace(cfg.parallel, sequence_parallel=self.sequence_parallel,
                                        zero=self.zero, virtual_stages=self.virtual_stages,
                                        **pipeline)
@@ -148,6 +165,8 @@ class Candidate:
                                          else ""))
         if lay.pipeline_fsdp:
             parts.append(lay.pipeline_fsdp)
+        if lay.pipeline_stash == "inputs":
+            parts.append("stash inputs")
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -163,6 +182,8 @@ class Candidate:
                     f"parallel.virtual_stages={lay.virtual_stages}"]
         if lay.pipeline_fsdp:
             out.append(f"parallel.pipeline_fsdp={lay.pipeline_fsdp}")
+        if lay.pipeline_stash:
+            out.append(f"parallel.pipeline_stash={lay.pipeline_stash}")
         return [*out, f"train.microbatches={lay.microbatches}", f"train.remat={self.remat}",
                 f"train.offload.optimizer={str(self.offload).lower()}"]
 
@@ -183,10 +204,11 @@ SEARCHED_CHUNKS = {"interleaved": (2,), "zero_bubble": (1, 2), "dualpipe_v": (2,
 
 
 def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
-               ) -> Iterator[tuple[str | None, int, int, str | None]]:
-    """(schedule, virtual_stages, microbatches, pipeline_fsdp) for ``pipe`` stages."""
+               ) -> Iterator[tuple[str | None, int, int, str | None, str | None]]:
+    """(schedule, virtual_stages, microbatches, pipeline_fsdp, pipeline_stash) for ``pipe``
+    stages."""
     if pipe == 1:
-        yield None, 1, 1, None
+        yield None, 1, 1, None, None
         return
     m, t = cfg.model, cfg.train
     rows = t.batch_size // max(1, t.grad_accum * replicas)
@@ -202,8 +224,8 @@ def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
             for count in counts:
                 if schedule == "dualpipe_v" and count < 2 * pipe:  # DualPipe's m >= 2p
                     continue
-                for mode in fsdp_modes:
-                    yield schedule, virtual, count, mode
+                for mode in fsdp_modes:  # (pipeline_stash: a lever, _expand)
+                    yield schedule, virtual, count, mode, "residuals"
 
 
 def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
@@ -215,10 +237,10 @@ def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
         for sp in (False, True) if tensor > 1 else (False,):
             # ZeRO-1 splits over data and fsdp: without either it is ZeRO-3 again.
             for zero in (3, 1) if data * fsdp > 1 else (3,):
-                for schedule, virtual, count, mode in _pipelines(cfg, pipe, fsdp,
-                                                                 data * fsdp * expert):
+                for schedule, virtual, count, mode, stash in _pipelines(
+                        cfg, pipe, fsdp, data * fsdp * expert):
                     yield Layout(data, fsdp, context, tensor, sp, zero, expert, pipe, schedule,
-                                 virtual, count, mode)
+                                 virtual, count, mode, stash)
 
 
 def _try(cfg: Config, layout: Layout, remat: str, offload: bool, devices: int,
@@ -240,10 +262,15 @@ def _expand(cfg: Config, probe: Candidate, devices: int, hw: HardwareProfile) ->
     """The fastest lever setting of the probe's layout that fits (ties: least memory), else the
     smallest one (rule 1 of the module docstring)."""
     remats = schema_values(TrainConfig, "remat")
+    layouts = [probe.layout_]
+    if probe.schedule in WHOLE_BACKWARD:  # each chunk's input stashed, the chunk run again
+        layouts += [dataclasses.replace(probe.layout_, pipeline_stash=stash)
+                    for stash in schema_values(ParallelConfig, "pipeline_stash")
+                    if stash != probe.pipeline_stash]
     tried = [probe]
     for offload in (False, True) if hw.platform != "cpu" else (False,):
-        tried += [_try(cfg, probe.layout_, r, offload, devices, hw) for r in remats
-                  if (r, offload) != (probe.remat, probe.offload)]
+        tried += [_try(cfg, lay, r, offload, devices, hw) for lay in layouts for r in remats
+                  if (lay, r, offload) != (probe.layout_, probe.remat, probe.offload)]
         fitting = [c for c in tried if c.fits]
         if fitting:
             return min(fitting, key=lambda c: (c.report.memory.host > 0, c.report.time.step,
@@ -252,7 +279,8 @@ def _expand(cfg: Config, probe: Candidate, devices: int, hw: HardwareProfile) ->
     if not estimated:
         return probe
     smallest = min(estimated, key=lambda c: c.report.memory.peak)
-    levers = f"remat={smallest.remat}" + (", optimizer offloaded" if smallest.offload else "")
+    levers = (f"remat={smallest.remat}" + (", optimizer offloaded" if smallest.offload else "")
+              + (", chunk inputs stashed" if smallest.pipeline_stash == "inputs" else ""))
     tried_all = "every remat" + (" and offload" if hw.platform != "cpu" else "") + " tried"
     return dataclasses.replace(smallest, reason=f"{smallest.reason} even with {levers} "
                                f"({tried_all})")

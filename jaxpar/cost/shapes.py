@@ -224,6 +224,18 @@ class StepSizes:
         return self.pipeline[f"{direction}_steps"] / useful
 
     @property
+    def stashes_inputs(self) -> bool:
+        """Whether a stage keeps each chunk's input and runs the chunk again in its backward
+        slot (``parallel.pipeline_stash=inputs``, :mod:`jaxpar.parallel.pipeline.recompute`)."""
+        return self.pipeline is not None and self.cfg.parallel.pipeline_stash == "inputs"
+
+    def chunk_forwards(self) -> float:
+        """Forward runs of each chunk a stage executes per useful one (masked slots too): its
+        forward slots', and with ``pipeline_stash=inputs`` one more in every backward slot."""
+        return self.executed("forward") + (self.executed("backward") if self.stashes_inputs
+                                           else 0.0)
+
+    @property
     def sent(self) -> int:
         """Bytes of one stage-to-stage message: a microbatch's residual stream shard (split
         over tensor too under sequence parallelism), as it travels."""

@@ -152,6 +152,16 @@ LAYOUTS = {
         {("collective-permute", ("pipe",)), ("all-reduce", ("pipe",)),
          ("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-gather", ("tensor",)),
          ("reduce-scatter", ("tensor",))}),
+    # ... with each chunk's input stashed (parallel.pipeline_stash=inputs): every backward slot
+    # runs its chunk's forward again first, so its layers are gathered once more and the
+    # sequence gathered and scattered over tensor as in a forward (cost: chunk_forwards).
+    "pipe=2,fsdp=2,tensor=2,sp,per_layer,inputs": (
+        ["mesh.pipe=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "model.n_layers=4",
+         "parallel.sequence_parallel=true", "train.microbatches=4",
+         "parallel.pipeline_fsdp=per_layer", "parallel.pipeline_stash=inputs"],
+        {("all-reduce", ("pipe",)),  # (the sends: under SMALL of these bytes)
+         ("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-gather", ("tensor",)),
+         ("reduce-scatter", ("tensor",))}),
     # MoE inside a pipeline: the stage's MoE layers, every microbatch and masked slot.
     "moe,pipe=2,expert=2,tensor=2": (
         [*MOE, "mesh.pipe=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2",
@@ -225,9 +235,18 @@ MEMORY = {
     # embedding or head gradient (measured 1.07 of the plan, as without LoRA)
     "lora,pipe=2,data=4,1f1b": [*LONG, "mesh.pipe=2", "mesh.data=4", "train.microbatches=4",
                                 "parallel.pipeline_schedule=1f1b", "train.lora.rank=4"],
-    # FSDP layer by layer: no stage copy of the weights, the layers' sums in their shards
-    # (measured 1.03 of the plan; per_step's layout 0.93, and 1.17x per_layer's compiled temp)
+    # FSDP layer by layer: no stage copy of the weights, the layers' sums in their shards,
+    # each layer's gradient added into them inside the layer loop (measured 1.02 of the plan;
+    # per_step's layout 0.93)
     "pipe=2,fsdp=2,tensor=2,sp,per_layer": LAYOUTS["pipe=2,fsdp=2,tensor=2,sp,per_layer"][0],
+    # Each chunk's input stashed (parallel.pipeline_stash=inputs): one activation a slot, and
+    # the backward slot's chunk residuals made again beside what reads them (measured 1.05
+    # of the plan; per_layer with tensor and SP 1.08, where keeping residuals reads 1.25)
+    "pipe=2,data=4,1f1b,inputs": [*LONG, "mesh.pipe=2", "mesh.data=4", "train.microbatches=4",
+                                  "parallel.pipeline_schedule=1f1b",
+                                  "parallel.pipeline_stash=inputs"],
+    "pipe=2,fsdp=2,tensor=2,sp,per_layer,inputs": [
+        *LAYOUTS["pipe=2,fsdp=2,tensor=2,sp,per_layer,inputs"][0], *LONG],
 }
 MEMORY_TOLERANCE = 0.10
 # Muon's update phase makes the peak when its gathered matrices outweigh the activations: 8

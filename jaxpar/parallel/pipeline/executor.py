@@ -23,7 +23,9 @@ A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
 2. *Forward slot*. Run the chunk's layers on the input (the embedding, or an activation that
    arrived earlier) under ``jax.vjp``; keep the VJP's residuals in a stash slot. Nothing is
    recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
-   each layer's input).
+   each layer's input). With ``parallel.pipeline_stash=inputs`` the slot keeps the chunk's
+   input instead, and the backward slot runs the chunk again from it
+   (:mod:`jaxpar.parallel.pipeline.recompute`).
 3. *Head and loss* (steps where a stage's forward is the last chunk). A ``psum`` hands the last
    stage's output to every stage; each computes the logits of its vocabulary piece, the
    log-sum-exp and target logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage
@@ -150,7 +152,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                             v: int, vocab_size: int, stash_spec: PartitionSpec,
                             layer_grad_specs: Any, shared_grad_specs: Any,
                             frozen: Frozen | None = None, per_layer: bool = False,
-                            overlap: bool = False) -> Callable:
+                            overlap: bool = False, stash_inputs: bool = False) -> Callable:
     """``(shared, layers, frozen_layers, consts, micro, loss_scale, aux_scale) -> (loss_sum,
     shared_grads, layer_grads, aux)`` running ``program``.
 
@@ -170,7 +172,8 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     ``per_layer`` (``parallel.pipeline_fsdp``): the layers stay in their stored shards
     (:mod:`jaxpar.parallel.pipeline.per_layer`). ``overlap`` (``parallel.pipeline_overlap``):
     a step's forward and backward slots run in one layer loop
-    (:mod:`jaxpar.parallel.pipeline.layerwise`).
+    (:mod:`jaxpar.parallel.pipeline.layerwise`). ``stash_inputs``: each chunk's input stashed
+    (``parallel.pipeline_stash``, :mod:`jaxpar.parallel.pipeline.recompute`).
     """
     train_shared = frozen is None
     fsdp = LayerFsdp.of(by_hand, stages) if per_layer else None
@@ -187,7 +190,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
                                 loss_scale, aux_scale, p=p, v=v, vocab_size=vocab_size,
                                 train_shared=train_shared, layerwise=layerwise,
                                 split=program.wait_slots > 0, placement=program.placement,
-                                overlap=overlap)
+                                overlap=overlap, stash_inputs=stash_inputs)
             # One pass of the schedule over all the step's microbatches (train.grad_accum is
             # folded into them: one fill and one drain per step, not per micro-step).
             carry = run_program(env, program, initial_carry(
@@ -309,7 +312,8 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs, frozen=frozen,
                                   per_layer=cfg.parallel.pipeline_fsdp == "per_layer",
-                                  overlap=cfg.parallel.pipeline_overlap)
+                                  overlap=cfg.parallel.pipeline_overlap,
+                                  stash_inputs=cfg.parallel.pipeline_stash == "inputs")
 
     pre_phase = dense_pre_phase(cfg, graphdef, mesh_shape, platform, dtype=dtype, remat=remat,
                                  split=lambda batch: split_microbatches(batch, accum, m))

@@ -29,7 +29,7 @@ from jaxpar.parallel.pipeline.timeline import bubble_fraction
 # Per (step, stage) integers the executor reads; "trash" slot indices where there is no work.
 FIELDS = (
     "f_on", "f_mb", "f_chunk", "f_first", "f_in", "f_res",  # forward slot
-    "b_on", "b_chunk", "b_first", "b_res", "b_grad",  # backward slot (B or I)
+    "b_on", "b_mb", "b_chunk", "b_first", "b_res", "b_grad",  # backward slot (B or I)
     "b_wait",  # I: where what its W will need waits (the W stash)
     "w_on", "w_chunk", "w_res", "w_wait",  # weight-gradient slot (W)
     "embed_mb", "head_on", "head_mb", "head_last", "head_dy",  # shared work of the step
@@ -159,6 +159,7 @@ def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
             f[f"{prefix}_on"][t, s], f[f"{prefix}_chunk"][t, s] = 1, a.chunk // p
             f[f"{prefix}_res"][t, s] = res.find(s, key)
             if kind in ("B", "I"):
+                f["b_mb"][t, s] = a.mb  # for a chunk run again from its input (recompute.py)
                 f["b_grad"][t, s] = grads.find(s, key)
                 frees.append((grads, s, key))
                 f["b_first"][t, s] = a.chunk == 0
@@ -201,8 +202,8 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1,
     n_chunks = v * p
     f = {name: np.full((len(steps), p), -1, np.int32) for name in FIELDS}
     for name in ("f_on", "f_first", "b_on", "b_first", "w_on", "head_on", "head_last",
-                 "f_mb", "f_chunk", "b_chunk", "w_chunk", "embed_mb", "head_mb", "eback_on",
-                 "eback_mb"):
+                 "f_mb", "f_chunk", "b_mb", "b_chunk", "w_chunk", "embed_mb", "head_mb",
+                 "eback_on", "eback_mb"):
         f[name][:] = 0
     pools = {"act": _Slots(p), "res": _Slots(p), "grad": _Slots(p), "wait": _Slots(p)}
     for t, step in enumerate(steps):

@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec
 from jaxpar.model.annotate import constrain
 from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
 from jaxpar.parallel.collectives import ppermute_in_order
+from jaxpar.parallel.pipeline.layerwise import added
 from jaxpar.parallel.pipeline.program import Program
+from jaxpar.parallel.pipeline.recompute import kept, rebuilt
 from jaxpar.parallel.pipeline.stage_env import StageEnv
 from jaxpar.parallel.pipeline.stages import (
     PIPE_AXIS,
@@ -74,8 +76,9 @@ def initial_carry(env: StageEnv, program: Program, stash_spec: PartitionSpec,
     v = jax.tree.leaves(env.chunks)[0].shape[0]
     aux0 = {k: jnp.zeros((v, *a.shape) if k in env.stages.layer_stacked else a.shape, a.dtype)
             for k, a in env.aux_shapes.items()}
-    res0 = [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
-            for r in env.res_shapes]
+    res0 = ([stash(program.res_slots)] if env.stash_inputs  # chunk inputs, laid out as such
+            else [jnp.full((program.res_slots + 1, *r.shape), next(fills), r.dtype)
+                  for r in env.res_shapes])
     d_inputs = (jnp.zeros_like(env.micro["x0"]) if env.stages.pre_embedded else None)
     shared_grads = zeros(env.shared, shared_grad_specs) if env.train_shared else {}
     waits = [jnp.full((program.wait_slots + 1, *w.shape), next(fills), w.dtype)
@@ -116,6 +119,7 @@ def _forward_kept(env: StageEnv, c: Carry, r: dict, aux: dict, res: list) -> Car
 def _forward_slot(env: StageEnv, c: Carry, r: dict) -> tuple[Carry, jax.Array, list]:
     x = _forward_input(env, c, r)
     (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
+    res = kept(env, x, res)
     return _forward_kept(env, c, r, aux, res), y, res
 
 
@@ -134,7 +138,7 @@ def _fused_slots(env: StageEnv, c: Carry, r: dict, input_only: bool,
     if input_only:
         waits = [put(buf, r["b_wait"], leaf) for buf, leaf in zip(c.waits, out, strict=True)]
         return c._replace(waits=waits), y, dx, out
-    return _add_layer_grads(c, on, j, out), y, dx, None
+    return c._replace(layer_grads=added(c.layer_grads, on, j, out)), y, dx, None
 
 
 def _head_slot(env: StageEnv, c: Carry, r: dict, y: jax.Array) -> Carry:
@@ -148,12 +152,12 @@ def _head_slot(env: StageEnv, c: Carry, r: dict, y: jax.Array) -> Carry:
     if not env.train_shared:  # frozen (LoRA): d_head and d_norm unused (XLA drops them)
         return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
                           grads=put(c.grads, r["head_dy"], dy))
-    grads = dict(d_norm)
-    if env.stages.tied_embeddings:
-        grads["embedding"] = env.piece.uncut(d_head.T)
-    else:
-        grads["lm_head"] = env.piece.uncut(d_head.T).T
-    shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, grads))
+    shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, dict(d_norm)))
+    # The head piece's gradient into its rows of the sums (VocabPiece.added: in place)
+    key, piece, axis = (("embedding", d_head.T, 0) if env.stages.tied_embeddings
+                        else ("lm_head", d_head, 1))
+    shared_grads[key] = env.piece.added(shared_grads[key],
+                                        jnp.where(on, piece, jnp.zeros_like(piece)), axis)
     return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
                       grads=put(c.grads, r["head_dy"], dy),
                       shared_grads=shared_grads)
@@ -168,19 +172,13 @@ def _stashed(c: Carry, r: dict, prefix: str, fresh: list | None) -> list:
     return stashed
 
 
-def _add_layer_grads(c: Carry, on: jax.Array, j: jax.Array, d_layers: Any) -> Carry:
-    layer_grads = jax.tree.map(
-        lambda acc, g: acc.at[j].add(jnp.where(on, g, jnp.zeros_like(g)).astype(acc.dtype)),
-        c.layer_grads, d_layers)
-    return c._replace(layer_grads=layer_grads)
-
-
 def _backward_slot(env: StageEnv, c: Carry, r: dict, fresh: list | None,
                    ) -> tuple[Carry, jax.Array]:
     """A B: the whole backward of the slot's chunk, its weight gradients added to the sums."""
     on, j = r["b_on"] == 1, r["b_chunk"]
-    d_layers, dx = env.backward(j, _stashed(c, r, "b", fresh), c.grads[r["b_grad"]], on)
-    return _add_layer_grads(c, on, j, d_layers), dx
+    stashed = rebuilt(env, j, _stashed(c, r, "b", fresh), r["b_mb"])
+    layer_grads, dx = env.backward(j, stashed, c.grads[r["b_grad"]], on, c.layer_grads)
+    return c._replace(layer_grads=layer_grads), dx
 
 
 def _input_slot(env: StageEnv, c: Carry, r: dict, fresh: list | None,
@@ -202,8 +200,8 @@ def _weight_slot(env: StageEnv, c: Carry, r: dict, fresh: list | None,
         same = r["w_wait"] == r["b_wait"]
         crossing = [jnp.where(same, new, old)
                     for new, old in zip(fresh_crossing, crossing, strict=True)]
-    d_layers = env.backward_weights(j, _stashed(c, r, "w", fresh), crossing)
-    return _add_layer_grads(c, on, j, d_layers)
+    return c._replace(layer_grads=env.backward_weights(j, _stashed(c, r, "w", fresh), crossing,
+                                                       c.layer_grads, on))
 
 
 def _embedding_backward(env: StageEnv, c: Carry, r: dict, dx: jax.Array) -> Carry:
@@ -222,8 +220,9 @@ def _embedding_backward(env: StageEnv, c: Carry, r: dict, dx: jax.Array) -> Carr
         dx0 = dx0 * jnp.asarray(env.stages.embed_scale, dx0.dtype)
     d_table = one_hot_weight_grad(env.piece.ids, tokens, dx0, env.stages.embedding_grad_pieces,
                                   jnp.float32)
-    grads = _fill(c.shared_grads, {"embedding": env.piece.uncut(d_table)})
-    return c._replace(shared_grads=_masked_add(r["eback_on"] == 1, c.shared_grads, grads))
+    d_table = jnp.where(r["eback_on"] == 1, d_table, jnp.zeros_like(d_table))
+    return c._replace(shared_grads={
+        **c.shared_grads, "embedding": env.piece.added(c.shared_grads["embedding"], d_table)})
 
 
 def run_program(env: StageEnv, program: Program, carry: Carry) -> Carry:

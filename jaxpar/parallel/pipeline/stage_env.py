@@ -18,6 +18,7 @@ from jaxpar.model.lora import merged
 from jaxpar.parallel.pipeline.backward_split import SplitBackward, split_backward
 from jaxpar.parallel.pipeline.layerwise import (
     LayerWeights,
+    added,
     layer_backward,
     layer_backward_input,
     layer_backward_weights,
@@ -64,11 +65,12 @@ class StageEnv:
     overlap: bool = False  # a step's forward and backward in one layer loop
     # The backward cut into I and W (backward_split.py), where the schedule runs them apart
     split: SplitBackward | None = None
+    stash_inputs: bool = False  # parallel.pipeline_stash=inputs (recompute.py)
 
     @staticmethod
     def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
              vocab_size, train_shared, layerwise=None, split=False, placement="ring",
-             overlap=False) -> StageEnv:
+             overlap=False, stash_inputs=False) -> StageEnv:
         """``layers``: (trained, frozen) stacked layer weights."""
         def by_chunk(tree):
             return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)
@@ -81,7 +83,7 @@ class StageEnv:
                        stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
                        vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
                        aux_scale, Residuals(), None, None, None, train_shared, layerwise,
-                       placement, overlap)
+                       placement, overlap, stash_inputs=stash_inputs)
         first = env.microbatch(jnp.int32(0))
         table = env.piece.cut(env.table())
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
@@ -89,7 +91,7 @@ class StageEnv:
         x = jnp.zeros(env.act.shape, env.act.dtype)
         # Traced with a traced chunk index, as the steps will be, so the residuals match.
         (_, aux), res = jax.eval_shape(lambda j: env.forward(j, x, first), jnp.int32(0))
-        env.aux_shapes, env.res_shapes = aux, res
+        env.aux_shapes, env.res_shapes = aux, [env.act] if stash_inputs else res
         if split:
             env.split = env.split_backward()
         return env
@@ -153,17 +155,18 @@ class StageEnv:
         weights = jax.tree.leaves((layers, frozen, consts))
         return (y, aux), self.residuals.split(vjp_fn, weights)
 
-    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array):
-        """(weight gradients, float32 in the stored layout; input gradient) of chunk ``j`` from
-        its stashed residuals: a whole backward (B)."""
+    def backward(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
+                 sums: Any) -> tuple[Any, jax.Array]:
+        """(``sums`` with chunk ``j``'s weight gradients added where ``aux_on``, float32 in the
+        stored layout; input gradient) from its stashed residuals: a whole backward (B)."""
         aux_cotangent = jnp.where(aux_on, self.aux_scale, 0.0)
-        if self.layerwise is not None:
+        if self.layerwise is not None:  # each layer's gradient added as its loop makes it
             layers, _, consts = self.weights(j)
             return layer_backward(self.layerwise, self.residuals, layers, consts, stashed, dy,
-                                  aux_cotangent)
+                                  aux_cotangent, sums, j, aux_on)
         vjp_fn = self.residuals.join(stashed, jax.tree.leaves(self.weights(j)))
         d_layers, dx = vjp_fn((dy, aux_cotangent))
-        return self.stages.unprepare(d_layers), dx
+        return added(sums, aux_on, j, self.stages.unprepare(d_layers)), dx
 
     def backward_input(self, j: jax.Array, stashed: list, dy: jax.Array, aux_on: jax.Array,
                        ) -> tuple[jax.Array, list]:
@@ -177,15 +180,18 @@ class StageEnv:
         weights = jax.tree.leaves(self.weights(j))
         return self.split.input_part((stashed, weights), (dy, aux_cotangent))
 
-    def backward_weights(self, j: jax.Array, stashed: list, crossing: list) -> Any:
-        """A W: chunk ``j``'s weight gradients (float32, stored layout) from its residuals and
-        what its I left: only the weight-gradient matmuls run."""
+    def backward_weights(self, j: jax.Array, stashed: list, crossing: list, sums: Any,
+                         on: jax.Array) -> Any:
+        """A W: ``sums`` with chunk ``j``'s weight gradients (float32, stored layout) from its
+        residuals and what its I left added where ``on``: only the weight-gradient matmuls
+        run."""
         if self.layerwise is not None:
             layers, _, consts = self.weights(j)
             return layer_backward_weights(self.layerwise, self.split, layers, consts, stashed,
-                                          crossing)
+                                          crossing, sums, j, on)
         weights = jax.tree.leaves(self.weights(j))
-        return self.stages.unprepare(self.split.weight_part((stashed, weights), crossing))
+        d_layers = self.split.weight_part((stashed, weights), crossing)
+        return added(sums, on, j, self.stages.unprepare(d_layers))
 
     def forward_backward(self, jf: jax.Array, x: jax.Array, mb: dict, jb: jax.Array,
                          stashed: list, dy: jax.Array, aux_on: jax.Array, input_only: bool,
