@@ -331,7 +331,7 @@ def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
     if st.pipeline is None:
         return row_outputs, st.runs * columns, st.runs, st.runs
     embeds, heads = (round(st.pipeline[k] / st.executed("forward"))
-                     for k in ("forward_steps", "head_steps"))
+                     for k in ("embed_steps", "head_steps"))
     return row_outputs, st.runs * columns, embeds, heads
 
 

@@ -257,10 +257,10 @@ def _flops(st: StepSizes) -> FlopsCost:
                           else 3 * attention_forward)
     # The embedding's forward pass is a gather, from each device's rows where vocab is split
     # (model/projection.py: lookup, parallel/pipeline/stages.py: embed_partial); only its weight
-    # gradient is a matmul, which a pipeline stage runs in every backward step, once per
-    # microbatch usefully.
+    # gradient is a matmul, which a pipeline stage runs in every step where a stage's backward
+    # is chunk 0's, once per microbatch usefully.
     embedding_runs = (1.0 if st.pipeline is None
-                      else st.pipeline["backward_steps"] / st.pipeline["microbatches"])
+                      else st.pipeline["embed_back_steps"] / st.pipeline["microbatches"])
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
                      embedding_one_hot=2 * m.vocab_size * m.d_model * embedding_runs
                      * per_device,

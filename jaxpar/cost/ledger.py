@@ -163,7 +163,8 @@ class Ledger:
             return st.accum * (layers + shared + self._tied_head_grad(group, gathered))
         backward, head = st.pipeline["backward_steps"], st.pipeline["head_steps"]
         tied = st.cfg.model.tie_embeddings
-        steps = {"embedding": (backward + head * tied) / st.p, "lm_head": head / st.p}
+        into_first = st.pipeline["embed_back_steps"]  # chunk 0's backward: the embedding's
+        steps = {"embedding": (into_first + head * tied) / st.p, "lm_head": head / st.p}
         shared = sum(size(p) * steps.get(p.name, head) for p in group if not p.stacked)
         return round(backward * layers / st.pipeline["virtual_stages"] + shared)
 

@@ -6,11 +6,14 @@ change with them. Inside the stages every other parallelism's formula runs on th
 once per microbatch (:class:`jaxpar.cost.ledger.Ledger` counts those multiplicities).
 
 ``pipe`` (``parallel/pipeline/executor.py``): each executor step with a forward slot sends one
-activation on (b/m x S/c x E, /t under sequence parallelism) and all-reduces the embedding pieces
+activation on (b/m x S/c x E, /t under sequence parallelism; both ways in DualPipe-V's V), and
+each step that embeds (a stage's forward is the first chunk) all-reduces the embedding pieces
 over ``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
 (the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss statistics
 (three per piece of the sequence under ``train.loss_chunks``, the same bytes); each step with a
-backward slot sends one gradient back and all-reduces chunk 0's input gradient. The all-reduced
+backward slot sends one gradient back, and each step where a stage's backward is the first
+chunk's all-reduces chunk 0's input gradient (``describe``'s ``embed_steps``,
+``embed_back_steps``). The all-reduced
 activations keep sequence parallelism's tensor split, like the sends (XLA:CPU's psums are [b/m,
 S/(c t), E]). They travel in the compute dtype (one stage's value, zeros from the others: exact),
 except the head's input gradient, whose pieces all contribute: float32
@@ -141,12 +144,12 @@ def pipeline_collectives(c: Ledger) -> None:
     # gradient is not summed for them: the executor's Frozen.)
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head") and p.trained
              and not (c.dense and p.name == "embedding")]
-    into_first = backward if vocab_trained(st) else 0
+    into_first = st.pipeline["embed_back_steps"] if vocab_trained(st) else 0
     sums = 1  # the vocabulary pieces' gradients: once per step, after all microbatches
     # DeepSeek's dense first blocks: the pre-phase (embedding and dense blocks, rows split over
     # pipe) replaces the per-step embedding all-reduce; its output is gathered over pipe once
     # per step (executor docstring; its weights' gradients: cost/collectives.py, data).
-    embeds = 0 if c.dense else forward
+    embeds = 0 if c.dense else st.pipeline["embed_steps"]
     if c.dense:
         x0 = st.runs * st.tokens_x_embed(st.a)  # every microbatch of the step
         c.add("all-gather", ("pipe",), 1, x0,

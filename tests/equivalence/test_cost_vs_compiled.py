@@ -225,8 +225,6 @@ MEMORY = {
     # 1.04 of the plan, 1F1B's layout 1.07; with tensor=2 and SP 1.00).
     "pipe=2,data=4,zero_bubble": [*LONG, "mesh.pipe=2", "mesh.data=4", "train.microbatches=4",
                                   "parallel.pipeline_schedule=zero_bubble"],
-    "pipe=2,data=4,dualpipe_v": [*LONG, "mesh.pipe=2", "mesh.data=4", "train.microbatches=4",
-                                  "model.n_layers=4", "parallel.pipeline_schedule=dualpipe_v"],
     "pipe=2,data=2,tensor=2,sp,zero_bubble": [
         *LONG, "mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
         "train.microbatches=4", "parallel.pipeline_schedule=zero_bubble"],

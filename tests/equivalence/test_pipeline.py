@@ -177,16 +177,17 @@ def test_pipeline_sends_activations_over_pipe_and_gathers_no_stage_params(name):
     rows = cfg.train.batch_size // m // cfg.mesh.data
     activation = rows * cfg.train.seq_len * cfg.model.d_model * 4
     assert per_step_bytes(permutes) == executed * activation
-    # Over pipe otherwise only all-reduces: the embedding pieces (forward steps), the last
+    # Over pipe otherwise only all-reduces: the embedding pieces (steps that embed), the last
     # output, the head gradient and loss statistics (steps with the head), chunk 0's input
-    # gradient (backward steps), and the vocabulary pieces' gradients once.
+    # gradient (steps where a stage's backward is chunk 0's), and the vocabulary pieces'
+    # gradients once.
     pipe_kinds = {c.kind for c in result["collectives"] if "pipe" in c.axes}
     assert pipe_kinds == {"collective-permute", "all-reduce"}, pipe_kinds
     vocab = sum(a.addressable_shards[0].data.nbytes
                 for key, a in result["state"].params.items() if key in ("embedding", "lm_head"))
     tokens = rows * cfg.train.seq_len
     head = info["head_steps"]
-    expected = ((info["forward_steps"] + 2 * head + info["backward_steps"]) * activation
+    expected = ((info["embed_steps"] + 2 * head + info["embed_back_steps"]) * activation
                 + 3 * head * tokens * 4 + vocab)
     all_reduce = per_step_bytes(collectives(name, "all-reduce", ("pipe",)))
     # A stretch of one step (p=2's warm-up and cool-down) is a loop XLA unrolls: it sees that

@@ -119,11 +119,18 @@ def executed_kinds(step: Step) -> tuple[str, ...]:
 
 
 def step_kind(step: Step, n_chunks: int) -> tuple[str, ...]:
-    """What the executor's step runs: :func:`executed_kinds`, plus ``H`` (the head and loss)
-    when a stage's forward is the last chunk."""
-    head = any((a := slots.get("F")) is not None and a.chunk == n_chunks - 1
-               for slots in step.actions)
-    return executed_kinds(step) + (("H",) if head else ())
+    """What the executor's step runs: :func:`executed_kinds`, plus ``E`` (the embedding) when
+    a stage's forward is the first chunk, ``H`` (the head and loss) when one's is the last,
+    and ``X`` (chunk 0's input gradient into the embedding) when a stage's backward is the
+    first chunk's: each of those, with its sums over ``pipe``, only in the steps that need it
+    (interleaving's and DualPipe-V's forwards reach the first chunk one step in ``v``)."""
+    kinds = executed_kinds(step)
+    forwards = [a.chunk for slots in step.actions if (a := slots.get("F")) is not None]
+    backwards = [a.chunk for slots in step.actions
+                 if (a := slots.get("B") or slots.get("I")) is not None]
+    return (kinds + (("E",) if 0 in forwards else ()) + (("H",) if n_chunks - 1 in forwards
+                                                           else ())
+            + (("X",) if 0 in backwards else ()))
 
 
 def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
@@ -258,8 +265,12 @@ def _stretches(kinds: Sequence[tuple], longest: int = 8) -> list[tuple[int, int,
     return cut
 
 
+# How ``describe`` names the shared work of a step.
+_KIND_NAMES = {"E": "embed", "H": "head", "X": "embed-back"}
+
+
 def _stretch_name(stretch: Stretch) -> str:
-    names = ["+".join("head" if k == "H" else k for k in kinds) for kinds in stretch.pattern]
+    names = ["+".join(_KIND_NAMES.get(k, k) for k in kinds) for kinds in stretch.pattern]
     if len(names) == 1:
         return names[0]
     repeats = len(stretch.fields["f_on"])
@@ -289,6 +300,10 @@ def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1, overlap: boo
             "forward_steps": sum("F" in s.kinds for s in steps),
             "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in steps),
             "head_steps": sum("H" in k for k in program.step_kinds()),
+            # steps that embed a microbatch (a stage's forward is chunk 0) and that take chunk
+            # 0's input gradient into the embedding (a stage's backward is chunk 0's)
+            "embed_steps": sum("E" in k for k in program.step_kinds()),
+            "embed_back_steps": sum("X" in k for k in program.step_kinds()),
             # executed steps with an input-gradient-only (I) and a weight-gradient (W) slot
             "input_steps": sum("I" in k for k in program.step_kinds()),
             "weight_steps": sum("W" in k for k in program.step_kinds()),
