@@ -32,7 +32,7 @@ import pytest
 from jax import lax
 from packaging.version import Version  # a dependency of pytest
 
-from jaxpar.config import ModelConfig, load_config, validate
+from jaxpar.config import ConfigError, ModelConfig, load_config, validate
 from jaxpar.data.chat import CHATML
 from jaxpar.inspect.tpu import INSTALL_HINT, libtpu_installed, libtpu_version
 
@@ -160,6 +160,15 @@ def layout_trainer(overrides: tuple[str, ...], preset: str = "tiny",
         if o.startswith("mesh.") and not o.startswith("mesh.dcn.")) or 1
     cfg = validate(cfg, n_devices)
     return cfg, build_trainer(cfg, make_mesh(cfg, devices=jax.devices()[:n_devices]))
+
+
+def assert_one_line_config_error(overrides: list[str], needle: str, key: str,
+                                 devices: int = 8) -> None:
+    """tiny with ``overrides`` fails validation with one line matching ``needle`` that names
+    ``key``."""
+    with pytest.raises(ConfigError, match=needle) as err:
+        validate(load_config("tiny", overrides), devices)
+    assert "\n" not in str(err.value) and key in str(err.value), err.value
 
 
 @functools.cache

@@ -6,6 +6,7 @@ tests/equivalence/test_cost_vs_compiled.py and test_pipeline_fsdp.py.
 from __future__ import annotations
 
 import pytest
+from helpers import assert_one_line_config_error
 from helpers import tiny_8x32 as tiny
 
 from jaxpar.config import ConfigError, load_config, validate
@@ -67,10 +68,8 @@ def test_per_layer_holds_one_layer_whole_and_sums_in_shards():
      "not with train.lora"),
 ])
 def test_per_layer_refuses_layouts_it_would_change_nothing_in_or_lora(overrides, needle):
-    cfg = load_config("tiny", [*overrides, "parallel.pipeline_fsdp=per_layer"])
-    with pytest.raises(ConfigError, match=needle) as raised:
-        validate(cfg, 8)
-    assert "\n" not in str(raised.value) and "parallel.pipeline_fsdp" in str(raised.value)
+    assert_one_line_config_error([*overrides, "parallel.pipeline_fsdp=per_layer"], needle,
+                                 "parallel.pipeline_fsdp")
 
 
 def test_an_unknown_pipeline_fsdp_value_names_the_allowed_ones():

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import assert_one_line_config_error
 from helpers import tiny_8x32 as tiny
 
-from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.config import ConfigError, load_config
 from jaxpar.cost.estimate import estimate
 from jaxpar.cost.search import Layout, _expand, _try, layouts
 from jaxpar.hardware import get_profile
@@ -42,10 +43,8 @@ def both(*more: str):
       "parallel.pipeline_schedule=dualpipe_v"), "not with parallel.pipeline_schedule=dualpipe_v"),
 ])
 def test_inputs_refuses_layouts_without_stages_or_with_the_backward_split(overrides, needle):
-    cfg = load_config("tiny", [*overrides, "parallel.pipeline_stash=inputs"])
-    with pytest.raises(ConfigError, match=needle) as err:
-        validate(cfg, 8)
-    assert "\n" not in str(err.value) and "parallel.pipeline_stash" in str(err.value)
+    assert_one_line_config_error([*overrides, "parallel.pipeline_stash=inputs"], needle,
+                                 "parallel.pipeline_stash")
 
 
 def test_an_unknown_value_names_the_key_and_the_values():

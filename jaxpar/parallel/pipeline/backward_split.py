@@ -193,16 +193,23 @@ def _op_needed_ins(op: _Op, outs_needed: Sequence[bool]) -> list[bool]:
     if op.body is None:
         return [True] * len(op.ins)
     n_consts, n_carry = _scan_layout(op)
+    carries, ins_needed = _needed_carries(op, outs_needed)
+    return ins_needed[:n_consts] + carries + ins_needed[n_consts + n_carry:]
+
+
+def _needed_carries(op: _Op, outs_needed: Sequence[bool]) -> tuple[list[bool], list[bool]]:
+    """A scan's carries the marked outputs need (a carry is needed if its output is, or a
+    needed output reads its input: to a fixed point), and which body inputs they all read."""
+    n_consts, n_carry = _scan_layout(op)
     carries = list(outs_needed[:n_carry])
     ys = list(outs_needed[n_carry:])
-    while True:  # a carry is needed if its output is, or a needed output reads its input
+    while True:
         ins_needed, _ = _needed_ins(op.body, carries + ys)
         grown = [c or i for c, i in zip(carries, ins_needed[n_consts:n_consts + n_carry],
                                         strict=True)]
         if grown == carries:
-            break
+            return carries, ins_needed
         carries = grown
-    return ins_needed[:n_consts] + carries + ins_needed[n_consts + n_carry:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,15 +282,8 @@ def _plan(body: _Body, i_outs: Sequence[bool], w_outs: Sequence[bool],
 
 def _split_scan(op: _Op, i_needed: Sequence[bool], w_only: Sequence[bool]) -> _ScanSplit:
     n_consts, n_carry = _scan_layout(op)
-    carries = list(i_needed[:n_carry])
+    carries, _ = _needed_carries(op, i_needed)  # the carries I runs
     ys_i = list(i_needed[n_carry:])
-    while True:  # the carries I runs: those I's outputs need, to a fixed point
-        ins_needed, _ = _needed_ins(op.body, carries + ys_i)
-        grown = [c or i for c, i in zip(carries, ins_needed[n_consts:n_consts + n_carry],
-                                        strict=True)]
-        if grown == carries:
-            break
-        carries = grown
     w_carry = [not c and w for c, w in zip(carries, w_only[:n_carry], strict=True)]
     body = op.body
     # In the body W has the consts and xs (the scan passes them, or their crossing, in) and
@@ -398,90 +398,50 @@ def _run(plan: _Plan, env: dict, part: str) -> None:
         if r == part or r == "IW":
             _bind(op, env)
         elif r == "split":
-            (_run_scan_i if part == "I" else _run_scan_w)(plan, op, env)
+            _run_scan(plan, op, env, part)
 
 
-def _run_scan_i(plan: _Plan, op: _Op, env: dict) -> None:
+def _run_scan(plan: _Plan, op: _Op, env: dict, part: str) -> None:
+    """A split scan's ``part``: a ``lax.scan`` over its body's part with that part's carries,
+    the consts and xs it reads, and its outputs; I also emits each iteration's crossing
+    values (stacked), which W then reads as more xs."""
     split = plan.splits[id(op)]
     sub = split.plan
     n_consts, n_carry = _scan_layout(op)
-    body = op.body
+    body, length = op.body, op.eqn.params["length"]
+    reads = sub.i_reads if part == "I" else sub.w_reads
+    carried = split.i_carry if part == "I" else [not c for c in split.i_carry]
+    made = split.i_ys if part == "I" else split.w_ys
     consts = {k: _read(env, o) for k, o in zip(body.ins[:n_consts], op.ins[:n_consts],
-                                               strict=True) if k in sub.i_reads}
-    xs_keys = [k for k in body.ins[n_consts + n_carry:] if k in sub.i_reads]
-    xs = [_read(env, o) for k, o in zip(body.ins[n_consts + n_carry:],
-                                        op.ins[n_consts + n_carry:], strict=True)
-          if k in sub.i_reads]
-    carry_keys = [k for k, c in zip(body.ins[n_consts:n_consts + n_carry], split.i_carry,
-                                    strict=True) if c]
-    init = [_read(env, o) for o, c in zip(op.ins[n_consts:n_consts + n_carry], split.i_carry,
-                                          strict=True) if c]
-    carry_outs = [k for k, c in zip(body.outs[:n_carry], split.i_carry, strict=True) if c]
-    ys_outs = [k for k, y in zip(body.outs[n_carry:], split.i_ys, strict=True) if y]
+                                               strict=True) if k in reads}
+    xs = [(k, _read(env, o)) for k, o in zip(body.ins[n_consts + n_carry:],
+                                             op.ins[n_consts + n_carry:], strict=True)
+          if k in reads]
+    if part == "W":
+        xs += list(zip(sub.crossing, [env[k] for k in plan.extra[id(op)]], strict=True))
+    carries = [(k, o, out) for k, o, out, c in zip(
+        body.ins[n_consts:n_consts + n_carry], op.ins[n_consts:n_consts + n_carry],
+        body.outs[:n_carry], carried, strict=True) if c]
+    ys_outs = [k for k, y in zip(body.outs[n_carry:], made, strict=True) if y]
 
-    def step(carry, x):
-        inner = {**consts, **dict(zip(carry_keys, carry, strict=True)),
-                 **dict(zip(xs_keys, x, strict=True))}
-        _run(sub, inner, "I")
-        return ([_read(inner, k) for k in carry_outs],
-                ([_read(inner, k) for k in ys_outs], [inner[k] for k in sub.crossing]))
+    def step(carry: list, x: list) -> tuple:
+        inner = {**consts, **dict(zip([k for k, _, _ in carries], carry, strict=True)),
+                 **dict(zip([k for k, _ in xs], x, strict=True))}
+        _run(sub, inner, part)
+        ys = [_read(inner, k) for k in ys_outs]
+        if part == "I":
+            ys = [ys, [inner[k] for k in sub.crossing]]
+        return [_read(inner, out) for _, _, out in carries], ys
 
     p = op.eqn.params
-    carry, (ys, crossing) = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"],
-                                     unroll=p["unroll"])
-    outs = op.outs
-    for k, v in zip([k for k, c in zip(outs[:n_carry], split.i_carry, strict=True) if c],
-                    carry, strict=True):
-        if k is not None:
-            env[k] = v
-    for k, v in zip([k for k, y in zip(outs[n_carry:], split.i_ys, strict=True) if y], ys,
-                    strict=True):
-        if k is not None:
-            env[k] = v
-    for k, v in zip(plan.extra[id(op)], crossing, strict=True):
-        env[k] = v
-
-
-def _run_scan_w(plan: _Plan, op: _Op, env: dict) -> None:
-    split = plan.splits[id(op)]
-    sub = split.plan
-    n_consts, n_carry = _scan_layout(op)
-    body = op.body
-    w_carry = [not c for c in split.i_carry]
-    consts = {k: _read(env, o) for k, o in zip(body.ins[:n_consts], op.ins[:n_consts],
-                                               strict=True) if k in sub.w_reads}
-    xs_keys = [k for k in body.ins[n_consts + n_carry:] if k in sub.w_reads]
-    xs = [_read(env, o) for k, o in zip(body.ins[n_consts + n_carry:],
-                                        op.ins[n_consts + n_carry:], strict=True)
-          if k in sub.w_reads]
-    carry_keys = [k for k, c in zip(body.ins[n_consts:n_consts + n_carry], w_carry,
-                                    strict=True) if c]
-    init = [_read(env, o) for o, c in zip(op.ins[n_consts:n_consts + n_carry], w_carry,
-                                          strict=True) if c]
-    carry_outs = [k for k, c in zip(body.outs[:n_carry], w_carry, strict=True) if c]
-    ys_outs = [k for k, y in zip(body.outs[n_carry:], split.w_ys, strict=True) if y]
-    crossing = [env[k] for k in plan.extra[id(op)]]
-
-    def step(carry, x):
-        x, crossed = x
-        inner = {**consts, **dict(zip(carry_keys, carry, strict=True)),
-                 **dict(zip(xs_keys, x, strict=True)),
-                 **dict(zip(sub.crossing, crossed, strict=True))}
-        _run(sub, inner, "W")
-        return [_read(inner, k) for k in carry_outs], [_read(inner, k) for k in ys_outs]
-
-    p = op.eqn.params
-    carry, ys = lax.scan(step, init, (xs, crossing), length=p["length"],
-                         reverse=p["reverse"], unroll=p["unroll"])
-    outs = op.outs
-    for k, v in zip([k for k, c in zip(outs[:n_carry], w_carry, strict=True) if c], carry,
-                    strict=True):
-        if k is not None:
-            env[k] = v
-    for k, v in zip([k for k, y in zip(outs[n_carry:], split.w_ys, strict=True) if y], ys,
-                    strict=True):
-        if k is not None:
-            env[k] = v
+    carry, ys = lax.scan(step, [_read(env, o) for _, o, _ in carries], [v for _, v in xs],
+                         length=length, reverse=p["reverse"], unroll=p["unroll"])
+    if part == "I":
+        ys, crossing = ys
+        env.update(zip(plan.extra[id(op)], crossing, strict=True))
+    outs = ([k for k, c in zip(op.outs[:n_carry], carried, strict=True) if c]
+            + [k for k, y in zip(op.outs[n_carry:], made, strict=True) if y])
+    env.update((k, v) for k, v in zip(outs, [*carry, *ys], strict=True) if k is not None)
 
 
 # --------------------------------------------------------------------------------------------
