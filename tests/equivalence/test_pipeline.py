@@ -82,6 +82,13 @@ LAYOUTS = {
         s, p, 2 * p, "mesh.tensor=2", *(("mesh.data=2",) if p == 2 else ("mesh.data=1",)),
         "parallel.sequence_parallel=true", v=v)
        for s, v in (("zero_bubble", 1), ("zero_bubble", 2), ("dualpipe_v", 2)) for p in (2, 4)},
+    # Every remat policy under the split: I recomputes what the policy drops, and what W needs
+    # of it waits in the W stash (backward_split.py).
+    **{f"zero_bubble,pipe=2,m=4,{remat}": pipeline("zero_bubble", 2, 4, "mesh.data=1",
+                                                   f"train.remat={remat}")
+       for remat in ("full", "dots", "attention")},
+    "dualpipe_v,pipe=2,m=4,full": pipeline("dualpipe_v", 2, 4, "mesh.data=1", "train.remat=full",
+                                           v=2),
     # One layer loop for a step's forward and backward (parallel.pipeline_overlap).
     **{f"{s},overlap,pipe=2,m=4": pipeline(s, 2, 4, "mesh.data=1",
                                            "parallel.pipeline_overlap=true", v=v)
