@@ -132,10 +132,10 @@ def pipeline_collectives(c: Ledger) -> None:
     # The steps of the one schedule a step runs (train.grad_accum folded in: describe()).
     forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
     head = st.pipeline["head_steps"]
-    # In DualPipe-V's V activations and gradients each go both ways (two sends a step each,
-    # each masked where it is not kept: parallel/pipeline/slots.py, _send).
+    # A send a step for each of its slots, each way in DualPipe-V's V (parallel/pipeline/
+    # slots.py, _send), less those the compiler drops (program.compiled_sends).
     ways = 2 if st.pipeline.get("placement") == "v" else 1
-    sends = ways * (forward + backward - 1)
+    sends = st.pipeline["sends"]
     c.add("collective-permute", ("pipe",), sends, sends * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})"
           + (", both ways in the V" if ways == 2 else ""), False)

@@ -37,9 +37,10 @@ def test_schedule_command_prints_the_table_and_draws_it(tmp_path):
                         "train.microbatches=8", "train.batch_size=16",
                         "parallel.pipeline_schedule=zero_bubble", "--png", str(png))
     assert result.returncode == 0, result.stderr
-    assert "bubble 27.3%" in result.stdout
-    assert "stage 3: .  .  .  F0 I0 W0" in result.stdout
-    assert "executed: 14 steps (F, then F+B+head, then B)" in result.stdout
+    assert "bubble 20.0%" in result.stdout  # (p-1)(T_F+T_I): 2(p-1)/(3m+2(p-1))
+    assert "stage 3: .  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0" in result.stdout
+    assert ("executed: 14 steps (F, then F+I+head, then F+I+W+head, then I+W)"
+            in result.stdout)
     assert png.stat().st_size > 10_000
     table = schedule_table("zero_bubble", 4, 8)
     fig = schedule_figure(table, "zb")

@@ -15,9 +15,8 @@ gathers) is reached by all its participants, on every backend.
 
 A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
 
-1. *Embed* (steps where a stage's forward is the first chunk). The vocabulary is cut into
-   ``p`` pieces, one per stage (and each piece split over the axes that split ``vocab``).
-   Each stage gathers the
+1. *Embed* (steps with a forward slot). The vocabulary is cut into ``p`` pieces, one per
+   stage (and each piece split over the axes that split ``vocab``). Each stage gathers the
    rows of the tokens of the microbatch entering chunk 0 that fall in its piece (zeros for the
    others) and a ``psum`` over ``pipe`` adds the pieces: one all-reduce of one activation.
    Stage 0 uses the sum.

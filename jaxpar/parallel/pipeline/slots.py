@@ -96,11 +96,8 @@ def _add_aux(env: StageEnv, total: dict, aux: dict, j: jax.Array, on: jax.Array)
     return out
 
 
-def _forward_input(env: StageEnv, c: Carry, r: dict, embed: bool) -> jax.Array:
-    """What the forward slot's chunk runs on: the embedding (chunk 0, in steps that ``embed``)
-    or an arrived input."""
-    if not embed:  # no stage's forward is chunk 0 in this step
-        return c.acts[r["f_in"]]
+def _forward_input(env: StageEnv, c: Carry, r: dict) -> jax.Array:
+    """What the forward slot's chunk runs on: the embedding (chunk 0) or an arrived input."""
     entering = env.microbatch(r["embed_mb"])
     if env.stages.pre_embedded:  # embedded (and through the dense blocks) before the pipeline
         x0 = entering["x0"]
@@ -119,15 +116,14 @@ def _forward_kept(env: StageEnv, c: Carry, r: dict, aux: dict, res: list) -> Car
                       aux=_add_aux(env, c.aux, aux, r["f_chunk"], r["f_on"] == 1))
 
 
-def _forward_slot(env: StageEnv, c: Carry, r: dict, embed: bool,
-                  ) -> tuple[Carry, jax.Array, list]:
-    x = _forward_input(env, c, r, embed)
+def _forward_slot(env: StageEnv, c: Carry, r: dict) -> tuple[Carry, jax.Array, list]:
+    x = _forward_input(env, c, r)
     (y, aux), res = env.forward(r["f_chunk"], x, env.microbatch(r["f_mb"]))
     res = kept(env, x, res)
     return _forward_kept(env, c, r, aux, res), y, res
 
 
-def _fused_slots(env: StageEnv, c: Carry, r: dict, input_only: bool, embed: bool,
+def _fused_slots(env: StageEnv, c: Carry, r: dict, input_only: bool,
                  ) -> tuple[Carry, jax.Array, jax.Array, list | None]:
     """The forward slot and the backward slot (B, or I with ``input_only``) in one layer loop
     (``parallel.pipeline_overlap``): (carry, y, dx, what the I left its W or None). The
@@ -136,7 +132,7 @@ def _fused_slots(env: StageEnv, c: Carry, r: dict, input_only: bool, embed: bool
     on, j = r["b_on"] == 1, r["b_chunk"]
     stashed = [buf[r["b_res"]] for buf in c.res]
     (y, aux), res, out, dx = env.forward_backward(
-        r["f_chunk"], _forward_input(env, c, r, embed), env.microbatch(r["f_mb"]), j, stashed,
+        r["f_chunk"], _forward_input(env, c, r), env.microbatch(r["f_mb"]), j, stashed,
         c.grads[r["b_grad"]], on, input_only)
     c = _forward_kept(env, c, r, aux, res)
     if input_only:
@@ -245,28 +241,25 @@ def run_program(env: StageEnv, program: Program, carry: Carry) -> Carry:
 
 
 def run_step(env: StageEnv, kinds: tuple[str, ...], c: Carry, row: dict) -> Carry:
-    """One step of a stretch of ``kinds`` (the scan body): the slots in order, the embedding
-    before the forward and the head after it (``E``, ``H``: in steps where a stage's forward is
-    the first or the last chunk), chunk 0's input gradient into the embedding after the
-    backward (``X``), then the sends. ``row`` holds every field for every stage; each device
-    reads its own column."""
+    """One step of a stretch of ``kinds`` (the scan body): the slots in order, the head after
+    the forward (in steps where a stage's forward is the last chunk), then the sends. ``row``
+    holds every field for every stage; each device reads its own column."""
     r = {k: a[env.stage] for k, a in row.items()}
     send_fwd = send_bwd = fresh = crossing = None
-    embed = "E" in kinds
     if env.overlap and "F" in kinds and ("B" in kinds or "I" in kinds):
-        c, send_fwd, send_bwd, crossing = _fused_slots(env, c, r, "I" in kinds, embed)
+        c, send_fwd, send_bwd, crossing = _fused_slots(env, c, r, "I" in kinds)
         if "H" in kinds:
             c = _head_slot(env, c, r, send_fwd)
     else:
         if "F" in kinds:
-            c, send_fwd, fresh = _forward_slot(env, c, r, embed)
+            c, send_fwd, fresh = _forward_slot(env, c, r)
             if "H" in kinds:
                 c = _head_slot(env, c, r, send_fwd)
         if "B" in kinds:
             c, send_bwd = _backward_slot(env, c, r, fresh)
         elif "I" in kinds:
             c, send_bwd, crossing = _input_slot(env, c, r, fresh)
-    if "X" in kinds and (env.train_shared or env.stages.pre_embedded):
+    if send_bwd is not None and (env.train_shared or env.stages.pre_embedded):
         c = _embedding_backward(env, c, r, send_bwd)
     if "W" in kinds:
         c = _weight_slot(env, c, r, fresh, crossing)
