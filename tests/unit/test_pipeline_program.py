@@ -134,6 +134,47 @@ def test_stretches_repeat_a_pattern_so_alternating_steps_compile_once():
     assert [s.pattern for s in one.stretches] == [(("F",),), (("F", "B", "H"),), (("B",),)]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grad_accum_is_one_schedule_over_accum_x_microbatches(schedule):
+    # train.grad_accum=2 micro-steps of m=8 on 4 stages: one schedule of 16 microbatches, so
+    # one fill and drain per step: bubble (p-1)/(v A m + p-1) where each micro-step alone had
+    # (p-1)/(v m + p-1).
+    p, m, accum = 4, 8, 2
+    v = 2 if schedule in ("interleaved", "dualpipe_v") else 1
+    folded, alone = describe(schedule, p, m, v, accum=accum), describe(schedule, p, m, v)
+    assert folded == {**describe(schedule, p, accum * m, v), "grad_accum": accum}
+    assert folded["microbatches"] == accum * m
+    # Zero bubble's idle ticks are (p-1)(T_F + T_I), 2(p-1) of 3 v per microbatch; DualPipe-V's
+    # twice that on chunks half the size, the same share.
+    idle, work = (2 * (p - 1), 3 * (v if schedule == "zero_bubble" else 1)) if schedule in (
+        "zero_bubble", "dualpipe_v") else (p - 1, v)
+    assert folded["bubble"] == pytest.approx(idle / (work * accum * m + idle))
+    assert alone["bubble"] == pytest.approx(idle / (work * m + idle))
+    # The stash: GPipe holds every microbatch of the step at its turn, the others what they
+    # held with m alone (1F1B: 2p-1 on the first stage).
+    grown = folded["residual_slots"] - alone["residual_slots"]
+    if schedule == "dualpipe_v":  # at most 2p + 3 chunks, whatever the microbatches
+        assert folded["residual_slots"] <= 2 * p + 3
+    else:
+        assert grown == ((accum - 1) * m if schedule == "gpipe" else 0)
+
+
+def test_grad_accum_microbatches_hold_the_rows_of_the_micro_step_by_micro_step_split():
+    # 16 rows, grad_accum=2 micro-steps of m=4: microbatch j m + k of the one schedule is
+    # micro-step j's microbatch k, and the 8 row sets are those of one device's
+    # train.grad_accum=8 micro-steps (the MoE aux losses, per microbatch, average the same).
+    rows = np.arange(16)
+    got = np.asarray(split_microbatches({"x": rows}, 2, 4)["x"])
+    assert got.shape == (8, 2)
+    steps = np.asarray(split_micro_steps({"x": rows}, 2)["x"])
+    for j in range(2):
+        for k in range(4):
+            assert (got[j * 4 + k] == np.asarray(split_micro_steps({"x": steps[j]}, 4)["x"])[k]
+                    ).all()
+    one_device = np.asarray(split_micro_steps({"x": rows}, 8)["x"])
+    assert sorted(map(tuple, got)) == sorted(map(tuple, one_device))
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["mesh.pipe=2", "mesh.data=1", "model.n_layers=3"], "model.n_layers=3 is not divisible"),
     (["mesh.pipe=2", "mesh.data=1", "parallel.virtual_stages=2"], "needs parallel.pipeline_sch"),
