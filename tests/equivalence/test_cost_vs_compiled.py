@@ -222,9 +222,7 @@ MEMORY = {
     "pipe=2,data=4,interleaved": LAYOUTS["pipe=2,data=4,interleaved"][0],
     # Zero bubble: the W stash, what each I leaves its W (the output gradient of every weight
     # matmul), two slots and a spare at p=2, beside the residuals held until the W (measured
-    # 1.04 of the plan, 1F1B's layout 1.07; with tensor=2 and SP 1.00).
-    "pipe=2,data=4,zero_bubble": [*LONG, "mesh.pipe=2", "mesh.data=4", "train.microbatches=4",
-                                  "parallel.pipeline_schedule=zero_bubble"],
+    # 1.00 of the plan with tensor=2 and SP; pipe=2 data=4 1.04, 1F1B's layout 1.07).
     "pipe=2,data=2,tensor=2,sp,zero_bubble": [
         *LONG, "mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
         "train.microbatches=4", "parallel.pipeline_schedule=zero_bubble"],
