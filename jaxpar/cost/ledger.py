@@ -32,14 +32,18 @@ class CollectiveCost:
 
 def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
     """One row per (kind, axes), like
-    :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`."""
+    :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`, with the bytes the overlap
+    rule hides (``hidden_bytes``) and the rest (``exposed_bytes``), as
+    :func:`jaxpar.inspect.hlo.overlap.add_overlap` splits a compiled row."""
     rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
     for c in collectives:
         row = rows.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": list(c.axes),
-                                                 "count": 0, "bytes": 0, "wire_bytes": 0})
+                                                 "count": 0, "bytes": 0, "wire_bytes": 0,
+                                                 "hidden_bytes": 0, "exposed_bytes": 0})
         row["count"] += c.count
         row["bytes"] += c.bytes
         row["wire_bytes"] += c.wire_bytes
+        row["hidden_bytes" if c.overlapped else "exposed_bytes"] += c.bytes
     return [rows[key] for key in sorted(rows)]
 
 

@@ -54,6 +54,9 @@ class Verified:
     collectives: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     predicted_full_collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     worst_collective: str = ""  # the (kind, axes) row furthest from the plan, with its ratio
+    # Bytes no matmul is scheduled beside (compiled) and the plan's overlap rule leaves exposed
+    # (predicted), at d layers (inspect/compare.py: exposure_totals).
+    exposed: tuple[int, int] = (0, 0)
 
     @property
     def ratio(self) -> float:
@@ -101,12 +104,15 @@ def verify_candidate(candidate: Candidate, devices: Sequence[Any],
     # report's peak_bytes is the larger of it and argument + output - alias + temp, an upper
     # bound whose temp buffer is not all live at once (inspect/report.py: memory_report).
     compiled = memory.get("xla_peak_bytes") or memory["peak_bytes"]
-    rows = compare_with_plan(report, cfg)["collectives"]
+    comparison = compare_with_plan(report, cfg)
+    rows, exposure = comparison["collectives"], comparison["exposure"]
     return Verified(candidate, layers, full.model.n_layers, plan.memory.peak, compiled,
                     plan.memory.host, memory.get("host_bytes") or 0,
                     candidate.report.memory.peak, collectives=_by_network(rows),
                     predicted_full_collectives=planned_by_network(candidate.report),
-                    worst_collective=_worst(rows))
+                    worst_collective=_worst(rows),
+                    exposed=(exposure["compiled_exposed_bytes"] or 0,
+                             exposure["predicted_exposed_bytes"]))
 
 
 def _network(dcn: Any, axes: Sequence[str]) -> str:
@@ -157,19 +163,24 @@ def _collectives_table(rows: Sequence[Verified]) -> Table:
     table = Table(title="collectives per device and step (ICI: within a slice; DCN: between "
                   "slices), and the plan's flops", title_justify="left")
     for name in ("#", "network", "compiled", "predicted", "compiled / predicted",
-                 "furthest row", "plan, full depth", "plan flops, full depth"):
+                 "furthest row", "exposed: compiled", "predicted", "compiled / predicted",
+                 "plan, full depth", "plan flops, full depth"):
         table.add_column(name, justify="left" if name in ("network", "furthest row")
                          else "right")
     for r in rows:
         for i, net in enumerate(sorted(set(r.collectives) | set(r.predicted_full_collectives))):
             got, want = r.collectives.get(net, (0, 0))
-            table.add_row(str(r.candidate.rank) if i == 0 else "", net,
-                          human_bytes(got), human_bytes(want),
-                          f"{got / want:.2f}" if got and want else "-",
-                          r.worst_collective if i == 0 else "",
+            exposed = _pair(*r.exposed) if i == 0 else ("", "", "")
+            table.add_row(str(r.candidate.rank) if i == 0 else "", net, *_pair(got, want),
+                          r.worst_collective if i == 0 else "", *exposed,
                           human_bytes(r.predicted_full_collectives.get(net, 0)),
                           human_flops(r.candidate.report.flops.executed) if i == 0 else "")
     return table
+
+
+def _pair(compiled: int, predicted: int) -> tuple[str, str, str]:
+    return (human_bytes(compiled), human_bytes(predicted),
+            f"{compiled / predicted:.2f}" if compiled and predicted else "-")
 
 
 def print_verification(rows: Sequence[Verified], hw: HardwareProfile, target: str,

@@ -1,10 +1,15 @@
-"""``jaxpar inspect --strict``'s verdict on a comparison with the plan (hand-written, nothing
-compiled): which rows are off the plan, and which are too small to count. The real-size matrix
-and ``--strict`` on the command line: ``tests/integration/test_real_size.py``."""
+"""``jaxpar inspect --compare/--strict`` on hand-written reports (nothing compiled): which rows
+are off the plan, which are too small to count, and exposed bytes beside the overlap rule's.
+The real-size matrix and ``--strict`` on the command line: ``tests/integration/test_real_size.py``.
+"""
 
 from __future__ import annotations
 
-from jaxpar.inspect.compare import mismatches
+from helpers import tiny_8x32
+from rich.console import Console
+
+from jaxpar.cost.estimate import estimate
+from jaxpar.inspect.compare import compare_with_plan, mismatches, print_comparison
 
 
 def test_mismatches_name_rows_off_plan_and_skip_small_ones():
@@ -28,3 +33,45 @@ def test_mismatches_name_rows_off_plan_and_skip_small_ones():
                      "peak memory: compiled 130 B, planned 100 B"]
     assert mismatches(comparison, tolerance=0.5)[-1].startswith("all-reduce over fsdp,tensor")
     assert len(mismatches(comparison, floor=2**40)) == 1  # only the peak is above any floor
+
+
+def _report_from_plan(cfg, device_kind: str, exposed_share: float) -> dict:
+    """A compiled report whose collectives are the plan's rows, ``exposed_share`` of each row's
+    bytes exposed, and whose memory is the plan's."""
+    plan = estimate(cfg, "h100")
+    rows = [{"kind": r["kind"], "axes": r["axes"], "bytes": r["bytes"],
+             "exposed_bytes": round(r["bytes"] * exposed_share),
+             "hidden_bytes": r["bytes"] - round(r["bytes"] * exposed_share)}
+            for r in plan.collective_rows()]
+    memory = {"params_bytes": plan.memory.state, "optimizer_bytes": 0,
+              "peak_bytes": plan.memory.peak}
+    return {"run": {"device_kind": device_kind}, "collectives": rows, "memory": memory}
+
+
+def test_compare_puts_the_compiled_exposed_bytes_beside_the_overlap_rules():
+    """On an accelerator's schedule each row's exposed bytes sit beside the plan's: the overlap
+    rule hides FSDP's gathers and reduce-scatters and leaves tensor collectives exposed."""
+    cfg = tiny_8x32("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")
+    comparison = compare_with_plan(_report_from_plan(cfg, "TPU v5", 0.5), cfg)
+    rows = {(r["kind"], tuple(r["axes"])): r for r in comparison["collectives"]}
+    fsdp, tensor = rows[("all-gather", ("fsdp",))], rows[("all-reduce", ("tensor",))]
+    assert fsdp["predicted_exposed_bytes"] == 0
+    assert tensor["predicted_exposed_bytes"] == tensor["predicted_bytes"] > 0
+    assert fsdp["compiled_exposed_bytes"] == round(fsdp["compiled_bytes"] * 0.5)
+    exposure = comparison["exposure"]
+    assert exposure["compiled_exposed_bytes"] == sum(r["compiled_exposed_bytes"]
+                                                     for r in rows.values())
+    assert exposure["predicted_exposed_bytes"] == sum(r["predicted_exposed_bytes"]
+                                                      for r in rows.values())
+
+
+def test_compare_says_n_a_for_exposure_on_xla_cpu():
+    """XLA:CPU runs every collective synchronously: no exposure to compare, and the table says
+    so instead of calling everything exposed."""
+    cfg = tiny_8x32("mesh.data=1", "mesh.fsdp=8")
+    comparison = compare_with_plan(_report_from_plan(cfg, "cpu", 1.0), cfg)
+    assert all(r["compiled_exposed_bytes"] is None for r in comparison["collectives"])
+    assert comparison["exposure"]["compiled_exposed_bytes"] is None
+    console = Console(record=True, width=200)
+    print_comparison(comparison, console)
+    assert "n/a" in console.export_text()
