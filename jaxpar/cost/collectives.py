@@ -96,7 +96,7 @@ few bytes each.
 from __future__ import annotations
 
 from jaxpar.config import MESH_AXES
-from jaxpar.cost.ledger import CollectiveCost, Ledger
+from jaxpar.cost.ledger import EXPOSED, HIDDEN, CollectiveCost, Ledger, ring_hidden
 from jaxpar.cost.optimizer import muon_collectives, muon_matrices
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
 from jaxpar.cost.pipeline import (
@@ -126,6 +126,9 @@ def fsdp_collectives(c: Ledger) -> None:
     st, cfg = c.st, c.st.cfg
     if cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1:
         return
+    # In the layer loops the compiler makes each gather and reduce-scatter a collective matmul
+    # (jaxpar.mesh.TPU_COMPILER_OPTIONS): hidden but for its ring's last step.
+    fsdp_ring = ring_hidden(st.mesh["fsdp"])
     layer = [p for p in c.layer if p.gathered_bytes != p.bytes_per_device]
     dense = [p for p in c.dense if p.gathered_bytes != p.bytes_per_device]
     other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device and p not in dense]
@@ -143,7 +146,7 @@ def fsdp_collectives(c: Ledger) -> None:
         else:
             c.add("all-gather", ("fsdp",), runs * len(layer),
                   runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
-                  "stage weights gathered once, kept for every microbatch", True)
+                  "stage weights gathered once, kept for every microbatch", HIDDEN)
     else:
         pre_runs = st.runs
         # Reshard after forward: gathered again in the backward pass, except what remat=none
@@ -159,24 +162,33 @@ def fsdp_collectives(c: Ledger) -> None:
                 c.add("all-gather", ("fsdp",),
                       round(passes * c.forwards * st.layers * st.runs * len(group)),
                       round(passes * c.forwards * st.runs
-                            * sum(c.moved(p, p.gathered_bytes) for p in group)), what, True)
+                            * sum(c.moved(p, p.gathered_bytes) for p in group)), what,
+                      fsdp_ring)
     # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
     # it): each layer gathered before use and again for its backward pass, like `layers`
     # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
     # 583M parameters in float32 on XLA:CPU).
     c.add("all-gather", ("fsdp",), 2 * pre_runs * dense_units(cfg.model) * len(dense),
           2 * pre_runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
-          "dense first blocks' weights gathered before use, and again backward", True)
+          "dense first blocks' weights gathered before use, and again backward", fsdp_ring)
+    # Outside the layer loops nothing runs beside them: the gathers before the first layer,
+    # the head's gradient reduction after the last (synchronous on the TPU compiler).
     c.add("all-gather", ("fsdp",), len(other),
           sum(c.moved(p, p.gathered_bytes) for p in other),
-          "embedding, lm_head and final norm gathered once per step", True)
+          "embedding, lm_head and final norm gathered once per step", EXPOSED)
     # (per_layer: the layers' were reduce-scattered in the slots, per_layer_fsdp_collectives)
     by_layer = per_layer_fsdp(st)
-    scattered = dense + other if by_layer else layer + dense + other
-    c.add("reduce-scatter", ("fsdp",), (1 if by_layer else st.layers + 1) * c.runs_over(("fsdp",)),
-          c.reduced([p for p in scattered if p.trained], gathered=True,
-                    by_hand="fsdp" in c.by_hand),
-          "gradients reduce-scattered to their shards, every micro-step", True)
+    # The embedding's gradient is a matmul (of the one-hot tokens) too, and a collective matmul
+    # like the layers'; lm_head's reduction waits for the loss's backward, with nothing beside.
+    stacks = ([] if by_layer else layer) + dense
+    embedding = [p for p in other if p.name == "embedding"]
+    rest = [p for p in other if p not in embedding]
+    for group, count, hidden in ((stacks, st.layers, fsdp_ring), (embedding, 1, fsdp_ring),
+                                 (rest, 1, EXPOSED)):
+        c.add("reduce-scatter", ("fsdp",), count * c.runs_over(("fsdp",)),
+              c.reduced([p for p in group if p.trained], gathered=True,
+                        by_hand="fsdp" in c.by_hand),
+              "gradients reduce-scattered to their shards, every micro-step", hidden)
 
 
 def data_collectives(c: Ledger) -> None:
@@ -206,7 +218,7 @@ def data_collectives(c: Ledger) -> None:
         c.add("all-reduce", axes, 1, c.reduced(pre_phase, by_hand=True),
               "embedding and dense first blocks' gradients (before the pipeline) all-reduced, "
               "once per step",
-              True)
+              HIDDEN)
     units = layer_units(cfg.model) // st.p  # a stage's units of the `layers` stack
     for axes, group in by_replicas.items():
         experts = "routed experts' " if all(p.expert for p in group) else ""
@@ -219,10 +231,10 @@ def data_collectives(c: Ledger) -> None:
         if scattered:
             c.add("reduce-scatter", scattered, count, payload,
                   f"ZeRO-1: {experts}gradients reduce-scattered to the moments' slices, every "
-                  + every, True)
+                  + every, HIDDEN)
             axes = tuple(a for a in axes if a not in scattered)
         c.add("all-reduce", axes, count, payload,
-              f"{experts}gradient shards all-reduced, every {every}", True)
+              f"{experts}gradient shards all-reduced, every {every}", HIDDEN)
     if cfg.parallel.zero == 1:
         # Muon's matrices are updated whole on every device (their momentum gathered for the
         # iterations, muon_collectives): nothing of theirs to gather afterwards.
@@ -230,7 +242,7 @@ def data_collectives(c: Ledger) -> None:
         updated = [p for p in c.params if p.trained and p.name not in whole]
         c.add("all-gather", ZERO1_AXES, len(updated),
               sum(p.bytes_per_device for p in updated),
-              "ZeRO-1: updated parameters gathered from the optimizer shards", False)
+              "ZeRO-1: updated parameters gathered from the optimizer shards", EXPOSED)
 
 
 def zero1_scatter_axes(c: Ledger, axes: tuple[str, ...], group: list[ParamCost]
@@ -256,14 +268,14 @@ def context_collectives(c: Ledger) -> None:
         fw, bw = per_layer * c.forwards, per_layer * c.backwards
         c.add("collective-permute", ("context",), round(fw * 2 * (n - 1)),
               round(fw * 2 * (n - 1) * blk * st.wire), "ring attention: K, V blocks forward",
-              True)
+              HIDDEN)
         c.add("collective-permute", ("context",), round(bw * 2 * (n - 1)),
               round(bw * 2 * (n - 1) * blk * st.wire), "ring attention: K, V blocks backward",
-              True)
+              HIDDEN)
         c.add("collective-permute", ("context",), round(bw * 2 * n),
               round(bw * 2 * ((n - 1) * blk * 4 + blk * st.wire)),
               "ring attention: dK, dV travelling home backward (float32, the last hop cast)",
-              True)
+              HIDDEN)
     elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
         gathered, fw, bw = st.kv_block * st.c * st.wire, c.forwards, c.backwards
         # remat (dots or full) recomputes attention in the backward pass, the gathers with it
@@ -271,10 +283,10 @@ def context_collectives(c: Ledger) -> None:
         c.add("all-gather", ("context",), round(2 * per_layer * fw),
               round(2 * per_layer * fw * gathered),
               "context allgather attention: K, V of the whole sequence (forward, and again "
-              "where remat recomputes attention)", False)
+              "where remat recomputes attention)", EXPOSED)
         c.add("reduce-scatter", ("context",), 2 * per_layer * bw,
               2 * per_layer * bw * st.kv_block * st.c * 4,
-              "context allgather attention: dK, dV backward (float32)", False)
+              "context allgather attention: dK, dV backward (float32)", EXPOSED)
 
 
 def expert_collectives(c: Ledger) -> None:
@@ -298,13 +310,13 @@ def expert_collectives(c: Ledger) -> None:
             "ragged": f"{rows} token rows per layer"}[st.moe_exchange]
     c.add(kind, ("expert",), forward, forward * payload,
           f"MoE dispatch + combine forward{', again in remat' if again else ''} "
-          f"({real})", False)
+          f"({real})", EXPOSED)
     c.add(kind, ("expert",), backward, backward * payload,
-          "MoE dispatch + combine backward", False)
+          "MoE dispatch + combine backward", EXPOSED)
     if st.moe_exchange == "padded":  # each row's int32 expert id travels with it
         ids = forward // 2
         c.add("all-to-all", ("expert",), ids, ids * rows * 4,
-              "MoE expert ids of the padded rows (forward)", False)
+              "MoE expert ids of the padded rows (forward)", EXPOSED)
 
 
 def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
@@ -372,23 +384,23 @@ def rerun_collectives(c: Ledger) -> None:
         if st.sp:
             gathers = round(st.runs * _input_gathers(st) * again)
             c.add("all-gather", ("tensor",), gathers, gathers * act,
-                  "sequence gathered entering attention/MLP" + what, False)
+                  "sequence gathered entering attention/MLP" + what, EXPOSED)
         c.add("reduce-scatter" if st.sp else "all-reduce", ("tensor",), rows, rows * act,
-              "row-parallel outputs" + what, False)
+              "row-parallel outputs" + what, EXPOSED)
     per_layer = st.layers * st.runs * again
     if st.ring:
         hops = round(per_layer * 2 * (st.c - 1))
         c.add("collective-permute", ("context",), hops, hops * st.kv_block * st.wire,
-              "ring attention: K, V blocks" + what, True)
+              "ring attention: K, V blocks" + what, HIDDEN)
     elif st.c > 1:
         count = round(2 * per_layer)
         c.add("all-gather", ("context",), count, count * st.kv_block * st.c * st.wire,
-              "context allgather attention: K, V" + what, False)
+              "context allgather attention: K, V" + what, EXPOSED)
     if st.moe_exchange is not None:
         count = round(st.moe_layers * st.runs * 2 * again)
         payload = st.expert_rows * st.cfg.model.d_model * st.wire
         c.add("ragged-all-to-all" if st.moe_exchange == "ragged" else "all-to-all",
-              ("expert",), count, count * payload, "MoE dispatch + combine" + what, True)
+              ("expert",), count, count * payload, "MoE dispatch + combine" + what, HIDDEN)
 
 
 def _rematted(st: StepSizes) -> float:
@@ -443,7 +455,7 @@ def tensor_collectives(c: Ledger) -> None:
     def add_act(kind: str, count: int, what: str, payload: int = act, times: int = 1) -> None:
         """``times``: the forward (fw) or backward (bw) multiplicity under a pipeline."""
         count = round(count * times)
-        c.add(kind, ("tensor",), count, count * payload, what, False)
+        c.add(kind, ("tensor",), count, count * payload, what, EXPOSED)
 
     if not st.sp:
         add_act("all-reduce", row_outputs, "row-parallel outputs (attention, MLP) forward"
@@ -471,6 +483,6 @@ def tensor_collectives(c: Ledger) -> None:
                 times=bw)
         c.add("all-reduce", ("tensor",), (n_layers + 1) * c.grad_runs,
               c.grad_runs * (2 * n_layers + 1) * cfg.model.d_model * PARAM_BYTES,
-              "norm-scale gradients of the sequence shards", False)
+              "norm-scale gradients of the sequence shards", EXPOSED)
     add_act("all-reduce", 2 * heads, "vocab-parallel loss: max and sum of exponentials",
             payload=st.b * st.sl * 4, times=fw)

@@ -53,13 +53,17 @@ device holds (:mod:`~jaxpar.cost.optimizer`), once per step.
 Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
 as no kernel reaches it and memory-bound work is ignored); each collective takes
 ``wire_bytes / bandwidth`` of the link its axes use, plus a fixed latency per launch
-(``count x latency`` of that link, :mod:`~jaxpar.hardware`). Overlap rule: the bytes of
-collectives over ``data``, ``fsdp`` and ``context`` (weight gathers, gradient reductions, ring
-steps sent while the previous block is computed) hide behind compute; ``tensor`` collectives and
-allgather attention sit between dependent ops, and ZeRO-1's parameter gather comes after all
-compute, so those add to the step. Latency is never hidden: it is what a collective costs when
-its bytes are few, i.e. exactly where the compute beside it (a ring hop's block of a few hundred
-tokens) is too short to cover it, so every launch adds it to the step::
+(``count x latency`` of that link, :mod:`~jaxpar.hardware`). Overlap rule (each collective's
+``hidden`` share, read off the TPU compiler's schedules: docs/performance.md): FSDP's gathers
+and reduce-scatters in the layer loops, and the embedding's reduce-scatter, are collective
+matmuls, hidden but for the last of their ring's steps (``1 - 1/fsdp``); data-parallel gradient
+sums and ring attention's block sends hide behind the compute beside them; the gathers before
+the first layer, lm_head's gradient reduction, ``tensor`` collectives, allgather attention,
+the expert all-to-alls and ZeRO-1's parameter gather sit between dependent ops or outside the
+loops, with nothing to hide behind, so they add to the step. Latency is never hidden: it is
+what a collective costs when its bytes are few, i.e. exactly where the compute beside it (a
+ring hop's block of a few hundred tokens) is too short to cover it, so every launch adds it to
+the step::
 
     step = compute + blocking + latency + max(0, overlappable - compute)
     MFU  = useful flops / (step * peak)
@@ -284,10 +288,8 @@ def _time(st: StepSizes, collectives: list[CollectiveCost], flops: FlopsCost,
         label = f"{'+'.join(c.axes)} ({link})"
         by_axis[label] = by_axis.get(label, 0.0) + seconds + launches
         latency += launches
-        if c.overlapped:
-            overlapped += seconds
-        else:
-            blocking += seconds
+        overlapped += c.hidden * seconds
+        blocking += (1 - c.hidden) * seconds
     exposed = max(0.0, overlapped - compute)
     step = compute + blocking + latency + exposed
     tokens = st.cfg.train.batch_size * st.s

@@ -27,7 +27,17 @@ class CollectiveCost:
     bytes: int  # payload per device per step
     wire_bytes: int  # ring bytes sent per device per step
     what: str  # which tensors, and why
-    overlapped: bool  # hidden behind compute by the overlap rule (jaxpar.cost.estimate)
+    hidden: float  # the share of its bytes the overlap rule hides behind matmuls (estimate.py)
+
+
+HIDDEN, EXPOSED = 1.0, 0.0  # every byte hidden behind matmuls; none
+
+
+def ring_hidden(group: int) -> float:
+    """The share of a collective matmul's bytes hidden: of its ring's ``group`` steps, the
+    last one's transfer has no slice of the matmul left to run beside it (the TPU compiler's
+    windowed einsums; docs/performance.md)."""
+    return 1 - 1 / group if group > 1 else HIDDEN
 
 
 def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
@@ -43,7 +53,9 @@ def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
         row["count"] += c.count
         row["bytes"] += c.bytes
         row["wire_bytes"] += c.wire_bytes
-        row["hidden_bytes" if c.overlapped else "exposed_bytes"] += c.bytes
+        hidden = round(c.bytes * c.hidden)
+        row["hidden_bytes"] += hidden
+        row["exposed_bytes"] += c.bytes - hidden
     return [rows[key] for key in sorted(rows)]
 
 
@@ -123,13 +135,14 @@ class Ledger:
         return [p for p in self.params if p.dense_stack]
 
     def add(self, kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
-            overlapped: bool) -> None:
-        """``count`` executions per step moving ``total`` payload bytes in all."""
+            hidden: float) -> None:
+        """``count`` executions per step moving ``total`` payload bytes in all, ``hidden`` of
+        them behind matmuls."""
         axes = tuple(a for a in axes if self.st.mesh[a] > 1)
         group = math.prod(self.st.mesh[a] for a in axes)
         if count and total and group > 1:
             self.out.append(CollectiveCost(kind, axes, count, total,
-                                           wire_bytes(kind, total, group), what, overlapped))
+                                           wire_bytes(kind, total, group), what, hidden))
 
     def moved(self, p: ParamCost, nbytes: int) -> int:
         """Bytes of a weight as it travels (cast to the compute dtype on the wire)."""

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jaxpar.config import MESH_AXES, Config
-from jaxpar.cost.ledger import Ledger
+from jaxpar.cost.ledger import EXPOSED, Ledger
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes, model_params
 from jaxpar.parallel.optimizer_state import (
     MUON_BATCH_AXES,
@@ -127,7 +127,7 @@ def muon_collectives(c: Ledger) -> None:
             "all-to-all": "Muon: matrices to their owners' devices and the results back "
                           "(owner-computes), once per step"}
     for (kind, axes), sizes in rows.items():
-        c.add(kind, axes, len(sizes), sum(sizes), what[kind], False)
+        c.add(kind, axes, len(sizes), sum(sizes), what[kind], EXPOSED)
 
 
 def muon_flops(cfg: Config, params: list[ParamCost]) -> float:

@@ -119,7 +119,7 @@ x the executed-work factor = compute / (1 - bubble).
 
 from __future__ import annotations
 
-from jaxpar.cost.ledger import Ledger
+from jaxpar.cost.ledger import EXPOSED, HIDDEN, Ledger
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, in_compute_dtype, unit_blocks
 from jaxpar.cost.shapes import StepSizes
 
@@ -138,7 +138,7 @@ def pipeline_collectives(c: Ledger) -> None:
     sends = st.pipeline["sends"]
     c.add("collective-permute", ("pipe",), sends, sends * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})"
-          + (", both ways in the V" if ways == 2 else ""), False)
+          + (", both ways in the V" if ways == 2 else ""), EXPOSED)
     # (With dense first blocks the embedding's sum is the pre-phase's: cost/collectives.py.)
     # (A LoRA run's embedding and head are frozen: no piece gradients, and chunk 0's input
     # gradient is not summed for them: the executor's Frozen.)
@@ -153,14 +153,14 @@ def pipeline_collectives(c: Ledger) -> None:
     if c.dense:
         x0 = st.runs * st.tokens_x_embed(st.a)  # every microbatch of the step
         c.add("all-gather", ("pipe",), 1, x0,
-              "pipeline: the dense first blocks' output gathered for the stages", False)
+              "pipeline: the dense first blocks' output gathered for the stages", EXPOSED)
     c.add("all-reduce", ("pipe",),
           embeds + 3 * head * st.loss_pieces + into_first + sums * len(vocab),
           ((embeds + head + into_first) * st.sent + head * st.sent * 4 // st.wire
            + 3 * head * st.b * st.sl * 4)
           + sums * sum(p.bytes_per_device for p in vocab),
           "pipeline: embedding (forward steps), last output and head gradient (head steps), "
-          "chunk 0's input gradient (backward steps), vocabulary-piece gradients", True)
+          "chunk 0's input gradient (backward steps), vocabulary-piece gradients", HIDDEN)
 
 
 def per_layer_fsdp(st: StepSizes) -> bool:
@@ -198,12 +198,12 @@ def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
     scatters = info["backward_steps"] - info["input_steps"] + info["weight_steps"]
     c.add("all-gather", ("fsdp",), gathers * units * len(layer),
           gathers * sum(c.moved(p, p.gathered_bytes) for p in layer) // v,
-          "stage weights gathered layer by layer, in every forward and backward slot", True)
+          "stage weights gathered layer by layer, in every forward and backward slot", HIDDEN)
     trained = [p for p in layer if p.trained]
     c.add("reduce-scatter", ("fsdp",), scatters * units * len(trained),
           scatters * sum(c.grad(p, p.gathered_bytes, by_hand=True) for p in trained) // v,
           "stage weight gradients reduce-scattered layer by layer, in every slot making them",
-          True)
+          HIDDEN)
 
 
 def vocab_trained(st: StepSizes) -> bool:

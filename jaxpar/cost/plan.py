@@ -141,7 +141,8 @@ def _collectives_table(report: CostReport, hw: HardwareProfile) -> Table:
         dcn = report.cfg.mesh.dcn
         link, bandwidth = hw.axis_link(report.mesh, c.axes, dcn)
         seconds = c.wire_bytes / bandwidth + c.count * hw.axis_latency(report.mesh, c.axes, dcn)
-        overlap = "" if c.overlapped else " [yellow](blocking)[/yellow]"
+        overlap = ("" if c.hidden == 1 else " [yellow](blocking)[/yellow]" if c.hidden == 0
+                   else f" [yellow]({1 - c.hidden:.0%} blocking)[/yellow]")
         comms.add_row(c.kind, ",".join(c.axes), f"{c.count:,}", _bytes(c.bytes),
                       _bytes(c.wire_bytes), link, human_seconds(seconds), c.what + overlap)
     if not report.collectives:
