@@ -51,6 +51,31 @@ def use_host_devices(count: int | None) -> None:
 OVERLAP_LIBTPU_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 
 
+# Options every train and eval step is compiled with on a TPU (``jax.jit``'s
+# ``compiler_options``, so they reach every compile of the step: training, ``inspect
+# --target``, scripts). FSDP gathers a layer's weights as a layout change before its matmuls
+# (``jaxpar/model/projection.py``); the TPU compiler turns the all-gathers that *it* inserts to
+# partition a matmul into collective matmuls (a ring of collective-permutes, each step's slice of
+# the matmul computed while the next slice travels), but by default (libtpu 0.0.42-0.0.52) not
+# an all-gather that is already in the program when it partitions, and a weight that remat's
+# recomputation and the input gradient both read is such an all-gather even when left to the
+# compiler. Its post-SPMD pass decomposes every all-gather that feeds matmuls, after
+# partitioning: Llama-3-8B widths on tpu-v5p:4x4x2, fsdp=32, every layer's gathers hidden, 29.67
+# -> 6 GiB exposed a step (docs/performance.md, "Collective matmuls for the weight gathers").
+TPU_COMPILER_OPTIONS = {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd"}
+
+
+def step_compiler_options(platform: str) -> dict[str, str] | None:
+    """The compiler options a step compiles with on ``platform`` (None: the compiler's
+    defaults): :data:`TPU_COMPILER_OPTIONS` on a TPU, less any the user set in
+    ``LIBTPU_INIT_ARGS`` (theirs stays as set)."""
+    if platform != "tpu":
+        return None
+    names = {flag.split("=")[0].lstrip("-") for flag in
+             os.environ.get("LIBTPU_INIT_ARGS", "").split()}
+    return {name: value for name, value in TPU_COMPILER_OPTIONS.items() if name not in names}
+
+
 def use_compiler_flags(cfg: Config) -> None:
     """Add the libtpu flags ``cfg`` needs to ``LIBTPU_INIT_ARGS`` (before libtpu loads; a flag
     the user set stays as set). Nothing on other platforms reads them."""
