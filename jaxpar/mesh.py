@@ -52,16 +52,16 @@ OVERLAP_LIBTPU_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 
 
 # Options every train and eval step is compiled with on a TPU (``jax.jit``'s
-# ``compiler_options``, so they reach every compile of the step: training, ``inspect
+# ``compiler_options``, so that they reach every compile of the step: training, ``inspect
 # --target``, scripts). FSDP gathers a layer's weights as a layout change before its matmuls
-# (``jaxpar/model/projection.py``); the TPU compiler turns the all-gathers that *it* inserts to
-# partition a matmul into collective matmuls (a ring of collective-permutes, each step's slice of
-# the matmul computed while the next slice travels), but by default (libtpu 0.0.42-0.0.52) not
-# an all-gather that is already in the program when it partitions, and a weight that remat's
-# recomputation and the input gradient both read is such an all-gather even when left to the
-# compiler. Its post-SPMD pass decomposes every all-gather that feeds matmuls, after
-# partitioning: Llama-3-8B widths on tpu-v5p:4x4x2, fsdp=32, every layer's gathers hidden, 29.67
-# -> 6 GiB exposed a step (docs/performance.md, "Collective matmuls for the weight gathers").
+# (``jaxpar/model/projection.py``). By default (libtpu 0.0.42-0.0.52) the TPU compiler turns
+# into a collective matmul (a ring of collective-permutes, a slice of the matmul computed while
+# the next slice travels) only an all-gather that its partitioner inserts to partition a dot,
+# not one already in the program; and a weight that both remat's recomputation and the input
+# gradient read stays one synchronous gather even when the dot is left to gather it. The
+# post-SPMD mode decomposes the all-gathers that feed matmuls after partitioning, whoever wrote
+# them (docs/performance.md, "Collective matmuls for the weight gathers": Llama-3-8B widths,
+# tpu-v5p:4x4x2, fsdp=32, 30.65 -> 6.47 GiB exposed a step).
 TPU_COMPILER_OPTIONS = {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd"}
 
 
