@@ -51,6 +51,31 @@ def use_host_devices(count: int | None) -> None:
 OVERLAP_LIBTPU_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 
 
+# Options every train and eval step is compiled with on a TPU (``jax.jit``'s
+# ``compiler_options``, so that they reach every compile of the step: training, ``inspect
+# --target``, scripts). FSDP gathers a layer's weights as a layout change before its matmuls
+# (``jaxpar/model/projection.py``). By default (libtpu 0.0.42-0.0.52) the TPU compiler turns
+# into a collective matmul (a ring of collective-permutes, a slice of the matmul computed while
+# the next slice travels) only an all-gather that its partitioner inserts to partition a dot,
+# not one already in the program; and a weight that both remat's recomputation and the input
+# gradient read stays one synchronous gather even when the dot is left to gather it. The
+# post-SPMD mode decomposes the all-gathers that feed matmuls after partitioning, whoever wrote
+# them (docs/performance.md, "Collective matmuls for the weight gathers": Llama-3-8B widths,
+# tpu-v5p:4x4x2, fsdp=32, 30.65 -> 6.47 GiB exposed a step).
+TPU_COMPILER_OPTIONS = {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd"}
+
+
+def step_compiler_options(platform: str) -> dict[str, str] | None:
+    """The compiler options a step compiles with on ``platform`` (None: the compiler's
+    defaults): :data:`TPU_COMPILER_OPTIONS` on a TPU, less any the user set in
+    ``LIBTPU_INIT_ARGS`` (theirs stays as set)."""
+    if platform != "tpu":
+        return None
+    names = {flag.split("=")[0].lstrip("-") for flag in
+             os.environ.get("LIBTPU_INIT_ARGS", "").split()}
+    return {name: value for name, value in TPU_COMPILER_OPTIONS.items() if name not in names}
+
+
 def use_compiler_flags(cfg: Config) -> None:
     """Add the libtpu flags ``cfg`` needs to ``LIBTPU_INIT_ARGS`` (before libtpu loads; a flag
     the user set stays as set). Nothing on other platforms reads them."""

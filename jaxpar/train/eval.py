@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.data.mixture import source_names
+from jaxpar.mesh import step_compiler_options
 from jaxpar.model.remat import Remat
 from jaxpar.model.transformer import DTYPES
 from jaxpar.parallel.hooks import model_hooks
@@ -91,7 +92,8 @@ def compile_eval_step(trainer: Trainer, weights_only: bool = False) -> jax.stage
     shardings, abstract = trainer.state_shardings, trainer.abstract_state
     if weights_only:
         shardings, abstract = shardings._replace(opt_state=None), abstract._replace(opt_state=None)
-    step = jax.jit(eval_step_fn(trainer), in_shardings=(shardings, trainer.batch_sharding))
+    step = jax.jit(eval_step_fn(trainer), in_shardings=(shardings, trainer.batch_sharding),
+                   compiler_options=step_compiler_options(trainer.mesh.devices.flat[0].platform))
     with jax.set_mesh(trainer.mesh):
         return step.lower(abstract, trainer.abstract_batch()).compile()
 

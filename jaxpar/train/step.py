@@ -48,7 +48,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config, ConfigError
-from jaxpar.mesh import process_batch_rows
+from jaxpar.mesh import process_batch_rows, step_compiler_options
 from jaxpar.model.annotate import lora_dropout_tokens, use_lora_dropout
 from jaxpar.model.layers import FULL_PRECISION
 from jaxpar.model.lora import adapter_part, base_part, dropout_key, merged, with_dropout_tokens
@@ -524,9 +524,10 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         _init=jax.jit(init, out_shardings=sh.state),
         _step=jax.jit(train_step_fn(cfg, tx, loss_and_grads),
                       in_shardings=(sh.state, sh.batch), out_shardings=(sh.state, None),
-                      donate_argnums=0),
+                      donate_argnums=0, compiler_options=step_compiler_options(platform)),
         _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(sh.state, sh.batch),
-                                out_shardings=(None, trained(cfg, sh.state.params), None)),
+                                out_shardings=(None, trained(cfg, sh.state.params), None),
+                                compiler_options=step_compiler_options(platform)),
         _reorder=jax.jit(reorder_layers, in_shardings=(sh.state, None),
                          out_shardings=sh.state))
 

@@ -557,9 +557,13 @@ def test_loop_without_known_trip_count_reads_i_less_than_n_from_its_condition():
             "  %init = (s32[], f32[8]{0}) tuple(%start, %x)\n"
             "  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body")
     assert only(parse_collectives(module(loop, body), MESH)).executions == 4
-    # A counter that does not start at 0 is not guessed at.
+    # A counter that starts at another constant runs from there (libtpu 0.0.52's post-SPMD
+    # collective matmuls run their first step before the loop); one that starts at no
+    # constant is not guessed at.
     from_one = loop.replace("constant(0)", "constant(1)")
-    assert only(parse_collectives(module(from_one, body), MESH)).executions == 1
+    assert only(parse_collectives(module(from_one, body), MESH)).executions == 3
+    unknown = loop.replace("copy(%zero)", "parameter(1)")
+    assert only(parse_collectives(module(unknown, body), MESH)).executions == 1
 
 
 def test_loop_whose_body_adds_k_to_its_counter_runs_n_over_k_times():

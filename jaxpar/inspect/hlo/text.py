@@ -8,10 +8,11 @@ accumulation) runs once per iteration. Each `Collective` carries `executions`, h
 computation runs per call of the program: the product of the `known_trip_count`s of the loops
 around it, summed over call sites. XLA:CPU records a loop's trip count in the while op's
 backend_config (`known_trip_count`); TPU's compiler does not, so there it is read off the loop
-itself: a condition `i < N` on a counter that starts at the constant 0 (the form `lax.scan` and
-`fori_loop` lower to) runs N times, or ceil(N / k) times when the body adds a constant k to the
-counter (TPU's windowed-einsum loops, unrolled by two, add 2). A loop whose trip count is found
-neither way counts once.
+itself: a condition `i < N` on a counter that starts at a constant c (0 in the form `lax.scan`
+and `fori_loop` lower to) runs N - c times, or ceil((N - c) / k) times when the body adds a
+constant k to the counter (TPU's windowed-einsum loops, unrolled by two, add 2; libtpu 0.0.52's
+post-SPMD collective matmuls also run their first step before the loop and start at 2). A loop
+whose trip count is found neither way counts once.
 `bytes` and `wire_bytes` are per execution; `summarize_collectives` multiplies, so its rows are
 per-step totals.
 """
@@ -312,7 +313,7 @@ def _loop_step(module: Module, loop: Instr, index: int) -> int:
 
 
 def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int | None:
-    """The trip count of a loop `for (i = 0; i < N; i += k)`: ceil(N / k), read from its
+    """The trip count of a loop `for (i = c; i < N; i += k)`: ceil((N - c) / k), read from its
     condition, its initial tuple and its body's update of the counter (k = 1 unless the body
     visibly adds another constant)."""
     cond = module.computations.get((attr(loop, "condition") or "").lstrip("%"))
@@ -327,9 +328,10 @@ def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int 
     index = int(attr(counter, "index") or 0)
     if init is None or init.opcode != "tuple" or index >= len(init.operands):
         return None
-    if _constant_int(comp, init.operands[index]) != 0:
+    start = _constant_int(comp, init.operands[index])
+    if start is None or start < 0:
         return None
-    return -(-bound // _loop_step(module, loop, index))
+    return max(0, -(-(bound - start) // _loop_step(module, loop, index)))
 
 
 def called(module: Module, comp: Computation, instr: Instr) -> list[tuple[str, float, bool]]:
