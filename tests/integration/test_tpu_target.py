@@ -77,12 +77,12 @@ def test_fsdp_gathers_weights_and_reduce_scatters_grads_over_fsdp(fsdp8_on_v5e):
 
 
 def test_tpu_compiler_gathers_weights_in_bf16_asynchronously(fsdp8_on_v5e):
-    # The parameters are float32, but the matmuls read them at default (bf16) precision, so the
-    # TPU compiler converts before gathering: half the bytes of the CPU program's f32 gathers.
+    # The parameters are float32, but the matmuls read them in bf16, so the weights travel
+    # converted: half the bytes of the CPU program's f32 gathers. The layers' gathers are
+    # collective matmuls (jaxpar/mesh.py: TPU_COMPILER_OPTIONS): asynchronous permutes.
     _, _, hlo = fsdp8_on_v5e
-    gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
-    assert gathers and any("= bf16[" in line for line in gathers)
-    assert "AsyncCollectiveStart" in hlo  # overlapped with compute, not a blocking op
+    permutes = [line for line in hlo.splitlines() if " collective-permute-start(" in line]
+    assert permutes and any("= (bf16[" in line for line in permutes)
 
 
 def test_the_collectives_table_names_what_each_kind_sends(fsdp8_on_v5e):
@@ -90,7 +90,7 @@ def test_the_collectives_table_names_what_each_kind_sends(fsdp8_on_v5e):
     # parameters' gradients come back reduce-scattered in f32 (XLA:CPU's program is all f32,
     # bf16 collectives included, so only the TPU compile shows the difference).
     _, report, _ = fsdp8_on_v5e
-    assert "bf16" in rows(report, "all-gather", ["fsdp"])[0]["dtypes"]
+    assert rows(report, "collective-permute", ["fsdp"])[0]["dtypes"] == ["bf16"]
     assert rows(report, "reduce-scatter", ["fsdp"])[0]["dtypes"] == ["f32"]
 
 
@@ -144,15 +144,16 @@ def test_every_collective_row_splits_its_bytes_into_hidden_and_exposed(fsdp8_on_
     assert 0 < hidden < total
 
 
-def test_weight_gathers_ride_matmul_fusions_and_gradient_scatters_are_exposed(fsdp8_on_v5e):
-    """On v5e (libtpu 0.0.42.1) the FSDP weight gathers in the layer loops are async collective
-    fusions (start, fusions that carry the gather along with a matmul, done): each of them is
-    hidden, once per layer. The gradients' all-reduce-scatter fusions are synchronous."""
-    _, report, hlo = fsdp8_on_v5e
+def test_weight_gathers_are_collective_matmuls_and_gradient_scatters_are_exposed(fsdp8_on_v5e):
+    """On v5e (libtpu 0.0.42.1) the FSDP weight gathers in the layer loops are collective
+    matmuls: rings of permutes, most with a slice of the matmul between start and done (the
+    last step of a ring has none). The gathers left, outside the loops (the embedding's, the
+    final norm's), and the gradients' all-reduce-scatter fusions are synchronous."""
+    _, report, _ = fsdp8_on_v5e
+    (permutes,) = rows(report, "collective-permute", ["fsdp"])
+    assert permutes["hidden_bytes"] > 0.5 * permutes["bytes"], permutes
     (gathers,) = rows(report, "all-gather", ["fsdp"])
-    chains = hlo.count('custom_call_target="AsyncCollectiveStart"')
-    assert chains > 0 and gathers["hidden_count"] == report["run"]["n_layers"] * chains
-    assert 0 < gathers["hidden_bytes"] < gathers["bytes"]  # the loss head's gathers are not
+    assert gathers["hidden_bytes"] == 0
     (scatters,) = rows(report, "reduce-scatter", ["fsdp"])
     assert scatters["hidden_bytes"] == 0 and scatters["exposed_bytes"] == scatters["bytes"]
 
@@ -166,6 +167,32 @@ def test_printed_report_says_how_much_communication_is_hidden(fsdp8_on_v5e):
     assert "collectives hidden behind matmuls" in text
     assert f"{totals['hidden_fraction']:.1%} hidden" in text
     assert "all-reduce-scatter-fusion" in text  # the collectives table keeps its columns
+
+
+def test_weight_gathers_are_collective_matmuls_unless_the_user_says_otherwise(tmp_path):
+    """The step compiles with libtpu's post-SPMD collective matmuls (jaxpar/mesh.py:
+    TPU_COMPILER_OPTIONS): the layers' FSDP gathers, a layout change written before the matmuls,
+    become rings of collective-permutes beside slices of the matmuls, most hidden. Set in
+    LIBTPU_INIT_ARGS, the user's mode stands: pre_spmd leaves them synchronous all-gathers.
+    (tiny, fsdp=8, tpu-v5p:2x2x2, remat=full: ~10 s a compile.)"""
+    needs_libtpu()
+    reports = {}
+    for mode in (None, "pre_spmd"):
+        flags = ("import os\nos.environ.pop('LIBTPU_INIT_ARGS', None)\n" if mode is None else
+                 "import os\nos.environ['LIBTPU_INIT_ARGS'] = "
+                 f"'--xla_tpu_all_gather_collective_matmul_mode={mode}'\n")
+        result = run_inspect("tiny", "mesh.data=1", "mesh.fsdp=8", "train.remat=full",
+                             "--target", "tpu-v5p:2x2x2", "--json", "-", cwd=tmp_path,
+                             preamble=flags)
+        assert result.returncode == 0, result.stderr[-2000:]
+        reports[mode] = json.loads(result.stdout)
+    (permutes,) = rows(reports[None], "collective-permute", ["fsdp"])
+    assert permutes["hidden_bytes"] > 0.5 * permutes["bytes"], permutes
+    (gathers,) = rows(reports[None], "all-gather", ["fsdp"])
+    (synchronous,) = rows(reports["pre_spmd"], "all-gather", ["fsdp"])
+    # only the gathers outside the layer loops stay (the embedding table's, the head's)
+    assert gathers["count"] < synchronous["count"] / 4, (gathers, synchronous)
+    assert not rows(reports["pre_spmd"], "collective-permute", ["fsdp"])
 
 
 # --------------------------------------------------------------------------------------------
