@@ -127,8 +127,11 @@ def fsdp_collectives(c: Ledger) -> None:
     if cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1:
         return
     # In the layer loops the compiler makes each gather and reduce-scatter a collective matmul
-    # (jaxpar.mesh.TPU_COMPILER_OPTIONS): hidden but for its ring's last step.
+    # (jaxpar.mesh.TPU_COMPILER_OPTIONS): hidden but for its ring's last step. Not the gathers
+    # of weights split over tensor too: those stay synchronous (MaxText's as well; measured
+    # at Llama-3-70B widths, fsdp=16 tensor=4, docs/performance.md).
     fsdp_ring = ring_hidden(st.mesh["fsdp"])
+    gather_ring = fsdp_ring if st.mesh["tensor"] == 1 else EXPOSED
     layer = [p for p in c.layer if p.gathered_bytes != p.bytes_per_device]
     dense = [p for p in c.dense if p.gathered_bytes != p.bytes_per_device]
     other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device and p not in dense]
@@ -163,14 +166,14 @@ def fsdp_collectives(c: Ledger) -> None:
                       round(passes * c.forwards * st.layers * st.runs * len(group)),
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what,
-                      fsdp_ring)
+                      gather_ring)
     # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
     # it): each layer gathered before use and again for its backward pass, like `layers`
     # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
     # 583M parameters in float32 on XLA:CPU).
     c.add("all-gather", ("fsdp",), 2 * pre_runs * dense_units(cfg.model) * len(dense),
           2 * pre_runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
-          "dense first blocks' weights gathered before use, and again backward", fsdp_ring)
+          "dense first blocks' weights gathered before use, and again backward", gather_ring)
     # Outside the layer loops nothing runs beside them: the gathers before the first layer,
     # the head's gradient reduction after the last (synchronous on the TPU compiler).
     c.add("all-gather", ("fsdp",), len(other),

@@ -55,8 +55,9 @@ as no kernel reaches it and memory-bound work is ignored); each collective takes
 ``wire_bytes / bandwidth`` of the link its axes use, plus a fixed latency per launch
 (``count x latency`` of that link, :mod:`~jaxpar.hardware`). Overlap rule (each collective's
 ``hidden`` share, read off the TPU compiler's schedules: docs/performance.md): FSDP's gathers
-and reduce-scatters in the layer loops, and the embedding's reduce-scatter, are collective
-matmuls, hidden but for the last of their ring's steps (``1 - 1/fsdp``); data-parallel gradient
+(of weights not split over ``tensor`` too) and reduce-scatters in the layer loops, and the
+embedding's reduce-scatter, are collective matmuls, hidden but for the last of their ring's
+steps (``1 - 1/fsdp``); data-parallel gradient
 sums and ring attention's block sends hide behind the compute beside them; the gathers before
 the first layer, lm_head's gradient reduction, ``tensor`` collectives, allgather attention,
 the expert all-to-alls and ZeRO-1's parameter gather sit between dependent ops or outside the
