@@ -50,11 +50,11 @@ def _report_from_plan(cfg, device_kind: str, exposed_share: float) -> dict:
 
 def test_compare_puts_the_compiled_exposed_bytes_beside_the_overlap_rules():
     """On an accelerator's schedule each row's exposed bytes sit beside the plan's: the overlap
-    rule hides most of FSDP's gathers and leaves tensor collectives exposed."""
+    rule hides most of FSDP's gradient reduce-scatters and leaves tensor all-reduces exposed."""
     cfg = tiny_8x32("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")
     comparison = compare_with_plan(_report_from_plan(cfg, "TPU v5", 0.5), cfg)
     rows = {(r["kind"], tuple(r["axes"])): r for r in comparison["collectives"]}
-    fsdp, tensor = rows[("all-gather", ("fsdp",))], rows[("all-reduce", ("tensor",))]
+    fsdp, tensor = rows[("reduce-scatter", ("fsdp",))], rows[("all-reduce", ("tensor",))]
     assert 0 < fsdp["predicted_exposed_bytes"] < fsdp["predicted_bytes"] / 2
     assert tensor["predicted_exposed_bytes"] == tensor["predicted_bytes"] > 0
     assert fsdp["compiled_exposed_bytes"] == round(fsdp["compiled_bytes"] * 0.5)
