@@ -61,12 +61,8 @@ OVERLAP_LIBTPU_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 # gradient read stays one synchronous gather even when the dot is left to gather it. The
 # post-SPMD mode decomposes the all-gathers that feed matmuls after partitioning, whoever wrote
 # them (docs/performance.md, "Collective matmuls for the weight gathers": Llama-3-8B widths,
-# tpu-v5p:4x4x2, fsdp=32, 30.65 -> 6.47 GiB exposed a step). Its reduce-scatter twin does the
-# same for the reduce-scatters that follow matmuls: sequence parallelism's row-parallel
-# outputs over tensor (Llama-3-70B widths, fsdp=16 tensor=4 on tpu-v5p:4x4x4: 262.8 -> 234.4
-# GiB exposed; the 8B program is unchanged).
-TPU_COMPILER_OPTIONS = {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd",
-                        "xla_tpu_reduce_scatter_collective_matmul_mode": "post_spmd"}
+# tpu-v5p:4x4x2, fsdp=32, 30.65 -> 6.47 GiB exposed a step).
+TPU_COMPILER_OPTIONS = {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd"}
 
 
 def step_compiler_options(platform: str) -> dict[str, str] | None:
