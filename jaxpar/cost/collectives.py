@@ -441,8 +441,9 @@ def _input_regathers(c: Ledger) -> int:
 
 
 def tensor_collectives(c: Ledger) -> None:
-    """Tensor (and sequence) parallelism: activations, blocking. lm_head's input gradient is
-    float32 (the logits are); everything else moves in the compute dtype."""
+    """Tensor (and sequence) parallelism: activations, blocking but for sequence parallelism's
+    reduce-scatters. lm_head's input gradient is float32 (the logits are); everything else
+    moves in the compute dtype."""
     st, cfg = c.st, c.st.cfg
     if st.t == 1:
         return
@@ -455,10 +456,16 @@ def tensor_collectives(c: Ledger) -> None:
         st.column_parallel_reductions]
     fw, bw = c.forwards, c.backwards
 
-    def add_act(kind: str, count: int, what: str, payload: int = act, times: int = 1) -> None:
+    def add_act(kind: str, count: int, what: str, payload: int = act, times: int = 1,
+                hidden: float = EXPOSED) -> None:
         """``times``: the forward (fw) or backward (bw) multiplicity under a pipeline."""
         count = round(count * times)
-        c.add(kind, ("tensor",), count, count * payload, what, EXPOSED)
+        c.add(kind, ("tensor",), count, count * payload, what, hidden)
+
+    # Sequence parallelism's reduce-scatters of the layers' matmul outputs (the row-parallel
+    # outputs forward, the column-parallel input gradients backward) are collective matmuls
+    # on the TPU compiler (jaxpar.mesh.SP_TPU_COMPILER_OPTIONS); its gathers stay synchronous.
+    ring = ring_hidden(st.t)
 
     if not st.sp:
         add_act("all-reduce", row_outputs, "row-parallel outputs (attention, MLP) forward"
@@ -476,9 +483,10 @@ def tensor_collectives(c: Ledger) -> None:
                 "backward; inputs again for the weight gradients"
                 + (" in remat" if remat != "none" else "") + ")", times=fw)
         add_act("reduce-scatter", row_outputs,
-                "sequence scattered leaving attention/MLP forward", times=fw)
+                "sequence scattered leaving attention/MLP forward", times=fw, hidden=ring)
         add_act("reduce-scatter", column_grads,
-                f"column-parallel input gradients backward ({columns})", times=bw)
+                f"column-parallel input gradients backward ({columns})", times=bw,
+                hidden=ring)
         add_act("all-gather", heads + embeds,
                 "lm_head input forward, embedding output gradient backward", times=fw)
         add_act("reduce-scatter", embeds, "vocab-parallel embedding forward", times=fw)

@@ -57,11 +57,12 @@ as no kernel reaches it and memory-bound work is ignored); each collective takes
 ``hidden`` share, read off the TPU compiler's schedules: docs/performance.md): FSDP's gathers
 (of weights not split over ``tensor`` too) and reduce-scatters in the layer loops, and the
 embedding's reduce-scatter, are collective matmuls, hidden but for the last of their ring's
-steps (``1 - 1/fsdp``); data-parallel gradient
-sums and ring attention's block sends hide behind the compute beside them; the gathers before
-the first layer, lm_head's gradient reduction, ``tensor`` collectives, allgather attention,
-the expert all-to-alls and ZeRO-1's parameter gather sit between dependent ops or outside the
-loops, with nothing to hide behind, so they add to the step. Latency is never hidden: it is
+steps (``1 - 1/fsdp``), as are sequence parallelism's reduce-scatters of the layers' matmul
+outputs (``1 - 1/tensor``); data-parallel gradient sums and ring attention's block sends hide
+behind the compute beside them; the gathers before the first layer, lm_head's gradient
+reduction, the other ``tensor`` collectives, allgather attention, the expert all-to-alls and
+ZeRO-1's parameter gather sit between dependent ops or outside the loops, with nothing to hide
+behind, so they add to the step. Latency is never hidden: it is
 what a collective costs when its bytes are few, i.e. exactly where the compute beside it (a
 ring hop's block of a few hundred tokens) is too short to cover it, so every launch adds it to
 the step::

@@ -92,8 +92,9 @@ def compile_eval_step(trainer: Trainer, weights_only: bool = False) -> jax.stage
     shardings, abstract = trainer.state_shardings, trainer.abstract_state
     if weights_only:
         shardings, abstract = shardings._replace(opt_state=None), abstract._replace(opt_state=None)
+    options = step_compiler_options(trainer.mesh.devices.flat[0].platform, trainer.cfg)
     step = jax.jit(eval_step_fn(trainer), in_shardings=(shardings, trainer.batch_sharding),
-                   compiler_options=step_compiler_options(trainer.mesh.devices.flat[0].platform))
+                   compiler_options=options)
     with jax.set_mesh(trainer.mesh):
         return step.lower(abstract, trainer.abstract_batch()).compile()
 

@@ -524,10 +524,10 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
         _init=jax.jit(init, out_shardings=sh.state),
         _step=jax.jit(train_step_fn(cfg, tx, loss_and_grads),
                       in_shardings=(sh.state, sh.batch), out_shardings=(sh.state, None),
-                      donate_argnums=0, compiler_options=step_compiler_options(platform)),
+                      donate_argnums=0, compiler_options=step_compiler_options(platform, cfg)),
         _loss_and_grads=jax.jit(loss_and_grads, in_shardings=(sh.state, sh.batch),
                                 out_shardings=(None, trained(cfg, sh.state.params), None),
-                                compiler_options=step_compiler_options(platform)),
+                                compiler_options=step_compiler_options(platform, cfg)),
         _reorder=jax.jit(reorder_layers, in_shardings=(sh.state, None),
                          out_shardings=sh.state))
 
