@@ -6,6 +6,8 @@ only one side has is exactly what a user should look at: a collective the partit
 that the layout does not need, or one the plan expects that XLA lowered differently. ``--strict``
 turns the comparison into a check a user can run in their own CI: every collective row and the
 peak memory within ``tolerance`` of the plan, rows under :data:`FLOOR_BYTES` per device aside.
+Where the TPU compiler made an axis's gathers and reduce-scatters collective matmuls, their
+bytes travel as permutes: those rows are compared as one (:data:`RINGS`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
                  for r in plan.collective_rows()}
     compiled = {(r["kind"], tuple(r["axes"]), r.get("network", "")): r
                 for r in report["collectives"]}
+    rings = ring_axes(compiled, predicted)
+    predicted, compiled = fold_rings(predicted, rings), fold_rings(compiled, rings)
     # XLA:CPU runs every collective synchronously: what its schedule hides says nothing of an
     # accelerator's, so exposure is compared only on a scheduled accelerator program.
     scheduled = kind != "cpu"
@@ -71,6 +75,36 @@ def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
               "predicted_peak_bytes": plan.memory.peak,
               "peak_ratio": _ratio(report["memory"]["peak_bytes"], plan.memory.peak)}
     return {"collectives": rows, "memory": memory, "exposure": exposure_totals(rows, scheduled)}
+
+
+RINGS = "all-gather+reduce-scatter (rings)"
+"""A row's kind where the TPU compiler made an axis's gathers and reduce-scatters collective
+matmuls (rings of collective-permutes beside slices of their matmuls, jaxpar/mesh.py): the
+permutes carry the bytes the plan counts as all-gathers and reduce-scatters, so the three kinds
+over that axis are compared as one row."""
+_RING_PARTS = ("all-gather", "reduce-scatter", "collective-permute")
+
+
+def ring_axes(compiled: dict[tuple, dict], predicted: dict[tuple, dict]) -> set[tuple]:
+    """The (axes, network) over which the compiled program has permutes the plan does not
+    (rows keyed by kind, axes, network): where the compiler made collective matmuls. Never
+    where the plan has permutes of its own there (ring attention, pipelines)."""
+    return {(axes, network) for kind, axes, network in compiled
+            if kind == "collective-permute" and (kind, axes, network) not in predicted}
+
+
+def fold_rings(rows: dict[tuple, dict], rings: set[tuple]) -> dict[tuple, dict]:
+    """``rows`` with the gathers, reduce-scatters and permutes over each of ``rings`` summed
+    into one :data:`RINGS` row (bytes and exposed bytes)."""
+    out: dict[tuple, dict] = {}
+    for (kind, axes, network), row in rows.items():
+        if kind not in _RING_PARTS or (axes, network) not in rings:
+            out[(kind, axes, network)] = row
+            continue
+        merged = out.setdefault((RINGS, axes, network), {"bytes": 0, "exposed_bytes": 0})
+        merged["bytes"] += row["bytes"]
+        merged["exposed_bytes"] += row.get("exposed_bytes", row["bytes"])
+    return out
 
 
 def exposure_totals(rows: list[dict[str, Any]], scheduled: bool) -> dict[str, Any]:

@@ -44,13 +44,9 @@ def matrix(tmp_path_factory) -> dict:
 # (`data` is in the slow suite: about a minute and a half; `fsdp` shows the TPU compiler's
 # lowering of a whole slice's gathers as well.)
 TPU_TARGET = "tpu-v5p:4x4x4"
-# Since the steps compile with libtpu's post-SPMD collective matmuls (jaxpar/mesh.py), the
-# layers' weight gathers are rings of collective-permutes: the same bytes (all-gather 1.96 GiB +
-# permutes 1.65 GiB against the plan's 3.58 GiB of all-gather), in a row the plan does not have.
-GATHERS_AS_RINGS = ("the layers' gathers are collective-permute rings (collective matmuls), "
-                    "which the plan counts as all-gathers (docs/performance.md, issue 46)")
-TPU_CASES = (pytest.param("fsdp", marks=pytest.mark.xfail(reason=GATHERS_AS_RINGS, strict=True)),
-             pytest.param("data", marks=pytest.mark.slow))
+# (The layers' gathers there are collective-permute rings, jaxpar/mesh.py; the comparison folds
+# them with the gathers and reduce-scatters over fsdp into one row, inspect/compare.py: RINGS.)
+TPU_CASES = ("fsdp", pytest.param("data", marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,14 @@ from helpers import tiny_8x32
 from rich.console import Console
 
 from jaxpar.cost.estimate import estimate
-from jaxpar.inspect.compare import compare_with_plan, mismatches, print_comparison
+from jaxpar.inspect.compare import (
+    RINGS,
+    compare_with_plan,
+    fold_rings,
+    mismatches,
+    print_comparison,
+    ring_axes,
+)
 
 
 def test_mismatches_name_rows_off_plan_and_skip_small_ones():
@@ -75,3 +82,24 @@ def test_compare_says_n_a_for_exposure_on_xla_cpu():
     console = Console(record=True, width=200)
     print_comparison(comparison, console)
     assert "n/a" in console.export_text()
+
+
+def test_collective_matmul_rings_are_compared_with_the_gathers_and_scatters_they_replace():
+    """Where the TPU compiler made an axis's gathers and reduce-scatters rings of permutes, the
+    plan (which counts all-gathers and reduce-scatters) and the compiled program are compared
+    as one row over that axis; permutes the plan has too (ring attention) stay their own row."""
+    predicted = {("all-gather", ("fsdp",), ""): {"bytes": 100, "exposed_bytes": 10},
+                 ("reduce-scatter", ("fsdp",), ""): {"bytes": 200, "exposed_bytes": 20},
+                 ("collective-permute", ("context",), ""): {"bytes": 50, "exposed_bytes": 0}}
+    compiled = {("all-gather", ("fsdp",), ""): {"bytes": 20, "exposed_bytes": 20},
+                ("collective-permute", ("fsdp",), ""): {"bytes": 270, "exposed_bytes": 15},
+                ("reduce-scatter", ("fsdp",), ""): {"bytes": 15, "exposed_bytes": 15},
+                ("collective-permute", ("context",), ""): {"bytes": 50, "exposed_bytes": 5}}
+    rings = ring_axes(compiled, predicted)
+    assert rings == {(("fsdp",), "")}
+    assert fold_rings(predicted, rings) == {
+        (RINGS, ("fsdp",), ""): {"bytes": 300, "exposed_bytes": 30},
+        ("collective-permute", ("context",), ""): {"bytes": 50, "exposed_bytes": 0}}
+    assert fold_rings(compiled, rings) == {
+        (RINGS, ("fsdp",), ""): {"bytes": 305, "exposed_bytes": 50},
+        ("collective-permute", ("context",), ""): {"bytes": 50, "exposed_bytes": 5}}
