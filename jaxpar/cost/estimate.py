@@ -62,10 +62,11 @@ outputs (``1 - 1/tensor``); data-parallel gradient sums and ring attention's blo
 behind the compute beside them; the gathers before the first layer, lm_head's gradient
 reduction, the other ``tensor`` collectives, allgather attention, the expert all-to-alls and
 ZeRO-1's parameter gather sit between dependent ops or outside the loops, with nothing to hide
-behind, so they add to the step. Latency is never hidden: it is
-what a collective costs when its bytes are few, i.e. exactly where the compute beside it (a
-ring hop's block of a few hundred tokens) is too short to cover it, so every launch adds it to
-the step::
+behind, so they add to the step. (Data-parallel sums, the context ring and pipelines are
+assumed, not yet read off a compiled schedule.) Latency is never hidden: it is what a
+collective costs when its bytes are few, i.e. exactly where the compute beside it (a ring
+hop's block of a few hundred tokens) is too short to cover it, so every launch adds it to the
+step::
 
     step = compute + blocking + latency + max(0, overlappable - compute)
     MFU  = useful flops / (step * peak)
