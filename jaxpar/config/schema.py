@@ -350,6 +350,9 @@ class ParallelConfig:
     # Dtype of the gradient sums jaxpar takes by hand (over data, and over data/fsdp in the
     # pipeline executor); see validation._check_reduce_dtype for where it applies.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Route each device's tokens through a MoE layer's experts in this many chunks, so one
+    # chunk's all-to-alls can overlap another's expert matmuls (parallel/expert.py).
+    expert_chunks: int = 1
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
 

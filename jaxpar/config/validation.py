@@ -229,6 +229,10 @@ def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
         require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
                 f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
         _check_moe_groups(moe)
+        require(p.expert_chunks >= 1, f"parallel.expert_chunks={p.expert_chunks}: must be >= 1")
+        require(p.expert_chunks == 1 or moe.dispatch == "dropless", f"parallel.expert_chunks="
+                f"{p.expert_chunks} needs model.moe.dispatch=dropless (a dropping layer's "
+                "capacity is per routed group: chunks would change which tokens drop)")
         units, chunks = (m.n_layers - moe.first_dense) // moe.every, mesh.pipe * p.virtual_stages
         layers = "(model.n_layers - model.moe.first_dense)" if moe.first_dense else "model.n_layers"
         require(units % chunks == 0, f"{layers} / model.moe.every = {units} groups is "

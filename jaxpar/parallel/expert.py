@@ -279,9 +279,29 @@ def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, d
     return padded_dropless(tokens, ids, gates, w, num_experts, groups)
 
 
+def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: jax.Array,
+                        *rest: Any) -> tuple[jax.Array, dict]:
+    """:func:`_dispatch` over ``chunks`` equal runs of a device's tokens, one after another.
+
+    Dropless routing treats every token alone, so the result is the same; what changes is the
+    schedule. Each chunk's dispatch depends only on the routing, not on the chunks before it,
+    so the compiler can run one chunk's all-to-alls while another's experts compute
+    (MaxText's ``num_moe_token_chunks`` does the same). Buffers shrink by the same factor.
+    """
+    if chunks == 1:
+        return _dispatch(tokens, ids, gates, *rest)
+    if tokens.shape[0] % chunks:
+        raise ConfigError(f"parallel.expert_chunks={chunks} does not divide the "
+                          f"{tokens.shape[0]} tokens a device routes in a MoE layer")
+    parts = [_dispatch(*part, *rest) for part in
+             zip(*(jnp.split(a, chunks) for a in (tokens, ids, gates)), strict=True)]
+    stats = {name: sum(p[1][name] for p in parts) for name in parts[0][1]}
+    return jnp.concatenate([p[0] for p in parts]), stats
+
+
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     platform: str = "cpu", ragged: bool | None = None,
-                    hand_groups: int = 1) -> Experts:
+                    hand_groups: int = 1, chunks: int = 1) -> Experts:
     """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a
     mesh: per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
     all-to-alls over ``expert`` when it has more than one device.
@@ -297,6 +317,9 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     hand (a pipeline stage, whose ``mesh_shape`` counts it as 1): the tokens are the device's
     own, the weights arrive as its own experts, and the all-to-alls run over ``expert`` as
     they are, in no ``shard_map`` of their own unless ``tensor`` splits the experts.
+
+    ``chunks`` > 1 (``parallel.expert_chunks``): each device's tokens go through the experts in
+    that many chunks (:func:`_dispatch_in_chunks`).
     """
     lay = _layout(mesh_shape, rules, hand_groups)
     groups, token_axes, tensor, embed, replicated = (lay.groups, lay.token_axes, lay.tensor,
@@ -323,8 +346,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
             if tensor and not nested:  # backward: one all-reduce of d(tokens) over tensor,
                 tokens = _tensor_varying(tokens, tensor, wide_sums)  # not one per slot
             w = (gathered(w_gate, 1), gathered(w_up, 1), gathered(w_down, 2))
-            y, stats = _dispatch(tokens, ids, g, w, dispatch, capacity_factor, num_experts,
-                                 groups, ragged)
+            y, stats = _dispatch_in_chunks(chunks, tokens, ids, g, w, dispatch,
+                                           capacity_factor, num_experts, groups, ragged)
             if tensor:  # the experts' hidden units were split: sum the partial outputs
                 y = _tensor_sum(y, tensor, wide_sums, unchecked=nested)
             if token_axes:  # global counts: every device reports the same numbers. (A count

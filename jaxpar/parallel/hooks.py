@@ -83,7 +83,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
     hand_groups = by_hand.get("expert", 1)
-    experts = (expert_parallel(mesh_shape, rules, platform=platform, hand_groups=hand_groups)
+    experts = (expert_parallel(mesh_shape, rules, platform=platform, hand_groups=hand_groups,
+                               chunks=cfg.parallel.expert_chunks)
                if cfg.model.moe.enabled and (split_axes or hand_groups > 1) else None)
     if in_stage and platform in NO_SHARD_MAP_IN_STAGES:
         _refuse_nested_shard_maps(cfg, split_axes if experts else [], mesh_shape)

@@ -340,6 +340,8 @@ def test_aux_loss_free_bias_update_balances_a_skewed_router():
 REFERENCE = ("mesh.data=1",)
 LAYOUTS = {
     "expert=4": ("mesh.data=1", "mesh.expert=4"),
+    # Each device's tokens in two chunks, each dispatched and combined on its own.
+    "expert=4,chunks=2": ("mesh.data=1", "mesh.expert=4", "parallel.expert_chunks=2"),
     "data=2,expert=2,tensor=2": ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"),
     "data=2,expert=2,context=2": ("mesh.data=2", "mesh.expert=2", "mesh.context=2"),
     # Dropping with capacity_factor 2 = X/k: C = T, nothing can drop, so it computes the same
@@ -423,6 +425,24 @@ def test_all_to_all_over_expert_forward_and_backward(name):
     # Expert parallelism never gathers the tokens or the experts over `expert`.
     assert not [c for c in parse_collectives(got["compiled"].as_text(), cfg.mesh_shape)
                 if "expert" in c.axes and c.kind in ("all-gather", "reduce-scatter")]
+
+
+def test_expert_chunks_exchange_each_chunk_on_its_own_with_the_same_bytes():
+    """``parallel.expert_chunks=2``: twice the all-to-alls, each over half the tokens, so the
+    compiler may run one chunk's exchange beside the other's experts; the bytes stay."""
+    from jaxpar.inspect.hlo.collectives import parse_collectives
+
+    def all_to_alls(name: str) -> tuple[int, int]:
+        got = run_layout(LAYOUTS[name])
+        ops = [c for c in parse_collectives(got["compiled"].as_text(), got["cfg"].mesh_shape)
+               if c.kind == "all-to-all"]
+        return (sum(c.executions for c in ops),
+                sum(c.executions * c.bytes for c in ops))
+
+    (whole, whole_bytes), (chunked, chunked_bytes) = (all_to_alls("expert=4"),
+                                                      all_to_alls("expert=4,chunks=2"))
+    assert chunked == 2 * whole
+    assert chunked_bytes == whole_bytes
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

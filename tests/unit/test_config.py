@@ -163,6 +163,9 @@ ERROR_CASES = {
     "moe-negative-aux-weight": _moe("model.moe.aux_loss_weight=-0.1", ">= 0"),
     "moe-negative-bias-rate": ([MOE, "model.moe.bias_update_rate=-1"],
                                ["model.moe.bias_update_rate=-1.0", ">= 0"]),
+    "moe-expert-chunks-zero": _moe("parallel.expert_chunks=0", ">= 1"),
+    "moe-expert-chunks-dropping": ([MOE, "model.moe.dispatch=dropping", "parallel.expert_chunks=2"],
+                                   ["parallel.expert_chunks=2", "model.moe.dispatch=dropless"]),
     "moe-negative-shared": _moe("model.moe.num_shared_experts=-1", ">= 0"),
     "moe-d-ff-expert-zero": _moe("model.moe.d_ff_expert=0", ">= 1"),
     "moe-experts-not-divisible-by-expert-axis": (
