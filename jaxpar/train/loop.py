@@ -56,7 +56,7 @@ from jaxpar.parallel.pipeline.executor import describe_config as describe_schedu
 from jaxpar.train.eval import Validation, eval_due, make_validation, validation_data
 from jaxpar.train.init_from import initial_state
 from jaxpar.train.metrics import MetricsFile, fmt, log_line, mesh_text, pipeline_line, val_text
-from jaxpar.train.observe import Observer, require_tensorboard
+from jaxpar.train.observe import Observer, require_packages
 from jaxpar.train.step import Trainer, build_trainer
 
 
@@ -237,7 +237,7 @@ class _Run:
     metrics_file: MetricsFile | None  # None on every process but process 0
     peak: float | None  # dense bf16 peak FLOP/s of one device (None: unknown, MFU n/a)
     pipeline: dict | None  # parallel.pipeline.describe() when pipe > 1
-    observer: Observer  # train.profile's trace, logging.tensorboard's events
+    observer: Observer  # train.profile's trace, logging.tensorboard's events, logging.wandb
     step_fn: Any = None
     validation: Validation | None = None  # train.eval_every's held-out batches and eval step
     last_eval: str = ""  # the newest val_loss, kept on the progress bar between evaluations
@@ -260,7 +260,7 @@ class _Run:
         """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
         directory, or None for a fresh start, from the weights of ``init_from`` if given), write
         ``config.yaml``, print the header lines and compile the step."""
-        require_tensorboard(cfg)  # a missing optional package: before anything is written
+        require_packages(cfg)  # a missing optional package: before anything is written
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
         data, data_line = make_data_iterator(cfg)  # data errors first: before any tracing
@@ -302,8 +302,8 @@ class _Run:
             console.print(line)
         if validation is not None:
             console.print(validation.line, markup=False)
-        if run.observer.start_line is not None:
-            console.print(run.observer.start_line, markup=False)
+        for line in run.observer.start_lines:
+            console.print(line, markup=False)
         if jax.process_count() > 1:
             console.print(f"{jax.process_count()} processes x {jax.local_device_count()} devices "
                           "(process 0 logs, writes metrics.jsonl and config.yaml)")
