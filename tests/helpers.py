@@ -814,10 +814,12 @@ def wandb_run(path: Path) -> dict[str, Any]:
     return out
 
 
-def wandb_env(tmp_path: Path, base_url: str = "http://127.0.0.1:9") -> dict[str, str]:
-    """An environment in which wandb can reach no real server (``base_url``: a closed port) and
-    keeps its settings and caches under ``tmp_path``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+def wandb_env(tmp_path: Path, base_url: str = "http://127.0.0.1:9",
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this environment) without its WANDB_ variables, in which wandb can
+    reach no real server (``base_url``: a closed port) and keeps its settings and caches under
+    ``tmp_path``."""
+    env = {k: v for k, v in (base or os.environ).items() if not k.startswith("WANDB_")}
     return dict(env, WANDB_SILENT="true", WANDB_BASE_URL=base_url,
                 WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
                 WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
