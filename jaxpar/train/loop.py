@@ -145,8 +145,10 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
     return it, line + ("; attention within each document" if cfg.documents_masked() else "")
 
 
-def train(cfg: Config, console: Console | None = None) -> Summary:
+def train(cfg: Config, console: Console | None = None,
+          plan: Mapping[str, Any] | None = None) -> Summary:
     """Run ``cfg`` (validated) to ``train.steps``; write ``run_dir`` files; return a summary.
+    ``plan``: the cost model's numbers for a tracked run's summary (``logging.wandb``).
 
     With ``train.resume`` (default ``auto``) it first continues from a checkpoint, and the steps
     after it are bitwise the steps an uninterrupted run takes. The loop reads as its five named
@@ -169,7 +171,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                        train_seconds=0.0, compile_seconds=0.0, run_dir=str(Path(cfg.run_dir)),
                        start_step=start_step)
     init_from = _init_source(cfg, source, console)
-    run = _Run.start_up(cfg, console, source, start_step, init_from)
+    run = _Run.start_up(cfg, console, source, start_step, init_from, plan)
     step = start_step = run.start_step  # older than asked if the checkpoint was damaged
     try:
         with run.progress, _StopSignals() as signals:
@@ -256,7 +258,8 @@ class _Run:
 
     @classmethod
     def start_up(cls, cfg: Config, console: Console, source: Path | None,
-                 start_step: int, init_from: Path | None = None) -> _Run:
+                 start_step: int, init_from: Path | None = None,
+                 plan: Mapping[str, Any] | None = None) -> _Run:
         """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
         directory, or None for a fresh start, from the weights of ``init_from`` if given), write
         ``config.yaml``, print the header lines and compile the step."""
@@ -295,8 +298,8 @@ class _Run:
         run = cls(cfg=cfg, console=console, trainer=trainer, data=data, state=state,
                   start_step=start_step, saved_step=start_step if source is not None else None,
                   skipped=skipped, metrics_file=metrics_file, peak=peak_flops(device_kind),
-                  pipeline=pipeline, observer=Observer(cfg, start_step + 1,
-                                                    lambda line: console.print(line, markup=False)),
+                  pipeline=pipeline, observer=Observer(
+                      cfg, start_step + 1, lambda line: console.print(line, markup=False), plan),
                   validation=validation)
         for line in start_lines(cfg, jax.device_count(), device_kind, data_line, pipeline):
             console.print(line)

@@ -12,7 +12,7 @@ missing one is a one-line config error before anything is written or compiled
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,10 @@ class Observer:
     (:meth:`log`), and at the end, whatever ended the run (:meth:`close`). ``start_lines``: what
     the run prints about them before compiling."""
 
-    def __init__(self, cfg: Config, first_step: int, say: Callable[[str], None]):
-        """``first_step``: the first step this run takes (after a resume, not 1)."""
+    def __init__(self, cfg: Config, first_step: int, say: Callable[[str], None],
+                 plan: Mapping[str, Any] | None = None):
+        """``first_step``: the first step this run takes (after a resume, not 1); ``plan``: the
+        plan's numbers for the W&B summary."""
         self.say = say
         run_dir = Path(cfg.run_dir)
         self.profile_dir = run_dir / PROFILE_DIR
@@ -73,7 +75,7 @@ class Observer:
             # the interrupted run wrote, as keep_through drops them from metrics.jsonl.
             self.writer = SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR),
                                         purge_step=first_step if first_step > 1 else None)
-        self.tracker, wandb_line = WandbRun.open(cfg, first_step, say)
+        self.tracker, wandb_line = WandbRun.open(cfg, first_step, say, plan)
         self.start_lines = [line for line in (start_line, wandb_line) if line is not None]
 
     def before_step(self, step: int) -> None:

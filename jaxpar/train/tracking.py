@@ -3,7 +3,8 @@
 What it holds: the scalars of every ``metrics.jsonl`` row, at the row's ``step`` (the same
 dict, flattened by :func:`jaxpar.train.metrics.scalars` as TensorBoard gets it); ``config.yaml``
 as the run's config; the mesh, the layout and the analytic plan of this config on these devices
-(``jaxpar plan``'s predicted peak memory, step time, MFU and pipeline bubble) in its summary.
+(``jaxpar plan``'s predicted peak memory, step time, MFU and pipeline bubble, which the command
+line passes in: :func:`jaxpar.cli.train.plan_summary`) in its summary.
 
 - Process 0 only: the other processes never import wandb, and one run gets one writer.
 - Resume: the run's id is kept in ``run_dir/wandb_run_id``; a resumed run (a checkpoint of the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,27 +52,14 @@ def require_wandb(cfg: Config) -> None:
 
 
 def layout_summary(cfg: Config, device_kind: str) -> dict[str, Any]:
-    """The run's mesh and layout, and what ``jaxpar plan`` predicts for it on these devices
-    (the nominal ``cpu`` profile for devices the hardware table lacks)."""
-    from jaxpar.cost.estimate import estimate  # noqa: PLC0415  (only a tracked run needs it)
-    from jaxpar.hardware import profile_of  # noqa: PLC0415
-
+    """The run's mesh and layout, flat, for the W&B summary."""
     out: dict[str, Any] = {f"mesh/{axis}": size for axis, size in cfg.mesh_shape.items()}
     out.update({"layout/zero": cfg.parallel.zero,
                 "layout/sequence_parallel": cfg.parallel.sequence_parallel,
                 "layout/remat": cfg.train.remat, "layout/dtype": cfg.train.dtype,
                 "layout/devices": jax.device_count(), "layout/device_kind": device_kind})
-    profile = profile_of(device_kind)
-    try:
-        report = estimate(cfg, profile)
-    except Exception as err:  # noqa: BLE001  (a layout the plan does not model: still tracked)
-        return out | {"plan/error": f"{type(err).__name__}: {_first_line(err)}"}
-    out.update({"plan/hardware": profile.name, "plan/peak_memory_bytes": report.memory.peak,
-                "plan/state_bytes": report.memory.state,
-                "plan/step_time_s": report.time.step, "plan/mfu": report.time.mfu,
-                "plan/tokens_per_s": report.time.tokens_per_s})
-    if report.pipeline is not None:
-        out["plan/pipeline_bubble"] = report.pipeline["bubble"]
+    if cfg.mesh.pipe > 1:
+        out["layout/pipeline_schedule"] = cfg.parallel.pipeline_schedule
     return out
 
 
@@ -84,10 +72,12 @@ class WandbRun:
         self.say = say
 
     @classmethod
-    def open(cls, cfg: Config, first_step: int, say: Callable[[str], None]
-             ) -> tuple[WandbRun | None, str | None]:
+    def open(cls, cfg: Config, first_step: int, say: Callable[[str], None],
+             plan: Mapping[str, Any] | None = None) -> tuple[WandbRun | None, str | None]:
         """The run (None when not asked for, on another process than 0, or when the server
-        cannot be reached) and a line for the console (None: nothing to say)."""
+        cannot be reached) and a line for the console (None: nothing to say). ``plan``: what
+        ``jaxpar plan`` predicts for this run (the caller's: ``train`` does not import the cost
+        model), added to the summary."""
         w = cfg.logging.wandb
         if w.mode == "disabled" or jax.process_index() != 0:
             return None, None
@@ -110,7 +100,8 @@ class WandbRun:
                 settings=wandb.Settings(init_timeout=w.init_timeout_s, console="off"))
             run.define_metric("step")
             run.define_metric("*", step_metric="step")  # re-logged steps land on their own x
-            run.summary.update(layout_summary(cfg, jax.devices()[0].device_kind))
+            run.summary.update({**layout_summary(cfg, jax.devices()[0].device_kind),
+                                **(plan or {})})
         except Exception as err:  # noqa: BLE001  (any failure of the tracker: train untracked)
             return None, (f"logging.wandb: no W&B run ({type(err).__name__}: "
                           f"{_first_line(err)}); training goes on without it")

@@ -10,6 +10,7 @@ import sys
 import pytest
 from helpers import assert_one_line_config_error
 
+from jaxpar.cli.train import plan_summary
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.cost.estimate import estimate
 from jaxpar.hardware import PROFILES, profile_of
@@ -71,11 +72,20 @@ def test_a_device_kind_finds_its_profile(kind, name):
 
 def test_the_summary_holds_the_mesh_layout_and_plan_of_a_pipeline():
     cfg = validate(load_config("tiny", ["mesh.pipe=2", "mesh.data=4"]), 8)
-    summary = layout_summary(cfg, "NVIDIA H100 80GB HBM3")
+    layout = layout_summary(cfg, "NVIDIA H100 80GB HBM3")
+    assert (layout["mesh/pipe"], layout["mesh/data"], layout["mesh/tensor"]) == (2, 4, 1)
+    assert layout["layout/zero"] == cfg.parallel.zero
+    assert layout["layout/pipeline_schedule"] == cfg.parallel.pipeline_schedule
     plan = estimate(cfg, "h100")
-    assert (summary["mesh/pipe"], summary["mesh/data"], summary["mesh/tensor"]) == (2, 4, 1)
-    assert summary["layout/zero"] == cfg.parallel.zero
+    summary = plan.summary()
     assert summary["plan/hardware"] == "h100"
     assert summary["plan/peak_memory_bytes"] == plan.memory.peak
     assert summary["plan/step_time_s"] == plan.time.step
     assert summary["plan/pipeline_bubble"] == plan.pipeline["bubble"] > 0
+    assert "plan/step_time_s" not in estimate(cfg).summary()  # no hardware: no time
+
+
+def test_the_command_line_plans_only_a_tracked_run_and_for_its_devices():
+    assert plan_summary(load_config("tiny")) is None
+    cfg = validate(load_config("tiny", ["logging.wandb.mode=offline"]), 8)
+    assert plan_summary(cfg) == estimate(cfg, "cpu").summary()  # the tests' devices are CPUs
