@@ -25,20 +25,18 @@ def run_train(args: argparse.Namespace) -> tuple[int, str]:
     from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
 
     try:
-        train(cfg, plan=plan_summary(cfg))
+        train(cfg, plan=plan_summary)
     except NonFiniteError as err:
         return 1, print_error(err)
     return 0, ""
 
 
-def plan_summary(cfg: Config) -> dict[str, Any] | None:
+def plan_summary(cfg: Config) -> dict[str, Any]:
     """What ``jaxpar plan`` predicts for this run on its devices (their kind's hardware profile;
-    the nominal ``cpu`` one for kinds the table lacks), for the W&B run's summary: None unless
-    this process tracks the run. A layout the plan cannot cost is noted there, not an error."""
+    the nominal ``cpu`` one for kinds the table lacks), for the W&B run's summary, which asks
+    for it once the run has started. A layout the plan cannot cost is noted, not an error."""
     import jax  # noqa: PLC0415
 
-    if cfg.logging.wandb.mode == "disabled" or jax.process_index() != 0:
-        return None
     from jaxpar.cost.estimate import estimate  # noqa: PLC0415
     from jaxpar.hardware import profile_of  # noqa: PLC0415
 

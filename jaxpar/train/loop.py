@@ -58,6 +58,7 @@ from jaxpar.train.init_from import initial_state
 from jaxpar.train.metrics import MetricsFile, fmt, log_line, mesh_text, pipeline_line, val_text
 from jaxpar.train.observe import Observer, require_packages
 from jaxpar.train.step import Trainer, build_trainer
+from jaxpar.train.tracking import PlanFn
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,10 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
     return it, line + ("; attention within each document" if cfg.documents_masked() else "")
 
 
-def train(cfg: Config, console: Console | None = None,
-          plan: Mapping[str, Any] | None = None) -> Summary:
+def train(cfg: Config, console: Console | None = None, plan: PlanFn | None = None) -> Summary:
     """Run ``cfg`` (validated) to ``train.steps``; write ``run_dir`` files; return a summary.
-    ``plan``: the cost model's numbers for a tracked run's summary (``logging.wandb``).
+    ``plan``: the cost model's numbers of a config, for a tracked run's summary
+    (``logging.wandb``; the command line's: this layer does not import the cost model).
 
     With ``train.resume`` (default ``auto``) it first continues from a checkpoint, and the steps
     after it are bitwise the steps an uninterrupted run takes. The loop reads as its five named
@@ -259,7 +260,7 @@ class _Run:
     @classmethod
     def start_up(cls, cfg: Config, console: Console, source: Path | None,
                  start_step: int, init_from: Path | None = None,
-                 plan: Mapping[str, Any] | None = None) -> _Run:
+                 plan: PlanFn | None = None) -> _Run:
         """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
         directory, or None for a fresh start, from the weights of ``init_from`` if given), write
         ``config.yaml``, print the header lines and compile the step."""

@@ -12,7 +12,7 @@ missing one is a one-line config error before anything is written or compiled
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import jax
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.train.metrics import scalars
-from jaxpar.train.tracking import WandbRun, require_wandb
+from jaxpar.train.tracking import PlanFn, WandbRun, require_wandb
 
 PROFILE_DIR = "profile"
 TENSORBOARD_DIR = "tensorboard"
@@ -50,9 +50,9 @@ class Observer:
     the run prints about them before compiling."""
 
     def __init__(self, cfg: Config, first_step: int, say: Callable[[str], None],
-                 plan: Mapping[str, Any] | None = None):
+                 plan: PlanFn | None = None):
         """``first_step``: the first step this run takes (after a resume, not 1); ``plan``: the
-        plan's numbers for the W&B summary."""
+        plan's numbers of a config, for the W&B summary."""
         self.say = say
         run_dir = Path(cfg.run_dir)
         self.profile_dir = run_dir / PROFILE_DIR

@@ -31,6 +31,9 @@ import yaml
 from jaxpar.config import Config, ConfigError
 
 RUN_ID_FILE = "wandb_run_id"
+# The cost model's headline numbers of a config (jaxpar.cli.train.plan_summary): passed in, as
+# nothing in train imports the cost model.
+PlanFn = Callable[[Config], Mapping[str, Any]]
 WANDB_DIR = "wandb"  # wandb's own folder, under run_dir
 
 
@@ -73,11 +76,11 @@ class WandbRun:
 
     @classmethod
     def open(cls, cfg: Config, first_step: int, say: Callable[[str], None],
-             plan: Mapping[str, Any] | None = None) -> tuple[WandbRun | None, str | None]:
+             plan: PlanFn | None = None) -> tuple[WandbRun | None, str | None]:
         """The run (None when not asked for, on another process than 0, or when the server
         cannot be reached) and a line for the console (None: nothing to say). ``plan``: what
-        ``jaxpar plan`` predicts for this run (the caller's: ``train`` does not import the cost
-        model), added to the summary."""
+        ``jaxpar plan`` predicts for a config, asked once the run has started, for the
+        summary."""
         w = cfg.logging.wandb
         if w.mode == "disabled" or jax.process_index() != 0:
             return None, None
@@ -101,7 +104,7 @@ class WandbRun:
             run.define_metric("step")
             run.define_metric("*", step_metric="step")  # re-logged steps land on their own x
             run.summary.update({**layout_summary(cfg, jax.devices()[0].device_kind),
-                                **(plan or {})})
+                                **(plan(cfg) if plan is not None else {})})
         except Exception as err:  # noqa: BLE001  (any failure of the tracker: train untracked)
             return None, (f"logging.wandb: no W&B run ({type(err).__name__}: "
                           f"{_first_line(err)}); training goes on without it")

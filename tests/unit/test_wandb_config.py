@@ -85,7 +85,6 @@ def test_the_summary_holds_the_mesh_layout_and_plan_of_a_pipeline():
     assert "plan/step_time_s" not in estimate(cfg).summary()  # no hardware: no time
 
 
-def test_the_command_line_plans_only_a_tracked_run_and_for_its_devices():
-    assert plan_summary(load_config("tiny")) is None
+def test_the_command_line_plans_for_the_devices_of_the_run():
     cfg = validate(load_config("tiny", ["logging.wandb.mode=offline"]), 8)
     assert plan_summary(cfg) == estimate(cfg, "cpu").summary()  # the tests' devices are CPUs
