@@ -5,7 +5,8 @@ Equal losses (1e-6 relative) for a batch-split layout, the same with each proces
 (``mesh.dcn``), and for layouts whose non-batch axis spans
 the processes (pipeline stages on different processes; tensor pairs straddling them), so every
 process must read the batch rows its devices hold, not a 1/P slice; checkpoints saved by 2
-processes resume in 1 and the other way round; one voice (process 0 logs and writes); a killed
+processes resume in 1 and the other way round; one voice (process 0 logs and writes, and alone
+imports wandb for the one W&B run); a killed
 process ends the other within 60 s; SIGTERM to the launcher saves once and exits 0.
 
 The slow ones (``pytest -m slow``): a killed process under the default timeout, a non-finite
