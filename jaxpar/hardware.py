@@ -88,6 +88,7 @@ class HardwareProfile:
     fast_latency_s: float  # fixed cost of one collective on the fast links (assumed)
     slow_latency_s: float  # ... and on the slow ones (assumed)
     nominal: bool = False  # True: made-up round numbers, not a data sheet
+    device_kind: str = ""  # its name in PEAK_FLOPS, as jax's Device.device_kind spells it
 
     @property
     def platform(self) -> str:
@@ -131,7 +132,7 @@ def _gpu(name: str, description: str, peak_key: str, hbm_gib: float, nvlink_gbps
     sends at half of it. ``nic_gbit`` is the per-GPU network port in Gbit/s.
     """
     return HardwareProfile(
-        name=name, description=description, peak_flops=PEAK_FLOPS[peak_key],
+        name=name, description=description, peak_flops=PEAK_FLOPS[peak_key], device_kind=peak_key,
         hbm_bytes=int(hbm_gib * GIB), fast_link="NVLink", fast_bytes_per_s=nvlink_gbps / 2 * GB,
         slow_link="network", slow_bytes_per_s=nic_gbit / 8 * GB, domain_size=8,
         # Assumed: NCCL's small-message floor, ~10 us inside a node (NVSwitch), a few times that
@@ -143,7 +144,7 @@ def _tpu(name: str, description: str, peak_key: str, hbm_gib: float, ici_bidir_g
          ici_ports: int, dcn_gbit_per_chip: float, slice_chips: int) -> HardwareProfile:
     """A TPU chip: one mesh axis rides one torus dimension, i.e. 2 of ``ici_ports`` links."""
     return HardwareProfile(
-        name=name, description=description, peak_flops=PEAK_FLOPS[peak_key],
+        name=name, description=description, peak_flops=PEAK_FLOPS[peak_key], device_kind=peak_key,
         hbm_bytes=int(hbm_gib * GIB), fast_link="ICI",
         fast_bytes_per_s=ici_bidir_gbps / ici_ports * GB, slow_link="DCN",
         slow_bytes_per_s=dcn_gbit_per_chip / 8 * GB, domain_size=slice_chips,
@@ -191,6 +192,15 @@ PROFILES: dict[str, HardwareProfile] = {
         fast_bytes_per_s=10 * GB, slow_link="memcpy", slow_bytes_per_s=10 * GB,
         domain_size=1 << 30, fast_latency_s=10e-6, slow_latency_s=10e-6, nominal=True),
 }
+
+
+def profile_of(device_kind: str) -> HardwareProfile:
+    """The profile of the devices a run has (``jax.Device.device_kind``), matched as
+    :func:`peak_flops` matches it; the nominal ``cpu`` profile for a kind the table lacks."""
+    for name in PEAK_FLOPS:  # most specific names come first
+        if name.lower() in device_kind.lower():
+            return next((p for p in PROFILES.values() if p.device_kind == name), PROFILES["cpu"])
+    return PROFILES["cpu"]
 
 
 def get_profile(name: str | HardwareProfile) -> HardwareProfile:

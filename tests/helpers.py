@@ -757,3 +757,70 @@ def write_chat(path: Path, records: list) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
                             for r in records))
     return str(path)
+
+
+# --- Weights & Biases (logging.wandb): tests/integration/test_wandb.py, test_multiprocess.py
+
+WANDB_BLOCK = 32768  # the transaction log's block size (LevelDB's log format)
+
+
+def wandb_records(path: Path) -> list:
+    """The records of an offline run's ``run-<id>.wandb`` file, parsed with wandb's own protobuf
+    (wandb 0.31 ships no reader of the file): a 7-byte header (``:W&B``, 0xBEE1, version 0),
+    then LevelDB log blocks of 32 KiB whose chunks (CRC, length, type: full, first, middle,
+    last) carry one serialized ``Record`` each; a block's tail under 7 bytes is padding."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B" and data[4:7] == b"\xe1\xbe\x00", data[:7]
+    at, pending, records = 7, b"", []
+    while at + 7 <= len(data):
+        left = WANDB_BLOCK - at % WANDB_BLOCK
+        if left < 7:
+            at += left
+            continue
+        length, kind = int.from_bytes(data[at + 4:at + 6], "little"), data[at + 6]
+        pending += data[at + 7:at + 7 + length]
+        at += 7 + length
+        if kind in (1, 4):  # full, last
+            records.append(Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def wandb_run(path: Path) -> dict[str, Any]:
+    """What an offline run file holds: its ``id``, ``start`` time (s), ``config`` and final
+    ``summary`` (dicts of decoded JSON values) and ``history`` (one dict per logged row, W&B's
+    own ``_*`` keys dropped)."""
+    def key(item) -> str:
+        return item.key or "/".join(item.nested_key)
+
+    out: dict[str, Any] = {"id": None, "start": 0.0, "config": {}, "summary": {}, "history": []}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["id"] = record.run.run_id
+            out["start"] = record.run.start_time.seconds + record.run.start_time.nanos / 1e9
+            out["config"].update({key(i): json.loads(i.value_json)
+                                  for i in record.run.config.update})
+        elif kind == "config":
+            out["config"].update({key(i): json.loads(i.value_json) for i in record.config.update})
+        elif kind == "summary":
+            out["summary"].update({key(i): json.loads(i.value_json)
+                                   for i in record.summary.update})
+        elif kind == "history":
+            out["history"].append({key(i): json.loads(i.value_json) for i in record.history.item
+                                   if not key(i).startswith("_")})
+    return out
+
+
+def wandb_env(tmp_path: Path, base_url: str = "http://127.0.0.1:9",
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this environment) without its WANDB_ variables, in which wandb can
+    reach no real server (``base_url``: a closed port) and keeps its settings and caches under
+    ``tmp_path``."""
+    env = {k: v for k, v in (base or os.environ).items() if not k.startswith("WANDB_")}
+    return dict(env, WANDB_SILENT="true", WANDB_BASE_URL=base_url,
+                WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+                WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+                WANDB_DATA_DIR=str(tmp_path / "wandb-data"))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from jaxpar.cli.common import load_validated, multi_process, print_error
-from jaxpar.config import ConfigError
+from jaxpar.config import Config, ConfigError
 
 
 def run_train(args: argparse.Namespace) -> tuple[int, str]:
@@ -24,10 +25,25 @@ def run_train(args: argparse.Namespace) -> tuple[int, str]:
     from jaxpar.train.loop import NonFiniteError, train  # noqa: PLC0415
 
     try:
-        train(cfg)
+        train(cfg, plan=plan_summary)
     except NonFiniteError as err:
         return 1, print_error(err)
     return 0, ""
+
+
+def plan_summary(cfg: Config) -> dict[str, Any]:
+    """What ``jaxpar plan`` predicts for this run on its devices (their kind's hardware profile;
+    the nominal ``cpu`` one for kinds the table lacks), for the W&B run's summary, which asks
+    for it once the run has started. A layout the plan cannot cost is noted, not an error."""
+    import jax  # noqa: PLC0415
+
+    from jaxpar.cost.estimate import estimate  # noqa: PLC0415
+    from jaxpar.hardware import profile_of  # noqa: PLC0415
+
+    try:
+        return estimate(cfg, profile_of(jax.devices()[0].device_kind)).summary()
+    except Exception as err:  # noqa: BLE001  (the plan is information: the run goes on)
+        return {"plan/error": f"{type(err).__name__}: {(str(err).strip() or '-').splitlines()[0]}"}
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ from jaxpar.config.schema import (
     RopeScalingConfig,
     SourceConfig,
     TrainConfig,
+    WandbConfig,
 )
 from jaxpar.config.validation import check_generation, slices_line, validate
 
@@ -53,7 +54,7 @@ __all__ = [
     "LoggingConfig", "LoraConfig", "MeshConfig", "MLAConfig",
     "ModelConfig", "MoEConfig", "OffloadConfig", "ParallelConfig", "ProfileConfig",
     "RopeScalingConfig",
-    "SourceConfig", "TrainConfig",
+    "SourceConfig", "TrainConfig", "WandbConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",
     "to_yaml", "check_generation", "slices_line", "validate",
 ]

@@ -412,10 +412,26 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """A Weights & Biases run beside ``metrics.jsonl`` (``jaxpar/train/tracking.py``). The keys
+    are ``wandb.init``'s own; ``mode: disabled`` (the default) never imports wandb."""
+
+    mode: Literal["disabled", "online", "offline"] = "disabled"
+    project: str | None = None  # null: WANDB_PROJECT, else W&B's default project
+    entity: str | None = None  # user or team (null: WANDB_ENTITY, else the login's default)
+    name: str | None = None  # display name (null: W&B makes one up)
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    # How long wandb.init may try to reach the server before the run goes on untracked.
+    init_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     every: int = 10  # steps between log lines / metrics.jsonl rows
     progress: bool = True  # rich progress bar
     tensorboard: bool = False  # metrics.jsonl's rows also as TensorBoard scalars (tensorboardX)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # ... and as a W&B run
 
 
 @dataclass(frozen=True)

@@ -438,6 +438,7 @@ def _check_run(cfg: Config) -> None:
             "validation)")
     require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1")
     _check_profile(cfg)
+    _check_wandb(cfg)
 
 
 def check_generation(cfg: Config) -> None:
@@ -493,6 +494,28 @@ def _check_profile(cfg: Config) -> None:
     last = p.start_step + p.steps - 1
     require(last <= steps, f"train.profile.start_step={p.start_step} + train.profile.steps="
             f"{p.steps} traces up to step {last}, beyond train.steps={steps}")
+
+
+# W&B refuses these in a project name, and tags longer than 64 characters.
+_PROJECT_FORBIDDEN = "/\\#?%:"
+_TAG_CHARS = 64
+
+
+def _check_wandb(cfg: Config) -> None:
+    """``logging.wandb``: names W&B accepts (its mode is a Literal: the loader checks it)."""
+    w = cfg.logging.wandb
+    for key in ("project", "entity", "name", "group"):
+        value = getattr(w, key)
+        require(value is None or value.strip() != "", f"logging.wandb.{key} is empty; allowed: "
+                "null or a name")
+    require(w.project is None or not any(c in w.project for c in _PROJECT_FORBIDDEN),
+            f"logging.wandb.project={w.project}: W&B project names cannot hold any of "
+            f"{' '.join(_PROJECT_FORBIDDEN)}")
+    for tag in w.tags:
+        require(0 < len(tag.strip()) and len(tag) <= _TAG_CHARS, f"logging.wandb.tags: {tag!r}"
+                f" is not allowed; allowed: 1 to {_TAG_CHARS} characters")
+    require(w.init_timeout_s > 0 and math.isfinite(w.init_timeout_s), f"logging.wandb."
+            f"init_timeout_s={w.init_timeout_s}: must be a finite number > 0 (seconds)")
 
 
 def check_distributed(d: DistributedConfig) -> None:

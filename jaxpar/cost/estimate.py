@@ -151,6 +151,19 @@ class CostReport:
         """One row per (kind, axes) like ``summarize_collectives`` (per step totals)."""
         return summarize(self.collectives)
 
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers, flat (a W&B run's summary, ``logging.wandb``): peak memory
+        and train state per device, and with a hardware profile step time, tokens/s and MFU;
+        a pipeline's bubble."""
+        out: dict[str, Any] = {"plan/peak_memory_bytes": self.memory.peak,
+                               "plan/state_bytes": self.memory.state}
+        if self.time is not None:
+            out.update({"plan/hardware": self.time.hardware, "plan/step_time_s": self.time.step,
+                        "plan/tokens_per_s": self.time.tokens_per_s, "plan/mfu": self.time.mfu})
+        if self.pipeline is not None:
+            out["plan/pipeline_bubble"] = self.pipeline["bubble"]
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts and lists, for ``json.dumps``."""
         out = asdict(self)

@@ -56,8 +56,9 @@ from jaxpar.parallel.pipeline.executor import describe_config as describe_schedu
 from jaxpar.train.eval import Validation, eval_due, make_validation, validation_data
 from jaxpar.train.init_from import initial_state
 from jaxpar.train.metrics import MetricsFile, fmt, log_line, mesh_text, pipeline_line, val_text
-from jaxpar.train.observe import Observer, require_tensorboard
+from jaxpar.train.observe import Observer, require_packages
 from jaxpar.train.step import Trainer, build_trainer
+from jaxpar.train.tracking import PlanFn
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,10 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
     return it, line + ("; attention within each document" if cfg.documents_masked() else "")
 
 
-def train(cfg: Config, console: Console | None = None) -> Summary:
+def train(cfg: Config, console: Console | None = None, plan: PlanFn | None = None) -> Summary:
     """Run ``cfg`` (validated) to ``train.steps``; write ``run_dir`` files; return a summary.
+    ``plan``: the cost model's numbers of a config, for a tracked run's summary
+    (``logging.wandb``; the command line's: this layer does not import the cost model).
 
     With ``train.resume`` (default ``auto``) it first continues from a checkpoint, and the steps
     after it are bitwise the steps an uninterrupted run takes. The loop reads as its five named
@@ -169,7 +172,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                        train_seconds=0.0, compile_seconds=0.0, run_dir=str(Path(cfg.run_dir)),
                        start_step=start_step)
     init_from = _init_source(cfg, source, console)
-    run = _Run.start_up(cfg, console, source, start_step, init_from)
+    run = _Run.start_up(cfg, console, source, start_step, init_from, plan)
     step = start_step = run.start_step  # older than asked if the checkpoint was damaged
     try:
         with run.progress, _StopSignals() as signals:
@@ -237,7 +240,7 @@ class _Run:
     metrics_file: MetricsFile | None  # None on every process but process 0
     peak: float | None  # dense bf16 peak FLOP/s of one device (None: unknown, MFU n/a)
     pipeline: dict | None  # parallel.pipeline.describe() when pipe > 1
-    observer: Observer  # train.profile's trace, logging.tensorboard's events
+    observer: Observer  # train.profile's trace, logging.tensorboard's events, logging.wandb
     step_fn: Any = None
     validation: Validation | None = None  # train.eval_every's held-out batches and eval step
     last_eval: str = ""  # the newest val_loss, kept on the progress bar between evaluations
@@ -256,11 +259,12 @@ class _Run:
 
     @classmethod
     def start_up(cls, cfg: Config, console: Console, source: Path | None,
-                 start_step: int, init_from: Path | None = None) -> _Run:
+                 start_step: int, init_from: Path | None = None,
+                 plan: PlanFn | None = None) -> _Run:
         """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
         directory, or None for a fresh start, from the weights of ``init_from`` if given), write
         ``config.yaml``, print the header lines and compile the step."""
-        require_tensorboard(cfg)  # a missing optional package: before anything is written
+        require_packages(cfg)  # a missing optional package: before anything is written
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
         data, data_line = make_data_iterator(cfg)  # data errors first: before any tracing
@@ -295,15 +299,15 @@ class _Run:
         run = cls(cfg=cfg, console=console, trainer=trainer, data=data, state=state,
                   start_step=start_step, saved_step=start_step if source is not None else None,
                   skipped=skipped, metrics_file=metrics_file, peak=peak_flops(device_kind),
-                  pipeline=pipeline, observer=Observer(cfg, start_step + 1,
-                                                    lambda line: console.print(line, markup=False)),
+                  pipeline=pipeline, observer=Observer(
+                      cfg, start_step + 1, lambda line: console.print(line, markup=False), plan),
                   validation=validation)
         for line in start_lines(cfg, jax.device_count(), device_kind, data_line, pipeline):
             console.print(line)
         if validation is not None:
             console.print(validation.line, markup=False)
-        if run.observer.start_line is not None:
-            console.print(run.observer.start_line, markup=False)
+        for line in run.observer.start_lines:
+            console.print(line, markup=False)
         if jax.process_count() > 1:
             console.print(f"{jax.process_count()} processes x {jax.local_device_count()} devices "
                           "(process 0 logs, writes metrics.jsonl and config.yaml)")

@@ -43,6 +43,21 @@ class MetricsFile:
             f.write(json.dumps(row) + "\n")
 
 
+def scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """A ``metrics.jsonl`` row as the named scalars the trackers (TensorBoard, W&B) log at its
+    step: a list (MoE's tokens per expert) as one per element, ``name/i``; null values (a
+    non-finite loss) left out."""
+    out = {}
+    for key, value in row.items():
+        if key == "step" or value is None:
+            continue
+        if isinstance(value, list):
+            out.update({f"{key}/{i}": float(v) for i, v in enumerate(value)})
+        else:
+            out[key] = float(value)
+    return out
+
+
 def mesh_text(mesh: Mapping[str, int]) -> str:
     """``{"data": 2, "tensor": 4, ...}`` -> ``'data=2 tensor=4'``: the axes that split anything."""
     return " ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "1 device"

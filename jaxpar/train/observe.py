@@ -1,10 +1,13 @@
 """Seeing where a run's time goes: a ``jax.profiler`` trace of chosen steps (``train.profile``)
-and the ``metrics.jsonl`` rows as TensorBoard scalars (``logging.tensorboard``).
+and the ``metrics.jsonl`` rows as TensorBoard scalars (``logging.tensorboard``) and as a W&B run
+(``logging.wandb``, :mod:`jaxpar.train.tracking`).
 
-Both write under ``run_dir`` on process 0 only, like ``metrics.jsonl``: a trace of one process
-shows every collective of the step (the others wait in the same ones), and one writer keeps the
-event files from being written twice. tensorboardX is an optional extra; its absence is a
-one-line config error before anything is written or compiled (:func:`require_tensorboard`).
+All write on process 0 only, like ``metrics.jsonl``: a trace of one process shows every
+collective of the step (the others wait in the same ones), and one writer keeps the event files
+(and the W&B history) from being written twice. Both trackers get the same scalars of the same
+rows (:func:`jaxpar.train.metrics.scalars`). tensorboardX and wandb are optional extras; a
+missing one is a one-line config error before anything is written or compiled
+(:func:`require_packages`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ from typing import Any
 import jax
 
 from jaxpar.config import Config, ConfigError
+from jaxpar.train.metrics import scalars
+from jaxpar.train.tracking import PlanFn, WandbRun, require_wandb
 
 PROFILE_DIR = "profile"
 TENSORBOARD_DIR = "tensorboard"
+
+
+def require_packages(cfg: Config) -> None:
+    """The optional packages the config asks for must be there (checked before any compile)."""
+    require_tensorboard(cfg)
+    require_wandb(cfg)
 
 
 def require_tensorboard(cfg: Config) -> None:
@@ -33,12 +44,15 @@ def require_tensorboard(cfg: Config) -> None:
 
 
 class Observer:
-    """The profiler trace and the TensorBoard writer of one run, driven by the loop: around each
-    step (:meth:`before_step`, :meth:`after_step`), at each log row (:meth:`log`), and at the
-    end, whatever ended the run (:meth:`close`)."""
+    """The profiler trace, the TensorBoard writer and the W&B run of one run, driven by the
+    loop: around each step (:meth:`before_step`, :meth:`after_step`), at each log row
+    (:meth:`log`), and at the end, whatever ended the run (:meth:`close`). ``start_lines``: what
+    the run prints about them before compiling."""
 
-    def __init__(self, cfg: Config, first_step: int, say: Callable[[str], None]):
-        """``first_step``: the first step this run takes (after a resume, not 1)."""
+    def __init__(self, cfg: Config, first_step: int, say: Callable[[str], None],
+                 plan: PlanFn | None = None):
+        """``first_step``: the first step this run takes (after a resume, not 1); ``plan``: the
+        plan's numbers of a config, for the W&B summary."""
         self.say = say
         run_dir = Path(cfg.run_dir)
         self.profile_dir = run_dir / PROFILE_DIR
@@ -47,11 +61,11 @@ class Observer:
         self.first = profile.start_step if profile.enabled and speaks else None
         self.last = (profile.start_step or 0) + profile.steps - 1
         self.tracing = False
-        self.start_line = (f"train.profile: steps {self.first}-{self.last} traced to "
-                           f"{self.profile_dir}" if self.first is not None else None)
+        start_line = (f"train.profile: steps {self.first}-{self.last} traced to "
+                      f"{self.profile_dir}" if self.first is not None else None)
         if self.first is not None and self.first < first_step:
-            self.start_line = (f"train.profile: the run resumed at step {first_step}, after "
-                               f"train.profile.start_step={self.first}: no trace")
+            start_line = (f"train.profile: the run resumed at step {first_step}, after "
+                          f"train.profile.start_step={self.first}: no trace")
             self.first = None
         self.writer = None
         if cfg.logging.tensorboard and speaks:
@@ -61,6 +75,8 @@ class Observer:
             # the interrupted run wrote, as keep_through drops them from metrics.jsonl.
             self.writer = SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR),
                                         purge_step=first_step if first_step > 1 else None)
+        self.tracker, wandb_line = WandbRun.open(cfg, first_step, say, plan)
+        self.start_lines = [line for line in (start_line, wandb_line) if line is not None]
 
     def before_step(self, step: int) -> None:
         if step == self.first:
@@ -75,18 +91,15 @@ class Observer:
             self._stop(f"steps {self.first}-{step}")
 
     def log(self, row: dict[str, Any]) -> None:
-        """One ``metrics.jsonl`` row as scalars at its step; a list (MoE's tokens per expert)
-        as one scalar per element, ``name/i``; null values (a non-finite loss) are left out."""
+        """One ``metrics.jsonl`` row's scalars (:func:`~jaxpar.train.metrics.scalars`) at its
+        step, to each tracker the config asks for."""
+        values = scalars(row)
+        if self.tracker is not None:
+            self.tracker.log(row["step"], values)
         if self.writer is None:
             return
-        step = row["step"]
-        for key, value in row.items():
-            if key == "step" or value is None:
-                continue
-            values = value if isinstance(value, list) else [value]
-            names = [f"{key}/{i}" for i in range(len(values))] if isinstance(value, list) else [key]
-            for name, number in zip(names, values, strict=True):
-                self.writer.add_scalar(name, float(number), step)
+        for name, number in values.items():
+            self.writer.add_scalar(name, number, row["step"])
         self.writer.flush()  # a killed run keeps what it logged, as metrics.jsonl does
 
     def close(self) -> None:
@@ -95,6 +108,9 @@ class Observer:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
     def _stop(self, steps: str) -> None:
         jax.profiler.stop_trace()

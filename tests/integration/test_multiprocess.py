@@ -5,7 +5,8 @@ Equal losses (1e-6 relative) for a batch-split layout, the same with each proces
 (``mesh.dcn``), and for layouts whose non-batch axis spans
 the processes (pipeline stages on different processes; tensor pairs straddling them), so every
 process must read the batch rows its devices hold, not a 1/P slice; checkpoints saved by 2
-processes resume in 1 and the other way round; one voice (process 0 logs and writes); a killed
+processes resume in 1 and the other way round; one voice (process 0 logs and writes, and alone
+imports wandb for the one W&B run); a killed
 process ends the other within 60 s; SIGTERM to the launcher saves once and exits 0.
 
 The slow ones (``pytest -m slow``): a killed process under the default timeout, a non-finite
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import env_without_device_flags, run_jaxpar
+from helpers import env_without_device_flags, run_jaxpar, wandb_env, wandb_run
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "scripts" / "launch_local.py"
@@ -140,6 +141,40 @@ def test_only_process_0_speaks(two_processes):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
     saved = (run_dir / "config.yaml").read_text()
     assert "process_id: null" in saved and "coordinator: null" in saved  # loadable by one
+
+
+# Stands in for wandb on every process: process 1 must never import it; process 0 gets the real
+# package (this folder leaves sys.path and the import is made again).
+WANDB_GUARD = """import importlib, os, sys
+if "distributed.process_id=0" not in sys.argv:
+    raise RuntimeError("wandb imported by a process other than 0")
+here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+del sys.modules["wandb"]
+sys.modules["wandb"] = importlib.import_module("wandb")
+"""
+
+
+def test_two_processes_write_one_wandb_run(env, tmp_path):
+    pytest.importorskip("wandb")
+    guard = tmp_path / "guard" / "wandb"
+    guard.mkdir(parents=True)
+    (guard / "__init__.py").write_text(WANDB_GUARD)
+    tracked = wandb_env(tmp_path, base=env)
+    tracked["PYTHONPATH"] = os.pathsep.join(p for p in (str(guard.parent),
+                                                        env.get("PYTHONPATH")) if p)
+    run_dir = tmp_path / "run"
+    result = train_two(tracked, run_dir, 3, "logging.wandb.mode=offline",
+                       "checkpoint.enabled=false")
+    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    run = wandb_run(files[0])
+    assert run["id"] == (run_dir / "wandb_run_id").read_text().strip()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in run["history"]] == [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["loss"] for r in run["history"]] == [r["loss"] for r in rows]
+    lines = [line for line in result.stdout.splitlines() if "logging.wandb: W&B run" in line]
+    assert len(lines) == 1 and lines[0].startswith("[p0] "), result.stdout
 
 
 def test_one_process_resumes_a_two_process_checkpoint(env, one_process, two_processes,

@@ -1,0 +1,137 @@
+"""A Weights & Biases run beside ``metrics.jsonl`` (``logging.wandb``).
+
+What it holds: the scalars of every ``metrics.jsonl`` row, at the row's ``step`` (the same
+dict, flattened by :func:`jaxpar.train.metrics.scalars` as TensorBoard gets it); ``config.yaml``
+as the run's config; the mesh, the layout and the analytic plan of this config on these devices
+(``jaxpar plan``'s predicted peak memory, step time, MFU and pipeline bubble, which the command
+line passes in: :func:`jaxpar.cli.train.plan_summary`) in its summary.
+
+- Process 0 only: the other processes never import wandb, and one run gets one writer.
+- Resume: the run's id is kept in ``run_dir/wandb_run_id``; a resumed run (a checkpoint of the
+  same ``run_dir``) continues that W&B run (``resume="allow"``), and logs again the steps after
+  its checkpoint, as it rewrites them in ``metrics.jsonl``. W&B's own ``_step`` only grows, so the
+  history keeps both copies: charts are drawn against ``step`` (``define_metric``), where the
+  re-logged points land on the same x as the first ones (docs/configuration.md).
+- A server that cannot be reached is a one-line warning after ``init_timeout_s``, and the run
+  goes on untracked; a missing package is a config error before anything runs
+  (:func:`require_wandb`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from jaxpar.config import Config, ConfigError
+
+RUN_ID_FILE = "wandb_run_id"
+# The cost model's headline numbers of a config (jaxpar.cli.train.plan_summary): passed in, as
+# nothing in train imports the cost model.
+PlanFn = Callable[[Config], Mapping[str, Any]]
+WANDB_DIR = "wandb"  # wandb's own folder, under run_dir
+
+
+def require_wandb(cfg: Config) -> None:
+    """With ``logging.wandb.mode`` online or offline, wandb must be there (checked on every
+    process before anything is written or compiled): process 0, which will use it, imports it;
+    the others only look for it, and never import it."""
+    mode = cfg.logging.wandb.mode
+    if mode == "disabled":
+        return
+    try:
+        if jax.process_index() == 0:
+            import wandb  # noqa: F401, PLC0415  (optional extra)
+        elif importlib.util.find_spec("wandb") is None:
+            raise ImportError("no wandb")
+    except (ImportError, ValueError):  # ValueError: find_spec of a half-imported module
+        raise ConfigError(f"logging.wandb.mode={mode} needs wandb: pip install 'jaxpar[track]' "
+                          "(or set logging.wandb.mode=disabled)") from None
+
+
+def layout_summary(cfg: Config, device_kind: str) -> dict[str, Any]:
+    """The run's mesh and layout, flat, for the W&B summary."""
+    out: dict[str, Any] = {f"mesh/{axis}": size for axis, size in cfg.mesh_shape.items()}
+    out.update({"layout/zero": cfg.parallel.zero,
+                "layout/sequence_parallel": cfg.parallel.sequence_parallel,
+                "layout/remat": cfg.train.remat, "layout/dtype": cfg.train.dtype,
+                "layout/devices": jax.device_count(), "layout/device_kind": device_kind})
+    if cfg.mesh.pipe > 1:
+        out["layout/pipeline_schedule"] = cfg.parallel.pipeline_schedule
+    return out
+
+
+class WandbRun:
+    """The W&B run of one ``jaxpar train`` run, on process 0: :meth:`open`, :meth:`log` per
+    ``metrics.jsonl`` row, :meth:`close` at the end, whatever ended the run."""
+
+    def __init__(self, run: Any, say: Callable[[str], None]):
+        self.run = run
+        self.say = say
+
+    @classmethod
+    def open(cls, cfg: Config, first_step: int, say: Callable[[str], None],
+             plan: PlanFn | None = None) -> tuple[WandbRun | None, str | None]:
+        """The run (None when not asked for, on another process than 0, or when the server
+        cannot be reached) and a line for the console (None: nothing to say). ``plan``: what
+        ``jaxpar plan`` predicts for a config, asked once the run has started, for the
+        summary."""
+        w = cfg.logging.wandb
+        if w.mode == "disabled" or jax.process_index() != 0:
+            return None, None
+        import wandb  # noqa: PLC0415  (optional extra; require_wandb checked it is there)
+
+        run_dir = Path(cfg.run_dir)
+        id_file = run_dir / RUN_ID_FILE
+        # A fresh start (step 1) is a new W&B run, as it starts metrics.jsonl over.
+        resumed = first_step > 1 and id_file.is_file()
+        run_id = id_file.read_text().strip() if resumed else secrets.token_hex(4)  # W&B-style
+        id_file.write_text(run_id + "\n")
+        (run_dir / WANDB_DIR).mkdir(parents=True, exist_ok=True)
+        try:
+            run = wandb.init(
+                project=w.project, entity=w.entity, name=w.name, group=w.group,
+                tags=list(w.tags) or None, mode=w.mode, dir=str(run_dir), id=run_id,
+                resume="allow", config=yaml.safe_load((run_dir / "config.yaml").read_text()),
+                # console off: wandb would wrap stdout under the progress bar; the log lines
+                # are the metrics anyway.
+                settings=wandb.Settings(init_timeout=w.init_timeout_s, console="off"))
+            run.define_metric("step")
+            run.define_metric("*", step_metric="step")  # re-logged steps land on their own x
+            run.summary.update({**layout_summary(cfg, jax.devices()[0].device_kind),
+                                **(plan(cfg) if plan is not None else {})})
+        except Exception as err:  # noqa: BLE001  (any failure of the tracker: train untracked)
+            return None, (f"logging.wandb: no W&B run ({type(err).__name__}: "
+                          f"{_first_line(err)}); training goes on without it")
+        local = Path(run.dir).parent  # wandb's folder of this run (files/ is inside)
+        where = (f"in {local}; upload it with: wandb sync {local}" if w.mode == "offline"
+                 else run.url or "")
+        return cls(run, say), (f"logging.wandb: W&B run {run_id} ({w.mode}"
+                               f"{', continued' if resumed else ''}) {where}").rstrip()
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        """One row's scalars at ``step``. W&B's own step counter goes on counting, so the
+        steps a resumed run logs again are accepted (module docstring)."""
+        if self.run is None:
+            return
+        try:
+            self.run.log({**values, "step": step})
+        except Exception as err:  # noqa: BLE001  (the tracker failing never stops training)
+            self.say(f"logging.wandb: logging stopped ({type(err).__name__}: "
+                     f"{_first_line(err)}); training goes on without it")
+            self.run = None
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "no message"
