@@ -155,18 +155,21 @@ def fsdp_collectives(c: Ledger) -> None:
         # Reshard after forward: gathered again in the backward pass, except what remat=none
         # keeps (the router and the experts, which do not go through projection.project_all).
         # (A layer that remat recomputes gathers those again too.)
+        # The experts' gathers are written inside their shard_map (parallel/expert.py), which
+        # no collective matmul decomposes: synchronous (Mixtral widths, fsdp=4 expert=8 on
+        # tpu-v5p:4x4x2, and MaxText's too: docs/performance.md).
         kept = [p for p in layer if not p.resharded]
-        for group, passes, what in ((kept, 1 + _rematted(st),
-                                     "MoE weights gathered, kept for the backward (gathered "
-                                     "again where remat recomputes the layer)"),
-                                    ([p for p in layer if p not in kept], 2,
-                                     "layer weights gathered before use, and again backward")):
+        for group, passes, what, hidden in (
+                (kept, 1 + _rematted(st), "MoE weights gathered, kept for the backward "
+                 "(gathered again where remat recomputes the layer)", EXPOSED),
+                ([p for p in layer if p not in kept], 2,
+                 "layer weights gathered before use, and again backward", gather_ring)):
             if group:
                 c.add("all-gather", ("fsdp",),
                       round(passes * c.forwards * st.layers * st.runs * len(group)),
                       round(passes * c.forwards * st.runs
                             * sum(c.moved(p, p.gathered_bytes) for p in group)), what,
-                      gather_ring)
+                      hidden)
     # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
     # it): each layer gathered before use and again for its backward pass, like `layers`
     # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
@@ -183,11 +186,16 @@ def fsdp_collectives(c: Ledger) -> None:
     by_layer = per_layer_fsdp(st)
     # The embedding's gradient is a matmul (of the one-hot tokens) too, and a collective matmul
     # like the layers'; lm_head's reduction waits for the loss's backward, with nothing beside.
+    # The experts' reduce-scatters, their gathers' transposes, are synchronous as those are.
     stacks = ([] if by_layer else layer) + dense
+    experts = [p for p in stacks if p.expert]
+    stacks = [p for p in stacks if not p.expert]
     embedding = [p for p in other if p.name == "embedding"]
     rest = [p for p in other if p not in embedding]
-    for group, count, hidden in ((stacks, st.layers, fsdp_ring), (embedding, 1, fsdp_ring),
-                                 (rest, 1, EXPOSED)):
+    for group, count, hidden in ((stacks, st.layers, fsdp_ring), (experts, st.layers, EXPOSED),
+                                 (embedding, 1, fsdp_ring), (rest, 1, EXPOSED)):
+        if not group:
+            continue
         c.add("reduce-scatter", ("fsdp",), count * c.runs_over(("fsdp",)),
               c.reduced([p for p in group if p.trained], gathered=True,
                         by_hand="fsdp" in c.by_hand),
@@ -236,8 +244,12 @@ def data_collectives(c: Ledger) -> None:
                   f"ZeRO-1: {experts}gradients reduce-scattered to the moments' slices, every "
                   + every, HIDDEN)
             axes = tuple(a for a in axes if a not in scattered)
+        # The partitioner's sums over expert are synchronous on the TPU compiler (Mixtral
+        # widths, fsdp=4 expert=8: docs/performance.md); the others are assumed hidden.
         c.add("all-reduce", axes, count, payload,
-              f"{experts}gradient shards all-reduced, every {every}", HIDDEN)
+              f"{experts}gradient shards all-reduced, every {every}",
+              EXPOSED if "expert" in axes and st.mesh["expert"] > 1 and not by_hand
+              else HIDDEN)
     if cfg.parallel.zero == 1:
         # Muon's matrices are updated whole on every device (their momentum gathered for the
         # iterations, muon_collectives): nothing of theirs to gather afterwards.

@@ -150,7 +150,7 @@ class Ledger:
 
     def grad(self, p: ParamCost, nbytes: int, by_hand: bool = False) -> int:
         """Gradients the partitioner sums travel like their weights, but lm_head's (its matmul
-        yields float32) and, outside a pipeline, the layer matrices' when
+        yields float32) and, outside a pipeline, the layer matrices' and experts' when
         ``parallel.reduce_dtype`` is wider than the compute dtype (``project_all`` produces them
         in it). Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
         in_reduce_dtype = nbytes * STORED_BYTES[self.st.cfg.parallel.reduce_dtype] // PARAM_BYTES
@@ -158,7 +158,9 @@ class Ledger:
             return in_reduce_dtype
         if p.name == "lm_head":
             return nbytes
-        if p.projected and self.st.pipeline is None:
+        # The routed experts' backward pass casts their gradient the same way before its sums
+        # (parallel/expert.py: used_expert_weight).
+        if (p.projected or p.expert) and self.st.pipeline is None:
             return max(self.moved(p, nbytes), in_reduce_dtype)
         return self.moved(p, nbytes)
 
