@@ -21,6 +21,7 @@ from jaxpar.config import DistributedConfig
 
 FAILURE_KEY = "jaxpar/failed"
 WATCH_POLL_S = 1.0  # how often the other processes read FAILURE_KEY
+LIVENESS_WAIT_S = 5.0  # how long a failing process waits to learn which others are gone
 
 
 class DistributedError(RuntimeError):
@@ -102,20 +103,35 @@ def barrier(name: str, timeout_s: int) -> None:
                                ) from None
 
 
-def lost_processes() -> list[int]:
+def lost_processes(wait_s: float = LIVENESS_WAIT_S) -> list[int]:
     """Processes the runtime no longer hears from (their heartbeats stopped, or they left);
     empty when every process is alive or the runtime cannot be asked (its coordinator, process
-    0, is among the lost)."""
+    0, is among the lost) or does not answer within ``wait_s``.
+
+    The runtime answers only once every live process has asked (its liveness query is a
+    barrier). A process that fails alone asks while the others sit in a collective, and
+    would wait for them for ever: so the question runs in a thread it stops waiting for."""
     import jax  # noqa: PLC0415
     client = _client()
     if client is None:
         return []
     everyone = list(range(jax.process_count()))
-    try:
-        live = client.get_live_nodes(everyone)
-    except Exception:  # noqa: BLE001  (the coordinator itself is gone)
+    answers: list = []
+
+    def ask() -> None:
+        try:
+            answers.append(client.get_live_nodes(everyone))
+        except Exception:  # noqa: BLE001  (the coordinator itself is gone)
+            answers.append(None)
+
+    asking = threading.Thread(target=ask, name="jaxpar-liveness", daemon=True)
+    asking.start()
+    asking.join(wait_s)
+    if not answers:
+        return []
+    if answers[0] is None:
         return [0] if jax.process_index() != 0 else []
-    return [p for p in everyone if p not in live]
+    return [p for p in everyone if p not in answers[0]]
 
 
 def _first_line(err: BaseException) -> str:

@@ -5,6 +5,7 @@ the decision only, no runtime started. Runs on several processes:
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -30,3 +31,32 @@ def test_when_a_run_joins_the_runtime(monkeypatch, overrides, slurm, joins):
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
     assert wants_distributed(load_config("tiny", overrides).distributed) is joins
+
+
+class _Runtime:
+    """A stand-in for the runtime's client: its liveness query answers ``live``, raises, or
+    (``live`` None) never returns, as it does while another process sits in a collective."""
+
+    def __init__(self, live=None, gone: bool = False):
+        self.live, self.gone = live, gone
+
+    def get_live_nodes(self, everyone):
+        if self.gone:
+            raise RuntimeError("coordinator unreachable")
+        if self.live is None:
+            threading.Event().wait()
+        return self.live
+
+
+@pytest.mark.parametrize(("runtime", "lost"), [
+    (_Runtime(live={0: 0}), []),
+    (_Runtime(live={}), [0]),  # this one process is all the runtime counts, and it is not live
+    (_Runtime(gone=True), []),  # the coordinator (process 0, this one) is gone
+    (_Runtime(), []),  # never answers: the failing process must not wait for it
+])
+def test_a_failing_process_learns_who_is_gone_without_waiting_for_the_others(monkeypatch, runtime,
+                                                                             lost):
+    import jaxpar.distributed as distributed
+
+    monkeypatch.setattr(distributed, "_client", lambda: runtime)
+    assert distributed.lost_processes(wait_s=0.2) == lost
