@@ -19,6 +19,10 @@ turns the gather into a reduce-scatter of dK/dV in the backward pass. Each devic
 K/V of one layer: (N-1)/N x ``B x S x K x D`` x2 elements gathered, and their gradients
 reduce-scattered in float32.
 
+``ulysses`` and ``hybrid`` (:mod:`jaxpar.parallel.ulysses`) trade the sequence split for a
+head split with all-to-alls instead, over all of ``context`` or inside groups of it with this
+module's ring between the groups.
+
 Causal load balance (zigzag). With a contiguous split, device i's queries see i+1 of the N key
 blocks, so the last device works N times as hard as the first. Cutting the sequence into 2N
 chunks and giving device i chunks i and 2N-1-i evens this out: every device computes the same
@@ -215,42 +219,25 @@ def local_tokens(seq_len: int, n: int, zigzag: bool) -> int:
 
 
 def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ...] = (),
-                      block: int | None = None, *, ulysses_size: int = 0,
-                      head_axes: tuple[str, ...] = (), kernel: Callable | None = None
-                      ) -> Callable:
+                      block: int | None = None) -> Callable:
     """``attention(q, k, v, positions)`` for the model: q [B,S,H,D], k/v [B,S,K,D] -> [B,S,H,D],
     with S split over ``context`` and B over ``batch_axes`` (both manual: each device attends
     its own rows, which keeps the compiler from gathering the batch around the K/V collectives),
-    and the heads left to the compiler (tensor parallelism). Ring and all-gather work
-    ``block`` queries x ``block`` keys at a time (default: one zigzag chunk). ``ulysses`` and
-    ``hybrid`` (:func:`local_context_attention`) take the axes splitting the query and kv
-    heads, ``head_axes``, manual too: the compiler's partitioner gathers an automatic axis
-    that splits the head dimension an all-to-all cuts (seen on XLA:CPU, jax 0.10.2)."""
+    and the heads left to the compiler (tensor parallelism). Both implementations work
+    ``block`` queries x ``block`` keys at a time (default: one zigzag chunk). (``ulysses`` and
+    ``hybrid``: :func:`jaxpar.parallel.ulysses.ulysses_attention`.)"""
     rows = batch_axes or None
     seq = P(rows, CONTEXT_AXIS)
-    if impl not in ("ulysses", "hybrid"):
-        head_axes = ()
-    heads4 = P(rows, CONTEXT_AXIS, head_axes or None, None)
-    local = local_context_attention(impl, n, zigzag, block, ulysses_size=ulysses_size,
-                                    kernel=kernel)
-    return jax.shard_map(local, in_specs=(heads4, heads4, heads4, seq), out_specs=heads4,
-                         axis_names=frozenset((CONTEXT_AXIS, *batch_axes, *head_axes)))
+    seq4 = P(rows, CONTEXT_AXIS, None, None)
+    return jax.shard_map(local_context_attention(impl, n, zigzag, block),
+                         in_specs=(seq4, seq4, seq4, seq), out_specs=seq4,
+                         axis_names=frozenset((CONTEXT_AXIS, *batch_axes)))
 
 
-def local_context_attention(impl: str, n: int, zigzag: bool, block: int | None = None, *,
-                            ulysses_size: int = 0, head_split: int = 1,
-                            kernel: Callable | None = None) -> Callable:
+def local_context_attention(impl: str, n: int, zigzag: bool, block: int | None = None
+                            ) -> Callable:
     """The same attention on one device's piece of the sequence, where ``context`` is already
-    manual (inside a pipeline stage, which splits the sequence by hand): q [B,S/n,H,D].
-    ``ulysses`` and ``hybrid`` (:mod:`jaxpar.parallel.ulysses`): ``ulysses_size`` is the
-    hybrid's inner factor, ``head_split`` the pieces ``tensor`` splits the kv heads into,
-    ``kernel`` Ulysses' attention over the whole sequence (default: blockwise)."""
-    if impl in ("ulysses", "hybrid"):
-        # Imported here: ulysses.py builds on this module's ring.
-        from jaxpar.parallel.ulysses import local_ulysses_attention
-
-        size = n if impl == "ulysses" else ulysses_size
-        return local_ulysses_attention(n, size, zigzag, head_split, block, kernel)
+    manual (inside a pipeline stage, which splits the sequence by hand): q [B,S/n,H,D]."""
 
     def local(q, k, v, positions):
         qg = group(q, k.shape[2])

@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.attention import blockwise_attention, group, kernel_mask
 from jaxpar.model.mask import Positions
@@ -199,3 +200,20 @@ def local_ulysses_attention(n: int, size: int, zigzag: bool, head_split: int = 1
                 return blockwise_attention(tile)(q, k, v, mask)
         return ulysses_local(n, zigzag, head_split, kernel)
     return hybrid_local(n, size, zigzag, head_split, block)
+
+
+def ulysses_attention(n: int, size: int, zigzag: bool, batch_axes: tuple[str, ...] = (),
+                      block: int | None = None, *, head_axes: tuple[str, ...] = (),
+                      kernel: Kernel | None = None) -> Callable:
+    """``attention(q, k, v, positions)`` for the model, as
+    :func:`jaxpar.parallel.context.context_attention` (S split over ``context``, B over
+    ``batch_axes``), for ``ulysses`` (``size == n``) or the ``hybrid``. The axes splitting
+    the query and kv heads, ``head_axes``, are manual here too: left automatic, the
+    partitioner all-gathers the head dimension an all-to-all cuts (seen on XLA:CPU, jax
+    0.10.2)."""
+    rows = batch_axes or None
+    heads = P(rows, CONTEXT_AXIS, head_axes or None, None)
+    local = local_ulysses_attention(n, size, zigzag, 1, block, kernel)
+    return jax.shard_map(local, in_specs=(heads, heads, heads, P(rows, CONTEXT_AXIS)),
+                         out_specs=heads,
+                         axis_names=frozenset((CONTEXT_AXIS, *batch_axes, *head_axes)))

@@ -1,7 +1,8 @@
-"""Context parallelism on its own: ring / all-gather attention against dense attention, and the
-memory it saves. The load-balanced schedule is in tests/unit/test_context_schedule.py, the
-command line in tests/integration/test_context_cli.py, full-model equivalence and the HLO
-collectives in test_parallel_layouts.py."""
+"""Context parallelism on its own: ring / all-gather / Ulysses / hybrid attention against dense
+attention, and the memory it saves; Ulysses and the hybrid in whole train steps against one
+device, and their collectives. The load-balanced schedule is in
+tests/unit/test_context_schedule.py, the command line in tests/integration/test_context_cli.py,
+the ring's full-model equivalence and HLO collectives in test_parallel_layouts.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
-from jaxpar.parallel.context import context_attention, local_context_attention, zigzag_order
+from jaxpar.parallel.context import context_attention, zigzag_order
+from jaxpar.parallel.ulysses import local_ulysses_attention, ulysses_attention
 from jaxpar.train.step import build_trainer
 
 B, S, D = 2, 32, 8
@@ -112,7 +114,7 @@ def context_mesh(n: int, tensor: int = 1):
          "ulysses-n8-gqa", "hybrid-n8-inner2", "hybrid-n8-inner4", "hybrid-n4-contiguous"])
 def test_ulysses_and_hybrid_match_dense_causal_attention_and_gradients(impl, n, size, heads,
                                                                        kv_heads, zigzag):
-    attention = context_attention(impl, n, zigzag, ulysses_size=size)
+    attention = ulysses_attention(n, size, zigzag)
     attention_matches_dense(attention, context_mesh(n), n, heads, kv_heads, zigzag,
                             seed=n * 10 + heads + kv_heads)
 
@@ -126,11 +128,12 @@ def test_ulysses_splits_heads_over_tensor_and_context(impl, heads_by):
     ``reshaped``: tensor automatic, the head axis reshaped so that each device exchanges its
     own tensor shard's heads (a TPU pipeline stage's way: no nested shard_map)."""
     n = 4
+    size = n if impl == "ulysses" else 2
     spec = jax.sharding.PartitionSpec(None, "context", "tensor", None)
     if heads_by == "manual":
-        attention = context_attention(impl, n, True, ulysses_size=2, head_axes=("tensor",))
+        attention = ulysses_attention(n, size, True, head_axes=("tensor",))
     else:
-        local = local_context_attention(impl, n, True, ulysses_size=2, head_split=2)
+        local = local_ulysses_attention(n, size, True, head_split=2)
         seq4 = jax.sharding.PartitionSpec(None, "context", None, None)
         attention = jax.shard_map(local, in_specs=(seq4,) * 3 + (P(None, "context"),),
                                   out_specs=seq4, axis_names=frozenset({"context"}))

@@ -40,6 +40,7 @@ from jaxpar.model.fused import splash_attention
 from jaxpar.model.mask import AttentionMask, with_window
 from jaxpar.model.transformer import create_model, layer_is_local
 from jaxpar.parallel.context import context_attention, ring_forward, zigzag_order
+from jaxpar.parallel.ulysses import ulysses_attention
 
 B, D = 2, 16
 qkv = functools.partial(random_qkv, batch=B, dim=D, seed=3)
@@ -119,7 +120,8 @@ def test_context_attention_keeps_the_window_and_the_cap(impl):
     mask = with_window(positions, window, cap)
     mesh = jax.make_mesh((n,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:n])
-    attention = context_attention(impl, n, True, block=4, ulysses_size=2)
+    attention = (ulysses_attention(n, n if impl == "ulysses" else 2, True, block=4)
+                 if impl in ("ulysses", "hybrid") else context_attention(impl, n, True, block=4))
     inverse = np.argsort(order)
     with jax.set_mesh(mesh):
         check(jax.jit(lambda q, k, v: attention(q, k, v, mask)),
