@@ -311,9 +311,10 @@ def _check_context(cfg: Config, mesh: MeshConfig) -> None:
                 f"(exclusive); allowed: "
                 + (", ".join(str(d) for d in range(2, mesh.context) if mesh.context % d == 0)
                    or "none (use parallel.context_impl=ulysses or ring)"))
-        require(m.attention in ("auto", "blockwise"), f"model.attention={m.attention} with "
-                "parallel.context_impl=hybrid: its ring runs the blockwise kernels; use auto or "
-                "blockwise (or parallel.context_impl=ulysses)")
+        # (dense is the blockwise kernel's arithmetic; the fused kernels cannot run a ring.)
+        require(m.attention not in ("splash", "cudnn"), f"model.attention={m.attention} with "
+                "parallel.context_impl=hybrid: its ring runs the blockwise kernels; use auto, "
+                "dense or blockwise (or parallel.context_impl=ulysses)")
     size = mesh.context if p.context_impl == "ulysses" else p.ulysses_size
     require(m.n_heads % (mesh.tensor * size) == 0, f"model.n_heads={m.n_heads} is not "
             f"divisible by mesh.tensor x the all-to-all group ({mesh.tensor} x {size}), which "

@@ -105,8 +105,8 @@ ERROR_CASES = {
     "ulysses-size-without-hybrid": (["parallel.ulysses_size=2"],
                                     ["parallel.ulysses_size=2", "parallel.context_impl=hybrid"]),
     "hybrid-kernel": (["mesh.data=2", "mesh.context=4", "parallel.context_impl=hybrid",
-                       "parallel.ulysses_size=2", "model.attention=dense"],
-                      ["model.attention=dense", "auto or blockwise"]),
+                       "parallel.ulysses_size=2", "model.attention=cudnn"],
+                      ["model.attention=cudnn", "auto, dense or blockwise"]),
     "pipeline-schedule-choice": (["parallel.pipeline_schedule=zigzag"],
                                  ["parallel.pipeline_schedule", "gpipe, 1f1b, interleaved"]),
     # The Gemma settings.
