@@ -37,11 +37,15 @@ their gradients are summed back by the transpose of the repeat. Beyond that, Uly
 split more ways than there are heads: that is what the hybrid is for.
 
 Heads split over both ``tensor`` and ``context``: outside the ``shard_map`` the compiler splits
-the heads over ``tensor`` (t contiguous groups). Inside, arrays are seen whole along the
-automatic axes, so an all-to-all over the head axis would take the c-way split of *all* H
-heads, crossing the tensor shards and making the compiler move heads over ``tensor``. The
-head axis is therefore reshaped to ``[t, H/t]`` first and the all-to-all splits the second
-factor: each device exchanges only heads of its own tensor shard (``head_split`` = t).
+the heads over ``tensor`` (t contiguous groups). The ring leaves ``tensor`` automatic inside
+its ``shard_map``; here, left automatic, XLA's partitioner all-gathered the heads over
+``tensor`` around every all-to-all (XLA:CPU, jax 0.10.2: 8 gathers of q/k/v/out per layer
+pair). So :func:`ulysses_attention` makes the head axes manual too, and each device exchanges
+its own H/t heads. Inside a pipeline stage that would be a ``shard_map`` nested in the
+executor's, which the TPU compiler aborts on; there (``head_split`` = t) the head axis is
+reshaped to ``[t, H/t]`` and the all-to-all splits the second factor, so that, read as whole
+arrays, each device still receives heads of its own tensor shard (correct; the partitioner
+may still gather).
 
 ``hybrid`` (two-level, "USP": Ulysses inside a group, the ring between groups). ``context``
 = c = o x u with u = ``parallel.ulysses_size``. Context indices ``g x u .. g x u + u-1``
@@ -97,7 +101,8 @@ def kv_repeats(kv_heads: int, size: int) -> int:
     return size // math.gcd(kv_heads, size)
 
 
-def _all_to_all(x: jax.Array, split_axis: int, concat_axis: int, n: int, size: int):
+def _all_to_all(x: jax.Array, split_axis: int, concat_axis: int, n: int, size: int
+                ) -> jax.Array:
     return lax.all_to_all(x, CONTEXT_AXIS, split_axis, concat_axis, tiled=True,
                           axis_index_groups=exchange_groups(n, size))
 
@@ -135,7 +140,7 @@ def _gather_mask(mask: Positions, n: int, size: int) -> Positions:
                                                  axis_index_groups=groups), mask)
 
 
-def _reorder(x: jax.Array, chunks) -> jax.Array:
+def _reorder(x: jax.Array, chunks: np.ndarray) -> jax.Array:
     """``x`` with its sequence axis (1) cut into ``len(chunks)`` equal chunks, chunk j of the
     result being chunk ``chunks[j]`` of ``x``: static slices, no gather."""
     pieces = jnp.split(x, len(chunks), axis=1)
