@@ -163,11 +163,9 @@ def _ulysses_options(cfg: Config, head_axes: Mapping[str, tuple[str, ...]], plat
     if p.context_impl == "ulysses":
         name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
                        cfg.splash_possible(), cfg.documents_masked(), model=m)
-        kernel = attention_fn(name, min(m.attention_block, seq_len), m)
-        # It runs where every axis splitting the batch or the heads is manual already; the
-        # splash kernel must still see no automatic axis at all (per_device's reason).
-        no_axes = {"heads": (), "kv_heads": ()}
-        options["kernel"] = per_device(kernel, (), no_axes) if name == "splash" else kernel
+        options["kernel"] = attention_fn(name, min(m.attention_block, seq_len), m)
+        # A Pallas kernel must see no automatic axis at all (per_device's reason).
+        options["one_device_kernel"] = name == "splash"
     return options
 
 
@@ -185,10 +183,12 @@ def _stage_context_attention(cfg: Config, n: int, mesh_shape: Mapping[str, int],
     options = _ulysses_options(cfg, head_axes, platform)
     heads, kernel = options["head_axes"], options.get("kernel")
     split = math.prod(mesh_shape[a] for a in heads)
-    if heads and platform in NO_SHARD_MAP_IN_STAGES:
+    if heads and platform in NO_SHARD_MAP_IN_STAGES:  # (splash: refused there, validation)
         return local_ulysses_attention(n, _ulysses_group(cfg, n), p.zigzag, split, block, kernel)
     local = local_ulysses_attention(n, _ulysses_group(cfg, n), p.zigzag, 1, block, kernel)
-    return per_device(local, batch_axes, head_axes) if heads else local
+    # (per_device: every automatic axis manual, for the heads and for a Pallas kernel.)
+    return (per_device(local, batch_axes, head_axes)
+            if heads or options.get("one_device_kernel") else local)
 
 
 def _context_block(cfg: Config, n_context: int) -> int:

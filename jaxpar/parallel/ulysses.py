@@ -209,16 +209,31 @@ def local_ulysses_attention(n: int, size: int, zigzag: bool, head_split: int = 1
 
 def ulysses_attention(n: int, size: int, zigzag: bool, batch_axes: tuple[str, ...] = (),
                       block: int | None = None, *, head_axes: tuple[str, ...] = (),
-                      kernel: Kernel | None = None) -> Callable:
+                      kernel: Kernel | None = None, one_device_kernel: bool = False
+                      ) -> Callable:
     """``attention(q, k, v, positions)`` for the model, as
     :func:`jaxpar.parallel.context.context_attention` (S split over ``context``, B over
     ``batch_axes``), for ``ulysses`` (``size == n``) or the ``hybrid``. The axes splitting
     the query and kv heads, ``head_axes``, are manual here too: left automatic, the
     partitioner all-gathers the head dimension an all-to-all cuts (seen on XLA:CPU, jax
-    0.10.2)."""
+    0.10.2). ``one_device_kernel``: ``kernel`` is one device's program (a Pallas kernel:
+    splash), which the compiler can neither split nor replicate, so every mesh axis is manual
+    and its outputs' variance unchecked (``hooks.per_device``'s reason; a ``shard_map``
+    nested for it here failed autodiff: its unchecked output met this one's checked
+    cotangent)."""
     rows = batch_axes or None
     heads = P(rows, CONTEXT_AXIS, head_axes or None, None)
     local = local_ulysses_attention(n, size, zigzag, 1, block, kernel)
-    return jax.shard_map(local, in_specs=(heads, heads, heads, P(rows, CONTEXT_AXIS)),
-                         out_specs=heads,
-                         axis_names=frozenset((CONTEXT_AXIS, *batch_axes, *head_axes)))
+    named = frozenset((CONTEXT_AXIS, *batch_axes, *head_axes))
+
+    def call(q, k, v, positions):
+        names = named
+        if one_device_kernel:
+            mesh = jax.sharding.get_abstract_mesh()
+            names = names | {a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                             if kind != jax.sharding.AxisType.Manual}
+        return jax.shard_map(local, in_specs=(heads, heads, heads, P(rows, CONTEXT_AXIS)),
+                             out_specs=heads, axis_names=names,
+                             check_vma=not one_device_kernel)(q, k, v, positions)
+
+    return call

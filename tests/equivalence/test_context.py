@@ -71,7 +71,8 @@ def test_context_attention_matches_dense_causal_attention_and_gradients(impl, n,
         np.testing.assert_allclose(got, np.asarray(want)[:, order], atol=1e-5, rtol=0)
 
 
-def attention_matches_dense(attention, mesh, n, heads, kv_heads, zigzag, seed, shard=None):
+def attention_matches_dense(attention, mesh, n, heads, kv_heads, zigzag, seed, shard=None,
+                            S=S):  # noqa: N803 (the module's S)
     """``attention`` (over ``context`` of ``mesh``) against dense causal attention, output and
     gradients, tokens in the layout's order; ``shard``: how q, k, v are laid out on ``mesh``."""
     rng = np.random.default_rng(seed)
@@ -138,6 +139,20 @@ def test_ulysses_splits_heads_over_tensor_and_context(impl, heads_by):
         attention = jax.shard_map(local, in_specs=(seq4,) * 3 + (P(None, "context"),),
                                   out_specs=seq4, axis_names=frozenset({"context"}))
     attention_matches_dense(attention, context_mesh(n, 2), n, 8, 2, True, seed=3, shard=spec)
+
+
+def test_ulysses_runs_a_one_device_kernel_on_the_whole_sequence():
+    """A Pallas kernel (splash, in its interpreter) as Ulysses' kernel: every mesh axis is
+    manual around it (``one_device_kernel``), here ``data`` too, which the layout would leave
+    automatic; 256 tokens (its 128-token tiles) in zigzag order over context=2."""
+    from jaxpar.model.fused import splash_attention
+
+    n = 2
+    attention = ulysses_attention(n, n, True, kernel=splash_attention(128, interpret=True),
+                                  one_device_kernel=True)
+    mesh = jax.make_mesh((2, n), ("data", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    attention_matches_dense(attention, mesh, n, 4, 2, True, seed=5, S=256)
 
 
 def long_sequence_temp_bytes(*overrides: str, devices: int) -> int:
