@@ -321,6 +321,21 @@ def test_hybrid_all_to_alls_in_groups_and_rings_between_them():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ("mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2",
+     "parallel.sequence_parallel=true", ULYSSES),
+    ("mesh.data=1", "mesh.context=4", "mesh.tensor=2", "parallel.context_impl=hybrid",
+     "parallel.ulysses_size=2", "train.remat=full"),
+    ("mesh.data=2", "mesh.context=4", ULYSSES, "parallel.zigzag=false", "train.loss_chunks=4"),
+], ids=["fsdp,tensor,sp", "hybrid,tensor,remat=full", "contiguous,loss_chunks"])
+def test_ulysses_and_hybrid_in_more_compositions_match_one_device(overrides):
+    got, ref = run_layout(overrides), run_layout(("mesh.data=1",))
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
+    grads, params = in_model_order(got)
+    assert_grads_and_params_match({"grads": grads, "params": params}, ref)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_WHOLE_STEP))
 def test_ulysses_and_hybrid_with_latent_attention_match_one_device(name):
     """Multi-head latent attention (v padded to the query head dim) through the exchange."""
