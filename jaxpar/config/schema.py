@@ -329,7 +329,12 @@ class TrainConfig:
 class ParallelConfig:
     sequence_parallel: bool = False
     zero: Literal[1, 3] = 3
-    context_impl: Literal["ring", "allgather"] = "ring"
+    # How attention reaches the other devices' tokens under mesh.context > 1: ring
+    # (ppermute K/V blocks), allgather (K/V), ulysses (all-to-alls to a head split) or hybrid
+    # (ulysses inside groups of ulysses_size consecutive context devices, the ring between the
+    # groups): jaxpar/parallel/context.py and ulysses.py.
+    context_impl: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
+    ulysses_size: int = 0  # the hybrid's inner (all-to-all) factor of mesh.context; 0 otherwise
     zigzag: bool = True  # load-balanced causal layout for context parallelism
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble",
                                "dualpipe_v"] = "gpipe"

@@ -96,6 +96,7 @@ def validate(cfg: Config, device_count: int) -> Config:
     _check_remat(cfg, mesh)
     _check_moe(cfg, mesh)
     _check_batch(cfg, mesh)
+    _check_context(cfg, mesh)
     _check_optimizer(cfg.train)
     _check_lora(cfg)
     _check_sharding(cfg, mesh)
@@ -297,6 +298,35 @@ def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
             "tokens of a device's sequence (train.seq_len / mesh.context)")
 
 
+def _check_context(cfg: Config, mesh: MeshConfig) -> None:
+    """``parallel.context_impl=ulysses|hybrid``: the all-to-all splits each tensor shard's
+    query heads over its group (all of ``context``, or the hybrid's ``ulysses_size``), which
+    must divide ``context``; kv heads too few to split are repeated (parallel/ulysses.py)."""
+    p, m = cfg.parallel, cfg.model
+    require(p.ulysses_size == 0 or p.context_impl == "hybrid", f"parallel.ulysses_size="
+            f"{p.ulysses_size} is read only by parallel.context_impl=hybrid (got "
+            f"{p.context_impl}); leave it 0")
+    if mesh.context == 1 or p.context_impl not in ("ulysses", "hybrid"):
+        return
+    if p.context_impl == "hybrid":
+        require(1 < p.ulysses_size < mesh.context and mesh.context % p.ulysses_size == 0,
+                f"parallel.ulysses_size={p.ulysses_size}: parallel.context_impl=hybrid needs a "
+                f"divisor of mesh.context={mesh.context} between 1 and {mesh.context} "
+                f"(exclusive); allowed: "
+                + (", ".join(str(d) for d in range(2, mesh.context) if mesh.context % d == 0)
+                   or "none (use parallel.context_impl=ulysses or ring)"))
+        # (dense is the blockwise kernel's arithmetic; the fused kernels cannot run a ring.)
+        require(m.attention not in ("splash", "cudnn"), f"model.attention={m.attention} with "
+                "parallel.context_impl=hybrid: its ring runs the blockwise kernels; use auto, "
+                "dense or blockwise (or parallel.context_impl=ulysses)")
+    size = mesh.context if p.context_impl == "ulysses" else p.ulysses_size
+    require(m.n_heads % (mesh.tensor * size) == 0, f"model.n_heads={m.n_heads} is not "
+            f"divisible by mesh.tensor x the all-to-all group ({mesh.tensor} x {size}), which "
+            f"parallel.context_impl={p.context_impl} splits the heads over; use ring or "
+            "allgather" + (", or a smaller parallel.ulysses_size" if p.context_impl == "hybrid"
+                          else ", or hybrid"))
+
+
 def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
     """Blockwise attention tiles the sequence a device attends with (each chunk of it, under
     context parallelism) into blocks of ``model.attention_block``, or one block if shorter."""
@@ -304,11 +334,14 @@ def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
     require(m.attention_block >= 1, f"model.attention_block={m.attention_block}: must be >= 1")
     tiled = t.seq_len // (mesh.context * (2 if cfg.parallel.zigzag else 1)
                           if mesh.context > 1 else 1)
+    if cfg.parallel.context_impl == "ulysses":  # attends the whole sequence, in natural order
+        tiled = t.seq_len
     require(m.attention != "splash" or cfg.splash_possible(),
             f"model.attention=splash cannot run in pipeline stages split over tensor "
             f"(mesh.pipe={mesh.pipe} mesh.tensor={mesh.tensor}): the TPU compiler aborts; "
             "use auto (blockwise there) or blockwise")
-    if m.attention in ("auto", "blockwise") or mesh.context > 1:
+    ulysses = mesh.context > 1 and cfg.parallel.context_impl == "ulysses"
+    if m.attention in ("auto", "blockwise") or (mesh.context > 1 and not ulysses):
         require(tiled <= m.attention_block or tiled % m.attention_block == 0,
                 f"model.attention_block={m.attention_block} does not divide the {tiled} tokens "
                 "blockwise attention tiles (train.seq_len" + (" / context chunks" if

@@ -36,7 +36,11 @@ of it.
   ring: 2(c-1) collective-permutes per layer forward, 2(c-1) backward plus 2c dK/dV blocks
   travelling home (float32, but the last hop: XLA casts to the compute dtype before sending);
   ``context_impl=allgather`` instead all-gathers K and V (2 per layer, b S K/t D a gathered) and
-  reduce-scatters their gradients.
+  reduce-scatters their gradients. ``ulysses``: four all-to-alls per layer and pass over
+  ``context`` (q, k, v, output: b S/c (2H + 2K')/t D a, K' the kv heads repeated to split
+  over the group), the forward four again under remat, and the masks' int32 order gathered
+  once per forward run. ``hybrid``: the same all-to-alls in groups of ``ulysses_size`` u
+  (wire (u-1)/u), and the ring over the c/u groups with blocks of b S/c K'/t D.
 - ``tensor`` without sequence parallelism: all-reduce (payload A) of the attention and MLP outputs
   (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output, and +1
   more with ``model.post_norms``: the MLP's post-norm's backward pass reads its output), and of
@@ -274,11 +278,14 @@ def zero1_scatter_axes(c: Ledger, axes: tuple[str, ...], group: list[ParamCost]
 
 
 def context_collectives(c: Ledger) -> None:
-    """Context parallelism (``parallel/context.py``): attention's keys and values."""
+    """Context parallelism (``parallel/context.py``, ``parallel/ulysses.py``): attention's
+    keys and values."""
     st = c.st
     per_layer = st.layers * st.runs
+    if st.ulysses_group > 1:
+        _ulysses_collectives(c)
     if st.ring:
-        n, blk = st.c, st.kv_block
+        n, blk = st.ring_steps, st.ring_block
         # (In a pipeline stage: every slot that runs, masked ones too.)
         fw, bw = per_layer * c.forwards, per_layer * c.backwards
         c.add("collective-permute", ("context",), round(fw * 2 * (n - 1)),
@@ -291,7 +298,8 @@ def context_collectives(c: Ledger) -> None:
               round(bw * 2 * ((n - 1) * blk * 4 + blk * st.wire)),
               "ring attention: dK, dV travelling home backward (float32, the last hop cast)",
               HIDDEN)
-    elif st.c > 1:  # allgather: K and V gathered whole, their gradients reduce-scattered
+    elif st.c > 1 and st.ulysses_group == 1:  # allgather: K and V gathered whole, their
+        # gradients reduce-scattered
         gathered, fw, bw = st.kv_block * st.c * st.wire, c.forwards, c.backwards
         # remat (dots or full) recomputes attention in the backward pass, the gathers with it
         fw += bw * _rematted(st)
@@ -302,6 +310,31 @@ def context_collectives(c: Ledger) -> None:
         c.add("reduce-scatter", ("context",), 2 * per_layer * bw,
               2 * per_layer * bw * st.kv_block * st.c * 4,
               "context allgather attention: dK, dV backward (float32)", EXPOSED)
+
+
+def _ulysses_collectives(c: Ledger) -> None:
+    """Ulysses' all-to-alls in groups of u (all of ``context``, or the hybrid's inner
+    factor): q, k, v to the head split and the output back, each moving the device's
+    b x S/c tokens of H/t (q, out) or K'/t (k, v) heads; their transposes backward (dO; dQ, dK,
+    dV), and the forward four again where remat recomputes attention. The masks' int32 arrays
+    are gathered over the group: XLA hoists them out of the layer loop (loop-invariant), so
+    once per forward run of the step."""
+    st = c.st
+    u, d = st.ulysses_group, st.cfg.model.resolved_head_dim
+    heads = 2 * (st.cfg.model.n_heads // st.t) + 2 * st.exchanged_kv_heads
+    per_pass = st.b * st.sl * heads * d * st.wire  # the four all-to-alls of one pass
+    fw = c.forwards + c.backwards * _rematted(st)
+    per_layer = st.layers * st.runs
+    c.add("all-to-all", ("context",), round(4 * per_layer * (fw + c.backwards)),
+          round(per_layer * (fw + c.backwards) * per_pass),
+          f"Ulysses attention: q, k, v to the head split and the output back, in groups of {u} "
+          "(forward, backward, and forward again where remat recomputes attention)", EXPOSED,
+          group=u)
+    leaves = 1 + (st.cfg.documents_masked()) + (st.cfg.model.sliding_window is not None)
+    count = round(leaves * st.runs * c.forwards)
+    c.add("all-gather", ("context",), count, count * st.b * st.sl * u * 4,
+          "Ulysses attention: the masks' int32 order (documents, windows) of the group", EXPOSED,
+          group=u)
 
 
 def expert_collectives(c: Ledger) -> None:
@@ -403,11 +436,18 @@ def rerun_collectives(c: Ledger) -> None:
         c.add("reduce-scatter" if st.sp else "all-reduce", ("tensor",), rows, rows * act,
               "row-parallel outputs" + what, EXPOSED)
     per_layer = st.layers * st.runs * again
+    if st.ulysses_group > 1:
+        heads = 2 * (st.cfg.model.n_heads // st.t) + 2 * st.exchanged_kv_heads
+        count = round(4 * per_layer)
+        c.add("all-to-all", ("context",), count, round(per_layer * st.b * st.sl * heads
+                                                       * st.cfg.model.resolved_head_dim
+                                                       * st.wire),
+              "Ulysses attention: q, k, v, output" + what, EXPOSED, group=st.ulysses_group)
     if st.ring:
-        hops = round(per_layer * 2 * (st.c - 1))
-        c.add("collective-permute", ("context",), hops, hops * st.kv_block * st.wire,
+        hops = round(per_layer * 2 * (st.ring_steps - 1))
+        c.add("collective-permute", ("context",), hops, hops * st.ring_block * st.wire,
               "ring attention: K, V blocks" + what, HIDDEN)
-    elif st.c > 1:
+    elif st.c > 1 and st.ulysses_group == 1:
         count = round(2 * per_layer)
         c.add("all-gather", ("context",), count, count * st.kv_block * st.c * st.wire,
               "context allgather attention: K, V" + what, EXPOSED)

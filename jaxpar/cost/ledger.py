@@ -135,11 +135,12 @@ class Ledger:
         return [p for p in self.params if p.dense_stack]
 
     def add(self, kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
-            hidden: float) -> None:
+            hidden: float, group: int | None = None) -> None:
         """``count`` executions per step moving ``total`` payload bytes in all, ``hidden`` of
-        them behind matmuls."""
+        them behind matmuls; ``group``: devices per replica group, where fewer than ``axes``
+        span (the hybrid's all-to-alls on sub-groups of ``context``)."""
         axes = tuple(a for a in axes if self.st.mesh[a] > 1)
-        group = math.prod(self.st.mesh[a] for a in axes)
+        group = group or math.prod(self.st.mesh[a] for a in axes)
         if count and total and group > 1:
             self.out.append(CollectiveCost(kind, axes, count, total,
                                            wire_bytes(kind, total, group), what, hidden))

@@ -10,7 +10,8 @@ A *layout* is everything that changes how the work is split:
   ``expert`` would only be data parallelism under another name), the config's ``mesh.dcn`` kept
   (a layout whose axes it does not divide is rejected with the reason);
 - sequence parallelism off and on where ``tensor > 1``; ZeRO-3 and, where ``data x fsdp > 1``,
-  ZeRO-1;
+  ZeRO-1; where ``context > 1``, every ``parallel.context_impl`` (the hybrid with each inner
+  factor ``parallel.ulysses_size`` of ``context``);
 - with ``pipe > 1``: each schedule of ``parallel.pipeline_schedule`` except ``gpipe`` (it has
   1F1B's ticks and bubble and stashes all its microbatches (``grad_accum x m``: the step runs one
   schedule over them) instead of at most ``2 pipe - 1``, so it is
@@ -107,6 +108,8 @@ class Layout:
     microbatches: int = 1
     pipeline_fsdp: str | None = None  # None: the config's
     pipeline_stash: str | None = None  # None: the config's
+    context_impl: str | None = None  # parallel.context_impl; None without context
+    ulysses_size: int = 0  # the hybrid's inner factor
 
     def apply(self, cfg: Config, remat: str, offload: bool) -> Config:
         """``cfg`` with this layout and these levers."""
@@ -120,6 +123,8 @@ class Layout:
             pipeline["pipeline_fsdp"] = self.pipeline_fsdp
         if self.pipeline_stash is not None:
             pipeline["pipeline_stash"] = self.pipeline_stash
+        if self.context_impl is not None:
+            pipeline.update(context_impl=self.context_impl, ulysses_size=self.ulysses_size)
         parallel = dataclasses.replace(cfg.parallel, sequence_parallel=self.sequence_parallel,
                                        zero=self.zero, virtual_stages=self.virtual_stages,
                                        **pipeline)
@@ -157,6 +162,9 @@ class Candidate:
         parts = [f"{a}={getattr(lay, a)}" for a in ("pipe", "data", "fsdp", "expert", "context",
                                                       "tensor") if getattr(lay, a) > 1]
         parts = parts or ["data=1"]
+        if lay.context_impl:
+            parts.append(lay.context_impl + (f" u={lay.ulysses_size}" if lay.ulysses_size
+                                             else ""))
         if lay.sequence_parallel:
             parts.append("sp")
         parts.append(f"zero={lay.zero}")
@@ -184,6 +192,9 @@ class Candidate:
             out.append(f"parallel.pipeline_fsdp={lay.pipeline_fsdp}")
         if lay.pipeline_stash:
             out.append(f"parallel.pipeline_stash={lay.pipeline_stash}")
+        if lay.context_impl:
+            out += [f"parallel.context_impl={lay.context_impl}",
+                    f"parallel.ulysses_size={lay.ulysses_size}"]
         return [*out, f"train.microbatches={lay.microbatches}", f"train.remat={self.remat}",
                 f"train.offload.optimizer={str(self.offload).lower()}"]
 
@@ -228,6 +239,21 @@ def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
                     yield schedule, virtual, count, mode, "residuals"
 
 
+def _context_impls(context: int) -> Iterator[tuple[str | None, int]]:
+    """(context_impl, ulysses_size) for ``context`` devices: every implementation, the hybrid
+    with each inner factor (validation rejects the head counts that do not split)."""
+    if context == 1:
+        yield None, 0
+        return
+    for impl in schema_values(ParallelConfig, "context_impl"):
+        if impl != "hybrid":
+            yield impl, 0
+            continue
+        for inner in range(2, context):
+            if context % inner == 0:
+                yield impl, inner
+
+
 def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
     """Every layout of ``device_count`` devices that :func:`search` tries (module docstring)."""
     moe = cfg.model.moe.enabled
@@ -239,8 +265,9 @@ def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
             for zero in (3, 1) if data * fsdp > 1 else (3,):
                 for schedule, virtual, count, mode, stash in _pipelines(
                         cfg, pipe, fsdp, data * fsdp * expert):
-                    yield Layout(data, fsdp, context, tensor, sp, zero, expert, pipe, schedule,
-                                 virtual, count, mode, stash)
+                    for impl, inner in _context_impls(context):
+                        yield Layout(data, fsdp, context, tensor, sp, zero, expert, pipe,
+                                     schedule, virtual, count, mode, stash, impl, inner)
 
 
 def _try(cfg: Config, layout: Layout, remat: str, offload: bool, devices: int,

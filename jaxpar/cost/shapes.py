@@ -124,17 +124,53 @@ class StepSizes:
 
     @property
     def ring(self) -> bool:
-        return self.c > 1 and self.cfg.parallel.context_impl == "ring"
+        """K/V blocks go round a ring over ``context``: ``ring``, and the ``hybrid``'s outer
+        ring."""
+        return self.c > 1 and self.cfg.parallel.context_impl in ("ring", "hybrid")
+
+    @property
+    def ulysses_group(self) -> int:
+        """Devices of one Ulysses all-to-all (parallel/ulysses.py): all of ``context`` for
+        ``ulysses``, the hybrid's ``ulysses_size``; 1 for the ring and the all-gather."""
+        impl = self.cfg.parallel.context_impl
+        if self.c == 1 or impl not in ("ulysses", "hybrid"):
+            return 1
+        return self.c if impl == "ulysses" else self.cfg.parallel.ulysses_size
+
+    @property
+    def ring_steps(self) -> int:
+        """Devices round the ring: c, or the hybrid's c / ulysses_size groups."""
+        return self.c // self.ulysses_group
+
+    @property
+    def exchanged_kv_heads(self) -> int:
+        """K': a tensor shard's kv heads as the all-to-all exchanges them, repeated until they
+        split over its group (``ulysses.kv_repeats``); K/t without one."""
+        kv, u = self.cfg.model.n_kv_heads // self.t, self.ulysses_group
+        return kv * (u // math.gcd(kv, u))
+
+    @property
+    def ring_block(self) -> int:
+        """Elements of one K (or V) block going round the ring: b x S/c x K/t x D, or in the
+        hybrid, after the all-to-all, u x S/c tokens of K'/u heads."""
+        return self.b * self.sl * self.exchanged_kv_heads * self.cfg.model.resolved_head_dim
 
     @property
     def attention(self) -> str:
-        """The attention the step runs: ``ring``/``allgather`` over ``context`` (both on the
-        blockwise kernel), else what ``model.attention`` resolves to on ``platform``."""
-        if self.c > 1:
+        """The attention the step runs: ``ring``/``allgather``/``hybrid`` over ``context`` (on
+        the blockwise kernel), else what ``model.attention`` resolves to on ``platform`` (for
+        ``ulysses``: on the whole sequence, which its kernel attends)."""
+        if self.c > 1 and self.cfg.parallel.context_impl != "ulysses":
             return self.cfg.parallel.context_impl
         m = self.cfg.model
         return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype,
                        self.cfg.splash_possible(), model=m)
+
+    @property
+    def pieces_attended(self) -> bool:
+        """Whether the attention kernel works on the device's pieces of the sequence (ring,
+        all-gather, hybrid), not the whole sequence (one device, Ulysses)."""
+        return self.c > 1 and self.cfg.parallel.context_impl != "ulysses"
 
     @property
     def flash(self) -> bool:
@@ -146,7 +182,8 @@ class StepSizes:
     def block(self) -> int:
         """Queries (and keys) per block of the flash kernel: ``model.attention_block``, at most
         one contiguous piece of the local sequence (a zigzag chunk under context parallelism)."""
-        piece = (self.sl // (2 if self.cfg.parallel.zigzag else 1) if self.c > 1 else self.s)
+        piece = (self.sl // (2 if self.cfg.parallel.zigzag else 1) if self.pieces_attended
+                 else self.s)
         return min(self.cfg.model.attention_block, piece)
 
     @property
@@ -156,7 +193,7 @@ class StepSizes:
         leaves the last device all of its blocks; on one device, n(n+1)/2 of n^2 blocks. With
         a sliding window, local layers count the blocks the window touches (averaged over the
         layers: :func:`windowed_share`)."""
-        if self.c > 1:
+        if self.pieces_attended:
             causal = (2 * self.c + 1) / (4 * self.c) if self.cfg.parallel.zigzag else 1.0
         else:
             n = self.s // self.block
@@ -165,8 +202,9 @@ class StepSizes:
         if m.sliding_window is None or m.sliding_window >= self.s:
             return causal
         local = float(np.mean(layer_is_local(m)))
-        order = zigzag_order(self.s, self.c) if self.c > 1 and self.cfg.parallel.zigzag else None
-        band = windowed_share(self.s, self.c, self.block, m.sliding_window, order)
+        c = self.c if self.pieces_attended else 1
+        order = zigzag_order(self.s, c) if c > 1 and self.cfg.parallel.zigzag else None
+        band = windowed_share(self.s, c, self.block, m.sliding_window, order)
         return local * band + (1 - local) * causal
 
     @property

@@ -49,6 +49,10 @@ CPU_CASES: tuple[Case, ...] = (
     _layout("fsdp-context-ring-32k", "llama3-8b", "mesh.fsdp=16", "mesh.context=4", *_LONG),
     _layout("fsdp-context-allgather-32k", "llama3-8b", "mesh.fsdp=16", "mesh.context=4",
             "parallel.context_impl=allgather", *_LONG),
+    _layout("fsdp-context-ulysses-32k", "llama3-8b", "mesh.fsdp=16", "mesh.context=4",
+            "parallel.context_impl=ulysses", *_LONG),
+    _layout("fsdp-context-hybrid-32k", "llama3-8b", "mesh.fsdp=16", "mesh.context=4",
+            "parallel.context_impl=hybrid", "parallel.ulysses_size=2", *_LONG),
     _layout("expert-fsdp", "mixtral-8x7b", "mesh.expert=8", "mesh.fsdp=8"),
     # Gemma 3's block (post-norms, GeGLU, q/k norms, a 262k vocabulary tied to the head) under
     # remat=full; six layers, so that the 1-in-6 pattern compiles one global layer beside the

@@ -19,6 +19,10 @@ turns the gather into a reduce-scatter of dK/dV in the backward pass. Each devic
 K/V of one layer: (N-1)/N x ``B x S x K x D`` x2 elements gathered, and their gradients
 reduce-scattered in float32.
 
+``ulysses`` and ``hybrid`` (:mod:`jaxpar.parallel.ulysses`) trade the sequence split for a
+head split with all-to-alls instead, over all of ``context`` or inside groups of it with this
+module's ring between the groups.
+
 Causal load balance (zigzag). With a contiguous split, device i's queries see i+1 of the N key
 blocks, so the last device works N times as hard as the first. Cutting the sequence into 2N
 chunks and giving device i chunks i and 2N-1-i evens this out: every device computes the same
@@ -91,9 +95,17 @@ def block_schedule(seq_len: int, n: int, zigzag: bool) -> np.ndarray:
     return kinds
 
 
-def _rotate(tree, n: int):
-    """Send every array to the next device on the ring (device i -> i+1)."""
-    ring = [(i, (i + 1) % n) for i in range(n)]
+def ring_pairs(n: int, stride: int = 1) -> list[tuple[int, int]]:
+    """The ring's (source, target) pairs on the ``context`` axis: n steps of ``stride``
+    devices, device i -> i + stride (mod n x stride). ``stride`` > 1: n rings side by side,
+    one per offset below ``stride`` (the hybrid's outer ring, :mod:`jaxpar.parallel.ulysses`)."""
+    size = n * stride
+    return [(i, (i + stride) % size) for i in range(size)]
+
+
+def _rotate(tree, n: int, stride: int = 1):
+    """Send every array to the next device on the ring (device i -> i + stride)."""
+    ring = ring_pairs(n, stride)
     leaves, treedef = jax.tree.flatten(tree)
     # In order: independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
     return jax.tree.unflatten(
@@ -104,16 +116,18 @@ def _rotate(tree, n: int):
 # Ring attention (runs per device, inside shard_map over `context`)
 
 
-def ring_forward(q, k, v, q_pos, k_pos, n: int, block: int, count: bool = False):
+def ring_forward(q, k, v, q_pos, k_pos, n: int, block: int, count: bool = False,
+                 stride: int = 1):
     """q: [B, s, K, G, D] local; k, v: [B, s, K, D] local; masks of the local tokens. Returns
     (out [B,s,K,G,D], lse), and with ``count`` the int32 number of blocks this device computed
-    (:func:`jaxpar.model.attention.fold_keys`)."""
+    (:func:`jaxpar.model.attention.fold_keys`). ``stride``: the ring's step on the axis
+    (:func:`ring_pairs`)."""
     acc = empty_statistics(q)
     blocks = jnp.zeros((), jnp.int32)
     kv_block = (k, v, k_pos)
     for step in range(n):
         # Start sending this block on before computing with it, so the transfer can overlap.
-        incoming = _rotate(kv_block, n) if step < n - 1 else None
+        incoming = _rotate(kv_block, n, stride) if step < n - 1 else None
         acc = fold_keys(acc, q, *kv_block[:2], q_pos, kv_block[2], block, count=count)
         if count:
             acc, computed = acc
@@ -122,7 +136,7 @@ def ring_forward(q, k, v, q_pos, k_pos, n: int, block: int, count: bool = False)
     return (*finish(acc), blocks) if count else finish(acc)
 
 
-def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, block: int):
+def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, block: int, stride: int):
     delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)  # rowsum(dO * O)
     dq = zeros_like(q)
     # dK/dV travel with their K/V block; after n hops they are back on the block's owner.
@@ -131,29 +145,32 @@ def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, block: int):
         kb, vb, kposb, dkb, dvb = kv_block
         dq, dkb, dvb = unfold_keys((dq, dkb, dvb), q, kb, vb, do, lse, delta, q_pos, kposb,
                                    block)
-        kv_block = _rotate((kb, vb, kposb, dkb, dvb), n)
+        kv_block = _rotate((kb, vb, kposb, dkb, dvb), n, stride)
     _, _, _, dk, dv = kv_block
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ring_attention_local(q, k, v, q_pos, k_pos, n, block):
-    return ring_forward(q, k, v, q_pos, k_pos, n, block)[0].astype(q.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def ring_attention_local(q, k, v, q_pos, k_pos, n, block, stride=1):
+    """Ring attention on one device's blocks (inside ``shard_map`` over ``context``): grouped
+    q [B, s, K, G, D], k/v [B, s, K, D] and their masks; n ring steps of ``stride``."""
+    return ring_forward(q, k, v, q_pos, k_pos, n, block, stride=stride)[0].astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, q_pos, k_pos, n, block):
-    out, lse = whole(ring_forward, 5, 6)(q, k, v, q_pos, k_pos, n, block)
+def _ring_fwd(q, k, v, q_pos, k_pos, n, block, stride):
+    out, lse = whole(partial(ring_forward, stride=stride), 5, 6)(q, k, v, q_pos, k_pos, n,
+                                                                 block)
     # Residuals are this device's blocks only: O(S/N) per device.
     return out.astype(q.dtype), (q, k, v, q_pos, k_pos, out, lse)
 
 
-def _ring_bwd(n, block, residuals, do):
+def _ring_bwd(n, block, stride, residuals, do):
     q, k, v, q_pos, k_pos, out, lse = residuals
-    dq, dk, dv = _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n, block)
+    dq, dk, dv = _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n, block, stride)
     return dq, dk, dv, None, None
 
 
-_ring_attention_local.defvjp(_ring_fwd, _ring_bwd)
+ring_attention_local.defvjp(_ring_fwd, _ring_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,7 +224,8 @@ def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ..
     with S split over ``context`` and B over ``batch_axes`` (both manual: each device attends
     its own rows, which keeps the compiler from gathering the batch around the K/V collectives),
     and the heads left to the compiler (tensor parallelism). Both implementations work
-    ``block`` queries x ``block`` keys at a time (default: one zigzag chunk)."""
+    ``block`` queries x ``block`` keys at a time (default: one zigzag chunk). (``ulysses`` and
+    ``hybrid``: :func:`jaxpar.parallel.ulysses.ulysses_attention`.)"""
     rows = batch_axes or None
     seq = P(rows, CONTEXT_AXIS)
     seq4 = P(rows, CONTEXT_AXIS, None, None)
@@ -226,7 +244,7 @@ def local_context_attention(impl: str, n: int, zigzag: bool, block: int | None =
         positions = kernel_mask(positions)
         size = block or positions.order.shape[1] // (2 if zigzag else 1)
         if impl == "ring":
-            out = _ring_attention_local(qg, k, v, positions, positions, n, size)
+            out = ring_attention_local(qg, k, v, positions, positions, n, size)
         else:
             out = _allgather_attention_local(qg, k, v, positions, positions, size)
         return out.reshape(q.shape)

@@ -1,7 +1,8 @@
 """The parallel layout's hooks into the model, installed for one trace.
 
 The model names logical axes and calls five hooks (:mod:`jaxpar.model.annotate`): activation
-constraints, attention (ring or all-gather attention over ``context``, else the implementation
+constraints, attention (ring, all-gather, Ulysses or hybrid attention over ``context``:
+``parallel.context_impl``, else the implementation
 ``model.attention`` picks for the backend), the experts' dispatch (all-to-all over
 ``expert``), the sum of the loss's per-shard head gradient (``parallel/zero.py``) and the sum
 of a MoE layer's load over the devices that split the tokens by hand. This module builds them
@@ -47,8 +48,10 @@ from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
+from jaxpar.parallel.ulysses import local_ulysses_attention, ulysses_attention
 from jaxpar.parallel.zero import token_shard_sum
 
+ULYSSES = ("ulysses", "hybrid")  # the context_impls of parallel/ulysses.py
 # Backends whose compiler aborts on a shard_map nested in the pipeline executor's (module
 # docstring; docs/jax-notes.md has what was tried).
 NO_SHARD_MAP_IN_STAGES = ("tpu",)
@@ -69,16 +72,14 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     own, and the MoE layers' batch statistics are summed over them."""
     rules = logical_rules(cfg)
     hand_context = by_hand.get("context", 1)
-    n_context = mesh_shape["context"]
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
     head_axes = {name: tuple(a for a in rules[name] if mesh_shape[a] > 1)
                  for name in ("heads", "kv_heads")}
     if hand_context > 1:
-        p = cfg.parallel
-        attention = local_context_attention(p.context_impl, hand_context, p.zigzag,
-                                            _context_block(cfg, hand_context))
+        attention = _stage_context_attention(cfg, hand_context, mesh_shape, batch_axes,
+                                             head_axes, platform)
     else:
-        attention = _attention(cfg, n_context, batch_axes, head_axes, platform)
+        attention = _attention(cfg, mesh_shape, batch_axes, head_axes, platform)
     # MoE layers route each device's own tokens (and exchange them over `expert`): without the
     # hook, sorting tokens by expert across a sharded batch would gather the whole batch.
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
@@ -125,18 +126,70 @@ def _refuse_nested_shard_maps(cfg: Config, nested: list[str],
                       f"(or mesh.pipe=1)")
 
 
-def _attention(cfg: Config, n_context: int, batch_axes: tuple[str, ...],
+def _attention(cfg: Config, mesh_shape: Mapping[str, int], batch_axes: tuple[str, ...],
                head_axes: Mapping[str, tuple[str, ...]], platform: str):
-    """Attention over ``context`` when the sequence is split (ring or all-gather, both tiled
-    by the blockwise kernel), else the implementation ``model.attention`` resolves to here."""
-    m, seq_len = cfg.model, cfg.train.seq_len
+    """Attention over ``context`` when the sequence is split (``parallel.context_impl``), else
+    the implementation ``model.attention`` resolves to here."""
+    m, seq_len, n_context = cfg.model, cfg.train.seq_len, mesh_shape["context"]
     if n_context > 1:
-        return context_attention(cfg.parallel.context_impl, n_context, cfg.parallel.zigzag,
-                                 batch_axes, _context_block(cfg, n_context))
+        p, block = cfg.parallel, _context_block(cfg, n_context)
+        if p.context_impl in ULYSSES:
+            return ulysses_attention(n_context, _ulysses_group(cfg, n_context), p.zigzag,
+                                     batch_axes, block,
+                                     **_ulysses_options(cfg, head_axes, platform))
+        return context_attention(p.context_impl, n_context, p.zigzag, batch_axes, block)
     name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
                    cfg.splash_possible(), cfg.documents_masked(), model=m)
     attend = attention_fn(name, min(m.attention_block, seq_len), m)
     return per_device(attend, batch_axes, head_axes) if name == "splash" else attend
+
+
+def _ulysses_group(cfg: Config, n_context: int) -> int:
+    """The all-to-all's group: all of ``context`` for ``ulysses``, the hybrid's inner size."""
+    return n_context if cfg.parallel.context_impl == "ulysses" else cfg.parallel.ulysses_size
+
+
+def _ulysses_options(cfg: Config, head_axes: Mapping[str, tuple[str, ...]], platform: str
+                     ) -> dict:
+    """What ``ulysses`` and ``hybrid`` take besides the ring's arguments: the axes splitting
+    the heads (manual in their ``shard_map``: parallel/ulysses.py) and, for ``ulysses``, the
+    kernel attending the whole sequence: the one ``model.attention`` resolves to on one
+    device."""
+    p, m, seq_len = cfg.parallel, cfg.model, cfg.train.seq_len
+    if head_axes["heads"] != head_axes["kv_heads"]:
+        raise ConfigError(f"parallel.context_impl={p.context_impl} needs the query and kv heads "
+                          f"split over the same axes (parallel.rules: heads="
+                          f"{list(head_axes['heads'])}, kv_heads={list(head_axes['kv_heads'])})")
+    options = {"head_axes": head_axes["heads"]}
+    if p.context_impl == "ulysses":
+        name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
+                       cfg.splash_possible(), cfg.documents_masked(), model=m)
+        options["kernel"] = attention_fn(name, min(m.attention_block, seq_len), m)
+        # A Pallas kernel must see no automatic axis at all (per_device's reason).
+        options["one_device_kernel"] = name == "splash"
+    return options
+
+
+def _stage_context_attention(cfg: Config, n: int, mesh_shape: Mapping[str, int],
+                             batch_axes: tuple[str, ...],
+                             head_axes: Mapping[str, tuple[str, ...]], platform: str):
+    """Context attention on a pipeline stage's piece of the sequence (``context`` manual
+    already). Ulysses and the hybrid take the head axes manual too (``ulysses_attention``):
+    a ``shard_map`` of their own here, except where nested ones abort the compiler
+    (:data:`NO_SHARD_MAP_IN_STAGES`): there the head axis is reshaped so that the all-to-all
+    splits each tensor shard's heads (``head_split``), and the partitioner may gather it."""
+    p, block = cfg.parallel, _context_block(cfg, n)
+    if p.context_impl not in ULYSSES:
+        return local_context_attention(p.context_impl, n, p.zigzag, block)
+    options = _ulysses_options(cfg, head_axes, platform)
+    heads, kernel = options["head_axes"], options.get("kernel")
+    split = math.prod(mesh_shape[a] for a in heads)
+    if heads and platform in NO_SHARD_MAP_IN_STAGES:  # (splash: refused there, validation)
+        return local_ulysses_attention(n, _ulysses_group(cfg, n), p.zigzag, split, block, kernel)
+    local = local_ulysses_attention(n, _ulysses_group(cfg, n), p.zigzag, 1, block, kernel)
+    # (per_device: every automatic axis manual, for the heads and for a Pallas kernel.)
+    return (per_device(local, batch_axes, head_axes)
+            if heads or options.get("one_device_kernel") else local)
 
 
 def _context_block(cfg: Config, n_context: int) -> int:

@@ -93,6 +93,18 @@ LAYOUTS = {
         {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-reduce", ("context",)),
          ("collective-permute", ("context",)), ("all-gather", ("tensor",)),
          ("reduce-scatter", ("tensor",))}),
+    # Ulysses (heads over tensor and context, forward all-to-alls again under remat=dots) and
+    # the 4 x 2 hybrid: all-to-alls in groups of 4, the ring over the 2 groups (measured: every
+    # row 1.00 of the plan but the hybrid's permutes, 0.97: the masks' int32 hops).
+    "context=4,tensor=2,ulysses,dots": (
+        ["mesh.data=1", "mesh.context=4", "mesh.tensor=2", "parallel.context_impl=ulysses",
+         "train.remat=dots"],
+        {("all-reduce", ("context",)), ("all-reduce", ("tensor",)), ("all-to-all", ("context",))}),
+    "context=8,hybrid=4x2": (
+        ["mesh.data=1", "mesh.context=8", "parallel.context_impl=hybrid",
+         "parallel.ulysses_size=4"],
+        {("all-reduce", ("context",)), ("all-to-all", ("context",)),
+         ("collective-permute", ("context",))}),
     # Pipelines: the sends of every tick, the shared gradients' sum over stages, and the other
     # axes' collectives repeated per microbatch and recomputation inside the stages.
     "pipe=2,tensor=2,data=2,1f1b": (

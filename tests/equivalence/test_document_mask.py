@@ -5,7 +5,8 @@ The kernels against jax's own attention with an explicit mask; the block counts 
 and ring kernels on a row of known documents (compiled flops cannot see a data-dependent skip);
 and the proof on whole models: a packed row of several documents gives the same loss and
 gradients as each document run alone (float32, 1e-5), on one device (dense, blockwise), on
-``context=4`` (ring and all-gather, zigzag) and on ``pipe=2 context=2 tensor=2``."""
+``context=4`` (ring, all-gather, Ulysses and the 2 x 2 hybrid, zigzag) and on
+``pipe=2 context=2 tensor=2``."""
 
 from __future__ import annotations
 
@@ -210,6 +211,10 @@ LAYOUTS = {
     "context=4 ring zigzag": (["mesh.data=1", "mesh.context=4"], 4),
     "context=4 allgather zigzag": (["mesh.data=1", "mesh.context=4",
                                     "parallel.context_impl=allgather"], 4),
+    "context=4 ulysses zigzag": (["mesh.data=1", "mesh.context=4",
+                                  "parallel.context_impl=ulysses"], 4),
+    "context=4 hybrid 2x2": (["mesh.data=1", "mesh.context=4", "parallel.context_impl=hybrid",
+                              "parallel.ulysses_size=2"], 4),
     "pipe=2 context=2 tensor=2": (["mesh.pipe=2", "mesh.data=1", "mesh.context=2",
                                    "mesh.tensor=2", "train.microbatches=2",
                                    "parallel.pipeline_schedule=1f1b"], 8),

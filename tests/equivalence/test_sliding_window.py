@@ -40,6 +40,7 @@ from jaxpar.model.fused import splash_attention
 from jaxpar.model.mask import AttentionMask, with_window
 from jaxpar.model.transformer import create_model, layer_is_local
 from jaxpar.parallel.context import context_attention, ring_forward, zigzag_order
+from jaxpar.parallel.ulysses import ulysses_attention
 
 B, D = 2, 16
 qkv = functools.partial(random_qkv, batch=B, dim=D, seed=3)
@@ -107,10 +108,11 @@ def test_kernels_match_the_written_out_rule(case, impl, block, zigzag):
     check(lambda q, k, v: attend(q, k, v, mask), theirs, *(x[:, order] for x in (q, k, v)))
 
 
-@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("impl", ["ring", "allgather", "ulysses", "hybrid"])
 def test_context_attention_keeps_the_window_and_the_cap(impl):
     """context=4, zigzag: each device's queries against the keys passing round the ring (or
-    gathered), window and soft cap included."""
+    gathered, or all of them for its heads after Ulysses' all-to-all; the hybrid: 2 x 2),
+    window and soft cap included."""
     n, seq, window, cap = 4, 64, 11, 1.5
     q, k, v = qkv(4, 2, seq)
     order = zigzag_order(seq, n)
@@ -118,7 +120,8 @@ def test_context_attention_keeps_the_window_and_the_cap(impl):
     mask = with_window(positions, window, cap)
     mesh = jax.make_mesh((n,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:n])
-    attention = context_attention(impl, n, True, block=4)
+    attention = (ulysses_attention(n, n if impl == "ulysses" else 2, True, block=4)
+                 if impl in ("ulysses", "hybrid") else context_attention(impl, n, True, block=4))
     inverse = np.argsort(order)
     with jax.set_mesh(mesh):
         check(jax.jit(lambda q, k, v: attention(q, k, v, mask)),
@@ -201,6 +204,11 @@ LAYOUTS = {
     "context=4,ring": ("mesh.data=1", "mesh.context=4"),
     "data=2,context=4,allgather": ("mesh.data=2", "mesh.context=4",
                                    "parallel.context_impl=allgather"),
+    # Ulysses: the window and cap on the whole sequence, back in natural order, 2 heads each.
+    "data=2,context=4,ulysses": ("mesh.data=2", "mesh.context=4",
+                                 "parallel.context_impl=ulysses"),
+    "context=8,hybrid=4x2": ("mesh.data=1", "mesh.context=8", "parallel.context_impl=hybrid",
+                             "parallel.ulysses_size=2"),
     # Ring attention on each stage's piece of the sequence (split by hand, no shard_map).
     "1f1b,pipe=2,context=2,ring": ("mesh.pipe=2", "mesh.data=1", "mesh.context=2",
                                    "train.microbatches=2", "parallel.pipeline_schedule=1f1b"),

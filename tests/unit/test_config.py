@@ -78,7 +78,35 @@ ERROR_CASES = {
     "zero-choice": (["parallel.zero=2"], ["parallel.zero", "1, 3"]),
     "zero-string": (["parallel.zero='3'"], ["parallel.zero", "1, 3"]),
     "context-impl-choice": (["parallel.context_impl=star"],
-                            ["parallel.context_impl", "ring, allgather"]),
+                            ["parallel.context_impl", "ring, allgather, ulysses, hybrid"]),
+    # Ulysses splits each tensor shard's heads over its all-to-all group; the hybrid's inner
+    # size divides mesh.context strictly between 1 and it.
+    "ulysses-heads-not-divisible": (
+        ["mesh.data=1", "mesh.context=8", "parallel.context_impl=ulysses", "model.n_heads=4",
+         "model.n_kv_heads=4"], ["model.n_heads=4", "mesh.tensor x", "(1 x 8)", "hybrid"]),
+    "ulysses-heads-over-tensor-and-context": (
+        ["mesh.data=1", "mesh.context=4", "mesh.tensor=2", "parallel.context_impl=ulysses",
+         "model.n_heads=4", "model.n_kv_heads=2"], ["model.n_heads=4", "(2 x 4)"]),
+    "hybrid-heads-not-divisible": (
+        ["mesh.data=1", "mesh.context=8", "parallel.context_impl=hybrid",
+         "parallel.ulysses_size=4", "model.n_heads=2", "model.n_kv_heads=2"],
+        ["model.n_heads=2", "(1 x 4)", "smaller parallel.ulysses_size"]),
+    "hybrid-size-missing": (["mesh.data=1", "mesh.context=8", "parallel.context_impl=hybrid"],
+                            ["parallel.ulysses_size=0", "mesh.context=8", "allowed: 2, 4"]),
+    "hybrid-size-not-dividing": (
+        ["mesh.data=1", "mesh.context=8", "parallel.context_impl=hybrid",
+         "parallel.ulysses_size=3"], ["parallel.ulysses_size=3", "allowed: 2, 4"]),
+    "hybrid-size-whole-axis": (
+        ["mesh.data=1", "mesh.context=8", "parallel.context_impl=hybrid",
+         "parallel.ulysses_size=8"], ["parallel.ulysses_size=8", "allowed: 2, 4"]),
+    "hybrid-size-on-prime-context": (
+        ["mesh.data=1", "mesh.context=2", "mesh.tensor=4", "parallel.context_impl=hybrid",
+         "parallel.ulysses_size=2"], ["parallel.ulysses_size=2", "none (use"]),
+    "ulysses-size-without-hybrid": (["parallel.ulysses_size=2"],
+                                    ["parallel.ulysses_size=2", "parallel.context_impl=hybrid"]),
+    "hybrid-kernel": (["mesh.data=2", "mesh.context=4", "parallel.context_impl=hybrid",
+                       "parallel.ulysses_size=2", "model.attention=cudnn"],
+                      ["model.attention=cudnn", "auto, dense or blockwise"]),
     "pipeline-schedule-choice": (["parallel.pipeline_schedule=zigzag"],
                                  ["parallel.pipeline_schedule", "gpipe, 1f1b, interleaved"]),
     # The Gemma settings.

@@ -59,8 +59,8 @@ def test_context_8_at_2k_tokens_is_not_ranked_first_for_llama_1b():
     gradient all-reduces) is fastest: 30.0 ms against 36.7 ms."""
     h100 = get_profile(DEFAULT_PROFILE)
     no_latency = dataclasses.replace(h100, fast_latency_s=0.0, slow_latency_s=0.0)
-    assert search(load_config("llama-1b"), 8, no_latency)[0].layout == "context=8 zero=3"
+    assert search(load_config("llama-1b"), 8, no_latency)[0].layout == "context=8 ring zero=3"
     ranked = [c for c in search(load_config("llama-1b"), 8, h100) if c.fits]
     assert ranked[0].layout == "data=8 zero=3"
-    context8 = next(c for c in ranked if c.layout == "context=8 zero=3")
+    context8 = next(c for c in ranked if c.layout == "context=8 ring zero=3")
     assert context8.rank > 5

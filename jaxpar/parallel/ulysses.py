@@ -1,0 +1,239 @@
+"""Ulysses context attention (all-to-all) and the hybrid of Ulysses and the ring.
+
+Both run per device inside the same ``shard_map`` as the ring (:mod:`jaxpar.parallel.context`:
+manual over ``context``, the other axes automatic; inside a pipeline stage ``context`` is manual
+already and the per-device function runs directly).
+
+``ulysses`` (DeepSpeed-Ulysses). The sequence is split c ways over ``context``; attention needs
+every key, but each head is independent of the others. So per layer, one all-to-all over
+``context`` per tensor turns the sequence split into a head split::
+
+    q [B, S/c, H, D]  --all-to-all-->  [B, S, H/c, D]        (k and v likewise, K heads)
+
+attention runs over the whole sequence with H/c heads (any kernel: dense, blockwise, splash,
+cuDNN, unchanged), and one all-to-all turns the output back to ``[B, S/c, H, D]``. The zigzag
+layout (context.py) stores the gathered sequence out of order; it is put back in natural order
+around the kernel (a static permutation of 2c chunks), so causal, document and sliding-window
+masks, and kernels that read causality from storage order, run as on one device. The masks'
+``[B, S/c]`` arrays are all-gathered over ``context`` (int32, small). Autodiff transposes each
+all-to-all into the reverse one: the backward pass sends dO to the head split, and dQ, dK, dV
+back.
+
+Elements each device sends per layer, forward (x2 with the backward pass), with H and K the
+heads after the ``tensor`` split (t): every all-to-all keeps 1/c of its input and sends the rest::
+
+    (c-1)/c x B x S/c x D x (2H + 2K')        (q and out: H heads; k and v: K' heads)
+
+which for multi-head attention (K' = H) is 4 x B x S/c x H x D x (c-1)/c: it shrinks as c grows
+with S. The ring sends (c-1) K/V blocks, 2 x B x S/c x K x D x (c-1), about 2 B S K D whatever c.
+Per device memory stays O(S/c): after the exchange it holds all S tokens but only H/c heads.
+
+Constraint: the heads must split c ways on each tensor shard, ``H % (t x c) == 0`` (validated).
+With grouped-query attention the K kv heads may be fewer: each kv head is then repeated
+``r = c / gcd(K/t, c)`` times before the exchange (:func:`kv_repeats`), so that every device
+receives the kv heads its H/c query heads read: K' = r K. That costs r times the k/v
+all-to-all bytes (for K/t = 1, c = 8: 8x) and the kernel reads r copies of each kv head;
+their gradients are summed back by the transpose of the repeat. Beyond that, Ulysses cannot
+split more ways than there are heads: that is what the hybrid is for.
+
+Heads split over both ``tensor`` and ``context``: outside the ``shard_map`` the compiler splits
+the heads over ``tensor`` (t contiguous groups). The ring leaves ``tensor`` automatic inside
+its ``shard_map``; here, left automatic, XLA's partitioner all-gathered the heads over
+``tensor`` around every all-to-all (XLA:CPU, jax 0.10.2: 8 gathers of q/k/v/out per layer
+pair). So :func:`ulysses_attention` makes the head axes manual too, and each device exchanges
+its own H/t heads. Inside a pipeline stage that would be a ``shard_map`` nested in the
+executor's, which the TPU compiler aborts on; there (``head_split`` = t) the head axis is
+reshaped to ``[t, H/t]`` and the all-to-all splits the second factor, so that, read as whole
+arrays, each device still receives heads of its own tensor shard (correct; the partitioner
+may still gather).
+
+``hybrid`` (two-level, "USP": Ulysses inside a group, the ring between groups). ``context``
+= c = o x u with u = ``parallel.ulysses_size``. Context indices ``g x u .. g x u + u-1``
+form group g: the all-to-all runs inside each group (``axis_index_groups``, u devices), after
+which each device holds its group's u x S/c tokens with H/u heads (K'/u kv heads, r from u).
+Those blocks go round a ring of the o groups: device i sends to i + u (``ppermute`` pairs
+stepping by u over the single ``context`` axis: :func:`jaxpar.parallel.context.ring_pairs`),
+with the ring's online-softmax block kernels (any token order, so no reordering). Per device
+per layer, forward: the all-to-alls send (u-1)/u x B x S/c x D x (2H + 2K'), the ring
+(o-1) x 2 x B x (u S/c) x (K'/u) x D. The inner factor is u, the consecutive context indices:
+the devices nearest each other in the mesh (``context`` is the second-fastest axis after
+``tensor``), i.e. one fast island (NVLink, a TPU ICI neighbourhood). The all-to-all is
+all-pairs traffic, exposed (the kernel waits for it) and needs full bandwidth between its
+members; the ring sends to one neighbour and hides its sends behind the block computations,
+so it tolerates the slower links between islands. It splits the sequence o x u ways while
+the heads need only split u ways: for c beyond the kv head count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.model.attention import blockwise_attention, group, kernel_mask
+from jaxpar.model.mask import Positions
+from jaxpar.parallel.context import CONTEXT_AXIS, ring_attention_local, zigzag_order
+
+# attention(q [B,S,H,D], k [B,S,K,D], v [B,S,K,D], mask) -> [B,S,H,D] on one device's heads.
+Kernel = Callable[[jax.Array, jax.Array, jax.Array, Positions], jax.Array]
+
+
+# --------------------------------------------------------------------------------------------
+# The exchanges
+
+
+def exchange_groups(n: int, size: int) -> list[list[int]] | None:
+    """The all-to-all's groups on the ``context`` axis of n devices: runs of ``size``
+    consecutive indices (the inner factor); None when ``size == n`` (the whole axis)."""
+    if size == n:
+        return None
+    return [list(range(g * size, (g + 1) * size)) for g in range(n // size)]
+
+
+def kv_repeats(kv_heads: int, size: int) -> int:
+    """Copies of each of a tensor shard's ``kv_heads`` kv heads the exchange needs, so that
+    they split ``size`` ways (1 when they already do)."""
+    return size // math.gcd(kv_heads, size)
+
+
+def _all_to_all(x: jax.Array, split_axis: int, concat_axis: int, n: int, size: int
+                ) -> jax.Array:
+    return lax.all_to_all(x, CONTEXT_AXIS, split_axis, concat_axis, tiled=True,
+                          axis_index_groups=exchange_groups(n, size))
+
+
+def sequence_to_heads(x: jax.Array, n: int, size: int, head_split: int) -> jax.Array:
+    """[B, s, N, D] (this device's tokens, all N heads) -> [B, s x size, N/size, D] (the
+    group's tokens in storage order, this device's heads). The head axis is split
+    ``[head_split, N/head_split]`` so that only heads of one tensor shard move."""
+    b, s, h, d = x.shape
+    x = x.reshape(b, s, head_split, h // head_split, d)
+    x = _all_to_all(x, split_axis=3, concat_axis=1, n=n, size=size)
+    return x.reshape(b, s * size, h // size, d)
+
+
+def heads_to_sequence(x: jax.Array, n: int, size: int, head_split: int) -> jax.Array:
+    """The inverse of :func:`sequence_to_heads`: [B, s x size, N/size, D] -> [B, s, N, D]."""
+    b, t, h, d = x.shape
+    x = x.reshape(b, t, head_split, h // head_split, d)
+    x = _all_to_all(x, split_axis=1, concat_axis=3, n=n, size=size)
+    return x.reshape(b, t // size, h * size, d)
+
+
+def _repeat_kv(x: jax.Array, size: int, head_split: int) -> jax.Array:
+    """k or v [B, s, K, D] with each kv head repeated until a tensor shard's kv heads split
+    ``size`` ways (module docstring: the cost of grouped-query attention with few kv heads)."""
+    r = kv_repeats(x.shape[2] // head_split, size)
+    return jnp.repeat(x, r, axis=2) if r > 1 else x
+
+
+def _gather_mask(mask: Positions, n: int, size: int) -> Positions:
+    """Every ``[B, s]`` array of the mask description all-gathered along the sequence in the
+    exchange's groups: the masks of the tokens the device now holds, in the same order."""
+    groups = exchange_groups(n, size)
+    return jax.tree.map(lambda a: lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True,
+                                                 axis_index_groups=groups), mask)
+
+
+def _reorder(x: jax.Array, chunks: np.ndarray) -> jax.Array:
+    """``x`` with its sequence axis (1) cut into ``len(chunks)`` equal chunks, chunk j of the
+    result being chunk ``chunks[j]`` of ``x``: static slices, no gather."""
+    pieces = jnp.split(x, len(chunks), axis=1)
+    return jnp.concatenate([pieces[int(c)] for c in chunks], axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-device attention
+
+
+def ulysses_local(n: int, zigzag: bool, head_split: int, kernel: Kernel) -> Callable:
+    """Ulysses over all n devices of ``context``: ``attention(q, k, v, positions)`` on this
+    device's [B, S/n, H, D], the whole sequence attended by ``kernel`` in natural order."""
+    # Storage chunk j holds natural chunk stored[j] (context.zigzag_order, with 2n chunks).
+    stored = zigzag_order(2 * n, n) if zigzag else None
+    natural = np.argsort(stored) if zigzag else None
+
+    def local(q, k, v, positions):
+        k, v = (_repeat_kv(a, n, head_split) for a in (k, v))
+        q, k, v = (sequence_to_heads(a, n, n, head_split) for a in (q, k, v))
+        mask = _gather_mask(kernel_mask(positions), n, n)
+        if stored is not None:  # natural order, so the kernel sees an ordinary sequence
+            q, k, v, mask = jax.tree.map(lambda a: _reorder(a, natural), (q, k, v, mask))
+        out = kernel(q, k, v, mask)
+        if stored is not None:
+            out = _reorder(out, stored)
+        return heads_to_sequence(out, n, n, head_split)
+
+    return local
+
+
+def hybrid_local(n: int, size: int, zigzag: bool, head_split: int, block: int | None
+                 ) -> Callable:
+    """Ulysses inside groups of ``size`` consecutive ``context`` devices, the ring over the
+    n/size groups (module docstring), on this device's [B, S/n, H, D]. ``block``: the ring
+    kernel's tile (default: one zigzag chunk of a device's tokens, as for the ring)."""
+    outer = n // size
+
+    def local(q, k, v, positions):
+        tile = block or q.shape[1] // (2 if zigzag else 1)
+        k, v = (_repeat_kv(a, size, head_split) for a in (k, v))
+        q, k, v = (sequence_to_heads(a, n, size, head_split) for a in (q, k, v))
+        mask = _gather_mask(kernel_mask(positions), n, size)
+        qg = group(q, k.shape[2])
+        out = ring_attention_local(qg, k, v, mask, mask, outer, tile, size)
+        return heads_to_sequence(out.reshape(q.shape), n, size, head_split)
+
+    return local
+
+
+def local_ulysses_attention(n: int, size: int, zigzag: bool, head_split: int = 1,
+                            block: int | None = None, kernel: Kernel | None = None
+                            ) -> Callable:
+    """``ulysses`` (``size == n``) or ``hybrid`` attention on one device's piece of a
+    sequence split n ways over ``context`` (manual). ``head_split``: the pieces the
+    automatic axes (``tensor``) split the kv heads into; ``kernel``: Ulysses' attention on
+    the whole sequence (default: blockwise in ``block`` tiles, or zigzag chunks)."""
+    if size == n:
+        if kernel is None:
+            def kernel(q, k, v, mask):
+                tile = block or q.shape[1] // (2 * n)
+                return blockwise_attention(tile)(q, k, v, mask)
+        return ulysses_local(n, zigzag, head_split, kernel)
+    return hybrid_local(n, size, zigzag, head_split, block)
+
+
+def ulysses_attention(n: int, size: int, zigzag: bool, batch_axes: tuple[str, ...] = (),
+                      block: int | None = None, *, head_axes: tuple[str, ...] = (),
+                      kernel: Kernel | None = None, one_device_kernel: bool = False
+                      ) -> Callable:
+    """``attention(q, k, v, positions)`` for the model, as
+    :func:`jaxpar.parallel.context.context_attention` (S split over ``context``, B over
+    ``batch_axes``), for ``ulysses`` (``size == n``) or the ``hybrid``. The axes splitting
+    the query and kv heads, ``head_axes``, are manual here too: left automatic, the
+    partitioner all-gathers the head dimension an all-to-all cuts (seen on XLA:CPU, jax
+    0.10.2). ``one_device_kernel``: ``kernel`` is one device's program (a Pallas kernel:
+    splash), which the compiler can neither split nor replicate, so every mesh axis is manual
+    and its outputs' variance unchecked (``hooks.per_device``'s reason; a ``shard_map``
+    nested for it here failed autodiff: its unchecked output met this one's checked
+    cotangent)."""
+    rows = batch_axes or None
+    heads = P(rows, CONTEXT_AXIS, head_axes or None, None)
+    local = local_ulysses_attention(n, size, zigzag, 1, block, kernel)
+    named = frozenset((CONTEXT_AXIS, *batch_axes, *head_axes))
+
+    def call(q, k, v, positions):
+        names = named
+        if one_device_kernel:
+            mesh = jax.sharding.get_abstract_mesh()
+            names = names | {a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                             if kind != jax.sharding.AxisType.Manual}
+        return jax.shard_map(local, in_specs=(heads, heads, heads, P(rows, CONTEXT_AXIS)),
+                             out_specs=heads, axis_names=names,
+                             check_vma=not one_device_kernel)(q, k, v, positions)
+
+    return call
