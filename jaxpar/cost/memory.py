@@ -406,8 +406,9 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
                        else in_compute_dtype(p, p.gathered_bytes, st.a)
                        for p in params if p.stacked) // units
     gathered = _fsdp_gathered(st, params, layer_weights)
-    if st.flash:  # one block's float32 scores, probabilities and their gradients
-        head += 4 * st.b * (m.n_heads // st.t) * st.block * st.block * 4
+    if st.flash:  # one block's float32 scores, probabilities and their gradients, for the
+        # heads a device attends (Ulysses' all-to-all leaves it 1/u of its tensor shard's)
+        head += 4 * st.b * (m.n_heads // st.t // st.ulysses_group) * st.block * st.block * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
     per_layer = _unit_activations(st, blocks) // len(blocks)
     # The backward pass's working set: one layer's remat=none set (recomputed, or its
