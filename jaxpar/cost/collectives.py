@@ -2,99 +2,15 @@
 
 Each function adds the communication its mesh axis causes to a :class:`Ledger`, in the order
 :func:`collectives` calls them: ZeRO-3/FSDP, data (and ZeRO-1), context, expert, tensor, and the
-pipeline (:mod:`jaxpar.cost.pipeline`).
+pipeline (:mod:`jaxpar.cost.pipeline`). Counts are per step, as
+:func:`jaxpar.inspect.hlo.collectives.summarize_collectives` counts them, so the two compare.
 
-Collectives
------------
-Per step (= per micro-step x g, as :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`
-counts them); ``bytes`` is the logical payload per device (all-gather: the gathered result,
-reduce-scatter: the unscattered input), ``wire_bytes`` what a ring sends over an axis of N
-devices: all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N of it, collective-permute all
-of it.
+``bytes`` is the logical payload per device (all-gather: the gathered result, reduce-scatter:
+the unscattered input). ``wire_bytes`` is what a ring sends over an axis of N devices:
+all-reduce 2(N-1)/N of it, all-gather and reduce-scatter (N-1)/N, collective-permute all of it.
 
-- ``data`` and ``context``: parameters are replicated over both, so each device's gradient shard
-  is all-reduced over both together, every micro-step (once per step where jaxpar sums by
-  hand: ``Ledger.by_hand``; XLA reduces inside the accumulation loop rather than once after
-  it; XLA:CPU sometimes splits the reduction into one all-reduce per axis, which doubles these
-  bytes, while the TPU compiler keeps one).
-- ``fsdp`` (ZeRO-3): all-gather of each layer's weights in the forward pass, and again in the
-  backward pass (2 L g gathers per weight): remat recomputes the gathers, and without remat the
-  layers reshard after the forward pass (``model/projection.py: project_all``); under ``remat=none``
-  the MoE router and the experts' weights stay gathered instead (L g). DeepSeek's
-  ``dense_layers`` (its dense first blocks, a scanned stack of their own) alike. The
-  embedding, lm_head and final norm once per step; reduce-scatter of the gradients every
-  micro-step (a tied embedding's twice outside a pipeline: the head's in the loss's backward
-  pass, the lookup's at the end, ``Ledger.reduced``).
-- ZeRO-1 (``zero=1``): the (tensor-split) gradient is reduce-scattered over ``data`` x ``fsdp``
-  to the slices of the Adam moments every micro-step (all-reduced over ``context`` as well;
-  all-reduced whole in a pipeline, whose gradients keep the parameters' layout), then one
-  float32 all-gather of the updated parameters over ``data`` x ``fsdp``: the bytes of plain
-  data parallelism's all-reduce (less Muon's matrices, updated whole from their gathered
-  momentum). (XLA:CPU all-reduces a MoE model's gradients over ``data`` x
-  ``expert`` and slices instead.)
-- ``context`` attention: ring attention passes K and V blocks (b S/c K/t D a each) around the
-  ring: 2(c-1) collective-permutes per layer forward, 2(c-1) backward plus 2c dK/dV blocks
-  travelling home (float32, but the last hop: XLA casts to the compute dtype before sending);
-  ``context_impl=allgather`` instead all-gathers K and V (2 per layer, b S K/t D a gathered) and
-  reduce-scatters their gradients. ``ulysses``: four all-to-alls per layer and pass over
-  ``context`` (q, k, v, output: b S/c (2H + 2K')/t D a, K' the kv heads repeated to split
-  over the group), the forward four again under remat, and the masks' int32 order gathered
-  once per forward run. ``hybrid``: the same all-to-alls in groups of ``ulysses_size`` u
-  (wire (u-1)/u), and the ring over the c/u groups with blocks of b S/c K'/t D.
-- ``tensor`` without sequence parallelism: all-reduce (payload A) of the attention and MLP outputs
-  (2 per layer forward; +1 with ``remat=full``, which recomputes the attention output, and +1
-  more with ``model.post_norms``: the MLP's post-norm's backward pass reads its output), and of
-  the input gradients of the column-parallel matmuls in the backward pass: 2 per layer (the
-  model projects q+k+v and gate+up with one matmul each where they are split,
-  ``projection.project_all``, as Megatron), on XLA:CPU 3 with grouped-query attention (q, and
-  k+v: their shapes differ; the partitioner reduces each matmul's partial sums where it makes
-  them, even where one VJP adds them) and 5 in a pipeline stage (its prepared weights are not
-  stacked; the TPU compiler sums them all before reducing, 2); plus the
-  vocab-parallel embedding (forward, A) and the lm_head input gradient (backward, float32 like
-  the logits), and two tiny all-reduces of b S/c floats for the vocab-parallel loss (max, sum
-  of exponentials).
-- ``tensor`` with sequence parallelism: each forward all-reduce becomes reduce-scatter (leaving a
-  block) + all-gather (entering), payload A each: per layer 2 all-gathers + 2 reduce-scatters
-  forward, 2 all-gathers + 2 (3: XLA:CPU, grouped-query) reduce-scatters backward; the
-  column-parallel matmuls gather their input again for their weight gradients (``remat=none``
-  outside a pipeline: +2 all-gathers, attention's and MLP's, see ``projection.project_all``),
-  ``remat=dots`` and ``full`` recompute those gathers (+2), ``full`` also redoes the attention
-  reduce-scatter; embedding and head add 2 of each; the norm scales' gradients are all-reduced
-  over ``tensor`` (tiny).
-- ``expert`` (mixture of experts, :mod:`jaxpar.parallel.expert`): the routed experts' weights
-  are split over ``expert``, so their gradient shards are all-reduced over ``data`` and
-  ``context`` only, while every other parameter's are all-reduced over ``expert`` too (it is
-  data parallelism outside the experts). Each MoE layer moves its slots with all-to-alls over
-  ``expert``: dispatch and combine forward, the same two backward, and under remat the forward
-  pair again (in a pipeline stage: its share of the MoE layers, per microbatch, in every slot,
-  masked ones too). A device routes T = b S/c tokens, k slots each; the ideal payload per
-  all-to-all is
-  T k E a (the textbook ``tokens x top_k x d_model x 2 passes x 2 directions``, of which
-  (G-1)/G crosses the wire for G = ``mesh.expert``). What travels has static shapes: with
-  ``dispatch=dropping`` the [X, C, E] capacity buffer (C = ceil(capacity_factor T k / X)); with
-  ``dropless`` on XLA:CPU a worst-case block of T min(k, X/G) rows per destination (G T min(k,
-  X/G) rows, plus an int32 expert id per row forward); with ``dropless`` on GPU/TPU a
-  ``ragged-all-to-all`` of the T k real rows (``jaxpar inspect`` counts the smaller of a ragged
-  op's input and output buffers, the other being sized for the worst case: T k rows, plus the
-  expert ids, which the TPU compiler pads to 128 lanes; not checked beyond compiling for TPU).
-  Blocking: the experts wait for their rows. Under ``tensor`` a MoE layer reduces its summed
-  expert outputs forward and its tokens' gradient backward once each ([T, E]), plus the shared
-  experts' like a SwiGLU.
-
-- ``train.optimizer=muon``: each stacked matrix's momentum is gathered whole once per step
-  before its Newton-Schulz iterations, over every split axis but ``tensor`` first, then over
-  ``tensor`` (float32; :mod:`jaxpar.cost.optimizer`).
-
-Dtypes: activations travel in the compute dtype, and so do weights and weight gradients: each
-layer casts a float32 weight to the compute dtype and lays it out whole before its matmul
-(``projection.weight``), so FSDP gathers the cast copy, and XLA reduces a matmul's weight
-gradient before casting it back to float32 (seen in the TPU compiler's HLO via ``jaxpar inspect
---target``; GPU is expected to match, not checked). Norm scales stay float32, as do lm_head's
-gradient (its matmul returns float32 logits) and ZeRO-1's gather of the updated parameters.
-XLA:CPU computes bfloat16 dots in float32 and so moves float32 everywhere, which the estimate
-for XLA:CPU does too. Scalars (loss, token counts, gradient-norm partial sums) are left out: a
-few bytes each.
-
+Each axis's formulas, the compiler differences they count and the dtypes things travel in:
+docs/cost-model.md, "Collectives per step".
 """
 
 from __future__ import annotations
@@ -116,7 +32,8 @@ ROW_PARALLEL_MATMULS = 2  # attention output, down projection
 
 
 def collectives(st: StepSizes, params: list[ParamCost]) -> list[CollectiveCost]:
-    """Every collective of one step, per device (the module docstring's formulas)."""
+    """Every collective of one step, per device (docs/cost-model.md,
+    "Collectives per step")."""
     ledger = Ledger(st, params)
     for parallelism in (fsdp_collectives, data_collectives, context_collectives,
                         expert_collectives, tensor_collectives, pipeline_collectives,

@@ -1,75 +1,21 @@
 """The analytic cost of one train step, per device: memory, collectives, flops and time.
 
-:func:`estimate` reads a validated :class:`~jaxpar.config.Config` and predicts, without compiling
-anything, what ``jaxpar inspect`` would measure from the compiled step, plus how long the step
-would take on a :mod:`~jaxpar.hardware` profile. It is plain arithmetic on the model's own
-parameter shapes and logical axes (:func:`jaxpar.model.transformer.abstract_model`) split by the
-rules table (:func:`jaxpar.parallel.rules.resolve_spec`), so each parameter is split exactly as
-training splits it. (No backend is started and nothing is compiled.)
+:func:`estimate` predicts, without compiling anything, what ``jaxpar inspect`` would measure
+from the compiled step, and how long the step would take on a :mod:`~jaxpar.hardware` profile.
+It exists so that layouts can be compared before any is compiled. It is plain arithmetic on
+the model's parameter shapes and logical axes, split by the rules table, so each parameter is
+split exactly as training splits it. Without a hardware profile (or with ``cpu``) it predicts
+XLA:CPU's program; with a GPU or TPU profile, the accelerator compiler's.
 
-Which compiler: the collectives differ a little between XLA:CPU and the accelerators' compilers,
-so the estimate follows the platform asked about. Without a hardware profile (or with ``cpu``)
-it predicts XLA:CPU's program, what ``jaxpar inspect`` compiles on this machine; the tests check
-it against that. With a GPU or TPU profile it predicts the accelerator compiler's, checked by
-hand against the TPU compiler (``jaxpar inspect --target tpu-v5e:2x4``, libtpu 0.0.42.1) and
-assumed for GPUs. Where XLA does something other than the textbook schedule, the formulas follow
-XLA and say so.
-
-The parts, one module each, read in this order:
-
-- :mod:`~jaxpar.cost.params`: the parameters and their split per device;
-- :mod:`~jaxpar.cost.shapes`: the sizes every formula uses, and their notation;
-- :mod:`~jaxpar.cost.memory`: memory per device;
-- :mod:`~jaxpar.cost.collectives`: the collectives, one function per parallelism;
-- :mod:`~jaxpar.cost.pipeline`: what a pipeline adds (tick messages, stash, bubble);
-- this module: flops, time on a hardware profile, and :func:`estimate`, which puts them together.
-
-Flops and time
---------------
-Useful flops are :func:`jaxpar.model.flops.train_flops_per_token` x B S / devices (what MFU
-counts; causal attention as half the S x S square, as MaxText counts it). Executed flops add
-the one-hot embedding matmul's weight gradient (2VE per token; the forward pass gathers, from
-each device's rows where the table is split over ``tensor`` or ``pipe``), the
-recomputation (``dots`` redoes attention's forward, 4 L H D S per token; ``full`` also each
-layer's matmuls, 2 x their parameters) and attention's executed minus useful flops: dense
-attention computes the whole square, flash attention (blockwise, ring or all-gather over
-``context``) the blocks the busiest device computes -- (2c+1)/(4c) of the square with the
-zigzag layout, all of it without; (n+1)/(2n) of n x n blocks on one device -- with a
-flash-style backward (5 block matmuls against dense attention's 4; never recomputed by remat).
-In local layers (``model.sliding_window``) the useful pairs are the window's band and the flash
-kernels compute the blocks it touches (``StepSizes.computed_share`` averages the layers; the
-recomputation of ``dots`` is still counted over the causal half). Both compute at least the
-useful pairs, so the MFU bound below is at most 100%. (The flash
-kernels skip a causal block behind a conditional;
-:func:`jaxpar.inspect.hlo.flops.dot_flops` cannot see which branch runs and counts every block,
-so for the zigzag layout its count of the compiled step exceeds these executed flops by the
-skipped blocks: (2c-1)/(4c) of the square.) A mixture of experts adds its padding: the rows its
-experts compute beyond the T x k slots (capacity slack, padded exchange blocks, and on XLA:CPU
-the dense masked matmul that lowers ``ragged_dot`` over all local experts), 6 flops per row
-and expert weight, for each of the stage's MoE layers and microbatches (in a pipeline, in
-every slot, masked ones too). Muon adds its Newton-Schulz iterations on the matrices each
-device holds (:mod:`~jaxpar.cost.optimizer`), once per step.
-
-Given a hardware profile: compute time = executed flops / peak (dense bf16 peak: a lower bound,
-as no kernel reaches it and memory-bound work is ignored); each collective takes
-``wire_bytes / bandwidth`` of the link its axes use, plus a fixed latency per launch
-(``count x latency`` of that link, :mod:`~jaxpar.hardware`). Overlap rule (each collective's
-``hidden`` share, read off the TPU compiler's schedules: docs/performance.md): FSDP's gathers
-(of weights not split over ``tensor`` too) and reduce-scatters in the layer loops, and the
-embedding's reduce-scatter, are collective matmuls, hidden but for the last of their ring's
-steps (``1 - 1/fsdp``), as are sequence parallelism's reduce-scatters of the layers' matmul
-outputs (``1 - 1/tensor``); data-parallel gradient sums and ring attention's block sends hide
-behind the compute beside them; the gathers before the first layer, lm_head's gradient
-reduction, the other ``tensor`` collectives, allgather attention, the expert all-to-alls and
-ZeRO-1's parameter gather sit between dependent ops or outside the loops, with nothing to hide
-behind, so they add to the step. (Data-parallel sums, the context ring and pipelines are
-assumed, not yet read off a compiled schedule.) Latency is never hidden: it is what a
-collective costs when its bytes are few, i.e. exactly where the compute beside it (a ring
-hop's block of a few hundred tokens) is too short to cover it, so every launch adds it to the
-step::
+The parts, one module each: :mod:`~jaxpar.cost.params`, :mod:`~jaxpar.cost.shapes`,
+:mod:`~jaxpar.cost.memory`, :mod:`~jaxpar.cost.collectives`, :mod:`~jaxpar.cost.pipeline`;
+this module adds flops and time and puts them together::
 
     step = compute + blocking + latency + max(0, overlappable - compute)
     MFU  = useful flops / (step * peak)
+
+What executed flops add to useful ones, and which collectives hide behind compute (the overlap
+rule): docs/cost-model.md, "Flops and time".
 """
 
 from __future__ import annotations
@@ -116,7 +62,8 @@ class FlopsCost:
 
 @dataclass(frozen=True)
 class TimeCost:
-    """Seconds per step on one hardware profile (see the overlap rule in the docstring)."""
+    """Seconds per step on one hardware profile (the overlap rule: docs/cost-model.md,
+    "Time on a hardware profile")."""
 
     hardware: str
     compute: float
@@ -183,8 +130,8 @@ def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> Cost
     With ``hardware`` (a profile or its name in :data:`jaxpar.hardware.PROFILES`) the
     report also has step time and MFU, and its collectives are those of that platform's
     compiler: without one (or with ``cpu``) they are XLA:CPU's, i.e. what ``jaxpar inspect``
-    compiles on this machine (module docstring). Raises ConfigError if the mesh still has a -1
-    axis or a rule does not divide a parameter.
+    compiles on this machine (docs/cost-model.md, "Which compiler"). Raises ConfigError if the
+    mesh still has a -1 axis or a rule does not divide a parameter.
     """
     if any(size < 1 for size in cfg.mesh_shape.values()):
         raise ConfigError("estimate: the config must be validated first (mesh has a -1 axis)")

@@ -1,85 +1,19 @@
 """The memory of one train step, per device: state, gradients, saved activations, scratch.
 
-Parameters are float32 and split by the rules table: ``embed`` over ``fsdp`` (ZeRO-3), ``heads``,
-``kv_heads``, ``mlp``, ``vocab`` over ``tensor``. Gradients are float32 and live where their
-parameters live, or, under ZeRO-1 outside a pipeline, where the moments live (one more copy,
-the accumulator, when g > 1). ZeRO-1's reduce-scatter to the moments' layout runs per layer
-inside the layer loop on XLA:CPU, but after it on the GPU/TPU compilers: there every layer's
-whole gradient is alive at the end of the backward pass, beside the scattered ones (tpu-v5e,
-llama-1b data=8 in bf16: compiled peak / plan 1.67 -> 1.05, and 0.90 with the cast below).
-In bf16 compute outside a pipeline the GPU/TPU compilers also cast the whole stored layer stack
-once, before the loop, and keep the copy through the backward pass (``weight_copies``).
-The optimizer state is split like the parameters (ZeRO-3) or with ``embed`` also split over
-``data`` and ``fsdp`` (ZeRO-1): AdamW two moments per parameter, Lion one, Muon one for the
-stacked layer matrices and AdamW's two for the rest, Adafactor a row and a column factor for
-arrays it factors and a full second moment for the rest (``parallel/optimizer_state.py``:
-``state_shapes``), in ``train.opt_state_dtype`` (bfloat16 halves it). The update's float32
-temporaries (``update``) are one float32 moment's worth whatever the optimizer; Muon adds its
-gathered matrices and one matrix's iteration temporaries (``cost/optimizer.py``).
-Saved activations per layer and micro-batch, with ``r = A/t`` under sequence parallelism
-(else ``r = A``: the residual stream is replicated over ``tensor``):
+Parameters, gradients and optimizer state follow the rules table and ZeRO level. Saved
+activations are counted per layer and micro-batch, per remat policy, from the tensors the
+layers' custom VJPs and autodiff keep (``r = A/t`` under sequence parallelism, else ``A``).
+The working set is one layer's ``remat=none`` set, the head's float32 logits, and under FSDP
+one layer gathered at a time. Where the compilers hold different things (XLA:CPU against
+GPU/TPU), the plan counts each for the hardware it plans for.
 
-- ``remat=none``: what the layers' custom VJPs and autodiff keep. Per RMSNorm (2) its input
-  (r) and float32 reciprocal rms (r x 4/(E a)); the column-parallel matmuls rebuild the norm's
-  output from them (``project_all``), except in a pipeline stage, whose matmuls keep it (A,
-  gathered); q, k, v after rotary (b S/c (H+2K)/t D a); the attention output (b S/c H/t D a);
-  gate, up and their SwiGLU product (3 b S/c F/t a: ``layers.gated_silu`` recomputes the
-  sigmoid); and one float32 score-sized tensor per head, the probabilities (b (H/t) S/c S_k x
-  4 bytes, ``attention.softmax``; S_k is S, the keys each query sees), plus a compute-dtype
-  copy of them under bfloat16.
-- ``remat=dots`` (``dots_with_no_batch_dims_saveable``): the block input (r) and the outputs of
-  the weight matmuls that the recomputation needs: q, k, v before rotary, the attention output
-  projection (A), gate and up (2 b S/c F/t a). Attention scores/probabilities (batched dots),
-  norms and the SwiGLU product are recomputed. In a pipeline stage, whose matmuls are a custom
-  VJP of their own that the policy does not save, only the block input, as under ``full``
-  (and a MoE router's float32 logits).
-- ``remat=full``: only the block input (r); the whole block is recomputed in the backward pass.
-- ``remat=attention`` (by name, ``model/remat.py``): the block input, q, k, v after rotary, the
-  attention output (b S/c H/t D a) and the attention branch's output (r); the MLP (or MoE
-  layer) and the norms are recomputed. Also in a pipeline stage: the names are outside the
-  matmuls' custom VJP.
-- ``remat=offload_dots``: on the GPU/TPU compilers what ``dots`` keeps, the block input
-  excepted, goes to host memory (``MemoryCost.host_activations``); on XLA:CPU, one memory,
-  ``dots``.
-- ``train.remat_every = k``: one layer in k under the policy, the others as under ``none``
-  (with the weights ``none`` keeps): the per-layer figure is their average.
-- On XLA:CPU in bf16 the stacks ``dots`` and ``full`` save are float32 (XLA:CPU has no bf16
-  dynamic-slice: the backward loop converts the whole stack once, before it).
-- Weights: under ``remat=none`` the layers reshard after the forward pass
-  (``projection.project_all``): each keeps its stored weight shard for the backward pass (the
-  scan stacks it: one more copy of the layer weights as stored, 1/fsdp of them), not the weights
-  as its matmuls read them (cast to the compute dtype and, under FSDP, gathered whole). The MoE
-  router and routed experts, and a pipeline stage's weights (prepared once per step), are kept
-  as read. The remat policies recompute them all.
-- Flash attention (``model.attention`` blockwise or cudnn, and ring or all-gather attention
-  over ``context``) never holds scores: its custom VJP keeps the float32 output and
-  log-sum-exp (b S/c H/t (D+1) x 4) under every policy, and works one block of scores at a
-  time (``model.attention_block`` squared, at most one zigzag chunk's).
-- A MoE layer keeps, instead of the SwiGLU's tensors, the router's float32 logits, probabilities
-  and choices, the k copies of each token and their outputs, the rows sent, received and
-  returned by its all-to-alls and the experts' three hidden-sized tensors per row (see
-  ``_moe_activations``); with ``every = n`` a "layer" in these sums is a group of n blocks.
-  On XLA:CPU its dropless grouped matmul runs dense over every local expert, which adds
-  float32 products of all rows with every expert to the working set (``_dense_ragged_dot``).
-- Parameters include every expert of every MoE layer (1/G of them per device); the router
-  biases of ``router=sigmoid_bias`` are float32 buffers outside the optimizer.
+Peak = parameters + optimizer state + batch + the largest of: gradients + activations + stash
++ weight copies + the working set; a pipeline's sums + stash + its vocabulary before the
+loops; gradients + the optimizer update's temporaries.
 
-During the backward pass one layer's ``remat=none`` set exists at a time (recomputed, or its
-gradients), with the norm output its matmuls rebuild (A); the head adds float32 logits and
-their gradient (b S/c V/t each, divided by the pieces
-the loss is computed in: ``train.loss_chunks``) and the embedding's one-hot input (b S/c V/t,
-built for its gradient in slices of the vocabulary that fit in ``LOSS_CHUNK_BYTES``; the
-forward pass gathers rows).
-Under FSDP one layer's weights are gathered (and its gradient unscattered) at a time, and the
-embedding and lm_head stay gathered for the whole step. A pipeline stage instead holds its
-stashes, the residuals of the chunk it runs (or the layer it recomputes) and its head step's
-vocabulary pieces, its weights as read and, under FSDP, the float32 gradient sums of its
-gathered weights, which stand in for the gradients until after the stretch loops; before the
-loops it holds the vocabulary gathered whole (:mod:`~jaxpar.cost.pipeline`, "Memory of
-a stage"). Peak = parameters + optimizer state + batch + max(gradients (a pipeline's sums) +
-activations + stash + weight copies + that working set; a pipeline's sums + stash + its
-vocabulary before the loops; gradients + the optimizer update's temporaries, or the sums being
-reduce-scattered).
+Each term, policy by policy: docs/cost-model.md, "Memory per device". A pipeline stage's:
+docs/pipelines.md, "Memory of a stage". The plan against the TPU compiler's peaks:
+docs/performance.md, "The plan against the TPU compiler".
 """
 
 from __future__ import annotations
@@ -175,7 +109,8 @@ def _moe_activations(st: StepSizes, remat: str) -> int:
 
 
 def _norms(st: StepSizes) -> int:
-    """Bytes the two RMSNorms of a layer keep under ``remat=none`` (module docstring): each its
+    """Bytes the two RMSNorms of a layer keep under ``remat=none`` (docs/cost-model.md,
+    "Saved activations per layer"): each its
     input and float32 reciprocal rms, and in a pipeline stage its output (A, gathered);
     ``model.post_norms`` adds two more, which keep the branch outputs they norm."""
     full = st.b * st.sl * st.cfg.model.d_model * st.a  # A
@@ -186,9 +121,9 @@ def _norms(st: StepSizes) -> int:
 
 
 def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
-    """Bytes one layer saves for the backward pass in device memory, one micro-batch (module
-    docstring); ``offload_dots`` keeps its matmul outputs in host memory instead
-    (:func:`_host_activations`)."""
+    """Bytes one layer saves for the backward pass in device memory, one micro-batch
+    (docs/cost-model.md, "Saved activations per layer"); ``offload_dots`` keeps its matmul
+    outputs in host memory instead (:func:`_host_activations`)."""
     if remat == "offload_dots":
         # XLA:CPU keeps the "offloaded" outputs in place: its program is the dots one.
         if st.xla_cpu:
@@ -363,7 +298,7 @@ def _fsdp_gathered(st: StepSizes, params: list[ParamCost], layer_weights: int) -
 
 
 def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
-    """Bytes per device of one step (the module docstring's accounting)."""
+    """Bytes per device of one step (docs/cost-model.md, "Memory per device")."""
     cfg, m = st.cfg, st.cfg.model
     param_bytes = sum(p.stored_bytes_per_device for p in params)
     # Micro-steps add up their gradients in a float32 sum beside the stored-dtype gradient (not
@@ -376,7 +311,8 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
                if cfg.train.param_dtype == "bfloat16" and st.a == 4 else 0)
     moments = sum(p.moment_bytes_per_device for p in params if p.trained)
     # ZeRO-1 outside a pipeline lays the gradients out like the moments (train/step.py), from
-    # whole ones that the GPU/TPU compilers keep until after the layer loop (docstring).
+    # whole ones that the GPU/TPU compilers keep until after the layer loop
+    # (docs/cost-model.md, "State: parameters, gradients, optimizer").
     zero1 = cfg.parallel.zero == 1 and st.pipeline is None
     whole_before_scatter = param_bytes if zero1 and not st.xla_cpu else 0
     gradient_bytes = moments if zero1 else sum(p.stored_bytes_per_device for p in params

@@ -1,120 +1,26 @@
-"""The pipeline's share of the cost model: tick messages, FSDP by hand, memory, bubble time.
+"""The pipeline's share of the cost model: messages over ``pipe``, memory of a stage, bubble.
 
-Kept together because they follow the executor and its schedule tables
-(:mod:`jaxpar.parallel.pipeline.executor`, :func:`~jaxpar.parallel.pipeline.executor.describe`) and
-change with them. Inside the stages every other parallelism's formula runs on the stage's layers
-once per microbatch (:class:`jaxpar.cost.ledger.Ledger` counts those multiplicities).
+Kept together because it follows the executor and its schedule tables
+(:mod:`jaxpar.parallel.pipeline.executor`, :func:`~jaxpar.parallel.pipeline.executor.describe`)
+and changes with them. Inside the stages every formula of :mod:`~jaxpar.cost.collectives` runs
+on the stage's layers once per executed slot (:class:`jaxpar.cost.ledger.Ledger` counts them).
 
-``pipe`` (``parallel/pipeline/executor.py``): each executor step with a forward slot sends one
-activation on (b/m x S/c x E, /t under sequence parallelism; both ways in DualPipe-V's V), and
-each step that embeds (a stage's forward is the first chunk) all-reduces the embedding pieces
-over ``pipe``; each step with the head (a stage's forward is the last chunk) all-reduces two more
-(the last stage's output, the head's input gradient) plus three [b/m, S/c] float32 loss statistics
-(three per piece of the sequence under ``train.loss_chunks``, the same bytes); each step with a
-backward slot sends one gradient back, and each step where a stage's backward is the first
-chunk's all-reduces chunk 0's input gradient (``describe``'s ``embed_steps``,
-``embed_back_steps``). The all-reduced
-activations keep sequence parallelism's tensor split, like the sends (XLA:CPU's psums are [b/m,
-S/(c t), E]). They travel in the compute dtype (one stage's value, zeros from the others: exact),
-except the head's input gradient, whose pieces all contribute: float32
-(``parallel/pipeline/stages.py: head_and_loss``). The last step's send is never read (XLA drops
-it). The vocabulary pieces' gradients (embedding, head) are summed over ``pipe`` once per
-step. ``train.grad_accum`` micro-steps are folded into the schedule: the step counts are
-those of one schedule over ``g x m`` microbatches (``describe``). Inside the stages, every
-formula of :mod:`~jaxpar.cost.collectives` runs on the stage's layers (and its share of the
-MoE layers) once per executed slot (masked ones included: ``StepSizes.executed``); the
-executor sums gradients over ``data``, ``fsdp``, ``expert`` and ``context`` by hand once per
-step and gathers FSDP weights (the experts' too) once.
+Over ``pipe``, per executor step: a send per forward slot (``b/m x S/c x E``, ``/t`` under
+sequence parallelism) and per backward slot; all-reduces of the embedding (steps that embed),
+the last output, the head's input gradient and three loss statistics (steps with the head), and
+chunk 0's input gradient. Once per step: the vocabulary pieces' gradients over ``pipe``, the
+gradient sums over the batch axes and ``context``, the FSDP gathers.
 
-DeepSeek's dense first blocks (``model.moe.first_dense``) run before the pipeline with the
-embedding, on the batch rows split over ``pipe`` too (executor docstring): no embedding
-all-reduce in the forward steps; one all-gather over ``pipe`` of their output per step (``B/d x
-S/c x E`` in the compute dtype); and the embedding's and dense blocks' gradients all-reduced
-over the batch axes and ``pipe`` together once per step (``cost/collectives.py``,
-``data_collectives``); under FSDP their weights are gathered layer by layer, forward and
-backward, once per step (``fsdp_collectives``). Measured on tiny (MLA, ``pipe=2 expert=2``,
-1F1B): every row of ``jaxpar inspect --compare`` at 1.00, peak memory 0.99. At DeepSeek-V3
-widths (``deepseek-v3 --devices 64 model.n_layers=3 model.moe.first_dense=1 mesh.pipe=2
-mesh.expert=8 mesh.fsdp=4 train.batch_size=64 train.microbatches=2``, XLA:CPU) every row is at
-1.00 except the all-gather over ``pipe`` (2.00: 224 MiB compiled against 112 MiB, not yet
-explained) and peak memory (1.17: the pre-phase's residuals are not in the memory model).
+Memory of a stage: the larger of two phases, beside the state, the stashes and the gradient sums.
+Inside the stretch loops: the weights as read, a backward slot's working set, the head's step.
+Before the loops: the embedding and head gathered whole over ``fsdp``, the head cast.
 
-FSDP by hand with ``tensor``: the executor gathers and reduce-scatters each
-weight's own ``tensor`` shard over ``fsdp`` (``parallel/manual.py: ByHand``), so those
-collectives move what they would without a pipeline, once per step.
+Time: compute x the executed-work factor = compute / (1 - bubble).
 
-Memory of a stage: the peak is the larger of two phases (both beside the state, the stashes and
-the gradient sums; the gradient shards exist only after the loops, when the sums are
-reduce-scattered):
-
-- inside the stretch loops, at a step with a backward slot and the head: the weights as read,
-  the working set of the chunk a backward slot runs, and the head's;
-- before the loops: the embedding and head gathered whole over ``fsdp`` in float32 and the head
-  cast to the compute dtype, from which each stage cuts its vocabulary piece.
-
-What each part holds:
-
-- the stashes: arrived inputs and output gradients (one activation per slot; the output-gradient
-  stash counts twice: XLA copies it where one stretch's loop hands it to the next while the old
-  one is still read, seen on tiny; the real-width peaks below hold it once) and forward
-  residuals (what remat saves for a chunk's layers per slot), each stash with one spare slot
-  that masked writes go to. The residuals are jax's VJP residuals as they are: a stage's
-  matmuls keep their inputs (the norms' outputs too, which outside a pipeline are rebuilt from
-  the norms' inputs) under ``remat=none``; under ``dots`` as under
-  ``full`` only each layer's input (the matmuls are a custom VJP, which the dots policy does not
-  save: one ``[slots, layers, b/m, S, E]`` leaf, and the same compiled peak for both policies,
-  on tiny and at Llama-3-8B widths);
-- the working set of a backward slot: under ``remat=none`` its chunk's residuals, fresh from the
-  forward or read back (nothing is recomputed); under ``dots``/``full`` one recomputed layer's
-  ``remat=none`` set, as outside a pipeline (on XLA:CPU in bf16 its residual stream in float32:
-  ``cost/memory.py: _stage_layer``; a MoE layer's dense lowering of the grouped matmul:
-  ``_dense_ragged_dot``); and the chunk's weight gradients as the slot builds them
-  (``chunk_gradients``: the chunk's weights as read, in the compute dtype), before they are
-  added into the float32 sums;
-- the head's step (``stage_head``): beside the logits, the embedding gradient of the stage's
-  vocabulary piece (float32, built slice by slice into one buffer) and the head gradient's float32
-  partial sums over the loss pieces; on XLA:CPU also each loss piece's product before it is added
-  and, in bf16 compute, a float32 copy of the head piece for the input gradient's matmul;
-- the weights as read (``stage_weights``): the stage's layers (compute dtype, FSDP-gathered,
-  whole over tensor as above), loop-carried, and again the running layer's (one scanned unit),
-  sliced from them in the layout its matmuls read (XLA:CPU, every schedule; in bf16 both are
-  float32, since it runs bf16 dots in float32: at Llama-3-8B widths no bf16 copy of a layer
-  weight is alive at the peak; at Mixtral widths with two layers a stage, the one layer's
-  experts, not the stage's two); the head's vocabulary piece ``[E, V/(p t)]`` in the compute
-  dtype and the embedding's piece in float32 (the lookup gathers its rows before the cast).
-  FSDP's per-layer gathered working set does not exist in a stage: the weights are gathered
-  once.
-- with FSDP by hand, the gradient sums: the executor adds every microbatch's
-  weight gradients into float32 sums of the weights as gathered (the stage's layers, and the
-  embedding, head and final norm whole), kept for the whole step and reduce-scattered to the
-  stored shards once at its end, so they are a buffer of their own beside those shards (the
-  shards are the step's gradients). Without FSDP the sums are the gradients. (On llama-1b with
-  pipe=2 fsdp=4 that is 2.3 GiB per device that the plan missed: the TPU compiler's peak was
-  1.23x the plan's, 0.88x with the sums, before the accounting above.)
-
-Under ``parallel.pipeline_fsdp=per_layer`` (:func:`per_layer_fsdp_collectives` for the bytes)
-no stage copy of the weights: one layer gathered and again as its matmuls read it
-(``stage_weights``); a backward slot builds one layer's float32 gradient whole and the chunk's
-reduce-scattered ones (``chunk_gradients``); the layers' float32 sums are in their shards
-(``pipeline_gradient_sums``). Llama-3-70B, ``pipe=4 fsdp=4 tensor=4`` + SP, 1F1B over 16
-microbatches on ``tpu-v5p:4x4x4``: the TPU compiler's peak 1.02 of this (per_step: 1.00), temp
-48.0 -> 25.0 GiB; on tiny (``pipe=2 fsdp=2 tensor=2`` + SP) the XLA:CPU peak 1.03.
-
-At Llama-3-8B widths (bf16, remat=dots, 4 or 8 layers, pipe=4 fsdp=4 tensor=4 and pipe=4 fsdp=8
-tensor=2, 8 microbatches; gpipe, 1F1B, interleaved) the compiled peak is within 5% of this
-(``tests/integration/test_real_size.py``); the stash is 0.4-1.8 GiB of 6-8 GiB. 1F1B's and
-interleaved's peak is in a step with a forward, a backward and the head; gpipe's in its
-backward-only stretch, where XLA:CPU reads the residual stash through a float32 copy of it and
-no head runs (what the head's step and the second output-gradient stash count instead). XLA:CPU
-also copies the donated Adam moments at the step's start and reuses their buffers for
-temporaries: no net bytes, except where they stay idle (gpipe: about 0.45 GiB of its 7.08). The
-TPU compiler's peak for tests/integration/test_tpu_target.py's pipe=2 fsdp=4 and data=2 fsdp=2
-(bf16, remat=dots) is 1.00 of this plan.
-
-Checked against XLA:CPU on tiny with pipe=2 and tensor=2, data=2, data=4 (interleaved) or pipe=4
-fsdp=2, pipe=2 fsdp=2 tensor=2 with SP, a MoE model with pipe=2 expert=2 tensor=2, and the
-memory of sequences of 128 tokens (tests/equivalence/test_cost_vs_compiled.py). Time: compute
-x the executed-work factor = compute / (1 - bubble).
+The whole accounting, part by part (dense first blocks, ``pipeline_fsdp=per_layer``):
+docs/pipelines.md, "What the plan counts". Against compiled steps: docs/performance.md,
+"Pipelines: the plan against compiled steps". The XLA:CPU behaviour it counts:
+docs/jax-notes.md, "XLA:CPU in a pipeline stage".
 """
 
 from __future__ import annotations
@@ -125,7 +31,8 @@ from jaxpar.cost.shapes import StepSizes
 
 
 def pipeline_collectives(c: Ledger) -> None:
-    """Sends and all-reduces over ``pipe`` per executor step (module docstring)."""
+    """Sends and all-reduces over ``pipe`` per executor step (docs/pipelines.md,
+    "Messages over pipe")."""
     st = c.st
     if st.pipeline is None:
         return
@@ -148,7 +55,8 @@ def pipeline_collectives(c: Ledger) -> None:
     sums = 1  # the vocabulary pieces' gradients: once per step, after all microbatches
     # DeepSeek's dense first blocks: the pre-phase (embedding and dense blocks, rows split over
     # pipe) replaces the per-step embedding all-reduce; its output is gathered over pipe once
-    # per step (executor docstring; its weights' gradients: cost/collectives.py, data).
+    # per step (docs/pipelines.md, "Dense first blocks"; its weights' gradients:
+    # cost/collectives.py, data).
     embeds = 0 if c.dense else st.pipeline["embed_steps"]
     if c.dense:
         x0 = st.runs * st.tokens_x_embed(st.a)  # every microbatch of the step
@@ -214,7 +122,7 @@ def vocab_trained(st: StepSizes) -> bool:
 
 def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
     """Bytes of the executor's float32 gradient sums where they are not the step's gradients:
-    under FSDP by hand, whole over ``fsdp`` (module docstring, "Memory of a stage"); under
+    under FSDP by hand, whole over ``fsdp`` (docs/pipelines.md, "What each part holds"); under
     ``pipeline_fsdp=per_layer`` the layers' sums are in their stored split (as the
     gradients), the embedding's, head's and final norm's whole."""
     if st.pipeline is None or st.mesh["fsdp"] == 1:
@@ -227,8 +135,8 @@ def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
 
 def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
     """Bytes of a stage's weights as read: its layers and the running layer's again, its
-    vocabulary piece of the head (compute dtype) and of the embedding (float32) (module
-    docstring)."""
+    vocabulary piece of the head (compute dtype) and of the embedding (float32) (docs/pipelines.md,
+    "What each part holds")."""
     widened = 4 if st.xla_cpu else st.a  # XLA:CPU runs bf16 dots in float32
     stack = sum(in_compute_dtype(p, p.gathered_bytes, widened) for p in params if p.stacked)
     units = st.layers // len(unit_blocks(st.cfg.model))  # scanned units in a stage
@@ -265,9 +173,10 @@ def per_layer_stage_cast(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def stage_head(st: StepSizes) -> int:
-    """Bytes the head's step holds beside its logits (module docstring): float32 pieces
-    ``[E, V/(p t)]``: the embedding gradient of the stage's piece, the head gradient's partial
-    sums over the loss pieces, and on XLA:CPU each piece's product and (bf16) a float32 head."""
+    """Bytes the head's step holds beside its logits (docs/pipelines.md, "What each part
+    holds"): float32 pieces ``[E, V/(p t)]``: the embedding gradient of the stage's piece, the
+    head gradient's partial sums over the loss pieces, and on XLA:CPU each piece's product and
+    (bf16) a float32 head."""
     piece = st.cfg.model.d_model * st.cfg.model.vocab_size // (st.p * st.t) * 4
     if not vocab_trained(st):  # frozen (LoRA): only the bf16 head's float32 copy on XLA:CPU
         return piece if st.xla_cpu and st.a < 4 else 0
@@ -280,7 +189,7 @@ def stage_head(st: StepSizes) -> int:
 def before_loops(st: StepSizes, params: list[ParamCost]) -> int:
     """Bytes of the phase before the stretch loops beside the stashes and the gradient sums: the
     embedding and head gathered whole over ``fsdp`` (float32; without FSDP they are the
-    parameters) and the head cast to the compute dtype (module docstring)."""
+    parameters) and the head cast to the compute dtype (docs/pipelines.md, "Memory of a stage")."""
     vocab = {p.name: p for p in params if p.name in ("embedding", "lm_head")}
     gathered = sum(p.gathered_bytes for p in vocab.values()) if st.mesh["fsdp"] > 1 else 0
     head = vocab.get("lm_head", vocab.get("embedding"))  # tied: the embedding is the head
@@ -320,8 +229,8 @@ def weight_stash_per_layer(st: StepSizes, moe: bool = False) -> int:
 
 def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer: int,
                     recomputed_layer: int | None) -> tuple[int, int, int]:
-    """(stash bytes, weights as read, a backward slot's working set) of a stage (module
-    docstring, "What each part holds"): the chunk's residuals under ``remat=none``, else
+    """(stash bytes, weights as read, a backward slot's working set) of a stage (docs/pipelines.md,
+    "What each part holds"): the chunk's residuals under ``remat=none``, else
     ``recomputed_layer``, one layer's working set as its backward recomputes it; with I and W
     apart (zero bubble, DualPipe-V), each slot of the W stash
     (:func:`weight_stash_per_layer`, per layer). With ``pipeline_stash=inputs`` a residual

@@ -4,110 +4,22 @@ The schedules (:mod:`jaxpar.parallel.pipeline.schedules`) say which stage does w
 *step*; :mod:`jaxpar.parallel.pipeline.program` turns them into integer arrays, and this module
 runs them, with the model cut by :mod:`jaxpar.parallel.pipeline.stages`.
 
-One program on every stage. Every device runs the same operations at every step; the arrays
-choose only data: which microbatch, which of the device's chunks, which stash slot to read and
-write, and masks for slots a stage has no work in. Consecutive steps that repeat a pattern of
-kinds (forward only, forward and backward, backward only, the head every other step, ...) form
-a *stretch*, run as one ``lax.scan`` whose body holds exactly that pattern's slots. No
-collective sits inside a conditional, so every collective the
-compiler inserts inside a stage (tensor all-reduces, context rings, expert all-to-alls, FSDP
-gathers) is reached by all its participants, on every backend.
+Why one program: every device runs the same operations at every step, and the arrays choose
+only data (microbatch, chunk, stash slot, masks). So no collective sits inside a conditional,
+and every collective inside a stage is reached by all its participants, on every backend.
+Steps that repeat a pattern of slot kinds form a *stretch*, run as one ``lax.scan``.
 
-A step, on every stage (``mb``: one microbatch, ``[B/m, S, E]`` activations):
+A step: embed (vocabulary pieces summed over ``pipe``), forward slot under ``jax.vjp`` into a
+stash, head and loss split over the pieces, backward slot (``B`` or ``I``), weight-gradient
+slot (``W``), sends. ``train.grad_accum`` is folded into one schedule over ``A m``
+microbatches (:func:`split_microbatches`). Besides ``pipe`` the ``shard_map`` splits the batch
+axes and ``context`` by hand, and sums the gradients once per step (:class:`ByHand`).
 
-1. *Embed* (steps with a forward slot). The vocabulary is cut into ``p`` pieces, one per
-   stage (and each piece split over the axes that split ``vocab``). Each stage gathers the
-   rows of the tokens of the microbatch entering chunk 0 that fall in its piece (zeros for the
-   others) and a ``psum`` over ``pipe`` adds the pieces: one all-reduce of one activation.
-   Stage 0 uses the sum.
-2. *Forward slot*. Run the chunk's layers on the input (the embedding, or an activation that
-   arrived earlier) under ``jax.vjp``; keep the VJP's residuals in a stash slot. Nothing is
-   recomputed later: ``train.remat`` alone decides what the residuals hold (``full``: only
-   each layer's input). With ``parallel.pipeline_stash=inputs`` the slot keeps the chunk's
-   input instead, and the backward slot runs the chunk again from it
-   (:mod:`jaxpar.parallel.pipeline.recompute`).
-3. *Head and loss* (steps where a stage's forward is the last chunk). A ``psum`` hands the last
-   stage's output to every stage; each computes the logits of its vocabulary piece, the
-   log-sum-exp and target logit combine over ``pipe`` (all-reduces of ``[B/m, S]``), and each stage
-   derives its piece's logit gradients by hand; the gradient w.r.t. the last chunk's output is a
-   ``psum`` of the pieces' contributions. The head's weights and work are split ``p`` ways, not
-   repeated.
-4. *Backward slot* (``B``, or ``I``). Rebuild the VJP from the stash and the chunk's weights
-   and pull the output gradient through it: the input gradient goes to the previous stage, the
-   weight gradient is added to the stage's local sum. An ``I`` (zero bubble, DualPipe-V) runs
-   only the input-gradient half of the backward's equations and writes what its ``W`` needs
-   to the W stash (:mod:`jaxpar.parallel.pipeline.backward_split`). Chunk 0's input gradient
-   is handed to all stages (``psum``) for the embedding pieces' gradients.
-5. *Weight-gradient slot* (``W``): the other half, the weight-gradient matmuls alone, from the
-   residuals and the W stash.
-6. *Send*: one ``ppermute`` forward (activations) and one backward (input gradients), each
-   only in steps that have that slot; in DualPipe-V's V each both ways
-   (:mod:`jaxpar.parallel.pipeline.slots`).
-
-With ``parallel.pipeline_overlap`` the forward and backward slots of a step run as one layer
-loop (:mod:`jaxpar.parallel.pipeline.layerwise`), so that the compiler can hide one's
-collectives behind the other's matmuls.
-
-Bytes over ``pipe`` per step: one activation per ``ppermute``, one all-reduced activation with
-a forward slot (embedding), two with the head (last output, head gradient), one with a backward
-slot (chunk 0's input gradient), and ``[B/m, S]`` scalars for the loss. At the end the stages'
-embedding/head gradients are summed over ``pipe`` (those parameters' bytes).
-
-Dense first blocks (DeepSeek-V3's ``model.moe.first_dense``, the ``dense_layers`` stack): a
-*pre-phase* before the pipeline, outside its ``shard_map``. It embeds the step's whole batch and
-runs the dense blocks on it under ``jax.vjp``, with the batch rows split over ``pipe`` as well
-as the batch axes (``pipe`` appended to the ``batch`` and ``residual_batch`` rules for it), so
-each device computes the embedding and dense blocks of ``B/(d p)`` rows (``d``: the batch axes'
-devices): the work is done once per token, split ``p`` ways, never repeated on every stage. Its
-output, cut into the microbatches, is all-gathered over ``pipe`` once per step (each device
-receives ``(p-1)/p`` of ``B/d x S/c x E`` in the compute dtype) and enters chunk 0 as ``x0`` in
-place of step 1's embedding (whose all-reduce over ``pipe`` goes: one activation less per
-forward step). Chunk 0's input gradient, handed to every stage anyway (step 4), is kept per
-microbatch and returned as the gradient w.r.t. ``x0`` (no further bytes: each device slices its
-own rows); the pre-phase's VJP turns it into the embedding's and the dense blocks' gradients,
-which the partitioner sums over the batch axes and ``pipe`` (their bytes, once per step). The
-dense blocks' weights are whole over ``pipe`` (their stacked dimension is not split into
-stages, :func:`jaxpar.parallel.rules.param_specs`), like the embedding. Memory beside the
-stages': the pre-phase's residuals (its ``B/(d p)`` rows of the whole step) live across the
-pipeline, and ``x0`` and its gradient (``B/d x S/c x E`` each) on every device.
-
-Gradient accumulation (``train.grad_accum = A``) is folded into the schedule: the step's batch
-is cut into ``A m`` microbatches (:func:`split_microbatches`, the rows each micro-step's
-microbatches would hold) and the schedule runs once over all of them, so the pipeline fills
-and drains once per step: 1F1B's bubble is (p-1)/(A m+p-1), not (p-1)/(m+p-1).
-
-Memory per stage: the stashes (arrived inputs, residuals, output gradients; each slot one
-microbatch of one chunk, and one spare slot that masked writes go to), and the gradient sums.
-Slots are handed out lowest free first when the program is compiled, so their number is the
-schedule's peak in flight: ``A m`` for GPipe (it grows with ``train.grad_accum``), ``2(p-1)+1``
-on the first stage for 1F1B (flat in the microbatches).
-
-Parameters. A device's slice of the stacked layers, ``[v * layers_per_chunk, ...]``, holds its
-chunks s, s+p, ... in that order (for ``v > 1`` the trainer stores the layers permuted so;
-:func:`jaxpar.parallel.pipeline.schedules.stage_layer_order`). Embedding, final norm and head
-are stored replicated over ``pipe``; each stage reads its vocabulary piece of them. Once per
-step the stage's weights are cast to the compute dtype and FSDP-gathered (:class:`ByHand`), so
-the VJPs save those very arrays and the stash leaves them out.
-
-LoRA (``train.lora``): the stacked base weights, the embedding, final norm and head are
-constants to the chunks' VJPs (:class:`~jaxpar.parallel.manual.Frozen`): the adapters alone are
-differentiated and summed; no embedding backward, no vocabulary-piece gradients.
-
-One reduction per step. Besides ``pipe``, the ``shard_map`` splits ``data``, ``fsdp`` and
-``expert`` (the batch rows) and ``context`` (the sequence) by hand: each device sums its own
-tokens' weight gradients over every microbatch of every micro-step (``train.grad_accum``), and
-one all-reduce over the axes a weight is replicated over and one reduce-scatter over ``fsdp``
-per step add them up. The experts are each device's own: never gathered over ``expert``, nor
-summed over it. A MoE layer sums its load statistics over these axes itself
-(:class:`jaxpar.model.moe.MoE`) and exchanges its tokens over ``expert`` directly
-(:func:`jaxpar.parallel.expert.expert_parallel`, ``hand_groups``). The cost: the stage's
-weights whole (compute dtype) and its gradient sums whole (float32) on every device for the
-step (``parallel.pipeline_fsdp=per_step``). ``per_layer`` keeps the layers in their shards
-instead, gathering each as a slot runs it and reduce-scattering its gradient at once
-(:mod:`jaxpar.parallel.pipeline.per_layer`): one layer whole at a time, more bytes. With
-``context`` manual here, context attention runs on each device's piece of the
-sequence directly, with no ``shard_map`` of its own nested in this one (which the TPU compiler
-aborts on: :data:`jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES`).
+The walk-through, step by step, with stash slots, parameters, dense first blocks, LoRA and the
+one reduction per step: docs/pipelines.md, "One program on every stage", "Gradient
+accumulation: one schedule per step", "One reduction per step", "Dense first blocks
+(DeepSeek-V3)" and "LoRA in the stages". The bytes over ``pipe``: docs/pipelines.md, "What the
+plan counts".
 """
 
 from __future__ import annotations
