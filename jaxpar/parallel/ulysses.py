@@ -1,67 +1,27 @@
 """Ulysses context attention (all-to-all) and the hybrid of Ulysses and the ring.
 
-Both run per device inside the same ``shard_map`` as the ring (:mod:`jaxpar.parallel.context`:
-manual over ``context``, the other axes automatic; inside a pipeline stage ``context`` is manual
-already and the per-device function runs directly).
+``ulysses`` (DeepSpeed-Ulysses). The sequence is split c ways over ``context``, but heads are
+independent of each other. So per layer one all-to-all over ``context`` per tensor turns the
+sequence split into a head split, attention runs on one device's heads, and one all-to-all
+turns the output back::
 
-``ulysses`` (DeepSpeed-Ulysses). The sequence is split c ways over ``context``; attention needs
-every key, but each head is independent of the others. So per layer, one all-to-all over
-``context`` per tensor turns the sequence split into a head split::
+    q [B, S/c, H, D]  --all-to-all-->  [B, S, H/c, D]        (k and v likewise)
 
-    q [B, S/c, H, D]  --all-to-all-->  [B, S, H/c, D]        (k and v likewise, K heads)
+Any one-device kernel runs unchanged (dense, blockwise, splash, cuDNN): the zigzag order is undone
+around it and the int32 masks are all-gathered. Per device, layer and forward pass it sends
+(c-1)/c x B x S/c x D x (2H + 2K') elements, which shrinks as c grows with S. Kv heads that do
+not split c ways are repeated until they do (:func:`kv_repeats`, K' = r K).
 
-attention runs over the whole sequence with H/c heads (any kernel: dense, blockwise, splash,
-cuDNN, unchanged), and one all-to-all turns the output back to ``[B, S/c, H, D]``. The zigzag
-layout (context.py) stores the gathered sequence out of order; it is put back in natural order
-around the kernel (a static permutation of 2c chunks), so causal, document and sliding-window
-masks, and kernels that read causality from storage order, run as on one device. The masks'
-``[B, S/c]`` arrays are all-gathered over ``context`` (int32, small). Autodiff transposes each
-all-to-all into the reverse one: the backward pass sends dO to the head split, and dQ, dK, dV
-back.
+``hybrid`` ("USP"): Ulysses inside groups of u = ``parallel.ulysses_size`` consecutive
+``context`` indices (``axis_index_groups``), the ring between the c/u groups (``ppermute`` from
+i to i + u). The all-to-all is all-pairs traffic the kernel waits for, so it takes the nearest
+devices; the ring's sends hide behind compute and tolerate slower links. It splits the
+sequence c ways and the heads only u ways, for c beyond the kv head count.
 
-Elements each device sends per layer, forward (x2 with the backward pass), with H and K the
-heads after the ``tensor`` split (t): every all-to-all keeps 1/c of its input and sends the rest::
-
-    (c-1)/c x B x S/c x D x (2H + 2K')        (q and out: H heads; k and v: K' heads)
-
-which for multi-head attention (K' = H) is 4 x B x S/c x H x D x (c-1)/c: it shrinks as c grows
-with S. The ring sends (c-1) K/V blocks, 2 x B x S/c x K x D x (c-1), about 2 B S K D whatever c.
-Per device memory stays O(S/c): after the exchange it holds all S tokens but only H/c heads.
-
-Constraint: the heads must split c ways on each tensor shard, ``H % (t x c) == 0`` (validated).
-With grouped-query attention the K kv heads may be fewer: each kv head is then repeated
-``r = c / gcd(K/t, c)`` times before the exchange (:func:`kv_repeats`), so that every device
-receives the kv heads its H/c query heads read: K' = r K. That costs r times the k/v
-all-to-all bytes (for K/t = 1, c = 8: 8x) and the kernel reads r copies of each kv head;
-their gradients are summed back by the transpose of the repeat. Beyond that, Ulysses cannot
-split more ways than there are heads: that is what the hybrid is for.
-
-Heads split over both ``tensor`` and ``context``: outside the ``shard_map`` the compiler splits
-the heads over ``tensor`` (t contiguous groups). The ring leaves ``tensor`` automatic inside
-its ``shard_map``; here, left automatic, XLA's partitioner all-gathered the heads over
-``tensor`` around every all-to-all (XLA:CPU, jax 0.10.2: 8 gathers of q/k/v/out per layer
-pair). So :func:`ulysses_attention` makes the head axes manual too, and each device exchanges
-its own H/t heads. Inside a pipeline stage that would be a ``shard_map`` nested in the
-executor's, which the TPU compiler aborts on; there (``head_split`` = t) the head axis is
-reshaped to ``[t, H/t]`` and the all-to-all splits the second factor, so that, read as whole
-arrays, each device still receives heads of its own tensor shard (correct; the partitioner
-may still gather).
-
-``hybrid`` (two-level, "USP": Ulysses inside a group, the ring between groups). ``context``
-= c = o x u with u = ``parallel.ulysses_size``. Context indices ``g x u .. g x u + u-1``
-form group g: the all-to-all runs inside each group (``axis_index_groups``, u devices), after
-which each device holds its group's u x S/c tokens with H/u heads (K'/u kv heads, r from u).
-Those blocks go round a ring of the o groups: device i sends to i + u (``ppermute`` pairs
-stepping by u over the single ``context`` axis: :func:`jaxpar.parallel.context.ring_pairs`),
-with the ring's online-softmax block kernels (any token order, so no reordering). Per device
-per layer, forward: the all-to-alls send (u-1)/u x B x S/c x D x (2H + 2K'), the ring
-(o-1) x 2 x B x (u S/c) x (K'/u) x D. The inner factor is u, the consecutive context indices:
-the devices nearest each other in the mesh (``context`` is the second-fastest axis after
-``tensor``), i.e. one fast island (NVLink, a TPU ICI neighbourhood). The all-to-all is
-all-pairs traffic, exposed (the kernel waits for it) and needs full bandwidth between its
-members; the ring sends to one neighbour and hides its sends behind the block computations,
-so it tolerates the slower links between islands. It splits the sequence o x u ways while
-the heads need only split u ways: for c beyond the kv head count.
+The head axes are manual in the ``shard_map`` as well as ``context`` (left automatic, the
+partitioner gathered the heads over ``tensor`` around every all-to-all). The bytes, memory and
+constraints of all four ways, and the pipeline-stage fallback: docs/attention-and-loss.md,
+"Ulysses and the hybrid".
 """
 
 from __future__ import annotations
