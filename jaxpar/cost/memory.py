@@ -342,8 +342,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
                        else in_compute_dtype(p, p.gathered_bytes, st.a)
                        for p in params if p.stacked) // units
     gathered = _fsdp_gathered(st, params, layer_weights)
-    if st.flash:  # one block's float32 scores, probabilities and their gradients, for the
-        # heads a device attends (Ulysses' all-to-all leaves it 1/u of its tensor shard's)
+    if st.flash:  # one block's float32 scores, probabilities and gradients, per head attended
         head += 4 * st.b * (m.n_heads // st.t // st.ulysses_group) * st.block * st.block * 4
     rows = cfg.train.batch_size // math.prod(st.mesh[a] for a in BATCH_AXES)
     per_layer = _unit_activations(st, blocks) // len(blocks)
