@@ -311,8 +311,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
                if cfg.train.param_dtype == "bfloat16" and st.a == 4 else 0)
     moments = sum(p.moment_bytes_per_device for p in params if p.trained)
     # ZeRO-1 outside a pipeline lays the gradients out like the moments (train/step.py), from
-    # whole ones that the GPU/TPU compilers keep until after the layer loop
-    # (docs/cost-model.md, "State: parameters, gradients, optimizer").
+    # whole ones the GPU/TPU compilers keep until after the layer loop (docs/cost-model.md).
     zero1 = cfg.parallel.zero == 1 and st.pipeline is None
     whole_before_scatter = param_bytes if zero1 and not st.xla_cpu else 0
     gradient_bytes = moments if zero1 else sum(p.stored_bytes_per_device for p in params
