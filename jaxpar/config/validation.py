@@ -234,6 +234,12 @@ def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
         require(p.expert_chunks == 1 or moe.dispatch == "dropless", f"parallel.expert_chunks="
                 f"{p.expert_chunks} needs model.moe.dispatch=dropless (a dropping layer's "
                 "capacity is per routed group: chunks would change which tokens drop)")
+        t = cfg.train
+        rows = t.batch_size // (t.grad_accum * t.microbatches
+                                * math.prod(getattr(mesh, a) for a in BATCH_AXES))
+        tokens = rows * (t.seq_len // mesh.context)
+        require(tokens % p.expert_chunks == 0, f"parallel.expert_chunks={p.expert_chunks} does "
+                f"not divide the {tokens} tokens a device routes in a MoE layer")
         units, chunks = (m.n_layers - moe.first_dense) // moe.every, mesh.pipe * p.virtual_stages
         layers = "(model.n_layers - model.moe.first_dense)" if moe.first_dense else "model.n_layers"
         require(units % chunks == 0, f"{layers} / model.moe.every = {units} groups is "

@@ -192,6 +192,8 @@ ERROR_CASES = {
     "moe-negative-bias-rate": ([MOE, "model.moe.bias_update_rate=-1"],
                                ["model.moe.bias_update_rate=-1.0", ">= 0"]),
     "moe-expert-chunks-zero": _moe("parallel.expert_chunks=0", ">= 1"),
+    "moe-expert-chunks-not-dividing-tokens": _moe("parallel.expert_chunks=3",
+                                                  "does not divide the"),
     "moe-expert-chunks-dropping": ([MOE, "model.moe.dispatch=dropping", "parallel.expert_chunks=2"],
                                    ["parallel.expert_chunks=2", "model.moe.dispatch=dropless"]),
     "moe-negative-shared": _moe("model.moe.num_shared_experts=-1", ">= 0"),
