@@ -7,7 +7,8 @@ parallelism (tensor) belongs.
 ``host_devices=N`` must take effect before jax initialises a backend, so
 :func:`use_host_devices` is called by the CLI right after the config is read and before anything
 touches ``jax.devices()``. With several processes it means N devices *per process*. It also
-keeps the memory of one step's buffers for the next (:func:`keep_host_memory`).
+keeps the memory of one step's buffers for the next
+(:func:`jaxpar.platform.keep_host_memory`).
 
 In a multi-process run (``jaxpar/distributed.py`` joins the runtime, also before any backend
 starts) ``jax.devices()`` lists the devices of every process and the mesh spans them all; each
@@ -16,7 +17,6 @@ process then feeds only the batch rows its own devices hold (:func:`process_batc
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import re
@@ -24,9 +24,12 @@ import re
 import numpy as np
 
 from jaxpar.config import MESH_AXES, Config
-
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+from jaxpar.platform import (
+    OVERLAP_LIBTPU_FLAGS,
+    add_libtpu_flags,
+    keep_host_memory,
+    tpu_compiler_options,
+)
 
 
 def use_host_devices(count: int | None) -> None:
@@ -44,81 +47,18 @@ def use_host_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-# libtpu flags a config needs: a pipeline's forward/backward overlap (parallel.pipeline_overlap)
-# hides the expert all-to-alls of one pass behind the other's matmuls only where the TPU
-# compiler makes them asynchronous, which libtpu 0.0.42 does not by default (checked with
-# jaxpar inspect --target: synchronous without it, inside the other pass's matmuls with it).
-OVERLAP_LIBTPU_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
-
-
-# Options every train and eval step is compiled with on a TPU (``jax.jit``'s
-# ``compiler_options``, so that they reach every compile of the step: training, ``inspect
-# --target``, scripts). FSDP gathers a layer's weights as a layout change before its matmuls
-# (``jaxpar/model/projection.py``). By default (libtpu 0.0.42-0.0.52) the TPU compiler turns
-# into a collective matmul (a ring of collective-permutes, a slice of the matmul computed while
-# the next slice travels) only an all-gather that its partitioner inserts to partition a dot,
-# not one already in the program; and a weight that both remat's recomputation and the input
-# gradient read stays one synchronous gather even when the dot is left to gather it. The
-# post-SPMD mode decomposes the all-gathers that feed matmuls after partitioning, whoever wrote
-# them (docs/performance.md, "Collective matmuls for the weight gathers": Llama-3-8B widths,
-# tpu-v5p:4x4x2, fsdp=32, 30.65 -> 6.47 GiB exposed a step).
-TPU_COMPILER_OPTIONS = {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd"}
-# Its twin for the reduce-scatters that follow matmuls, asked for only under sequence
-# parallelism, whose row-parallel outputs and input gradients over tensor it makes rings
-# (Llama-3-70B widths, fsdp=16 tensor=4 + SP on tpu-v5p:4x4x4: 262.77 -> 234.43 GiB exposed).
-# Elsewhere it gains nothing and costs: the reduce-scatters left outside rings become
-# all-reduces and slices, and the sums over several slices change (docs/performance.md).
-SP_TPU_COMPILER_OPTIONS = {"xla_tpu_reduce_scatter_collective_matmul_mode": "post_spmd"}
-
-
 def step_compiler_options(platform: str, cfg: Config) -> dict[str, str] | None:
     """The compiler options ``cfg``'s step compiles with on ``platform`` (None: the compiler's
-    defaults): :data:`TPU_COMPILER_OPTIONS` on a TPU (and :data:`SP_TPU_COMPILER_OPTIONS`
-    under sequence parallelism), less any the user set in ``LIBTPU_INIT_ARGS`` (theirs stays
-    as set)."""
-    if platform != "tpu":
-        return None
-    wanted = dict(TPU_COMPILER_OPTIONS)
-    if cfg.parallel.sequence_parallel and cfg.mesh.tensor > 1:
-        wanted.update(SP_TPU_COMPILER_OPTIONS)
-    names = {flag.split("=")[0].lstrip("-") for flag in
-             os.environ.get("LIBTPU_INIT_ARGS", "").split()}
-    return {name: value for name, value in wanted.items() if name not in names}
+    defaults): :func:`jaxpar.platform.tpu_compiler_options`, sequence parallelism counted
+    where ``tensor`` splits anything."""
+    return tpu_compiler_options(platform, cfg.parallel.sequence_parallel and cfg.mesh.tensor > 1)
 
 
 def use_compiler_flags(cfg: Config) -> None:
-    """Add the libtpu flags ``cfg`` needs to ``LIBTPU_INIT_ARGS`` (before libtpu loads; a flag
-    the user set stays as set). Nothing on other platforms reads them."""
-    if not cfg.parallel.pipeline_overlap:
-        return
-    current = os.environ.get("LIBTPU_INIT_ARGS", "")
-    names = {flag.split("=")[0] for flag in current.split()}
-    added = [flag for flag in OVERLAP_LIBTPU_FLAGS if flag.split("=")[0] not in names]
-    if added:
-        os.environ["LIBTPU_INIT_ARGS"] = " ".join([current, *added]).strip()
-
-
-def keep_host_memory() -> None:
-    """Have XLA:CPU's step buffers reuse memory instead of faulting fresh pages in every step.
-
-    XLA:CPU allocates each device's temporary buffer of a step (tens to hundreds of MiB) with
-    ``malloc`` when the step starts and frees it when it ends. glibc hands allocations that
-    large to the kernel (``mmap``, then ``munmap`` on free; in each thread's own arena too, whose
-    heaps are 64 MiB), so every step faults every page in again and the kernel zero-fills it:
-    on ``configs/bench-cpu.yaml`` about 15% of the 1-device step's time, and 1.7-1.8 times the
-    pages with 8 virtual devices (each device's buffer separately). One arena, grown with ``brk``,
-    never ``mmap``ed, and trimmed only past 2 GiB free, keeps those pages mapped from one step
-    to the next, as a GPU or TPU runtime keeps its memory pool: the process holds on to its peak
-    memory. It must run before jax starts its threads (each would take an arena of its own).
-    glibc's ``mallopt``; elsewhere (macOS, musl's no-op) nothing changes.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_ARENA_MAX, 1)
-    mallopt(_M_MMAP_MAX, 0)
-    mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)  # an int: the largest it takes
+    """Add the libtpu flags ``cfg`` needs to ``LIBTPU_INIT_ARGS``, before libtpu loads
+    (:data:`jaxpar.platform.OVERLAP_LIBTPU_FLAGS` for ``parallel.pipeline_overlap``)."""
+    if cfg.parallel.pipeline_overlap:
+        add_libtpu_flags(OVERLAP_LIBTPU_FLAGS)
 
 
 def device_count(cfg: Config) -> int:

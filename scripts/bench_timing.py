@@ -25,7 +25,7 @@ import jax
 import jax.monitoring
 import numpy as np
 
-from jaxpar.config import Config
+from jaxpar.config import Config, documents_masked
 from jaxpar.train.step import Batch, Trainer
 
 
@@ -36,7 +36,7 @@ def random_batch(cfg: Config, trainer: Trainer, seed: int = 0) -> Batch:
     tokens = rng.integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
              "mask": np.ones(shape, np.float32)}
-    if cfg.documents_masked():  # random rows hold no documents: one per row, as unmasked
+    if documents_masked(cfg):  # random rows hold no documents: one per row, as unmasked
         batch["segment_ids"] = np.zeros(shape, np.int32)
     return trainer.put_batch(batch)
 

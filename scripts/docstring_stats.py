@@ -1,8 +1,9 @@
 """How much prose the library carries beside its code: the numbers issue 49 asks to watch.
 
 Prints, for a package (default ``jaxpar``): docstring words per line of code, words per sentence
-in docstrings, and the longest module docstrings in lines. Code lines are the non-blank lines
-that are neither comments nor docstrings. Usage::
+in docstrings, the longest module docstrings in lines, and each compiler version or measured
+time the source names outside ``platform.py`` (the one module that may name them). Code lines
+are the non-blank lines that are neither comments nor docstrings. Usage::
 
     python scripts/docstring_stats.py [PACKAGE_DIR] [--top N]
 """
@@ -16,6 +17,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
+# A compiler version ("libtpu 0.0.42.1", "jax 0.10.2", a bare "0.0.52"), a time ("1.64 s",
+# "90 ms") or a measured before/after ("1.16 -> 1.05"): facts that change with each release.
+COMPILER_FACT = re.compile(
+    r"\b(?:libtpu|jaxlib|jax|flax|optax|orbax|XLA)(?:'s)?\s+v?\d+\.\d+(?:\.\d+)*"
+    r"|\b0\.0\.\d{2}\b"
+    r"|\b\d+(?:\.\d+)?\s?m?s\b"
+    r"|\b\d+\.\d+\s*->\s*\d+\.\d+")
+ALLOWED_FACTS = "platform.py"  # at the package's top: where the workarounds name their versions
 
 
 class FileStats(NamedTuple):
@@ -53,6 +62,13 @@ def file_stats(path: Path) -> FileStats:
                      len(module_doc.splitlines()) if module_doc else 0)
 
 
+def compiler_facts(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of each compiler version or measured time in a file's source."""
+    return [(number, match.group(0))
+            for number, line in enumerate(path.read_text().splitlines(), start=1)
+            for match in COMPILER_FACT.finditer(line)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("package", nargs="?", default="jaxpar", help="package directory")
@@ -69,6 +85,14 @@ def main() -> None:
     print(f"module docstrings over 25 lines: {len(over)} of {len(stats)}")
     for s in sorted(stats, key=lambda s: -s.module_docstring_lines)[:args.top]:
         print(f"  {s.module_docstring_lines:4d}  {s.path}")
+    allowed = Path(args.package) / ALLOWED_FACTS
+    facts = [(s.path, number, text) for s in stats if s.path != allowed
+             for number, text in compiler_facts(s.path)]
+    xla_cpu = sum(s.path.read_text().count("XLA:CPU") for s in stats if s.path != allowed)
+    print(f"mentions of XLA:CPU outside {allowed}: {xla_cpu}")
+    print(f"compiler versions and measured times outside {allowed}: {len(facts)}")
+    for path, number, text in facts:
+        print(f"  {path}:{number}: {text}")
 
 
 if __name__ == "__main__":

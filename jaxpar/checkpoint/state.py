@@ -80,8 +80,8 @@ def item_handlers(saving: bool = False) -> dict[str, ocp.CheckpointHandler]:
     if saving:
         # Orbax's default splits each replicated shard between its replicas so that several hosts
         # share the writing. In one process that only adds a slicing op per shard and shape
-        # (the tiny preset under data=8: 3.5 s at the first save, ~90 ms per save after, against
-        # ~15 ms without), so it is kept for multi-process runs only. Same format on disk.
+        # (docs/performance.md, "Checkpoint saves"), so it is kept for multi-process runs only.
+        # Same format on disk.
         arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
         state = ocp.PyTreeCheckpointHandler(
             type_handler_registry=ocp.type_handlers.create_type_handler_registry(

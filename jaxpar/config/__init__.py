@@ -46,7 +46,7 @@ from jaxpar.config.schema import (
     TrainConfig,
     WandbConfig,
 )
-from jaxpar.config.validation import check_generation, slices_line, validate
+from jaxpar.config.validation import check_generation, documents_masked, slices_line, validate
 
 __all__ = [
     "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
@@ -56,5 +56,5 @@ __all__ = [
     "RopeScalingConfig",
     "SourceConfig", "TrainConfig", "WandbConfig",
     "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",
-    "to_yaml", "check_generation", "slices_line", "validate",
+    "to_yaml", "check_generation", "documents_masked", "slices_line", "validate",
 ]

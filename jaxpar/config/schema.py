@@ -478,21 +478,6 @@ class Config:
         """Axis sizes; only meaningful after :func:`validate` resolved any ``-1``."""
         return self.mesh.sizes()
 
-    def documents_masked(self) -> bool:
-        """``data.document_mask``, null resolved: true for a mixture or a directory written by
-        ``jaxpar tokenize`` (its index file; the data layer reads the rest), else false."""
-        d = self.data
-        if d.document_mask is not None:
-            return d.document_mask
-        return (bool(d.sources) or d.loss_on == "assistant"
-                or (Path(d.source).expanduser() / "index.json").is_file())
-
-    def splash_possible(self) -> bool:
-        """Whether the TPU splash kernel can run in this layout: not inside pipeline stages
-        that split heads over ``tensor`` (libtpu 0.0.42.1's partitioner aborts on that nested
-        shard_map: "Check failed: target.IsManualSubgroup() == sharding().IsManualSubgroup()")."""
-        return not (self.mesh.pipe > 1 and self.mesh.tensor > 1)
-
     def loss_pieces(self) -> int:
         """Pieces of the sequence the loss is computed in (``train.loss_chunks``, or for 0 the
         fewest dividing the device's S/c tokens whose float32 logits [b, S/(c n), V/t] fit in

@@ -23,6 +23,7 @@ from jaxpar.config.schema import (
     MoEConfig,
     TrainConfig,
 )
+from jaxpar.platform import splash_possible
 
 # --------------------------------------------------------------------------------------------
 # Semantic validation: one function, every rule, in the order a user would fix them.
@@ -161,9 +162,8 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
 
 
 def _check_pipeline_stash(cfg: Config, mesh: MeshConfig) -> None:
-    """``parallel.pipeline_stash=inputs``: a stage keeps each chunk's input and runs the chunk
-    again in its backward slot. Where the backward is cut into I and W (zero bubble,
-    DualPipe-V), the W would need the chunk's residuals again, long after the I: refused."""
+    """``parallel.pipeline_stash=inputs`` reruns a chunk in its backward slot: refused where
+    the backward is cut into I and W (the W would rerun it again, long after the I)."""
     p = cfg.parallel
     if p.pipeline_stash == "residuals":
         return
@@ -306,8 +306,7 @@ def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
 
 def _check_context(cfg: Config, mesh: MeshConfig) -> None:
     """``parallel.context_impl=ulysses|hybrid``: the all-to-all splits each tensor shard's
-    query heads over its group (all of ``context``, or the hybrid's ``ulysses_size``), which
-    must divide ``context``; kv heads too few to split are repeated (parallel/ulysses.py)."""
+    query heads over its group, which must divide ``context`` (parallel/ulysses.py)."""
     p, m = cfg.parallel, cfg.model
     require(p.ulysses_size == 0 or p.context_impl == "hybrid", f"parallel.ulysses_size="
             f"{p.ulysses_size} is read only by parallel.context_impl=hybrid (got "
@@ -342,7 +341,8 @@ def _check_attention_blocks(cfg: Config, mesh: MeshConfig) -> None:
                           if mesh.context > 1 else 1)
     if cfg.parallel.context_impl == "ulysses":  # attends the whole sequence, in natural order
         tiled = t.seq_len
-    require(m.attention != "splash" or cfg.splash_possible(),
+    # cfg.mesh, as before the move to jaxpar/platform.py (a -1 axis counts as unsplit here).
+    require(m.attention != "splash" or splash_possible(cfg.mesh.pipe, cfg.mesh.tensor),
             f"model.attention=splash cannot run in pipeline stages split over tensor "
             f"(mesh.pipe={mesh.pipe} mesh.tensor={mesh.tensor}): the TPU compiler aborts; "
             "use auto (blockwise there) or blockwise")
@@ -367,9 +367,8 @@ def _check_optimizer(t: TrainConfig) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
-    """``train.lora``: the targets the model has, a positive rank, the dropout, and the
-    layouts the adapters run on (not yet: dense first blocks in a pipeline, dropout in a
-    pipeline)."""
+    """``train.lora``: targets the model has, a positive rank, the dropout, and the layouts
+    the adapters run on (not yet: dense first blocks or dropout in a pipeline)."""
     lora, m = cfg.train.lora, cfg.model
     require(lora.rank >= 0, f"train.lora.rank={lora.rank}: must be >= 0 (0: no adapters)")
     if lora.rank == 0:
@@ -436,12 +435,9 @@ def _check_sharding(cfg: Config, mesh: MeshConfig) -> None:
 
 
 def _check_reduce_dtype(cfg: Config, mesh: MeshConfig) -> None:
-    """``parallel.reduce_dtype`` is the dtype of the gradient sums jaxpar takes by hand: the
-    pipeline executor's over data and fsdp, and without a pipeline the sum over data
-    (parallel/zero.py: data_summed_by_hand). The partitioner's own reductions (FSDP's
-    reduce-scatter outside a pipeline, a mixture's sums) run in the weight-gradient matmul's
-    dtype, which ``projection.project_all`` widens to ``reduce_dtype`` but never narrows:
-    bfloat16 there with float32 matmuls would be ignored."""
+    """``parallel.reduce_dtype=bfloat16`` where the partitioner sums in float32 matmuls' dtype.
+    jaxpar's own sums (parallel/zero.py: data_summed_by_hand) take any dtype; the partitioner's
+    run in the matmul's dtype, which ``project_all`` widens but never narrows."""
     if cfg.parallel.reduce_dtype == "float32" or mesh.pipe > 1 or cfg.train.dtype == "bfloat16":
         return
     require(mesh.fsdp == 1 and not (cfg.model.moe.enabled and mesh.data > 1),
@@ -505,6 +501,19 @@ def _check_sources(cfg: Config) -> None:
                 f"{s.weight}: must be a finite number > 0")
 
 
+def tokenized_directory(source: str) -> bool:
+    """Whether ``data.source`` is a directory ``jaxpar tokenize`` wrote (it has the index)."""
+    return (Path(source).expanduser() / "index.json").is_file()
+
+
+def documents_masked(cfg: Config) -> bool:
+    """``data.document_mask``, null resolved: true for a mixture, chat or a tokenized directory."""
+    d = cfg.data
+    if d.document_mask is not None:
+        return d.document_mask
+    return bool(d.sources) or d.loss_on == "assistant" or tokenized_directory(d.source)
+
+
 def _check_loss_on(cfg: Config) -> None:
     """``data.loss_on``: assistant reads chat .jsonl with a tokenizer.json's chat template."""
     d = cfg.data
@@ -515,7 +524,7 @@ def _check_loss_on(cfg: Config) -> None:
     require(d.tokenizer != "byte", "data.loss_on=assistant with data.tokenizer=byte: the chat "
             "template comes from the tokenizer_config.json beside a tokenizer.json; set "
             "data.tokenizer to one")
-    require(not d.sources and not (Path(d.source).expanduser() / "index.json").is_file(),
+    require(not d.sources and not tokenized_directory(d.source),
             f"data.loss_on=assistant reads chat .jsonl, not a tokenized directory or mixture "
             f"(data.source={d.source}); use a .jsonl file, directory or glob")
     require(d.source != "stdlib", "data.loss_on=assistant with data.source=stdlib: allowed: "

@@ -15,7 +15,7 @@ docs/cost-model.md, "Collectives per step".
 
 from __future__ import annotations
 
-from jaxpar.config import MESH_AXES
+from jaxpar.config import MESH_AXES, documents_masked
 from jaxpar.cost.ledger import EXPOSED, HIDDEN, CollectiveCost, Ledger, ring_hidden
 from jaxpar.cost.optimizer import muon_collectives, muon_matrices
 from jaxpar.cost.params import PARAM_BYTES, ParamCost, entry_axes
@@ -247,7 +247,7 @@ def _ulysses_collectives(c: Ledger) -> None:
           f"Ulysses attention: q, k, v to the head split and the output back, in groups of {u} "
           "(forward, backward, and forward again where remat recomputes attention)", EXPOSED,
           group=u)
-    leaves = 1 + (st.cfg.documents_masked()) + (st.cfg.model.sliding_window is not None)
+    leaves = 1 + documents_masked(st.cfg) + (st.cfg.model.sliding_window is not None)
     count = round(leaves * st.runs * c.forwards)
     c.add("all-gather", ("context",), count, count * st.b * st.sl * u * 4,
           "Ulysses attention: the masks' int32 order (documents, windows) of the group", EXPOSED,

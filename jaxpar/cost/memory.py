@@ -275,7 +275,8 @@ def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
     """The layer stack as its matmuls read it, cast once per step: outside a pipeline the
     GPU/TPU compilers turn the cast of each layer's float32 weights inside the layer loop into
     one cast of the whole stored stack before it (a shard of it under FSDP, gathered layer by
-    layer after), kept for the backward pass (libtpu 0.0.42.1; XLA:CPU casts layer by layer)."""
+    layer after), kept for the backward pass. XLA:CPU casts layer by layer (docs/jax-notes.md,
+    "Memory and cost analysis of compiled steps")."""
     if (st.pipeline is not None or st.xla_cpu or st.a == PARAM_BYTES
             or st.cfg.train.param_dtype != "float32"):
         return 0

@@ -163,9 +163,9 @@ def per_layer_stage_cast(st: StepSizes, params: list[ParamCost]) -> int:
     shards cast to the compute dtype once per step. A slot casts each layer's shard before its
     gather (half the bytes in bf16), inside the layer loops; the compiler hoists that cast of
     loop-invariant weights out of the loops, for the whole stage (as it does outside a
-    pipeline: ``cost/memory.py: _cast_stack``). Seen in libtpu 0.0.52's heap at its peak for
-    Llama-3-70B at ``pipe=4 fsdp=4 tensor=4``: 2.0 GiB of bf16 ``[1, 20, ...]`` shards. Its one
-    layer whole at a time is then one weight at a time (the largest, gathered as read)."""
+    pipeline: ``cost/memory.py: _cast_stack``), as the compiler's heap at its peak shows
+    (docs/pipelines.md, "FSDP layer by layer"). Its one layer whole at a time is then one
+    weight at a time (the largest, gathered as read)."""
     if st.a == PARAM_BYTES or st.cfg.train.param_dtype != "float32":
         return 0
     return sum(in_compute_dtype(p, p.stored_bytes_per_device or p.bytes_per_device, st.a)
@@ -268,7 +268,7 @@ def chunk_gradients(st: StepSizes, params: list[ParamCost]) -> int:
         # One layer's gradient whole (float32 for its reduce-scatter); each scattered one is
         # added into the sums as the layer loop makes it (per_layer.layer_backward). The
         # GPU/TPU compilers scatter each weight's as it is made: one weight's at a time (the
-        # largest; libtpu 0.0.52, Llama-3-70B: w_down's, 224 MiB, at the peak).
+        # largest, as at the peak in docs/pipelines.md, "FSDP layer by layer").
         units = st.layers // len(unit_blocks(st.cfg.model))
         grads = [p.gathered_bytes for p in params if p.stacked and p.trained]
         return (sum(grads) if st.xla_cpu else max(grads, default=0)) // units

@@ -24,6 +24,7 @@ from jaxpar.model.fused import resolve
 from jaxpar.model.transformer import layer_is_local
 from jaxpar.parallel.context import zigzag_order
 from jaxpar.parallel.pipeline.executor import describe
+from jaxpar.platform import splash_possible
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -164,7 +165,7 @@ class StepSizes:
             return self.cfg.parallel.context_impl
         m = self.cfg.model
         return resolve(m.attention, self.platform, self.s, m.attention_block, self.cfg.train.dtype,
-                       self.cfg.splash_possible(), model=m)
+                       splash_possible(self.cfg.mesh.pipe, self.cfg.mesh.tensor), model=m)
 
     @property
     def pieces_attended(self) -> bool:

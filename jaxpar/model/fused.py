@@ -39,7 +39,7 @@ def resolve(name: str, platform: str, seq_len: int, block: int, dtype,
     """The implementation ``model.attention=name`` means here. ``auto``: cuDNN on a GPU in a
     16-bit dtype (without document masks, ``documents``, which its API cannot express, nor
     the soft cap or per-layer windows of ``model``); splash on a TPU when the sequence tiles
-    into 128-token blocks (and the layout allows it: ``Config.splash_possible``; not with
+    into 128-token blocks (and the layout allows it: ``jaxpar.platform.splash_possible``; not with
     per-layer windows); else blockwise when the sequence spans several blocks (one block saves
     nothing: it is the dense computation with recomputation added), dense otherwise."""
     native = {"cudnn": "gpu", "splash": "tpu"}

@@ -1,26 +1,20 @@
 """The parallel layout's hooks into the model, installed for one trace.
 
-The model names logical axes and calls five hooks (:mod:`jaxpar.model.annotate`): activation
-constraints, attention (ring, all-gather, Ulysses or hybrid attention over ``context``:
-``parallel.context_impl``, else the implementation
-``model.attention`` picks for the backend), the experts' dispatch (all-to-all over
-``expert``), the sum of the loss's per-shard head gradient (``parallel/zero.py``) and the sum
-of a MoE layer's load over the devices that split the tokens by hand. This module builds them
-for a mesh shape, and sets the dtype of the weight gradients the compiler sums
-(``parallel.reduce_dtype``). The train step installs them for the whole mesh; the pipeline
-executor installs them again inside its ``shard_map`` for the mesh that stays automatic there
-(the axes it handles by hand counted as 1, and named in ``by_hand``).
+The model names logical axes and calls hooks (:mod:`jaxpar.model.annotate`). This module builds
+them for a mesh shape: activation constraints; attention (over ``context``:
+``parallel.context_impl``, else what ``model.attention`` picks for the backend); the experts'
+dispatch over ``expert``; the sum of the loss's per-shard head gradient (``parallel/zero.py``);
+and the sum of a MoE layer's load over devices that split the tokens by hand. It also sets the
+dtype of the weight gradients the compiler sums (``parallel.reduce_dtype``).
 
-Context attention and the experts' dispatch each open a ``shard_map`` of their own; inside a
-pipeline stage that one would nest in the executor's. XLA:CPU compiles and runs that, the TPU
-compiler (libtpu 0.0.42.1) aborts the process on it ("Check failed: target.IsManualSubgroup() ==
-sharding().IsManualSubgroup()", in the backward pass's copy of the inner ``shard_map``). So the
-executor splits the batch and the sequence by hand, attention there runs on the device's piece
-directly, and a MoE layer routes the device's tokens (exchanging them over ``expert``, manual
-there too) with no ``shard_map`` unless ``tensor`` splits its experts: that dispatch still
-nests, which on the platforms in :data:`NO_SHARD_MAP_IN_STAGES` is a config error instead.
+The train step installs them for the whole mesh. The pipeline executor installs them again
+inside its ``shard_map``, for the mesh that stays automatic there (the axes it handles by hand
+counted as 1 and named in ``by_hand``). There, attention runs on the device's piece directly,
+and a MoE layer routes the device's tokens with no ``shard_map`` of its own unless ``tensor``
+splits its experts. Such a nested ``shard_map`` is a config error on the platforms in
+:data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES` (docs/jax-notes.md, "A `shard_map` nested in a
+pipeline stage aborts libtpu").
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import BATCH_AXES, Config, ConfigError
+from jaxpar import platform as workarounds
+from jaxpar.config import BATCH_AXES, Config, ConfigError, documents_masked
 from jaxpar.model.annotate import (
     activation_sharding,
     splitting,
@@ -50,15 +45,9 @@ from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 from jaxpar.parallel.ulysses import local_ulysses_attention, ulysses_attention
 from jaxpar.parallel.zero import token_shard_sum
+from jaxpar.platform import splash_possible
 
 ULYSSES = ("ulysses", "hybrid")  # the context_impls of parallel/ulysses.py
-# Backends whose compiler aborts on a shard_map nested in the pipeline executor's (module
-# docstring; docs/jax-notes.md has what was tried).
-NO_SHARD_MAP_IN_STAGES = ("tpu",)
-# Backends whose compiler fails on a ragged all-to-all (the dropless dispatch over ``expert``)
-# inside the pipeline executor's loops (libtpu 0.0.42.1: a RET_CHECK in its
-# "MaskAggregatorBlock" lowering); the capacity dispatch's all-to-all compiles there.
-NO_RAGGED_IN_STAGES = ("tpu",)
 
 
 def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
@@ -87,12 +76,13 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     experts = (expert_parallel(mesh_shape, rules, platform=platform, hand_groups=hand_groups,
                                chunks=cfg.parallel.expert_chunks)
                if cfg.model.moe.enabled and (split_axes or hand_groups > 1) else None)
-    if in_stage and platform in NO_SHARD_MAP_IN_STAGES:
+    if in_stage and platform in workarounds.NO_SHARD_MAP_IN_STAGES:
         _refuse_nested_shard_maps(cfg, split_axes if experts else [], mesh_shape)
-    if (in_stage and platform in NO_RAGGED_IN_STAGES and hand_groups > 1
+    if (in_stage and platform in workarounds.NO_RAGGED_IN_STAGES and hand_groups > 1
             and cfg.model.moe.dispatch == "dropless"):
         raise ConfigError(f"mesh.pipe={cfg.mesh.pipe} with mesh.expert={hand_groups} and "
-                          f"model.moe.dispatch=dropless: the TPU compiler (libtpu 0.0.42.1) "
+                          f"model.moe.dispatch=dropless: the TPU compiler "
+                          f"({workarounds.CHECKED_LIBTPU}) "
                           f"fails on the ragged all-to-all inside a pipeline stage; use "
                           f"model.moe.dispatch=dropping there (or mesh.pipe=1)")
     stack = contextlib.ExitStack()
@@ -113,17 +103,16 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
 
 def _refuse_nested_shard_maps(cfg: Config, nested: list[str],
                               mesh_shape: Mapping[str, int]) -> None:
-    """The one-line error for a pipeline stage that would open a ``shard_map`` (see
-    :data:`NO_SHARD_MAP_IN_STAGES`) over the axes ``nested``: the experts' dispatch of a MoE
-    model whose experts ``tensor`` splits (the executor splits the batch, ``expert`` and the
-    sequence by hand, so those open none)."""
+    """The one-line error for a pipeline stage that would open a ``shard_map`` over the axes
+    ``nested`` (:data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES`). That is the experts' dispatch
+    where ``tensor`` splits the experts; the batch, ``expert`` and the sequence open none."""
     if not nested:
         return
     axes = " ".join(f"mesh.{a}={mesh_shape[a]}" for a in nested)
     raise ConfigError(f"mesh.pipe={cfg.mesh.pipe} with a mixture of experts and {axes}: the TPU "
-                      f"compiler (libtpu 0.0.42.1) aborts on the experts' dispatch shard_map "
-                      f"inside a pipeline stage; on TPU a pipelined MoE model needs mesh.tensor=1 "
-                      f"(or mesh.pipe=1)")
+                      f"compiler ({workarounds.CHECKED_LIBTPU}) aborts on the experts' dispatch "
+                      f"shard_map inside a pipeline stage; on TPU a pipelined MoE model needs "
+                      f"mesh.tensor=1 (or mesh.pipe=1)")
 
 
 def _attention(cfg: Config, mesh_shape: Mapping[str, int], batch_axes: tuple[str, ...],
@@ -139,7 +128,8 @@ def _attention(cfg: Config, mesh_shape: Mapping[str, int], batch_axes: tuple[str
                                      **_ulysses_options(cfg, head_axes, platform))
         return context_attention(p.context_impl, n_context, p.zigzag, batch_axes, block)
     name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
-                   cfg.splash_possible(), cfg.documents_masked(), model=m)
+                   splash_possible(cfg.mesh.pipe, cfg.mesh.tensor), documents_masked(cfg),
+                   model=m)
     attend = attention_fn(name, min(m.attention_block, seq_len), m)
     return per_device(attend, batch_axes, head_axes) if name == "splash" else attend
 
@@ -163,7 +153,8 @@ def _ulysses_options(cfg: Config, head_axes: Mapping[str, tuple[str, ...]], plat
     options = {"head_axes": head_axes["heads"]}
     if p.context_impl == "ulysses":
         name = resolve(m.attention, platform, seq_len, m.attention_block, cfg.train.dtype,
-                       cfg.splash_possible(), cfg.documents_masked(), model=m)
+                       splash_possible(cfg.mesh.pipe, cfg.mesh.tensor), documents_masked(cfg),
+                       model=m)
         options["kernel"] = attention_fn(name, min(m.attention_block, seq_len), m)
         # A Pallas kernel must see no automatic axis at all (per_device's reason).
         options["one_device_kernel"] = name == "splash"
@@ -174,17 +165,18 @@ def _stage_context_attention(cfg: Config, n: int, mesh_shape: Mapping[str, int],
                              batch_axes: tuple[str, ...],
                              head_axes: Mapping[str, tuple[str, ...]], platform: str):
     """Context attention on a pipeline stage's piece of the sequence (``context`` manual
-    already). Ulysses and the hybrid take the head axes manual too (``ulysses_attention``):
-    a ``shard_map`` of their own here, except where nested ones abort the compiler
-    (:data:`NO_SHARD_MAP_IN_STAGES`): there the head axis is reshaped so that the all-to-all
-    splits each tensor shard's heads (``head_split``), and the partitioner may gather it."""
+    already). Ulysses and the hybrid take the head axes manual too, in a ``shard_map`` of their
+    own. Where nested ones abort the compiler (:data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES`),
+    the head axis is reshaped instead, so that the all-to-all splits each tensor shard's heads
+    (``head_split``), and the partitioner may gather it."""
     p, block = cfg.parallel, _context_block(cfg, n)
     if p.context_impl not in ULYSSES:
         return local_context_attention(p.context_impl, n, p.zigzag, block)
     options = _ulysses_options(cfg, head_axes, platform)
     heads, kernel = options["head_axes"], options.get("kernel")
     split = math.prod(mesh_shape[a] for a in heads)
-    if heads and platform in NO_SHARD_MAP_IN_STAGES:  # (splash: refused there, validation)
+    # (splash is refused there by validation)
+    if heads and platform in workarounds.NO_SHARD_MAP_IN_STAGES:
         return local_ulysses_attention(n, _ulysses_group(cfg, n), p.zigzag, split, block, kernel)
     local = local_ulysses_attention(n, _ulysses_group(cfg, n), p.zigzag, 1, block, kernel)
     # (per_device: every automatic axis manual, for the heads and for a Pallas kernel.)

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.config import Config
 from jaxpar.parallel.optimizer_state import state_spec
 from jaxpar.parallel.rules import is_axes_leaf, logical_rules, resolve_spec
+from jaxpar.platform import partitioner_sum_dtype
 
 ZERO1_AXES = ("data", "fsdp")
 
@@ -124,8 +125,8 @@ def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
         return False
     if "data" not in logical_rules(cfg)["batch"]:
         return False
-    matmul_dtype = "float32" if xla_cpu else cfg.train.dtype
-    all_float32 = cfg.parallel.reduce_dtype == matmul_dtype == "float32"
+    summed_in = partitioner_sum_dtype(xla_cpu, cfg.train.dtype)
+    all_float32 = cfg.parallel.reduce_dtype == summed_in == "float32"
     return cfg.train.grad_accum > 1 or not all_float32
 
 

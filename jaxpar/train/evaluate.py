@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxpar.checkpoint.weights import restore_params
 from jaxpar.checkpoint.weights_only import read_weights
-from jaxpar.config import Config, ConfigError
+from jaxpar.config import Config, ConfigError, documents_masked
 from jaxpar.data.dataset import open_source
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.shards import split_text_bytes
@@ -141,7 +141,7 @@ def evaluate(trainer: Trainer, state: TrainState, ds: TokenizedDataset | PackedD
     local = trainer.local_batch_rows()
     sums, rows = [], 0
     for batch, real in row_batches(ds, trainer.cfg.train.batch_size, batches,
-                                   trainer.cfg.documents_masked()):
+                                   documents_masked(trainer.cfg)):
         sums.append(scorer(state, trainer.put_batch({k: v[local] for k, v in batch.items()})))
         rows += real
     sums = jax.device_get(sums)  # dispatched back to back, read once

@@ -40,7 +40,14 @@ from rich.progress import (
 from jaxpar.checkpoint import state as checkpoint
 from jaxpar.checkpoint import weights
 from jaxpar.checkpoint.weights_only import step_dir
-from jaxpar.config import Config, ConfigError, DistributedConfig, slices_line, to_yaml
+from jaxpar.config import (
+    Config,
+    ConfigError,
+    DistributedConfig,
+    documents_masked,
+    slices_line,
+    to_yaml,
+)
 from jaxpar.data import (
     DataIterator,
     check_vocabulary,
@@ -135,7 +142,7 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
                              vocab_size=cfg.model.vocab_size)
         it = DataIterator(ds, cfg.train.batch_size, cfg.train.seed,
                           shuffle=cfg.data.shuffle and split == "train" and not cfg.data.sources,
-                          segments=cfg.documents_masked())
+                          segments=documents_masked(cfg))
     except ImportError as err:  # an optional package (tokenizers, pyarrow) the data needs
         raise ConfigError(str(err).splitlines()[0]) from None
     except ValueError as err:
@@ -143,7 +150,7 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
             raise
         raise ConfigError(str(err).splitlines()[0]) from None
     line = ds.describe() if cfg.data.sources else dataset_line(ds)
-    return it, line + ("; attention within each document" if cfg.documents_masked() else "")
+    return it, line + ("; attention within each document" if documents_masked(cfg) else "")
 
 
 def train(cfg: Config, console: Console | None = None, plan: PlanFn | None = None) -> Summary:

@@ -47,7 +47,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import Config, ConfigError
+from jaxpar.config import Config, ConfigError, documents_masked
 from jaxpar.mesh import process_batch_rows, step_compiler_options
 from jaxpar.model.annotate import lora_dropout_tokens, use_lora_dropout
 from jaxpar.model.layers import FULL_PRECISION
@@ -77,6 +77,7 @@ from jaxpar.parallel.rules import (
     resolve_spec,
 )
 from jaxpar.parallel.zero import data_summed_by_hand, gradient_specs, optimizer_state_specs
+from jaxpar.platform import NO_BF16_GRADIENT_SUMS
 from jaxpar.train.optimizers import (  # noqa: F401  (learning_rate_schedule: re-exported)
     as_float32,
     in_float32,
@@ -220,7 +221,7 @@ class Trainer:
             return jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype,
                                         sharding=self.batch_sharding)
         batch = {"inputs": leaf(jnp.int32), "targets": leaf(jnp.int32), "mask": leaf(jnp.float32)}
-        if self.cfg.documents_masked():
+        if documents_masked(self.cfg):
             batch.update(segment_ids=leaf(jnp.int32), rope_positions=leaf(jnp.int32))
         return batch
 
@@ -448,10 +449,10 @@ def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
 
 
 def check_reduce_dtype(cfg: Config, platform: str) -> None:
-    """XLA:CPU (jax 0.10.2) aborts compiling the train step's bfloat16 gradient psums ("Invalid
-    binary instruction opcode copy", seen over data and over pipe): a config error here, not a
-    crash. ``jaxpar inspect --target tpu-...`` compiles them for a TPU from this machine."""
-    if platform == "cpu" and cfg.parallel.reduce_dtype == "bfloat16":
+    """bfloat16 gradient sums on a platform that cannot compile them
+    (:data:`jaxpar.platform.NO_BF16_GRADIENT_SUMS`): a config error here, not a crash.
+    ``jaxpar inspect --target tpu-...`` compiles them for a TPU from this machine."""
+    if platform in NO_BF16_GRADIENT_SUMS and cfg.parallel.reduce_dtype == "bfloat16":
         raise ConfigError("parallel.reduce_dtype=bfloat16: XLA:CPU cannot compile bfloat16 "
                           "gradient sums; use float32 on CPU (inspect --target tpu-... "
                           "compiles them for a TPU)")

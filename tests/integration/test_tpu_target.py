@@ -79,7 +79,7 @@ def test_fsdp_gathers_weights_and_reduce_scatters_grads_over_fsdp(fsdp8_on_v5e):
 def test_tpu_compiler_gathers_weights_in_bf16_asynchronously(fsdp8_on_v5e):
     # The parameters are float32, but the matmuls read them in bf16, so the weights travel
     # converted: half the bytes of the CPU program's f32 gathers. The layers' gathers are
-    # collective matmuls (jaxpar/mesh.py: TPU_COMPILER_OPTIONS): asynchronous permutes.
+    # collective matmuls (jaxpar/platform.py: TPU_COMPILER_OPTIONS): asynchronous permutes.
     _, _, hlo = fsdp8_on_v5e
     permutes = [line for line in hlo.splitlines() if " collective-permute-start(" in line]
     assert permutes and any("= (bf16[" in line for line in permutes)
@@ -170,7 +170,7 @@ def test_printed_report_says_how_much_communication_is_hidden(fsdp8_on_v5e):
 
 
 def test_weight_gathers_are_collective_matmuls_unless_the_user_says_otherwise(tmp_path):
-    """The step compiles with libtpu's post-SPMD collective matmuls (jaxpar/mesh.py:
+    """The step compiles with libtpu's post-SPMD collective matmuls (jaxpar/platform.py:
     TPU_COMPILER_OPTIONS): the layers' FSDP gathers, a layout change written before the matmuls,
     become rings of collective-permutes beside slices of the matmuls, most hidden. Set in
     LIBTPU_INIT_ARGS, the user's mode stands: pre_spmd leaves them synchronous all-gathers.
@@ -293,11 +293,11 @@ def test_a_pipelined_moe_model_that_would_nest_a_shard_map_is_a_one_line_error_f
 def test_libtpu_still_aborts_on_the_expert_dispatch_nested_in_a_pipeline_stage(tmp_path):
     """The canary for the error above: with jaxpar's refusal switched off, the TPU compiler
     aborts. When a libtpu upgrade makes this fail, the refusal
-    (``jaxpar.parallel.hooks.NO_SHARD_MAP_IN_STAGES``) can go."""
+    (``jaxpar.platform.NO_SHARD_MAP_IN_STAGES``) can go."""
     needs_libtpu()
     result = run_inspect(*NESTED_EXPERTS, "--target", TARGET, cwd=tmp_path,
-                         preamble="import jaxpar.parallel.hooks as h\n"
-                                  "h.NO_SHARD_MAP_IN_STAGES = ()\n")
+                         preamble="import jaxpar.platform as p\n"
+                                  "p.NO_SHARD_MAP_IN_STAGES = ()\n")
     assert result.returncode < 0 or result.returncode == 134, result.returncode
     assert "target.IsManualSubgroup() == sharding().IsManualSubgroup()" in result.stderr
 
@@ -316,11 +316,11 @@ def test_a_pipelined_dropless_moe_over_expert_is_a_one_line_error_for_tpu(tmp_pa
     reason="libtpu 0.0.48.1, 0.0.50.1 and 0.0.52 compile a ragged all-to-all in a pipeline stage "
            "(0.0.42.1 fails under jax 0.12 too): the refusal could go for those versions")
 def test_libtpu_still_fails_on_a_ragged_all_to_all_in_a_pipeline_stage(tmp_path):
-    """The canary for the error above (``jaxpar.parallel.hooks.NO_RAGGED_IN_STAGES``)."""
+    """The canary for the error above (``jaxpar.platform.NO_RAGGED_IN_STAGES``)."""
     needs_libtpu()
     result = run_inspect(*PIPELINED_EXPERTS, "--target", TARGET, cwd=tmp_path,
-                         preamble="import jaxpar.parallel.hooks as h\n"
-                                  "h.NO_RAGGED_IN_STAGES = ()\n")
+                         preamble="import jaxpar.platform as p\n"
+                                  "p.NO_RAGGED_IN_STAGES = ()\n")
     assert result.returncode != 0 and "MaskAggregator" in result.stderr, result.stderr[-2000:]
 
 

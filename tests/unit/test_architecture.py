@@ -18,18 +18,18 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "jaxpar"
 
 # Each layer and the layers it may import. Everything points down: cli -> {inspect, pictures,
-# hf} -> train -> checkpoint -> {model, parallel, data} -> config/mesh/distributed. `parallel`
-# may use `model`'s layer code (the MoE dispatch runs the model's experts); nothing below
+# hf} -> train -> checkpoint -> {model, parallel, data} -> config/mesh/distributed -> platform.
+# `parallel` may use `model`'s layer code (the MoE dispatch runs the model's experts); nothing below
 # `train` knows training exists. The cost model (`cost`, `hardware`, `units`) describes the
 # layers without being imported by them: it imports no layer above `model` and `parallel`.
 ALLOWED = {
     "cli": {"inspect", "pictures", "cost", "hardware", "hf", "train", "checkpoint", "generate",
-            "model", "parallel", "data", "mesh", "distributed", "config", "units"},
+            "model", "parallel", "data", "mesh", "distributed", "config", "units", "platform"},
     # What the compiler made (HLO, memory, TPU targets), compared with the cost model's plan.
     "inspect": {"cost", "hardware", "units", "train", "model", "parallel", "data", "mesh",
                 "config"},
     "pictures": {"units"},
-    "cost": {"hardware", "units", "model", "parallel", "config"},
+    "cost": {"hardware", "units", "model", "parallel", "config", "platform"},
     "hardware": {"config"},
     "units": set(),
     # Hugging Face checkpoints in and out: jaxpar's weights-only checkpoints on one side.
@@ -39,14 +39,16 @@ ALLOWED = {
     # Text generation runs the model with a KV cache on a mesh; the CLI loads its weights.
     "generate": {"model", "parallel", "config"},
     "train": {"checkpoint", "hardware", "model", "parallel", "data", "mesh", "distributed",
-              "config"},
+              "config", "platform"},
     "checkpoint": {"model", "parallel", "config"},
-    "parallel": {"model", "config"},
+    "parallel": {"model", "config", "platform"},
     "model": {"config"},
     "data": {"config"},
-    "mesh": {"config"},
+    "mesh": {"config", "platform"},
     "distributed": {"config"},
-    "config": set(),
+    # Platform and compiler workarounds: the standard library only, so even config may ask.
+    "config": {"platform"},
+    "platform": set(),
     "__init__": set(),
 }
 

@@ -14,7 +14,7 @@ from helpers import CHATML, save_chat_tokenizer, write_chat
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from jaxpar.config import ConfigError, load_config, validate  # noqa: E402
+from jaxpar.config import ConfigError, documents_masked, load_config, validate  # noqa: E402
 from jaxpar.data import build_dataset, make_tokenizer  # noqa: E402
 from jaxpar.data.chat import ChatTemplate, Conversation, encode_conversation, parse_conversation  # noqa: E402
 
@@ -283,7 +283,7 @@ def test_loss_on_defaults_to_all_and_assistant_masks_documents():
     cfg = load_config("tiny", [])
     assert cfg.data.loss_on == "all"
     chat = load_config("tiny", ["data.loss_on=assistant"])
-    assert chat.documents_masked()
+    assert documents_masked(chat)
 
 
 # --- the train loop's data: batches, and errors as ConfigError (the CLI's exit 2) ---------------

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from helpers import tiny_8x32
 
-from jaxpar.mesh import SP_TPU_COMPILER_OPTIONS, TPU_COMPILER_OPTIONS, step_compiler_options
+from jaxpar.mesh import step_compiler_options
+from jaxpar.platform import SP_TPU_COMPILER_OPTIONS, TPU_COMPILER_OPTIONS
 
 FSDP = tiny_8x32("mesh.data=1", "mesh.fsdp=8")
 SP = tiny_8x32("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "parallel.sequence_parallel=true")

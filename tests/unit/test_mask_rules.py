@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import ConfigError, documents_masked, load_config
 from jaxpar.model.fused import resolve
 from jaxpar.model.mask import FULL, MASKED, SKIP, AttentionMask, block_kind, document_positions
 
@@ -42,12 +42,12 @@ def test_a_tile_is_skipped_only_when_every_row_is():
 
 
 def test_document_mask_defaults_to_tokenized_sources(tmp_path):
-    assert not load_config("tiny", []).documents_masked()  # the stdlib corpus, in memory
+    assert not documents_masked(load_config("tiny", []))  # the stdlib corpus, in memory
     (tmp_path / "index.json").write_text("{}")
-    assert load_config("tiny", [f"data.source={tmp_path}"]).documents_masked()
-    assert not load_config("tiny", [f"data.source={tmp_path}",
-                                    "data.document_mask=false"]).documents_masked()
-    assert load_config("tiny", ["data.document_mask=true"]).documents_masked()
+    assert documents_masked(load_config("tiny", [f"data.source={tmp_path}"]))
+    assert not documents_masked(load_config("tiny", [f"data.source={tmp_path}",
+                                                     "data.document_mask=false"]))
+    assert documents_masked(load_config("tiny", ["data.document_mask=true"]))
 
 
 def test_cudnn_cannot_mask_documents():
