@@ -2,36 +2,15 @@
 
 The train step is compiled from abstract arrays (``jax.ShapeDtypeStruct`` with shardings), so no
 parameter, optimizer or batch memory is allocated and no data is read: a 64-device layout of a
-large model can be checked on a laptop. The report (:func:`inspect_step`, a JSON-able dict in the
-shape docs/design.md fixes for ``jaxpar inspect --json``) has five parts; :func:`print_report`
-prints them as tables. Every number is **per device** unless it says "global".
+large model can be checked on a laptop. :func:`inspect_step` returns the report, a JSON-able
+dict in the shape docs/design.md fixes for ``jaxpar inspect --json``; :func:`print_report`
+prints it as tables. Every number is per device unless it says "global".
 
-1. ``devices``, ``mesh`` and ``run`` (the header): device count and kind, the mesh axis sizes,
-   model size, dtype/remat/ZeRO/sequence parallelism and the compile time. ``run`` is the one key
-   beyond docs/design.md's: header facts that are not elsewhere in the report. With ``--target``
-   (:mod:`jaxpar.inspect.tpu`) it also names the TPU slice: ``target``, ``topology``, ``chips``,
-   ``cores_per_chip`` and ``compiler``, and every figure is the TPU compiler's.
-2. ``params``: each parameter's global shape, its ``PartitionSpec`` (one entry per dimension:
-   ``null`` = not split, a mesh axis name, or a list of axes) and the bytes of its shard on one
-   device. Under FSDP the per-device total is about 1/fsdp of the global total; tensor
-   parallelism splits the heads/mlp/vocab dimensions further.
-3. ``memory`` from ``compiled.memory_analysis()``: ``argument_bytes`` (train state + batch),
-   ``output_bytes`` (new train state + metrics), ``alias_bytes`` (outputs written into donated
-   argument buffers, so not allocated twice), ``temp_bytes`` (activations, gathered weights,
-   gradients and other scratch the step needs while it runs) and ``peak_bytes``, see
-   :func:`memory_report`; ``largest_arrays``: the three largest array shapes the program
-   produces (:mod:`jaxpar.inspect.hlo.buffers`), e.g. an attention score matrix.
-4. ``collectives``: one row per (kind, mesh axes), from :mod:`jaxpar.inspect.hlo.collectives`: how
-many collectives run per step, their payload ``bytes`` per device, the ``wire_bytes`` a ring
-algorithm sends per device, and how XLA spelled them (``lowered_as``). These are per-step totals: a
-collective inside the scanned layer stack (or the gradient-accumulation loop) counts once per
-iteration, using the loop trip counts XLA records; ``instructions`` is how many collective
-instructions the program text holds. Each row also says how much of it the schedule hides
-behind matmuls (``hidden_bytes``, ``exposed_bytes``, ``hidden_count``, ``window_matmul_flops``;
-:mod:`jaxpar.inspect.hlo.overlap`).
-5. ``flops`` per device: ``compiled`` is XLA's ``cost_analysis()['flops']``, ``analytic`` is the
-   model's useful work (:func:`jaxpar.model.flops.train_flops_per_token` x tokens / devices). See
-   :func:`flops_report` for why XLA's number must be compared with ``analytic_loops_once``.
+Its parts: the header (``devices``, ``mesh``, ``run``; with ``--target`` the TPU slice too),
+``params`` (each parameter's spec and shard bytes), ``memory`` (:func:`memory_report`),
+``collectives`` (per step, from :mod:`jaxpar.inspect.hlo.collectives` and
+:mod:`jaxpar.inspect.hlo.overlap`) and ``flops`` (:func:`flops_report`). Each field:
+docs/inspect.md, "The report's fields".
 """
 
 from __future__ import annotations
@@ -188,25 +167,12 @@ def param_rows(abstract_params: Any) -> list[dict[str, Any]]:
 def memory_report(stats: Any, platform: str = "cpu") -> dict[str, Any]:
     """Per-device memory of the compiled step, from ``compiled.memory_analysis()``.
 
-    ``peak_bytes`` is defined here as ``argument + output - alias + temp``: every buffer the
-    executable holds while it runs. Arguments (the train state and the batch) live for the whole
-    step; outputs need their own buffers except those aliased onto donated arguments (the new
-    train state reuses the old one's); the temp buffer holds everything computed in between. It is
-    an upper bound on what one step needs, computed because XLA's own ``peak_memory_in_bytes`` is
-    not the execution peak on every backend: on XLA:CPU (jax 0.10.2) it is about
-    ``argument + output - alias`` and leaves the temp buffer out (measured: a step with 0.96 MiB
-    of temp reported a 0.15 MiB peak). XLA's figure is kept as ``xla_peak_bytes``.
-
-    On ``platform="tpu"`` (``--target``) neither figure covers the other, so ``peak_bytes`` is
-    the larger of the two (``peak_source`` says which), again an upper bound. Measured with
-    libtpu 0.0.42.1 (tiny model, d_model 256, fsdp over tpu-v5e:2x2): for seq_len 64, 256, 1024
-    XLA's peak is 28, 77, 287 MiB while temp is 4.2, 4.5, 298 MiB (temp is 0 on tpu-v6e:2x2 at
-    seq_len 64 under a 28 MiB peak); llama-1b on tpu-v5e:4x4 has 0.79 GiB of arguments and
-    3.95 GiB of temp under a 3.52 GiB XLA peak. Small temporaries live outside the temp buffer,
-    in the chip's on-core vector memory (``S(1)`` in the HLO; VMEM, 128 MiB on v5e), which XLA's
-    peak counts: for narrow models (d_model 256) it reads about ``argument`` + that memory, not
-    HBM (the compiler's dump of its memory spaces shows it; docs/jax-notes.md). Big
-    temporaries are not all live at once.
+    ``peak_bytes`` is ``argument + output - alias + temp``: every buffer the executable holds
+    while it runs, an upper bound on one step's need. XLA's own ``peak_memory_in_bytes`` is not
+    the execution peak on every backend (on XLA:CPU it leaves the temp buffer out), so it is
+    only kept, as ``xla_peak_bytes``. On ``platform="tpu"`` neither figure covers the other:
+    ``peak_bytes`` is the larger (``peak_source`` says which). Why, with the figures:
+    docs/jax-notes.md, "Memory and cost analysis of compiled steps".
     """
     if stats is None:  # some backends have no analysis
         return {k: None for k in ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes")}
@@ -238,19 +204,14 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
                  devices: int) -> dict[str, float | None]:
     """Compiled vs analytic flops of one step, per device.
 
-    ``compiled`` is ``cost_analysis()['flops']`` of the SPMD-partitioned module, which is per
-    device (checked on XLA:CPU: the tiny model's step on fsdp=8 reports 1/8 of the 1-device
-    figure). ``analytic`` is the useful work of the whole step, split evenly over the devices.
-
-    XLA's cost analysis counts a while-loop body once, not once per iteration (checked on XLA:CPU,
-    jax 0.10.2: 2, 4 and 8 scanned layers give nearly the same count). The layer stack is a
-    ``lax.scan`` and ``train.grad_accum > 1`` adds a scan over micro-steps, so ``compiled`` covers
-    one layer of one micro-step (and of the loss, one of its ``train.loss_chunks`` pieces).
-    ``analytic_loops_once`` is the analytic figure counted the same way (one layer, batch /
-    grad_accum, the head's matmuls / pieces); ``compiled`` / ``analytic_loops_once`` slightly
-    above 1 is work the analytic model leaves out: elementwise ops (norms, softmax, AdamW), the
-    one-hot embedding matmul, recomputation under ``train.remat``, and the attention scores
-    beyond the causal half that the useful count stops at.
+    ``compiled`` is ``cost_analysis()['flops']`` of the partitioned module, per device.
+    ``analytic`` is the useful work of the whole step, split evenly over the devices. XLA counts
+    a loop body once, not once per iteration (docs/jax-notes.md, "Memory and cost analysis of
+    compiled steps"). So ``compiled`` covers one layer of one micro-step (and one of the loss's
+    pieces), and ``analytic_loops_once`` is the analytic figure counted the same way. Their
+    ratio slightly above 1 is work the analytic model leaves out: elementwise ops (norms,
+    softmax, AdamW), the one-hot embedding matmul, remat's recomputation, and the attention
+    scores beyond the causal half.
     """
     if isinstance(cost, Sequence):  # older jax returned one dict per executable
         cost = cost[0] if cost else None

@@ -1,37 +1,17 @@
 """Compile the train step for a real TPU topology on a machine without TPUs (``--target``).
 
-``jaxpar inspect CONFIG --target tpu-v5e:2x4`` asks libtpu (the TPU runtime and compiler, from the
-``tpu`` extra: ``pip install -e '.[tpu]'``) for a *compile-only* description of that slice:
-devices with their chip coordinates, but no hardware behind them. The mesh is laid over
-those devices, and the train step is lowered and compiled for them ahead of time (AOT) by the
-TPU compiler itself, on this CPU machine. So the report shows what the TPU compiler makes of the
-layout, which XLA:CPU cannot: collectives run asynchronously and overlapped with matmuls, FSDP
-weights all-gathered in bf16 when the matmul only reads bf16 of them (default matmul precision),
-gradient all-reduce + slice fused into one ``all-reduce-scatter`` (not over a whole 3D slice,
-where the compiler keeps the all-reduce: docs/performance.md, "The whole slice's
-reduce-scatter"), and memory as the TPU compiler's buffer assignment plans it, per device, with
-TPU tile padding.
+``jaxpar inspect CONFIG --target tpu-v5e:2x4`` asks libtpu (the ``tpu`` extra) for a
+compile-only description of that slice: devices with chip coordinates, and no hardware behind
+them. The mesh is laid over those devices, and the TPU compiler itself compiles the train step
+for them ahead of time, on this CPU machine. So the report shows what the TPU compiler makes of
+the layout, which XLA:CPU cannot: asynchronous collectives overlapped with matmuls, bf16 weight
+gathers, fused ``all-reduce-scatter``s, and memory as its buffer assignment plans it.
 
-Limits, because nothing runs:
-
-- No step time, no measured memory: the figures are the compiler's plan (``memory_analysis``);
-  the runtime adds its own reservations on top. The report's peak is an upper bound built from
-  two TPU figures that disagree (see :func:`jaxpar.inspect.report.memory_report`).
-- The compiler is the installed libtpu's (``pip install -e '.[tpu]'`` pins the one released
-  with this jax); a TPU VM running another libtpu may compile differently.
-- One slice only: the devices are linked by ICI; multi-slice (DCN) layouts are not modelled.
-- One device per chip (v4 and v5p as "megacore"), except v7x, whose two TensorCores per chip
-  are two devices, as on a v7x VM: there the mesh spans 2 x chips devices.
-- Torus wraparound: libtpu's compile-only topology has none unless asked (its default equals
-  ``wrap=(False, False, False)`` for every generation and size), while real slices wrap where
-  a side is a full ring: v4/v5p/v7x slices of 4x4x4 and larger on all three axes, v5e/v6e on
-  each side of 16 (:func:`torus_wrap`; MaxText's AOT table and GKE's TPU plugin use the same
-  rule). Without it the TPU compiler lowers an all-gather over a whole 3D slice as an
-  all-reduce, twice the wire bytes a real slice moves.
-
-libtpu is loaded in-process but never opens a TPU: ``JAX_PLATFORMS=cpu`` keeps jax's default
-backend on the CPU, and :func:`quiet_libtpu_env` tells libtpu what it would otherwise probe the
-host (and a cloud metadata server) for, before it initialises.
+Nothing runs: no step time and no measured memory. The slice gets torus wraparound where real
+slices have it (:func:`torus_wrap`). libtpu is loaded in-process but never opens a TPU:
+``JAX_PLATFORMS=cpu`` keeps jax's default backend on the CPU, and :func:`quiet_libtpu_env` tells
+libtpu what it would otherwise probe the host for. Limits: docs/inspect.md, "TPU targets";
+compiler facts: docs/jax-notes.md, "Compiling for a TPU topology from a CPU machine".
 """
 
 from __future__ import annotations
@@ -61,8 +41,8 @@ class Generation:
     chip_config: str | None = None
 
 
-# User-facing names (``tpu-<generation>:<topology>``) -> libtpu's. Checked against libtpu
-# 0.0.42.1: v7x is "tpu7x" there ("v7x" is rejected); v2/v3 also work but are left out as retired.
+# User-facing names (``tpu-<generation>:<topology>``) -> libtpu's (docs/jax-notes.md, "Compiling
+# for a TPU topology from a CPU machine"); v2/v3 are left out as retired.
 GENERATIONS: dict[str, Generation] = {
     "v4": Generation("v4", 3, "2x2x1", chip_config="megacore"),
     "v5e": Generation("v5e", 2, "2x4"),

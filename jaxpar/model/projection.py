@@ -107,47 +107,19 @@ def project_all(x: jax.Array, projections: tuple[Projection, ...], *,
     """Every projection of the same ``x`` (q, k and v; gate and up), in ``x``'s dtype: one
     output per parameter, in order (a stacked projection's output split on ``t``).
 
-    Five things autodiff alone would get wrong for a large model, fixed by one custom VJP for
-    them all:
+    One custom VJP fixes five things autodiff alone gets wrong for a large model (each
+    explained in docs/add-a-layer.md, "What the projection VJP fixes"):
 
-    - **Reshard after forward.** Under ZeRO-3 autodiff would keep the gathered weight for the
-      backward pass (``dx = dy w^T`` needs it), so without remat every layer's whole weights
-      would stay alive from its forward to its backward pass (torchtitan's
-      ``reshard_after_forward`` fixes the same; ``remat`` dots and full already recompute the
-      gather). Where :func:`resharding_after_forward` says so, the VJP keeps the stored shard
-      instead and gathers it again in the backward pass: one more all-gather of the layer's
-      weights per step, and one layer's whole weights alive at a time.
-    - **Gradient dtype.** The compiler sums a weight gradient over the devices that share the
-      weight (FSDP's reduce-scatter, sums over ``context``) where the matmul produces it, in
-      that matmul's dtype: bf16 in a bf16 run. Where :func:`weight_grad_dtype` asks for a
-      wider one (``parallel.reduce_dtype``), the VJP's weight-gradient matmul accumulates into
-      and returns it, so the sums travel in it.
-    - **Fewer input-gradient reductions.** Where the weights are split by output features
-      (tensor parallelism) each matmul's input gradient is a partial sum that the backward
-      pass reduces over ``tensor`` (all-reduce, or Megatron-SP's reduce-scatter). XLA:CPU
-      reduces each matmul's where the matmul makes it (the TPU compiler adds them first), so
-      weights of one shape are stacked (several ``params`` in one :class:`Projection`): one
-      wider matmul and one reduction instead of several. The stack is built inside the VJP
-      from the stored weights, so the backward pass keeps those (and gathers them again under
-      ZeRO-3), not a stacked copy.
-    - **Keep less than x** (``x_from``). Autodiff would keep ``x`` for the weight gradients
-      (``dw = x^T dy``). The VJP keeps ``x_from.kept`` and rebuilds ``x`` once in the backward
-      pass for all the projections (under ``remat`` dots and full, which recompute ``x``
-      anyway, it changes nothing). The blocks' ``x`` is an RMSNorm's output
-      (:meth:`jaxpar.model.layers.RMSNorm.for_matmul`), so what is kept is the norm's input,
-      which the norm's own backward pass keeps too: the rebuild costs one pass over it and
-      ``x`` costs no memory. And that input is laid out as :data:`RESIDUAL`: under Megatron-SP
-      ``x`` is the whole sequence, all-gathered over ``tensor``, while the kept input is each
-      device's slice, gathered again in the backward pass as Megatron-SP does (one more
-      all-gather per input and layer, 1/t of the memory).
-    - **A weight gradient XLA:CPU computes fast** (:func:`_matmul_grads`). On bench-cpu with
-      ``remat=dots`` the 1-device step took 1.64 s with autodiff's and 1.29 s with this
-      (``remat=full``: 1.46 -> 1.17 s), and 16 MiB less temporary memory.
+    - reshard after forward: where :func:`resharding_after_forward` says so, the backward pass
+      keeps the stored shard, not the gathered weight, and gathers it again;
+    - the gradient dtype: weight gradients accumulate in :func:`weight_grad_dtype` where wider;
+    - fewer input-gradient reductions: weights of one shape are stacked into one matmul;
+    - keep less than ``x``: the VJP keeps ``x_from.kept`` and rebuilds ``x`` once;
+    - a weight gradient written as its own matmul (:func:`_matmul_grads`).
 
-    The gradients go back to the stored layout as :func:`weight`'s does (reduce-scatter). In
-    a pipeline stage (:func:`weights_prepared`: its weights gathered once per step for all its
-    slots) each parameter is its own matmul with the same backward matmuls (``_matmul``),
-    keeping ``x`` and the prepared weight itself: stacking them would stash a copy per slot.
+    The gradients go back to the stored layout as :func:`weight`'s do. In a pipeline stage
+    (:func:`weights_prepared`) each parameter is its own matmul (``_matmul``), keeping ``x`` and
+    the prepared weight itself: stacking them would stash a copy per slot.
     """
     if weights_prepared():
         return tuple(_matmul(p.spec.replace("t", ""), None, x, param[...])
@@ -265,8 +237,8 @@ _project.defvjp(_project_fwd, _project_bwd)
 def float32_logits(h: jax.Array, head: jax.Array) -> jax.Array:
     """The loss's logits ``einsum("bse,ev->bsv", h, head)``, accumulated and returned in
     float32, with :func:`_matmul_grads` for the backward pass: autodiff would first transpose
-    their float32 gradient, ``[tokens, vocab]`` (bench-cpu with vocab 32k, 2 layers: step
-    2.96 -> 2.37-2.61 CPU-s, temp memory 716 -> 652 MiB)."""
+    their float32 gradient, ``[tokens, vocab]`` (measured: docs/performance.md, "Pipelines
+    again, after their matmuls got the backward pass of the others")."""
     return _matmul("bse,ev->bsv", jnp.float32, h, head)
 
 
@@ -297,10 +269,8 @@ def _matmul_grads(spec: str, out_dtype, x: jax.Array, w: jax.Array, dy: jax.Arra
     """(dx, dw) of ``einsum(spec, x, w)`` accumulated in ``out_dtype``. The matmul is linear in
     each operand: dx is its transpose in x (no forward recomputed); dw is written as its own
     matmul ``x^T dy``, accumulating in ``grad_dtype``. Autodiff's transpose in w computes the
-    same product as ``x^T`` times a transposed copy of ``dy`` (the wider operand of a
-    column-parallel matmul, or the logits'), which XLA:CPU hands to a slower kernel: on
-    bench-cpu the 1-device step took 0.76 s with it and 0.57 s with this, a 1F1B pipeline's
-    1.91 -> 1.46 of the 1-device step."""
+    same product from a transposed copy of ``dy``, which XLA:CPU hands to a slower kernel
+    (docs/add-a-layer.md, "What the projection VJP fixes")."""
     (dx,) = jax.linear_transpose(
         lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=out_dtype), x)(dy)
     inputs, out = spec.split("->")

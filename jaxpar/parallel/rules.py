@@ -90,15 +90,11 @@ def sequence_parallel_splits_rows(cfg: Config) -> bool:
     """Whether sequence parallelism splits the residual stream's batch rows over ``tensor``
     (whole sequences per device) rather than its sequence (Megatron-SP's layout).
 
-    The norms and residual adds between blocks work token by token, so any split of the tokens
-    serves; what differs is the all-gather before each block's matmuls (and the reduce-scatter
-    after). Split on rows, it concatenates each device's contiguous piece. Split on the
-    sequence, a device's piece is a strided slice of every row: XLA gathers it sequence-major
-    and copies the whole gathered array back to batch-major for the matmul, one more pass over
-    the whole sequence per gather (bench-cpu, ``tensor=8``: step / 1-device 1.16 -> 1.05).
-    Megatron-LM keeps its activations ``[s, b, h]`` for the same reason. Rows only where each
-    device's rows of every call of the layers (a micro-batch of a micro-step) divide by
-    ``tensor``: long sequences at one row per device keep the sequence split.
+    Split on rows, the all-gather before each block's matmuls concatenates contiguous pieces;
+    split on the sequence, XLA gathers strided slices and copies the result back, one more pass
+    per gather (docs/design.md, "Logical-axis rules"). Rows only where each device's rows of a
+    micro-batch of a micro-step divide by ``tensor``: long sequences at one row per device keep
+    the sequence split.
     """
     shape = cfg.mesh_shape
     rows = cfg.train.batch_size // (cfg.train.grad_accum * cfg.train.microbatches

@@ -203,7 +203,8 @@ def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
 
     def update(updates: Any, state: MuonState, params: Any = None) -> tuple[Any, MuonState]:
         del params
-        # optax 0.2.8's scale_by_muon update, nesterov=True, mu_dtype=None, step for step.
+        # optax's scale_by_muon update, nesterov=True, mu_dtype=None, step for step (the
+        # version copied: docs/optimizers.md, "What Muon's Newton-Schulz iterations cost").
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count = optax.safe_increment(state.count)
         mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,

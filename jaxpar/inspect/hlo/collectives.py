@@ -1,44 +1,25 @@
 """Which collectives did the compiler emit, over which mesh axes, moving how many bytes?
 
-`parse_collectives` reads the text of a compiled XLA program (`jax.jit(f).lower(...).compile()
-.as_text()`, the optimised, SPMD-partitioned HLO with per-device shapes) and returns one
-`Collective` per collective instruction, described *logically*: the kind of communication, its
-payload, and the mesh axes its device groups span. `summarize_collectives` folds those into the
-rows of `jaxpar inspect --json`.
+`parse_collectives` reads the text of a compiled XLA program (`compiled.as_text()`: optimised,
+SPMD-partitioned HLO with per-device shapes). It returns one `Collective` per collective
+instruction, described logically: the kind of communication, its payload, and the mesh axes its
+device groups span. `summarize_collectives` folds those into the per-step rows of
+`jaxpar inspect --json` (each `Collective` carries its `executions`:
+:mod:`jaxpar.inspect.hlo.text`).
 
-Why a logical view is needed: the same communication is spelled differently by each backend and
-XLA version, and users ask about the communication, not the spelling.
+The view is logical because each backend and XLA version spells the same communication
+differently, and users ask about the communication, not the spelling:
 
-- Async forms. GPU/TPU split collectives into `all-reduce-start` / `all-reduce-done` pairs (the
-  start's result is a tuple mixing operand and output buffers), or wrap them in
-  `async-start(..., calls=%wrapped)`. We count the `-start` (or the wrapped instruction) once and
-  never the `-done`; payloads are computed from the *operands*, so tuple results do not matter.
-- Reduce-scatter. XLA:CPU's SPMD partitioner never emits `reduce-scatter`: it emits an `all-reduce`
-  whose result is only cut down to the local shard by `dynamic-slice` (often inside a fusion, after
-  a bitcast or copy). TPU wraps the same pair in a `fusion(kind=kCustom,
-  calls=%all-reduce-scatter...)`. Both are reported as one logical `reduce-scatter`; `lowered_as`
-  keeps the spelling ('all-reduce+dynamic-slice', 'all-reduce-scatter-fusion'). Each device must
-  keep at most 1/N of the N-way reduction (exactly 1/N, or less when the output is also sharded
-  over axes the input was replicated on); an all-reduce over (data, fsdp) of which each device
-  keeps 1/fsdp is a mix of both and stays an `all-reduce`.
-- All-gather as a sum. The SPMD partitioner can gather by having each device write its shard
-  into zeros (`dynamic-update-slice` of 1/N of the elements into a `broadcast` of 0, on TPU
-  fused into a kLoop fusion) and all-reducing the padded buffers. The TPU compiler gathers FSDP
-  weights this way on a v5p 4x4x4 slice (libtpu 0.0.42.1; for the f32 embedding it even sums
-  f32 shards into a bf16 result). That is reported as an `all-gather` of the gathered result (in
-  the all-reduce's result dtype), `lowered_as` 'all-reduce+dynamic-update-slice', with the
-  all-reduce's wire bytes, since that is what runs.
-- Replica groups: every spelling is expanded to explicit groups and mapped onto the user's mesh
-  (:mod:`jaxpar.inspect.hlo.groups`).
+- An async pair counts once, at its start; payloads come from the operands, so the start's
+  tuple results do not matter.
+- An all-reduce cut down to each device's shard is a `reduce-scatter`, and an all-reduce of
+  shards written into zeros an `all-gather` (with the all-reduce's wire bytes). `lowered_as`
+  keeps the spelling.
+- Replica groups map onto the user's mesh (:mod:`jaxpar.inspect.hlo.groups`); inside fused
+  computations a channel is one collective, counted once.
 
-Counting per step: a collective inside a loop runs once per iteration; each `Collective` carries
-`executions` (:mod:`jaxpar.inspect.hlo.text` explains how they are found), and
-`summarize_collectives` multiplies, so its rows are per-step totals.
-
-Async copies on TPU: the TPU compiler places one async all-gather inside several fusions (the
-start fusion, the fusions it overlaps with, the done fusion), all with the same `channel_id`;
-inside fused computations a channel is one collective, counted once. (Outside fusions channel
-ids are not unique: XLA:CPU gives every ppermute of a shard_map `channel_id=1`.)
+The spellings and the compilers they were seen on: docs/jax-notes.md, "How compiled HLO spells
+collectives".
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Replica groups of compiled HLO, mapped onto the user's mesh: which mesh axes a collective spans.
 
-Replica groups come as explicit lists `{{0,1},{2,3}}`, as `{}` (everyone), as iota lists
-`[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, or (jax 0.10) as named meshes of the *sharding's tile
-assignment* (not the user's mesh), e.g. `mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}`.
-All are expanded to explicit groups and then mapped onto the user's mesh.
+Replica groups come as explicit lists, `{}` (everyone), iota lists or named meshes of the
+*sharding's tile assignment*, not the user's mesh (the spellings: docs/jax-notes.md, "How
+compiled HLO spells collectives"). All are expanded to explicit groups, then mapped onto the
+user's mesh.
 
 Which numbers are in the groups: in an SPMD program (`num_partitions` = devices) the ids are
 *logical*: `use_global_device_ids=true` ids are flattened ids `replica * num_partitions +
@@ -119,8 +119,8 @@ def permute_axes(mesh: MeshIds, pairs: list[list[int]]) -> tuple[int, tuple[str,
 # --------------------------------------------------------------------------------------------
 
 _IOTA_RE = re.compile(r"\[(\d+(?:,\d+)*)\]<=\[(\d+(?:,\d+)*)\](?:T\((\d+(?:,\d+)*)\))?")
-# mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_0','axis_1':(1)2}  (jax 0.10), and the
-# spelling `@mesh<a=2,b=4> {a}` of other XLA versions.
+# mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_0','axis_1':(1)2}, and the spelling
+# `@mesh<a=2,b=4> {a}` of other XLA versions (docs/jax-notes.md).
 _MESH_RE = re.compile(
     r"(?:@mesh<|mesh\[)(?P<axes>[^\]>]*)[\]>]"
     r"(?:,\s*device_ids=\((?P<ids>\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?"

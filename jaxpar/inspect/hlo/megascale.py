@@ -26,7 +26,8 @@ from jaxpar.inspect.hlo.text import Module, computation_runs, operand_arrays, pa
 
 _TRANSFER = re.compile(r'_xla_megascale_transfer_type="(?P<kind>[A-Z_]+)"')
 _SEND = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=.*?\bsend\(")
-# The megascale runtime's transfer types (as libtpu 0.0.42 spells them) -> collective kinds.
+# The megascale runtime's transfer types (docs/jax-notes.md, "How compiled HLO spells
+# collectives") -> collective kinds.
 _KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
           "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all"}
 

@@ -1,47 +1,23 @@
 """Which collectives did the compiler's schedule hide behind matmuls, and which are exposed?
 
-In an optimized, scheduled HLO module (``compiled.as_text()``, ``is_scheduled=true``) the order of
-the instructions in a computation is the order they run in. An asynchronous collective is a
-*start* and a *done*: the communication is in flight between them, so whatever the schedule puts
-between them can run while it moves. This module finds each collective's start and done and the
-matmul work scheduled in between (its *window*):
+In a scheduled HLO module (``compiled.as_text()``, ``is_scheduled=true``) the instructions of a
+computation are in the order they run. An asynchronous collective is a *start* and a *done*, and
+whatever the schedule puts between them can run while it moves. This module finds each
+collective's start and done and the matmul work scheduled in between (its *window*). The done
+is the one whose operand is the start, or reached from it through ``async-update`` ops; a TPU
+async collective fusion and a transfer between slices (:mod:`jaxpar.inspect.hlo.megascale`)
+have windows of their own. Every other collective is synchronous: it has no window.
 
-- ``all-gather-start`` ... ``all-gather-done`` (also ``all-reduce``, ``collective-permute``,
-  ``reduce-scatter``, ``all-to-all``, ``ragged-all-to-all``): the done whose operand is the start.
-- ``async-start(..., calls=%wrapped)`` ... ``async-done``: a collective wrapped in a computation;
-  the done reached from the start through ``async-update``\\ s.
-- The TPU compiler's async collective fusions (libtpu 0.0.42.1, e.g. FSDP weight gathers on v5e):
-  a fusion whose computation ends in ``custom-call(..., custom_call_target="AsyncCollectiveStart")``
-  around the collective, then fusions carrying the same collective (same kind and
-  ``channel_id``) along with compute, then one ending in ``"AsyncCollectiveDone"``. Start and
-  done are those two fusions; the collective placed in any of them is this window's.
-- A transfer over the data-center network (``send`` to the megascale runtime,
-  :mod:`jaxpar.inspect.hlo.megascale`): from the ``send`` to the ``recv-done`` of the ``recv``
-  with the same ``_xla_host_transfer_rendezvous`` (the result has arrived), else to its own
-  ``send-done``.
+A collective execution is **hidden** when at least one matmul
+(:func:`jaxpar.inspect.hlo.flops.instruction_flops` not zero) is scheduled strictly between its
+start and done, in the same computation; everything else is **exposed**. A window whose done
+is missing runs to the end of its computation, and what runs after that computation returns
+is not looked at. Hidden is a property of the schedule, not a measurement. A row's
+``window_matmul_flops`` (:func:`add_overlap`) counts each matmul once, and its hidden and
+exposed bytes add up to its ``bytes`` (per step: :mod:`jaxpar.inspect.hlo.collectives`).
 
-Every other collective (``all-reduce(...)`` and the rest written whole, TPU's
-``all-reduce-scatter`` fusions, a collective fused into a computation that is not such a start)
-is synchronous: it has no window.
-
-**Hidden** (per execution of a collective): at least one matmul is scheduled strictly between its
-start and its done, in the same computation. A matmul is an instruction whose matmul flops
-(:func:`jaxpar.inspect.hlo.flops.instruction_flops`) are not zero: a ``dot`` or ``convolution``,
-a fusion whose fused computation holds one (how the TPU compiler writes matmuls), or a call,
-loop or conditional whose called computations hold one, at any depth (a ``while`` loop in the
-window counts its body's matmuls times its trip count; a conditional its costliest branch). A
-start whose done is not in its computation (none after it) has a window that runs to the end of
-that computation: the instructions after the computation returns are not looked at.
-**Exposed**: everything else, synchronous collectives included.
-
-The window's **flops** are those matmul flops, per execution of the collective. Windows of
-collectives in flight at the same time overlap, so one matmul can be in the windows of several;
-a row's ``window_matmul_flops`` (:func:`add_overlap`) counts each matmul once. Hidden is a
-property of the schedule, not a measurement: a window's matmuls may be shorter than its transfer
-(then the rest of the transfer waits at the done).
-
-Counting per step is :mod:`jaxpar.inspect.hlo.collectives`' (each collective's ``executions``),
-so a row's hidden and exposed bytes add up to its ``bytes``.
+The rules in full: docs/inspect.md, "Hidden and exposed communication"; the spellings read:
+docs/jax-notes.md, "How compiled HLO spells collectives".
 """
 
 from __future__ import annotations

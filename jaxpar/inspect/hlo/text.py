@@ -5,16 +5,13 @@ arrays and attributes, grouped into computations, plus the module's replica and 
 
 Counting per step: a collective in a while-loop body (`lax.scan` over layers, gradient
 accumulation) runs once per iteration. Each `Collective` carries `executions`, how often its
-computation runs per call of the program: the product of the `known_trip_count`s of the loops
-around it, summed over call sites. XLA:CPU records a loop's trip count in the while op's
-backend_config (`known_trip_count`); TPU's compiler does not, so there it is read off the loop
-itself: a condition `i < N` on a counter that starts at a constant c (0 in the form `lax.scan`
-and `fori_loop` lower to) runs N - c times, or ceil((N - c) / k) times when the body adds a
-constant k to the counter (TPU's windowed-einsum loops, unrolled by two, add 2; libtpu 0.0.52's
-post-SPMD collective matmuls also run their first step before the loop and start at 2). A loop
-whose trip count is found neither way counts once.
-`bytes` and `wire_bytes` are per execution; `summarize_collectives` multiplies, so its rows are
-per-step totals.
+computation runs per call of the program: the product of the trip counts of the loops around
+it, summed over call sites. A trip count is the while op's `known_trip_count` where the compiler
+records it, else read off the loop: a condition `i < N` on a counter that starts at a constant
+c runs N - c times, or ceil((N - c) / k) times when the body adds a constant k. A loop whose
+trip count is found neither way counts once (which compilers do what: docs/jax-notes.md, "How
+compiled HLO spells collectives"). `bytes` and `wire_bytes` are per execution;
+`summarize_collectives` multiplies, so its rows are per-step totals.
 """
 
 from __future__ import annotations
