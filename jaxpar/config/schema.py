@@ -291,11 +291,11 @@ class TrainConfig:
     # (recomputed in the backward pass); 0: the fewest that keep a piece's logits within
     # LOSS_CHUNK_BYTES per device (Config.loss_pieces).
     loss_chunks: int = 0
-    # What a layer keeps for its backward pass (docs/memory.md#remat): none (everything), full
-    # (its input), dots (the weight matmuls' outputs), attention (q, k, v, the attention output
-    # and the attention branch's output; the MLP is recomputed), offload_dots (dots, kept in
-    # host memory). remat_every=k applies the policy to one layer in k, the others keep
-    # everything.
+    # What a layer keeps for its backward pass (docs/memory.md#remat-policies): none
+    # (everything), full (its input), dots (the weight matmuls' outputs), attention (q, k, v,
+    # the attention output and the attention branch's output; the MLP is recomputed),
+    # offload_dots (dots, kept in host memory). remat_every=k applies the policy to one layer
+    # in k, the others keep everything.
     remat: Literal["none", "full", "dots", "attention", "offload_dots"] = "none"
     remat_every: int = 1
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of the matmuls
