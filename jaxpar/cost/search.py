@@ -1,62 +1,20 @@
 """``jaxpar plan --search``: every layout of N devices with the memory levers that make it fit,
 ranked by estimated step time.
 
-What is tried
--------------
-A *layout* is everything that changes how the work is split:
+A *layout* is everything that changes how the work is split: the mesh (each ordered
+factorisation of N, ``expert`` only for a mixture of experts), sequence parallelism, ZeRO-3 or
+ZeRO-1, each ``parallel.context_impl``, and with ``pipe > 1`` the schedule, the microbatches and
+``parallel.pipeline_fsdp``. The *levers* only trade memory for time on a layout:
+``train.remat``, ``train.offload.optimizer`` and ``parallel.pipeline_stash``.
 
-- the mesh: each ordered factorisation ``pipe x data x fsdp x context x tensor = N``
-  (``pipe x data x fsdp x expert x context x tensor`` for a mixture of experts: for a dense model
-  ``expert`` would only be data parallelism under another name), the config's ``mesh.dcn`` kept
-  (a layout whose axes it does not divide is rejected with the reason);
-- sequence parallelism off and on where ``tensor > 1``; ZeRO-3 and, where ``data x fsdp > 1``,
-  ZeRO-1; where ``context > 1``, every ``parallel.context_impl`` (the hybrid with each inner
-  factor ``parallel.ulysses_size`` of ``context``);
-- with ``pipe > 1``: each schedule of ``parallel.pipeline_schedule`` except ``gpipe`` (it has
-  1F1B's ticks and bubble and stashes all its microbatches (``grad_accum x m``: the step runs one
-  schedule over them) instead of at most ``2 pipe - 1``, so it is
-  never faster nor smaller: ``tests/unit/test_plan_search.py`` checks it), ``interleaved`` and
-  ``zero_bubble`` with ``virtual_stages=2`` where the layers split into ``2 x pipe`` chunks (and
-  ``zero_bubble`` with 1), ``dualpipe_v`` (two chunks a stage, in its V) where they do and
-  m >= 2 pipe;
-  ``train.microbatches`` m of ``pipe``, ``2 pipe`` and ``4 pipe`` where m divides the rows a
-  replica gets per micro-step (``batch_size / (grad_accum x data x fsdp x expert)``); and, where
-  ``fsdp > 1``, every value of ``parallel.pipeline_fsdp``.
+Estimating every layout with every lever would take minutes. Two rules keep the search to about
+one estimate per layout. A lever never speeds a step up, so each layout's *probe* (no remat,
+nothing offloaded, residuals stashed) bounds all its variants from below. Layouts are expanded
+in the order of their probes; once ``keep`` fit and the next probe is slower than the
+``keep``-th, the rest are *pruned*. The ranking is exact for the top ``keep`` under the model;
+the count of layouts that fit is a lower bound when some were pruned.
 
-The *levers* only trade memory for time on a layout: ``train.remat`` (every value the schema
-allows, read from :class:`~jaxpar.config.schema.TrainConfig`'s annotation, so a new policy is
-searched without an edit here), ``train.offload.optimizer`` (only on a profile whose devices
-have a host memory apart from the device's, i.e. not ``cpu``) and, in a pipeline whose
-schedule runs each backward whole (``1f1b``, ``interleaved``), ``parallel.pipeline_stash``
-(``inputs``: a stage keeps each chunk's input and runs the chunk again in its backward slot,
-one more forward for less memory; zero bubble and DualPipe-V refuse it). A layout is probed
-with ``residuals``, which recomputes nothing, and ``inputs`` is tried beside every remat value
-when it is expanded.
-
-Pruning
--------
-Estimating everything (layouts x levers: over 30,000 estimates for llama3-70b on 256 chips, a
-few ms each) would take minutes; two rules keep the search to about one estimate per layout:
-
-1. *A lever never speeds a step up.* ``remat=none`` recomputes nothing and gathers no weight
-   again, and the host link's time is not in the step (docs/memory.md#host-offload), so each
-   layout is first estimated with ``remat=none``, no offload and (a pipeline) its residuals
-   stashed: its *probe*, whose step time is a lower bound on every lever's. Only the layouts
-   that may enter the top (rule 2) are expanded: every remat value, with each
-   ``pipeline_stash`` value the schedule takes, without offload, and only if none of them
-   fits, with the optimizer offloaded too. The fastest variant that fits stands for the
-   layout (ties, e.g. ``dots`` and ``none`` under flash attention, which neither
-   recomputes: least memory), but one that keeps nothing in host memory wins over one that
-   does (the optimizer offloaded, or a remat policy that offloads what it saves): the host
-   link's time is not in the step, so host memory is a last resort, not a free win. A layout
-   none of whose variants fits is rejected with the reason of the smallest one.
-2. *Top K.* Layouts are expanded in the order of their probes' step times; once ``keep``
-   layouts fit and the next probe is slower than the ``keep``-th fastest of them, no layout
-   left can enter the top ``keep`` (each is at least as slow as its probe), so the rest are
-   marked *pruned* and not expanded (``keep=None``, ``plan --all``: every layout expanded).
-
-The ranking (fitting ones by step time, then memory) is exact for the top ``keep`` under the
-model; the count of layouts that fit is a lower bound when some were pruned.
+What is tried, and why each rule holds: docs/plan.md, "Search and verify".
 """
 
 from __future__ import annotations

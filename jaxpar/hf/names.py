@@ -1,52 +1,13 @@
 """Which Hugging Face tensor is which jaxpar parameter, and how their layouts differ.
 
-Names (``L`` a layer, ``X`` an expert; jaxpar's layer weights are stacked on a leading
-``layers`` axis, a mixture's expert weights on ``experts`` after it)::
+Every Hugging Face tensor of a supported model maps to one jaxpar parameter (or a slice of a
+stacked one: jaxpar stacks layer weights on a leading ``layers`` axis, and a mixture's expert
+weights on ``experts`` after it). The layouts differ because PyTorch stores ``[out, in]`` and
+jaxpar ``[in, out]`` with heads split out; RoPE needs no permutation, since both rotate the
+two halves of each head. Gemma's norms store ``weight`` where jaxpar's scale is ``1 + weight``
+(``PLUS_ONE``). DeepSeek-V3's dense first blocks are ``dense_layers/...``.
 
-    model.embed_tokens.weight                  embedding              [V, E]       same
-    model.norm.weight                          final_norm/scale       [E]          same
-    lm_head.weight [V, E]                      lm_head [E, V]                      transposed
-    model.layers.L.input_layernorm.weight      layers/attn_norm/scale [L][E]       same
-    model.layers.L.post_attention_layernorm.weight   layers/mlp_norm/scale         same
-    model.layers.L.self_attn.q_proj.weight [H*D, E]  layers/attn/wq [L][E, H, D]   heads_in
-    model.layers.L.self_attn.{k,v}_proj.weight       layers/attn/{wk,wv} [L][E, K, D]
-    model.layers.L.self_attn.o_proj.weight [E, H*D]  layers/attn/wo [L][H, D, E]   heads_out
-    model.layers.L.self_attn.{q,k,v}_proj.bias [H*D] layers/attn/{q,k,v}_bias [L][H, D] (qwen2)
-    model.layers.L.self_attn.{q,k}_norm.weight [D]   layers/attn/{q,k}_norm/scale   (qwen3)
-    model.layers.L.mlp.{gate,up,down}_proj.weight    layers/mlp/w_{gate,up,down}   transposed
-    model.layers.L.block_sparse_moe.gate.weight [X, E]   layers/moe/router [L][E, X] (mixtral)
-    model.layers.L.block_sparse_moe.experts.X.{w1,w3,w2}.weight
-                                               layers/moe/w_{gate,up,down} [L][X][E, F] / [F, E]
-    model.layers.L.mlp.gate.weight, model.layers.L.mlp.experts.X.{gate,up,down}_proj.weight
-                                               the same, for qwen3_moe
-
-Gemma 2/3 (``model.post_norms``): four norms a layer, ``input_layernorm`` -> ``attn_norm``,
-``post_attention_layernorm`` -> ``attn_post_norm``, ``pre_feedforward_layernorm`` ->
-``mlp_norm``, ``post_feedforward_layernorm`` -> ``mlp_post_norm``; every Gemma norm (the q/k and
-final ones too) multiplies by ``1 + weight``, so jaxpar's scale is the weight plus one
-(``PLUS_ONE``, float32 as transformers adds it). The multimodal Gemma 3 keeps the language
-model under a prefix of its own (``language_model.model.`` as transformers 5 saves it).
-
-DeepSeek-V3 (``deepseek_v3``; multi-head latent attention, :mod:`jaxpar.model.mla`): blocks
-below ``first_k_dense_replace`` are ``dense_layers/...`` [L], the others ``layers/...``
-[L - first_k_dense_replace]::
-
-    self_attn.q_a_proj.weight [Rq, E]          attn/wq_a [E, Rq]                   transposed
-    self_attn.q_a_layernorm.weight             attn/q_norm/scale                   same
-    self_attn.q_b_proj.weight [H*(N+P), Rq]    attn/wq_b [Rq, H, N+P]              heads_in
-    self_attn.q_proj.weight [H*(N+P), E]       attn/wq [E, H, N+P] (q_lora_rank 0) heads_in
-    self_attn.kv_a_proj_with_mqa.weight [R+P, E]   attn/wkv_a [E, R+P]             transposed
-    self_attn.kv_a_layernorm.weight            attn/kv_norm/scale                  same
-    self_attn.kv_b_proj.weight [H*(N+V), R]    attn/wkv_b [R, H, N+V]              heads_in
-    self_attn.o_proj.weight [E, H*V]           attn/wo [H, V, E]                   heads_out
-    mlp.gate.weight [X, E]                     moe/router [E, X]                   transposed
-    mlp.gate.e_score_correction_bias [X]       moe/router_bias (a buffer)          same
-    mlp.experts.X.{gate,up,down}_proj.weight   moe/w_{gate,up,down} [X][E, F]      transposed
-    mlp.shared_experts.{gate,up,down}_proj.weight  moe/shared/w_{gate,up,down}     transposed
-
-RoPE: jaxpar rotates the two halves of each head (``rotate_half``, like Hugging Face's Llama
-code), with the same frequencies, so q and k projections map unpermuted; only the layout of the
-matrices changes (PyTorch stores ``[out, in]``, jaxpar ``[in, out]`` with heads split out).
+The whole table, per model family: docs/hugging-face.md, "Names and layouts".
 """
 
 from __future__ import annotations

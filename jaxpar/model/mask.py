@@ -1,49 +1,24 @@
 """The one mask description every attention kernel reads: causal order plus documents.
 
 A packed training row holds several documents end to end. :class:`AttentionMask` says, per
-token, where it is in the row (``order``: its index in the packed row; context parallelism's
-zigzag layout stores tokens out of order, so the order travels with them) and which document it
-belongs to (``segments``, non-decreasing along ``order``; ``None``: the row is one document).
-Query q sees key k when::
+token, where it is in the row (``order``, which travels with the token through context
+parallelism's zigzag layout) and which document it belongs to (``segments``; ``None``: one
+document). Query q sees key k when::
 
     segments[q] == segments[k]  and  order[q] >= order[k]
 
-so attention never crosses a document boundary. ``rope`` is the position rotary embeddings use:
-``order`` minus the order of its document's first token, so positions restart at 0 at every
-document (``None``: ``order``). The description is a pytree of ``[B, S]`` int32 arrays (``None``
-fields are empty subtrees), so it is tiled, gathered, rotated round a ring and split over a
-pipeline's microbatches exactly as the tokens are. A plain ``[B, S]`` array of positions (what
-generation and the layer tests pass) means ``AttentionMask(order=positions)``: causal, one
-document, the program unchanged.
+``rope`` is the rotary position, restarting at 0 at every document. ``window`` (per query;
+``None``: unlimited) keeps a query to its ``window`` most recent keys, and ``softcap`` caps the
+scores before the mask. Every field is a ``[B, S]`` int32 array (``softcap`` a static number), so
+the description is tiled, rotated round a ring and split over microbatches exactly as the
+tokens are. A plain ``[B, S]`` array of positions (what generation and the layer tests pass)
+means ``AttentionMask(order=positions)``: causal, one document, the program unchanged.
 
-Sliding windows. ``window`` (``[B, S]`` int32, per query; ``None``: unlimited) restricts a query
-to the ``window`` most recent keys, itself included, as transformers' ``sliding_window`` does::
-
-    order[q] - order[k] < window[q]
-
-A per-token array rather than one number keeps the description a uniform pytree of ``[B, S]``
-arrays (tiled, rotated, split like the rest) while the layer that builds it chooses the value
-at run time: a model whose layers alternate local and global attention (Gemma) scans one
-layer program, and a global layer's window is :data:`UNLIMITED`. ``softcap`` (static, not an
-array: 0 = off) asks the kernels to cap the scaled scores, ``cap * tanh(s / cap)``, before the
-mask; it rides here so that every kernel reads its whole attention rule from one object.
-
-Block kinds. The block kernels (:mod:`jaxpar.model.attention`, :mod:`jaxpar.parallel.context`)
-tile the queries and keys and classify each block pair at run time (:func:`block_kind`):
-
-- SKIP when, in every row of the tile, no query sees any key: every key comes after every query
-  (``max q.order < min k.order``), every key lies before every query's window
-  (``min (q.order - q.window) >= max k.order``) or the two blocks hold disjoint ranges of
-  documents (``max q.seg < min k.seg`` or ``min q.seg > max k.seg``; segments only grow along
-  the row). A packed row of short documents thus computes only the block diagonal of its
-  documents, a windowed sequence the band of blocks the window touches: O(S x window) flops.
-- FULL when, in every row, every key comes before every query, inside every query's window
-  (``max (q.order - q.window) < min k.order``), and both blocks lie in one and the same
-  document: no mask is needed.
-- MASKED otherwise: scores of invisible pairs are set to a large negative number.
-
-The reductions run per batch row and then over the rows (a tile is skipped only if every row's
-pair is), since the tile's rows share one ``lax.switch``.
+The block kernels classify each (query block, key block) pair at run time (:func:`block_kind`):
+SKIP where no query sees any key, FULL where no mask is needed, else MASKED. A tile is skipped
+only if every batch row's pair is, since the tile's rows share one ``lax.switch``. The rules:
+docs/attention-and-loss.md, "The mask: causal order and documents" and "Sliding windows and
+soft-capped scores".
 """
 
 from __future__ import annotations

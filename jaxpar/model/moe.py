@@ -2,60 +2,22 @@
 
 Shapes: T tokens (B x S flattened), E d_model, X experts, k top_k, F d_ff_expert, C capacity.
 
-Router (always float32, whatever the compute dtype: top-k choices must not flip with rounding)::
+The router runs in float32 whatever the compute dtype, so top-k choices do not flip with
+rounding: softmax gates (Switch/GShard) or sigmoid scores with a bias that only steers the
+choice (DeepSeek-V3, :class:`RouterBias`, nudged by the train step toward balance), optionally
+limited to the best expert groups (:func:`limit_groups`). A token's output is the gated sum of
+its experts' SwiGLUs, plus the shared experts. Two auxiliary losses, a load-balance loss and a
+router z-loss, are computed per layer over the *global* micro-batch (:func:`moe_loss`).
 
-    logits = x @ W_router                              [T, X]
-    softmax:      p = softmax(logits);  experts = top_k(p);              gate_j = p[expert_j]
-    sigmoid_bias: s = sigmoid(logits);  experts = top_k(s + b) (DeepSeek-V3)
-                                                       gate_j = s[expert_j] / sum_j s[expert_j]
-    group-limited (moe.n_group > 1, DeepSeek-V3): the experts are n_group groups; a token's
-                  top_k looks only at the experts of its topk_group groups whose two best
-                  scores (s + b) sum highest                            (:func:`limit_groups`)
-    every gate is then multiplied by moe.routed_scaling_factor (DeepSeek-V3: 2.5)
+``moe.dispatch`` says how the T*k (token, expert) slots reach their experts: ``dropless`` sorts
+them by expert for one grouped matmul; ``dropping`` fills a fixed [X, C, E] buffer and drops the
+slots over capacity. On one device all of this runs here (:func:`local_experts`). Under expert
+parallelism the layer calls the hook :func:`jaxpar.model.annotate.experts_override` instead,
+which runs the same building blocks per device and moves the slots with all-to-alls
+(:mod:`jaxpar.parallel.expert`).
 
-    y[t] = sum_j gate[t, j] * SwiGLU_{expert[t, j]}(x[t])   (+ shared experts, applied to all)
-
-The softmax gates are the router probabilities themselves (Switch/GShard style, not
-renormalised over the k chosen), so gradients reach the router through them; with
-``moe.norm_topk`` they are divided by their sum over the k chosen (Mixtral, Qwen3-MoE). ``b`` is a
-per-expert bias that only steers the *choice*; it is not a gradient-trained parameter
-(:class:`RouterBias`, outside ``nnx.Param``): after each step the train step nudges it,
-``b_i += rate * sign(mean_load - load_i)``, which raises under-loaded experts and lowers
-over-loaded ones without any loss term (DeepSeek-V3's aux-loss-free balancing).
-
-Two auxiliary losses (computed per MoE layer over the *global* micro-batch, so their value does
-not depend on how the batch is split over devices; :func:`moe_loss` weights and adds them; the
-router sees every position, padding included, so padding counts in the load too)::
-
-    load balance (Switch/GShard):  X * sum_i f_i * P_i,   f_i = share of the T*k slots routed to
-                                   expert i, P_i = mean router probability of expert i
-                                   (1.0 when perfectly balanced; with sigmoid_bias, P uses the
-                                   scores normalised per token)
-    router z-loss (ST-MoE):        mean_t logsumexp(logits[t])^2  (keeps logits small)
-
-Dispatch (``moe.dispatch``), i.e. how the T*k (token, expert) *slots* reach their experts:
-
-- ``dropless``: sort the slots by expert and run each expert on its contiguous rows with one
-  grouped matmul (``jax.lax.ragged_dot``); nothing is dropped. (XLA:CPU lowers ``ragged_dot`` to
-  a masked dense matmul over all local experts: exact, but X times the flops of the grouped
-  matmul that GPU and TPU run.)
-- ``dropping``: each expert takes at most ``C = ceil(capacity_factor * T * k / X)`` slots (at most
-  T) in a fixed [X, C, E] buffer, and the experts run as one batched matmul. Slots over capacity
-  are dropped: they contribute nothing, so a token whose every slot is dropped leaves the layer
-  unchanged (the residual connection carries it). Priority is by choice rank, then token order:
-  every token's first choice is placed before any second choice. T is the tokens of one
-  *device* (its batch rows and sequence chunk), so which slots drop depends on the layout; with
-  a capacity high enough that nothing drops, every layout computes the same function.
-
-On one device all of this runs here (:func:`local_experts`). Under expert parallelism the MoE
-layer calls the hook :func:`jaxpar.model.annotate.experts_override` instead, which runs the same
-building blocks per device inside ``shard_map`` and moves the slots to the devices that own their
-experts with all-to-alls (:mod:`jaxpar.parallel.expert`).
-
-Statistics each MoE layer reports (``aux`` of :meth:`MoE.__call__`), all float32:
-``aux_loss``, ``z_loss``, ``expert_tokens`` [X] (slots routed to each expert), ``dropped``
-(slots dropped), ``routed`` (T*k), and ``a2a_rows`` / ``a2a_padding`` (rows of the all-to-all
-buffers, and how many of them carry no token: the price of static shapes).
+Each layer reports statistics in ``aux`` (:meth:`MoE.__call__`). The formulas, the dispatch
+rules and the statistics: docs/moe.md, "What one MoE layer computes".
 """
 
 from __future__ import annotations

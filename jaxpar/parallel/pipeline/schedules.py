@@ -1,51 +1,19 @@
 """Pipeline schedules: which stage does what, step by step, as pure Python data.
 
-What a pipeline splits. The layer stack is cut into ``p`` consecutive *stages*, one per device
-along the ``pipe`` mesh axis; each device stores and updates only its stage's layers. Interleaved
-schedules cut finer, into ``v * p`` *chunks* (virtual stages): device ``s`` holds chunks ``s,
-s+p, s+2p, ...``, so a microbatch laps the ring of devices ``v`` times. The global batch of one
-micro-step is split into ``m`` microbatches; a schedule says in which order each stage runs the
-forward ``F`` and backward ``B`` (or its halves ``I``, input gradient, and ``W``, weight
-gradient) of each (microbatch, chunk).
+The layer stack is cut into ``p`` *stages*, one per device along ``pipe`` (interleaved schedules
+cut it into ``v * p`` *chunks*, device ``s`` holding chunks ``s, s+p, ...``). A micro-step's batch
+is split into ``m`` microbatches. A schedule is each stage's *order* of forward ``F`` and
+backward ``B`` actions (or ``B``'s halves, ``I`` and ``W``) on (microbatch, chunk) pairs.
 
-One program on every stage. The executor (:mod:`jaxpar.parallel.pipeline.executor`) is SPMD: at
-every *step* every device runs the same operations, and the schedule only chooses the data (which
-microbatch, which chunk, which stash slot) and masks the slots a stage has no work for. A step has
-up to three *slots*, run in this order: a forward slot ``F``, then a backward slot ``B`` (or ``I``),
-then a weight-gradient slot ``W``. Which slots a step has varies over time but never over stages:
-warm-up steps of 1F1B run only ``F``, steady steps ``F`` and ``B``, cool-down steps only ``B``. (A
-collective inside a conditional that only some devices take deadlocks; here no collective is ever
-conditional.)
+:func:`as_soon_as_possible` times the orders into executor steps. The executor
+(:mod:`jaxpar.parallel.pipeline.executor`) runs one program on every stage: a step has the same
+slots everywhere, and a stage with no work in a slot runs it masked. Laid out in *ticks* (``F``
+one, ``B`` two, ``I`` and ``W`` one each), the steps form the *table* ``jaxpar schedule``
+prints: a list of ticks, each a tuple with one :class:`Action` or ``None`` (masked) per stage, a
+``B`` in both of its ticks. Its masked share is the executed bubble.
 
-Timing (:func:`as_soon_as_possible`). Each stage runs its *order* of actions (all a schedule is)
-as early as possible: at each step a stage takes its next actions in order, at most one per slot
-kind, while what they need is ready. A result made on another stage is ready the step after (it
-travels at the end of the step); on the same stage it is ready to a later slot of the same step
-(the last stage turns a microbatch around within one step: ``F``, loss, ``B``).
-
-Cost model. A slot costs what its kind costs whether or not the stage has work in it: ``F`` one
-*tick* (the forward of one chunk), ``B`` two (each forward matmul has two in the backward), ``I``
-and ``W`` one each. Laid out in ticks, a step is its slots side by side, and every stage's row
-has the same length: this is the *table* that ``jaxpar schedule`` prints and draws, and it is
-what the compiled program executes, masked slots included. So:
-
-    bubble                 = masked ticks / all ticks (the executed idle share)
-    executed-work factor   = all ticks / useful ticks = 1 / (1 - bubble)
-
-    schedule      steps (kinds)                         bubble             inputs stashed
-    gpipe         m+p-1 x F, then m+p-1 x B              (p-1)/(m+p-1)     m
-    1f1b          p-1 x F, m x (F+B), p-1 x B            (p-1)/(m+p-1)     2p-1 (first stage)
-    interleaved   1F1B over v*p chunks                   see the tests     ~2vp
-    zero_bubble   1F1B with B split into I and W         see the tests     ~2p
-
-For 1F1B that is (p-1)F + m(F+B) + (p-1)B, the ideal; the first stage keeps each microbatch from
-its forward at step j to its backward at step j+2(p-1), so it holds 2p-1 of them (GPipe: m).
-Besides the chunks, every ``F`` step embeds one microbatch and runs the output head and loss on
-one (shared by all stages, see the executor), and every ``B``/``I`` step back-propagates into the
-embedding once; these are not counted in ticks.
-
-A table is a list of ticks, each a tuple with one entry per stage: an :class:`Action` or
-``None`` (a masked slot). A ``B`` appears in both of its ticks.
+The timing rules, the cost of a slot and each schedule's bubble and stash: docs/pipelines.md,
+"The schedule table" and "How a schedule becomes a table".
 """
 
 from __future__ import annotations
