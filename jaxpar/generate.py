@@ -1,47 +1,22 @@
 """Text generation: prefill the prompts, then decode one token at a time with a KV cache.
 
-Algorithm. The prompts (token ids, B of them, of different lengths n_b) are right-padded to one
-length S and run through the model once (*prefill*): positions ``0..S-1`` in every row, each
-layer's keys and values written into a cache of L = S + max_tokens slots per sequence
-(:mod:`jaxpar.model.kv_cache`: ``k, v [layers, B, L, K, D]``). Row b's first new token is
-sampled from the logits at its last prompt token, n_b - 1. Then each *decode step* feeds every
-row's newest token at its own position (n_b, n_b + 1, ...), writes its K/V into that slot and
-attends over slots ``0..position``: a padding token's K/V (slots n_b..S-1 of a short prompt) is
-never visible, and is overwritten before the row reaches it. A row stops at an end-of-text
-token (``eos_id``: one id or several), the loop when every row has stopped or made
-``max_tokens``.
+The prompts are right-padded to one length S and run through the model once (*prefill*),
+writing each layer's keys and values into a cache of L = S + max_tokens slots
+(:mod:`jaxpar.model.kv_cache`). Each *decode step* then feeds every row's newest token at its
+own position, writes its K/V and attends over the slots up to it, so a short prompt's padding
+is never visible. A row stops at an end-of-text id (``eos_id``), the loop when every row has
+stopped or made ``max_tokens``.
 
 The model is the training model, run as it is: the cache enters through the attention hook
-(:func:`jaxpar.model.annotate.use_attention`), set per scanned unit of layers to that unit's
-slice of the cache (:class:`~jaxpar.model.kv_cache.UnitCache`), and the layers are scanned here
-with the cache as scanned input and output. A mixture-of-experts layer always dispatches
-dropless here (every chosen expert computes, whatever the batch), so a prompt's tokens do not
-depend on which other prompts share its batch.
+(:func:`jaxpar.model.annotate.use_attention`), one slice per scanned unit of layers
+(:class:`~jaxpar.model.kv_cache.UnitCache`). Prefill compiles once per (B, S, L) and the decode
+step once per (B, L), with S and L rounded up to :data:`LENGTH_BUCKET` multiples, so the Python
+loop that prints each token reuses one executable. :class:`Sampling` draws with a key per row
+and step, so the same seed gives the same tokens on any mesh. On a mesh (``data``, ``fsdp``,
+``tensor``) the layout is training's (:func:`jaxpar.parallel.hooks.model_hooks`), without
+sequence parallelism: one new token cannot be split over ``tensor``.
 
-Compiles. Prefill compiles once per (B, S, L); the decode step once per (B, L): the step index,
-the positions, the random key and the cache are arguments, so the Python loop that calls it
-per token (and prints each token as it arrives) reuses one executable. S and L are rounded up
-to multiples of :data:`LENGTH_BUCKET` (S past one ``model.attention_block``: of the block) so
-that nearby prompt lengths share them. The prefill's queries attend to the prompt with the
-model's own attention (blockwise for a long prompt), the decode step's with one dense pass
-over the cache.
-
-Sampling (:class:`Sampling`): greedy (argmax) at temperature 0, else the logits divided by the
-temperature, cut to the ``top_k`` largest and to the smallest set of tokens whose probability
-reaches ``top_p`` (nucleus), and drawn with ``jax.random``. Row b's draw at step t uses the key
-``fold_in(fold_in(key(seed), t), b)``: the same seed gives the same tokens, on any mesh.
-
-Sharding. On a mesh (``data``, ``fsdp``, ``tensor``; not ``pipe``, ``context``, ``expert``),
-parameters are laid out by the rules table as in training, the batch of prompts is split over
-the batch axes (padded with copies of the first prompt to a multiple of their size) and the
-heads, the cache's kv heads and the vocabulary over ``tensor``; the model's activation
-constraints and the MoE dispatch hook come from :func:`jaxpar.parallel.hooks.model_hooks`.
-Sequence parallelism is switched off (one new token cannot be split over ``tensor``).
-
-Memory. The cache holds B x L positions of ``2 x n_layers x n_kv_heads x head_dim`` values in
-the compute dtype (:func:`~jaxpar.model.kv_cache.cache_bytes_per_token`: 1 KiB a position for
-the tiny preset in float32), each device 1/(batch devices x tensor) of it. A decode step reads
-the whole cache and the weights once.
+How it works, memory and compiles: docs/generation.md, "How it works".
 """
 
 from __future__ import annotations

@@ -4,38 +4,15 @@ One table, :data:`PROFILES`, keyed by the names ``jaxpar plan --hardware`` accep
 per device and comes from the vendor's data sheet named in the comment next to it; where a sheet
 does not give a number, the comment says "assumed" and why.
 
-Peak flops are dense (no sparsity) bf16, in :data:`PEAK_FLOPS` below, the table the trainer's
-MFU uses too (:func:`peak_flops`), so a plan's MFU and a run's MFU share one denominator.
+Peak flops are dense (no sparsity) bf16, in :data:`PEAK_FLOPS`, the table the trainer's MFU uses
+too (:func:`peak_flops`), so a plan's MFU and a run's MFU share one denominator.
 
-Links. A collective over one mesh axis moves ``wire_bytes`` per device (ring algorithms; see
-:mod:`jaxpar.cost.estimate`); its time is ``wire_bytes / bandwidth``, where bandwidth is what one
-device can *send* per second on the links that axis uses:
-
-- GPUs (8 per node): the mesh is laid out with the innermost axis on consecutive devices
-  (``jax.make_mesh`` order: pipe, data, fsdp, expert, context, tensor). An axis whose devices all
-  sit in one node -- the product of its size and the sizes of every axis inside it is at most 8 --
-  uses NVLink (via NVSwitch: all of a GPU's NVLink bandwidth, in one direction); any other axis
-  crosses nodes and is limited by the GPU's share of the inter-node network (one NIC per GPU).
-- TPUs: chips are connected by ICI in a 2D (v5e, v6e) or 3D (v4, v5p) torus. A ring along one
-  mesh axis runs along one torus dimension and sends on its two links (one each way), so it gets
-  ``bidirectional ICI per chip / ICI ports``. Axes beyond one slice would cross the data-center
-  network (DCN), which is far slower; the table's ``domain_size`` is the largest single slice.
-- Several slices named by ``mesh.dcn`` (:class:`~jaxpar.config.DcnConfig`): a collective over
-  axes that span slices (``dcn`` > 1 on one of them) takes the slow link, every other one stays
-  inside a slice and takes the fast link, whatever the span rule above says. Its ring is as slow
-  as its slowest hop, so the whole ``wire_bytes`` is charged at the slow link: an upper bound
-  for hierarchical algorithms, which send only the cross-slice part over DCN.
-
-Latency. Each collective launched also costs a fixed ``latency_s`` of the link it uses (the
-fast or the slow one), whatever its size: the kernel launch, the handshake between peers and the
-first hop, which is what a small message costs on its own (NCCL's all-reduce of a few KB inside
-an NVLink node is ~10 us; across nodes it is more). Ring steps inside one all-gather or
-all-reduce are not charged again: the libraries pipeline them. The values are assumed, round
-numbers of the right order, not data-sheet figures; they keep layouts whose shards are tiny
-(many ring-attention hops of a few hundred tokens) from ranking first on bandwidth alone.
-
-- ``cpu`` is a *nominal* laptop, not a measurement: virtual CPU devices share one process, so its
-  "links" are memory copies. Useful only to exercise the planner.
+A collective over one mesh axis moves ``wire_bytes`` per device; its time is ``wire_bytes /
+bandwidth`` of the link that axis uses (NVLink or the network on GPUs, ICI or DCN on TPUs), plus
+a fixed ``latency_s`` per launch. The latencies are assumed round numbers of the right order:
+they keep layouts whose shards are tiny from ranking first on bandwidth alone. ``cpu`` is a
+*nominal* laptop, useful only to exercise the planner. Which axis takes which link:
+docs/cost-model.md, "Links and latency".
 """
 
 from __future__ import annotations

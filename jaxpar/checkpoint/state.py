@@ -1,45 +1,21 @@
 """Checkpoints: orbax saves of a run, resume, restore onto another mesh, and export.
 
-A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, with four items:
+A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, with the items
+``state`` (the :class:`~jaxpar.train.step.TrainState`, its stacked layers in model order),
+``data`` (the data iterator's position), ``config``, ``meta`` (step, seed, skipped updates, the
+mesh) and ``checksums`` (:mod:`jaxpar.checkpoint.integrity`). The seed and the data position
+are the whole random state of a run, so these items resume it exactly.
 
-``state``
-    the :class:`~jaxpar.train.step.TrainState` (step, parameters, optimizer state), each array
-    written by the devices that hold its shards, the stacked layers always in model order (an
-    interleaved pipeline stores them in stage order: ``Trainer.to_model_order``);
-``data``
-    the data iterator's position (:meth:`jaxpar.data.DataIterator.get_state`), as JSON;
-``config``
-    the resolved config of the run that saved it, as JSON;
-``meta``
-    step, seed, skipped (non-finite) updates so far, and the mesh it was saved under, as JSON;
-``checksums``
-    a checksum of every array of ``state``, verified by every restore
-    (:mod:`jaxpar.checkpoint.integrity`; checkpoints saved before it lack this item and
-    restore unverified, with a notice).
+Orbax does the hard parts. :meth:`Saver.save` returns once the arrays are in host memory, and a
+background thread writes them to a temporary directory, renamed when complete: a killed
+process leaves the previous checkpoint intact. Restores read each array straight into the
+shardings of the target state, so a checkpoint loads under any mesh of the same model. Damage
+(a checksum, or a file orbax cannot decode) is one line (:class:`DamagedCheckpointError`);
+:func:`resume` then falls back to the newest intact checkpoint under ``train.resume=auto``.
+With several processes, all meet at a barrier before the rename, and :func:`find_checkpoint`
+checks that they all chose the same checkpoint.
 
-The run consumes no randomness after initialisation (no dropout): the seed fixes the initial
-parameters and the data order, and the data item fixes the position in that order, so these
-items are the whole random state of a run.
-
-Orbax does the hard parts. Saves are asynchronous: :meth:`Saver.save` returns once the arrays are
-copied to host memory, and a background thread writes them. Each save goes to
-``<step>.orbax-checkpoint-tmp`` and is renamed to ``<step>`` only when complete, so a process
-killed mid-save leaves the previous checkpoint intact and a temporary directory that every reader
-here ignores (and the next :class:`Saver` deletes). Restores read each array straight into the
-shardings of the target :class:`~jaxpar.train.step.TrainState` (``Trainer.abstract_state``), so
-a checkpoint saved under one mesh loads under any other mesh of the same model, each device
-reading only its own shards.
-
-Damage is found by the checksums, or by orbax failing to decode a file: one line naming the
-array (:class:`DamagedCheckpointError`). :func:`resume` then, under ``train.resume=auto``, falls
-back to the newest intact checkpoint and renames the damaged ones to ``<step>.damaged``.
-
-Several processes: each writes the shards it holds into the temporary directory; orbax's
-background thread on each process waits for its own writes, then all meet at a barrier, and
-only then does the primary process rename the directory. So a step directory without the
-temporary suffix is complete on every process, whichever finished last, and a kill of any
-process before that leaves only a temporary directory. Every process looks for the newest
-complete checkpoint itself; :func:`find_checkpoint` checks that they all found the same one.
+What a checkpoint holds and how each failure is handled: docs/checkpoints.md.
 """
 
 from __future__ import annotations

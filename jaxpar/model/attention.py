@@ -2,43 +2,21 @@
 
 Shapes: q ``[B, S, H, D]``, k and v ``[B, S, K, D]`` with ``H = K x G``; query head h reads kv
 head ``h // G``. Inside, queries are grouped ``[B, S, K, G, D]`` so that the G query heads of one
-kv head share its keys. The causal mask comes from positions ``[B, S]``: a query sees the keys
-whose position is at most its own (tokens may be stored out of order, as context parallelism's
-load-balanced layout does) and, for packed rows of several documents, that lie in its own
-document: every implementation reads the one mask description of :mod:`jaxpar.model.mask`.
+kv head share its keys. Every implementation reads the one mask description of
+:mod:`jaxpar.model.mask` (causal by stored position, within documents, windows, soft caps).
 
-``dense``: the scores ``[B, K, G, S, S]`` in float32, a softmax, the weighted sum. Autodiff keeps
-the probabilities (and the exponentials) for the backward pass: O(S^2) bytes per head and layer.
-
-``blockwise`` (FlashAttention-2's algorithm in plain JAX). Queries in blocks of ``bq`` rows, keys
-in blocks of ``bk``; for each query block an online softmax runs over the key blocks, keeping a
-running max ``m``, sum ``l`` and output ``o``::
-
-    s = q k^T / sqrt(D);  m' = max(m, rowmax s);  p = exp(s - m')
-    l' = l exp(m - m') + rowsum p;  o' = o exp(m - m') + p v;  out = o / l, lse = m + log l
-
-A custom VJP keeps only q, k, v, ``out`` and ``lse`` (O(S) per head) and the backward pass
-recomputes each block's probabilities from ``lse``: ``p = exp(s - lse)``, ``dv += p^T do``,
-``dp = do v^T``, ``ds = p (dp - delta) / sqrt(D)`` with ``delta = rowsum(do * out)``,
-``dq += ds k``, ``dk += ds^T q``. Alive at a time: one ``[B, bq, K, G, bk]`` block of scores.
-Blocks whose keys all come after all their queries, or lie in other documents, are skipped at
-run time (a compute-only ``lax.switch``; :func:`jaxpar.model.mask.block_kind`), blocks whose keys
-all come before, in the same document, need no mask: a causal sequence computes about half the
-square, a packed row of documents the block diagonal of its documents. Flops: the forward's
-two matmuls on the blocks computed, the backward's five (scores again, dv, dp, dq, dk), 2.5
-times the forward.
-
-Sliding windows and soft-capping come with the mask description (``window``, ``softcap``).
-Soft-capping replaces the scaled scores ``s`` by ``c = cap tanh(s / cap)`` before the mask; the
-backward pass multiplies ``ds`` by ``dc/ds = 1 - (c / cap)^2``. A window only adds to the mask
-and to the block kinds (blocks wholly before every query's window are skipped).
-
-cuDNN's and splash's fused kernels, and the choice between implementations, are in
-:mod:`jaxpar.model.fused`.
+``dense`` computes the scores ``[B, K, G, S, S]`` in float32; autodiff keeps the probabilities,
+O(S^2) bytes per head and layer. ``blockwise`` is FlashAttention-2's algorithm: an online
+softmax over key blocks, and a custom VJP that keeps only the output and the log-sum-exp and
+recomputes each block's probabilities, one block of scores alive at a time. Blocks that no
+query sees are skipped at run time, and blocks wholly visible run without a mask
+(:func:`jaxpar.model.mask.block_kind`).
 
 The block kernels (:func:`fold_keys`, :func:`unfold_keys`) also serve ring attention
-(:mod:`jaxpar.parallel.context`): each key/value block arriving over the ring is folded into the
-same running statistics.
+(:mod:`jaxpar.parallel.context`), which folds each arriving key/value block into the same
+running statistics. cuDNN's and splash's fused kernels, and the choice between
+implementations, are in :mod:`jaxpar.model.fused`. The formulas: docs/attention-and-loss.md,
+"Blockwise attention".
 """
 
 from __future__ import annotations

@@ -1,45 +1,21 @@
 """A key/value cache for autoregressive decoding, and attention over it.
 
-What is cached: every attention layer's keys (after the rotary embedding) and values, for every
-position written so far, in two arrays::
+Every attention layer's rotated keys and values, for every position written so far, are cached
+in ``k, v: [layers, B, L, K, D]`` (slot t holds position t). They are laid out by
+:data:`CACHE_AXES` as the attention activations are, so each device keeps its own sequences'
+and heads' K/V and decoding moves no cache bytes between devices.
 
-    k, v: [layers, B, L, K, D]     layers = model.n_layers, B sequences, L = max_len slots,
-                                   K kv heads, D head_dim; slot t holds position t
-
-laid out by the logical names :data:`CACHE_AXES` (``batch`` over the batch axes, ``kv_heads``
-over ``tensor``, as the attention activations are: each device keeps the K/V of its own
-sequences and heads, and decoding moves no cache bytes between devices). Bytes per token:
-``2 x n_layers x K x D x itemsize`` (the tiny preset in float32: 2 x 2 x 4 x 16 x 4 = 1 KiB;
-a Llama-1B-sized model, 16 layers x 8 kv heads x 64 in bfloat16: 32 KiB).
-
-How it is used (:mod:`jaxpar.generate`): the model is run unchanged, with the attention hook
+:mod:`jaxpar.generate` runs the model unchanged, with the attention hook
 (:func:`jaxpar.model.annotate.use_attention`) set to :meth:`UnitCache.attend` for each scanned
-unit of layers. The hook receives each layer's rotated q, k, v and positions, writes k and v into
-the cache and attends over the cache instead of over the new tokens alone:
+unit of layers. The hook writes each layer's k and v into the cache and attends over the cache.
+A prefill (S > 1 new tokens) attends to the new keys with the model's own attention; a decode
+step (S = 1) writes each row's key at its own position and attends densely over the L slots,
+with the mask ``slot <= query position``.
 
-- *prefill* (S > 1 new tokens, positions ``0..S-1`` in every row, prompts right-padded): the
-  S keys go to slots ``0..S-1``; a padding token's keys land in slots past its row's prompt,
-  which its real queries never see (causal mask) and decoding overwrites before it reaches them.
-  The queries attend to the S new keys with the model's own attention (dense, blockwise or
-  cuDNN, as ``model.attention`` resolves for S tokens): nothing is cached before them, and the
-  blockwise kernel keeps a long prompt's scores at O(S x block) rather than O(S x L);
-- *decode* (S = 1): each row's new key goes to the slot of its own position (rows may be at
-  different positions), an elementwise select, so nothing moves between the devices of a
-  batch-sharded cache.
-
-Multi-head latent attention (``model.mla``, :mod:`jaxpar.model.mla`) caches what its keys and
-values are made from instead: ``k`` holds the normed latent [layers, B, L, 1, R] and ``v`` the
-rotated rope key [layers, B, L, 1, P] (:func:`model_cache`, laid out by :data:`LATENT_AXES`:
-whole on every ``tensor`` device, since every head reads them). Bytes per token:
-``n_layers x (R + P) x itemsize`` (DeepSeek-V3 in bf16: 61 x 576 x 2 = 69 KiB, where its 128
-expanded heads would take 61 x 128 x (192 + 128) x 2 = 4.8 MiB). The layer reaches the cache
-through :func:`~jaxpar.model.annotate.use_latent_cache` (:meth:`UnitCache.attend_latent`); a
-prefill expands keys and values from the new latents and attends as training does, a decode step
-attends over the latents without expanding them (:func:`jaxpar.model.mla.absorbed_attention`).
-
-The attention itself is dense over the L slots with the mask ``slot <= query position`` (slots
-past a row's position hold padding, stale or zero entries, all masked): for one query per row it
-reads each cached byte once, which is the cost of decoding anyway.
+Multi-head latent attention (:mod:`jaxpar.model.mla`) caches the normed latent and the rope key
+instead (:func:`model_cache`, :data:`LATENT_AXES`), reached through
+:func:`~jaxpar.model.annotate.use_latent_cache`; its decode step attends over the latents
+without expanding them. Shapes and bytes: docs/generation.md, "How it works".
 """
 
 from __future__ import annotations

@@ -1,49 +1,24 @@
 """Expert parallelism: the experts of every MoE layer split over the ``expert`` mesh axis.
 
-What is split. Each MoE layer's expert weights ``w_gate, w_up`` [X, E, F] and ``w_down``
-[X, F, E] are split on their ``experts`` dimension over ``expert`` (device g of G holds experts
-g*X/G .. (g+1)*X/G - 1), on ``mlp`` (F) over ``tensor`` and on ``embed`` over ``fsdp`` like any
-weight: per device 3 x X/G x E x F/t floats, 1/G of what data parallelism would replicate.
-Everything else (attention, router, norms, embeddings) is replicated over ``expert``, and the
-batch is split over it: outside the experts, ``expert`` is one more data-parallel axis, so those
-gradients are all-reduced over ``expert`` with ``data``.
+Each MoE layer's expert weights are split on their ``experts`` dimension over ``expert`` (device
+g of G holds experts g*X/G .. (g+1)*X/G - 1), on ``mlp`` over ``tensor`` and on ``embed`` over
+``fsdp``. Everything else is replicated over ``expert``, and the batch is split over it: outside
+the experts, ``expert`` is one more data-parallel axis.
 
-What is communicated. A device's tokens want experts that live elsewhere. The MoE layer calls
-:func:`expert_parallel`'s function through the ``experts_override`` hook; it runs per device in
-``shard_map``, manual over the axes that split the tokens (``data``, ``fsdp``, ``expert``,
-``context``) and over ``tensor``, so every device routes its own T = b x s tokens (b batch rows,
-s sequence positions; k slots each):
+A device's tokens want experts that live elsewhere. The MoE layer calls :func:`expert_parallel`'s
+function through the ``experts_override`` hook. It runs per device in ``shard_map``, manual over
+the axes that split the tokens and over ``tensor``, so every device routes its own tokens:
 
 1. dispatch: an all-to-all over ``expert`` sends each slot to the device owning its expert;
 2. the local experts run on everything they received;
-3. combine: the reverse all-to-all brings the results back, where they are weighted by the
-   gates and summed over the k choices.
+3. combine: the reverse all-to-all brings the results back, to be gated and summed.
 
-Autodiff turns each all-to-all into another all-to-all in the backward pass, so a MoE layer
-costs 4 all-to-alls per micro-step (2 with only the forward). Per all-to-all a device sends
-about T x k x E elements of the compute dtype, of which the 1/G addressed to itself never leaves
-it: wire bytes are (G-1)/G of the payload. Static shapes add padding, which depends on the
-dispatch mode (``moe.dispatch``):
-
-- ``dropping``: the [X, C, E] capacity buffer is the payload, ``C = ceil(capacity_factor x T x k
-  / X)``: about capacity_factor x T x k x E elements, unused capacity sent as padding.
-- ``dropless`` with ``lax.ragged_all_to_all`` (GPU, TPU): only the real T x k rows are sent, the
-  per-destination counts travel first in a tiny all-gather. The receive buffer must still be
-  sized for the worst case (every slot of every device to this one): G x T x min(k, X/G) rows.
-- ``dropless`` with a padded ``all_to_all`` (XLA:CPU, which cannot compile
-  ``ragged_all_to_all``): each destination gets a block of the worst-case size T x min(k, X/G)
-  rows, so G x T x min(k, X/G) x E elements travel per all-to-all, G x min(k, X/G) / k times the
-  ragged payload; the padding is reported (``a2a_padding_fraction`` in ``metrics.jsonl``). The
-  int32 expert id of each row travels with it (forward only).
-
-Tensor parallelism inside: each device holds F/t of every local expert's hidden units, so its
-expert outputs are partial sums; they are combined over the k choices first and then all-reduced
-over ``tensor`` ([T, E], like the dense MLP's row-parallel all-reduce). The tokens are marked as
-varying over ``tensor`` on entry, which makes the backward pass all-reduce their gradient once,
-also [T, E], rather than per slot.
-
-Statistics (dropped slots, all-to-all rows and padding) are summed over the token axes, so each
-device returns the global count.
+Static shapes add padding, by ``moe.dispatch``: a capacity buffer (``dropping``), the real rows
+of a ``ragged_all_to_all`` (``dropless`` on GPU and TPU), or worst-case blocks (``dropless`` on
+XLA:CPU, which cannot compile the ragged one). Under ``tensor`` the expert outputs are partial
+sums, all-reduced once after the k choices are summed. Statistics are summed over the token
+axes, so each device returns the global count. What travels, in bytes: docs/moe.md, "Expert
+parallelism"; docs/cost-model.md, "`expert` (mixture of experts)".
 """
 
 from __future__ import annotations

@@ -2,41 +2,22 @@
 
 Zero-bubble schedules (:func:`jaxpar.parallel.pipeline.schedules.zero_bubble`) split a chunk's
 backward ``B`` into ``I``, the gradient with respect to the chunk's input (what the previous
-stage waits for), and ``W``, the gradients with respect to its weights (what nobody waits for,
-so it can fill a slot that would otherwise idle). For a weight matmul ``y = x w`` the backward
-is two matmuls, ``dx = dy wᵀ`` (I) and ``dw = xᵀ dy`` (W): W needs the forward's ``x``, which
-the residual stash still holds, and ``dy``, which only I computes. So I must leave behind what
-W needs that only it made: the *crossing* values, here ``dy`` per weight matmul (for a
-Llama-style layer about ``10 d_model`` values per token and layer in the compute dtype, the
-outputs' cotangents of q/k/v, o, gate/up and down), which wait in a stash of their own
-between a microbatch's I and its W.
+stage waits for), and ``W``, the gradients with respect to its weights (what nobody waits for).
+For a weight matmul ``y = x w``, I computes ``dx = dy wᵀ`` and W ``dw = xᵀ dy``: W needs ``dy``,
+which only I makes. So I leaves behind the *crossing* values W needs, which wait in a stash of
+their own between a microbatch's I and its W.
 
-How. The chunk's backward (the VJP rebuilt from the stash) is traced once to a jaxpr and its
-equations are sorted:
+The chunk's backward is traced once to a jaxpr and its equations are sorted: I gets everything
+the input gradient needs, W the weight-gradient matmuls and what only they need, and cheap
+equations of the residuals alone run in both. Loops are cut through, so the reverse scan over
+the layers becomes an I scan and a W scan. Every matmul runs in exactly one of I and W, so a
+``zero_bubble`` step's matmul flops are 1F1B's. It reads the program, not the model, so it works
+on any layer; the price is that it walks JAX's jaxpr structures, which a new jax release may
+change (``scripts/newest_jax.py`` runs its tests on the newest one).
 
-- I: everything the input gradient needs (the transposed layer loop's carry: every ``dx``
-  matmul, attention's backward, the collectives on the way, and whatever ``train.remat``
-  recomputes);
-- W: the equations only the weight gradients need, from their matmuls (``dot_general``,
-  ``ragged_dot_general``) on; small leftovers that read I's values (a norm scale's gradient,
-  a bias's sum) stay in I, and their results cross;
-- cheap equations of the residuals alone that W reads (a broadcast, a norm's rescale, a
-  transpose) run in both rather than wait in the stash.
-
-Loops are cut through: the backward's reverse ``scan`` over the layers becomes an I scan,
-which also emits each iteration's crossing values stacked over the layers, and a W scan that
-reads them (``remat`` and ``jit`` equations are inlined first). Nothing is computed twice
-but the cheap equations above, so a ``zero_bubble`` step's matmul flops are 1F1B's: every
-matmul of the backward runs in exactly one of I and W. This works on any layer the model
-has (attention, MLA, dense and expert MLPs, LoRA adapters) because it reads the program, not
-the model: JaxPP and Shardy's MPMD pipelines split backward programs the same way. The cost
-is that it walks JAX's jaxpr data structures, so a new jax release may need this module
-looked at (``scripts/newest_jax.py`` runs its tests on the newest one).
-
-Under ``train.remat=full`` the backward recomputes each layer, so the matmuls' inputs ``x``
-exist only in I: they cross too, and the W stash then holds about as much as the layer's
-saved activations under ``remat=none``. :func:`split_backward` reports the crossing shapes,
-which the executor sizes its stash from and ``jaxpar plan`` counts.
+:func:`split_backward` reports the crossing shapes, which the executor sizes its stash from and
+``jaxpar plan`` counts. The sorting rules in full: docs/pipelines.md, "Zero bubble: I and W
+apart, nothing recomputed".
 """
 
 from __future__ import annotations
