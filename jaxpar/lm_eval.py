@@ -1,40 +1,21 @@
 """A jaxpar checkpoint as a model of EleutherAI's lm-evaluation-harness (``lm-eval``, tested
 with 0.4.13: ``pip install 'jaxpar[eval]'``).
 
-Registration. lm-eval 0.4.13 finds models in its own registry only: it has no entry-point group
-that an outside package could fill, and ``--include_path`` adds tasks, not models. Importing this
-module registers the name ``jaxpar``; ``python -m jaxpar.lm_eval`` is lm-eval's own command line
-(``lm_eval.__main__.cli_evaluate``) after that import::
+lm-eval finds models in its own registry only, with no entry point an outside package could
+fill. So importing this module registers the name ``jaxpar``, and ``python -m jaxpar.lm_eval``
+is lm-eval's own command line after that import::
 
     python -m jaxpar.lm_eval run --model jaxpar --model_args checkpoint=runs/tiny \\
         --tasks hellaswag --batch_size 16
 
-and from Python, ``import jaxpar.lm_eval`` then ``lm_eval.simple_evaluate(model="jaxpar", ...)``.
-``--model_args``: ``checkpoint`` (a step, run or checkpoints directory, as ``jaxpar generate``
-takes it), ``overrides`` (``key=value`` overrides of its config, space-separated: the mesh,
-``mesh.data=2 mesh.tensor=2 host_devices=4``, as for ``jaxpar generate``; one device by
-default), ``max_length`` (tokens of context; default the run's ``train.seq_len``),
-``max_gen_toks`` (default 256); ``batch_size`` is lm-eval's own ``--batch_size``.
+``--model_args``: ``checkpoint``, ``overrides`` (``key=value`` overrides of its config, the mesh
+among them), ``max_length`` and ``max_gen_toks``. It computes what lm-eval's ``hf`` model
+computes for a causal LM (tokenization, context splitting, ``loglikelihood``,
+``loglikelihood_rolling``, greedy ``generate_until``), through
+:class:`jaxpar.generate.Generator`, so the numbers are those of the same model exported to
+Hugging Face. Requests are sorted by length and scored ``batch_size`` at a time.
 
-What it computes, as lm-eval's ``hf`` model does for a causal LM: the text is tokenized by the
-run's tokenizer (``data.tokenizer``): without special tokens for a model jaxpar trained, with
-them (the BOS its post-processor adds) for an imported one (``generation.prompt``:
-:mod:`jaxpar.data.prompts`), as the ``hf`` model encodes by default; a pair (context,
-continuation) is split as :class:`lm_eval.api.model.TemplateLM` splits it (the whole text
-tokenized, the context's tokens cut off), an empty context is the BOS an imported model's
-``tokenizer_config.json`` names, else the end-of-text token, and a sequence longer than
-``max_length`` + 1 loses its first tokens. ``loglikelihood`` is the sum of the
-continuation's log-probabilities in float32 and whether each of its tokens is the greedy choice
-(:meth:`jaxpar.generate.Generator.score`), ``loglikelihood_rolling`` the same over lm-eval's
-rolling windows, ``generate_until`` greedy decoding with the KV cache
-(:meth:`jaxpar.generate.Generator.generate`), ended by any of ``generation.eos_ids`` (else the
-tokenizer's end-of-text token) and cut at the first stop string. No prompt gets the
-end-of-text token in front (``jaxpar generate`` puts one before a jaxpar-trained model's
-prompt, as its packed training data had one there): the numbers are those of the
-same model exported to Hugging Face and run by the ``hf`` backend (tests/integration/
-test_lm_eval.py checks them to 1e-4). The model runs on the mesh the config gives
-(``data``, ``fsdp``, ``tensor``, as generation does); requests are sorted by length and scored
-``batch_size`` at a time.
+Every argument and rule: docs/evaluation.md, "lm-eval: the model `jaxpar`".
 """
 
 from __future__ import annotations

@@ -1,40 +1,22 @@
 """Checksums of a checkpoint's arrays: recorded at save, verified after every restore.
 
-Orbax compresses each array chunk with zstd but keeps no checksum of the values, so bytes
-flipped inside a data file (a bad disk, a bad copy) mostly decode to other numbers: the run
-resumes from damaged parameters and dies at a NaN loss steps later. Here each array of the
-saved :class:`~jaxpar.train.step.TrainState` gets a 32-bit checksum, stored in the checkpoint's
-``checksums`` item, and a restore recomputes it on the arrays it read and compares.
+Orbax keeps no checksum of the values it writes, so bytes flipped inside a data file mostly
+decode to other numbers: the run would resume from damaged parameters and die at a NaN loss
+steps later. Here each array of the saved :class:`~jaxpar.train.step.TrainState` gets a 32-bit
+checksum in the checkpoint's ``checksums`` item, and a restore recomputes it and compares.
 
-The checksum is of the array's *values at their global positions*, not of orbax's files, and it
-does not depend on how the array is sharded:
+The checksum is of the array's *values at their global positions*, so it does not depend on
+how the array is sharded::
 
     checksum(x) = sum over every element e of  mix(bits(e) XOR spread(flat index of e))  mod 2**32
 
-``bits`` is the element's bit pattern (as uint32 words), ``mix`` is MurmurHash3's 32-bit
-finalizer (a bijection) and ``spread`` multiplies the global flat index by a large odd constant.
-A sum modulo 2**32 is exact in any order, so each device sums its own shard, the mesh's
-collectives add the partial sums, and the result is the same for any mesh, any device count and
-any process count: a checkpoint saved under ``data=8`` verifies bit for bit when it is restored
-under ``fsdp=4 tensor=2``, on one process or many. Because ``mix`` is a bijection, changing any
-single element always changes the sum; several damaged elements go unnoticed with probability
-about 2**-32.
+A sum modulo 2**32 is exact in any order: each device sums its own shard, and a checkpoint
+saved under one mesh and process count verifies bit for bit under any other. It runs as one
+jitted function on the devices that hold the state; orbax's background thread writes the
+results with the arrays (:class:`ChecksumHandler`), as atomically as the checkpoint.
 
-Why not hash the files orbax writes, or per-shard bytes? File layouts (ocdbt, zarr chunks) are
-orbax internals that change between releases, and per-shard sums cannot be recomputed once a
-restore reads the array into another sharding. The sum above needs neither: it runs as one
-jitted function over the state, on the devices that hold it, and needs no host memory. A save
-dispatches it and goes on; orbax's background thread fetches the 4-byte results with the array
-writes (:class:`ChecksumHandler`), so the loop does not wait for it (except where the devices
-are the host's own cores: on the CPU backend it competes with everything else). Its price is
-one pass over the state on the devices per save, and one per restore.
-
-Several processes: the function is collective like the save itself (every process calls it on
-the same global arrays), its outputs are scalars and so replicated on every device, and every
-process therefore holds the same checksums. The primary process writes them into the same
-temporary directory as the arrays, before the barrier that precedes orbax's commit, so the
-checksums are exactly as atomic as the checkpoint. Verification after a restore is again one
-collective computation with a replicated result: every process reaches the same verdict.
+Why this sum and not a hash of orbax's files, its price, and several processes:
+docs/checkpoints.md, "Integrity".
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """A mixture of tokenized directories (``data.sources``): rows drawn from each by weight.
 
 The mixture is an endless sequence of rows, and row ``i`` is a pure function of ``i``, the
-seed and the sources, so every process computes the same stream (and the source of any row of
+seed and the sources. So every process computes the same stream (and the source of any row of
 the global batch) without talking to the others, and a checkpoint needs only the iterator's
-position. The mapping, in three steps:
+position. Rows come in blocks of :data:`BLOCK`, each holding a fixed count of rows per source in
+a seeded order. A source's k-th row is row ``k % n`` of its epoch ``k // n``, in a seeded
+permutation per epoch (:func:`permute`, a Feistel network: no permutation of a large source is
+ever materialized). A source that runs out starts its next epoch while the others go on.
 
-1. **Blocks.** Rows come in blocks of :data:`BLOCK`. Each block holds a fixed count of rows per
-   source: the weights' shares of the block, rounded by largest remainder, so the proportions
-   over any number of whole blocks are the weights to within 1/BLOCK. A seeded permutation of
-   the block (one per block, from ``(seed, block)``) decides which positions go to which source.
-2. **Each source's stream.** The k-th row a source contributes is row ``k % n`` of its epoch
-   ``k // n`` (``n``: the source's rows). A source that runs out before the others therefore
-   starts its next epoch, in a new order, while the others go on: its weight holds, it repeats.
-3. **Epoch order.** Epoch ``e`` of source ``s`` reads its rows in a seeded permutation keyed by
-   ``(seed, s, e)``: a Feistel network over the row numbers (:func:`permute`), which maps one
-   row number at a time, so no permutation of a large source is ever materialized.
-
-With ``data.shuffle=false`` the block interleaves the sources evenly instead, and each source is
-read in order, epoch after epoch. The iterator reads the mixture in order
-(``DataIterator(shuffle=False)``): the mixture already shuffles, and reading consecutive rows
-keeps each global batch within one or two blocks.
-
-The tokens each global batch draws per source (:meth:`MixtureDataset.count_tokens`) come from the
-row numbers alone (:meth:`TokenizedDataset.target_counts`), so every process counts the whole
-batch while reading only its own rows.
+The iterator reads the mixture in order (``DataIterator(shuffle=False)``): the mixture already
+shuffles, and consecutive rows keep each global batch within one or two blocks. The tokens each
+global batch draws per source (:meth:`MixtureDataset.count_tokens`) come from the row numbers
+alone, so every process counts the whole batch while reading only its own rows. The rules:
+docs/data.md, "Mixtures".
 """
 
 from __future__ import annotations

@@ -2,30 +2,17 @@
 sequence, or over a vocabulary cut into pieces across devices (a pipeline's stages), and the
 one rule the head's weight gradient follows whatever the piece count.
 
-**One derivation.** For logits ``z`` [V] of a token whose target is ``t``, the loss is
-``log_z - z_t`` with ``log_z = m + log sum_v exp(z_v - m)`` (``m`` any upper bound, the max for
-stability), and its gradient ``dL/dz = exp(z - log_z) - one_hot(t) = softmax(z) - one_hot(t)``.
-Both losses here compute exactly that (:func:`_d_logits` is the gradient of both):
+Both losses compute ``log_z - z_t`` and its gradient ``softmax(z) - one_hot(t)``
+(:func:`_d_logits`): :func:`token_losses` with the logits whole (or split over ``tensor`` by the
+partitioner), :func:`vocab_piece_loss` with the vocabulary cut into pieces across the devices
+of a manual axis, its max, sum and target logit combined by collectives.
 
-- :func:`token_losses`: ``z`` whole, or split over ``tensor`` by the partitioner (the max and
-  the sum of exponentials each a small all-reduce of ``[B, S]``);
-- :func:`vocab_piece_loss`: ``z`` cut into pieces across the devices of a manual axis (each
-  pipeline stage scores its piece of the vocabulary): ``m`` is the ``pmax`` of the pieces'
-  maxima, the sum of exponentials a ``psum`` of the pieces' sums, ``z_t`` a ``psum`` of the
-  one piece holding ``t``; the gradient is local to each piece.
-
-**One reduction of the head's gradient per step.** The head's gradient ``h^T d_logits`` is a
-sum over every token; each device holds some tokens (rows over the batch axes, a slice of the
-sequence over ``context``), so each device's product is a partial sum that the devices sharing
-the head must add (FSDP's reduce-scatter, the sum over ``context``). Computed piece by piece in a
-loop, the compiler adds the partial sums where the loop carry needs them: once per piece, the
-whole [d_model, V/t] float32 gradient each time (Llama-3-8B widths, 32 pieces: 32 x 2 GiB per
-device where one reduce-scatter of 2 GiB suffices). So the loop keeps each device's partial sum
-apart, as a dimension of its own per token shard (:func:`per_shard_weight_grad`, split like the
-tokens: nothing moves), and the shards are added once after the loop
-(:func:`~jaxpar.model.annotate.sum_over_token_shards`: reduce-scatter into the head's layout,
-then the other token axes on each device's slice).
-The pipeline's vocabulary-piece loss accumulates its head gradient the same way.
+The head's gradient ``h^T d_logits`` is a sum over every token, and each device holds some
+tokens. Computed piece by piece in a loop, the compiler would add the devices' partial sums
+once per piece. So the loop keeps each device's partial sum apart, per token shard
+(:func:`per_shard_weight_grad`: nothing moves), and the shards are added once after the loop
+(:func:`~jaxpar.model.annotate.sum_over_token_shards`). The derivation and what it saves:
+docs/attention-and-loss.md, "The loss at vocabulary scale".
 """
 
 from __future__ import annotations

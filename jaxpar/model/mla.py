@@ -1,36 +1,23 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3): keys and values expanded from a small
 cached latent.
 
-Shapes: B batch, S sequence, E d_model, H heads, Rq ``q_lora_rank``, R ``kv_lora_rank``,
-N ``qk_nope_head_dim``, P ``qk_rope_head_dim``, V ``v_head_dim``::
-
-    q      = rms(x W_qa) W_qb            [B, S, H, N + P]  (x W_q where q_lora_rank = 0)
-    c, kr  = split(x W_kva)              c [B, S, R], kr [B, S, P]: the latent and the one
-    c      = rms(c)                      rope key every head shares
-    k_nope, v = split(c W_kvb)           [B, S, H, N], [B, S, H, V]
-    q = [q_nope, rope(q_rope)];   k = [k_nope, rope(kr) for every head]
-    out = attention(q, k, v) W_o         softmax scale 1/sqrt(N + P) (x YaRN's mscale^2)
-
-What a decoder caches per token and layer is ``c`` and ``rope(kr)``: R + P numbers (DeepSeek-V3:
-512 + 64 = 576, 1,152 bytes in bf16 per layer) where grouped-query attention with H kv heads of
-N + P and V would keep H (N + P + V) = 40,960. A prefill expands keys and values from them and
-attends as training does; a decode step attends over them without expanding them
+Queries go through a low-rank pair of projections; keys and values are expanded from a latent
+``c`` of ``kv_lora_rank`` numbers per token, and one rope key ``kr`` is shared by every head.
+A decoder caches only ``c`` and ``rope(kr)`` per token and layer (DeepSeek-V3: 576 numbers, where
+its expanded heads would take 40,960). A prefill expands keys and values and attends as
+training does; a decode step attends over the latents without expanding them
 (:func:`absorbed_attention`; the cache: :mod:`jaxpar.model.kv_cache`).
 
-The attention kernels are the model's own (dense, blockwise, cuDNN, ring through
-:func:`~jaxpar.model.annotate.attention_override`), which take q, k and v of one head dim. Where
-V differs from N + P the narrower side is padded with zeros to the wider (exact: zero columns of
-v give zero output columns, sliced off; zero columns of q and k add nothing to the scores, and q
-is rescaled so the kernel's 1/sqrt(width) is 1/sqrt(N + P)). Its cost: the padded operand's
-bytes and its matmul's flops grow by the ratio of widths (DeepSeek-V3, v 128 -> 192: the
-probabilities-times-values matmul 1.5x, attention's flops 1.2x).
+The attention kernels are the model's own (through
+:func:`~jaxpar.model.annotate.attention_override`), which take q, k and v of one head dim: where
+v's width differs from q and k's, the narrower side is padded with zeros (exact). The softmax
+scale is 1/sqrt(N + P), times YaRN's mscale^2 where ``rope_scaling`` asks for it.
 
-Heads are split over ``tensor`` as in :class:`~jaxpar.model.layers.Attention`; the latents
-(logical ``q_lora``, ``kv_lora``) are whole on every device (each head reads all of them), so the
-down-projections W_qa and W_kva are computed by every tensor device, and their weights split
-over ``fsdp`` on ``embed`` like the other weights. The up-projections W_qb and W_kvb have no
-model dimension: under ZeRO-3 their latent dimension (``q_lora_in``, ``kv_lora_in``) is split
-over ``fsdp`` instead, and gathered per layer when used (``act_q_lora_in``, whole).
+Heads are split over ``tensor`` as in :class:`~jaxpar.model.layers.Attention`. The latents are
+whole on every device, since every head reads all of them. Under ZeRO-3 the up-projections,
+which have no model dimension, are split over ``fsdp`` on their latent dimension instead. The
+formulas, the padding's cost and the layouts: docs/attention-and-loss.md, "Multi-head latent
+attention".
 """
 
 from __future__ import annotations

@@ -2,39 +2,22 @@
 
 Everything outside attention is per token, so splitting the sequence over N devices splits those
 activations N ways for free. Attention is the one place a token needs the others' keys and
-values. Two ways to provide them, both inside ``shard_map`` over ``context`` only (``data``,
-``fsdp`` and ``tensor`` stay automatic, so heads can be tensor-split at the same time; inside a
-pipeline stage ``context`` is manual already and the per-device function runs directly):
+values. Two ways to provide them, both inside ``shard_map`` over ``context`` only (the other
+axes stay automatic, so heads can be tensor-split at the same time; inside a pipeline stage
+``context`` is manual already and the per-device function runs directly):
 
-``ring`` (default). Each device keeps its queries and passes its key/value block around a ring
-with ``ppermute``: N steps, each combining one block into running (max, sum, output) statistics
-of an online softmax, so no device ever holds all of K/V or an S x S score matrix. Per layer and
-pass each device sends (N-1) K/V blocks of ``B x S/N x K x D`` elements each (x2 for K and V); the
-backward pass runs the ring again (custom VJP) with the dK/dV accumulators travelling with their
-blocks, one more hop to bring them home. Saved activations per device stay O(S/N).
+- ``ring`` (default): each device keeps its queries and passes its key/value block round a
+  ``ppermute`` ring, folding each block into an online softmax, so no device holds all of K/V
+  or an S x S score matrix. The backward pass runs the ring again (custom VJP), the dK/dV
+  accumulators travelling with their blocks.
+- ``allgather`` (as in Llama 3 training): K and V all-gathered once per layer, the local
+  queries attended to them; autodiff makes the gather a reduce-scatter of dK/dV.
 
-``allgather`` (as in Llama 3 training). All-gather K and V over ``context`` once per layer (cheap
-under grouped-query attention: K heads instead of H), attend the local queries to them; autodiff
-turns the gather into a reduce-scatter of dK/dV in the backward pass. Each device holds the full
-K/V of one layer: (N-1)/N x ``B x S x K x D`` x2 elements gathered, and their gradients
-reduce-scattered in float32.
-
-``ulysses`` and ``hybrid`` (:mod:`jaxpar.parallel.ulysses`) trade the sequence split for a
-head split with all-to-alls instead, over all of ``context`` or inside groups of it with this
-module's ring between the groups.
-
-Causal load balance (zigzag). With a contiguous split, device i's queries see i+1 of the N key
-blocks, so the last device works N times as hard as the first. Cutting the sequence into 2N
-chunks and giving device i chunks i and 2N-1-i evens this out: every device computes the same
-number of unmasked blocks. The train step permutes tokens (and their positions) into this order
-once on the host; the loss is a sum over tokens, so the order does not change it, and rotary
-embeddings and the causal mask use the permuted positions, so nothing else changes either.
-
-Blocks are classified by position ranges and documents (:func:`jaxpar.model.mask.block_kind`):
-all keys before all queries in one document (full block, no mask), all keys after all queries
-or in other documents (skipped), otherwise masked elementwise. The mask description (order,
-document ids) travels round the ring with its keys, as the positions alone did; a packed row of
-short documents computes only its documents' blocks on each device.
+``ulysses`` and ``hybrid`` are :mod:`jaxpar.parallel.ulysses`. The *zigzag* layout balances the
+causal work: device i holds chunks i and 2N-1-i of the sequence. The train step permutes the
+tokens once on the host, and the mask description travels with them, round the ring too
+(:func:`jaxpar.model.mask.block_kind`). Bytes per device and why zigzag balances:
+docs/attention-and-loss.md, "Context parallelism".
 """
 
 from __future__ import annotations

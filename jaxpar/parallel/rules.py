@@ -1,36 +1,16 @@
 """The one table from logical axis names to mesh axes, and everything derived from it.
 
 The model names the dimensions of its parameters and activations (``embed``, ``heads``, ``seq``
-...). This table says which mesh axes split each logical dimension:
-
-====================  ========================  ============================================
-logical axis          mesh axes                 why
-====================  ========================  ============================================
-batch                 data, fsdp, expert        every batch axis gets its own rows
-seq                   context                   attention/matmul inputs; ring attention
-residual_batch        batch's (+ tensor if SP   between blocks: sequence parallelism splits
-                      on rows)                  whole sequences where each device's rows divide
-residual_seq          context (+ tensor if SP   ... and the sequence where they do not
-                      on the sequence)          (Megatron's layout)
-embed (parameters)    fsdp (ZeRO-3)             FSDP: weights gathered per layer when used
-act_embed             -                         activations keep the model dim whole
-heads, kv_heads       tensor                    column-parallel QKV, row-parallel output
-mlp                   tensor                    column-parallel gate/up, row-parallel down
-vocab                 tensor                    vocab-parallel embedding, head and loss
-experts               expert                    expert weights live on their expert shard
-layers                pipe                      the stacked layers: one run of them per stage
-head_dim              -                         too small to split
-q_lora, kv_lora       -                         MLA's latents: small, and every head reads
-                                                all of them
-q_lora_in, kv_lora_in fsdp (ZeRO-3)             the latent dim of MLA's up-projections as
-                                                stored (they have no embed dim to split)
-act_q/kv_lora_in      -                         ... and as the matmuls read them
-stage                 pipe                      pipeline stages
-====================  ========================  ============================================
+...). :func:`logical_rules` says which mesh axes split each logical dimension: the batch over
+``data``, ``fsdp`` and ``expert``; the sequence over ``context``; parameters' ``embed`` over
+``fsdp`` under ZeRO-3; heads, MLP and vocabulary over ``tensor``; experts over ``expert``; the
+stacked layers over ``pipe``; and, with sequence parallelism, the residual stream's rows or
+sequence over ``tensor`` too. ``parallel.rules`` in the config can override entries.
 
 Rules are checked when resolved, never silently dropped: a logical name with no rule, a mesh axis
 the mesh does not have, one mesh axis used for two dimensions of one array, or a dimension that
-does not divide evenly, is a :class:`~jaxpar.config.ConfigError` naming the array.
+does not divide evenly, is a :class:`~jaxpar.config.ConfigError` naming the array. The whole
+table, with why each entry: docs/design.md, "Logical-axis rules".
 """
 
 from __future__ import annotations

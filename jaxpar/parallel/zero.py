@@ -1,29 +1,21 @@
 """ZeRO: which device holds which part of the parameters and optimizer state.
 
-Plain data parallelism (``data`` axis) needs no code: parameters are replicated, the batch is split,
-and because the loss is a sum over the global batch, the compiler all-reduces gradients over
-``data`` (2(N-1)/N x gradient bytes per device with a ring).
+Plain data parallelism (``data``) and ZeRO-3 / FSDP (``fsdp``, ``parallel.zero=3``) need no code
+here: the rules table replicates the parameters over ``data``, and maps their ``embed``
+dimension to ``fsdp``, so parameters, gradients and Adam moments are stored 1/N per device. The
+compiler then all-reduces, or all-gathers and reduce-scatters, as each layout needs.
 
-ZeRO-3 / FSDP (``fsdp`` axis, ``parallel.zero=3``) also needs no code of its own: the rules table
-maps the parameters' ``embed`` dimension to ``fsdp``, so parameters, gradients and Adam moments are
-all stored 1/N per device. Each layer's weights are all-gathered just before use (forward, and
-again in the backward pass), and gradients are reduce-scattered instead of all-reduced:
-(N-1)/N x parameter bytes per gather, (N-1)/N x gradient bytes per reduce-scatter.
-
-ZeRO-1 (``parallel.zero=1``) keeps parameters and gradients whole on every device and splits only
-the optimizer state (two fp32 moments = 2x parameter bytes, the largest part of training state)
-over every data-like axis (``data`` and ``fsdp``). This module builds those optimizer-state specs:
-the update runs on each device's slice, then the new parameters are all-gathered. Outside a
-pipeline the gradients take the moments' layout too (ZeRO-2): the gradient sum is a
-reduce-scatter to each device's slice, (N-1)/N x gradient bytes, and with the parameter gather
-ZeRO-1 moves what plain data parallelism's all-reduce does.
+ZeRO-1 (``parallel.zero=1``) keeps parameters and gradients whole on every device and splits
+only the optimizer state over ``data`` and ``fsdp``. This module builds those specs: the update
+runs on each device's slice, then the new parameters are all-gathered. Outside a pipeline the
+gradients take the moments' layout too (ZeRO-2), so their sum is a reduce-scatter.
 
 Weight gradients the model accumulates by hand (the loss's head, over its pieces of the
-sequence) arrive as one partial sum per shard of the tokens; :func:`token_shard_sum` adds them
-explicitly: a reduce-scatter over the axes that split the weight as stored (``fsdp``: 1/N of the
-gradient bytes each way), then an all-reduce of each device's slice over the other token axes
-(``data``, ``expert``, ``context``). Summed in one go, the partitioner all-reduces the whole
-gradient over every token axis and slices it afterwards.
+sequence) arrive as one partial sum per token shard. :func:`token_shard_sum` adds them with a
+reduce-scatter over the axes that split the weight as stored, then an all-reduce of each
+device's slice over the other token axes, where the partitioner would all-reduce the whole
+gradient. The bytes of each: docs/cost-model.md, "Collectives per step"; ZeRO-1's layout:
+docs/design.md, "Logical-axis rules".
 """
 
 from __future__ import annotations

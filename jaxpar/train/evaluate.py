@@ -1,34 +1,18 @@
 """Evaluation of a checkpoint on a tokenized split: ``jaxpar eval``.
 
-What is scored. The split's rows exactly as training reads them (:mod:`jaxpar.data.tokenized`):
-the split's documents laid end to end, each followed by its end-of-text id, cut into rows of
-``train.seq_len`` targets, read in file order from row 0. Every target of the split is scored
-once when the whole split is read (the default): every token but the split's first (nothing
-predicts it), the end-of-text ids between documents included; the context of a position is
-whatever precedes it in its row, across document boundaries, as in training. ``--batches N``
-reads the first N global batches only. The last batch is filled with masked rows (the padding
-scores nothing), so no row is left out and none is counted twice.
+The split's rows are scored exactly as training reads them (:mod:`jaxpar.data.tokenized`):
+documents end to end, cut into rows of ``train.seq_len`` targets, read in file order. Read
+whole, every target of the split but the first is scored once; ``--batches N`` reads the first
+N global batches only, and the last batch is filled with masked rows. Data ``jaxpar tokenize``
+did not write (text, or chat .jsonl) is tokenized, split and packed here as training does it.
 
-Data that ``jaxpar tokenize`` did not write (text files, or chat .jsonl under
-``data.loss_on=assistant``: anything ``data.source`` reads) is tokenized, split
-(``data.val_fraction``) and packed here as training does it; chat rows score the assistant's
-tokens only, as the fine-tuning loss does, and bits per byte is not given (no byte counts).
+The numbers: ``loss`` (mean cross entropy in nats), ``perplexity`` and ``bits_per_byte`` (from
+the UTF-8 bytes ``jaxpar tokenize`` recorded, so only for a whole split). The loss is the
+validation step's (:mod:`jaxpar.train.eval`), on the train step's shardings, so any layout
+training runs evaluates. The parameters are read straight into their shardings; no optimizer
+state is read.
 
-The numbers. ``loss``: the mean cross entropy in nats over the scored targets;
-``perplexity``: exp(loss); ``bits_per_byte``: the summed nats / ln 2 / the UTF-8 bytes of the
-split's texts, as ``jaxpar tokenize`` recorded them in ``index.json``. The bytes are the whole
-split's, so bits per byte is given only when the whole split is scored, and only for an index
-that records them (written by a jaxpar that does; an older index: re-tokenize). Numerator and
-denominator differ by design on two edges: the end-of-text predictions count as nats but
-carry no text byte, and the split's first token's bytes count though nothing scores them;
-both are one token per document or per split, the usual convention of bits per byte over a
-tokenized corpus (it is what makes tokenizers comparable).
-
-How. The loss is the validation step's (:mod:`jaxpar.train.eval`): the train step's loss code,
-forward only, on the train step's shardings for the checkpoint's config on the requested mesh,
-so any layout training runs (data, fsdp, tensor, context, expert, pipe) evaluates. The
-parameters are read straight into their shardings and dtype (``train.param_dtype``); no
-optimizer state is read, and none is made unless a pipeline's step needs one (zeros).
+What is scored at the edges, and why: docs/evaluation.md, "`jaxpar eval`".
 """
 
 from __future__ import annotations

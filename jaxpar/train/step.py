@@ -5,32 +5,15 @@ The step never mentions a collective: parameters, optimizer state and the batch 
 compiler inserts the all-reduces / all-gathers / reduce-scatters each layout needs.
 
 The loss is the *sum* of per-token losses divided by the *global* count of valid tokens, taken
-over the whole global batch before it is split into gradient-accumulation micro-steps. So the
-number (and its gradient) does not depend on the mesh, on micro-stepping, or on how padding falls.
+over the whole global batch before it is split into micro-steps. So the number (and its
+gradient) does not depend on the mesh, on micro-stepping, or on how padding falls. A mixture of
+experts adds its weighted auxiliary losses to the objective; the ``loss`` metric stays the
+cross-entropy. Non-trainable model state (``TrainState.buffers``: MoE router biases, sliding
+window flags) is kept apart from the parameters, so the optimizer never sees it. With packed
+documents, :meth:`Trainer.put_batch` derives each token's position in its document on the host,
+and the model gets one mask description (:mod:`jaxpar.model.mask`) in place of positions.
 
-A mixture-of-experts model adds its auxiliary losses (load balance, router z-loss) to the
-objective that is differentiated: each MoE layer computes them over the global batch of one
-micro-step, and the objective adds their weighted sum over layers, averaged over micro-steps::
-
-    objective = sum(token losses) / valid tokens
-                + (aux_loss_weight * aux_loss + z_loss_weight * z_loss) / grad_accum
-
-The first term does not depend on the mesh or on micro-stepping; the second does not depend on
-the mesh (statistics over the global micro-batch) but does on ``grad_accum``, since load
-statistics over smaller batches are different numbers. The ``loss`` metric stays the
-cross-entropy (comparable with dense runs); the auxiliary terms are logged beside it.
-
-Non-trainable model state (``TrainState.buffers``: the MoE router biases of aux-loss-free
-balancing, the layers' sliding-window flags) is split from the parameters, so the optimizer,
-weight decay and gradient clipping never see it; the step updates the router biases from the
-measured expert load.
-
-Packed documents (``data.document_mask``): a batch may carry int32 ``segment_ids`` (each input
-token's document). :meth:`Trainer.put_batch` derives each token's position within its document
-from them on the host, before the tokens are reordered (zigzag), and reorders all three alike;
-the step hands the model one mask description (:mod:`jaxpar.model.mask`) in place of the
-positions, so every attention implementation keeps inside documents and rotary positions
-restart at each.
+The hops of one step, and the objective in full: docs/train-step.md.
 """
 
 from __future__ import annotations

@@ -2,30 +2,20 @@
 
 The default (``per_step``, :mod:`jaxpar.parallel.pipeline.executor`) gathers a stage's weights
 whole over ``fsdp`` once per step and sums its weight gradients whole in float32 until the
-step's one reduce-scatter: ``L_s`` layers of weights (compute dtype) and of float32 sums on
-every device for the whole step (``L_s``: the stage's layers).
+step's one reduce-scatter: all the stage's layers, whole, on every device for the whole step.
 
 Here a slot runs its chunk's layers as a ``lax.scan`` of its own, one layer per iteration
-(:mod:`jaxpar.parallel.pipeline.layerwise`, with :class:`LayerFsdp` for each layer's weights):
+(:mod:`jaxpar.parallel.pipeline.layerwise`, with :class:`LayerFsdp` for each layer's weights).
+A forward slot gathers each layer's stored shard over ``fsdp`` (cast to the compute dtype
+first), runs it under ``jax.vjp`` and stashes its residuals without the gathered weights. A
+backward slot runs the layers in reverse, gathers each again, rebuilds its VJP, and
+reduce-scatters the layer's weight gradient over ``fsdp`` at once into float32 sums held in
+the stored split.
 
-- forward slot: all-gather layer ``l``'s stored shard over ``fsdp`` (cast to the compute dtype
-  first: ``(f-1)/f`` of the layer's weights in that dtype arrive per device), run the layer
-  under ``jax.vjp`` and stash its residuals, less the gathered weights (the very arrays passed
-  in, which the stash leaves out as the executor's does);
-- backward slot (``B``, or ``I`` then ``W``), layers in reverse: gather layer ``l`` again,
-  rebuild its VJP from the stash and the gathered weights, pull the gradient through, and
-  reduce-scatter the layer's weight gradient over ``fsdp`` at once (in
-  ``parallel.reduce_dtype``: ``(f-1)/f`` of the layer's weights in that dtype leave per
-  device) into float32 sums held in the stored split.
-
-So a device holds one layer whole at a time (its weights and their gradient), and float32
-sums of ``1/f`` of the stage's weights. The price, per executed slot (masked ones run too: the
-one-program rule), over ``fsdp``: one gather of every layer of the chunk per forward slot, one
-per backward slot (an ``I`` and its ``W`` run as one ``B`` where the executor fuses them, else
-``W`` gathers again), and one reduce-scatter per slot that adds weight gradients (``B``,
-``W``). The one all-reduce per step over the other axes split by hand (``data``, ``context``,
-``expert``) stays, on the sharded sums. All these collectives sit in the scans' bodies, never
-under a conditional.
+So a device holds one layer whole at a time, and float32 sums of ``1/f`` of the stage's
+weights. The price is a gather of every layer per executed slot (masked ones too) and a
+reduce-scatter per slot that adds weight gradients, all in the scans' bodies, never under a
+conditional. Costed in docs/pipelines.md, "FSDP layer by layer".
 """
 
 from __future__ import annotations
