@@ -1,11 +1,12 @@
-"""How layers multiply by their weights: :func:`weight`, :func:`project` and
-:func:`project_all` (the weight matmuls, with the custom VJP that keeps the backward pass's
-memory and collectives to what they must be), and :func:`lookup` (the embedding's gather).
+"""How layers multiply by their weights: :func:`weight`, :func:`project` and :func:`project_all`
+(the weight matmuls, with one custom VJP for the backward pass), and :func:`lookup` (the embedding's
+gather).
 
-The model names logical axes only; these functions turn a parameter as stored (float32, the
-model dimension named ``embed``: split over ``fsdp`` under ZeRO-3) into the weight a matmul
-reads (the compute dtype, ``act_embed``: whole) where the compiler places FSDP's gather, and
-send its gradient back to the stored layout (FSDP's reduce-scatter).
+The model names logical axes only. These functions turn a parameter as stored (float32, its model
+dimension ``embed`` split over ``fsdp`` under ZeRO-3) into the weight a matmul reads (the compute
+dtype, ``act_embed`` whole): that is FSDP's gather. Its gradient goes back to the stored layout:
+FSDP's reduce-scatter. Why every weight must come through here: docs/add-a-layer.md, "The projection
+helpers".
 """
 
 from __future__ import annotations
@@ -32,18 +33,16 @@ MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel mat
 def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
     """A weight as a layer multiplies with it: in the compute dtype, laid out as ``names``.
 
-    Layers name the model dimension of their weights ``act_embed`` here (whole, as activations
-    keep it), where the stored parameter says ``embed`` (split over ``fsdp`` under ZeRO-3). The
-    change of layout is FSDP's per-layer all-gather, done in the compute dtype (half the bytes in
-    bf16) and written down explicitly, so the compiler never chooses to move activations instead.
-    Its gradient goes straight back to the stored layout: a reduce-scatter over ``fsdp``.
+    ``act_embed`` in ``names`` is the stored ``embed``, whole. The change of layout is FSDP's
+    per-layer all-gather, in the compute dtype and written down, so the compiler never moves
+    activations instead. Its gradient goes back as a reduce-scatter over ``fsdp``.
     """
     return _used_weight(param[...], names, dtype)
 
 
 def summed_grad_dtype(dtype) -> jnp.dtype:
-    """The dtype a layer computing in ``dtype`` hands its weight gradients to the sums in:
-    :func:`weight_grad_dtype` (``parallel.reduce_dtype``) where that is wider, else ``dtype``."""
+    """The dtype of the weight gradients a layer in ``dtype`` hands to the sums:
+    :func:`weight_grad_dtype` where wider, else ``dtype``."""
     grad_dtype = weight_grad_dtype()
     wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
     return jnp.dtype(grad_dtype if wider else dtype)
@@ -67,10 +66,9 @@ def _stored_names(names: tuple) -> tuple:
 
 
 class Projection(NamedTuple):
-    """One weight matmul ``einsum(spec, x, weight)``, the weight laid out as ``names`` (see
-    :func:`weight`). With several ``params`` of one shape, ``spec`` has the letter ``t`` in
-    the weight and the output, and the weights are stacked on it: one matmul for all (its
-    ``names`` leave ``t`` out)."""
+    """One weight matmul ``einsum(spec, x, weight)``, the weight laid out as ``names``. Several
+    ``params`` of one shape are stacked on the letter ``t`` of ``spec`` (not in ``names``): one
+    matmul for all."""
 
     spec: str
     params: tuple[nnx.Param, ...]
@@ -78,8 +76,8 @@ class Projection(NamedTuple):
 
 
 class Rebuild(NamedTuple):
-    """How a matmul's backward pass gets its input ``x`` back instead of keeping it:
-    ``fn(*kept)`` (``fn`` hashable, compared by value)."""
+    """How a matmul's backward pass gets its input ``x`` back instead of keeping it: ``fn(*kept)``
+    (``fn`` hashable)."""
 
     fn: Any
     kept: tuple
@@ -90,8 +88,8 @@ def _matmul_input(s: jax.Array) -> jax.Array:
 
 
 def sequence_slice(x: jax.Array) -> Rebuild:
-    """Keep each device's slice of the sequence of ``x`` (:data:`MATMUL_INPUT`) and gather it
-    again for the backward pass: for a matmul input that no norm made (Megatron-SP)."""
+    """Keep each device's slice of the sequence of ``x`` and gather it again for the backward pass:
+    for a matmul input that no norm made (Megatron-SP)."""
     return Rebuild(_matmul_input, (constrain(x, RESIDUAL),))
 
 
@@ -104,22 +102,15 @@ def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *
 
 def project_all(x: jax.Array, projections: tuple[Projection, ...], *,
                 x_from: Rebuild | None = None) -> tuple[jax.Array, ...]:
-    """Every projection of the same ``x`` (q, k and v; gate and up), in ``x``'s dtype: one
-    output per parameter, in order (a stacked projection's output split on ``t``).
+    """Every projection of the same ``x`` (q, k and v; gate and up), in ``x``'s dtype: one output
+    per parameter, in order.
 
-    One custom VJP fixes five things autodiff alone gets wrong for a large model (each
-    explained in docs/add-a-layer.md, "What the projection VJP fixes"):
-
-    - reshard after forward: where :func:`resharding_after_forward` says so, the backward pass
-      keeps the stored shard, not the gathered weight, and gathers it again;
-    - the gradient dtype: weight gradients accumulate in :func:`weight_grad_dtype` where wider;
-    - fewer input-gradient reductions: weights of one shape are stacked into one matmul;
-    - keep less than ``x``: the VJP keeps ``x_from.kept`` and rebuilds ``x`` once;
-    - a weight gradient written as its own matmul (:func:`_matmul_grads`).
-
-    The gradients go back to the stored layout as :func:`weight`'s do. In a pipeline stage
-    (:func:`weights_prepared`) each parameter is its own matmul (``_matmul``), keeping ``x`` and
-    the prepared weight itself: stacking them would stash a copy per slot.
+    One custom VJP fixes five things autodiff gets wrong for a large model: it reshards after the
+    forward pass, accumulates weight gradients in :func:`weight_grad_dtype`, stacks weights of one
+    shape into one matmul, keeps ``x_from.kept`` instead of ``x``, and writes each weight gradient
+    as its own matmul (:func:`_matmul_grads`). Each is explained in docs/add-a-layer.md, "What the
+    projection VJP fixes". In a pipeline stage (:func:`weights_prepared`) each parameter is its own
+    matmul (``_matmul``): stacking would stash a copy per slot.
     """
     if weights_prepared():
         return tuple(_matmul(p.spec.replace("t", ""), None, x, param[...])
@@ -148,8 +139,8 @@ class _Part(NamedTuple):
         return cls(p.spec, (*p.names[:at], None, *p.names[at:]), at, len(p.params))
 
     def operand_names(self) -> tuple[tuple, tuple]:
-        """The logical layouts of ``x`` and of the output, letter by letter: ``b`` and ``s``
-        the tokens' (``batch``, ``seq``), every other letter its weight dimension's name."""
+        """The logical layouts of ``x`` and of the output, letter by letter: ``b`` and ``s`` the
+        tokens', every other letter its weight dimension's name."""
         inputs, out = self.spec.split("->")
         x_spec, w_spec = inputs.split(",")
         name = {"b": "batch", "s": "seq", **dict(zip(w_spec, self.names, strict=True))}
@@ -235,19 +226,17 @@ _project.defvjp(_project_fwd, _project_bwd)
 
 
 def float32_logits(h: jax.Array, head: jax.Array) -> jax.Array:
-    """The loss's logits ``einsum("bse,ev->bsv", h, head)``, accumulated and returned in
-    float32, with :func:`_matmul_grads` for the backward pass: autodiff would first transpose
-    their float32 gradient, ``[tokens, vocab]`` (measured: docs/performance.md, "Pipelines
-    again, after their matmuls got the backward pass of the others")."""
+    """The loss's logits ``einsum("bse,ev->bsv", h, head)`` in float32, with :func:`_matmul_grads`
+    for the backward pass (autodiff would first transpose their float32 gradient,
+    ``[tokens, vocab]``)."""
     return _matmul("bse,ev->bsv", jnp.float32, h, head)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _matmul(spec: str, out_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
     """``einsum(spec, x, w)`` (accumulated in ``out_dtype``; None: the inputs') with
-    :func:`_matmul_grads` for its backward pass. Its residuals are ``x`` and ``w`` as passed
-    in, so the pipeline's stash recognises the weight as the stage's own
-    (``parallel/pipeline/stages.py: Residuals``) and does not stash it."""
+    :func:`_matmul_grads` for its backward pass. Its residuals are ``x`` and ``w`` as passed, so the
+    pipeline's stash recognises the weight as the stage's own and does not stash it."""
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
 
 
@@ -266,11 +255,8 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def _matmul_grads(spec: str, out_dtype, x: jax.Array, w: jax.Array, dy: jax.Array, grad_dtype,
                   ) -> tuple[jax.Array, jax.Array]:
-    """(dx, dw) of ``einsum(spec, x, w)`` accumulated in ``out_dtype``. The matmul is linear in
-    each operand: dx is its transpose in x (no forward recomputed); dw is written as its own
-    matmul ``x^T dy``, accumulating in ``grad_dtype``. Autodiff's transpose in w computes the
-    same product from a transposed copy of ``dy``, which XLA:CPU hands to a slower kernel
-    (docs/add-a-layer.md, "What the projection VJP fixes")."""
+    """(dx, dw) of ``einsum(spec, x, w)``: dx is its transpose in x, dw its own matmul ``x^T dy`` in
+    ``grad_dtype``. Autodiff's transposed copy of ``dy`` runs on a slower XLA:CPU kernel."""
     (dx,) = jax.linear_transpose(
         lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=out_dtype), x)(dy)
     inputs, out = spec.split("->")
@@ -283,21 +269,10 @@ def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype,
     """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
     ``tokens``, in ``dtype``: the embedding.
 
-    The forward pass is a gather: no ``[tokens, vocab]`` one-hot and none of its 2 x vocab x
-    d_model flops a token. Where the layout splits the table by rows over ``vocab_shards``
-    devices (vocab-parallel: ``vocab`` over ``tensor``), each device gathers the rows of the
-    ids it owns and zeros for the others, and the sum over the shards completes every row: an
-    all-reduce of the ``[tokens, d_model]`` output over ``tensor`` (a reduce-scatter where
-    sequence parallelism splits the residual stream), the bytes a row-parallel matmul's output
-    costs. (A plain gather from a row-split table made XLA gather the whole table first.)
-
-    The backward pass is the one-hot matmul's weight gradient, ``one_hot(tokens)^T dy``, built
-    from the tokens (the only residual: nothing ``[tokens, vocab]``-sized is kept from the
-    forward pass), which the compiler partitions and sums like any weight gradient (a
-    scatter-add gradient it laid out differently per layout). It is built for ``pieces``
-    slices of the vocabulary one after another, so that only one slice's one-hot
-    ([vocab/pieces, tokens], split like the table) is alive at a time; the flops are the same.
-    In ``parallel.reduce_dtype`` where that is wider, as :func:`project`'s.
+    The forward pass is a gather: a vocab-parallel table is gathered by each device for the ids it
+    owns and summed over the shards. The backward pass is the one-hot matmul's weight gradient,
+    built from the tokens in ``pieces`` slices of the vocabulary, in ``parallel.reduce_dtype`` where
+    wider. Why, and the bytes: docs/attention-and-loss.md, "The embedding".
     """
     w = param[...]
     stored = _stored_names(tuple(names))
@@ -328,8 +303,8 @@ def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _rows_by_owner(how: _LookupVJP, table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The vocab-parallel gather: the table as ``[shards, V/shards, E]`` (shard k: ids k
-    V/shards, ...), each token's row from its owner's block."""
+    """The vocab-parallel gather: the table as ``[shards, V/shards, E]``, each token's row from its
+    owner's block."""
     rows = how.vocab_size // how.vocab_shards
     owner, local_id = jnp.divmod(tokens, rows)
     blocks = table.reshape(how.vocab_shards, rows, table.shape[-1])
@@ -338,12 +313,9 @@ def _rows_by_owner(how: _LookupVJP, table: jax.Array, tokens: jax.Array) -> jax.
 
 def owned_rows(blocks: jax.Array, owner: jax.Array, local_id: jax.Array,
                embed_name: str = "act_embed") -> jax.Array:
-    """Rows of a table split by rows into ``blocks`` [k, rows, E], the first dimension split
-    like ``vocab``: token ``t``'s row is ``blocks[owner[t], local_id[t]]``, zeros where
-    ``owner`` names no block (-1). Each block's gather of the local ids runs on the device that
-    holds the block (a gather with the block as a batch dimension, which the compiler keeps
-    local), and the sum over the blocks is the one collective: the tokens' rows, ``[tokens,
-    E]``, summed over the devices splitting ``vocab`` (no whole table is gathered)."""
+    """Rows of a table split by rows into ``blocks`` [k, rows, E]: token ``t``'s row is
+    ``blocks[owner[t], local_id[t]]``, zeros where ``owner`` is -1. Each block is gathered where it
+    is held, and the sum over the blocks, ``[tokens, E]``, is the one collective."""
     blocks = constrain(blocks, ("vocab", None, embed_name))
     gathered = jax.vmap(lambda block: jnp.take(block, local_id, axis=0))(blocks)
     gathered = constrain(gathered, ("vocab", "batch", "seq", embed_name))
@@ -366,18 +338,13 @@ def _lookup_bwd(how, tokens, dy):
 
 def one_hot_weight_grad(row_ids: jax.Array, tokens: jax.Array, dy: jax.Array, pieces: int,
                         grad_dtype: Any, names: tuple | None = None) -> jax.Array:
-    """The gradient of the rows ``row_ids`` [R] of an embedding table from the rows' gradients
-    ``dy`` [B, S, E] of int ``tokens`` [B, S]: ``one_hot(tokens)^T dy`` [R, E], in
-    ``grad_dtype``, built for ``pieces`` (dividing R) slices of the rows one after another.
+    """The gradient of the rows ``row_ids`` [R] of an embedding table: ``one_hot(tokens)^T dy`` [R,
+    E] in ``grad_dtype``, built for ``pieces`` strided slices of the rows one after another.
 
-    Slice k holds rows k, k + n, k + 2n, ... (n = pieces): a strided cut, so that where the
-    rows are split over devices in blocks that n divides, a device's rows of every slice are
-    rows of its own block, and the slices interleave back into the table without moving. The
-    one-hot is built vocab-major, as the matmul reads it.
-
-    Each slice is laid out as ``names`` (the table's stored layout) as soon as it is made: its
-    sum over the devices holding the tokens is then a reduce-scatter of that slice (FSDP), and
-    no whole unreduced [R, E] gradient exists (at Llama-3-8B widths, 2 GiB per device)."""
+    Slice k holds rows k, k + n, ...: where devices hold the rows in blocks that n divides, every
+    slice's rows are a device's own. Each slice takes the table's layout (``names``) as soon as it
+    is made, so no whole unreduced [R, E] gradient exists.
+    """
     n = pieces
 
     def slice_grad(ids: jax.Array) -> jax.Array:
@@ -397,10 +364,9 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def add_bias(y: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
-    """``y`` plus the bias ``param`` (laid out as ``names``, the trailing dimensions of ``y``),
-    in ``y``'s dtype. The bias gradient is a sum over the tokens, which the compiler completes
-    across the devices holding them; it is taken in :func:`summed_grad_dtype` (autodiff would
-    sum bf16 in a bf16 run)."""
+    """``y`` plus the bias ``param`` (laid out as ``names``), in ``y``'s dtype. Its gradient, a sum
+    over the tokens, is taken in :func:`summed_grad_dtype` (autodiff would sum bf16 in a bf16
+    run)."""
     b = param[...]
     if weights_prepared():
         return y + b

@@ -58,10 +58,9 @@ Placement = Literal["ring", "v"]
 
 
 def stage_of(chunk: int, p: int, placement: Placement = "ring") -> int:
-    """The device along ``pipe`` that holds ``chunk``. On the ring (every schedule but
-    DualPipe-V) chunks go round it, s, s+p, ...; in the V (``dualpipe_v``) down the stages and
-    back up: device ``d`` holds chunks ``d`` and ``2p-1-d``, so the last chunk, and the loss,
-    are on the first device. Either way a chunk is its device's ``chunk // p``-th."""
+    """The device along ``pipe`` that holds ``chunk``: chunks go round the ring (s, s+p, ...), or
+    down and back up the V for ``dualpipe_v`` (device ``d`` holds ``d`` and ``2p-1-d``). Either way
+    a chunk is its device's ``chunk // p``-th."""
     if placement == "v":
         return chunk if chunk < p else 2 * p - 1 - chunk
     return chunk % p
@@ -113,8 +112,8 @@ SLOT_ORDER = ("F", "B", "I", "W")  # the order a step runs its slots in (B and I
 
 @dataclass(frozen=True)
 class Step:
-    """One step of the executor: the slot kinds every stage runs (in :data:`SLOT_ORDER`), and
-    per stage the action in each slot (a missing kind: that stage's slot is masked)."""
+    """One executor step: the slot kinds every stage runs (in :data:`SLOT_ORDER`), and per stage the
+    action in each slot (a missing kind: that stage's slot is masked)."""
 
     kinds: tuple[str, ...]
     actions: tuple[dict[str, Action], ...]
@@ -126,9 +125,9 @@ class Step:
 
 def _ready_for(a: Action, s: int, step: int, ready: dict, made_here: dict, n_chunks: int,
                overlap: bool = False) -> bool:
-    """Whether everything ``a`` needs exists when stage ``s`` reaches it at ``step``: made on
-    an earlier step, or earlier in this step by this stage in a slot that runs first (with
-    ``overlap`` not a backward's forward: the two run in one layer loop)."""
+    """Whether everything ``a`` needs exists when stage ``s`` reaches it at ``step``: made on an
+    earlier step, or earlier in this step by this stage in a slot that runs first (with ``overlap``,
+    not by the same step's forward)."""
     for _, key in needs(a, n_chunks):
         if key in ready and ready[key] < step:
             continue
@@ -142,14 +141,11 @@ def _ready_for(a: Action, s: int, step: int, ready: dict, made_here: dict, n_chu
 
 def time_steps(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = False,
                ) -> list[Step]:
-    """Time per-stage orders as executor steps: at each step every stage takes its next actions
-    in order, at most one per slot kind, while what they need is ready (module docstring).
+    """Time per-stage orders as executor steps (:func:`as_soon_as_possible`'s rule).
 
-    ``orders[s]`` is stage ``s``'s list; ``v`` is the number of chunks per stage. With
-    ``overlap`` (``parallel.pipeline_overlap``) a step's forward and backward slots run in one
-    layer loop, so a backward cannot read what the same step's forward makes: the last chunk's
-    backward comes the step after its forward. Raises ValueError if the orders deadlock (some
-    stage waits for a result that never comes).
+    ``orders[s]`` is stage ``s``'s list; ``v`` is the chunks per stage. With ``overlap``
+    (``parallel.pipeline_overlap``) a step's forward and backward run in one layer loop, so the last
+    chunk's backward comes the step after its forward. Raises ValueError if the orders deadlock.
     """
     p = len(orders)
     n_chunks = v * p
@@ -188,8 +184,8 @@ def time_steps(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = F
 
 
 def table_of(steps: Sequence[Step]) -> Table:
-    """The steps laid out in ticks: each slot as many ticks as its kind costs, ``None`` where a
-    stage's slot is masked. Every stage runs every tick, so this is the executed timeline."""
+    """The steps laid out in ticks, each slot as many as its kind costs, ``None`` where a stage's
+    slot is masked: the executed timeline."""
     p = len(steps[0].actions) if steps else 0
     table: Table = []
     for step in steps:
@@ -214,13 +210,8 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
 
 
 def gpipe(p: int, m: int) -> Table:
-    """GPipe: every stage runs all ``m`` forwards, then all ``m`` backwards.
-
-    Stage ``s`` runs F(j) at step ``s + j``: ``m + p - 1`` steps with a forward slot, and as
-    many with a backward slot (the last stage turns around while the others still run
-    forwards, so one step has both). The table is ``3(m+p-1)`` ticks, each stage busy ``3m``:
-    bubble = (p-1)/(m+p-1). Every stage holds all ``m`` microbatches at the turn.
-    """
+    """GPipe: every stage runs all ``m`` forwards, then all ``m`` backwards. Bubble (p-1)/(m+p-1);
+    every stage holds all ``m`` microbatches at the turn."""
     _check_sizes(p, m)
     return as_soon_as_possible(_gpipe_orders(p, m))
 
@@ -232,16 +223,12 @@ def _gpipe_orders(p: int, m: int) -> list[list[Action]]:
 
 def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False, lag: int = 0,
                         ) -> list[list[Action]]:
-    """Per-stage orders of 1F1B, written as one loop over x = 0 .. m+2(p-1)-1.
+    """Per-stage orders of 1F1B, as one loop over x = 0 .. m+2(p-1)-1.
 
-    At x stage s runs F(x), then the backward of microbatch x-2(p-1-s): the last stage turns
-    each microbatch around at once; stage s runs 2(p-1-s) forwards ahead (warm-up), the time
-    its first microbatch takes to reach the last stage and its gradient to come back, one step
-    per stage each way; the x past m are the cool-down. With ``split_backward`` that backward
-    is its input-gradient half I alone (zero bubble places the W's afterwards:
-    :func:`defer_weight_grads`). ``lag`` more steps in the round trip (the last stage's
-    backward a step after its forward: ``parallel.pipeline_overlap``) mean ``lag`` more
-    forwards ahead.
+    At x stage s runs F(x), then the backward of microbatch x-2(p-1-s): it runs 2(p-1-s) forwards
+    ahead (warm-up), and the x past m are the cool-down. With ``split_backward`` that backward is
+    its I alone (:func:`defer_weight_grads` places the W's). ``lag`` more steps in the round trip
+    (``parallel.pipeline_overlap``) mean ``lag`` more forwards ahead.
     """
     orders = []
     for s in range(p):
@@ -256,33 +243,18 @@ def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False, lag: int =
 
 
 def one_f_one_b(p: int, m: int) -> Table:
-    """1F1B (PipeDream-flush, Megatron's default): warm up with ``p-1-s`` forwards on stage
-    ``s``, then alternate one forward and one backward, then cool down with the last backwards.
-
-    Steps: ``p-1`` with a forward slot only, ``m`` with a forward and a backward slot, ``p-1``
-    with a backward slot only: (p-1)F + m(F+B) + (p-1)B = ``3(m+p-1)`` ticks, GPipe's, so the
-    bubble is too: (p-1)/(m+p-1). But a microbatch's stash is freed as soon as its backward
-    runs: stage ``s`` holds at most ``2(p-1-s) + 1`` of them (GPipe: ``m``).
-    """
+    """1F1B (PipeDream-flush, Megatron's default): warm up with ``p-1-s`` forwards on stage ``s``,
+    alternate one forward and one backward, then cool down. GPipe's bubble, but stage ``s`` holds at
+    most ``2(p-1-s) + 1`` microbatches (GPipe: ``m``)."""
     _check_sizes(p, m)
     return as_soon_as_possible(_one_f_one_b_orders(p, m, split_backward=False))
 
 
 def interleaved(p: int, m: int, v: int) -> Table:
     """Megatron's interleaved 1F1B: ``v`` chunks per stage, stage ``s`` holding chunks
-    ``s, s+p, ..., s+(v-1)p``; ``m`` must be divisible by ``p``.
-
-    Microbatches go in groups of ``p``: stage ``s`` runs the group through its first chunk, then
-    its second, ... (microbatch 0's output from chunk ``p-1`` on the last stage arrives back at
-    stage 0 exactly when stage 0 has finished the group, hence ``m % p == 0``). Its k-th forward
-    is group ``k // (p v)``, chunk lap ``(k // p) % v``; backwards run the laps in reverse.
-    Stage ``s`` warms up with ``2(p-1-s) + (v-1)p`` forwards (the other laps of the first group,
-    plus the round trip to the last stage and back), then alternates, then cools down.
-
-    Ticks are chunk-forwards (one chunk is 1/v of a stage), so a stage is busy ``3vm`` ticks and
-    the fill/drain costs ``3(p-1)`` of them: bubble = (p-1)/(v m + p-1). Stage ``s`` holds
-    ``min(2(p-1-s) + (v-1)p + 1, v m)`` chunks' stashes (1F1B: ``2(p-1-s) + 1`` stages').
-    """
+    ``s, s+p, ..., s+(v-1)p``; ``m`` must be divisible by ``p``. Microbatches go in groups of ``p``,
+    each group through a stage's chunks in turn. Bubble (p-1)/(v m + p-1); the derivation:
+    docs/pipelines.md, "How a schedule becomes a table"."""
     return as_soon_as_possible(_interleaved_orders(p, m, v), v)
 
 
@@ -312,22 +284,13 @@ def _interleaved_orders(p: int, m: int, v: int, split_backward: bool = False, la
 
 
 def zero_bubble(p: int, m: int, v: int = 1) -> Table:
-    """Zero bubble in lockstep (after Qi et al., "Zero Bubble Pipeline Parallelism", 2024):
-    1F1B (``v = 1``) or interleaved 1F1B (``v > 1``) with every backward split into ``I``, the
-    input gradient the previous stage waits for, and ``W``, the weight gradients nobody waits
-    for, each W deferred by :func:`defer_weight_grads`.
+    """Zero bubble in lockstep (after Qi et al., 2024): 1F1B (``v = 1``) or interleaved 1F1B
+    (``v > 1``) with every backward split into ``I`` and ``W``, each W deferred by
+    :func:`defer_weight_grads`.
 
-    Why it pays here. In 1F1B the steps between the warm-up and the steady state run a
-    forward and a backward slot on every stage (F + B = 3 ticks) although the first stage has
-    no backward yet; with B split, those steps run F + I (2 ticks), and the W's go where the
-    first stage runs its I's: every stage runs its k-th W in the step where the last of them
-    runs its k-th I, so each of those ``v m`` steps carries one W slot that no stage idles in.
-    Steps: ``v m + p - 1`` with a forward slot, as many with an I slot, ``v m`` of those with a
-    W slot too, so ``2(v m + p - 1) + v m`` ticks: 54 for p=4, m=16 (1F1B: 57) and 102 with
-    ``v = 2`` (interleaved: 105), the least any schedule of uniform steps can take
-    ((p-1)(T_F + T_I) idle on each stage). Stage ``s`` holds a microbatch from its forward to
-    its W, ``s`` steps longer than to its I: at most ``2(p-1-s) + 1 + s`` residual sets,
-    still ``2p - 1`` on the first stage (1F1B's), and up to ``s`` W stashes.
+    The steps between warm-up and steady state then run F + I (2 ticks) instead of F + B (3), and
+    each W fills a step no stage idles in. Why that is the least uniform steps can take, and what
+    each stage holds: docs/pipelines.md, "Zero bubble: I and W apart, nothing recomputed".
     """
     orders = (_one_f_one_b_orders(p, m, split_backward=True) if v == 1
               else _interleaved_orders(p, m, v, split_backward=True))
@@ -335,10 +298,9 @@ def zero_bubble(p: int, m: int, v: int = 1) -> Table:
 
 
 def defer_weight_grads(steps: Sequence[Step]) -> list[Step]:
-    """``steps`` whose backwards are I's alone, with each stage's k-th W put in the step where
-    the last stage to reach its k-th I runs it (the first stage, for the zero-bubble orders):
-    every W slot is then busy on every stage. Raises ValueError if the stages run different
-    numbers of I's."""
+    """``steps`` whose backwards are I's alone, with each stage's k-th W put in the step where the
+    last stage to reach its k-th I runs it: every W slot is then busy on every stage. Raises
+    ValueError if the stages run different numbers of I's."""
     steps = list(steps)
     p = len(steps[0].actions) if steps else 0
     inputs = [[(t, step.actions[s]["I"]) for t, step in enumerate(steps)
@@ -358,28 +320,15 @@ def defer_weight_grads(steps: Sequence[Step]) -> list[Step]:
 
 
 def dualpipe_v(p: int, m: int) -> Table:
-    """DualPipe-V (DeepSeek-V3's report; the deepseek-ai/DualPipe repository) in lockstep:
-    the V placement, two chunks a device (device ``d`` holds chunks ``d`` and ``2p-1-d``: down
-    the stages and back up, the loss on the first device), every backward split into I and W
-    with the W's deferred as zero bubble's (:func:`defer_weight_grads`), and in the steady
-    state steps that run one microbatch's forward beside another's input gradient (F&I).
+    """DualPipe-V (DeepSeek-V3) in lockstep: the V placement (two chunks a device, the loss on the
+    first), I and W apart with zero bubble's deferred W's, and steady steps that run one
+    microbatch's forward beside another's I.
 
-    The order is found, not transcribed: DeepSeek's per-rank phases written as steps that are
-    the same on every stage pay for the union of their kinds (18.6% at p=4, m=16). Here every
-    stage, at every step, runs the ready I of the earliest microbatch (the deeper chunk first)
-    and the ready forward of the earliest microbatch, as long as it holds fewer than ``cap``
-    chunks between forward and I; the least ``cap`` that reaches the fewest ticks is kept
-    (:func:`_dualpipe_v_steps`).
-
-    What the one program costs it. A stage runs one forward per step, and the device at the
-    bottom of the V runs both its chunks, so the last microbatch leaves it ``p - 1`` steps
-    before the loss: ``2m + 2(p-1)`` steps with a forward slot, as many with an I slot, ``2m``
-    with a W slot: ``6m + 4(p-1)`` chunk ticks, a bubble of 2(p-1)/(3m+2(p-1)), zero bubble's
-    at ``v = 1`` (11.1% at p=4, m=16; 1F1B 15.8%), where interleaving's ring (no device runs
-    two chunks of one microbatch back to back) reaches (p-1)/(3m+p-1)... for its forward
-    steps. What it buys: the first stage holds ``2p + 1`` chunks, ``p + 1/2`` stages' worth,
-    where 1F1B's holds ``2p - 1`` stages' (DualPipe-V's own figure), and the loss on the first
-    device.
+    The order is found, not transcribed. At every step each stage runs the ready I of the earliest
+    microbatch (deeper chunk first) and the ready forward of the earliest microbatch, while it holds
+    fewer than ``cap`` chunks between forward and I; the least ``cap`` that reaches the fewest ticks
+    is kept (:func:`_dualpipe_v_steps`). Bubble, memory and why: docs/pipelines.md, "DualPipe-V in
+    one program".
     """
     return table_of(_dualpipe_v_steps(p, m))
 
@@ -401,9 +350,8 @@ def _dualpipe_v_steps(p: int, m: int, lag: int = 0) -> list[Step]:
 
 
 def _v_greedy(p: int, m: int, cap: int, lag: int = 0) -> list[Step] | None:
-    """DualPipe-V's forwards and I's, step by step (:func:`dualpipe_v`); None if the stages
-    stall with work left (``cap`` too small). The loss's I comes ``lag`` steps after its
-    forward (1 with ``parallel.pipeline_overlap``)."""
+    """DualPipe-V's forwards and I's, step by step; None if the stages stall (``cap`` too small).
+    The loss's I comes ``lag`` steps after its forward."""
     last = 2 * p - 1
     ready: list[dict[Action, int]] = [{} for _ in range(p)]  # stage -> action -> first step
     held, entered, left = [0] * p, 0, 2 * p * m
@@ -450,10 +398,9 @@ SCHEDULES: dict[str, Callable[..., Table]] = {
 
 def schedule_orders(name: str, p: int, m: int, v: int = 1, overlap: bool = False,
                     ) -> list[list[Action]]:
-    """Each stage's order of forwards and backwards for ``parallel.pipeline_schedule=name``
-    (``v``: ``parallel.virtual_stages``; ``overlap``: ``parallel.pipeline_overlap``, whose
-    last chunk turns round a step later). Zero bubble's are I's: its W's are placed after the
-    timing (:func:`schedule_steps`)."""
+    """Each stage's order for ``parallel.pipeline_schedule=name`` (``v``: virtual stages;
+    ``overlap``: ``parallel.pipeline_overlap``). Zero bubble's are I's: its W's are placed after the
+    timing."""
     if name not in SCHEDULES:
         raise ValueError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
     lag = 1 if overlap else 0
@@ -491,14 +438,9 @@ def schedule_table(name: str, p: int, m: int, v: int = 1, overlap: bool = False)
 
 def stage_layer_order(n_layers: int, p: int, v: int, placement: Placement = "ring",
                       ) -> list[int]:
-    """Which model layer each stored layer is, when device ``s``'s contiguous ``n_layers / p``
-    stored layers must be its chunks in order (``s, s+p, ..., s+(v-1)p`` on the ring; ``s``
-    and ``2p-1-s`` in the V: :func:`stage_of`).
-
-    The identity for ``v = 1``. For ``v > 1`` a contiguous split of the stacked layers over
-    ``pipe`` would hand device 0 chunks 0 and 1; storing the layers in this order instead lets
-    each device read its chunks without any parameter crossing ``pipe``.
-    """
+    """Which model layer each stored layer is, so that device ``s``'s contiguous stored layers are
+    its chunks in order (:func:`stage_of`). The identity for ``v = 1``; for ``v > 1`` it lets each
+    device read its chunks without any parameter crossing ``pipe``."""
     per_chunk = n_layers // (p * v)
     chunks = {stage_of(c, p, placement) * v + c // p: c for c in range(p * v)}
     return [chunks[i] * per_chunk + k for i in range(p * v) for k in range(per_chunk)]
