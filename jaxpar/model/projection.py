@@ -5,8 +5,8 @@ gather).
 The model names logical axes only. These functions turn a parameter as stored (float32, its model
 dimension ``embed`` split over ``fsdp`` under ZeRO-3) into the weight a matmul reads (the compute
 dtype, ``act_embed`` whole): that is FSDP's gather. Its gradient goes back to the stored layout:
-FSDP's reduce-scatter. Why every weight must come through here: docs/add-a-layer.md, "The projection
-helpers".
+FSDP's reduce-scatter. Why every weight must come through here: docs/add-a-layer.md, "3. The
+projection helpers".
 """
 
 from __future__ import annotations
