@@ -26,6 +26,17 @@ NO_SHARD_MAP_IN_STAGES = ("tpu",)
 # "MaskAggregatorBlock" lowering; libtpu 0.0.48 compiles it. The capacity dispatch compiles.
 NO_RAGGED_IN_STAGES = ("tpu",)
 
+# Platforms without a ragged all-to-all: the dropless dispatch sends padded blocks there
+# (parallel/expert.py). XLA:CPU in jax 0.10.2: "UNIMPLEMENTED".
+PADDED_ALL_TO_ALL_PLATFORMS = ("cpu",)
+
+# Platforms whose compiler aborts on bfloat16 sums inside a pipeline stage ("Invalid binary
+# instruction opcode copy", XLA:CPU in jax 0.10.2): the sums there run in float32. The
+# executor's handovers over ``pipe`` (parallel/pipeline/stages.py), and the experts' sums over
+# ``tensor`` (parallel/expert.py).
+FLOAT32_STAGE_SUM_PLATFORMS = ("cpu",)
+FLOAT32_TENSOR_SUM_PLATFORMS = ("cpu",)
+
 # Platforms that cannot compile bfloat16 gradient sums. XLA:CPU in jax 0.10.2 aborts on the
 # train step's bfloat16 psums ("Invalid binary instruction opcode copy"), over data and pipe.
 NO_BF16_GRADIENT_SUMS = ("cpu",)

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
-# A compiler version ("libtpu 0.0.42.1", "jax 0.10.2", a bare "0.0.52"), a time ("1.64 s",
-# "90 ms") or a measured before/after ("1.16 -> 1.05"): facts that change with each release.
+# A compiler version ("libtpu 0.0.42.1", "jax 0.10.2", "XLA:CPU 0.10", a bare "0.0.52"), a
+# time ("1.64 s", "90 ms") or a measured before/after ("1.16 -> 1.05"): facts that change with
+# each release.
 COMPILER_FACT = re.compile(
-    r"\b(?:libtpu|jaxlib|jax|flax|optax|orbax|XLA)(?:'s)?\s+v?\d+\.\d+(?:\.\d+)*"
+    r"\b(?:libtpu|jaxlib|jax|flax|optax|orbax|XLA(?::[A-Z]+)?)(?:'s)?\s+v?\d+\.\d+(?:\.\d+)*"
     r"|\b0\.0\.\d{2}\b"
     r"|\b\d+(?:\.\d+)?\s?m?s\b"
     r"|\b\d+\.\d+\s*->\s*\d+\.\d+")
@@ -63,10 +64,17 @@ def file_stats(path: Path) -> FileStats:
 
 
 def compiler_facts(path: Path) -> list[tuple[int, str]]:
-    """(line, text) of each compiler version or measured time in a file's source."""
-    return [(number, match.group(0))
-            for number, line in enumerate(path.read_text().splitlines(), start=1)
-            for match in COMPILER_FACT.finditer(line)]
+    """(line, text) of each compiler version or measured time in a file's source, read with
+    each line break (and a comment's ``#`` after it) as one space, so a wrapped one counts."""
+    text, lines = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        part = line.strip()
+        if text:
+            part = " " + part.removeprefix("#").strip()
+        text.append(part)
+        lines.extend([number] * len(part))
+    return [(lines[match.start()], match.group(0))
+            for match in COMPILER_FACT.finditer("".join(text))]
 
 
 def main() -> None:

@@ -1,17 +1,12 @@
 """Hooks through which parallelism reaches the model, without the model knowing any mesh.
 
-The model calls :func:`constrain` with logical names (``("batch", "seq", "act_embed")``). By
-default that does nothing, so the model runs unsharded on one device. The train step enters
-:func:`activation_sharding` with a function, built by :mod:`jaxpar.parallel.rules`, that turns the
-names into a sharding constraint on the current mesh. Likewise, attention asks
-:func:`attention_override` whether a parallel implementation (ring attention over ``context``)
-replaces its dense one, the mixture-of-experts layer asks :func:`experts_override` whether
-its tokens are dispatched to experts on other devices (all-to-all over ``expert``), the loss
-sums its per-shard head gradient through :func:`sum_over_token_shards`, and the MoE layer's
-batch statistics reach the tokens of other devices through :func:`sum_over_hand_split` where a
-pipeline stage holds only its own (:func:`hand_split_devices`), and the train step hands the
-LoRA adapters their dropout key (:func:`lora_dropout_key`). These are the only pieces of
-global state the model reads, and they only live for the duration of a trace.
+The model calls :func:`constrain` with logical names; by default that does nothing, so the model
+runs unsharded on one device. The train step installs what the layout needs
+(:mod:`jaxpar.parallel.hooks`): activation constraints, attention over ``context``
+(:func:`attention_override`), the experts' dispatch (:func:`experts_override`), the sum of the
+loss's per-shard head gradient (:func:`sum_over_token_shards`), sums over tokens split by hand
+(:func:`sum_over_hand_split`) and LoRA dropout (:func:`lora_dropout_key`). These are the only global
+state the model reads, and they live only for the duration of a trace.
 """
 
 from __future__ import annotations
@@ -82,8 +77,7 @@ def activation_sharding(fn: Constrain | None) -> contextlib.AbstractContextManag
 
 
 def latent_cache_override() -> Callable | None:
-    """The cache multi-head latent attention reads and writes while decoding (its latent and
-    rope key: :meth:`jaxpar.model.kv_cache.UnitCache.attend_latent`), if any."""
+    """The cache multi-head latent attention reads and writes while decoding, if any."""
     return _latent_cache.get()
 
 
@@ -114,10 +108,9 @@ def use_experts(fn: Experts | None) -> contextlib.AbstractContextManager[None]:
 def sum_over_token_shards(partial_sums: jax.Array, used: Sequence[str | None],
                           stored: Sequence[str | None]) -> jax.Array:
     """``partial_sums`` [batch shards, sequence shards, ...] (one partial sum of a weight
-    gradient per shard of the tokens, laid out as ``("batch", "seq", *used)``) summed over both
-    shard dimensions and laid out as ``stored``. By default a sum and a constraint; the active
-    layout may install an explicit one (:func:`use_token_shard_sum`) that reduce-scatters
-    into ``stored`` first and sums the rest on each device's slice."""
+    gradient per token shard) summed over both shard dimensions and laid out as ``stored``. By
+    default a sum and a constraint; the layout may install an explicit one
+    (:func:`use_token_shard_sum`)."""
     fn = _token_sum.get()
     if fn is not None:
         return fn(partial_sums, tuple(used), tuple(stored))
@@ -131,70 +124,62 @@ def use_token_shard_sum(fn: Callable | None) -> contextlib.AbstractContextManage
 
 
 def hand_split_devices() -> int:
-    """Over how many devices the micro-batch's tokens are split by hand (1: none). The
-    compiler sums a statistic over a sharded batch itself; inside a pipeline stage, which
-    holds only its device's rows and sequence piece (:mod:`jaxpar.parallel.manual`),
-    a layer sees its own tokens alone."""
+    """Over how many devices the micro-batch's tokens are split by hand (1: none), as inside a
+    pipeline stage (:mod:`jaxpar.parallel.manual`), where a layer sees its own tokens alone."""
     hand = _hand_split.get()
     return 1 if hand is None else hand[1]
 
 
 def sum_over_hand_split(x: jax.Array) -> jax.Array:
-    """``x`` summed over the devices that split the tokens by hand (:func:`hand_split_devices`;
-    none: ``x``). Forward statistics only: the sum passes no gradient back."""
+    """``x`` summed over the devices that split the tokens by hand. Forward statistics only: no
+    gradient passes back."""
     hand = _hand_split.get()
     return x if hand is None else hand[0](jax.lax.stop_gradient(x))
 
 
 def use_hand_split(sum_fn: Callable[[jax.Array], jax.Array], devices: int,
                    ) -> contextlib.AbstractContextManager[None]:
-    """Within this block, the tokens are split by hand over ``devices`` devices and
-    :func:`sum_over_hand_split` calls ``sum_fn``."""
+    """Within this block the tokens are split by hand over ``devices``, summed by ``sum_fn``."""
     return _setting(_hand_split, (sum_fn, devices) if devices > 1 else None)
 
 
 def weights_prepared() -> bool:
-    """Whether the parameters a layer reads were already cast and laid out for use
-    (:func:`jaxpar.model.layers.prepare_weight`), so that the layer takes them as they are."""
+    """Whether the layer's parameters were already cast and laid out for use
+    (:func:`jaxpar.model.layers.prepare_weight`)."""
     return _prepared.get()
 
 
 def use_prepared_weights() -> contextlib.AbstractContextManager[None]:
-    """Within this block, layers read their weights as given (a pipeline stage prepares its
-    weights once per step, so that a microbatch's saved residuals hold no copy of them)."""
+    """Within this block layers read their weights as given (a pipeline stage prepares them once
+    per step, so its stash holds no copy of them)."""
     return _setting(_prepared, True)
 
 
 def resharding_after_forward() -> bool:
-    """Whether layers must not keep their weights as used (cast, gathered) for the backward
-    pass (:func:`jaxpar.model.projection.project_all`)."""
+    """Whether layers must not keep their used (cast, gathered) weights for the backward pass."""
     return _reshard.get()
 
 
 def reshard_after_forward(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Within this block, layers keep only their stored weights for the backward pass and
-    rebuild the used ones there. Needed where nothing else recomputes them (``remat=none``)."""
+    """Within this block layers keep only their stored weights for the backward pass (where
+    nothing else recomputes the used ones: ``remat=none``)."""
     return _setting(_reshard, on)
 
 
 def weight_grad_dtype() -> Any:
-    """The dtype layers produce their weight gradients in, if not their compute dtype
-    (:func:`jaxpar.model.projection.project_all`); None: the compute dtype."""
+    """The dtype layers produce their weight gradients in; None: their compute dtype."""
     return _grad_dtype.get()
 
 
 def weight_grads_in(dtype: Any) -> contextlib.AbstractContextManager[None]:
-    """Within this block, layers produce weight gradients in ``dtype`` (None: their compute
-    dtype). The compiler sums a weight gradient over the devices that share the weight (FSDP's
-    reduce-scatter, the sums over ``context`` and ``expert``) in the dtype of the matmul that
-    produces it, so this is how ``parallel.reduce_dtype`` reaches the sums jaxpar does not take
-    by hand."""
+    """Within this block layers produce weight gradients in ``dtype``. The compiler sums a weight
+    gradient in the dtype of the matmul that makes it, so this is how ``parallel.reduce_dtype``
+    reaches the sums jaxpar does not take by hand."""
     return _setting(_grad_dtype, dtype)
 
 
 def split_count(name: str) -> int:
-    """Over how many devices the active layout splits the logical dimension ``name`` (1: not
-    split). The embedding asks about ``vocab``: each device gathers the rows it owns."""
+    """Over how many devices the layout splits the logical dimension ``name`` (1: not split)."""
     return _split.get().get(name, 1)
 
 
@@ -211,11 +196,9 @@ def splitting(counts: Mapping[str, int]) -> contextlib.AbstractContextManager[No
 def relayout(x: jax.Array, src: Sequence[str | None], dst: Sequence[str | None]) -> jax.Array:
     """Move ``x`` from layout ``src`` to ``dst``, and its gradient from ``dst`` back to ``src``.
 
-    A plain :func:`constrain` to ``dst`` would also pin the *gradient* to ``dst``. Where the
-    forward gathers a sharded dimension (Megatron-SP entering a tensor-parallel region: all-gather
-    of the sequence), the backward must instead bring the partial-sum gradient straight back to
-    the sharded ``src`` layout, which the compiler does with one reduce-scatter rather than an
-    all-reduce followed by a slice.
+    A plain :func:`constrain` to ``dst`` would pin the gradient to ``dst`` too. Where the forward
+    gathers a split dimension (Megatron-SP's all-gather of the sequence), the gradient must go
+    straight back to ``src``: one reduce-scatter instead of an all-reduce and a slice.
     """
     return _relayout(x, tuple(src), tuple(dst))
 
@@ -237,24 +220,22 @@ _relayout.defvjp(_relayout_fwd, _relayout_bwd)
 
 
 def lora_dropout_key() -> tuple[jax.Array, float, jax.Array | None] | None:
-    """(key, rate, token ids) of LoRA dropout for the layer being traced, or None: no dropout
-    (eval, generation, ``train.lora.dropout`` 0). The token ids ([B, S] int32, each token's
-    global number: row x seq_len + position) travel with the batch, so that a token's mask
-    does not depend on where it is computed. See :func:`jaxpar.model.lora.dropped_out`."""
+    """(key, rate, token ids) of LoRA dropout for the layer being traced, or None. The ids ([B,
+    S], each token's global number) travel with the batch, so a token's mask does not depend on
+    where it is computed (:func:`jaxpar.model.lora.dropped_out`)."""
     return _lora_dropout.get()
 
 
 def use_lora_dropout(key: jax.Array | None, rate: float, tokens: jax.Array | None = None
                      ) -> contextlib.AbstractContextManager[None]:
-    """Within this block, LoRA adapters drop their input out at ``rate`` with masks drawn from
-    ``key`` (the train step's, folded per layer by the layer scan) and the tokens' ids; None or
-    rate 0: none."""
+    """Within this block LoRA adapters drop their input out at ``rate``, with masks from ``key``
+    and the tokens' ids; None or rate 0: none."""
     return _setting(_lora_dropout, (key, rate, tokens) if key is not None and rate > 0 else None)
 
 
 def lora_dropout_tokens(tokens: jax.Array | None) -> contextlib.AbstractContextManager[None]:
-    """Within this block, the active LoRA dropout (if any) masks the tokens numbered
-    ``tokens`` (the batch's ``lora_tokens``, as split for this micro-step and device)."""
+    """Within this block LoRA dropout masks the tokens numbered ``tokens`` (this micro-step's and
+    device's)."""
     active = _lora_dropout.get()
     if active is None or tokens is None:
         return contextlib.nullcontext()

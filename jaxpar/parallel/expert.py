@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import platform as workarounds
 from jaxpar.config import BATCH_AXES, ConfigError
 from jaxpar.model.annotate import Experts
 from jaxpar.model.moe import (
@@ -47,11 +48,6 @@ from jaxpar.model.moe import (
 from jaxpar.model.projection import summed_grad_dtype
 
 EXPERT_AXIS = "expert"
-# XLA:CPU has no ragged-all-to-all ("UNIMPLEMENTED"): backends listed here use the padded one.
-PADDED_ALL_TO_ALL_PLATFORMS = ("cpu",)
-# Platforms whose compiler aborts on the sums over ``tensor`` below in bf16 inside a pipeline
-# stage (XLA:CPU 0.10: "Invalid binary instruction opcode copy"); there they run in float32.
-FLOAT32_TENSOR_SUM_PLATFORMS = ("cpu",)
 # The collective itself, looked up at call time (a test substitutes an emulation of its
 # documented semantics to check the offsets on CPU).
 ragged_all_to_all = lax.ragged_all_to_all
@@ -71,10 +67,9 @@ def padded_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                     ) -> tuple[jax.Array, dict]:
     """Dropless over G = ``groups`` devices with fixed-size all-to-all blocks.
 
-    Each token's k distinct experts put at most min(k, X/G) of its slots on one device, so a
-    block of ``cap = T x min(k, X/G)`` rows per destination can never overflow. Slot (t, j) goes
-    to device ``expert // (X/G)`` at the next free row of that block, with its local expert id;
-    unused rows carry the id X/G, which the grouped matmul treats as padding (zero output).
+    A token's k distinct experts put at most min(k, X/G) of its slots on one device, so blocks of
+    ``T x min(k, X/G)`` rows per destination never overflow. Unused rows carry the local expert id
+    X/G, which the grouped matmul treats as padding.
     """
     t, k = expert_ids.shape
     local = num_experts // groups
@@ -97,11 +92,9 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                     ) -> tuple[jax.Array, dict]:
     """Dropless over G devices with ``lax.ragged_all_to_all``: only real rows travel.
 
-    The slots are sorted by destination device; ``sizes[s, d]`` (all-gathered: G x G int32) is
-    how many rows device s sends device d. Device d stores the rows from source s after those of
-    sources 0..s-1, which fixes every offset both ways. XLA:CPU cannot compile it (module
-    docstring): tests check the offsets on CPU against an emulation of the collective, and
-    compile (but cannot run) this path with the TPU compiler (``jaxpar inspect --target``).
+    The slots are sorted by destination; ``sizes[s, d]`` (all-gathered) is how many rows device s
+    sends device d, which fixes every offset both ways. XLA:CPU cannot compile it: tests check the
+    offsets against an emulation, and compile this path for a TPU.
     """
     t, k = expert_ids.shape
     local = num_experts // groups
@@ -158,15 +151,10 @@ class _Used(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def used_expert_weight(how: _Used, w: jax.Array) -> jax.Array:
-    """This device's experts, stored ``w``, in the compute dtype and with the whole model
-    dimension: all-gathered over ``how.embed`` (FSDP), marked varying over ``how.replicated``.
-
-    Autodiff would sum the gradient in the compute dtype (bf16 on an accelerator), each
-    collective the transpose of one above. This backward pass takes the device's gradient (the
-    weight-gradient matmul's, in the compute dtype) to ``how.sum_dtype`` first, then
-    reduce-scatters it over ``embed`` and sums it over ``replicated``: the sum after the
-    scatter, on the 1/fsdp shard.
-    """
+    """This device's experts, stored ``w``, in the compute dtype with the whole model dimension:
+    all-gathered over ``how.embed`` (FSDP). The backward pass widens the gradient to
+    ``how.sum_dtype`` before the reduce-scatter over ``embed`` and the sum over ``replicated``,
+    where autodiff would sum in the compute dtype."""
     w = w.astype(how.dtype)
     if how.replicated:
         w = lax.pcast(w, how.replicated, to="varying")
@@ -256,13 +244,9 @@ def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, d
 
 def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: jax.Array,
                         *rest: Any) -> tuple[jax.Array, dict]:
-    """:func:`_dispatch` over ``chunks`` equal runs of a device's tokens, one after another.
-
-    Dropless routing treats every token alone, so the result is the same; what changes is the
-    schedule. Each chunk's dispatch depends only on the routing, not on the chunks before it,
-    so the compiler can run one chunk's all-to-alls while another's experts compute
-    (MaxText's ``num_moe_token_chunks`` does the same). Buffers shrink by the same factor.
-    """
+    """:func:`_dispatch` over ``chunks`` equal runs of a device's tokens, one after another: the
+    same result, but one chunk's all-to-alls may run while another's experts compute (as
+    MaxText's ``num_moe_token_chunks``), and the buffers shrink."""
     if chunks == 1:
         return _dispatch(tokens, ids, gates, *rest)
     if tokens.shape[0] % chunks:
@@ -277,31 +261,25 @@ def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: j
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     platform: str = "cpu", ragged: bool | None = None,
                     hand_groups: int = 1, chunks: int = 1) -> Experts:
-    """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a
-    mesh: per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
+    """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a mesh:
+    per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
     all-to-alls over ``expert`` when it has more than one device.
 
-    ``weights`` arrive as stored (dtype, and layout by the rules table: ``experts`` over
-    ``expert``, ``embed`` over ``fsdp``, ``mlp`` over ``tensor``); each device casts them to the
-    compute dtype and all-gathers its experts' ``embed`` split (:func:`used_expert_weight`),
-    whose backward pass reduce-scatters their gradient, as FSDP does for every other weight.
-    ``ragged`` picks the dropless exchange: ``ragged_all_to_all`` (default off the platforms in
-    :data:`PADDED_ALL_TO_ALL_PLATFORMS`) or the padded ``all_to_all``.
-
-    ``hand_groups`` > 1: ``expert`` is manual already, over that many devices, and split by
-    hand (a pipeline stage, whose ``mesh_shape`` counts it as 1): the tokens are the device's
-    own, the weights arrive as its own experts, and the all-to-alls run over ``expert`` as
-    they are, in no ``shard_map`` of their own unless ``tensor`` splits the experts.
-
-    ``chunks`` > 1 (``parallel.expert_chunks``): each device's tokens go through the experts in
-    that many chunks (:func:`_dispatch_in_chunks`).
+    - ``weights`` arrive as stored; each device gathers its experts' ``embed`` split
+      (:func:`used_expert_weight`), as FSDP does for every other weight.
+    - ``ragged``: the dropless exchange is ``ragged_all_to_all`` (off the platforms in
+      :data:`jaxpar.platform.PADDED_ALL_TO_ALL_PLATFORMS`) or the padded ``all_to_all``.
+    - ``hand_groups`` > 1: ``expert`` is manual already over that many devices (a pipeline stage):
+      the tokens and experts are the device's own, and no ``shard_map`` opens unless ``tensor``
+      splits the experts.
+    - ``chunks`` > 1 (``parallel.expert_chunks``): :func:`_dispatch_in_chunks`.
     """
     lay = _layout(mesh_shape, rules, hand_groups)
     groups, token_axes, tensor, embed, replicated = (lay.groups, lay.token_axes, lay.tensor,
                                                       lay.embed, lay.replicated)
     if ragged is None:
-        ragged = platform not in PADDED_ALL_TO_ALL_PLATFORMS
-    wide_sums = platform in FLOAT32_TENSOR_SUM_PLATFORMS
+        ragged = platform not in workarounds.PADDED_ALL_TO_ALL_PLATFORMS
+    wide_sums = platform in workarounds.FLOAT32_TENSOR_SUM_PLATFORMS
     nested = hand_groups > 1  # inside the pipeline executor's shard_map
 
     def experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
@@ -353,9 +331,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
 
 def _gathered(w, axis: int, embed: tuple[str, ...], replicated: tuple[str, ...],
               dtypes: tuple) -> Any:
-    """An expert weight as used (:func:`used_expert_weight`, model dimension ``axis``), or an
-    adapted triple (w, A, B) with A and B each gathered on the side that has the model
-    dimension; the other side has none, so it is replicated over ``embed``'s axes too."""
+    """An expert weight as used (:func:`used_expert_weight`), or an adapted triple (w, A, B) with
+    A and B gathered on the side that has the model dimension."""
     def one(w: jax.Array, axis: int | None) -> jax.Array:
         how = (_Used(embed, replicated, axis, *dtypes) if axis is not None else
                _Used((), replicated + embed, 0, *dtypes))
@@ -370,8 +347,7 @@ def _gathered(w, axis: int, embed: tuple[str, ...], replicated: tuple[str, ...],
 
 
 def _weight_spec(w, spec: P):
-    """The ``shard_map`` spec of an expert weight, or of an adapted triple (w, A, B): A splits
-    as the weight's input side (rank whole), B as its output side."""
+    """The ``shard_map`` spec of an expert weight, or of an adapted triple (w, A, B)."""
     if not isinstance(w, tuple):
         return spec
     return spec, P(spec[0], spec[1], None), P(spec[0], None, spec[2])
@@ -388,10 +364,9 @@ def _tensor_varying(x: jax.Array, tensor: str, wide: bool) -> jax.Array:
 def _tensor_sum(y: jax.Array, tensor: str, wide: bool, unchecked: bool) -> jax.Array:
     """``psum`` of ``y`` over ``tensor`` (in float32 where ``wide``).
 
-    ``unchecked``: in a ``shard_map`` with ``check_vma=False`` whose output leaves ``tensor``
-    out of its spec, the transpose divides the output's cotangent by the axis size and
-    ``psum``'s transpose sums it back: an all-reduce of [T, E] per layer in the backward pass
-    for a value that is the same on every device. :func:`_sum_of_replicated` multiplies instead.
+    ``unchecked``: with ``check_vma=False`` and ``tensor`` left out of the output's spec, autodiff
+    would all-reduce a cotangent that is the same on every device; :func:`_sum_of_replicated`
+    multiplies instead.
     """
     total = _sum_of_replicated if unchecked else lax.psum
     if not wide:
@@ -402,7 +377,7 @@ def _tensor_sum(y: jax.Array, tensor: str, wide: bool, unchecked: bool) -> jax.A
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _sum_of_replicated(y: jax.Array, axis: str) -> jax.Array:
     """``psum`` over ``axis`` of a result whose cotangent is the same on every device of
-    ``axis``: the sum of the cotangents is the axis size times one of them, no all-reduce."""
+    ``axis``: the axis size times one of them, no all-reduce."""
     return lax.psum(y, axis)
 
 

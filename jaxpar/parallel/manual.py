@@ -1,25 +1,18 @@
-"""Splitting mesh axes by hand: a ``shard_map`` manual over an axis gives each device its own
-rows (or sequence piece), and the step sums the gradients over that axis once, after all its
-micro-steps, where the partitioner would sum them after every one.
+"""Splitting mesh axes by hand: a ``shard_map`` manual over an axis gives each device its own rows
+(or sequence piece), and the step sums the gradients over that axis once, after all its micro-steps,
+where the partitioner would sum them after every one.
 
 Two users, one rule (each gradient cast to ``parallel.reduce_dtype``, summed, cast back:
 :func:`sum_in`):
 
-- The plain step under gradient accumulation (:func:`sum_over_data_once`): ``data`` manual,
-  every other axis left to the partitioner. Each data shard adds its micro-steps' gradients
-  locally; one all-reduce over ``data`` per step adds the shards (``(d-1)/d x 2`` of the
-  gradient bytes per device, as for one micro-step).
-- The pipeline executor (:class:`ByHand`, :mod:`jaxpar.parallel.pipeline.executor`): ``data``,
-  ``fsdp``, ``expert`` and ``context`` manual besides ``pipe``. Each device holds its own rows
-  of the batch (``data``, ``fsdp``, ``expert``), its own piece of their sequence (``context``),
-  its own FSDP shard of the stage's weights and its own experts. Once per step it gathers the
-  weights whole over ``fsdp`` (an all-gather of the stored shard: ``(f-1)/f`` of the stage's
-  weights in the compute dtype arrive per device), sums its tokens' gradients over every
-  microbatch locally, and at the end reduces them once: a reduce-scatter over ``fsdp`` back to
-  the stored shard (the same bytes as the gather, in ``parallel.reduce_dtype``) and an
-  all-reduce over the axes the weight is replicated over (``data``, ``context``, and
-  ``expert`` for all but the experts, which are each device's own: never gathered, never
-  summed over ``expert``). The rest of the mesh (``tensor``) stays automatic.
+- the plain step under gradient accumulation (:func:`sum_over_data_once`): ``data`` manual, one
+  all-reduce over it per step;
+- the pipeline executor (:class:`ByHand`): ``data``, ``fsdp``, ``expert`` and ``context`` manual
+  besides ``pipe``. Once per step it gathers a stage's weights over ``fsdp``, and at the end
+  reduce-scatters their gradients back over ``fsdp`` and all-reduces them over the axes they are
+  replicated over. ``tensor`` stays automatic.
+
+Why, and what each device holds: docs/pipelines.md, "One reduction per step".
 """
 
 from __future__ import annotations
@@ -40,16 +33,14 @@ from jaxpar.parallel.rules import logical_rules
 
 
 def sum_in(dtype: Any, x: jax.Array, axes: tuple[str, ...] | str) -> jax.Array:
-    """``psum`` of a gradient over manual ``axes`` in ``dtype`` (``parallel.reduce_dtype``),
-    returned in its own dtype."""
+    """``psum`` of a gradient over manual ``axes`` in ``dtype``, returned in its own dtype."""
     return lax.psum(x.astype(dtype), axes).astype(x.dtype)
 
 
 def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Callable:
-    """``accumulated`` (the micro-steps' summed gradients, loss and MoE statistics of a batch)
-    run inside ``shard_map`` manual over ``data``: each data shard sums its micro-steps locally
-    and one all-reduce over ``data`` per step adds them. Inside, the model's hooks see the rest
-    of the mesh, ``data`` counted as 1."""
+    """``accumulated`` (the micro-steps' summed gradients, loss and MoE statistics) run in a
+    ``shard_map`` manual over ``data``: each data shard sums its micro-steps locally, and one
+    all-reduce per step adds them. The model's hooks see ``data`` as 1."""
     inner = {**cfg.mesh_shape, "data": 1}
     reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
 
@@ -72,18 +63,11 @@ def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Cal
 
 @dataclass(frozen=True)
 class ByHand:
-    """What the executor's ``shard_map`` splits by hand besides ``pipe``: the axes whose
-    gradient sums it takes once per step (``data``, ``fsdp``, ``context``), and the
-    parameters' splits over them (PartitionSpecs holding only those axes and ``pipe``).
-    ``hooks()`` installs the model's hooks for the rest of the mesh, which stays automatic;
-    ``auto_shared_specs`` and ``auto_layer_specs`` are the parameters' splits over those
-    automatic axes (``tensor``...).
-
-    A collective over a manual axis takes its operand whole over the automatic ones: XLA's
-    partitioner would gather a tensor-split weight over ``tensor`` before gathering it over
-    ``fsdp`` (and a gradient before its reduce-scatter), moving and holding ``t`` times the
-    bytes. So each gather and sum below runs on the device's own shard, with the automatic
-    axes that split the parameter made manual around it (:func:`_per_shard`)."""
+    """What the executor's ``shard_map`` splits by hand besides ``pipe``, and the parameters'
+    splits over those axes (with ``pipe``). ``hooks()`` installs the model's hooks for the rest
+    of the mesh, which stays automatic; ``auto_shared_specs`` and ``auto_layer_specs`` are the
+    parameters' splits over those automatic axes. Every gather and sum runs on the device's own
+    shard (:func:`_per_shard`)."""
 
     axes: tuple[str, ...]
     shared_specs: Any
@@ -112,10 +96,8 @@ class ByHand:
     def reduce(self, tree: Any, specs: Any, auto_specs: Any, *, scatter: bool = True,
                replicas: bool = True) -> Any:
         """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
-        where the parameter is split (FSDP), an all-reduce where it is replicated (data).
-        ``scatter=False``: the sums are already the stored split (reduce-scattered layer by
-        layer: ``parallel.pipeline_fsdp=per_layer``); ``replicas=False``: the reduce-scatter
-        alone (the all-reduce waits for the step's end)."""
+        (FSDP), an all-reduce where replicated. ``scatter=False``: the sums are the stored split
+        already (``pipeline_fsdp=per_layer``); ``replicas=False``: the reduce-scatter alone."""
         def leaf(g: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
             split = self._split(spec) if scatter else []
             rest = tuple(a for a in self.axes if a not in _axes_of(spec)) if replicas else ()
@@ -133,8 +115,7 @@ class ByHand:
 
     @property
     def microbatch_spec(self) -> PartitionSpec:
-        """The microbatches' split ([grad_accum x m, rows, S]): rows over the batch axes, the
-        sequence over ``context``."""
+        """The microbatches' split: rows over the batch axes, the sequence over ``context``."""
         rows = tuple(a for a in self.axes if a != "context")
         return PartitionSpec(None, rows or None,
                              "context" if "context" in self.axes else None)
@@ -158,8 +139,8 @@ def _axes_of(spec: PartitionSpec) -> set[str]:
 
 
 def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
-    """``fn`` on each device's own shard of ``x``, whose split over automatic mesh axes is
-    ``auto``: those axes become manual around ``fn`` (none: ``fn(x)``)."""
+    """``fn`` on each device's own shard of ``x``: the automatic axes that split it (``auto``)
+    become manual around ``fn``."""
     axes = frozenset(_axes_of(auto))
     if not axes:
         return fn(x)
@@ -168,11 +149,9 @@ def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
 
 
 class Frozen(NamedTuple):
-    """Under LoRA (``train.lora``), for the pipeline executor: the stacked base weights' splits,
-    like ``ByHand.layer_specs`` (``layer_specs``: over ``pipe`` and the axes split by hand;
-    ``auto_layer_specs``: over the automatic ones). They and the shared parameters (embedding,
-    final norm, head) are constants to the stages' VJPs: gathered once per step like the
-    trained weights, never differentiated, and no gradient of theirs is held or summed."""
+    """Under LoRA, the stacked base weights' splits for the executor (by hand and automatic, as
+    ``ByHand``'s). They and the shared parameters are constants to the stages' VJPs: gathered
+    once per step, never differentiated or summed."""
 
     layer_specs: Any
     auto_layer_specs: Any
@@ -195,12 +174,9 @@ def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
 def split_by_hand(cfg: Config, platform: str) -> tuple[tuple[str, ...], dict, Callable]:
     """The axes the executor splits by hand, the mesh as a stage sees it, and the stages' hooks.
 
-    Gradients are summed over data, fsdp, expert and context once per step: the executor
-    splits those axes by hand (the batch rows, the sequence), so inside it they look like axes
-    of size 1, and context attention runs on each device's piece of the sequence with no
-    shard_map nested in the executor's. The experts' weights too are gathered once per step and
-    their gradients summed once; the MoE layers sum their load statistics over these axes
-    themselves and exchange their tokens over expert directly (the hooks).
+    Inside the executor ``data``, ``fsdp``, ``expert`` and ``context`` look like axes of size 1:
+    gradients are summed over them once per step, context attention runs on each device's piece, and
+    the MoE layers sum their statistics and exchange their tokens over them directly.
     """
     mesh_shape = cfg.mesh_shape
     hand = tuple(a for a in (*logical_rules(cfg)["batch"], "context")

@@ -48,16 +48,16 @@ Kernel = Callable[[jax.Array, jax.Array, jax.Array, Positions], jax.Array]
 
 
 def exchange_groups(n: int, size: int) -> list[list[int]] | None:
-    """The all-to-all's groups on the ``context`` axis of n devices: runs of ``size``
-    consecutive indices (the inner factor); None when ``size == n`` (the whole axis)."""
+    """The all-to-all's groups on the ``context`` axis of n devices: runs of ``size`` consecutive
+    indices; None when ``size == n``."""
     if size == n:
         return None
     return [list(range(g * size, (g + 1) * size)) for g in range(n // size)]
 
 
 def kv_repeats(kv_heads: int, size: int) -> int:
-    """Copies of each of a tensor shard's ``kv_heads`` kv heads the exchange needs, so that
-    they split ``size`` ways (1 when they already do)."""
+    """Copies of each of a tensor shard's ``kv_heads`` the exchange needs, so that they split
+    ``size`` ways (1 when they already do)."""
     return size // math.gcd(kv_heads, size)
 
 
@@ -68,9 +68,8 @@ def _all_to_all(x: jax.Array, split_axis: int, concat_axis: int, n: int, size: i
 
 
 def sequence_to_heads(x: jax.Array, n: int, size: int, head_split: int) -> jax.Array:
-    """[B, s, N, D] (this device's tokens, all N heads) -> [B, s x size, N/size, D] (the
-    group's tokens in storage order, this device's heads). The head axis is split
-    ``[head_split, N/head_split]`` so that only heads of one tensor shard move."""
+    """[B, s, N, D] (this device's tokens, all N heads) -> [B, s x size, N/size, D] (the group's
+    tokens, this device's heads). Only heads of one tensor shard move (``head_split``)."""
     b, s, h, d = x.shape
     x = x.reshape(b, s, head_split, h // head_split, d)
     x = _all_to_all(x, split_axis=3, concat_axis=1, n=n, size=size)
@@ -87,22 +86,22 @@ def heads_to_sequence(x: jax.Array, n: int, size: int, head_split: int) -> jax.A
 
 def _repeat_kv(x: jax.Array, size: int, head_split: int) -> jax.Array:
     """k or v [B, s, K, D] with each kv head repeated until a tensor shard's kv heads split
-    ``size`` ways (module docstring: the cost of grouped-query attention with few kv heads)."""
+    ``size`` ways."""
     r = kv_repeats(x.shape[2] // head_split, size)
     return jnp.repeat(x, r, axis=2) if r > 1 else x
 
 
 def _gather_mask(mask: Positions, n: int, size: int) -> Positions:
-    """Every ``[B, s]`` array of the mask description all-gathered along the sequence in the
-    exchange's groups: the masks of the tokens the device now holds, in the same order."""
+    """Every ``[B, s]`` array of the mask description all-gathered in the exchange's groups, in
+    the order of the tokens the device now holds."""
     groups = exchange_groups(n, size)
     return jax.tree.map(lambda a: lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True,
                                                  axis_index_groups=groups), mask)
 
 
 def _reorder(x: jax.Array, chunks: np.ndarray) -> jax.Array:
-    """``x`` with its sequence axis (1) cut into ``len(chunks)`` equal chunks, chunk j of the
-    result being chunk ``chunks[j]`` of ``x``: static slices, no gather."""
+    """``x`` with its sequence axis cut into ``len(chunks)`` equal chunks, reordered by
+    ``chunks``: static slices, no gather."""
     pieces = jnp.split(x, len(chunks), axis=1)
     return jnp.concatenate([pieces[int(c)] for c in chunks], axis=1)
 
@@ -112,8 +111,8 @@ def _reorder(x: jax.Array, chunks: np.ndarray) -> jax.Array:
 
 
 def ulysses_local(n: int, zigzag: bool, head_split: int, kernel: Kernel) -> Callable:
-    """Ulysses over all n devices of ``context``: ``attention(q, k, v, positions)`` on this
-    device's [B, S/n, H, D], the whole sequence attended by ``kernel`` in natural order."""
+    """Ulysses over all n devices of ``context`` on this device's [B, S/n, H, D]: the whole
+    sequence attended by ``kernel`` in natural order."""
     # Storage chunk j holds natural chunk stored[j] (context.zigzag_order, with 2n chunks).
     stored = zigzag_order(2 * n, n) if zigzag else None
     natural = np.argsort(stored) if zigzag else None
@@ -135,8 +134,7 @@ def ulysses_local(n: int, zigzag: bool, head_split: int, kernel: Kernel) -> Call
 def hybrid_local(n: int, size: int, zigzag: bool, head_split: int, block: int | None
                  ) -> Callable:
     """Ulysses inside groups of ``size`` consecutive ``context`` devices, the ring over the
-    n/size groups (module docstring), on this device's [B, S/n, H, D]. ``block``: the ring
-    kernel's tile (default: one zigzag chunk of a device's tokens, as for the ring)."""
+    groups, on this device's [B, S/n, H, D]. ``block``: the ring kernel's tile."""
     outer = n // size
 
     def local(q, k, v, positions):
@@ -154,10 +152,9 @@ def hybrid_local(n: int, size: int, zigzag: bool, head_split: int, block: int | 
 def local_ulysses_attention(n: int, size: int, zigzag: bool, head_split: int = 1,
                             block: int | None = None, kernel: Kernel | None = None
                             ) -> Callable:
-    """``ulysses`` (``size == n``) or ``hybrid`` attention on one device's piece of a
-    sequence split n ways over ``context`` (manual). ``head_split``: the pieces the
-    automatic axes (``tensor``) split the kv heads into; ``kernel``: Ulysses' attention on
-    the whole sequence (default: blockwise in ``block`` tiles, or zigzag chunks)."""
+    """``ulysses`` (``size == n``) or ``hybrid`` attention on one device's piece of a sequence
+    split n ways over ``context`` (manual). ``head_split``: the pieces ``tensor`` splits the kv
+    heads into; ``kernel``: Ulysses' attention on the whole sequence."""
     if size == n:
         if kernel is None:
             def kernel(q, k, v, mask):
@@ -171,16 +168,11 @@ def ulysses_attention(n: int, size: int, zigzag: bool, batch_axes: tuple[str, ..
                       block: int | None = None, *, head_axes: tuple[str, ...] = (),
                       kernel: Kernel | None = None, one_device_kernel: bool = False
                       ) -> Callable:
-    """``attention(q, k, v, positions)`` for the model, as
-    :func:`jaxpar.parallel.context.context_attention` (S split over ``context``, B over
-    ``batch_axes``), for ``ulysses`` (``size == n``) or the ``hybrid``. The axes splitting
-    the query and kv heads, ``head_axes``, are manual here too: left automatic, the
-    partitioner all-gathers the head dimension an all-to-all cuts (seen on XLA:CPU, jax
-    0.10.2). ``one_device_kernel``: ``kernel`` is one device's program (a Pallas kernel:
-    splash), which the compiler can neither split nor replicate, so every mesh axis is manual
-    and its outputs' variance unchecked (``hooks.per_device``'s reason; a ``shard_map``
-    nested for it here failed autodiff: its unchecked output met this one's checked
-    cotangent)."""
+    """``attention(q, k, v, positions)`` for ``ulysses`` (``size == n``) or the ``hybrid``, as
+    :func:`jaxpar.parallel.context.context_attention`. The head axes ``head_axes`` are manual
+    here too (docs/attention-and-loss.md, "Ulysses and the hybrid"). ``one_device_kernel``:
+    ``kernel`` is one device's program (splash), so every mesh axis is manual and its outputs'
+    variance unchecked."""
     rows = batch_axes or None
     heads = P(rows, CONTEXT_AXIS, head_axes or None, None)
     local = local_ulysses_attention(n, size, zigzag, 1, block, kernel)

@@ -27,6 +27,7 @@ from helpers import (
 from helpers import lora_loss_and_grads as uncached_loss_and_grads
 
 import jaxpar.parallel.expert as expert_module
+import jaxpar.platform as workarounds
 from jaxpar.model.lora import adapter_part, base_part, merged_weights
 from jaxpar.train.eval import forward_loss_fn
 from jaxpar.train.step import with_positions
@@ -74,7 +75,7 @@ def test_expert_adapters_match_one_device_under_expert_parallelism(
     capacity buffer."""
     ref = moe_run(*dispatch)
     if exchange == "ragged":
-        monkeypatch.setattr(expert_module, "PADDED_ALL_TO_ALL_PLATFORMS", ())
+        monkeypatch.setattr(workarounds, "PADDED_ALL_TO_ALL_PLATFORMS", ())
         emulated, calls = emulated_ragged_all_to_all(2), []
 
         def counted(*args, **kwargs):

@@ -35,8 +35,9 @@ def test_docstrings_and_comments_are_not_code_and_their_words_are_counted(tmp_pa
 def test_compiler_versions_and_measured_times_are_found(tmp_path):
     source = tmp_path / "sample.py"
     source.write_text('"""Seen on libtpu 0.0.42.1 and jax 0.10.2; 1.64 s, then 90 ms."""\n'
-                      "# bench: 1.16 -> 1.05 of the step; by default (0.0.52) too\n"
-                      "X = 2  # 2 layers, 4096 tokens, v5e, 10 us assumed: none of these\n")
+                      "# bench: 1.16 -> 1.05 of the step; by default (0.0.52) too; XLA:CPU 0.10\n"
+                      "X = 2  # 2 layers, 4096 tokens, v5e, 10 us assumed: none of these\n"
+                      "# wrapped: libtpu\n# 0.0.42.1\n")
     assert load_script().compiler_facts(source) == [
         (1, "libtpu 0.0.42.1"), (1, "jax 0.10.2"), (1, "1.64 s"), (1, "90 ms"),
-        (2, "1.16 -> 1.05"), (2, "0.0.52")]
+        (2, "1.16 -> 1.05"), (2, "0.0.52"), (2, "XLA:CPU 0.10"), (4, "libtpu 0.0.42.1")]

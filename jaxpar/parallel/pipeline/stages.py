@@ -26,11 +26,9 @@ from jaxpar.model.moe import LAYER_STACKED, moe_loss
 from jaxpar.model.projection import owned_rows
 from jaxpar.model.remat import Remat
 from jaxpar.parallel.rules import logical_rules
+from jaxpar.platform import FLOAT32_STAGE_SUM_PLATFORMS
 
 PIPE_AXIS = "pipe"
-# Platforms whose compiler aborts on the executor's bf16 all-reduces over ``pipe`` (XLA:CPU
-# 0.10: "Invalid binary instruction opcode copy"): there they run in float32.
-FLOAT32_STAGE_SUM_PLATFORMS = ("cpu",)
 
 # --------------------------------------------------------------------------------------------
 # What a stage computes
