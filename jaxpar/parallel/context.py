@@ -59,11 +59,8 @@ def zigzag_order(seq_len: int, n: int) -> np.ndarray:
 
 
 def block_schedule(seq_len: int, n: int, zigzag: bool) -> np.ndarray:
-    """kinds[device, ring step, query chunk, key chunk] for the ring, computed on the host.
-
-    The same ``block_kind`` rule drives the kernel, so counting non-SKIP entries here counts the
-    blocks each device really computes.
-    """
+    """kinds[device, ring step, query chunk, key chunk] for the ring, computed on the host by the
+    kernel's own ``block_kind`` rule: its non-SKIP entries are the blocks each device computes."""
     order = zigzag_order(seq_len, n) if zigzag else np.arange(seq_len)
     chunks = 2 if zigzag else 1
     local = order.reshape(n, chunks, -1)  # device -> chunk -> positions
@@ -79,9 +76,8 @@ def block_schedule(seq_len: int, n: int, zigzag: bool) -> np.ndarray:
 
 
 def ring_pairs(n: int, stride: int = 1) -> list[tuple[int, int]]:
-    """The ring's (source, target) pairs on the ``context`` axis: n steps of ``stride``
-    devices, device i -> i + stride (mod n x stride). ``stride`` > 1: n rings side by side,
-    one per offset below ``stride`` (the hybrid's outer ring, :mod:`jaxpar.parallel.ulysses`)."""
+    """The ring's (source, target) pairs on the ``context`` axis: device i -> i + stride.
+    ``stride`` > 1: several rings side by side (the hybrid's outer ring)."""
     size = n * stride
     return [(i, (i + stride) % size) for i in range(size)]
 
@@ -101,10 +97,8 @@ def _rotate(tree, n: int, stride: int = 1):
 
 def ring_forward(q, k, v, q_pos, k_pos, n: int, block: int, count: bool = False,
                  stride: int = 1):
-    """q: [B, s, K, G, D] local; k, v: [B, s, K, D] local; masks of the local tokens. Returns
-    (out [B,s,K,G,D], lse), and with ``count`` the int32 number of blocks this device computed
-    (:func:`jaxpar.model.attention.fold_keys`). ``stride``: the ring's step on the axis
-    (:func:`ring_pairs`)."""
+    """q: [B, s, K, G, D], k, v: [B, s, K, D] and masks, all local. Returns (out, lse), and with
+    ``count`` the number of blocks this device computed. ``stride``: :func:`ring_pairs`."""
     acc = empty_statistics(q)
     blocks = jnp.zeros((), jnp.int32)
     kv_block = (k, v, k_pos)
@@ -135,8 +129,8 @@ def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, block: int, stri
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def ring_attention_local(q, k, v, q_pos, k_pos, n, block, stride=1):
-    """Ring attention on one device's blocks (inside ``shard_map`` over ``context``): grouped
-    q [B, s, K, G, D], k/v [B, s, K, D] and their masks; n ring steps of ``stride``."""
+    """Ring attention on one device's blocks, inside ``shard_map`` over ``context``: n ring steps
+    of ``stride``."""
     return ring_forward(q, k, v, q_pos, k_pos, n, block, stride=stride)[0].astype(q.dtype)
 
 
@@ -171,10 +165,9 @@ def _allgather_attention_local(q, k, v, q_pos, k_pos, block: int):
 
 @jax.custom_vjp
 def _gathered_sequence(x: jax.Array) -> jax.Array:
-    """``x`` [B, s, ...] all-gathered over ``context`` along the sequence, in its dtype. Its
-    gradient is reduce-scattered back in float32, as the ring's dK/dV travel: the sum of N
-    devices' partial gradients keeps float32 precision (and XLA:CPU aborts compiling the bf16
-    reduce-scatter autodiff would write: "Invalid binary instruction opcode copy")."""
+    """``x`` [B, s, ...] all-gathered over ``context`` along the sequence. Its gradient is
+    reduce-scattered back in float32, as the ring's dK/dV travel: N devices' partial sums keep
+    their precision (and XLA:CPU cannot compile the bf16 one)."""
     return lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
 
 
@@ -197,18 +190,16 @@ _gathered_sequence.defvjp(_gathered_sequence_fwd, _gathered_sequence_bwd)
 
 def local_tokens(seq_len: int, n: int, zigzag: bool) -> int:
     """Tokens of one contiguous piece of a device's sequence: its share, or half of it under
-    the zigzag layout (the default block of the ring's kernel, so block kinds follow chunks)."""
+    zigzag (the ring kernel's default block)."""
     return seq_len // n // (2 if zigzag else 1)
 
 
 def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ...] = (),
                       block: int | None = None) -> Callable:
     """``attention(q, k, v, positions)`` for the model: q [B,S,H,D], k/v [B,S,K,D] -> [B,S,H,D],
-    with S split over ``context`` and B over ``batch_axes`` (both manual: each device attends
-    its own rows, which keeps the compiler from gathering the batch around the K/V collectives),
-    and the heads left to the compiler (tensor parallelism). Both implementations work
-    ``block`` queries x ``block`` keys at a time (default: one zigzag chunk). (``ulysses`` and
-    ``hybrid``: :func:`jaxpar.parallel.ulysses.ulysses_attention`.)"""
+    S split over ``context`` and B over ``batch_axes``, both manual (so the compiler does not
+    gather the batch around the K/V collectives); the heads are left to the compiler. ``block``:
+    queries and keys worked at a time (default: one zigzag chunk)."""
     rows = batch_axes or None
     seq = P(rows, CONTEXT_AXIS)
     seq4 = P(rows, CONTEXT_AXIS, None, None)
@@ -219,8 +210,8 @@ def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ..
 
 def local_context_attention(impl: str, n: int, zigzag: bool, block: int | None = None
                             ) -> Callable:
-    """The same attention on one device's piece of the sequence, where ``context`` is already
-    manual (inside a pipeline stage, which splits the sequence by hand): q [B,S/n,H,D]."""
+    """The same attention on one device's piece of the sequence, ``context`` already manual (a
+    pipeline stage)."""
 
     def local(q, k, v, positions):
         qg = group(q, k.shape[2])

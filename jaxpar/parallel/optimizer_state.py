@@ -22,13 +22,10 @@ STATE_BYTES = {"float32": 4, "bfloat16": 2}  # train.opt_state_dtype
 
 def muon_matrix_axes(name: str, names: Sequence[str | None]
                      ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Muon's view of one parameter (its name and logical axes): the (reduction, output) axes
-    of a stacked layer weight, or None for a parameter AdamW updates.
-
-    Layers and experts are batch axes (one matrix per layer and expert). Of the other axes,
-    inputs come first: a weight whose last axis is ``embed`` (``wo``, ``w_down``) maps all the
-    others to it; any other (``wq``, ``w_up``, MLA's ``wkv_b``) maps its first to the rest.
-    """
+    """Muon's view of one parameter: the (reduction, output) axes of a stacked layer weight, or
+    None for a parameter AdamW updates. Layers and experts are batch axes. A weight whose last
+    axis is ``embed`` (``wo``, ``w_down``) maps all other axes to it; any other maps its first to
+    the rest."""
     if not names or names[0] != "layers" or name.rsplit("/", 1)[-1] in ("scale", "router"):
         return None
     matrix = [i for i, n in enumerate(names) if n not in MUON_BATCH_AXES]
@@ -39,8 +36,8 @@ def muon_matrix_axes(name: str, names: Sequence[str | None]
 
 
 def adafactor_factored_dims(shape: Sequence[int]) -> tuple[int, int] | None:
-    """The two dimensions optax's adafactor factors the second moment over (second largest,
-    largest), or None when it keeps a full one: the same rule as optax's."""
+    """The two dimensions optax's adafactor factors the second moment over, or None for a full
+    one."""
     if len(shape) < 2:
         return None
     order = sorted(range(len(shape)), key=lambda i: (shape[i], i))
@@ -69,19 +66,17 @@ def state_shapes(optimizer: str, name: str, shape: tuple[int, ...],
 
 
 def state_counters(optimizer: str, weight_decay: float) -> int:
-    """Bytes of the state that is not per parameter: int32 step counts (the optimizer's and
-    the learning-rate schedule's; Muon adds its own two; Adafactor one for its weight-decay
-    schedule) and Muon's three float32 Newton-Schulz coefficients."""
+    """Bytes of the state that is not per parameter: int32 step counts and Muon's three float32
+    Newton-Schulz coefficients."""
     if optimizer == "muon":
         return 4 * 4 + 3 * 4
     return 3 * 4 if optimizer == "adafactor" and weight_decay else 2 * 4
 
 
 def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) -> PartitionSpec:
-    """The spec of a state array of ``shape`` that belongs to a parameter of ``param_shape``
-    split by ``spec``: the parameter's own for its shape; for one dimension fewer (Adafactor's
-    row and column factors), the spec without the first dimension whose removal gives the
-    shape; replicated otherwise (placeholders). The cost model splits state bytes alike."""
+    """The spec of a state array of ``shape`` belonging to a parameter of ``param_shape`` split
+    by ``spec``: the parameter's own, less a dimension for Adafactor's factors, else replicated.
+    The cost model splits state bytes alike."""
     entries = list(spec) + [None] * (len(param_shape) - len(spec))
     if tuple(shape) == tuple(param_shape):
         return PartitionSpec(*entries)
@@ -95,13 +90,10 @@ def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) 
 
 def muon_specs(name: str, names: Sequence[str | None], rules: Mapping[str, Sequence[str]],
                mesh_shape: Mapping[str, int]) -> tuple[PartitionSpec, ...] | None:
-    """The layouts one parameter's momentum passes through before Muon's Newton-Schulz
-    iterations (None: not Muon's matrix), ending with the matrices whole on every device that
-    holds them: the batch axes (layers, experts) stay split as the parameter's (pipeline
-    stages, expert shards). The gather goes in two stages where ``tensor`` splits a matrix
-    axis: first over every other axis (``fsdp``, ZeRO-1's ``data`` x ``fsdp``), leaving the
-    ``tensor`` split, then over ``tensor``: the larger second gather crosses the faster link,
-    and the order is fixed rather than the partitioner's choice (``cost/collectives.py``)."""
+    """The layouts one parameter's momentum passes through before Muon's iterations (None: not a
+    Muon matrix), ending whole on every device that holds the matrices. Where ``tensor`` splits a
+    matrix axis the gather goes in two stages, ``tensor`` last: the larger gather on the faster
+    link, in a fixed order (docs/optimizers.md)."""
     if muon_matrix_axes(name, names) is None:
         return None
     split = split_names(name, names)  # a pipeline's dense first blocks: not cut into stages
@@ -119,13 +111,10 @@ def muon_specs(name: str, names: Sequence[str | None], rules: Mapping[str, Seque
 
 
 class MuonLayout(NamedTuple):
-    """How one Muon parameter's Newton-Schulz iterations are laid out (``train/optimizers.py``).
-
-    ``owners`` empty: the momentum is gathered whole through ``stages`` and every device that
-    holds a matrix iterates on it. Else owner-computes: the momentum, split by ``held`` (the
-    parameter's spec), is exchanged over ``owners`` (the axes that split its matrix axes) by an
-    all-to-all so that each device of an ``owners`` group holds whole matrices of its share of
-    the group's layers (and experts), iterates on them, and sends the pieces back."""
+    """How one Muon parameter's Newton-Schulz iterations are laid out. ``owners`` empty: the
+    momentum is gathered whole through ``stages``. Else owner-computes: an all-to-all over
+    ``owners`` gives each device whole matrices of its share, which it iterates on and sends
+    back."""
 
     stages: tuple[PartitionSpec, ...]
     held: PartitionSpec
@@ -134,9 +123,8 @@ class MuonLayout(NamedTuple):
 
 def muon_layout(name: str, names: Sequence[str | None], rules: Mapping[str, Sequence[str]],
                 mesh_shape: Mapping[str, int], zero: int) -> MuonLayout | None:
-    """One parameter's :class:`MuonLayout` (None: not Muon's matrix). Owner-computes where the
-    momentum is split like the parameter (ZeRO-3; ZeRO-1 splits it differently, and gathers)
-    and its batch axes lead (layers, experts: always so for jaxpar's weights)."""
+    """One parameter's :class:`MuonLayout` (None: not a Muon matrix): owner-computes where the
+    momentum is split like the parameter (ZeRO-3) and its batch axes lead."""
     stages = muon_specs(name, names, rules, mesh_shape)
     if stages is None:
         return None

@@ -61,13 +61,9 @@ def moment_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
 
 
 def gradient_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
-    """PartitionSpecs the step gives the summed gradients.
-
-    Under ZeRO-1 without a pipeline, the moments' (ZeRO-2): each device updates only its slice,
-    so the partitioner ends the gradient sum over ``data``/``fsdp`` in a reduce-scatter to that
-    slice instead of an all-reduce of the whole gradient, and the gradients take 1/N of the
-    memory; with the all-gather of the updated parameters that is the bytes of one all-reduce.
-    Otherwise (and in a pipeline, whose executor sums gradients by hand) the parameters'."""
+    """PartitionSpecs the step gives the summed gradients: under ZeRO-1 without a pipeline the
+    moments' (ZeRO-2), so the sum over ``data``/``fsdp`` ends in a reduce-scatter to each
+    device's slice; otherwise (and in a pipeline, which sums by hand) the parameters'."""
     if cfg.parallel.zero != 1 or cfg.mesh.pipe > 1:
         return param_specs
     return moment_specs(cfg, param_specs, logical_axes)
@@ -75,14 +71,9 @@ def gradient_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
 
 def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params: Any,
                           param_specs: Any, logical_axes: Any) -> Any:
-    """PartitionSpecs for the optimizer state.
-
-    Every per-parameter array of the state (a leaf whose path ends in that parameter's path:
-    Adam's ``mu`` and ``nu``, Lion's and Muon's momentum, Adafactor's factors) gets the
-    parameter's spec (ZeRO-3) or that spec with ``embed`` split over ``data``/``fsdp`` (ZeRO-1),
-    less the dimensions it lacks (:func:`.optimizer_state.state_spec`); scalars such as the
-    step count and Muon's Newton-Schulz coefficients are replicated.
-    """
+    """PartitionSpecs for the optimizer state: each per-parameter array (a leaf whose path ends
+    in that parameter's path) gets :func:`moment_specs`' spec less the dimensions it lacks
+    (:func:`.optimizer_state.state_spec`); scalars are replicated."""
     moments = moment_specs(cfg, param_specs, logical_axes)
     flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     specs = jax.tree_util.tree_flatten(moments, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
@@ -102,17 +93,10 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
 
 def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
     """Whether a run without a pipeline sums its gradients over ``data`` by hand, once per step
-    (parallel/manual.py: sum_over_data_once), rather than leaving it to the partitioner.
-
-    The partitioner all-reduces each weight gradient where its matmul produces it, in that
-    matmul's dtype: ``train.dtype`` on GPU/TPU (float32 for lm_head and the norm scales),
-    float32 on XLA:CPU (which runs bf16 dots in float32); no cast around the matmul changes it.
-    So the sum is left to the partitioner only where it is float32 throughout and
-    ``parallel.reduce_dtype`` asks for that, and never under gradient accumulation (one sum per
-    step, not one per micro-step). The price of the hand-written sum: it runs after the whole
-    backward pass instead of overlapping each layer's. Never for a mixture of experts (its
-    load-balance loss needs statistics of the whole micro-batch) or when the batch is not split
-    over ``data``."""
+    (:func:`jaxpar.parallel.manual.sum_over_data_once`), rather than leaving it to the
+    partitioner: where the partitioner would not sum in ``parallel.reduce_dtype``, or under
+    gradient accumulation. Never for a mixture of experts, or when ``data`` splits no batch. Why:
+    docs/design.md, "Gradient sums once per step"."""
     if cfg.model.moe.enabled or cfg.mesh_shape["data"] == 1:
         return False
     if "data" not in logical_rules(cfg)["batch"]:
@@ -124,9 +108,8 @@ def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
 
 def token_shard_sum(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]]):
     """The :func:`jaxpar.model.annotate.sum_over_token_shards` hook for a mesh (None when no
-    token axis splits anything): ``(partial_sums, used, stored) -> sum`` in ``shard_map``
-    manual over the token axes (those of ``batch`` and ``seq``) and those splitting the
-    weight, each device holding its own partial sum of its own slice of the weight."""
+    token axis splits anything): ``(partial_sums, used, stored) -> sum``, in ``shard_map`` manual
+    over the token axes and those splitting the weight."""
     batch, seq = (tuple(a for a in rules[name] if mesh_shape[a] > 1) for name in ("batch", "seq"))
     token_axes = batch + seq
     if not token_axes:

@@ -1,26 +1,13 @@
-"""Optimizers (``train.optimizer``), learning-rate schedules (``train.schedule``) and the
-storage dtype of the optimizer state (``train.opt_state_dtype``), all through optax.
+"""Optimizers (``train.optimizer``), learning-rate schedules (``train.schedule``) and the storage
+dtype of the optimizer state (``train.opt_state_dtype``), all through optax.
 
-Every optimizer runs after global-norm clipping, on float32 copies of the gradients and
-parameters (:func:`in_float32`); with ``opt_state_dtype=bfloat16`` the state's per-parameter
-arrays are stored in bfloat16 and widened to float32 for each update (:func:`stored_state`).
-
-- ``adamw``: two moments per parameter; no weight decay on norm scales and biases.
-- ``adafactor``: optax's, with its defaults: a second moment factored into a row and a column
-  vector for arrays whose two largest dimensions are both >= 128 (optax picks the two largest
-  dimensions of the array, which for a stacked weight ``[L, in, out]`` is the per-layer matrix
-  whenever ``in, out > L``), a full one for the rest; no first moment; updates scaled by the
-  parameter's RMS.
-- ``lion``: one moment per parameter (``train.b1``/``train.b2`` are its two betas; Lion wants
-  a learning rate 3-10x below AdamW's).
-- ``muon``: the stacked layer weights (every ``layers/...`` and ``dense_layers/...`` matmul
-  weight with two or more non-layer, non-expert dimensions) get Muon's update: Nesterov
-  momentum (one buffer, beta :data:`MUON_BETA`), orthogonalised per layer (and per expert) by
-  Newton-Schulz iterations, scaled by ``sqrt(max(1, fan_out / fan_in))``; everything else
-  (embedding, head, norm scales, the MoE router) gets AdamW. See :func:`muon_dimensions`.
-
-Which parameters are Muon's matrices and the shapes of each optimizer's per-parameter state are
-described without optax in :mod:`jaxpar.parallel.optimizer_state`, which the cost model reads.
+Every optimizer runs after global-norm clipping, on float32 copies of the gradients and parameters
+(:func:`in_float32`); a bfloat16 state is widened to float32 for each update (:func:`stored_state`).
+``adamw``, ``adafactor`` and ``lion`` are optax's; ``muon`` gives the stacked layer matrices Muon's
+orthogonalised momentum (:func:`muon_dimensions`) and AdamW to everything else. Which parameters are
+Muon's matrices and the shape of each optimizer's state are described without optax in
+:mod:`jaxpar.parallel.optimizer_state`, which the cost model reads. Each optimizer, its state and
+its cost under sharding: docs/optimizers.md.
 """
 
 from __future__ import annotations
@@ -55,15 +42,10 @@ MUON_BETA = 0.95  # Muon's momentum (its authors' value)
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
     """``train.schedule`` after ``train.warmup_steps`` of linear warm-up from 0 to ``lr``:
-
-    - ``cosine``: cosine decay to ``lr * min_lr_ratio`` at ``steps``;
-    - ``wsd`` (warm-up, stable, decay): ``lr`` until the last ``decay_fraction`` of the steps,
-      then linear decay to ``lr * min_lr_ratio`` at ``steps`` (:func:`wsd_value`);
-    - ``constant``: ``lr`` after the warm-up.
-
-    Evaluated at the 0-based step count; optimizer step k (1-based) uses the schedule at k, so
-    the first step already moves the parameters (lr/warmup_steps) instead of wasting a step at 0.
-    """
+    ``cosine`` decays to ``lr * min_lr_ratio`` at ``steps``; ``wsd`` holds ``lr`` until the last
+    ``decay_fraction`` of the steps, then decays linearly (:func:`wsd_value`); ``constant``
+    stays. Optimizer step k (1-based) uses the schedule at k, so the first step already moves the
+    parameters."""
     if t.schedule == "cosine":
         base = optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
@@ -83,8 +65,8 @@ def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
 
 
 def wsd_decay_start(t: TrainConfig) -> int:
-    """The step after which ``wsd`` decays: the last ``round(decay_fraction * steps)`` steps
-    (at least one) decay, never before the warm-up ends."""
+    """The step after which ``wsd`` decays: the last ``round(decay_fraction * steps)`` steps (at
+    least one), never before the warm-up ends."""
     return max(t.steps - max(1, round(t.decay_fraction * t.steps)), t.warmup_steps)
 
 
@@ -109,8 +91,8 @@ def decays(name: str) -> bool:
 
 
 def muon_dimensions(name: str, names: Sequence[str | None]) -> MuonDimensionNumbers | None:
-    """Muon's view of one parameter: its matrix axes (:func:`jaxpar.parallel.optimizer_state.
-    muon_matrix_axes`) as optax's dimension numbers, or None for a parameter AdamW updates."""
+    """Muon's view of one parameter: its matrix axes as optax's dimension numbers, or None for a
+    parameter AdamW updates."""
     axes = muon_matrix_axes(name, names)
     return None if axes is None else MuonDimensionNumbers(reduction_axis=axes[0],
                                                           output_axis=axes[1])
@@ -123,11 +105,9 @@ def muon_dimensions(name: str, names: Sequence[str | None]) -> MuonDimensionNumb
 def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None,
                    muon_specs: Mapping | None = None) -> optax.GradientTransformation:
     """``train.optimizer`` after global-norm clipping, in float32, its state stored in
-    ``train.opt_state_dtype``. ``logical_axes`` (the parameters' logical axis names, as
-    :func:`jaxpar.parallel.rules.param_logical_axes`) is needed by Muon only; ``muon_specs``
-    (like it, a :class:`~jaxpar.parallel.optimizer_state.MuonLayout` per Muon matrix, None
-    elsewhere: ``jaxpar.train.step.muon_specs``) lays its Newton-Schulz iterations out, inside
-    the train step's mesh (None: wherever the partitioner puts them, e.g. on one device)."""
+    ``train.opt_state_dtype``. Muon alone needs ``logical_axes`` (the parameters' logical names)
+    and ``muon_specs`` (a :class:`~jaxpar.parallel.optimizer_state.MuonLayout` per matrix, laying
+    out its iterations; None: wherever the partitioner puts them)."""
     from jaxpar.parallel.rules import param_name  # noqa: PLC0415
 
     def decay_mask(params: dict) -> dict:
@@ -186,14 +166,9 @@ def _muon(t: TrainConfig, lr: optax.Schedule, logical_axes: Mapping,
 def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
                    ) -> optax.GradientTransformation:
     """optax's ``scale_by_muon`` (Nesterov momentum, then Newton-Schulz; its state and its
-    numbers), with the iterations laid out as ``specs`` says (a MuonLayout per matrix).
-
-    Left to itself the partitioner splits the iterations' matmuls over the matrix's sharded
-    axes and reshards between them (on the tiny preset at data x fsdp x tensor: 2.9 MiB of
-    collectives per step for 242 KiB of state). Instead: owner-computes
-    (:func:`_owner_newton_schulz`), or the momentum gathered whole through ``layout.stages``
-    and constrained whole on the way out, each device slicing its piece of the update for free
-    (docs/optimizers.md)."""
+    numbers), with the iterations laid out as ``specs`` says: owner-computes
+    (:func:`_owner_newton_schulz`), or the momentum gathered whole through ``layout.stages``.
+    Left to the partitioner, the iterations reshard between matmuls (docs/optimizers.md)."""
     base = scale_by_muon(beta=MUON_BETA, eps=eps, ns_steps=MUON_NS_STEPS, nesterov=True,
                          weight_dimension_numbers=dims_fn)
     if specs is None:
@@ -232,11 +207,9 @@ def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
 
 def _newton_schulz(x: jax.Array, d: MuonDimensionNumbers, coeffs: jax.Array,
                    eps: float) -> jax.Array:
-    """optax's orthogonalisation of each matrix of ``x``, vmapped over the leading batch axes
-    (layers, experts) one at a time. optax flattens them into one axis first, and a flattened
-    [layers x experts] axis cannot keep the experts' split over ``expert``: the partitioner
-    gathers every expert to every device (moe-tiny at data=2 expert=2 tensor=2: an all-gather
-    of all routed experts' momentum, and each device iterating on all of them)."""
+    """optax's orthogonalisation of each matrix of ``x``, vmapped over the leading batch axes one
+    at a time: optax's flattened [layers x experts] axis cannot keep the experts' split over
+    ``expert``."""
     matrix = (*d.reduction_axis, *d.output_axis)
     batch = x.ndim - len(matrix)
     # One batch axis: optax's own flattening (it keeps the split; and XLA:CPU's compiled peak
@@ -257,11 +230,9 @@ def _newton_schulz(x: jax.Array, d: MuonDimensionNumbers, coeffs: jax.Array,
 
 def _owner_newton_schulz(x: jax.Array, d: MuonDimensionNumbers, layout: MuonLayout,
                          coeffs: jax.Array, eps: float) -> jax.Array:
-    """Owner-computes (:class:`~jaxpar.parallel.optimizer_state.MuonLayout`): within each
-    group of ``layout.owners`` devices, the local matrices' B = layers x experts entries
-    (padded with zero matrices to a multiple of the group's k devices) go c = B/k to each
-    device by one all-to-all, which assembles them whole; the device iterates on its c and a
-    second all-to-all sends every device its piece of each result."""
+    """Owner-computes: within each group of ``layout.owners`` devices, one all-to-all gives each
+    device whole matrices of its share, it iterates on them, and a second all-to-all sends every
+    device its piece of each result (docs/optimizers.md)."""
     owners, held = layout.owners, tuple(layout.held)
     matrix = (*d.reduction_axis, *d.output_axis)
     nb = x.ndim - len(matrix)  # the leading batch axes
@@ -306,8 +277,8 @@ def _masked_like(specs: Mapping, updates: Any) -> Any:
 
 
 def _scale_by_matrix_shape(dims_fn: Any) -> optax.GradientTransformation:
-    """Muon's per-matrix update scale ``sqrt(max(1, fan_out / fan_in))`` (its orthogonalised
-    update has unit singular values; this keeps the RMS of a wide matrix's update up)."""
+    """Muon's per-matrix update scale ``sqrt(max(1, fan_out / fan_in))``, which keeps the RMS of
+    a wide matrix's update up."""
 
     def scale(u: jax.Array, d: MuonDimensionNumbers) -> jax.Array:
         fan_in = math.prod(u.shape[i] for i in d.reduction_axis)
@@ -331,11 +302,9 @@ def as_float32(tree: Any) -> Any:
 
 
 def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` run on float32 copies of the gradients and parameters, so that the moments,
-    the clipping norm and the update are float32 whatever ``train.param_dtype`` stores; the
-    update is rounded to the stored dtype only when ``optax.apply_updates`` adds it. (No
-    float32 master copy: with bfloat16 parameters an update below half a bf16 ulp of its weight
-    is lost; the trade is half the parameter memory. A no-op for float32 parameters.)"""
+    """``tx`` run on float32 copies of the gradients and parameters, so the moments, the clipping
+    norm and the update are float32 whatever ``train.param_dtype`` stores. There is no float32
+    master copy (docs/mixed-precision.md)."""
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return tx.update(as_float32(grads), state,
@@ -345,9 +314,8 @@ def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation
 
 
 def per_parameter(path: Sequence[Any]) -> bool:
-    """Whether a state leaf at ``path`` belongs to a parameter-shaped tree (a moment, a factor):
-    its path ends in a dict key (the parameter's name), where counters and Muon's coefficients
-    end in an attribute."""
+    """Whether a state leaf at ``path`` belongs to a parameter-shaped tree: its path ends in a
+    dict key (the parameter's name), where counters and Muon's coefficients end in an attribute."""
     return bool(path) and isinstance(path[-1], jax.tree_util.DictKey)
 
 
@@ -359,8 +327,8 @@ def cast_state(state: Any, dtype: Any) -> Any:
 
 
 def stored_state(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
-    """``tx`` whose per-parameter state is stored in ``dtype`` (``train.opt_state_dtype``):
-    widened to float32 for each update, which is computed in float32, then rounded back."""
+    """``tx`` whose per-parameter state is stored in ``dtype``, widened to float32 for each
+    update and rounded back."""
     if dtype == "float32":
         return tx
     stored = jnp.dtype(dtype)

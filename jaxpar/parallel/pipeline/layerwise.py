@@ -1,25 +1,19 @@
 """A pipeline chunk run one layer at a time, and a step's forward and backward in one loop.
 
-The executor's default runs a slot's chunk as one function under ``jax.vjp`` (its layers a
-``lax.scan`` inside the model). Two modes run the chunk here instead, as a ``lax.scan`` of the
-slot's own whose iteration runs one layer under ``jax.vjp`` and stashes its residuals:
+The executor's default runs a slot's chunk as one function under ``jax.vjp``. Two modes run it here
+instead, as a ``lax.scan`` of the slot's own whose iteration runs one layer under ``jax.vjp`` and
+stashes its residuals:
 
-- ``parallel.pipeline_fsdp=per_layer``: each layer gathered over ``fsdp`` as the slot runs it
-  and its gradient reduce-scattered at once (:class:`~jaxpar.parallel.pipeline.per_layer.
-  LayerFsdp`);
-- ``parallel.pipeline_overlap=true``: a step that has a forward slot and a backward slot (B or
-  I) runs both in one loop, :func:`layer_forward_backward`: iteration ``k`` runs layer ``k`` of
-  the forward's chunk for one microbatch and layer ``L-1-k`` of the backward's chunk for
-  another. The two are independent, so the compiler may schedule one's collectives (the expert
-  all-to-alls, tensor and FSDP gathers) beside the other's matmuls: DeepSeek's forward/backward
-  overlap (DualPipe's "F&B"), where two loops one after the other leave each loop's
-  communication waiting on its own matmuls. The schedule then turns the last chunk round a step
-  later (:func:`jaxpar.parallel.pipeline.schedules.time_steps`), since a backward in the loop
-  cannot read what the same step's forward makes.
+- ``parallel.pipeline_fsdp=per_layer``: each layer gathered over ``fsdp`` as the slot runs it, its
+  gradient reduce-scattered at once (:class:`~jaxpar.parallel.pipeline.per_layer.LayerFsdp`);
+- ``parallel.pipeline_overlap=true``: a step's forward and backward slots in one loop
+  (:func:`layer_forward_backward`), iteration ``k`` running layer ``k`` of one microbatch's forward
+  and layer ``L-1-k`` of another's backward. The two are independent, so the compiler may hide one's
+  collectives behind the other's matmuls (DualPipe's "F&B").
 
-:class:`LayerWeights` says how an iteration reads its layer's weights and hands back its
-gradient; with a zero-bubble split (:mod:`~jaxpar.parallel.pipeline.backward_split`) the I and
-W halves are cut per layer (:func:`layer_split`).
+:class:`LayerWeights` says how an iteration reads its layer's weights and hands back its gradient; a
+zero-bubble split cuts the I and W halves per layer (:func:`layer_split`). Why and what it costs:
+docs/pipelines.md, "Forward and backward in one layer loop".
 """
 
 from __future__ import annotations
@@ -38,10 +32,9 @@ from jaxpar.parallel.pipeline.stages import Residuals, Stages
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """How a layer-by-layer slot reads one layer's weights and hands back its gradient:
-    gathered over ``fsdp`` and reduce-scattered at once (``fsdp``: per_layer FSDP), or sliced
-    from the stage's weights as prepared once per step (the chunk's ``[layers, ...]``), its
-    gradient in the stored layout, float32."""
+    """How a layer-by-layer slot reads one layer's weights and hands back its gradient: gathered
+    and reduce-scattered at once (``fsdp``: per-layer FSDP), or sliced from the stage's prepared
+    weights, its gradient in the stored layout, float32."""
 
     stages: Stages
     fsdp: LayerFsdp | None = None
@@ -115,9 +108,9 @@ def _stacked_aux(stages: Stages, aux: dict) -> dict:
 
 def layer_forward(lw: LayerWeights, residuals: Residuals, shared: dict, chunk: Any, consts: Any,
                   x: jax.Array, mb: dict) -> tuple[tuple[jax.Array, dict], list]:
-    """A chunk's layers on ``x``, one at a time: ((y, aux), stashable residuals, each leaf
-    ``[layers of the chunk, ...]``). ``chunk``: the chunk's layers as :class:`LayerWeights`
-    reads them ``[layers, ...]``; ``residuals`` splits a VJP into what waits in the stash."""
+    """A chunk's layers on ``x``, one at a time: ((y, aux), stashable residuals
+    ``[layers, ...]``). ``chunk``: the chunk's layers as :class:`LayerWeights` reads them;
+    ``residuals`` splits a VJP into what waits in the stash."""
     def one(x: jax.Array, xs: tuple) -> tuple:
         return _forward_one(lw, residuals, shared, mb, x, *xs)
 
@@ -126,8 +119,8 @@ def layer_forward(lw: LayerWeights, residuals: Residuals, shared: dict, chunk: A
 
 
 def added(sums: Any, on: jax.Array, at: Any, grads: Any) -> Any:
-    """``sums`` (float32, ``[chunks, layers, ...]``) with ``grads`` added at index ``at`` (a
-    chunk, or a chunk and a layer) where ``on`` (a masked slot adds zeros)."""
+    """``sums`` (float32, ``[chunks, layers, ...]``) with ``grads`` added at index ``at`` where
+    ``on``."""
     return jax.tree.map(
         lambda acc, g: acc.at[at].add(jnp.where(on, g, jnp.zeros_like(g)).astype(acc.dtype)),
         sums, grads)
@@ -141,14 +134,10 @@ def _rows(chunk: Any) -> jax.Array:
 def layer_backward(lw: LayerWeights, residuals: Residuals, chunk: Any, consts: Any,
                    stashed: list, dy: jax.Array, aux_cotangent: jax.Array, sums: Any,
                    j: jax.Array, on: jax.Array) -> tuple[Any, jax.Array]:
-    """(``sums`` with chunk ``j``'s weight gradients added where ``on``; input gradient) of a
-    chunk from :func:`layer_forward`'s stashed residuals, the layers in reverse. ``sums``: the
-    stage's float32 sums ``[chunks, layers, ...]`` in the stored layout.
-
-    Each layer's gradient is added into the sums inside the loop, as it is made: a loop that
-    returned the chunk's gradients stacked would hold a second buffer the size of the chunk's
-    sums at once (4 GiB per device for Llama-3-70B's 20-layer stages at ``fsdp=4 tensor=4``
-    under FSDP by layer, seen in the TPU compiler's heap at its peak)."""
+    """(``sums`` with chunk ``j``'s weight gradients added where ``on``; input gradient), the
+    layers in reverse, from :func:`layer_forward`'s stashed residuals. Each layer's gradient goes
+    into the sums inside the loop: stacked and added after, it would hold a second buffer the
+    size of the sums (docs/pipelines.md, "FSDP layer by layer")."""
     def one(carry: tuple, xs: tuple) -> tuple:
         dy, sums = carry
         row, *layer = xs
@@ -163,9 +152,8 @@ def layer_backward(lw: LayerWeights, residuals: Residuals, chunk: Any, consts: A
 def layer_backward_input(lw: LayerWeights, split: SplitBackward, chunk: Any, consts: Any,
                          stashed: list, dy: jax.Array, aux_cotangent: jax.Array,
                          ) -> tuple[jax.Array, list]:
-    """An I, layer by layer in reverse: the input gradient pulled through each layer; what each
-    layer's W needs comes out stacked ``[layers, ...]``. No weight gradient exists yet (with
-    FSDP nothing is reduce-scattered)."""
+    """An I, layer by layer in reverse: the input gradient, and what each layer's W needs stacked
+    ``[layers, ...]``. No weight gradient exists yet."""
     def one(dy: jax.Array, xs: tuple) -> tuple:
         return _input_one(lw, split, dy, aux_cotangent, *xs)
 
@@ -175,10 +163,9 @@ def layer_backward_input(lw: LayerWeights, split: SplitBackward, chunk: Any, con
 def layer_backward_weights(lw: LayerWeights, split: SplitBackward, chunk: Any, consts: Any,
                            stashed: list, crossing: list, sums: Any, j: jax.Array,
                            on: jax.Array) -> Any:
-    """A W, layer by layer: ``sums`` with each layer's weight gradients (from its residuals and
-    what its I left) added where ``on``, as the loop makes them (as :func:`layer_backward`).
-    With FSDP a layer is gathered again only where its weight gradients read its weights (a
-    LoRA adapter's: the other factor)."""
+    """A W, layer by layer: ``sums`` with each layer's weight gradients added where ``on``. With
+    FSDP a layer is gathered again only where its weight gradients read its weights (a LoRA
+    adapter's)."""
     reads_weights = any(split.primal_reads[len(stashed):])
 
     def one(sums: Any, xs: tuple) -> tuple:
@@ -198,12 +185,11 @@ def layer_backward_weights(lw: LayerWeights, split: SplitBackward, chunk: Any, c
 def layer_forward_backward(lw: LayerWeights, residuals: Residuals, split: SplitBackward | None,
                            shared: dict, forward: tuple, x: jax.Array, mb: dict,
                            backward: tuple, dy: jax.Array, aux_cotangent: jax.Array) -> tuple:
-    """A step's forward slot and backward slot in one loop (module docstring): iteration ``k``
-    runs layer ``k`` of the forward's chunk on its microbatch and layer ``L-1-k`` of the
-    backward's chunk on another's gradient. ``forward``: the forward chunk's (layers,
-    consts); ``backward``: the backward chunk's (layers, consts, stashed residuals). With
-    ``split`` the backward is an I. Returns ((y, aux), residuals to stash, the backward's
-    weight gradients (or, for an I, what its W needs), stacked ``[layers, ...]``, dx)."""
+    """A step's forward and backward slots in one loop: iteration ``k`` runs layer ``k`` of the
+    forward's chunk and layer ``L-1-k`` of the backward's (``split``: an I). ``forward``:
+    (layers, consts); ``backward``: (layers, consts, stashed residuals). Returns ((y, aux),
+    residuals to stash, the backward's weight gradients or what its W needs ``[layers, ...]``,
+    dx)."""
     def one(carry: tuple, xs: tuple) -> tuple:
         x, dy = carry
         forward_layer, backward_layer = xs
@@ -220,10 +206,9 @@ def layer_forward_backward(lw: LayerWeights, residuals: Residuals, split: SplitB
 
 def layer_split(lw: LayerWeights, residuals: Residuals, chunk: tuple, res_shapes: list,
                 dy: jax.ShapeDtypeStruct, aux: jax.ShapeDtypeStruct) -> SplitBackward:
-    """One layer's backward cut into I and W (:mod:`~jaxpar.parallel.pipeline.backward_split`),
-    traced on abstract values: the stash's residuals of one layer (``res_shapes`` without
-    their layer dimension) and the layer's weights for both parts, the output gradient and the
-    aux cotangent for I alone. ``chunk``: a chunk's (layers as read, frozen, consts)."""
+    """One layer's backward cut into I and W, traced on abstract values: one layer's residuals
+    (``res_shapes`` without their layer dimension), its weights, and the output and aux
+    cotangents for I. ``chunk``: a chunk's (layers as read, frozen, consts)."""
     stored, _, consts = chunk
     weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in jax.eval_shape(
         lambda s, c: lw.leaves(jax.tree.map(lambda a: a[0], s), jax.tree.map(
