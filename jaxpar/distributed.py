@@ -1,13 +1,11 @@
-"""Several processes, one run: joining JAX's multi-controller runtime, barriers with timeouts,
-and ending every process when one fails.
+"""Several processes, one run: joining JAX's multi-controller runtime, barriers with timeouts, and
+ending every process when one fails.
 
-Each host (or GPU) runs one jaxpar process; :func:`start_distributed` joins them (before any jax
-backend starts) so that ``jax.devices()`` lists the devices of all of them and one mesh spans
-them. JAX's runtime ends the others when a process stops sending heartbeats (killed, or the
-host died), after ``distributed.timeout_s``. A process that fails in Python says so first:
-:func:`announce_failure` writes the reason to the runtime's key-value store, and every other
-process's :func:`watch_for_failures` thread reads it within a second and ends its own process
-with a line naming the failed one, instead of waiting in a collective for the heartbeat timeout.
+:func:`start_distributed` joins the processes before any jax backend starts, so that one mesh spans
+all their devices. JAX's runtime ends the others when a process stops sending heartbeats. A process
+that fails in Python says so first (:func:`announce_failure`), and every other process's
+:func:`watch_for_failures` thread ends its own process within a second, with a line naming the
+failed one. How each failure ends a run: docs/multi-host.md, "When a process fails".
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ class DistributedError(RuntimeError):
 
 
 def cluster_process_count() -> int:
-    """Processes in this job as JAX's own cluster detection sees them (SLURM, Open MPI, TPU pod
-    slices, Kubernetes); 1 outside a cluster.
-
-    JAX keeps that detection private (``jax._src.clusters``); if it moves, this says 1 and
-    ``distributed.enabled=on`` still reaches it through ``jax.distributed.initialize``."""
+    """Processes in this job as JAX's own (private) cluster detection sees them; 1 outside a
+    cluster, or if that detection moves."""
     try:
         from jax._src.clusters import ClusterEnv  # noqa: PLC0415
     except ImportError:
@@ -52,13 +47,9 @@ def wants_distributed(d: DistributedConfig) -> bool:
 
 
 def start_distributed(d: DistributedConfig) -> bool:
-    """Join the multi-controller runtime if ``d`` asks for it (before any jax backend starts);
-    True if it did. Unset fields come from JAX's cluster detection.
-
-    ``timeout_s`` bounds the three waits of the runtime: for every process to connect at
-    start-up, for a silent process to be declared dead (its heartbeats stop; the runtime then
-    ends every other process), and for the others at shut-down.
-    """
+    """Join the multi-controller runtime if ``d`` asks for it, before any jax backend starts;
+    True if it did. Unset fields come from JAX's cluster detection. ``timeout_s`` bounds the
+    runtime's three waits: start-up, a silent process's heartbeats, and shut-down."""
     if not wants_distributed(d):
         return False
     import jax  # noqa: PLC0415
@@ -87,10 +78,8 @@ def process_label() -> str:
 
 
 def barrier(name: str, timeout_s: int) -> None:
-    """Wait until every process reached ``name``; a DistributedError after ``timeout_s``.
-
-    JAX's public barrier (``multihost_utils.sync_global_devices``) has no timeout, so this uses
-    the runtime client's ``wait_at_barrier``; one process: nothing to wait for."""
+    """Wait until every process reached ``name``; a DistributedError after ``timeout_s``. (JAX's
+    public barrier has no timeout.)"""
     import jax  # noqa: PLC0415
     client = _client()
     if jax.process_count() == 1 or client is None:
@@ -104,13 +93,9 @@ def barrier(name: str, timeout_s: int) -> None:
 
 
 def lost_processes(wait_s: float = LIVENESS_WAIT_S) -> list[int]:
-    """Processes the runtime no longer hears from (their heartbeats stopped, or they left);
-    empty when every process is alive or the runtime cannot be asked (its coordinator, process
-    0, is among the lost) or does not answer within ``wait_s``.
-
-    The runtime answers only once every live process has asked (its liveness query is a
-    barrier). A process that fails alone asks while the others sit in a collective, and
-    would wait for them for ever: so the question runs in a thread it stops waiting for."""
+    """Processes the runtime no longer hears from; empty when every process is alive or the
+    runtime cannot be asked within ``wait_s``. The question runs in a thread this one stops
+    waiting for (docs/jax-notes.md, "Multi-process on one host")."""
     import jax  # noqa: PLC0415
     client = _client()
     if client is None:
@@ -139,20 +124,17 @@ def _first_line(err: BaseException) -> str:
 
 
 def _client():
-    """The runtime's client (None in a one-process run). JAX keeps it private; its barrier,
-    key-value store and liveness calls have no public equivalent with a timeout."""
+    """The runtime's private client (None in a one-process run): its barrier, key-value store and
+    liveness calls have no public equivalent with a timeout."""
     from jax._src import distributed  # noqa: PLC0415
 
     return distributed.global_state.client
 
 
 def announce_failure(reason: str) -> None:
-    """Tell the other processes that this one fails, and why (best effort: the runtime may be
-    gone already), then give their watchers two polls to end them before this one leaves.
-
-    Leaving at once let a process vanish in the middle of a collective's message, which made
-    gloo abort the others (``Received data size doesn't match expected size``, exit 134)
-    before their watcher read the reason; process 0 also hosts the key-value store."""
+    """Tell the other processes that this one fails, and why (best effort), then give their
+    watchers two polls before this one leaves: leaving at once could vanish mid-collective and
+    make gloo abort the others before they read the reason."""
     client = _client()
     if client is None:
         return
@@ -164,8 +146,8 @@ def announce_failure(reason: str) -> None:
 
 
 def watch_for_failures(poll_s: float = WATCH_POLL_S) -> None:
-    """Start a daemon thread that ends this process (exit 1, one line on stderr) as soon as
-    another process announces a failure; nothing in a one-process run."""
+    """Start a daemon thread that ends this process (exit 1, one line) as soon as another
+    announces a failure."""
     client = _client()
     if client is None:
         return

@@ -77,12 +77,9 @@ def device_count(cfg: Config) -> int:
 
 
 def make_mesh(cfg: Config, devices=None):
-    """A ``jax.sharding.Mesh`` with the six named axes, all ``Auto`` (sharding by annotation).
-
-    ``cfg`` must be validated (no ``-1`` left in ``cfg.mesh``). ``devices`` defaults to all of
-    them; tests pass a prefix to compare a layout with the 1-device run in one process. With
-    ``mesh.dcn`` over several slices the devices are arranged by :func:`hybrid_device_mesh`.
-    """
+    """A ``jax.sharding.Mesh`` with the six named axes, all ``Auto``, for a validated ``cfg``.
+    ``devices`` defaults to all (tests pass a prefix to compare with one device); over several
+    slices they are arranged by :func:`hybrid_device_mesh`."""
     import jax  # noqa: PLC0415
 
     shape = tuple(getattr(cfg.mesh, axis) for axis in MESH_AXES)
@@ -102,15 +99,10 @@ def make_mesh(cfg: Config, devices=None):
 
 
 def hybrid_device_mesh(cfg: Config, devices=None) -> np.ndarray:
-    """The device array of a mesh over several slices (``mesh.dcn``): along each axis its
-    ``dcn`` outer factor steps from slice to slice and the rest stays inside one slice, so a
-    collective over an axis with ``dcn`` 1 never leaves a slice.
-
-    What a slice is: the devices' ``slice_index`` (TPU slices, and libtpu's compile-only
-    topologies of several slices), else the process (one host or one GPU node a slice), else,
-    in one process of virtual CPU devices, consecutive blocks of the devices in id order (for
-    tests and ``inspect``: nothing is slower between them). The first two are JAX's
-    ``create_hybrid_device_mesh``."""
+    """The device array of a mesh over several slices (``mesh.dcn``): along each axis its ``dcn``
+    outer factor steps from slice to slice, so a collective over an axis with ``dcn`` 1 never
+    leaves a slice. A slice is the devices' ``slice_index``, else a process, else (virtual CPU
+    devices) consecutive blocks in id order."""
     import jax  # noqa: PLC0415
     from jax.experimental import mesh_utils  # noqa: PLC0415
 
@@ -149,11 +141,8 @@ def split_device_mesh(shape: tuple[int, ...], devices=None) -> np.ndarray:
 
 def process_batch_rows(sharding, shape: tuple[int, ...]) -> np.ndarray:
     """The rows of a global ``shape`` array laid out by ``sharding`` that this process's devices
-    hold, sorted: the rows this process must read.
-
-    Derived from the sharding's device-to-index map, not from the process index: wherever an
-    axis that replicates the batch (``pipe``, ``context``, ``tensor``) spans processes, several
-    processes hold the same rows, and the rows of one process need not be contiguous."""
+    hold, sorted: the rows it must read. From the sharding, not the process index: where an axis
+    that replicates the batch spans processes, several hold the same rows."""
     rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
         rows.update(range(*index[0].indices(shape[0])))

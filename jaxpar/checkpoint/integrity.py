@@ -104,8 +104,7 @@ def warm_up(abstract_tree: Any) -> None:
 
 def start(tree: Any) -> dict[str, Any]:
     """What a save records as its ``checksums`` item, still on device: dispatched, not waited
-    for (:class:`ChecksumHandler` fetches the values in orbax's background thread). Collective
-    over processes, as a save is."""
+    for. Collective over processes, as a save is."""
     named = jax.tree_util.tree_flatten_with_path(tree)[0]
     sums = _checksum_leaves([leaf for _, leaf in named])
     return {"algorithm": ALGORITHM,
@@ -125,10 +124,9 @@ def checksums(tree: Any) -> dict[str, int]:
 
 
 class ChecksumHandler(ocp.JsonCheckpointHandler):
-    """The ``checksums`` item: JSON like orbax's, but saved from :func:`start`'s device scalars,
-    which are fetched in orbax's background thread with the array writes, so a save does not
-    wait for the checksums to be computed. The primary process writes it (every process holds
-    the same values); orbax commits it with the arrays."""
+    """The ``checksums`` item: JSON like orbax's, saved from :func:`start`'s device scalars,
+    fetched in orbax's background thread with the array writes. The primary process writes it;
+    orbax commits it with the arrays."""
 
     async def async_save(self, directory: Any, item: Any = None,
                          args: Any = None) -> list[ocp.future.Future]:

@@ -53,12 +53,10 @@ ULYSSES = ("ulysses", "hybrid")  # the context_impls of parallel/ulysses.py
 def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
                 in_stage: bool = False, by_hand: Mapping[str, int] = MappingProxyType({}),
                 ) -> contextlib.ExitStack:
-    """A context manager installing the constraint, attention and expert hooks for a mesh of
-    ``mesh_shape`` (axes of size 1 split nothing and are left out). ``in_stage``: for the
-    layers of a pipeline stage, inside the executor's ``shard_map``; ``by_hand``: the axes
-    (and their sizes) that split the tokens by hand there, manual already: attention runs on
-    the device's own piece of a sequence split over ``context`` without a ``shard_map`` of its
-    own, and the MoE layers' batch statistics are summed over them."""
+    """A context manager installing the hooks for a mesh of ``mesh_shape``. ``in_stage``: for a
+    pipeline stage's layers, inside the executor's ``shard_map``; ``by_hand``: the axes (and
+    sizes) that split the tokens by hand there: attention runs on the device's own piece, and the
+    MoE layers' statistics are summed over them."""
     rules = logical_rules(cfg)
     hand_context = by_hand.get("context", 1)
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
@@ -141,10 +139,8 @@ def _ulysses_group(cfg: Config, n_context: int) -> int:
 
 def _ulysses_options(cfg: Config, head_axes: Mapping[str, tuple[str, ...]], platform: str
                      ) -> dict:
-    """What ``ulysses`` and ``hybrid`` take besides the ring's arguments: the axes splitting
-    the heads (manual in their ``shard_map``: parallel/ulysses.py) and, for ``ulysses``, the
-    kernel attending the whole sequence: the one ``model.attention`` resolves to on one
-    device."""
+    """What ``ulysses`` and ``hybrid`` take besides the ring's arguments: the head axes and, for
+    ``ulysses``, the kernel ``model.attention`` resolves to on one device."""
     p, m, seq_len = cfg.parallel, cfg.model, cfg.train.seq_len
     if head_axes["heads"] != head_axes["kv_heads"]:
         raise ConfigError(f"parallel.context_impl={p.context_impl} needs the query and kv heads "
@@ -165,10 +161,9 @@ def _stage_context_attention(cfg: Config, n: int, mesh_shape: Mapping[str, int],
                              batch_axes: tuple[str, ...],
                              head_axes: Mapping[str, tuple[str, ...]], platform: str):
     """Context attention on a pipeline stage's piece of the sequence (``context`` manual
-    already). Ulysses and the hybrid take the head axes manual too, in a ``shard_map`` of their
-    own. Where nested ones abort the compiler (:data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES`),
-    the head axis is reshaped instead, so that the all-to-all splits each tensor shard's heads
-    (``head_split``), and the partitioner may gather it."""
+    already). Ulysses' head axes get a ``shard_map`` of their own, except where nested ones abort
+    the compiler (:data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES`): there the head axis is
+    reshaped instead."""
     p, block = cfg.parallel, _context_block(cfg, n)
     if p.context_impl not in ULYSSES:
         return local_context_attention(p.context_impl, n, p.zigzag, block)
@@ -193,9 +188,8 @@ def _context_block(cfg: Config, n_context: int) -> int:
 
 def per_device(attend, batch_axes: tuple[str, ...], head_axes: Mapping[str, tuple[str, ...]]):
     """``attend`` on each device's own sequences and heads. A Pallas kernel is one device's
-    program, which the compiler cannot split or even replicate, so every mesh axis the
-    surrounding code left automatic becomes manual here (those of size 1 or splitting neither
-    batch nor heads just see the whole array)."""
+    program, which the compiler can neither split nor replicate, so every automatic mesh axis
+    becomes manual here."""
     rows = batch_axes or None
     q_spec = P(rows, None, head_axes["heads"] or None, None)
     kv_spec = P(rows, None, head_axes["kv_heads"] or None, None)

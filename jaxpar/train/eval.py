@@ -1,20 +1,12 @@
 """Validation during training: the held-out loss every ``train.eval_every`` steps.
 
-The eval step is a second compiled program beside the train step, never a variant of it: it
-takes the train step's state and batch shardings as they are (no copy, no resharding) and is
-compiled ahead of time at start-up from the same abstract arrays, so neither program is ever
-traced again during the run. Its loss is the train step's ``loss`` metric on another batch:
-
-- without a pipeline, a forward pass of the same loss code (``step.batch_token_loss``) under the
-  same parallel hooks, over the same ``train.grad_accum`` micro-steps (a capacity-limited MoE
-  drops tokens per micro-batch, so the micro-steps change the number) and with no gradient;
-- with a pipeline (``mesh.pipe > 1``), the train step's own pipelined loss-and-gradient function
-  with the gradients dropped: the schedule table has no forward-only program yet, so an eval
-  batch costs about a train step's compute (XLA drops what of the backward it can prove unused).
-
-The batches are the first ``train.eval_batches`` global batches of the validation split in file
-order (no shuffle), read once and kept on the host, so every evaluation scores the same tokens
-and successive numbers are comparable. Each process keeps its own rows, as for training.
+The eval step is a second compiled program beside the train step, never a variant of it: it takes
+the train step's state and batch shardings as they are and is compiled ahead of time at start-up, so
+neither program is traced again during the run. Its loss is the train step's ``loss`` metric on
+another batch: the same loss code forward only, or with a pipeline the pipelined loss-and-gradient
+function with the gradients dropped. The batches are the first ``train.eval_batches`` of the
+validation split, read once and kept on the host, so every evaluation scores the same tokens. What
+is scored and logged: docs/data.md, "Validation during training".
 """
 
 from __future__ import annotations
@@ -42,15 +34,14 @@ HostBatch = dict[str, np.ndarray]
 
 
 def eval_due(cfg: Config, step: int) -> bool:
-    """Every ``train.eval_every`` steps and at the last step (never at step 0: the untrained
-    model's loss is about log(vocab_size) and costs a compile-sized pause to learn)."""
+    """Every ``train.eval_every`` steps and at the last step, never at step 0."""
     every = cfg.train.eval_every
     return every > 0 and (step % every == 0 or step == cfg.train.steps)
 
 
 def forward_loss_fn(trainer: Trainer) -> Callable[[TrainState, Batch], jax.Array]:
     """``(state, batch) -> sum of the token losses`` without a pipeline: the train step's loss
-    code, forward only, micro-step by micro-step like the train step."""
+    code, forward only, micro-step by micro-step."""
     cfg = trainer.cfg
     dtype, pieces = DTYPES[cfg.train.dtype], cfg.loss_pieces()
     remat = Remat.of_train(cfg.train)
@@ -86,9 +77,8 @@ def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, Batch], tuple[jax.Ar
 
 
 def compile_eval_step(trainer: Trainer, weights_only: bool = False) -> jax.stages.Compiled:
-    """The eval step compiled from the train step's abstract state and batch (no memory).
-    ``weights_only``: for a state whose ``opt_state`` is None (``jaxpar eval`` reads no
-    optimizer moments); only without a pipeline, whose step takes the whole train state."""
+    """The eval step compiled from the train step's abstract state and batch. ``weights_only``:
+    for a state without ``opt_state`` (``jaxpar eval``), only without a pipeline."""
     shardings, abstract = trainer.state_shardings, trainer.abstract_state
     if weights_only:
         shardings, abstract = shardings._replace(opt_state=None), abstract._replace(opt_state=None)
@@ -101,11 +91,9 @@ def compile_eval_step(trainer: Trainer, weights_only: bool = False) -> jax.stage
 
 @dataclass
 class Validation:
-    """The held-out batches of a run and the compiled step that scores them.
-
-    ``sets`` maps a name to this process's rows of its batches: ``""`` is the validation split
-    (metrics ``val_loss``, ``val_ppl``, ``val_tokens``); any other name, e.g. one source of a
-    data mixture, adds ``val_loss/<name>`` (and ``val_tokens/<name>``) beside it."""
+    """The held-out batches of a run and the compiled step that scores them. ``sets`` maps a name
+    to this process's rows: ``""`` is the validation split (``val_loss``), any other name (a
+    mixture's source) adds ``val_loss/<name>``."""
 
     trainer: Trainer
     sets: dict[str, list[HostBatch]]
@@ -140,7 +128,7 @@ class Validation:
 
 def first_batches(data: Any, batches: int) -> list[HostBatch]:
     """The first ``batches`` batches of a (non-shuffled) iterator, fewer if the split holds
-    fewer: the iterator is endless, and a repeated batch would count its rows twice."""
+    fewer: a repeated batch would count its rows twice."""
     state = data.get_state()
     whole = state["rows"] // state["global_batch"]
     return [next(data) for _ in range(min(batches, whole))]
@@ -149,9 +137,8 @@ def first_batches(data: Any, batches: int) -> list[HostBatch]:
 def validation_data(cfg: Config, data_iterator: Callable[..., tuple[Any, str]]
                     ) -> dict[str, tuple[Any, str]] | None:
     """The validation split's iterator and line by set name (None when ``train.eval_every=0``),
-    read with the loop's ``data_iterator(cfg, split)``, which makes data errors one-line config
-    errors: called before anything is traced, like the training data. One set, ``""``, or for
-    a mixture (``data.sources``) one per source, named as its ``tokens_seen/<name>`` metric."""
+    read before anything is traced so data errors are one-line config errors. A mixture has one
+    set per source."""
     if cfg.train.eval_every == 0:
         return None
     if cfg.data.sources:
@@ -174,8 +161,7 @@ def validation_data(cfg: Config, data_iterator: Callable[..., tuple[Any, str]]
 
 def make_validation(cfg: Config, trainer: Trainer,
                     held_out: dict[str, tuple[Any, str]] | None) -> Validation | None:
-    """The run's :class:`Validation` from :func:`validation_data`'s ``held_out`` (None: none),
-    this process's rows of its batches read, its step not yet compiled."""
+    """The run's :class:`Validation`, this process's rows read, its step not yet compiled."""
     if held_out is None:
         return None
     rows = trainer.local_batch_rows()

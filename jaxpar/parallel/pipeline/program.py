@@ -68,10 +68,8 @@ class _Slots:
 
 @dataclass(frozen=True)
 class Stretch:
-    """Consecutive steps that repeat one pattern of kinds (one kind, or a few in turn: the
-    head every other step of DualPipe-V's steady state): ``fields[name]`` is int32
-    ``[repeats, len(pattern), stages]``. The executor runs it as one scan over the repeats,
-    whose body runs the pattern's steps in order."""
+    """Consecutive steps that repeat one pattern of kinds: ``fields[name]`` is int32
+    ``[repeats, len(pattern), stages]``, run by the executor as one scan over the repeats."""
 
     pattern: tuple[tuple[str, ...], ...]
     fields: dict[str, np.ndarray]
@@ -107,9 +105,8 @@ class Program:
 
 
 def executed_kinds(step: Step) -> tuple[str, ...]:
-    """The slots the executor runs for ``step``: its kinds, except that an I and a W of the
-    same (microbatch, chunk) on every stage run as one B (one backward pass, where apart the
-    I would stash what the W needs, only to read it back at once)."""
+    """The slots the executor runs for ``step``: its kinds, except that an I and a W of the same
+    (microbatch, chunk) on every stage run as one B."""
     if "I" in step.kinds and "W" in step.kinds and all(
             (a.get("I") is None) == (a.get("W") is None)
             and (a.get("I") is None or a["I"].mb == a["W"].mb and a["I"].chunk == a["W"].chunk)
@@ -179,9 +176,8 @@ def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
 
 def _arrival_field(pools: dict, pool: _Slots, sender: int, receiver: int,
                    placement: Placement) -> str:
-    """The field naming where a send arrives: on the ring activations go on to the next device
-    and input gradients back to the previous one (``recv_act``, ``recv_grad``); in the V
-    either may go either way, or stay (``*_back``, ``keep_*``)."""
+    """The field naming where a send arrives: on the ring activations go on and gradients back
+    (``recv_act``, ``recv_grad``); in the V either may go either way, or stay."""
     name = "act" if pool is pools["act"] else "grad"
     if placement == "ring":
         return f"recv_{name}"
@@ -193,12 +189,9 @@ def _arrival_field(pools: dict, pool: _Slots, sender: int, receiver: int,
 
 def compile_program(steps: Sequence[Step], p: int, v: int = 1,
                     placement: Placement = "ring") -> Program:
-    """The arrays the executor indexes, step by step, grouped into stretches.
-
-    A slot read in a step is freed at its end; what arrives at the end of a step then takes
-    the lowest free slot on its receiver. Residual slots are taken by the forward slot, which
-    runs before the step's backward slot frees any, so a slot is never overwritten while read.
-    """
+    """The arrays the executor indexes, step by step, grouped into stretches. A slot read in a
+    step is freed at its end, and what arrives takes the lowest free slot on its receiver;
+    residual slots are taken before any are freed, so none is overwritten while read."""
     n_chunks = v * p
     f = {name: np.full((len(steps), p), -1, np.int32) for name in FIELDS}
     for name in ("f_on", "f_first", "b_on", "b_first", "w_on", "head_on", "head_last",
@@ -234,9 +227,8 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1,
 
 
 def _stretches(kinds: Sequence[tuple], longest: int = 8) -> list[tuple[int, int, int]]:
-    """Cut the steps' kinds into stretches ``(start, period, repeats)``, each a pattern of
-    ``period`` kinds repeated: the cut whose patterns hold the fewest steps in all (each
-    pattern step is a step body to compile), then the fewest stretches (scans)."""
+    """Cut the steps' kinds into stretches ``(start, period, repeats)``: the cut whose patterns
+    hold the fewest steps (step bodies to compile), then the fewest stretches."""
     n = len(kinds)
     best: list[tuple[int, int, tuple | None]] = [(0, 0, None)] * (n + 1)  # cost from i on
     for i in range(n - 1, -1, -1):
@@ -269,14 +261,9 @@ def _stretch_name(stretch: Stretch) -> str:
 def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1, overlap: bool = False,
              ) -> dict[str, Any]:
     """What ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report about a run's
-    schedule: the executed timeline's ticks and bubble (masked slots count as idle), the
-    executed-work factor (ticks a stage runs / ticks of useful work = 1 / (1 - bubble)), and the
-    stash sizes of the busiest stage (spare slot not counted).
-
-    ``accum`` (``train.grad_accum``) micro-steps of ``m`` microbatches each run as one schedule
-    of ``accum x m`` microbatches (the executor folds them in): ``microbatches`` is that count,
-    and the bubble, steps and stashes are that schedule's. ``overlap``
-    (``parallel.pipeline_overlap``): the last chunk turns round a step later."""
+    schedule: ticks, bubble, the executed-work factor and the busiest stage's stash sizes.
+    ``accum`` micro-steps of ``m`` microbatches run as one schedule of ``accum x m``; ``overlap``
+    turns the last chunk round a step later."""
     steps = schedule_steps(name, p, accum * m, v, overlap)
     table = table_of(steps)
     program = compile_program(steps, p, v, placement_of(name))
@@ -305,10 +292,8 @@ def _once(program: Program) -> list[bool]:
 
 
 def _embedding_steps(steps: Sequence[Step], program: Program) -> dict[str, int]:
-    """Steps whose embedding (every step with a forward slot) and whose chunk-0 input
-    gradient into it (every step with a backward slot) the compiled program keeps: all but
-    those of a stretch that runs once where no stage's forward is the first chunk (its
-    embedding unread) or no stage's backward is the first chunk's."""
+    """Steps whose embedding and chunk-0 input gradient the compiled program keeps: all but those
+    of a stretch that runs once where no stage's forward (or backward) is the first chunk's."""
     once = _once(program)
 
     def kept(t: int, kinds: tuple[str, ...]) -> bool:
@@ -320,12 +305,9 @@ def _embedding_steps(steps: Sequence[Step], program: Program) -> dict[str, int]:
 
 
 def compiled_sends(program: Program) -> int:
-    """The ``ppermute``s over ``pipe`` a compiled step executes: per step one a direction
-    (two on the ring, four in the V) for the slots it has, less those the compiler drops as
-    dead: a send in the last step with a forward slot (activations) or a backward slot
-    (gradients) arrives where no later step reads, and where that step's stretch runs once
-    (its loop unrolled, its fields constants) the compiler sees it. (Counted against XLA:CPU's
-    programs: 1F1B, zero bubble, GPipe and interleaved exactly, DualPipe-V within 6%.)"""
+    """The ``ppermute``s over ``pipe`` a compiled step executes: one a direction per step for its
+    slots, less the sends the compiler drops as dead (the last step's, where its stretch runs
+    once). Checked against XLA:CPU's programs: exact but for DualPipe-V (within 6%)."""
     ways = 2 if program.placement == "v" else 1
     kinds, once = program.step_kinds(), _once(program)
     total = 0
