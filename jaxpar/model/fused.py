@@ -37,11 +37,9 @@ def resolve(name: str, platform: str, seq_len: int, block: int, dtype,
             splash_possible: bool = True, documents: bool = False,
             model: ModelConfig | None = None) -> str:
     """The implementation ``model.attention=name`` means here. ``auto``: cuDNN on a GPU in a
-    16-bit dtype (without document masks, ``documents``, which its API cannot express, nor
-    the soft cap or per-layer windows of ``model``); splash on a TPU when the sequence tiles
-    into 128-token blocks (and the layout allows it: ``jaxpar.platform.splash_possible``; not with
-    per-layer windows); else blockwise when the sequence spans several blocks (one block saves
-    nothing: it is the dense computation with recomputation added), dense otherwise."""
+    16-bit dtype (not with document masks, a soft cap or per-layer windows), splash on a TPU
+    where the sequence tiles into 128-token blocks and :func:`jaxpar.platform.splash_possible`,
+    else blockwise over several blocks, dense otherwise."""
     native = {"cudnn": "gpu", "splash": "tpu"}
     if name in native and platform != native[name]:
         allowed = ", ".join(n for n in IMPLEMENTATIONS if native.get(n, platform) == platform)
@@ -97,9 +95,8 @@ def _check_splash_blocks(seq_len: int, block: int) -> None:
 
 
 def cudnn_attention(window: int | None = None) -> Callable:
-    """cuDNN's fused causal attention (GPU; causal by storage order, so ``positions`` must be
-    in order, as they are without context parallelism; one document per row and no soft cap:
-    :func:`resolve` refuses both), within ``window`` keys when given."""
+    """cuDNN's fused causal attention (GPU): causal by storage order, one document per row, no
+    soft cap; within ``window`` keys when given."""
     local = None if window is None else (window - 1, 0)
 
     def attend(q, k, v, positions=None):
@@ -114,9 +111,8 @@ def cudnn_attention(window: int | None = None) -> Callable:
 
 def splash_attention(block: int, interpret: bool = False, window: int | None = None
                      ) -> Callable:
-    """``attention(q, k, v, positions)`` by the Pallas splash kernel on one device's arrays,
-    ``block`` x ``block`` tiles, within ``window`` keys when given (the soft cap comes with
-    the mask description); ``interpret`` runs it in Pallas' interpreter (off a TPU)."""
+    """``attention(q, k, v, positions)`` by the Pallas splash kernel on one device's arrays, in
+    ``block`` tiles, within ``window`` keys when given; ``interpret`` runs Pallas' interpreter."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (TPU only)
         splash_attention_kernel as splash,
     )

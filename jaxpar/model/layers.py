@@ -1,21 +1,16 @@
 """Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
 
-(The decoder block that puts them together, and the mixture of experts that can replace its
-SwiGLU, are in :mod:`jaxpar.model.transformer` and :mod:`jaxpar.model.moe`; the weight matmuls
-they all use in :mod:`jaxpar.model.projection`.)
+The decoder block is in :mod:`jaxpar.model.transformer`, the mixture of experts in
+:mod:`jaxpar.model.moe`, the weight matmuls in :mod:`jaxpar.model.projection`. Every parameter is
+created in float32 with logical axis names, which :mod:`jaxpar.parallel.rules` turns into mesh axes.
+Weights are cast to the compute dtype; norms, softmax and the loss stay float32.
 
-Every parameter is created in float32 and carries logical axis names in its ``out_sharding``
-metadata (``("embed", "heads", "head_dim")``...); :mod:`jaxpar.parallel.rules` turns those names
-into mesh axes. Inside a layer, weights are cast to the compute dtype, while norms, softmax and
-the loss stay in float32.
+The norm and the SwiGLU activation have custom VJPs that keep only what their backward pass cannot
+rebuild cheaply (:func:`rms_norm`, :func:`gated_silu`), and the norm's output is rebuilt for the
+matmuls that read it (:meth:`RMSNorm.for_matmul`): per layer the residual stream is kept twice, not
+six times.
 
-The norm and the SwiGLU activation have custom VJPs that keep only what their backward pass
-cannot rebuild in one pass over its inputs (:func:`rms_norm`, :func:`gated_silu`), and the
-norm's output is rebuilt, not kept, for the matmuls that read it (:meth:`RMSNorm.for_matmul`):
-per layer the residual stream is kept twice (the two norms' inputs), not six times.
-
-Shapes use: B batch, S sequence, E d_model, H query heads, K kv heads, G = H/K query heads per kv
-head, D head_dim, F d_ff.
+Shapes: B batch, S sequence, E d_model, H query heads, K kv heads, G = H/K, D head_dim, F d_ff.
 """
 
 from __future__ import annotations
@@ -77,8 +72,7 @@ FULL_PRECISION = frozenset({"scale", "router"})
 
 def prepare_weight(value: jax.Array, name: str, stored: tuple, dtype) -> jax.Array:
     """What :func:`weight` (or :func:`stored_weight`, or a norm) hands its layer, computed once:
-    ``value`` (the parameter ``name``, laid out as ``stored``) cast to the dtype the layer
-    multiplies in and laid out as it uses it (the model dimension whole: FSDP's gather)."""
+    ``value`` cast to the layer's compute dtype and laid out as used (FSDP's gather)."""
     dtype = jnp.float32 if name in FULL_PRECISION else dtype
     if "experts" in stored:
         return constrain(value.astype(dtype), stored)
@@ -121,12 +115,9 @@ class _NormedInput(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """``x / rms(x) * scale`` over the last axis, in float32, returned in ``x``'s dtype.
-
-    A custom VJP so that the backward pass keeps only ``x`` and the float32 reciprocal rms
-    (one number per row): autodiff would also keep the float32 normalised ``x`` and its scaled
-    copy, two more arrays of ``x``'s size per norm, which the backward pass rebuilds with one
-    multiply."""
+    """``x / rms(x) * scale`` over the last axis, in float32, returned in ``x``'s dtype. Its
+    backward pass keeps only ``x`` and the reciprocal rms, where autodiff would keep two more
+    arrays of ``x``'s size."""
     return _rms_norm_fwd(x, scale, eps)[0]
 
 
@@ -151,10 +142,9 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 @jax.custom_vjp
 def gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """``silu(gate) * up``, the SwiGLU MLP's activation. A custom VJP so that the backward
-    pass keeps only ``gate`` and ``up`` (it recomputes the sigmoid): autodiff would also keep
-    the sigmoid, ``silu(gate)`` and more, each as large as ``gate`` -- the widest activations
-    of a block."""
+    """``silu(gate) * up``, the SwiGLU activation. Its backward pass keeps only ``gate`` and
+    ``up`` and recomputes the sigmoid, where autodiff would keep more arrays of the block's
+    widest size."""
     return jax.nn.silu(gate) * up
 
 
@@ -200,13 +190,10 @@ GATED_ACTIVATIONS = {"silu": gated_silu, "gelu_tanh": gated_gelu_tanh}
 
 def rope_frequencies(head_dim: int, theta: float,
                      scaling: RopeScalingConfig | None = None) -> jax.Array:
-    """float32 [head_dim/2] angular frequencies: theta^(-i/half), rescaled by ``scaling``.
-
-    ``llama3`` (Llama 3.1): wavelengths 2 pi / f longer than original / low_freq_factor are
-    stretched by ``factor``, those shorter than original / high_freq_factor kept, and the band
-    between interpolated linearly in original / wavelength (as Meta's reference code does).
-    ``linear`` (Gemma 3's global layers): every frequency divided by ``factor``.
-    """
+    """float32 [head_dim/2] angular frequencies theta^(-i/half), rescaled by ``scaling``:
+    ``llama3`` (Llama 3.1) stretches the long wavelengths by ``factor`` and interpolates a band,
+    as Meta's reference code does; ``linear`` (Gemma 3's global layers) divides every frequency
+    by it."""
     half = head_dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None or not scaling.enabled:
@@ -226,12 +213,9 @@ def rope_frequencies(head_dim: int, theta: float,
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
                      scaling: RopeScalingConfig | None = None,
                      frequencies: jax.Array | None = None) -> jax.Array:
-    """Rotate pairs (first half, second half) of the head dim by position-dependent angles.
-
-    This pairing ("rotate half") is the one Hugging Face's Llama-family models use, so their q/k
-    projection weights load unpermuted (``jaxpar/hf/names.py``).
-    x: [B, S, N, D]; positions: [B, S] (explicit, so a sequence shard knows its offsets).
-    """
+    """Rotate the (first half, second half) pairs of the head dim by position-dependent angles:
+    Hugging Face's "rotate half", so their q/k weights load unpermuted. x: [B, S, N, D];
+    positions: [B, S]."""
     inv_freq = (rope_frequencies(x.shape[-1], theta, scaling) if frequencies is None
                 else frequencies)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
@@ -242,22 +226,16 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
 
 
 class LocalLayer(nnx.Variable):
-    """int32, 1 where the layer attends within ``model.sliding_window``, 0 where it attends to
-    the whole sequence: one per layer, stacked like the parameters (the model sets it after
-    stacking: :func:`jaxpar.model.transformer.layer_is_local`). Not an ``nnx.Param``: it
-    rides with the model's buffers, so the layer scan, every pipeline schedule's split of the
-    stack and generation's scan hand each layer its own value with no other bookkeeping."""
+    """int32 per layer: 1 where the layer attends within ``model.sliding_window``, 0 where
+    globally (:func:`jaxpar.model.transformer.layer_is_local`). Not an ``nnx.Param``: it rides
+    with the buffers, so every scan and pipeline split hands each layer its own value."""
 
 
 class Attention(nnx.Module):
-    """QKV projections are column-parallel (split on heads), the output projection row-parallel.
-
-    Optional, for models imported from Hugging Face: biases on q, k, v (``model.qkv_bias``,
-    Qwen2), an RMSNorm of each q and k head before RoPE (``model.qk_norm``, Qwen3, Gemma 3),
-    scores scaled by ``model.query_scale**-0.5`` rather than ``head_dim**-0.5`` (Gemma); a
-    sliding window in some or all layers (``model.sliding_window``, ``global_every``: Mistral,
-    Gemma), soft-capped scores (``model.attn_softcap``) and another RoPE base in the local
-    layers (``model.rope_local_theta``)."""
+    """Grouped-query attention: QKV projections column-parallel (split on heads), the output
+    projection row-parallel. Options from Hugging Face models: q/k/v biases (``model.qkv_bias``),
+    q/k norms (``model.qk_norm``), ``model.query_scale``, sliding windows
+    (``model.sliding_window``, ``global_every``), ``model.attn_softcap`` and a local RoPE base."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim

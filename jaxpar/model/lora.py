@@ -1,26 +1,13 @@
 """Low-rank adapters (LoRA, ``train.lora``): beside each targeted weight ``W`` of the stacked
-layers, ``A [in, r]`` and ``B [r, out]``, and the projection computes
-``x W + (alpha / r) (x A) B``. ``B`` starts at zero, so the adapted model starts as the base.
+layers, ``A [in, r]`` and ``B [r, out]``, and the projection computes ``x W + (alpha / r) (x A) B``.
+``B`` starts at zero, so the adapted model starts as the base.
 
-The adapters are added to a built model (:func:`add_adapters`) as :class:`Adapter` modules named
-``lora_<target>`` beside the weight (``layers/attn/lora_q/a``), stacked over the layers like it.
-Their logical axes are the weight's: ``A`` takes the weight's input axes and ``lora_rank``
-(never split), ``B`` takes ``lora_rank`` and the weight's output axes, so the rules table splits
-them as it splits the weight. Which parameters train is read from their path
-(:func:`is_adapter`); the train step differentiates those only (jaxpar/train/step.py).
-
-Every block of every stack gets them (``layers``, a MoE model's ``block_<i>`` groups and its
-``dense_layers``). In a mixture-of-experts layer the feed-forward targets adapt each routed
-expert: ``A [layers, experts, *in, r]``, ``B [layers, experts, r, *out]`` beside ``w_gate``,
-``w_up``, ``w_down`` (split over ``expert`` like them), applied by the experts function to the
-rows routed to each expert (jaxpar/model/moe.py); the shared experts are a dense MLP and take
-the dense adapters.
-
-``train.lora.dropout``: in the train step only (which installs :func:`dropout_key` and the
-batch's token numbers, :func:`with_dropout_tokens`), the adapter's input is dropped out before
-``A``, each token's mask drawn from (seed, step, stack, layer, adapter, the token's global
-number), so every layout draws the same masks (:func:`dropped_out`). Not yet on the routed
-experts' adapters (validation refuses it).
+:func:`add_adapters` adds them to a built model as :class:`Adapter` modules named ``lora_<target>``
+beside the weight, stacked like it in every stack, with the weight's logical axes (``lora_rank``
+never split). In a mixture-of-experts layer the feed-forward targets adapt each routed expert. Which
+parameters train is read from their path (:func:`is_adapter`). ``train.lora.dropout`` drops the
+adapter's input out in the train step only, each token's mask the same on every layout
+(:func:`dropped_out`). The rules and the tests: docs/lora.md.
 """
 
 from __future__ import annotations
@@ -102,21 +89,17 @@ class Adapter(nnx.Module):
 
 
 def dropout_key(lora: LoraConfig, seed: int, step: jax.Array) -> jax.Array | None:
-    """The key of a train step's dropout masks (from ``train.seed`` and the step; the layer
-    scan folds in each layer, :func:`dropped_out` each adapter's salt), None without dropout.
-    Only the train step's gradient installs it: eval and generation run without dropout."""
+    """The key of a train step's dropout masks (from ``train.seed`` and the step), None without
+    dropout. Only the train step's gradient installs it."""
     if lora.rank == 0 or lora.dropout == 0:
         return None
     return jax.random.fold_in(jax.random.key(seed + 2), step)
 
 
 def dropped_out(x: jax.Array, salt: int) -> jax.Array:
-    """``x`` [b, s, *in] with LoRA dropout where the train step installed it
-    (:func:`lora_dropout_key`), else ``x``. Each token's mask is drawn from the layer's key
-    folded with ``salt`` and the token's global number (row x seq_len + position in the
-    sequence, carried by the batch), so it is the same wherever the token is computed: any
-    split of the batch or the sequence, reordered (zigzag) or not, any micro-step; and JAX's
-    threefry is partitionable, so a split of ``in`` (over ``tensor``) draws the same bits."""
+    """``x`` [b, s, *in] with LoRA dropout where the train step installed it, else ``x``. Each
+    token's mask is drawn from the layer's key, ``salt`` and the token's global number, so it is
+    the same wherever the token is computed (docs/lora.md, "Dropout")."""
     active = lora_dropout_key()
     if active is None:
         return x
@@ -168,8 +151,7 @@ def _blocks(model: nnx.Module) -> list[nnx.Module]:
 
 def _owners(block: nnx.Module, target: str) -> list[tuple[nnx.Module, int]]:
     """The modules of ``block`` holding ``target``'s weight, each with its leading axes beside
-    ``layers`` (1: a MoE layer's ``experts``): the feed-forward targets of a MoE block adapt its
-    routed experts and its shared experts (a dense MLP)."""
+    ``layers`` (1: a MoE layer's ``experts``)."""
     part = TARGETS[target][0]
     if part != "mlp" or hasattr(block, "mlp"):
         return [(getattr(block, part), 0)]
@@ -229,9 +211,9 @@ def merged(a: dict, b: dict) -> dict:
 
 
 def merged_weights(params: dict, lora: LoraConfig) -> dict:
-    """``params`` (host arrays, as a checkpoint holds them) with each targeted weight replaced
-    by ``W + (alpha / r) A B`` and the adapters left out: the model the adapters make, as a
-    plain model's parameters (``jaxpar export --format hf``). Computed in float32."""
+    """``params`` (host arrays) with each targeted weight replaced by ``W + (alpha / r) A B`` in
+    float32 and the adapters left out: the adapted model as plain parameters
+    (``jaxpar export --format hf``)."""
     if lora.rank == 0:
         return params
     out = base_part(params)

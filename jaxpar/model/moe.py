@@ -58,12 +58,9 @@ LAYER_STACKED = ("layer_expert_tokens",)
 
 
 class RouterBias(nnx.Variable):
-    """Per-expert bias added to the router scores before top-k (``router: sigmoid_bias``).
-
-    Not an ``nnx.Param``: it gets no gradient and the optimizer never sees it. The train step
-    keeps it in ``TrainState.buffers`` and updates it from the measured load
-    (:func:`update_router_bias`).
-    """
+    """Per-expert bias added to the router scores before top-k (``router: sigmoid_bias``). Not an
+    ``nnx.Param``: the optimizer never sees it; the train step updates it from the measured load
+    (:func:`update_router_bias`)."""
 
 
 def _f32(x) -> jax.Array:
@@ -95,8 +92,7 @@ def expert_count(w: ExpertWeight) -> int:
 
 def adapted_matmul(matmul: Callable) -> Callable:
     """``matmul(x, w)`` that also takes an adapted triple ``(w, A, B)``: ``x w + (x A) B``, each
-    product per expert like the weight's (grouped or batched), so an expert's adapter sees
-    exactly the rows routed to it."""
+    product per expert, so an expert's adapter sees exactly the rows routed to it."""
 
     def product(x: jax.Array, w: ExpertWeight) -> jax.Array:
         if not isinstance(w, tuple):
@@ -115,12 +111,8 @@ def swiglu(x: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight, w_down: Exper
 
 
 def grouped_swiglu(rows: jax.Array, row_expert: jax.Array, weights: Weights) -> jax.Array:
-    """Run rows [N, E] through their experts: ``row_expert`` [N] in [0, X_local]; the value
-    X_local marks a padding row, whose output is zero.
-
-    Rows are sorted by expert, each expert multiplies its contiguous block (``ragged_dot``: one
-    grouped matmul, no capacity, no padding), and the results are put back in the input order.
-    """
+    """Run rows [N, E] through their experts (``row_expert`` [N]; X_local marks a padding row,
+    output zero): sorted by expert, one grouped matmul (``ragged_dot``), put back in order."""
     num_local = expert_count(weights[0])
     order = jnp.argsort(row_expert, stable=True)  # padding (id X_local) sorts last
     group_sizes = jnp.bincount(row_expert, length=num_local).astype(jnp.int32)  # drops padding
@@ -164,14 +156,10 @@ def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                      exchange: Exchange | None = None) -> tuple[jax.Array, dict]:
     """Capacity-limited experts: tokens [T, E], expert_ids/gates [T, k] -> [T, E].
 
-    Dispatch writes slot (t, j) into row ``pos`` of expert ``expert_ids[t, j]`` of an
-    [X, C, E] buffer (C: :meth:`jaxpar.config.MoEConfig.capacity` of T tokens); slots with
-    ``pos >= C`` are dropped (the scatter skips them). Then, with ``weights`` holding the X/G
-    experts of this device, the buffer is viewed as [G, X/G, C, E] and ``exchange`` (an
-    all-to-all over G devices; none on one device) swaps the G blocks, so each device holds the
-    rows of its own experts from every device: [G sources, X/G, C, E]. The experts run as one
-    batched matmul over their G*C rows, the reverse exchange brings the results home, and each
-    slot reads its row back (dropped slots read zero).
+    Slot (t, j) goes to row ``pos`` of its expert in an [X, C, E] buffer; slots with ``pos >= C``
+    are dropped. ``exchange`` (an all-to-all over G devices; none on one) swaps the buffer's G
+    blocks, so each device holds the rows of its own experts, runs them as one batched matmul, and
+    the reverse exchange brings the results home. Dropped slots read zero.
     """
     t, k = expert_ids.shape
     e = tokens.shape[-1]
@@ -203,10 +191,8 @@ def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                   dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
     """The experts on one device: x [B, S, E], expert_ids/gates [B, S, k] -> ([B, S, E], stats),
-    ``weights`` as stored (cast to x's dtype here).
-
-    This is the signature of the :func:`~jaxpar.model.annotate.experts_override` hook too.
-    """
+    ``weights`` as stored. Also the signature of the
+    :func:`~jaxpar.model.annotate.experts_override` hook."""
     b, s, e = x.shape
     k = expert_ids.shape[-1]
     tokens, ids, g = x.reshape(b * s, e), expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
@@ -224,11 +210,8 @@ def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``lax.top_k`` over the last axis (values, indices; ties to the lower index), as a sort.
-
-    ``lax.top_k`` becomes a TopK custom call that XLA's partitioner cannot split over the batch,
-    so it would all-gather every device's scores; a sort along the expert axis stays per device.
-    """
+    """``lax.top_k`` over the last axis (ties to the lower index), as a sort: XLA's partitioner
+    cannot split the TopK custom call over the batch and would all-gather every device's scores."""
     order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
     return jnp.take_along_axis(scores, order, axis=-1), order
 
@@ -253,10 +236,8 @@ def route(logits: jax.Array, moe: MoEConfig, bias: jax.Array | None
 
 
 def limit_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
-    """DeepSeek-V3's group-limited routing: the X experts are ``n_group`` groups of consecutive
-    experts; each token keeps the ``topk_group`` groups whose two best choice scores sum highest
-    and the others' scores become -inf, so top-k picks only among the kept groups' experts
-    (which bounds the devices a token's slots travel to when a group lives on one)."""
+    """DeepSeek-V3's group-limited routing: each token keeps the ``topk_group`` groups of
+    consecutive experts whose two best scores sum highest; the others' scores become -inf."""
     if n_group == 1:
         return choice
     *lead, x = choice.shape
@@ -268,12 +249,9 @@ def limit_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    """Router + ``num_experts`` SwiGLU experts (+ optional shared experts), see module docstring.
-
-    Expert weights are stacked on a leading ``experts`` dimension (split over the ``expert`` mesh
-    axis), their hidden dimension is ``mlp`` (split over ``tensor``) and the model dimension
-    ``embed`` (split over ``fsdp`` under ZeRO-3), as in the dense SwiGLU.
-    """
+    """Router + ``num_experts`` SwiGLU experts (+ optional shared experts). Expert weights are
+    stacked on ``experts`` (split over ``expert``), their hidden dimension ``mlp`` and model
+    dimension ``embed`` split as in the dense SwiGLU."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         moe = cfg.moe
@@ -345,23 +323,17 @@ class MoE(nnx.Module):
 
 
 def moe_loss(aux: Mapping[str, jax.Array], moe: MoEConfig) -> jax.Array:
-    """The weighted auxiliary losses to add to the training objective (0 for a dense model).
-
-    ``aux`` holds sums over the MoE layers of one micro-step; the train step divides by the
-    number of micro-steps, so the added term is a per-micro-step average, summed over layers.
-    """
+    """The weighted auxiliary losses to add to the objective (0 for a dense model), from
+    ``aux``'s sums over one micro-step's MoE layers."""
     if not aux:
         return _f32(0)
     return moe.aux_loss_weight * aux["aux_loss"] + moe.z_loss_weight * aux["z_loss"]
 
 
 def update_router_bias(bias: jax.Array, layer_tokens: jax.Array, rate: float) -> jax.Array:
-    """Aux-loss-free balancing: ``b_i += rate * sign(mean load - load_i)`` for each layer.
-
-    bias, layer_tokens: [MoE layers, X] (the stacked RouterBias and the slots each expert got
-    this step). An expert above the mean load becomes less attractive to the top-k, one below
-    more; the gates (computed without the bias) are unaffected.
-    """
+    """Aux-loss-free balancing: ``b_i += rate * sign(mean load - load_i)`` for each layer
+    (``bias``, ``layer_tokens``: [MoE layers, X]). The gates, computed without the bias, are
+    unaffected."""
     if bias.shape != layer_tokens.shape:
         raise ValueError(f"router bias {bias.shape} and expert load {layer_tokens.shape} differ")
     mean = jnp.mean(layer_tokens, axis=-1, keepdims=True)

@@ -1,28 +1,12 @@
 """What a layer keeps for its backward pass: ``train.remat`` and ``train.remat_every``.
 
-Autodiff keeps every intermediate a layer's backward pass reads (``none``). A policy keeps
-fewer and the backward pass recomputes the rest from the layer's input, which every policy
-keeps (``jax.checkpoint`` around one scanned unit):
-
-- ``full``: nothing else; the whole layer runs again.
-- ``dots``: the outputs of the weight matmuls (``dots_with_no_batch_dims_saveable``: q, k, v,
-  the attention's output projection, gate and up). Norms, rotary, the attention scores and the
-  SwiGLU product are recomputed: elementwise work, and the scores' batched matmuls.
-- ``attention``: what attention reads and writes, by name (:data:`ATTENTION_SAVED`): q, k and
-  v as the attention kernel reads them, its output, and the attention branch's output (after
-  the output projection, so the MLP's input is one add away). The MLP runs again (its gate and
-  up matmuls: two thirds of its flops, and under tensor parallelism its input's gather), and
-  dense attention its scores; the q, k, v and output projections are not redone. It keeps
-  less than ``dots`` by the MLP's two ``d_ff``-wide tensors, the largest a dense layer saves.
-- ``offload_dots``: what ``dots`` keeps, in host memory (``pinned_host``) instead of the
-  device's: the forward pass copies each out as it is made, the backward pass copies it back
-  (``offload_dot_with_no_batch_dims``). On XLA:CPU, whose host and device memory are one, the
-  compiler keeps them in place: the same program as ``dots``.
-
-``remat_every = k`` applies the policy to one unit in every k (the first of each group of k
-consecutive units): the others keep everything, as under ``none``. Memory and recomputation
-scale between ``none`` (k large) and the policy (k = 1); the layer loop then scans groups of k
-units, each group one step of the scan.
+Autodiff keeps every intermediate a layer's backward pass reads (``none``). A policy keeps fewer,
+and the backward pass recomputes the rest from the layer's input, which every policy keeps
+(``jax.checkpoint`` around one scanned unit): ``full`` nothing else, ``dots`` the weight matmuls'
+outputs, ``attention`` what attention reads and writes (by name: :data:`ATTENTION_SAVED`),
+``offload_dots`` what ``dots`` keeps, in host memory. ``remat_every = k`` applies the policy to the
+first unit of every k, and the layer loop scans groups of k units. What each keeps and recomputes:
+docs/memory.md, "Remat policies".
 """
 
 from __future__ import annotations
