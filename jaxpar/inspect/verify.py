@@ -1,21 +1,12 @@
 """``jaxpar plan --search --verify K --target TPU``: the best K candidates compiled ahead of time
 for a TPU slice, the compiler's peak memory beside the plan's.
 
-Each candidate is compiled exactly as ``jaxpar inspect CONFIG --target TPU`` compiles it (the
-slice's compile-only devices from :func:`jaxpar.inspect.tpu.topology_devices`, the mesh laid over
-them, :func:`jaxpar.train.compiled.compiled_step`, :func:`jaxpar.inspect.report.build_report`):
-nothing runs, nothing is allocated, and the peak is the TPU compiler's buffer plan.
-
-Depth: a real-size step compiles in about a minute per layer-stack on two cores, so, as the
-real-size matrix does (:mod:`jaxpar.inspect.real_size`: ``model.n_layers=2``, or one layer per
-pipeline chunk), each candidate is compiled with the fewest layers its layout accepts, at least
-two (``d``; the config's own depth when that is smaller). The plan is estimated for the same
-``d``-layer config, so ``compiled / predicted`` compares like with like. The full-depth line is
-an extrapolation: the plan's full-depth peak times that ratio (the state and the saved
-activations grow with the layers, the model's error is assumed to grow with them); when ``d``
-is the config's depth it is the compiled peak itself. A candidate fails when that figure is
-over the chip's HBM (the compiler's plan, which already holds its scratch: not the planner's
-90% margin).
+Each candidate is compiled exactly as ``jaxpar inspect CONFIG --target TPU`` compiles it: nothing
+runs, and the peak is the TPU compiler's buffer plan. A real-size step compiles in about a minute
+per layer, so each candidate is compiled with the fewest layers its layout accepts, and the plan is
+estimated at that depth too. The full-depth figure is the plan's full-depth peak times the measured
+ratio; a candidate fails when it is over the chip's HBM. Why and how it reads: docs/plan.md, "Search
+and verify".
 """
 
 from __future__ import annotations

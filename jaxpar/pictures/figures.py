@@ -1,28 +1,12 @@
 """A picture of a ``jaxpar inspect`` report: the mesh, how parameters are split, where bytes go.
 
-:func:`draw_report` turns the JSON-able report of :func:`jaxpar.inspect.report.inspect_step` (the
-``--json`` shape in docs/design.md) into one PNG with three panels under a title:
-
-1. **device mesh**: one box per device, laid out by the mesh axes of size > 1: the innermost axis
-   along the columns, the next along the rows, the outer ones as blocks side by side, then
-   stacked, alternating. Coloured lines join the devices of one group along an axis, the devices
-   that run that axis's collectives together.
-2. **parameters**: parameters grouped by name (embedding, attention, mlp, norms, head, ...); rows
-   of one group are merged when they share a ``PartitionSpec``. One cell per mesh axis says whether
-   the row is split over that axis (and on which dimension) or replicated on it, and a bar shows
-   the bytes one device holds against the global size.
-3. **collectives**: bytes each device sends per step, one bar per (mesh axes, kind).
-
-Every mesh axis keeps one colour in all panels (:data:`AXIS_COLORS`): "tensor" in the mesh, the
-parameter table and the collectives chart is the same vermillion.
-
-matplotlib is an optional dependency (``pip install -e '.[plot]'``), imported only when a picture
-is drawn, and only through its object-oriented API on the Agg canvas: no pyplot, so no global
-figure state and no GUI backend. This module lays the figure out and draws its title; the
-shared helpers (matplotlib import, colours, byte labels, text measuring, saving) are in
-:mod:`~jaxpar.pictures.style`, the panels in :mod:`~jaxpar.pictures.mesh` and
-:mod:`~jaxpar.pictures.tables`, and the pipeline schedule's picture in
-:mod:`~jaxpar.pictures.schedule`.
+:func:`draw_report` turns the report's JSON into one PNG with three panels under a title: the device
+mesh, the parameters' splits and the collectives' bytes, each mesh axis in one colour throughout
+(:data:`AXIS_COLORS`). matplotlib (the ``plot`` extra) is imported only when a picture is drawn,
+with no pyplot and no global figure state. This module lays the figure out; the shared helpers are
+in :mod:`~jaxpar.pictures.style`, the panels in :mod:`~jaxpar.pictures.mesh` and
+:mod:`~jaxpar.pictures.tables`, the pipeline schedule's picture in :mod:`~jaxpar.pictures.schedule`.
+What each panel shows: docs/inspect.md, "The picture".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Matmul flops of a compiled program, counted per execution (loop trip counts included).
 
-``compiled.cost_analysis()['flops']`` counts a while-loop body once, however often it runs, so
-it cannot compare a scanned program with an unrolled one. This walks the optimized HLO instead:
-every ``dot`` costs 2 x (output elements) x (contracted elements), every ``convolution`` (how
-the TPU compiler writes most matmuls, inside its fusions) 2 x (output elements) x (kernel input
-features) x (kernel taps that land inside the input), times how often its computation runs per
-step (loop trip counts, :func:`jaxpar.inspect.hlo.text.called`).
+``compiled.cost_analysis()['flops']`` counts a while-loop body once, so it cannot compare a scanned
+program with an unrolled one. This walks the optimized HLO instead: every ``dot`` costs 2 x (output
+elements) x (contracted elements), every ``convolution`` (the TPU compiler's matmuls) 2 x (output
+elements) x (kernel input features) x (kernel taps inside the input), times how often its
+computation runs per step.
 
-A conditional runs one of its branches per execution, and which one the text cannot say: it
-counts as its costliest branch. That is exact where every execution takes a branch of the same
-cost, and an upper bound where some take a cheaper one: the flash kernels' ``lax.switch`` over
-a block's kind (:func:`jaxpar.model.attention.block_kind`) runs its FULL or MASKED branch (the
-same dots) on the blocks it computes and an empty one on the causal blocks it skips, so the
-count for ring or all-gather attention over ``context`` is every block's, as if none were
-skipped. (Counting every branch, as before, counted each computed block twice.)
+A conditional counts as its costliest branch: exact where every execution takes a branch of the same
+cost, an upper bound elsewhere. So the flash kernels' ``lax.switch`` over a block's kind counts
+every block of ring or all-gather attention, as if none were skipped.
 """
 
 from __future__ import annotations
