@@ -1,20 +1,11 @@
 """A Weights & Biases run beside ``metrics.jsonl`` (``logging.wandb``).
 
-What it holds: the scalars of every ``metrics.jsonl`` row, at the row's ``step`` (the same
-dict, flattened by :func:`jaxpar.train.metrics.scalars` as TensorBoard gets it); ``config.yaml``
-as the run's config; the mesh, the layout and the analytic plan of this config on these devices
-(``jaxpar plan``'s predicted peak memory, step time, MFU and pipeline bubble, which the command
-line passes in: :func:`jaxpar.cli.train.plan_summary`) in its summary.
-
-- Process 0 only: the other processes never import wandb, and one run gets one writer.
-- Resume: the run's id is kept in ``run_dir/wandb_run_id``; a resumed run (a checkpoint of the
-  same ``run_dir``) continues that W&B run (``resume="allow"``), and logs again the steps after
-  its checkpoint, as it rewrites them in ``metrics.jsonl``. W&B's own ``_step`` only grows, so the
-  history keeps both copies: charts are drawn against ``step`` (``define_metric``), where the
-  re-logged points land on the same x as the first ones (docs/configuration.md).
-- A server that cannot be reached is a one-line warning after ``init_timeout_s``, and the run
-  goes on untracked; a missing package is a config error before anything runs
-  (:func:`require_wandb`).
+It holds every ``metrics.jsonl`` row's scalars at the row's ``step``, ``config.yaml`` as the run's
+config, and in its summary the mesh, the layout and ``jaxpar plan``'s prediction for this config
+(:func:`jaxpar.cli.train.plan_summary`). Process 0 alone writes it, and a resumed run continues the
+same W&B run (its id in ``run_dir/wandb_run_id``). An unreachable server is a one-line warning and
+the run goes on untracked; a missing package is a config error before anything runs
+(:func:`require_wandb`). What is logged, and resumes: docs/configuration.md.
 """
 
 from __future__ import annotations
