@@ -12,7 +12,11 @@ residual_batch        batch's (+ tensor if SP   between blocks: sequence paralle
                       on rows)                  whole sequences where each device's rows divide
 residual_seq          context (+ tensor if SP   ... and the sequence where they do not
                       on the sequence)          (Megatron's layout)
-embed (parameters)    fsdp (ZeRO-3)             FSDP: weights gathered per layer when used
+embed (parameters)    fsdp, expert (ZeRO-3)     FSDP: weights gathered per layer when used;
+                                                outside the experts expert is one more data
+                                                axis (a pipeline: fsdp alone)
+expert_embed          fsdp (ZeRO-3)             the routed experts' model dimension: their
+                                                expert dimension takes expert already
 act_embed             -                         activations keep the model dim whole
 heads, kv_heads       tensor                    column-parallel QKV, row-parallel output
 mlp                   tensor                    column-parallel gate/up, row-parallel down
@@ -22,7 +26,7 @@ layers                pipe                      the stacked layers: one run of t
 head_dim              -                         too small to split
 q_lora, kv_lora       -                         MLA's latents: small, and every head reads
                                                 all of them
-q_lora_in, kv_lora_in fsdp (ZeRO-3)             the latent dim of MLA's up-projections as
+q_lora_in, kv_lora_in as embed                  the latent dim of MLA's up-projections as
                                                 stored (they have no embed dim to split)
 act_q/kv_lora_in      -                         ... and as the matmuls read them
 stage                 pipe                      pipeline stages
@@ -47,18 +51,34 @@ from jaxpar.config import BATCH_AXES, Config, ConfigError
 
 Rules = Mapping[str, tuple[str, ...]]
 
+# The logical names of a weight's model dimension: the one ZeRO splits (``expert_embed``: the
+# routed experts', which ``expert`` does not split).
+MODEL_DIMS = ("embed", "expert_embed")
+
+
+def model_dim(names: Sequence[str | None]) -> int | None:
+    """The index of a weight's model dimension (:data:`MODEL_DIMS`), or None."""
+    return next((i for i, n in enumerate(names) if n in MODEL_DIMS), None)
+
 
 def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
     """The default table for ``cfg`` (sequence parallelism, ZeRO level), then user overrides."""
     sp = cfg.parallel.sequence_parallel
     rows = sp and sequence_parallel_splits_rows(cfg)
+    # ZeRO-1 keeps parameters whole; only the optimizer state is split (parallel/zero.py).
+    # Outside the experts, expert is one more data axis: the weights are split over it as
+    # over fsdp (FSDP over fsdp x expert), as MaxText does. Not in a pipeline, whose executor
+    # gathers by hand over fsdp only (parallel/manual.py: expert is each device's own there).
+    fsdp = (("fsdp",) + (("expert",) if cfg.mesh.pipe == 1 else ())
+            if cfg.parallel.zero == 3 else ())
     rules: dict[str, tuple[str, ...]] = {
         "batch": BATCH_AXES,
         "residual_batch": BATCH_AXES + (("tensor",) if rows else ()),
         "seq": ("context",),
         "residual_seq": ("context", "tensor") if sp and not rows else ("context",),
-        # ZeRO-1 keeps parameters whole; only the optimizer state is split (parallel/zero.py).
-        "embed": ("fsdp",) if cfg.parallel.zero == 3 else (),
+        "embed": fsdp,
+        # The routed experts' model dimension: their experts dimension takes expert already.
+        "expert_embed": tuple(a for a in fsdp if a != "expert"),
         "act_embed": (),
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
@@ -69,8 +89,8 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         "kv_lora": (),
         # MLA's up-projections [latent, heads, head_dim] have no model dimension; under ZeRO-3
         # their latent dimension is split over fsdp instead, gathered per layer when used.
-        "q_lora_in": ("fsdp",) if cfg.parallel.zero == 3 else (),
-        "kv_lora_in": ("fsdp",) if cfg.parallel.zero == 3 else (),
+        "q_lora_in": fsdp,
+        "kv_lora_in": fsdp,
         "act_q_lora_in": (),
         "act_kv_lora_in": (),
         "mlp": ("tensor",),
