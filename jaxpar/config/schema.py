@@ -15,8 +15,8 @@ BATCH_AXES = ("data", "fsdp", "expert")
 """Mesh axes the global batch is split over (``expert`` is extra data parallelism outside MoE)."""
 
 LOGICAL_AXES = (
-    "batch", "residual_batch", "seq", "residual_seq", "embed", "act_embed", "heads", "kv_heads",
-    "head_dim", "mlp", "vocab", "experts", "layers", "stage", "q_lora", "kv_lora",
+    "batch", "residual_batch", "seq", "residual_seq", "embed", "expert_embed", "act_embed", "heads",
+    "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers", "stage", "q_lora", "kv_lora",
     "q_lora_in", "kv_lora_in", "act_q_lora_in", "act_kv_lora_in", "lora_rank",
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
@@ -358,6 +358,11 @@ class ParallelConfig:
     # Route each device's tokens through a MoE layer's experts in this many chunks, so one
     # chunk's all-to-alls can overlap another's expert matmuls (parallel/expert.py).
     expert_chunks: int = 1
+    # How a device gathers its experts' weights over fsdp (and reduce-scatters their gradient):
+    # "ring" (n - 1 ppermutes, which the compiler runs beside other matmuls), "all_gather"
+    # (one collective, synchronous on the TPU compiler), "auto": the ring but on XLA:CPU,
+    # whose collectives are all synchronous (parallel/expert.py).
+    expert_gather: Literal["auto", "ring", "all_gather"] = "auto"
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
 

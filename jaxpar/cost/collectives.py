@@ -15,6 +15,8 @@ docs/cost-model.md, "Collectives per step".
 
 from __future__ import annotations
 
+import math
+
 from jaxpar.config import MESH_AXES, documents_masked
 from jaxpar.cost.ledger import EXPOSED, HIDDEN, CollectiveCost, Ledger, ring_hidden
 from jaxpar.cost.optimizer import muon_collectives, muon_matrices
@@ -26,6 +28,7 @@ from jaxpar.cost.pipeline import (
 )
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
+from jaxpar.parallel.expert import expert_gather_ring
 from jaxpar.parallel.zero import ZERO1_AXES
 
 ROW_PARALLEL_MATMULS = 2  # attention output, down projection
@@ -43,19 +46,14 @@ def collectives(st: StepSizes, params: list[ParamCost]) -> list[CollectiveCost]:
 
 
 def fsdp_collectives(c: Ledger) -> None:
-    """ZeRO-3 / FSDP: weights gathered where used, gradients reduce-scattered to their shards."""
+    """ZeRO-3 / FSDP: weights gathered where used, gradients reduce-scattered to their shards,
+    over ``fsdp`` (and ``expert`` outside the routed experts: ``ParamCost.gather_axes``)."""
     st, cfg = c.st, c.st.cfg
-    if cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1:
+    if cfg.parallel.zero != 3 or not any(p.gather_axes for p in c.params):
         return
-    # In the layer loops the compiler makes each gather and reduce-scatter a collective matmul
-    # (jaxpar.mesh.TPU_COMPILER_OPTIONS): hidden but for its ring's last step. Not the gathers
-    # of weights split over tensor too: those stay synchronous (MaxText's as well; measured
-    # at Llama-3-70B widths, fsdp=16 tensor=4, docs/performance.md).
-    fsdp_ring = ring_hidden(st.mesh["fsdp"])
-    gather_ring = fsdp_ring if st.mesh["tensor"] == 1 else EXPOSED
-    layer = [p for p in c.layer if p.gathered_bytes != p.bytes_per_device]
-    dense = [p for p in c.dense if p.gathered_bytes != p.bytes_per_device]
-    other = [p for p in c.other if p.gathered_bytes != p.bytes_per_device and p not in dense]
+    layer = [p for p in c.layer if p.gather_axes]
+    dense = [p for p in c.dense if p.gather_axes]
+    other = [p for p in c.other if p.gather_axes and p not in dense]
     if "fsdp" in c.by_hand or st.pipeline is not None:
         # By hand, the executor gathers a stage's weights once per step; else a stage's weights
         # do not change within a stretch of steps and XLA hoists their gathers out of the
@@ -68,59 +66,126 @@ def fsdp_collectives(c: Ledger) -> None:
         if per_layer_fsdp(st):  # parallel.pipeline_fsdp=per_layer: in every slot, by layer
             per_layer_fsdp_collectives(c, layer)
         else:
-            c.add("all-gather", ("fsdp",), runs * len(layer),
-                  runs * sum(c.moved(p, p.gathered_bytes) for p in layer),
-                  "stage weights gathered once, kept for every microbatch", HIDDEN)
+            for axes, group in _by_gather_axes(layer):
+                c.add("all-gather", axes, runs * len(group),
+                      runs * sum(c.moved(p, p.gathered_bytes) for p in group),
+                      "stage weights gathered once, kept for every microbatch", HIDDEN)
     else:
         pre_runs = st.runs
-        # Reshard after forward: gathered again in the backward pass, except what remat=none
-        # keeps (the router and the experts, which do not go through projection.project_all).
-        # (A layer that remat recomputes gathers those again too.)
-        # The experts' gathers are written inside their shard_map (parallel/expert.py), which
-        # no collective matmul decomposes: synchronous (Mixtral widths, fsdp=4 expert=8 on
-        # tpu-v5p:4x4x2, and MaxText's too: docs/performance.md).
-        kept = [p for p in layer if not p.resharded]
-        for group, passes, what, hidden in (
-                (kept, 1 + _rematted(st), "MoE weights gathered, kept for the backward "
-                 "(gathered again where remat recomputes the layer)", EXPOSED),
-                ([p for p in layer if p not in kept], 2,
-                 "layer weights gathered before use, and again backward", gather_ring)):
-            if group:
-                c.add("all-gather", ("fsdp",),
-                      round(passes * c.forwards * st.layers * st.runs * len(group)),
-                      round(passes * c.forwards * st.runs
-                            * sum(c.moved(p, p.gathered_bytes) for p in group)), what,
-                      hidden)
+        _layer_gathers(c, layer)
     # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
     # it): each layer gathered before use and again for its backward pass, like `layers`
-    # (deepseek-expert-fsdp: 2.17 GiB more than a once-per-step gather, its dense layer's
-    # 583M parameters in float32 on XLA:CPU).
-    c.add("all-gather", ("fsdp",), 2 * pre_runs * dense_units(cfg.model) * len(dense),
-          2 * pre_runs * sum(c.moved(p, p.gathered_bytes) for p in dense),
-          "dense first blocks' weights gathered before use, and again backward", gather_ring)
+    # (docs/cost-model.md).
+    for axes, group in _by_gather_axes(dense):
+        c.add("all-gather", axes, 2 * pre_runs * dense_units(cfg.model) * len(group),
+              2 * pre_runs * sum(c.moved(p, p.gathered_bytes) for p in group),
+              "dense first blocks' weights gathered before use, and again backward",
+              _gather_ring(c, axes))
     # Outside the layer loops nothing runs beside them: the gathers before the first layer,
     # the head's gradient reduction after the last (synchronous on the TPU compiler).
-    c.add("all-gather", ("fsdp",), len(other),
-          sum(c.moved(p, p.gathered_bytes) for p in other),
-          "embedding, lm_head and final norm gathered once per step", EXPOSED)
-    # (per_layer: the layers' were reduce-scattered in the slots, per_layer_fsdp_collectives)
-    by_layer = per_layer_fsdp(st)
-    # The embedding's gradient is a matmul (of the one-hot tokens) too, and a collective matmul
-    # like the layers'; lm_head's reduction waits for the loss's backward, with nothing beside.
-    # The experts' reduce-scatters, their gathers' transposes, are synchronous as those are.
-    stacks = ([] if by_layer else layer) + dense
+    for axes, group in _by_gather_axes(other):
+        c.add("all-gather", axes, len(group), sum(c.moved(p, p.gathered_bytes) for p in group),
+              "embedding, lm_head and final norm gathered once per step", EXPOSED)
+    _gradient_scatters(c, layer, dense, other)
+
+
+def _by_gather_axes(group: list[ParamCost]) -> list[tuple[tuple[str, ...], list[ParamCost]]]:
+    """``group`` by the axes each parameter is gathered over (the routed experts over
+    ``fsdp``, the rest over ``fsdp x expert``)."""
+    out: dict[tuple[str, ...], list[ParamCost]] = {}
+    for p in group:
+        out.setdefault(p.gather_axes, []).append(p)
+    return sorted(out.items())
+
+
+def _ring(c: Ledger, axes: tuple[str, ...]) -> float:
+    """The hidden share of a collective matmul's ring over ``axes``."""
+    return ring_hidden(math.prod(c.st.mesh[a] for a in axes))
+
+
+def _gather_ring(c: Ledger, axes: tuple[str, ...]) -> float:
+    """In the layer loops the compiler makes each gather a collective matmul
+    (jaxpar.mesh.TPU_COMPILER_OPTIONS): hidden but for its ring's last step. Not the gathers
+    of weights split over tensor too: those stay synchronous (MaxText's as well; measured at
+    Llama-3-70B widths, fsdp=16 tensor=4, docs/performance.md)."""
+    return _ring(c, axes) if c.st.mesh["tensor"] == 1 else EXPOSED
+
+
+def _layer_gathers(c: Ledger, layer: list[ParamCost]) -> None:
+    """Outside a pipeline: each layer's weights gathered in its forward pass and again in its
+    backward pass (reshard after forward), except what remat=none keeps (the router and the
+    experts, which do not go through projection.project_all); a layer that remat recomputes
+    gathers those again too. The experts' gathers are written inside their shard_map
+    (parallel/expert.py), which no collective matmul decomposes: synchronous (and MaxText's
+    too: docs/performance.md)."""
+    st = c.st
+    kept = [p for p in layer if not p.resharded]
+    for group, passes, what, resharded in (
+            (kept, 1 + _rematted(st), "MoE weights gathered, kept for the backward "
+             "(gathered again where remat recomputes the layer)", False),
+            ([p for p in layer if p not in kept], 2,
+             "layer weights gathered before use, and again backward", True)):
+        for axes, part in _by_gather_axes(group):
+            count = passes * c.forwards * st.layers * st.runs * len(part)
+            payload = passes * c.forwards * st.runs * sum(c.moved(p, p.gathered_bytes)
+                                                           for p in part)
+            if not resharded and _expert_ring(c, part):
+                _add_ring(c, axes, count, payload, what + ", in a ring of sends",
+                          EXPERT_GATHER_RING_HIDDEN)
+                continue
+            c.add("all-gather", axes, round(count), round(payload), what,
+                  _gather_ring(c, axes) if resharded else EXPOSED)
+
+
+# The share of the experts' ring sends (parallel.expert_gather=ring) the TPU compiler schedules
+# beside a matmul: two of each weight's three steps at fsdp=4, gathers and reduce-scatters
+# alike (Mixtral widths, fsdp=4 expert=8: docs/performance.md, where the gathers' windows turn
+# out to hold little work and the reduce-scatters' much).
+EXPERT_GATHER_RING_HIDDEN = EXPERT_SCATTER_RING_HIDDEN = 2 / 3
+
+
+def _expert_ring(c: Ledger, part: list[ParamCost]) -> bool:
+    """Whether ``part`` is the routed experts' weights, gathered in rings of sends."""
+    st = c.st
+    return (all(p.expert for p in part)
+            and expert_gather_ring(st.cfg, "cpu" if st.xla_cpu else "tpu"))
+
+
+def _add_ring(c: Ledger, axes: tuple[str, ...], count: float, payload: float, what: str,
+              hidden: float) -> None:
+    """``count`` gathers (reduce-scatters) of ``payload`` bytes in all as rings of sends over
+    ``axes``: n - 1 sends each, 1/n of the payload each (parallel/collectives.py)."""
+    n = math.prod(c.st.mesh[a] for a in axes)
+    c.add("collective-permute", axes, round(count * (n - 1)), round(payload * (n - 1) / n),
+          what, hidden)
+
+
+def _gradient_scatters(c: Ledger, layer: list[ParamCost], dense: list[ParamCost],
+                       other: list[ParamCost]) -> None:
+    """Gradients reduce-scattered to their shards, every micro-step. The embedding's gradient
+    is a matmul (of the one-hot tokens) too, and a collective matmul like the layers';
+    lm_head's reduction waits for the loss's backward, with nothing beside. The experts'
+    reduce-scatters, their gathers' transposes, are synchronous as those are.
+    (parallel.pipeline_fsdp=per_layer: the layers' were reduce-scattered in the slots, by
+    per_layer_fsdp_collectives.)"""
+    st = c.st
+    stacks = ([] if per_layer_fsdp(st) else layer) + dense
     experts = [p for p in stacks if p.expert]
     stacks = [p for p in stacks if not p.expert]
     embedding = [p for p in other if p.name == "embedding"]
     rest = [p for p in other if p not in embedding]
-    for group, count, hidden in ((stacks, st.layers, fsdp_ring), (experts, st.layers, EXPOSED),
-                                 (embedding, 1, fsdp_ring), (rest, 1, EXPOSED)):
-        if not group:
-            continue
-        c.add("reduce-scatter", ("fsdp",), count * c.runs_over(("fsdp",)),
-              c.reduced([p for p in group if p.trained], gathered=True,
-                        by_hand="fsdp" in c.by_hand),
-              "gradients reduce-scattered to their shards, every micro-step", hidden)
+    for group, count, ring in ((stacks, st.layers, True), (experts, st.layers, False),
+                               (embedding, 1, True), (rest, 1, False)):
+        for axes, part in _by_gather_axes(group):
+            runs = count * c.runs_over(axes)
+            payload = c.reduced([p for p in part if p.trained], gathered=True,
+                                by_hand="fsdp" in c.by_hand)
+            what = "gradients reduce-scattered to their shards, every micro-step"
+            if group is experts and _expert_ring(c, part):
+                _add_ring(c, axes, runs, payload, what + ", in a ring of sends",
+                          EXPERT_SCATTER_RING_HIDDEN)
+                continue
+            c.add("reduce-scatter", axes, runs, payload, what, _ring(c, axes) if ring else EXPOSED)
 
 
 def data_collectives(c: Ledger) -> None:

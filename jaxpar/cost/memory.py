@@ -289,7 +289,8 @@ def _fsdp_gathered(st: StepSizes, params: list[ParamCost], layer_weights: int) -
     ``layers``, or of DeepSeek's ``dense_layers``, a scanned stack of its own gathered layer by
     layer too: the larger), and the embedding, lm_head and final norm, gathered for the whole
     step. (A pipeline stage's weights, gathered once per step, are its weight copies.)"""
-    if st.cfg.parallel.zero != 3 or st.mesh["fsdp"] == 1 or st.pipeline is not None:
+    if (st.cfg.parallel.zero != 3 or st.pipeline is not None
+            or not any(p.gather_axes for p in params)):
         return 0
     dense = sum(in_compute_dtype(p, p.gathered_bytes, st.a)
                 for p in params if p.dense_stack) // max(dense_units(st.cfg.model), 1)

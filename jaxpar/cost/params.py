@@ -27,6 +27,7 @@ from jaxpar.parallel.optimizer_state import STATE_BYTES, state_shapes, state_spe
 from jaxpar.parallel.rules import (
     is_axes_leaf,
     logical_rules,
+    model_dim,
     param_logical_axes,
     param_name,
     resolve_spec,
@@ -132,6 +133,9 @@ class ParamCost:
     # How its optimizer moments are split: the spec, or under ZeRO-1 with embed also over
     # data x fsdp.
     moment_spec: tuple[SpecEntry, ...] = ()
+    # The mesh axes FSDP gathers it over (and reduce-scatters its gradient over): those of
+    # fsdp and expert that split it, but expert where it splits the routed experts themselves.
+    gather_axes: tuple[str, ...] = ()
 
     @property
     def dense_stack(self) -> bool:
@@ -177,13 +181,13 @@ def param_costs(cfg: Config) -> list[ParamCost]:
         spec = spec + (None,) * (len(p.shape) - len(spec))
         size = math.prod(p.shape) * PARAM_BYTES
         moment_spec = _zero1_spec(spec, p.names, mesh) if cfg.parallel.zero == 1 else spec
-        fsdp_parts = math.prod(mesh[a] for e in spec for a in entry_axes(e) if a == "fsdp")
+        gather_axes = fsdp_gather_axes(spec, split_names(p.name, p.names), mesh)
         cost = ParamCost(
             name=p.name, shape=p.shape, spec=spec,
             bytes_per_device=size // _parts(spec, mesh),
             moment_bytes_per_device=size // _parts(moment_spec, mesh),
-            gathered_bytes=size // _parts(spec, mesh) * fsdp_parts,
-            stacked=p.stacked)
+            gathered_bytes=size // _parts(spec, mesh) * math.prod(mesh[a] for a in gather_axes),
+            stacked=p.stacked, gather_axes=gather_axes)
         stored = STORED_BYTES[cfg.train.param_dtype] if cost.matmul else PARAM_BYTES
         trained = lora is None or is_adapter(p.name)
         out.append(dataclasses.replace(
@@ -191,6 +195,16 @@ def param_costs(cfg: Config) -> list[ParamCost]:
             state_bytes_per_device=_state_bytes(cfg, p, moment_spec) if trained else 0,
             trained=trained, moment_spec=moment_spec))
     return out
+
+
+def fsdp_gather_axes(spec: Sequence[SpecEntry], names: Sequence[str | None],
+                     mesh: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes (size > 1) FSDP gathers a parameter over: ``fsdp`` and ``expert`` where they
+    split it (parallel/rules.py: ``embed``), but not where they split its ``experts``
+    dimension: those are each device's own experts."""
+    split = {a for entry, name in zip(spec, names, strict=False) if name != "experts"
+             for a in entry_axes(entry)}
+    return tuple(a for a in ("fsdp", "expert") if a in split and mesh[a] > 1)
 
 
 def _state_bytes(cfg: Config, p: ParamShape, moment_spec: tuple[SpecEntry, ...]) -> int:
@@ -208,9 +222,9 @@ def _zero1_spec(spec: tuple[SpecEntry, ...], names: tuple[str | None, ...],
                 mesh: Mapping[str, int]) -> tuple[SpecEntry, ...]:
     """ZeRO-1's moment spec: the ``embed`` dim also split over data and fsdp (parallel/zero.py)."""
     extra = tuple(a for a in ZERO1_AXES if mesh[a] > 1)
-    if not extra or "embed" not in names:
+    dim = model_dim(names)
+    if not extra or dim is None:
         return spec
-    dim = names.index("embed")
     existing = entry_axes(spec[dim])
     merged = existing + tuple(a for a in extra if a not in existing)
     return spec[:dim] + (merged,) + spec[dim + 1:]

@@ -49,8 +49,8 @@ Exchange = Callable[[jax.Array], jax.Array]  # [groups, ...] -> [groups, ...] (a
 
 # Logical names of the expert weights as stored (and as handed to the experts function: the
 # expert-parallel hook gathers the ``embed`` split itself, see jaxpar.parallel.expert).
-EXPERT_IN = ("experts", "embed", "mlp")  # w_gate, w_up [X, E, F]
-EXPERT_OUT = ("experts", "mlp", "embed")  # w_down [X, F, E]
+EXPERT_IN = ("experts", "expert_embed", "mlp")  # w_gate, w_up [X, E, F]
+EXPERT_OUT = ("experts", "mlp", "expert_embed")  # w_down [X, F, E]
 
 # Keys of a layer's aux dict. All add up over micro-steps and over layers, except
 # LAYER_STACKED, which :meth:`jaxpar.model.transformer.Transformer.run_layers` keeps per layer.
@@ -259,9 +259,9 @@ class MoE(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         # The router's expert dimension is not split: every device routes its own tokens.
         self.router = _param(rngs, (e, x), ("embed", None), cfg.init_std)
-        self.w_gate = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), cfg.init_std)
-        self.w_up = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), cfg.init_std)
-        self.w_down = _param(rngs, (x, f, e), ("experts", "mlp", "embed"), out_std)
+        self.w_gate = _param(rngs, (x, e, f), EXPERT_IN, cfg.init_std)
+        self.w_up = _param(rngs, (x, e, f), EXPERT_IN, cfg.init_std)
+        self.w_down = _param(rngs, (x, f, e), EXPERT_OUT, out_std)
         if moe.router == "sigmoid_bias":
             self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), out_sharding=(None,))
         if moe.num_shared_experts:

@@ -1,4 +1,5 @@
-"""Point-to-point sends that every device issues in the same order.
+"""Point-to-point sends: in the same order on every device, and rings that gather or
+reduce-scatter.
 
 JAX lowers every ``lax.ppermute`` with one channel id, and XLA:CPU keys its rendezvous by (run,
 channel): independent sends could meet the wrong partners, and a ring attention step failed that way
@@ -6,6 +7,11 @@ channel): independent sends could meet the wrong partners, and a ring attention 
 ``optimization_barrier`` ops, so the scheduler keeps their order. It changes no bytes, and compute
 still overlaps the sends. What was seen and tried: docs/jax-notes.md, "Collectives under control
 flow (XLA:CPU)".
+
+:func:`ring_all_gather` and :func:`ring_reduce_scatter` are ``all_gather`` and
+``psum_scatter`` as n - 1 sends round a ring of n devices, each moving 1/n of the array: the
+same bytes as the one collective, in steps the compiler can schedule beside independent
+matmuls (the TPU compiler keeps an all-gather written inside a ``shard_map`` synchronous).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -25,3 +32,41 @@ def ppermute_in_order(arrays: Sequence[jax.Array], axis: str,
             x, _ = lax.optimization_barrier((x, received[-1]))
         received.append(lax.ppermute(x, axis, list(perm)))
     return received
+
+
+def _ring(axes: tuple[str, ...]) -> tuple[int, list[tuple[int, int]]]:
+    n = 1
+    for a in axes:
+        n *= lax.axis_size(a)
+    return n, [(i, (i + 1) % n) for i in range(n)]
+
+
+def ring_all_gather(x: jax.Array, axes: tuple[str, ...], axis: int) -> jax.Array:
+    """``lax.all_gather(x, axes, axis=axis, tiled=True)`` as n - 1 sends round a ring."""
+    n, perm = _ring(axes)
+    pieces, piece = [x], x
+    for _ in range(n - 1):
+        piece = lax.ppermute(piece, axes, perm)
+        pieces.append(piece)  # the k-th came from device (me - k) mod n
+    me = lax.axis_index(axes)
+    blocks = jnp.stack(pieces)[(me - jnp.arange(n)) % n]  # [n, ...]: block j from device j
+    shape = list(x.shape)
+    shape[axis] *= n
+    return jnp.moveaxis(blocks, 0, axis).reshape(shape)
+
+
+def ring_reduce_scatter(x: jax.Array, axes: tuple[str, ...], axis: int) -> jax.Array:
+    """``lax.psum_scatter(x, axes, scatter_dimension=axis, tiled=True)`` as n - 1 sends round
+    a ring: the partial sum of block j starts on device j + 1 and adds each device's block j
+    on its way round to device j."""
+    n, perm = _ring(axes)
+    size = x.shape[axis] // n
+    me = lax.axis_index(axes)
+
+    def block(j: jax.Array) -> jax.Array:
+        return lax.dynamic_slice_in_dim(x, (j % n) * size, size, axis)
+
+    total = block(me - 1)
+    for t in range(1, n):
+        total = lax.ppermute(total, axes, perm) + block(me - 1 - t)
+    return total

@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import platform as workarounds
-from jaxpar.config import BATCH_AXES, ConfigError
+from jaxpar.config import BATCH_AXES, Config, ConfigError
 from jaxpar.model.annotate import Experts
 from jaxpar.model.moe import (
     Weights,
@@ -46,6 +46,7 @@ from jaxpar.model.moe import (
     slot_positions,
 )
 from jaxpar.model.projection import summed_grad_dtype
+from jaxpar.parallel.collectives import ring_all_gather, ring_reduce_scatter
 
 EXPERT_AXIS = "expert"
 # The collective itself, looked up at call time (a test substitutes an emulation of its
@@ -147,6 +148,7 @@ class _Used(NamedTuple):
     dtype: Any  # the compute dtype
     sum_dtype: Any  # the gradient sums' (summed_grad_dtype)
     stored_dtype: Any
+    ring: bool = False  # gather and reduce-scatter as rings of ppermutes (expert_gather)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -158,6 +160,8 @@ def used_expert_weight(how: _Used, w: jax.Array) -> jax.Array:
     w = w.astype(how.dtype)
     if how.replicated:
         w = lax.pcast(w, how.replicated, to="varying")
+    if how.embed and how.ring:
+        return ring_all_gather(w, how.embed, how.axis)
     return lax.all_gather(w, how.embed, axis=how.axis, tiled=True) if how.embed else w
 
 
@@ -167,7 +171,9 @@ def _used_fwd(how: _Used, w: jax.Array) -> tuple[jax.Array, None]:
 
 def _used_bwd(how: _Used, _: None, dw: jax.Array) -> tuple[jax.Array]:
     dw = dw.astype(how.sum_dtype)
-    if how.embed:
+    if how.embed and how.ring:
+        dw = ring_reduce_scatter(dw, how.embed, how.axis)
+    elif how.embed:
         dw = lax.psum_scatter(dw, how.embed, scatter_dimension=how.axis, tiled=True)
     if how.replicated:
         dw = lax.psum(dw, how.replicated)
@@ -215,7 +221,7 @@ def _layout(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]],
     context = "context" if mesh_shape["context"] > 1 else None
     token_axes = batch + ((context,) if context else ())
     expert_dim = _split_axes(rules, mesh_shape, "experts", (EXPERT_AXIS,))
-    embed = _split_axes(rules, mesh_shape, "embed", token_axes)
+    embed = _split_axes(rules, mesh_shape, "expert_embed", token_axes)
     # Only when the experts' hidden units are split does tensor need manual handling; otherwise
     # it stays automatic and every tensor shard computes the same (replicated) result.
     tensor = "tensor" if _split_axes(rules, mesh_shape, "mlp", ("tensor",)) else None
@@ -258,9 +264,17 @@ def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: j
     return jnp.concatenate([p[0] for p in parts]), stats
 
 
+def expert_gather_ring(cfg: Config, platform: str) -> bool:
+    """Whether the experts' weights are gathered in rings of sends (``parallel.expert_gather``;
+    ``auto``: off :data:`jaxpar.platform.SYNCHRONOUS_COLLECTIVE_PLATFORMS`)."""
+    how = cfg.parallel.expert_gather
+    return how == "ring" or (how == "auto"
+                             and platform not in workarounds.SYNCHRONOUS_COLLECTIVE_PLATFORMS)
+
+
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     platform: str = "cpu", ragged: bool | None = None,
-                    hand_groups: int = 1, chunks: int = 1) -> Experts:
+                    hand_groups: int = 1, chunks: int = 1, ring: bool = False) -> Experts:
     """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a mesh:
     per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
     all-to-alls over ``expert`` when it has more than one device.
@@ -273,6 +287,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
       the tokens and experts are the device's own, and no ``shard_map`` opens unless ``tensor``
       splits the experts.
     - ``chunks`` > 1 (``parallel.expert_chunks``): :func:`_dispatch_in_chunks`.
+    - ``ring`` (``parallel.expert_gather``): the weights' gather and their gradient's
+      reduce-scatter as rings of sends.
     """
     lay = _layout(mesh_shape, rules, hand_groups)
     groups, token_axes, tensor, embed, replicated = (lay.groups, lay.token_axes, lay.tensor,
@@ -289,7 +305,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
                   jnp.dtype(jax.tree.leaves(weights[0])[0].dtype))
 
         def gathered(w, axis: int):
-            return _gathered(w, axis, embed, replicated, dtypes)
+            return _gathered(w, axis, embed, replicated, dtypes, ring)
 
         def local(x, expert_ids, gates, w_gate, w_up, w_down):
             b, s, e = x.shape
@@ -330,11 +346,11 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
 
 
 def _gathered(w, axis: int, embed: tuple[str, ...], replicated: tuple[str, ...],
-              dtypes: tuple) -> Any:
+              dtypes: tuple, ring: bool) -> Any:
     """An expert weight as used (:func:`used_expert_weight`), or an adapted triple (w, A, B) with
     A and B gathered on the side that has the model dimension."""
     def one(w: jax.Array, axis: int | None) -> jax.Array:
-        how = (_Used(embed, replicated, axis, *dtypes) if axis is not None else
+        how = (_Used(embed, replicated, axis, *dtypes, ring) if axis is not None else
                _Used((), replicated + embed, 0, *dtypes))
         if not (how.embed or how.replicated):  # nothing to gather or sum: the weight itself,
             return w.astype(dtypes[0])  # which a pipeline stage's stash then leaves out

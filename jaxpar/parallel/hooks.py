@@ -41,7 +41,7 @@ from jaxpar.model.annotate import (
 )
 from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
-from jaxpar.parallel.expert import expert_parallel
+from jaxpar.parallel.expert import expert_gather_ring, expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 from jaxpar.parallel.ulysses import local_ulysses_attention, ulysses_attention
 from jaxpar.parallel.zero import token_shard_sum
@@ -72,7 +72,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
     hand_groups = by_hand.get("expert", 1)
     experts = (expert_parallel(mesh_shape, rules, platform=platform, hand_groups=hand_groups,
-                               chunks=cfg.parallel.expert_chunks)
+                               chunks=cfg.parallel.expert_chunks,
+                               ring=expert_gather_ring(cfg, platform))
                if cfg.model.moe.enabled and (split_axes or hand_groups > 1) else None)
     if in_stage and platform in workarounds.NO_SHARD_MAP_IN_STAGES:
         _refuse_nested_shard_maps(cfg, split_axes if experts else [], mesh_shape)

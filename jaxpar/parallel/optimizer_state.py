@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from jax.sharding import PartitionSpec
 
-from jaxpar.parallel.rules import resolve_spec, split_names
+from jaxpar.parallel.rules import MODEL_DIMS, resolve_spec, split_names
 
 # Axes that are a batch of independent matrices to Muon: the scanned layers, the routed experts.
 MUON_BATCH_AXES = frozenset({"layers", "experts"})
@@ -31,7 +31,7 @@ def muon_matrix_axes(name: str, names: Sequence[str | None]
     matrix = [i for i, n in enumerate(names) if n not in MUON_BATCH_AXES]
     if len(matrix) < 2:
         return None
-    split = len(matrix) - 1 if names[matrix[-1]] == "embed" else 1
+    split = len(matrix) - 1 if names[matrix[-1]] in MODEL_DIMS else 1
     return tuple(matrix[:split]), tuple(matrix[split:])
 
 

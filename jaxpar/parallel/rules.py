@@ -3,9 +3,10 @@
 The model names the dimensions of its parameters and activations (``embed``, ``heads``, ``seq``
 ...). :func:`logical_rules` says which mesh axes split each logical dimension: the batch over
 ``data``, ``fsdp`` and ``expert``; the sequence over ``context``; parameters' ``embed`` over
-``fsdp`` under ZeRO-3; heads, MLP and vocabulary over ``tensor``; experts over ``expert``; the
-stacked layers over ``pipe``; and, with sequence parallelism, the residual stream's rows or
-sequence over ``tensor`` too. ``parallel.rules`` in the config can override entries.
+``fsdp`` and ``expert`` under ZeRO-3 (the routed experts' ``expert_embed`` over ``fsdp``); heads,
+MLP and vocabulary over ``tensor``; experts over ``expert``; the stacked layers over ``pipe``; and,
+with sequence parallelism, the residual stream's rows or sequence over ``tensor`` too.
+``parallel.rules`` in the config can override entries.
 
 Rules are checked when resolved, never silently dropped: a logical name with no rule, a mesh axis
 the mesh does not have, one mesh axis used for two dimensions of one array, or a dimension that
@@ -27,18 +28,34 @@ from jaxpar.config import BATCH_AXES, Config, ConfigError
 
 Rules = Mapping[str, tuple[str, ...]]
 
+# The logical names of a weight's model dimension: the one ZeRO splits (``expert_embed``: the
+# routed experts', which ``expert`` does not split).
+MODEL_DIMS = ("embed", "expert_embed")
+
+
+def model_dim(names: Sequence[str | None]) -> int | None:
+    """The index of a weight's model dimension (:data:`MODEL_DIMS`), or None."""
+    return next((i for i, n in enumerate(names) if n in MODEL_DIMS), None)
+
 
 def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
     """The default table for ``cfg`` (sequence parallelism, ZeRO level), then user overrides."""
     sp = cfg.parallel.sequence_parallel
     rows = sp and sequence_parallel_splits_rows(cfg)
+    # ZeRO-1 keeps parameters whole; only the optimizer state is split (parallel/zero.py).
+    # Outside the experts, expert is one more data axis: the weights are split over it as
+    # over fsdp (FSDP over fsdp x expert), as MaxText does. Not in a pipeline, whose executor
+    # gathers by hand over fsdp only (parallel/manual.py: expert is each device's own there).
+    fsdp = (("fsdp",) + (("expert",) if cfg.mesh.pipe == 1 else ())
+            if cfg.parallel.zero == 3 else ())
     rules: dict[str, tuple[str, ...]] = {
         "batch": BATCH_AXES,
         "residual_batch": BATCH_AXES + (("tensor",) if rows else ()),
         "seq": ("context",),
         "residual_seq": ("context", "tensor") if sp and not rows else ("context",),
-        # ZeRO-1 keeps parameters whole; only the optimizer state is split (parallel/zero.py).
-        "embed": ("fsdp",) if cfg.parallel.zero == 3 else (),
+        "embed": fsdp,
+        # The routed experts' model dimension: their experts dimension takes expert already.
+        "expert_embed": tuple(a for a in fsdp if a != "expert"),
         "act_embed": (),
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
@@ -49,8 +66,8 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         "kv_lora": (),
         # MLA's up-projections [latent, heads, head_dim] have no model dimension; under ZeRO-3
         # their latent dimension is split over fsdp instead, gathered per layer when used.
-        "q_lora_in": ("fsdp",) if cfg.parallel.zero == 3 else (),
-        "kv_lora_in": ("fsdp",) if cfg.parallel.zero == 3 else (),
+        "q_lora_in": fsdp,
+        "kv_lora_in": fsdp,
         "act_q_lora_in": (),
         "act_kv_lora_in": (),
         "mlp": ("tensor",),

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
 from jaxpar.parallel.optimizer_state import state_spec
-from jaxpar.parallel.rules import is_axes_leaf, logical_rules, resolve_spec
+from jaxpar.parallel.rules import is_axes_leaf, logical_rules, model_dim, resolve_spec
 from jaxpar.platform import partitioner_sum_dtype
 
 ZERO1_AXES = ("data", "fsdp")
@@ -39,10 +39,10 @@ def _with_embed_split(spec: PartitionSpec, names: tuple[str, ...],
                       mesh_shape: Mapping[str, int]) -> PartitionSpec:
     """Split the ``embed`` dimension of one array's spec over the ZeRO-1 axes as well."""
     axes = tuple(a for a in ZERO1_AXES if mesh_shape[a] > 1)
-    if not axes or "embed" not in names:
+    dim = model_dim(names)
+    if not axes or dim is None:
         return spec
     entries = list(spec) + [None] * (len(names) - len(spec))
-    dim = names.index("embed")
     existing = entries[dim] if isinstance(entries[dim], tuple) else (
         () if entries[dim] is None else (entries[dim],))
     merged = existing + tuple(a for a in axes if a not in existing)

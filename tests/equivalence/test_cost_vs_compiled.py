@@ -66,9 +66,12 @@ LAYOUTS = {
     # flattening of [layers, experts] into one axis gathered all experts over expert).
     "moe,data=2,expert=2,tensor=2,muon": (
         [*MOE, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "train.optimizer=muon"],
-        {("all-to-all", ("tensor",)), ("all-reduce", ("data",)),
-         ("all-reduce", ("data", "expert")), ("all-reduce", ("tensor",)),
-         ("all-to-all", ("expert",))}),
+        # The dense weights split over expert (ZeRO-3 over expert): gathered and reduce-scattered
+        # over it, and Muon's momentum of the matrices split over expert and tensor
+        # exchanged over both.
+        {("all-to-all", ("tensor",)), ("all-reduce", ("data",)), ("all-gather", ("expert",)),
+         ("reduce-scatter", ("expert",)), ("all-reduce", ("tensor",)),
+         ("all-to-all", ("expert",)), ("all-to-all", ("expert", "tensor"))}),
     "data=4,tensor=2,sp": (["mesh.data=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
                            {("all-reduce", ("data",)), ("all-gather", ("tensor",)),
                             ("reduce-scatter", ("tensor",))}),
@@ -190,8 +193,9 @@ LAYOUTS = {
          "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=sigmoid_bias",
          "model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.num_shared_experts=1",
          "model.moe.d_ff_expert=32", "model.moe.first_dense=1"],
+        # The experts' weights gathered over fsdp, the dense ones over fsdp x expert.
         {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-to-all", ("expert",)),
-         ("all-reduce", ("expert",))}),
+         ("all-gather", ("fsdp", "expert")), ("reduce-scatter", ("fsdp", "expert"))}),
 }
 
 # Compiled matmul flops (loop trips counted, a conditional as its costliest branch) against the

@@ -410,7 +410,8 @@ def all_to_all_lines(name: str) -> list[str]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_all_to_all_over_expert_forward_and_backward(name):
-    from jaxpar.inspect.hlo.collectives import parse_collectives
+    from jaxpar.cost.estimate import estimate
+    from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
 
     got = run_layout(LAYOUTS[name])
     cfg = got["cfg"]
@@ -422,9 +423,17 @@ def test_all_to_all_over_expert_forward_and_backward(name):
     lines = all_to_all_lines(name)
     backward = [line for line in lines if "transpose(jvp" in line]
     assert len(backward) >= 2 and len(lines) - len(backward) >= 2, lines
-    # Expert parallelism never gathers the tokens or the experts over `expert`.
-    assert not [c for c in parse_collectives(got["compiled"].as_text(), cfg.mesh_shape)
-                if "expert" in c.axes and c.kind in ("all-gather", "reduce-scatter")]
+    # Expert parallelism never gathers the tokens or the experts over `expert`: what is
+    # gathered over it (and reduce-scattered) is FSDP's dense weights, split over expert as
+    # over fsdp, and the plan, which counts only those, predicts its bytes.
+    def over_expert(rows) -> int:
+        return sum(r["bytes"] for r in rows if "expert" in r["axes"]
+                   and r["kind"] in ("all-gather", "reduce-scatter"))
+
+    compiled = over_expert(summarize_collectives(
+        parse_collectives(got["compiled"].as_text(), cfg.mesh_shape)))
+    predicted = over_expert(estimate(cfg).collective_rows())
+    assert abs(compiled - predicted) <= 0.1 * predicted, (compiled, predicted)
 
 
 def test_expert_chunks_exchange_each_chunk_on_its_own_with_the_same_bytes():

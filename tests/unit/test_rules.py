@@ -77,7 +77,10 @@ def test_golden_file_shows_the_expected_splits():
     assert golden["demo-5d"]["layers/block_1/moe/w_gate"] == ["pipe", "expert", None, "tensor"]
     moe = golden["moe-tiny data=2 fsdp=2 expert=2"]
     assert moe["layers/moe/w_down"] == [None, "expert", None, "fsdp"]
-    assert moe["layers/moe/router"] == [None, "fsdp", None]  # routers are not split by expert
+    # Outside the experts, expert splits the weights as fsdp does (FSDP over fsdp x expert);
+    # routers' expert dimension is never split.
+    assert moe["layers/attn/wq"] == [None, ["fsdp", "expert"], None, None]
+    assert moe["layers/moe/router"] == [None, ["fsdp", "expert"], None]
     assert golden["tiny data=4 zero=1"]["layers/mlp/w_gate"] == [None, None, "tensor"]
 
 
