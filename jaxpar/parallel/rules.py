@@ -16,7 +16,8 @@ embed (parameters)    fsdp (ZeRO-3)             FSDP: weights gathered per layer
 act_embed             -                         activations keep the model dim whole
 heads, kv_heads       tensor                    column-parallel QKV, row-parallel output
 mlp                   tensor                    column-parallel gate/up, row-parallel down
-vocab                 tensor                    vocab-parallel embedding, head and loss
+vocab                 tensor                    vocab-parallel embedding, head and loss (the
+                                                vocabulary padded to divide: Config.vocab_rows)
 experts               expert                    expert weights live on their expert shard
 layers                pipe                      the stacked layers: one run of them per stage
 head_dim              -                         too small to split
@@ -43,7 +44,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import BATCH_AXES, Config, ConfigError
+from jaxpar.config import BATCH_AXES, VOCAB_AXES, Config, ConfigError
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -77,7 +78,8 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         # LoRA adapters' rank (jaxpar/model/lora.py): small, never split; the adapters' other
         # axis is the adapted weight's, so they split like it.
         "lora_rank": (),
-        "vocab": ("tensor",),
+        # Config.vocab_rows pads the vocabulary for these axes (and a pipeline's stages).
+        "vocab": VOCAB_AXES,
         "experts": ("expert",),
         "layers": ("pipe",),  # the stacked layers are split into pipeline stages
         "stage": ("pipe",),
