@@ -64,7 +64,6 @@ from jaxpar.model.attention import dense_attention
 from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.model.kv_cache import KVCache, UnitCache, cache_axes, model_cache
 from jaxpar.model.lora import merged_weights
-from jaxpar.model.vocab import fit_vocab
 from jaxpar.model.transformer import (
     DTYPES,
     Transformer,
@@ -73,6 +72,7 @@ from jaxpar.model.transformer import (
     dense_units,
     layer_units,
 )
+from jaxpar.model.vocab import fit_vocab
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.rules import (
     logical_rules,

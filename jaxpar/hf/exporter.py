@@ -10,8 +10,8 @@ several), the tokenizer files of the run's ``data.tokenizer`` when that is a
 ``generation.eos_ids`` names them (an import's own, so that transformers stops where jaxpar
 does). A LoRA run's adapters are merged into the weights they adapt
 (:func:`jaxpar.model.lora.merged_weights`), and the padded vocabulary's rows are dropped
-(``model.vocab_size`` is the true one: :mod:`jaxpar.model.vocab`). Reads only the parameters, on the host; a shard's
-converted tensors are the only other copy alive.
+(``model.vocab_size`` is the true one: :mod:`jaxpar.model.vocab`). Reads only the parameters,
+on the host; a shard's converted tensors are the only other copy alive.
 """
 
 from __future__ import annotations
