@@ -47,6 +47,7 @@ from jaxpar.model.transformer import (
     dense_units,
     layer_units,
 )
+from jaxpar.model.vocab import fit_vocab
 from jaxpar.parallel.hooks import model_hooks
 from jaxpar.parallel.rules import (
     logical_rules,
@@ -169,10 +170,13 @@ def generation_config(cfg: Config) -> Config:
         parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False))
 
 
-def check_weights(cfg: ModelConfig, params: dict, buffers: dict) -> None:
+def check_weights(cfg: ModelConfig, params: dict, buffers: dict, vocab_rows: int | None = None
+                  ) -> None:
     """A one-line :class:`ConfigError` naming the first array whose shape is not the one
-    ``cfg``'s model has (a checkpoint of another model, or a wrong ``model.*`` override)."""
-    _, want_params, want_buffers = nnx.split(abstract_model(cfg), nnx.Param, ...)
+    ``cfg``'s model (its vocabulary padded to ``vocab_rows``) has (a checkpoint of another
+    model, or a wrong ``model.*`` override)."""
+    _, want_params, want_buffers = nnx.split(abstract_model(cfg, vocab_rows=vocab_rows),
+                                             nnx.Param, ...)
     want = {"params": nnx.to_pure_dict(want_params), "buffers": nnx.to_pure_dict(want_buffers)}
     got = {"params": params, "buffers": buffers}
     shapes = [{param_name(k): tuple(np.shape(a))
@@ -201,11 +205,16 @@ class Generator:
         self.cfg = generation_config(cfg)
         self.mesh = mesh
         self.dtype = DTYPES[cfg.train.dtype]
-        self.graphdef = nnx.split(abstract_model(self.cfg.model), nnx.Param, ...)[0]
+        # The vocabulary padded for this mesh, whatever padding the weights were saved with.
+        self.vocab_rows = self.cfg.vocab_rows()
+        self.graphdef = nnx.split(abstract_model(self.cfg.model, vocab_rows=self.vocab_rows),
+                                  nnx.Param, ...)[0]
         buffers = complete_buffers(self.cfg.model, buffers or {})  # an import's window flags
         # A LoRA run's weights: the adapters merged (jaxpar/model/lora.py), the same function.
         params = merged_weights(params, cfg.train.lora)
-        check_weights(self.cfg.model, params, buffers)
+        if np.shape(params["embedding"])[0] >= self.cfg.model.vocab_size:  # else: another model
+            params = fit_vocab(params, self.vocab_rows)
+        check_weights(self.cfg.model, params, buffers, self.vocab_rows)
         self.mesh_shape = dict(mesh.shape) if mesh is not None else None
         if mesh is not None:
             unsupported = [f"{a}={n}" for a, n in mesh.shape.items()
@@ -232,7 +241,8 @@ class Generator:
 
     def _place(self, params: dict, buffers: dict) -> tuple[dict, dict]:
         """The parameters (and MoE buffers) put on the mesh as the rules table lays them out."""
-        model, rules = abstract_model(self.cfg.model), logical_rules(self.cfg)
+        model = abstract_model(self.cfg.model, vocab_rows=self.vocab_rows)
+        rules = logical_rules(self.cfg)
         specs, buffer_specs = model_specs(model, params, buffers, rules, self.mesh_shape)
         return (jax.device_put(params, named_shardings(self.mesh, specs)),
                 jax.device_put(buffers, named_shardings(self.mesh, buffer_specs)))

@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 
 from jaxpar.checkpoint import integrity
 from jaxpar.checkpoint.integrity import leaf_name
+from jaxpar.checkpoint.repad import as_saved, repadded, repadded_axes, vocab_rows
 from jaxpar.config import Config, ConfigError, to_dict
 
 CHECKPOINTS = "checkpoints"  # under run_dir
@@ -219,15 +220,20 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
             for path, leaf in leaves}
 
 
-def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], path: Path) -> None:
-    """One line naming the first array that differs (missing, extra, shape or dtype)."""
+def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], path: Path,
+                     rows: tuple[int, int] | None = None) -> None:
+    """One line naming the first array that differs (missing, extra, shape or dtype).
+    ``rows``: the vocabulary's (saved, wanted) rows where this layout pads it differently
+    (:func:`vocab_padding`): dimensions that go from one to the other differ on purpose."""
     hint = "model.*, train.param_dtype (and train.grad_clip) must match the run that saved it"
     for name, (shape, dtype) in wanted.items():
         if name not in saved:
             raise CheckpointError(f"checkpoint {path} does not fit this model: it has no array "
                                   f"{name}; {hint}")
         saved_shape, saved_dtype = saved[name]
-        if saved_shape != shape or saved_dtype != dtype:
+        only_padding = (saved_dtype == dtype
+                        and repadded_axes(saved_shape, shape, rows) is not None)
+        if (saved_shape != shape or saved_dtype != dtype) and not only_padding:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {name} is "
                                   f"{saved_dtype}{list(saved_shape)} there but {dtype}"
                                   f"{list(shape)} here; {hint}")
@@ -235,6 +241,23 @@ def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], pa
     if extra:
         raise CheckpointError(f"checkpoint {path} does not fit this model: it has an array "
                               f"{extra[0]} this model lacks; {hint}")
+
+
+def vocab_padding(path: Path, saved: Mapping[str, tuple], wanted: Mapping[str, tuple],
+                  vocab_size: int | None) -> tuple[int, int] | None:
+    """(saved, wanted) rows of the vocabulary where ``path`` pads it differently from this run
+    (:mod:`jaxpar.checkpoint.repad`), else None. ``vocab_size``: this run's true vocabulary,
+    which must be the checkpoint's (its config records it: the padded shapes no longer tell);
+    None checks nothing and repads nothing."""
+    if vocab_size is None:
+        return None
+    model = read_config(path).get("model") or {}
+    if model.get("vocab_size", vocab_size) != vocab_size:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: its vocabulary has "
+                              f"model.vocab_size={model['vocab_size']} ids, this run's "
+                              f"{vocab_size}; model.* must match the run that saved it")
+    have, want = vocab_rows(saved), vocab_rows(wanted)
+    return None if have is None or want is None or have == want else (have, want)
 
 
 @dataclass(frozen=True)
@@ -247,7 +270,7 @@ class Restored:
     verified: bool  # False: saved before checksums were recorded, so not checked
 
 
-def restore(path: Path, abstract_state: Any) -> Restored:
+def restore(path: Path, abstract_state: Any, vocab_size: int | None = None) -> Restored:
     """Read checkpoint ``path`` into ``abstract_state``'s shapes and shardings and verify every
     array against its recorded checksum.
 
@@ -255,7 +278,9 @@ def restore(path: Path, abstract_state: Any) -> Restored:
     run, whatever mesh saved the checkpoint: orbax reads each array's slices straight onto the
     devices that hold them in the new layout, so no host ever holds a whole array. Raises
     :class:`DamagedCheckpointError` for damaged files, :class:`CheckpointError` for a
-    checkpoint of another model.
+    checkpoint of another model. ``vocab_size``: the run's ``model.vocab_size``; given, a
+    checkpoint whose vocabulary this layout pads differently is read as saved, verified, and
+    cut or padded (:mod:`jaxpar.checkpoint.repad`).
     """
     start = time.perf_counter()
     wanted = _flat_shapes(abstract_state)
@@ -268,11 +293,13 @@ def restore(path: Path, abstract_state: Any) -> Restored:
             saved = _flat_shapes(metadata["state"])
         except Exception as err:  # noqa: BLE001  (any read failure is one user-facing line)
             raise corrupt_error(path, err, keys) from None
-        check_compatible(saved, wanted, path)
+        rows = vocab_padding(path, saved, wanted, vocab_size)
+        check_compatible(saved, wanted, path, rows)
+        target = abstract_state if rows is None else as_saved(abstract_state, saved)
         try:
             with quiet_failed_reads():
                 restored = checkpointer.restore(path.absolute(), args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
+                    state=ocp.args.StandardRestore(target),
                     data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
                     **integrity.restore_args(path)))
         except Exception as err:  # noqa: BLE001
@@ -280,7 +307,8 @@ def restore(path: Path, abstract_state: Any) -> Restored:
     finally:
         checkpointer.close()
     verified = _verify(path, restored["state"], restored.get("checksums"))
-    return Restored(state=restored["state"], data=restored["data"], meta=restored["meta"],
+    state = restored["state"] if rows is None else repadded(restored["state"], abstract_state)
+    return Restored(state=state, data=restored["data"], meta=restored["meta"],
                     seconds=time.perf_counter() - start, path=path, verified=verified)
 
 
@@ -310,7 +338,7 @@ def resume(cfg: Config, source: Path, abstract_state: Any,
     damaged: list[tuple[Path, DamagedCheckpointError]] = []
     for path in candidates:
         try:
-            restored = restore(path, abstract_state)
+            restored = restore(path, abstract_state, cfg.model.vocab_size)
         except DamagedCheckpointError as err:
             if len(candidates) == 1:
                 raise

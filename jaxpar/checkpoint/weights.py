@@ -32,6 +32,7 @@ from jaxpar.checkpoint.state import (
     quiet_failed_reads,
     read_config,
     read_meta,
+    vocab_padding,
 )
 from jaxpar.checkpoint.weights_only import read_weights, step_dir
 from jaxpar.config import Config, config_from_dict, to_dict
@@ -116,10 +117,14 @@ def stored_buffers(source: Path) -> Any:
         checkpointer.close()
 
 
-def restore_params(source: Path, wanted: Any, item: str = "params") -> Any:
+def restore_params(source: Path, wanted: Any, item: str = "params",
+                   vocab_size: int | None = None) -> Any:
     """The parameters (or ``item``: ``buffers``) of checkpoint ``source`` (a run's, or
     weights-only; any mesh saved them), read straight into ``wanted``'s shapes, dtypes and
-    shardings (a tree of ``jax.ShapeDtypeStruct`` with shardings). Only that item is read."""
+    shardings (a tree of ``jax.ShapeDtypeStruct`` with shardings). Only that item is read.
+    ``vocab_size``: the run's ``model.vocab_size``; given, a vocabulary saved with another
+    padding is zero-padded or cut to ``wanted``'s rows as it is read (orbax's non-strict
+    read: :mod:`jaxpar.checkpoint.repad`)."""
 
     def shapes(tree: Any) -> dict[str, tuple]:  # shapes only: any stored dtype converts
         return {f"{item}/{leaf_name(p)}": (tuple(a.shape), "")
@@ -130,9 +135,11 @@ def restore_params(source: Path, wanted: Any, item: str = "params") -> Any:
     try:
         with quiet_failed_reads():
             saved = checkpointer.metadata(source.absolute()).item_metadata["state"][item]
-        check_compatible(shapes(saved), shapes(wanted), source)
+        rows = vocab_padding(source, shapes(saved), shapes(wanted), vocab_size)
+        check_compatible(shapes(saved), shapes(wanted), source, rows)
         args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(
-            sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), wanted)
+            sharding=a.sharding, global_shape=a.shape, dtype=a.dtype, strict=rows is None),
+            wanted)
         # PyTreeCheckpointHandler (not Standard) can restore a part of the tree.
         only_item = ocp.args.PyTreeRestore(item={item: wanted}, restore_args={item: args},
                                            partial_restore=True)
@@ -159,16 +166,19 @@ def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
     ``source`` is a step directory, or a ``checkpoints`` or run directory (newest checkpoint).
     Only the parameters are read (verified against their checksums where the checkpoint has
     them), as host numpy arrays; no mesh or optimizer state is needed.
-    Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them.
+    Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them;
+    the embedding and head have ``model.vocab_size`` rows (the padding dropped).
     """
     from safetensors.numpy import save_file  # noqa: PLC0415  (only export needs it)
 
     from jaxpar.model.transformer import abstract_model  # noqa: PLC0415
+    from jaxpar.model.vocab import fit_vocab  # noqa: PLC0415
     from jaxpar.parallel.rules import param_logical_axes  # noqa: PLC0415
 
     path = step_dir(source)
     cfg = config_from_dict(read_config(path))
     params, _, step = read_weights(path)
+    params = fit_vocab(params, cfg.model.vocab_size)  # the padded vocabulary's rows dropped
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     # float32 whatever train.param_dtype stored (bf16 -> f32 is exact; safetensors' numpy
     # writer and most readers expect a numpy dtype).

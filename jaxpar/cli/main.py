@@ -9,6 +9,7 @@ number of virtual CPU devices, and a bad key or value costs no compile. Exit cod
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from jaxpar.cli.common import (
@@ -28,7 +29,7 @@ from jaxpar.cli.plan import add_plan, plan_command
 from jaxpar.cli.schedule import add_schedule, schedule_command
 from jaxpar.cli.tokenize import add_tokenize, tokenize_command
 from jaxpar.cli.train import train_command
-from jaxpar.config import ConfigError, to_yaml
+from jaxpar.config import Config, ConfigError, to_yaml
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_config(args: argparse.Namespace) -> int:
-    print(to_yaml(load_validated(args.config, list(args.overrides))), end="")
+    cfg = load_validated(args.config, list(args.overrides))
+    # Both sizes of the vocabulary: the true one (the field) and, as a comment (the YAML still
+    # loads), the rows this layout pads the embedding and head to.
+    print(re.sub(r"^(  vocab_size: \d+)$", lambda m: f"{m.group(1)}  # {vocab_note(cfg)}",
+                 to_yaml(cfg), count=1, flags=re.MULTILINE), end="")
     return 0
+
+
+def vocab_note(cfg: Config) -> str:
+    """The padded vocabulary in words, for ``jaxpar config``."""
+    rows, splits = cfg.vocab_rows(), cfg.vocab_splits()
+    why = (f"model.vocab_multiple={cfg.model.vocab_multiple} and of the {splits} "
+           f"device{'s' if splits > 1 else ''} splitting the vocabulary")
+    return (f"true size; the embedding and head hold {rows} rows in this layout ("
+            + (f"padded to a multiple of {why})" if rows > cfg.model.vocab_size else
+               f"no padding: a multiple of {why})"))
 
 
 COMMANDS = {"train": train_command, "config": print_config, "inspect": inspect_command,

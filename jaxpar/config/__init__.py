@@ -25,6 +25,7 @@ from jaxpar.config.schema import (
     LOGICAL_AXES,
     MESH_AXES,
     PRESETS_DIR,
+    VOCAB_AXES,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -49,7 +50,8 @@ from jaxpar.config.schema import (
 from jaxpar.config.validation import check_generation, documents_masked, slices_line, validate
 
 __all__ = [
-    "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "CheckpointConfig", "Config",
+    "BATCH_AXES", "LOGICAL_AXES", "MESH_AXES", "PRESETS_DIR", "VOCAB_AXES", "CheckpointConfig",
+    "Config",
     "ConfigError", "DataConfig", "DcnConfig", "DistributedConfig", "GenerationConfig",
     "LoggingConfig", "LoraConfig", "MeshConfig", "MLAConfig",
     "ModelConfig", "MoEConfig", "OffloadConfig", "ParallelConfig", "ProfileConfig",

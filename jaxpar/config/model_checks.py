@@ -18,7 +18,8 @@ def require(condition: bool, message: str) -> None:
 
 def check_model(m: ModelConfig, mesh: MeshConfig) -> None:
     """Model shape: positive sizes, grouped-query heads, rotary's even head_dim, tensor splits."""
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
+                 "vocab_multiple"):
         value = getattr(m, name)
         require(value >= 1, f"model.{name}={value}: must be >= 1")
     require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of "
@@ -28,7 +29,9 @@ def check_model(m: ModelConfig, mesh: MeshConfig) -> None:
                 f"model.n_heads={m.n_heads} (or set model.head_dim)")
     require(m.mla.enabled or m.resolved_head_dim % 2 == 0, f"model.head_dim="
             f"{m.resolved_head_dim}: rotary embeddings need an even head_dim")
-    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    # (The vocabulary needs no such rule: it is padded for the devices that split it,
+    # Config.vocab_rows.)
+    for name in ("n_heads", "n_kv_heads", "d_ff"):
         value = getattr(m, name)
         require(value % mesh.tensor == 0, f"model.{name}={value} is not divisible by "
                 f"mesh.tensor={mesh.tensor}")

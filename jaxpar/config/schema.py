@@ -21,6 +21,11 @@ LOGICAL_AXES = (
 )
 """Logical axis names the model annotates; :mod:`jaxpar.parallel.rules` maps them to mesh axes."""
 
+VOCAB_AXES = ("tensor",)
+"""Mesh axes the vocabulary's rows are split over by default (the rules table's ``vocab``,
+:mod:`jaxpar.parallel.rules`; ``parallel.rules.vocab`` overrides it): what
+:meth:`Config.vocab_rows` pads the vocabulary for."""
+
 LOSS_CHUNK_BYTES = 64 * 2**20  # train.loss_chunks=0: a piece's float32 logits per device
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
@@ -137,7 +142,11 @@ class ModelConfig:
     n_kv_heads: int = 2
     head_dim: int | None = None  # default d_model // n_heads
     d_ff: int = 128
-    vocab_size: int = 256
+    vocab_size: int = 256  # the true vocabulary: token ids 0 .. vocab_size - 1
+    # The embedding's rows and the head's columns are padded to a multiple of this and of the
+    # devices that split the vocabulary (Config.vocab_rows; the padded logits are masked):
+    # 128 suits the TPU's and the GPU's matmul tiles (Megatron's make-vocab-size-divisible-by).
+    vocab_multiple: int = 128
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm_eps: float = 1e-5
@@ -492,7 +501,7 @@ class Config:
         if t.loss_chunks:
             return t.loss_chunks
         rows = t.batch_size // (t.grad_accum * t.microbatches * self.batch_shards())
-        logits = rows * local_seq * (self.model.vocab_size // mesh.tensor) * 4
+        logits = rows * local_seq * (self.vocab_rows() // mesh.tensor) * 4
         return next(n for n in range(1, local_seq + 1)
                     if local_seq % n == 0 and (logits // n <= LOSS_CHUNK_BYTES or n == local_seq))
 
@@ -502,9 +511,9 @@ class Config:
         S/c] in the compute dtype fits in LOSS_CHUNK_BYTES per device; with the vocab split
         over ``tensor`` or into a pipeline's pieces, the fewest dividing each device's V/(t p)
         rows. Validated configs only."""
-        t, v = self.train, self.model.vocab_size
+        t, v = self.train, self.vocab_rows()
         rows = t.batch_size // (t.grad_accum * t.microbatches * self.batch_shards())
-        split = self.mesh.tensor * self.mesh.pipe
+        split = self.vocab_splits()
         local_vocab = v // split
         one_hot = (local_vocab * rows * (t.seq_len // self.mesh.context)
                    * (2 if t.dtype == "bfloat16" else 4))
@@ -513,6 +522,23 @@ class Config:
         return next(n for n in range(1, local_vocab + 1)
                     if local_vocab % n == 0
                     and (one_hot // n <= LOSS_CHUNK_BYTES or n == local_vocab))
+
+    def vocab_splits(self) -> int:
+        """Devices the vocabulary's rows are split over: the mesh axes of the rules table's
+        ``vocab`` (:data:`VOCAB_AXES` unless ``parallel.rules.vocab`` says otherwise), and in a
+        pipeline the stages too (each embeds and scores its piece of the vocabulary)."""
+        axes = set(self.parallel.rules.get("vocab", VOCAB_AXES))
+        if self.mesh.pipe > 1:
+            axes.add("pipe")
+        return math.prod(self.mesh_shape[a] for a in axes)
+
+    def vocab_rows(self) -> int:
+        """The embedding's rows and the head's columns: ``model.vocab_size`` rounded up to a
+        multiple of ``model.vocab_multiple`` and of :meth:`vocab_splits` (the one place the
+        padded size is derived; ids from ``model.vocab_size`` on are padding, masked out of
+        every softmax and greedy pick by the model). Validated configs only."""
+        multiple = math.lcm(self.model.vocab_multiple, self.vocab_splits())
+        return -(-self.model.vocab_size // multiple) * multiple
 
     def batch_shards(self) -> int:
         return math.prod(getattr(self.mesh, a) for a in BATCH_AXES)

@@ -154,11 +154,6 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
         require(t.microbatches % mesh.pipe == 0, f"train.microbatches={t.microbatches} is not "
                 f"divisible by mesh.pipe={mesh.pipe}, which the {schedule} schedule needs "
                 f"with parallel.virtual_stages={v}")
-    # The pipeline splits the vocabulary (embedding, head, loss) into one piece per stage,
-    # each split again over tensor.
-    require(mesh.pipe == 1 or m.vocab_size % (mesh.pipe * mesh.tensor) == 0,
-            f"model.vocab_size={m.vocab_size} is not divisible by mesh.pipe x mesh.tensor = "
-            f"{mesh.pipe * mesh.tensor} (the pipeline splits the vocabulary over both)")
 
 
 def _check_pipeline_stash(cfg: Config, mesh: MeshConfig) -> None:

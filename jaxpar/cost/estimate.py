@@ -53,11 +53,14 @@ class FlopsCost:
     attention_extra: float = 0.0
     expert_padding: float = 0.0  # MoE rows computed that carry no token (and XLA:CPU's ragged_dot)
     optimizer: float = 0.0  # Muon's Newton-Schulz iterations (cost/optimizer.py)
+    # The head's columns of the padded vocabulary (Config.vocab_rows), forward and backward:
+    # executed, never useful (the model counts model.vocab_size).
+    vocab_padding: float = 0.0
 
     @property
     def executed(self) -> float:
         return (self.model + self.embedding_one_hot + self.recompute + self.attention_extra
-                + self.expert_padding + self.optimizer)
+                + self.expert_padding + self.optimizer + self.vocab_padding)
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ def _flops(st: StepSizes) -> FlopsCost:
                  "full": 2 * layer_matmuls + recomputed_attention}[cfg.train.remat]
     recompute /= cfg.train.remat_every  # one layer in every k is rematerialised
     if st.loss_pieces > 1:  # each piece's logits are made again in the backward pass
-        recompute += 2 * m.d_model * m.vocab_size
+        recompute += 2 * m.d_model * st.vocab_rows
     # The pipeline executor recomputes nothing (the forward's residuals wait in its stash), but
     # every stage runs every slot of a step: masked forward and backward slots execute too.
     # (With parallel.pipeline_stash=inputs each backward slot runs its chunk's forward again
@@ -229,12 +232,13 @@ def _flops(st: StepSizes) -> FlopsCost:
     embedding_runs = (1.0 if st.pipeline is None
                       else st.pipeline["embed_back_steps"] / st.pipeline["microbatches"])
     return FlopsCost(model=train_flops_per_token(m, st.s) * per_device,
-                     embedding_one_hot=2 * m.vocab_size * m.d_model * embedding_runs
+                     embedding_one_hot=2 * st.vocab_rows * m.d_model * embedding_runs
                      * per_device,
                      recompute=recompute * per_device,
                      attention_extra=(executed_attention - 1.5 * attention_forward)
                      * per_device,
-                     expert_padding=padding)
+                     expert_padding=padding,
+                     vocab_padding=6 * m.d_model * (st.vocab_rows - m.vocab_size) * per_device)
 
 
 def _time(st: StepSizes, collectives: list[CollectiveCost], flops: FlopsCost,

@@ -321,7 +321,7 @@ def memory(st: StepSizes, params: list[ParamCost]) -> MemoryCost:
     # The loss's float32 logits and their gradient, one loss piece at a time, and the
     # embedding's one-hot input, built for its gradient one slice of the vocabulary at a time.
     # (A pipeline's head and embedding are split over pipe as well: each stage its piece.)
-    vocab = m.vocab_size // st.t // (st.p if st.pipeline is not None else 1)
+    vocab = st.vocab_rows // st.t // (st.p if st.pipeline is not None else 1)
     one_hot = st.b * st.sl * vocab * st.a // st.embedding_grad_pieces
     logits = st.b * st.sl * vocab * (4 + 4) // st.loss_pieces
     head = logits + one_hot + 2 * st.act

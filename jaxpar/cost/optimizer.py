@@ -69,7 +69,8 @@ def muon_matrices(cfg: Config, params: list[ParamCost]) -> list[MuonMatrix]:
     mesh, rules = cfg.mesh_shape, logical_rules(cfg)
     trained = {p.name: p for p in params if p.trained}
     out = []
-    for shape in model_params(cfg.model, cfg.train.lora if cfg.train.lora.rank > 0 else None):
+    for shape in model_params(cfg.model, cfg.train.lora if cfg.train.lora.rank > 0 else None,
+                              cfg.vocab_rows()):
         p = trained.get(shape.name)
         names = split_names(shape.name, shape.names)
         axes = muon_matrix_axes(shape.name, shape.names)

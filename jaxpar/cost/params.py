@@ -53,12 +53,12 @@ class ParamShape:
 
 
 @functools.cache
-def _variables(m: ModelConfig, buffers: bool, lora: LoraConfig | None = None
-               ) -> tuple[ParamShape, ...]:
+def _variables(m: ModelConfig, buffers: bool, lora: LoraConfig | None = None,
+               vocab_rows: int | None = None) -> tuple[ParamShape, ...]:
     """The abstract model's parameters (or, with ``buffers``, its other variables), by name,
-    with ``lora``'s adapters. Cached: ``jaxpar plan --search`` estimates many layouts of one
-    model."""
-    model = abstract_model(m, lora)
+    with ``lora``'s adapters, the vocabulary padded to ``vocab_rows``. Cached: ``jaxpar plan
+    --search`` estimates many layouts of one model."""
+    model = abstract_model(m, lora, vocab_rows=vocab_rows)
     _, params, others = nnx.split(model, nnx.Param, ...)
     flat = jax.tree_util.tree_flatten_with_path
     shapes = dict(flat(nnx.to_pure_dict(others if buffers else params))[0])
@@ -68,10 +68,11 @@ def _variables(m: ModelConfig, buffers: bool, lora: LoraConfig | None = None
     return tuple(sorted(table, key=lambda p: p.name))
 
 
-def model_params(m: ModelConfig, lora: LoraConfig | None = None) -> list[ParamShape]:
-    """Every parameter of the Transformer in ``jaxpar/model`` (with ``lora``'s adapters),
-    sorted by name."""
-    return list(_variables(m, False, lora))
+def model_params(m: ModelConfig, lora: LoraConfig | None = None,
+                 vocab_rows: int | None = None) -> list[ParamShape]:
+    """Every parameter of the Transformer in ``jaxpar/model`` (with ``lora``'s adapters, the
+    vocabulary padded to ``vocab_rows``: a layout's ``Config.vocab_rows()``), sorted by name."""
+    return list(_variables(m, False, lora, vocab_rows))
 
 
 def model_buffers(m: ModelConfig) -> list[ParamShape]:
@@ -176,7 +177,7 @@ def param_costs(cfg: Config) -> list[ParamCost]:
     rules = logical_rules(cfg)
     lora = cfg.train.lora if cfg.train.lora.rank > 0 else None
     out = []
-    for p in model_params(cfg.model, lora):
+    for p in model_params(cfg.model, lora, cfg.vocab_rows()):  # the padded bytes
         spec = tuple(resolve_spec(p.name, split_names(p.name, p.names), p.shape, rules, mesh))
         spec = spec + (None,) * (len(p.shape) - len(spec))
         size = math.prod(p.shape) * PARAM_BYTES

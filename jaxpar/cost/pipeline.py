@@ -177,7 +177,7 @@ def stage_head(st: StepSizes) -> int:
     holds"): float32 pieces ``[E, V/(p t)]``: the embedding gradient of the stage's piece, the
     head gradient's partial sums over the loss pieces, and on XLA:CPU each piece's product and
     (bf16) a float32 head."""
-    piece = st.cfg.model.d_model * st.cfg.model.vocab_size // (st.p * st.t) * 4
+    piece = st.cfg.model.d_model * st.vocab_rows // (st.p * st.t) * 4
     if not vocab_trained(st):  # frozen (LoRA): only the bf16 head's float32 copy on XLA:CPU
         return piece if st.xla_cpu and st.a < 4 else 0
     pieces = 1 + (st.loss_pieces > 1)

@@ -168,6 +168,8 @@ def _timing_table(report: CostReport) -> Table:
         extra += f", MoE rows without a token {human_flops(f.expert_padding)}"
     if f.optimizer:
         extra += f", Muon's Newton-Schulz iterations {human_flops(f.optimizer)}"
+    if f.vocab_padding:
+        extra += f", the padded vocabulary's head columns {human_flops(f.vocab_padding)}"
     timing.add_row("executed flops", human_flops(f.executed), extra)
     timing.add_row("compute", human_seconds(time.compute), "executed flops at peak"
                    + (f", / (1 - bubble {report.pipeline['bubble']:.1%})" if report.pipeline

@@ -1,7 +1,8 @@
 """The sizes every formula of the cost model uses, per device, for one config.
 
 Notation (all per device unless "global"): B global batch (sequences per optimizer step), S
-``seq_len``, E ``d_model``, H/K query/kv heads, D ``head_dim``, F ``d_ff``, V vocab, L layers;
+``seq_len``, E ``d_model``, H/K query/kv heads, D ``head_dim``, F ``d_ff``, V vocab (padded for
+the layout: ``StepSizes.vocab_rows``), L layers;
 d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes, G ``expert``; X experts,
 k ``top_k``; g ``grad_accum``; a the bytes of the compute dtype (4 float32, 2 bfloat16). Each
 device runs g micro-batches of ``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens (with
@@ -122,6 +123,12 @@ class StepSizes:
         """Slices of the vocabulary the embedding's gradient is built in (a pipeline stage: of its
         piece)."""
         return self.cfg.embedding_grad_pieces()
+
+    @property
+    def vocab_rows(self) -> int:
+        """The vocabulary as the arrays hold it, padded for the layout (``Config.vocab_rows``):
+        what bytes and executed flops count; useful flops count ``model.vocab_size``."""
+        return self.cfg.vocab_rows()
 
     @property
     def ring(self) -> bool:

@@ -9,8 +9,9 @@ several), the tokenizer files of the run's ``data.tokenizer`` when that is a
 ``tokenizer.json``, and ``generation_config.json`` with the ids that end a sequence when
 ``generation.eos_ids`` names them (an import's own, so that transformers stops where jaxpar
 does). A LoRA run's adapters are merged into the weights they adapt
-(:func:`jaxpar.model.lora.merged_weights`). Reads only the parameters, on the host; a shard's
-converted tensors are the only other copy alive.
+(:func:`jaxpar.model.lora.merged_weights`), and the padded vocabulary's rows are dropped
+(``model.vocab_size`` is the true one: :mod:`jaxpar.model.vocab`). Reads only the parameters,
+on the host; a shard's converted tensors are the only other copy alive.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from jaxpar.hf.importer import INDEX, TOKENIZER_FILES
 from jaxpar.hf.names import Tensor, hf_tensors, param_at, slice_shape, to_hf
 from jaxpar.model.lora import merged_weights
 from jaxpar.model.transformer import abstract_model
+from jaxpar.model.vocab import fit_vocab
 
 DEFAULT_MAX_SHARD = "5GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -116,6 +118,7 @@ def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHA
     hf_config = hf_config_from_model(cfg.model)  # refuses before anything is read
     params, buffers, step = read_weights(path)
     params = merged_weights(params, cfg.train.lora)  # a LoRA run's adapters, merged
+    params = fit_vocab(params, cfg.model.vocab_size)  # the padded vocabulary's rows dropped
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [*out_dir.glob("model*.safetensors"), out_dir / INDEX]:
         old.unlink(missing_ok=True)  # a previous export's shards would confuse loaders

@@ -6,7 +6,8 @@ of ``model.safetensors.index.json``, a block of rows of one tensor at a time (th
 for each block, so the pages safetensors maps are released again), straight into the stacked
 float32 arrays of the jaxpar model (:mod:`jaxpar.hf.names`): the host holds the model
 once, plus one block. Weights stored in bfloat16 or float16 become float32 (exactly). Writes
-``OUT/checkpoints/0``, a jaxpar ``OUT/config.yaml`` to train from, and copies the tokenizer
+``OUT/checkpoints/0`` (the vocabulary padded to ``model.vocab_multiple`` rows, zeros past the
+true ``model.vocab_size``), a jaxpar ``OUT/config.yaml`` to train from, and copies the tokenizer
 files next to them. The config also says how the model's prompts are encoded (by its own
 tokenizer, special tokens included) and which ids end its sequences (``generation.*``:
 :func:`generation_settings`), so that ``jaxpar generate`` continues a prompt as transformers
@@ -48,6 +49,7 @@ from jaxpar.hf.names import (
 )
 from jaxpar.model.layers import LocalLayer
 from jaxpar.model.transformer import abstract_model
+from jaxpar.model.vocab import fit_vocab
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -247,7 +249,6 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     block = (hf.get("quantization_config") or {}).get("weight_block_size")
     arrays, left_out = read_weights(source, model, tuple(block) if block else None,
                                     LEFT_OUT_PREFIXES if multimodal else ())
-    params = arrays["params"]
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _copy_tokenizer(source, out_dir)
     # The config to train from: the model, these weights, the tokenizer if there is one, and
@@ -255,12 +256,17 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
     cfg = Config(model=model, train=TrainConfig(init_from=str(out_dir.absolute())),
                  data=DataConfig(tokenizer=str(tokenizer)) if tokenizer else DataConfig(),
                  generation=generation)
+    # The vocabulary padded as one device pads it (model.vocab_multiple); a run whose layout
+    # pads it further reads the rows it needs (jaxpar/checkpoint/repad.py).
+    params = fit_vocab(arrays["params"], cfg.vocab_rows())
     path = save_weights(out_dir, cfg, params, {"source": str(source.absolute()),
-                                               "format": "huggingface"},
+                                               "format": "huggingface",
+                                               "vocab_size": model.vocab_size,
+                                               "vocab_rows": cfg.vocab_rows()},
                         buffers=arrays["buffers"] or None)
     config_yaml = out_dir / "config.yaml"
     config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    total = sum(param_at(params, p).nbytes for p in _paths(params))
+    total = sum(param_at(arrays["params"], p).nbytes for p in _paths(arrays["params"]))
     return Imported(checkpoint=path, config_yaml=config_yaml, model=model, tokenizer=tokenizer,
                     total_bytes=total, generation=generation, left_out=left_out,
                     prediction_layers=int(hf.get("num_nextn_predict_layers") or 0))
@@ -273,7 +279,9 @@ def import_hf_main(source: Path, out_dir: Path) -> int:
     if done.left_out:
         print(f"left out {done.left_out} tensors of the vision tower and projector: jaxpar "
               "imports the language model only")
+    rows = Config(model=m).vocab_rows()
     print(f"imported {source}: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
+          + (f" (padded to {rows} rows: model.vocab_multiple)" if rows > m.vocab_size else "")
           + (f", {m.moe.num_experts} experts" if m.moe.enabled else "")
           + f" ({done.total_bytes / 2**20:.1f} MiB float32) -> {done.checkpoint}")
     if done.prediction_layers:

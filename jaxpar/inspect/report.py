@@ -222,7 +222,9 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
     # The loop body: one layer, or the train.remat_every layers of one group.
     one_layer = dataclasses.replace(cfg.model, n_layers=t.remat_every)
     pieces = cfg.loss_pieces() if cfg.mesh.pipe == 1 else 1
-    head = 6 * cfg.model.d_model * cfg.model.vocab_size * (1 - 1 / pieces)
+    # ... and one piece of the head, over the padded vocabulary as the program runs it.
+    e = cfg.model.d_model
+    head = 6 * e * cfg.model.vocab_size - 6 * e * cfg.vocab_rows() / pieces
     once = ((train_flops_per_token(one_layer, t.seq_len) - head) * tokens / t.grad_accum
             / devices)
     return {

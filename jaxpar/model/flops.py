@@ -9,7 +9,8 @@ With the half, no kernel does more useful work than it executes (flash attention
 over the half, dense attention all of it), so MFU and ``jaxpar plan``'s bound stay <= 100%.
 A local layer (``model.sliding_window`` W < S) needs only the band of its window: of the S^2/2
 pairs of the half, the triangle of (S - W)^2 / 2 pairs beyond the window drops out.
-Recomputation under remat is deliberately not counted: MFU measures useful work.
+Recomputation under remat is deliberately not counted: MFU measures useful work; so is the
+head over the true vocabulary (``model.vocab_size``), not its padding (``Config.vocab_rows``).
 
 In a mixture-of-experts layer a token multiplies with the router (E x X), its ``top_k`` experts
 and the shared experts (3 x E x d_ff_expert each): the *active* parameters, which is what

@@ -24,16 +24,21 @@ import jax.numpy as jnp
 
 from jaxpar.model.annotate import constrain, split_count, sum_over_token_shards
 from jaxpar.model.projection import RESIDUAL, float32_logits
+from jaxpar.model.vocab import masked_logits
 
 HIDDEN = ("batch", "seq", "act_embed")  # the final norm's output, entering the head
 HEAD = ("act_embed", "vocab")  # the head as the loss multiplies with it
 STORED_HEAD = ("embed", "vocab")  # ... and as stored (split over fsdp under ZeRO-3)
 
 
-def head_logits(h: jax.Array, head: jax.Array, softcap: float = 0.0) -> jax.Array:
+def head_logits(h: jax.Array, head: jax.Array, softcap: float = 0.0,
+                vocab_size: int | None = None) -> jax.Array:
     """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model], soft-capped
-    at ``softcap`` (:func:`soft_capped`). The losses below take the logits before the cap."""
-    return soft_capped(constrain(float32_logits(h, head), ("batch", "seq", "vocab")), softcap)
+    at ``softcap`` (:func:`soft_capped`), the padded vocabulary's columns (ids from
+    ``vocab_size`` on) masked (:func:`~jaxpar.model.vocab.masked_logits`). The losses below
+    take the logits before the cap and the mask."""
+    logits = soft_capped(constrain(float32_logits(h, head), ("batch", "seq", "vocab")), softcap)
+    return masked_logits(logits, vocab_size)
 
 
 def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
@@ -42,7 +47,8 @@ def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
 
 
 def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
-                      pieces: int = 1, softcap: float = 0.0) -> jax.Array:
+                      pieces: int = 1, softcap: float = 0.0, vocab_size: int | None = None
+                      ) -> jax.Array:
     """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``,
     computed over ``pieces`` pieces of the sequence one after another: only one piece's float32
     logits ([B, S/pieces, vocab]) and their gradient are alive at a time; the backward pass
@@ -52,41 +58,44 @@ def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: j
     Piece i holds tokens i, i + n, i + 2n, ... (n = ``pieces``): a strided cut, so each
     device's contiguous shard of the sequence (context parallelism) keeps its own tokens in
     every piece and nothing moves between devices. The sum does not depend on the order.
+    The head's columns from ``vocab_size`` on are the padded vocabulary's (masked).
     """
     if pieces == 1:
-        return jnp.sum(token_losses(head_logits(h, head), targets, softcap) * mask)
-    return _loss_in_pieces(pieces, softcap, h, head, targets, mask)
+        return jnp.sum(token_losses(head_logits(h, head), targets, softcap, vocab_size) * mask)
+    return _loss_in_pieces(pieces, softcap, vocab_size, h, head, targets, mask)
 
 
 def _pieces(n: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(sequence_pieces(a, n) for a in arrays)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _loss_in_pieces(pieces: int, softcap: float, h: jax.Array, head: jax.Array,
-                    targets: jax.Array, mask: jax.Array) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _loss_in_pieces(pieces: int, softcap: float, vocab_size: int | None, h: jax.Array,
+                    head: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     def one_piece(total: jax.Array, piece: tuple) -> tuple[jax.Array, None]:
         h_i, targets_i, mask_i = piece
         logits = head_logits(constrain(h_i, HIDDEN), head)
-        return total + jnp.sum(token_losses(logits, targets_i, softcap) * mask_i), None
+        losses = token_losses(logits, targets_i, softcap, vocab_size)
+        return total + jnp.sum(losses * mask_i), None
 
     total, _ = jax.lax.scan(one_piece, jnp.zeros((), jnp.float32),
                             _pieces(pieces, h, targets, mask))
     return total
 
 
-def _loss_in_pieces_fwd(pieces, softcap, h, head, targets, mask):
-    return _loss_in_pieces(pieces, softcap, h, head, targets, mask), (h, head, targets, mask)
+def _loss_in_pieces_fwd(pieces, softcap, vocab_size, h, head, targets, mask):
+    return (_loss_in_pieces(pieces, softcap, vocab_size, h, head, targets, mask),
+            (h, head, targets, mask))
 
 
-def _loss_in_pieces_bwd(pieces, softcap, residuals, g):
+def _loss_in_pieces_bwd(pieces, softcap, vocab_size, residuals, g):
     h, head, targets, mask = residuals
 
     def one_piece(partial_sums: jax.Array, piece: tuple) -> tuple[jax.Array, jax.Array]:
         h_i, targets_i, mask_i = piece
         h_i = constrain(h_i, HIDDEN)
         logits, logits_vjp = jax.vjp(lambda x: head_logits(x, head), h_i)
-        d_logits = token_loss_grad(logits, targets_i, mask_i * g, softcap)
+        d_logits = token_loss_grad(logits, targets_i, mask_i * g, softcap, vocab_size)
         (d_h,) = logits_vjp(d_logits)  # its weight gradient, unused, is left out by XLA
         return partial_sums + per_shard_weight_grad(h_i, d_logits), _as_residual(d_h)
 
@@ -143,31 +152,37 @@ def joined_pieces(a: jax.Array) -> jax.Array:
     return jnp.moveaxis(a, 0, 2).reshape(b, s * n, *a.shape[3:])
 
 
-def token_losses(logits: jax.Array, targets: jax.Array, softcap: float = 0.0) -> jax.Array:
+def token_losses(logits: jax.Array, targets: jax.Array, softcap: float = 0.0,
+                 vocab_size: int | None = None) -> jax.Array:
     """Per-token cross entropy in float32 of the logits soft-capped at ``softcap``
-    (:func:`soft_capped`; 0: off). With logits split on vocab, the max and the sum of
+    (:func:`soft_capped`; 0: off), the columns from ``vocab_size`` on (the padded vocabulary)
+    masked after the cap. With logits split on vocab, the max and the sum of
     exponentials each become a small all-reduce over the vocab shards (vocab-parallel loss).
 
     The gradient, ``softmax(logits) - one_hot(targets)``, is one pass over the logits and their
     log-partition ``log_z`` (the residuals): autodiff of ``logsumexp`` would keep the
     exponentials as well, a third logits-sized float32 array beside the logits and their
     gradient. With a cap the residuals are the capped logits, from which that pass also gets
-    the cap's derivative ``1 - (capped / cap)^2``: no logits-sized array of its own."""
-    return _token_losses(logits.astype(jnp.float32), targets, softcap)
+    the cap's derivative ``1 - (capped / cap)^2``: no logits-sized array of its own. (The
+    residuals are the capped logits before the mask, whose ``-inf`` would make that
+    derivative NaN; the mask is applied again where the gradient needs it.)"""
+    return _token_losses(logits.astype(jnp.float32), targets, softcap, vocab_size)
 
 
 def token_loss_grad(logits: jax.Array, targets: jax.Array, scale: jax.Array,
-                    softcap: float = 0.0) -> jax.Array:
-    """The gradient of ``sum(token_losses(logits, targets, softcap) * scale)`` w.r.t. float32
-    ``logits``: ``(softmax(z) - one_hot(targets)) * scale * dz/dlogits``, z the capped logits."""
+                    softcap: float = 0.0, vocab_size: int | None = None) -> jax.Array:
+    """The gradient of ``sum(token_losses(logits, targets, softcap, vocab_size) * scale)``
+    w.r.t. float32 ``logits``: ``(softmax(z) - one_hot(targets)) * scale * dz/dlogits``, z the
+    capped and masked logits (zero at the padded vocabulary's columns)."""
     capped = soft_capped(logits, softcap)
-    log_z = jax.nn.logsumexp(capped, axis=-1)
-    return _token_losses_bwd(softcap, (capped, targets, log_z), scale)[0]
+    log_z = jax.nn.logsumexp(masked_logits(capped, vocab_size), axis=-1)
+    return _token_losses_bwd(softcap, vocab_size, (capped, targets, log_z), scale)[0]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _token_losses(logits: jax.Array, targets: jax.Array, softcap: float) -> jax.Array:
-    return _token_losses_fwd(logits, targets, softcap)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _token_losses(logits: jax.Array, targets: jax.Array, softcap: float,
+                  vocab_size: int | None) -> jax.Array:
+    return _token_losses_fwd(logits, targets, softcap, vocab_size)[0]
 
 
 def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -176,16 +191,17 @@ def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.arange(logits.shape[-1]) == targets[..., None]
 
 
-def _token_losses_fwd(logits, targets, softcap):
+def _token_losses_fwd(logits, targets, softcap, vocab_size):
     capped = soft_capped(logits, softcap)
-    log_z = jax.nn.logsumexp(capped, axis=-1)
+    log_z = jax.nn.logsumexp(masked_logits(capped, vocab_size), axis=-1)
     target_logit = jnp.sum(jnp.where(_is_target(logits, targets), capped, 0.0), axis=-1)
     return log_z - target_logit, (capped, targets, log_z)
 
 
-def _token_losses_bwd(softcap, residuals, g):
+def _token_losses_bwd(softcap, vocab_size, residuals, g):
     capped, targets, log_z = residuals  # the cap's derivative is 1 - (capped / cap)^2
-    d_capped = _d_logits(capped, log_z, _is_target(capped, targets), g)
+    d_capped = _d_logits(masked_logits(capped, vocab_size), log_z,
+                         _is_target(capped, targets), g)
     if softcap:
         d_capped = d_capped * (1 - jnp.square(capped / softcap))
     return d_capped, None  # None: integer targets have no gradient
@@ -203,18 +219,20 @@ _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 def vocab_piece_loss(head: jax.Array, ids: jax.Array, h: jax.Array, targets: jax.Array,
-                     mask: jax.Array, scale: jax.Array, axis: str, softcap: float = 0.0
-                     ) -> tuple:
+                     mask: jax.Array, scale: jax.Array, axis: str, softcap: float = 0.0,
+                     vocab_size: int | None = None) -> tuple:
     """Cross entropy over a vocabulary cut into pieces across the devices of the manual
     ``axis``: this device holds the head's columns ``head`` [E, V/p] of the token ids ``ids``
     [V/p]; ``h`` [B, s, E] are the (same) hidden states on every device. The log-partition
     from the pieces' maxima and sums (``pmax``/``psum`` of ``[B, s]``), the target logit from
     the piece holding it; the gradient w.r.t. the piece's logits is local (module docstring).
     Returns (summed loss, d_head, d_h) with ``mask * scale`` per token; the logits soft-capped
-    at ``softcap`` (elementwise: each piece caps its own)."""
+    at ``softcap`` (elementwise: each piece caps its own), then the ids from ``vocab_size`` on
+    (the padded vocabulary: None, none) masked. The VJP is taken at the unmasked logits: the
+    masked columns' gradient is zero before it."""
     logits, logits_vjp = jax.vjp(lambda w, h: soft_capped(float32_logits(h, w), softcap),
                                  head, h)
-    logits = constrain(logits, ("batch", "seq", "vocab"))
+    logits = masked_logits(constrain(logits, ("batch", "seq", "vocab")), vocab_size, ids)
     top = jax.lax.pmax(jnp.max(jax.lax.stop_gradient(logits), axis=-1), axis)
     exp_sum = jax.lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), axis)
     log_z = top + jnp.log(exp_sum)

@@ -44,6 +44,7 @@ from jaxpar.model.mla import MLA
 from jaxpar.model.moe import LAYER_STACKED, MoE
 from jaxpar.model.projection import RESIDUAL, lookup, weight
 from jaxpar.model.remat import ATTENTION_BRANCH, Remat, named, rematted
+from jaxpar.model.vocab import VOCAB_AXIS, padded
 
 Aux = dict[str, jax.Array]  # float32 statistics and losses of the MoE layers ({} when dense)
 
@@ -202,10 +203,28 @@ def _set_local_flags(model: nnx.Module, cfg: ModelConfig) -> None:
             block.attn.local.set_metadata(out_sharding=("layers",))
 
 
+def _vocab_param(rngs: nnx.Rngs, cfg: ModelConfig, rows: int, name: str, std: float
+                 ) -> nnx.Param:
+    """The embedding [rows, d_model] (or the head [d_model, rows]): the true vocabulary drawn
+    as without padding (the same values whatever the layout pads), zeros in the padding
+    (:mod:`jaxpar.model.vocab`)."""
+    axis = VOCAB_AXIS[name]
+    shape = [cfg.d_model, cfg.d_model]
+    shape[axis] = cfg.vocab_size
+    names = ("vocab", "embed") if axis == 0 else ("embed", "vocab")
+    drawn = _param(rngs, tuple(shape), names, std)
+    return nnx.Param(padded(drawn[...], rows, axis), out_sharding=names)
+
+
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """``vocab_rows``: the embedding's rows and the head's columns, ``model.vocab_size`` or more
+    (:meth:`jaxpar.config.Config.vocab_rows` pads for a layout); the padding's logits are
+    masked (:mod:`jaxpar.model.vocab`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, vocab_rows: int | None = None):
         self.cfg = cfg
-        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+        rows = cfg.vocab_size if vocab_rows is None else vocab_rows
+        self.embedding = _vocab_param(rngs, cfg, rows, "embedding", 1.0)
 
         self.layers = _stack(layer_units(cfg), lambda r: _make_unit(cfg, r), rngs)
         if dense_units(cfg):
@@ -214,8 +233,7 @@ class Transformer(nnx.Module):
             _set_local_flags(self, cfg)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
-                                  cfg.init_std)
+            self.lm_head = _vocab_param(rngs, cfg, rows, "lm_head", cfg.init_std)
 
     def __call__(self, tokens: jax.Array, positions: Positions, *, dtype=jnp.float32,
                  remat: Remat | str = "none") -> tuple[jax.Array, Aux]:
@@ -263,9 +281,10 @@ class Transformer(nnx.Module):
         return x, aux
 
     def logits(self, x: jax.Array, *, dtype=jnp.float32) -> jax.Array:
-        """The residual stream -> float32 logits [B, S, vocab] (final norm, output head, and
-        ``model.final_softcap``)."""
-        return head_logits(self.final_hidden(x), self.head(dtype), self.cfg.final_softcap)
+        """The residual stream -> float32 logits [B, S, vocab rows] (final norm, output head,
+        ``model.final_softcap``, the padded vocabulary's columns at ``-inf``)."""
+        return head_logits(self.final_hidden(x), self.head(dtype), self.cfg.final_softcap,
+                           self.cfg.vocab_size)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         """The residual stream after the final norm: what the output head multiplies."""
@@ -319,15 +338,18 @@ def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: Rem
     return x, jax.tree.map(lambda a: a.reshape(units, *a.shape[2:]), aux)
 
 
-def create_model(cfg: ModelConfig, seed: int, lora: LoraConfig | None = None) -> Transformer:
+def create_model(cfg: ModelConfig, seed: int, lora: LoraConfig | None = None, *,
+                 vocab_rows: int | None = None) -> Transformer:
     """A concrete model (call under ``jax.jit`` with ``out_shardings`` to create it sharded),
-    with ``lora``'s adapters (:mod:`jaxpar.model.lora`) when given."""
+    with ``lora``'s adapters (:mod:`jaxpar.model.lora`) when given, its vocabulary padded to
+    ``vocab_rows`` (None: unpadded; a layout's: ``Config.vocab_rows()``)."""
     with nnx.use_eager_sharding(False):
-        model = Transformer(cfg, nnx.Rngs(params=seed))
+        model = Transformer(cfg, nnx.Rngs(params=seed), vocab_rows)
         return model if lora is None else add_adapters(model, lora, seed)
 
 
-def abstract_model(cfg: ModelConfig, lora: LoraConfig | None = None) -> Transformer:
+def abstract_model(cfg: ModelConfig, lora: LoraConfig | None = None, *,
+                   vocab_rows: int | None = None) -> Transformer:
     """Shapes and metadata only; no memory is allocated."""
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: create_model(cfg, 0, lora))
+        return nnx.eval_shape(lambda: create_model(cfg, 0, lora, vocab_rows=vocab_rows))

@@ -4,9 +4,10 @@ The model names the dimensions of its parameters and activations (``embed``, ``h
 ...). :func:`logical_rules` says which mesh axes split each logical dimension: the batch over
 ``data``, ``fsdp`` and ``expert``; the sequence over ``context``; parameters' ``embed`` over
 ``fsdp`` and ``expert`` under ZeRO-3 (the routed experts' ``expert_embed`` over ``fsdp``); heads,
-MLP and vocabulary over ``tensor``; experts over ``expert``; the stacked layers over ``pipe``; and,
-with sequence parallelism, the residual stream's rows or sequence over ``tensor`` too.
-``parallel.rules`` in the config can override entries.
+MLP and vocabulary over ``tensor`` (the vocabulary padded to divide: ``Config.vocab_rows``);
+experts over ``expert``; the stacked layers over ``pipe``; and, with sequence parallelism, the
+residual stream's rows or sequence over ``tensor`` too. ``parallel.rules`` in the config can
+override entries.
 
 Rules are checked when resolved, never silently dropped: a logical name with no rule, a mesh axis
 the mesh does not have, one mesh axis used for two dimensions of one array, or a dimension that
@@ -24,7 +25,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import BATCH_AXES, Config, ConfigError
+from jaxpar.config import BATCH_AXES, VOCAB_AXES, Config, ConfigError
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -74,7 +75,8 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
         # LoRA adapters' rank (jaxpar/model/lora.py): small, never split; the adapters' other
         # axis is the adapted weight's, so they split like it.
         "lora_rank": (),
-        "vocab": ("tensor",),
+        # Config.vocab_rows pads the vocabulary for these axes (and a pipeline's stages).
+        "vocab": VOCAB_AXES,
         "experts": ("expert",),
         "layers": ("pipe",),  # the stacked layers are split into pipeline stages
         "stage": ("pipe",),

@@ -99,7 +99,7 @@ def row_batches(ds: TokenizedDataset | PackedDataset, batch_size: int, batches: 
 def load_eval_state(trainer: Trainer, path: Path) -> TrainState:
     """Checkpoint ``path``'s weights laid out for ``trainer`` (module docstring, "How")."""
     abstract, shardings = trainer.abstract_state, trainer.state_shardings
-    params = restore_params(path, abstract.params)
+    params = restore_params(path, abstract.params, vocab_size=trainer.cfg.model.vocab_size)
     # MoE router biases and window flags: small, read on the host with the weights (a
     # weights-only checkpoint has none: they start as train.init_from starts them).
     saved = read_weights(path)[1] if jax.tree.leaves(abstract.buffers) else {}

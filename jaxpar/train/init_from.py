@@ -34,7 +34,8 @@ def initial_state(trainer: Trainer, source: Path) -> TrainState:
     """The first state of a run with ``train.init_from=source`` (module docstring)."""
     cfg, lora = trainer.cfg, lora_of(trainer.cfg) is not None
     wanted = trainer.abstract_state.params
-    params = restore_params(source, base_part(wanted) if lora else wanted)
+    params = restore_params(source, base_part(wanted) if lora else wanted,
+                            vocab_size=cfg.model.vocab_size)
     abstract = trainer.abstract_state.buffers
     stored = stored_buffers(source) if jax.tree.leaves(abstract) else {}
     saved = restore_params(source, _held(abstract, stored), item="buffers") if stored else {}
@@ -60,8 +61,8 @@ def _fresh_adapters(trainer: Trainer) -> dict:
     cfg = trainer.cfg
 
     def make() -> dict:
-        _, params, _ = nnx.split(create_model(cfg.model, cfg.train.seed, lora_of(cfg)),
-                                 nnx.Param, ...)
+        _, params, _ = nnx.split(create_model(cfg.model, cfg.train.seed, lora_of(cfg),
+                                              vocab_rows=cfg.vocab_rows()), nnx.Param, ...)
         return adapter_part(stored_params(nnx.to_pure_dict(params), cfg.train.param_dtype))
 
     with jax.set_mesh(trainer.mesh):

@@ -407,7 +407,9 @@ class _Run:
     def save(self, step: int) -> None:
         """Start an asynchronous checkpoint of ``step`` (layers in model order)."""
         meta = {"step": step, "seed": self.cfg.train.seed, "skipped_steps": self.skipped,
-                "mesh": self.cfg.mesh_shape, "saved_at": time.time()}
+                "mesh": self.cfg.mesh_shape, "saved_at": time.time(),
+                # the true vocabulary (also the config's) and the rows this layout padded it to
+                "vocab_size": self.cfg.model.vocab_size, "vocab_rows": self.cfg.vocab_rows()}
         self.save_seconds.append(self.saver.save(step, self.trainer.to_model_order(self.state),
                                                  self.data.get_state(), meta))
         self.saved_step = step

@@ -128,7 +128,8 @@ def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch:
     with lora_dropout_tokens(batch.get("lora_tokens")):
         x, aux = model.run_layers(x, batch["positions"], remat=remat)
     return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
-                             batch["mask"], loss_pieces, model.cfg.final_softcap), aux
+                             batch["mask"], loss_pieces, model.cfg.final_softcap,
+                             model.cfg.vocab_size), aux
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
     """Parameters, buffers (every other variable: MoE router biases), optimizer state and the
     batch, laid out by the rules table."""
     mesh_shape, rules = cfg.mesh_shape, logical_rules(cfg)
-    model = abstract_model(cfg.model, lora_of(cfg))
+    model = abstract_model(cfg.model, lora_of(cfg), vocab_rows=cfg.vocab_rows())
     graphdef, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, ...)
     abstract_params = jax.eval_shape(partial(stored_params, param_dtype=cfg.train.param_dtype),
                                      nnx.to_pure_dict(abstract_params))
@@ -468,7 +469,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     hook cannot run fails before any trace), the loss-and-gradient function (plain, or the
     pipeline executor's), the train step.
     """
-    logical_axes = trained(cfg, param_logical_axes(abstract_model(cfg.model, lora_of(cfg))))
+    logical_axes = trained(cfg, param_logical_axes(abstract_model(
+        cfg.model, lora_of(cfg), vocab_rows=cfg.vocab_rows())))
     tx = make_optimizer(cfg.train, logical_axes, muon_specs(cfg, logical_axes))
     check_host_memory(cfg, mesh.devices.flat[0])
     sh = resolve_shardings(cfg, mesh, tx)
@@ -490,8 +492,8 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     loss_and_grads = loss_and_grads_fn(cfg, grad_fn, seq_order, grad_shardings, platform)
 
     def init() -> TrainState:
-        _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed, lora_of(cfg)),
-                                       nnx.Param, ...)
+        _, params, buffers = nnx.split(create_model(cfg.model, cfg.train.seed, lora_of(cfg),
+                                                    vocab_rows=cfg.vocab_rows()), nnx.Param, ...)
         params = stored_params(nnx.to_pure_dict(params), cfg.train.param_dtype)
         buffers = nnx.to_pure_dict(buffers)
         if layer_order is not None:

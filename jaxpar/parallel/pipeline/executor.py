@@ -61,7 +61,7 @@ __all__ = ["ByHand", "Program", "compile_program", "describe", "describe_config"
 
 
 def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *, p: int,
-                            v: int, vocab_size: int, stash_spec: PartitionSpec,
+                            v: int, vocab_rows: int, stash_spec: PartitionSpec,
                             layer_grad_specs: Any, shared_grad_specs: Any,
                             frozen: Frozen | None = None, per_layer: bool = False,
                             overlap: bool = False, stash_inputs: bool = False) -> Callable:
@@ -99,7 +99,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
             if frozen is not None:
                 frozen_layers = by_hand.gather(frozen_layers, *frozen)
             env = StageEnv.make(stages, shared, (layers, frozen_layers), consts, micro,
-                                loss_scale, aux_scale, p=p, v=v, vocab_size=vocab_size,
+                                loss_scale, aux_scale, p=p, v=v, vocab_rows=vocab_rows,
                                 train_shared=train_shared, layerwise=layerwise,
                                 split=program.wait_slots > 0, placement=program.placement,
                                 overlap=overlap, stash_inputs=stash_inputs)
@@ -220,7 +220,7 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
     stages = model_stages(graphdef, cfg, logical_axes["layers"], dtype=dtype, remat=remat,
                           platform=platform, dense_stand_in=stand_in)
     run = pipeline_loss_and_grads(program, stages, by_hand,
-                                  p=p, v=v, vocab_size=cfg.model.vocab_size,
+                                  p=p, v=v, vocab_rows=cfg.vocab_rows(),
                                   stash_spec=stash_spec, layer_grad_specs=layer_grad_specs,
                                   shared_grad_specs=shared_grad_specs, frozen=frozen,
                                   per_layer=cfg.parallel.pipeline_fsdp == "per_layer",

@@ -69,7 +69,7 @@ class StageEnv:
 
     @staticmethod
     def make(stages, shared, layers, consts, micro, loss_scale, aux_scale, *, p, v,
-             vocab_size, train_shared, layerwise=None, split=False, placement="ring",
+             vocab_rows, train_shared, layerwise=None, split=False, placement="ring",
              overlap=False, stash_inputs=False) -> StageEnv:
         """``layers``: (trained, frozen) stacked layer weights."""
         def by_chunk(tree):
@@ -81,7 +81,7 @@ class StageEnv:
         chunks = by_chunk(trained) if by_layer_fsdp else stages.prepare(by_chunk(trained))
         env = StageEnv(stages, stage, shared, chunks,
                        stages.prepare(by_chunk(frozen)), by_chunk(consts), micro,
-                       vocab_piece(vocab_size, stages.vocab_shards, p, stage), loss_scale,
+                       vocab_piece(vocab_rows, stages.vocab_shards, p, stage), loss_scale,
                        aux_scale, Residuals(), None, None, None, train_shared, layerwise,
                        placement, overlap, stash_inputs=stash_inputs)
         first = env.microbatch(jnp.int32(0))

@@ -66,6 +66,9 @@ class Stages:
     embedding_grad_pieces: int = 1  # ... the embedding's gradient over this many vocab slices
     embed_scale: float = 1.0  # embeddings times this (model.embed_scale: sqrt(d_model))
     final_softcap: float = 0.0  # model.final_softcap of the logits the loss scores
+    # model.vocab_size where the vocabulary is padded (Config.vocab_rows): the ids from it on
+    # are masked by the model's loss; None: no padding.
+    vocab_size: int | None = None
     # Chunk 0's inputs come in with the microbatches (``x0``: the embedding and the dense
     # first blocks, run before the pipeline) and their gradients go back out.
     pre_embedded: bool = False
@@ -151,9 +154,10 @@ def sum_over_stages(x: jax.Array, dtype: Any = None) -> jax.Array:
     return lax.psum(x.astype(dtype or x.dtype), PIPE_AXIS).astype(x.dtype)
 
 
-def vocab_piece(vocab_size: int, shards: int, p: int, stage: jax.Array) -> VocabPiece:
-    block = vocab_size // (shards * p)
-    ids = (jnp.arange(shards)[:, None] * (vocab_size // shards) + stage * block
+def vocab_piece(vocab_rows: int, shards: int, p: int, stage: jax.Array) -> VocabPiece:
+    """Stage ``stage``'s piece of a vocabulary of ``vocab_rows`` (padded) ids."""
+    block = vocab_rows // (shards * p)
+    ids = (jnp.arange(shards)[:, None] * (vocab_rows // shards) + stage * block
            + jnp.arange(block)[None, :]).reshape(-1)
     return VocabPiece(ids.astype(jnp.int32), stage, shards, p)
 
@@ -189,11 +193,13 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
     n = stages.loss_pieces
     if n == 1:
         loss, d_head, d_h = vocab_piece_loss(head, piece.ids, h, mb["targets"], mb["mask"],
-                                             loss_scale, PIPE_AXIS, stages.final_softcap)
+                                             loss_scale, PIPE_AXIS, stages.final_softcap,
+                                             stages.vocab_size)
     else:
         def one_piece(carry: tuple, xs: tuple) -> tuple:
             loss_i, d_head_i, d_h_i = vocab_piece_loss(head, piece.ids, *xs, loss_scale,
-                                                       PIPE_AXIS, stages.final_softcap)
+                                                       PIPE_AXIS, stages.final_softcap,
+                                                       stages.vocab_size)
             return (carry[0] + loss_i, carry[1] + d_head_i), d_h_i
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
@@ -262,6 +268,8 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
                   embedding_grad_pieces=cfg.embedding_grad_pieces(),
                   embed_scale=cfg.model.d_model ** 0.5 if cfg.model.embed_scale else 1.0,
                   final_softcap=cfg.model.final_softcap,
+                  vocab_size=(cfg.model.vocab_size if cfg.vocab_rows() > cfg.model.vocab_size
+                              else None),
                   pre_embedded=bool(pre),
                   handover_dtype=(jnp.float32 if platform in FLOAT32_STAGE_SUM_PLATFORMS
                                   else None))
