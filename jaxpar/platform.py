@@ -27,7 +27,7 @@ NO_SHARD_MAP_IN_STAGES = ("tpu",)
 NO_RAGGED_IN_STAGES = ("tpu",)
 
 # Platforms whose collectives all run synchronously, with nothing beside them (XLA:CPU in jax
-# 0.10.2): a ring of sends (parallel.expert_gather=auto) hides nothing there, and the tests'
+# 0.10.2): a ring of sends (parallel.fsdp_gather=auto) hides nothing there, and the tests'
 # compiled programs keep the one all-gather the plan also counts.
 SYNCHRONOUS_COLLECTIVE_PLATFORMS = ("cpu",)
 

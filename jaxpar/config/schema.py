@@ -367,11 +367,11 @@ class ParallelConfig:
     # Route each device's tokens through a MoE layer's experts in this many chunks, so one
     # chunk's all-to-alls can overlap another's expert matmuls (parallel/expert.py).
     expert_chunks: int = 1
-    # How a device gathers its experts' weights over fsdp (and reduce-scatters their gradient):
-    # "ring" (n - 1 ppermutes, which the compiler runs beside other matmuls), "all_gather"
-    # (one collective, synchronous on the TPU compiler), "auto": the ring but on XLA:CPU,
-    # whose collectives are all synchronous (parallel/expert.py).
-    expert_gather: Literal["auto", "ring", "all_gather"] = "auto"
+    # How FSDP gathers the weights whose gathers the TPU compiler keeps synchronous (the routed
+    # experts', and weights split over tensor too): "ring" (n - 1 ppermutes, which the compiler
+    # runs beside other matmuls), "all_gather" (one collective), "auto": the ring but on
+    # XLA:CPU, whose collectives are all synchronous (parallel/collectives.py).
+    fsdp_gather: Literal["auto", "ring", "all_gather"] = "auto"
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
 

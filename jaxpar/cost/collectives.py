@@ -16,6 +16,7 @@ docs/cost-model.md, "Collectives per step".
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from jaxpar.config import MESH_AXES, documents_masked
 from jaxpar.cost.ledger import EXPOSED, HIDDEN, CollectiveCost, Ledger, ring_hidden
@@ -28,7 +29,7 @@ from jaxpar.cost.pipeline import (
 )
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
-from jaxpar.parallel.expert import expert_gather_ring
+from jaxpar.parallel.collectives import fsdp_gather_ring
 from jaxpar.parallel.zero import ZERO1_AXES
 
 ROW_PARALLEL_MATMULS = 2  # attention output, down projection
@@ -76,16 +77,13 @@ def fsdp_collectives(c: Ledger) -> None:
     # DeepSeek's dense first blocks are a scanned stack of their own (no pipeline splits
     # it): each layer gathered before use and again for its backward pass, like `layers`
     # (docs/cost-model.md).
-    for axes, group in _by_gather_axes(dense):
-        c.add("all-gather", axes, 2 * pre_runs * dense_units(cfg.model) * len(group),
-              2 * pre_runs * sum(c.moved(p, p.gathered_bytes) for p in group),
-              "dense first blocks' weights gathered before use, and again backward",
-              _gather_ring(c, axes))
+    _gathers(c, dense, 2 * pre_runs * dense_units(cfg.model), 2 * pre_runs,
+             "dense first blocks' weights gathered before use, and again backward",
+             lambda axes: _gather_ring(c, axes))
     # Outside the layer loops nothing runs beside them: the gathers before the first layer,
     # the head's gradient reduction after the last (synchronous on the TPU compiler).
-    for axes, group in _by_gather_axes(other):
-        c.add("all-gather", axes, len(group), sum(c.moved(p, p.gathered_bytes) for p in group),
-              "embedding, lm_head and final norm gathered once per step", EXPOSED)
+    _gathers(c, other, 1, 1, "embedding, lm_head and final norm gathered once per step",
+             lambda axes: EXPOSED, outside_loops=True)
     _gradient_scatters(c, layer, dense, other)
 
 
@@ -120,35 +118,54 @@ def _layer_gathers(c: Ledger, layer: list[ParamCost]) -> None:
     too: docs/performance.md)."""
     st = c.st
     kept = [p for p in layer if not p.resharded]
-    for group, passes, what, resharded in (
-            (kept, 1 + _rematted(st), "MoE weights gathered, kept for the backward "
-             "(gathered again where remat recomputes the layer)", False),
-            ([p for p in layer if p not in kept], 2,
-             "layer weights gathered before use, and again backward", True)):
-        for axes, part in _by_gather_axes(group):
-            count = passes * c.forwards * st.layers * st.runs * len(part)
-            payload = passes * c.forwards * st.runs * sum(c.moved(p, p.gathered_bytes)
-                                                           for p in part)
-            if not resharded and _expert_ring(c, part):
-                _add_ring(c, axes, count, payload, what + ", in a ring of sends",
-                          EXPERT_GATHER_RING_HIDDEN)
-                continue
-            c.add("all-gather", axes, round(count), round(payload), what,
-                  _gather_ring(c, axes) if resharded else EXPOSED)
+    runs = c.forwards * st.runs
+    passes = 1 + _rematted(st)
+    _gathers(c, kept, passes * runs * st.layers, passes * runs,
+             "MoE weights gathered, kept for the backward (gathered again where remat "
+             "recomputes the layer)", lambda axes: EXPOSED)
+    _gathers(c, [p for p in layer if p not in kept], 2 * runs * st.layers, 2 * runs,
+             "layer weights gathered before use, and again backward",
+             lambda axes: _gather_ring(c, axes))
 
 
-# The share of the experts' ring sends (parallel.expert_gather=ring) the TPU compiler schedules
-# beside a matmul: two of each weight's three steps at fsdp=4, gathers and reduce-scatters
-# alike (Mixtral widths, fsdp=4 expert=8: docs/performance.md, where the gathers' windows turn
-# out to hold little work and the reduce-scatters' much).
+# The share of the ring sends (parallel.fsdp_gather=ring) the TPU compiler schedules beside a
+# matmul (docs/performance.md). The experts': two of each weight's three steps at fsdp=4,
+# gathers and reduce-scatters alike (Mixtral widths, fsdp=4 expert=8; the gathers' windows
+# hold little work, the reduce-scatters' much). The weights split over tensor too: one in
+# seven (Llama-3-70B widths, fsdp=16 tensor=4 with sequence parallelism).
 EXPERT_GATHER_RING_HIDDEN = EXPERT_SCATTER_RING_HIDDEN = 2 / 3
+TENSOR_SPLIT_RING_HIDDEN = 1 / 7
 
 
-def _expert_ring(c: Ledger, part: list[ParamCost]) -> bool:
-    """Whether ``part`` is the routed experts' weights, gathered in rings of sends."""
+def _in_ring(c: Ledger, p: ParamCost) -> bool:
+    """Whether ``p`` is gathered in a ring of sends: the routed experts' weights, and the
+    weights the projections gather (parallel/rules.py: activation_constrainer) that tensor
+    splits too, under parallel.fsdp_gather=ring."""
     st = c.st
-    return (all(p.expert for p in part)
-            and expert_gather_ring(st.cfg, "cpu" if st.xla_cpu else "tpu"))
+    if not fsdp_gather_ring(st.cfg, "cpu" if st.xla_cpu else "tpu"):
+        return False
+    split = {a for entry in p.spec for a in entry_axes(entry)}
+    return p.expert or (p.projected and "tensor" in split and st.mesh["tensor"] > 1)
+
+
+def _gathers(c: Ledger, group: list[ParamCost], count_each: float, times: float, what: str,
+             hidden: Callable[[tuple[str, ...]], float], outside_loops: bool = False) -> None:
+    """``group``'s gathers: ``count_each`` per parameter and step, ``times`` its gathered bytes;
+    an all-gather hidden by ``hidden(axes)``, or a ring of sends (:func:`_in_ring`)."""
+    for axes, part in _by_gather_axes(group):
+        plain = [p for p in part if not _in_ring(c, p)]
+        experts = [p for p in part if p not in plain and p.expert]
+        tensor_split = [p for p in part if p not in plain and not p.expert]
+        for members, share in ((experts, EXPERT_GATHER_RING_HIDDEN),
+                               (tensor_split, TENSOR_SPLIT_RING_HIDDEN)):
+            if members:
+                _add_ring(c, axes, count_each * len(members),
+                          times * sum(c.moved(p, p.gathered_bytes) for p in members),
+                          what + ", in a ring of sends", EXPOSED if outside_loops else share)
+        if plain:
+            c.add("all-gather", axes, round(count_each * len(plain)),
+                  round(times * sum(c.moved(p, p.gathered_bytes) for p in plain)), what,
+                  hidden(axes))
 
 
 def _add_ring(c: Ledger, axes: tuple[str, ...], count: float, payload: float, what: str,
@@ -181,7 +198,7 @@ def _gradient_scatters(c: Ledger, layer: list[ParamCost], dense: list[ParamCost]
             payload = c.reduced([p for p in part if p.trained], gathered=True,
                                 by_hand="fsdp" in c.by_hand)
             what = "gradients reduce-scattered to their shards, every micro-step"
-            if group is experts and _expert_ring(c, part):
+            if group is experts and all(_in_ring(c, p) for p in part):
                 _add_ring(c, axes, runs, payload, what + ", in a ring of sends",
                           EXPERT_SCATTER_RING_HIDDEN)
                 continue

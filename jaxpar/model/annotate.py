@@ -62,6 +62,15 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return x if fn is None else fn(x, names)
 
 
+def gather_weight(w: jax.Array, stored: Sequence[str | None], used: Sequence[str | None]
+                  ) -> jax.Array:
+    """``w`` from its stored layout to the one a matmul reads (FSDP's gather): the active
+    constrainer's ``gather`` where it has one, else a constraint to ``used``."""
+    fn = _constrain.get()
+    gather = getattr(fn, "gather", None)
+    return gather(w, stored, used) if gather is not None else constrain(w, used)
+
+
 @contextlib.contextmanager
 def _setting(var: contextvars.ContextVar, value) -> Iterator[None]:
     token = var.set(value)

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxpar.model.annotate import (
     constrain,
+    gather_weight,
     relayout,
     resharding_after_forward,
     weight_grad_dtype,
@@ -177,7 +178,7 @@ class _ProjectVJP(NamedTuple):
 
 
 def _gathered(w: jax.Array, names: tuple, dtype) -> jax.Array:
-    return constrain(w.astype(dtype), names)
+    return gather_weight(w.astype(dtype), _stored_names(names), names)
 
 
 def _used_weights(how: _ProjectVJP, ws: tuple, dtype) -> list[jax.Array]:

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpar import platform as workarounds
+from jaxpar.config import Config
+
 
 def ppermute_in_order(arrays: Sequence[jax.Array], axis: str,
                       perms: Sequence[Sequence[tuple[int, int]]]) -> list[jax.Array]:
@@ -32,6 +35,15 @@ def ppermute_in_order(arrays: Sequence[jax.Array], axis: str,
             x, _ = lax.optimization_barrier((x, received[-1]))
         received.append(lax.ppermute(x, axis, list(perm)))
     return received
+
+
+def fsdp_gather_ring(cfg: Config, platform: str) -> bool:
+    """Whether FSDP's gathers that the compiler keeps synchronous (the routed experts', and
+    weights split over ``tensor`` too) run as rings of sends (``parallel.fsdp_gather``;
+    ``auto``: off :data:`jaxpar.platform.SYNCHRONOUS_COLLECTIVE_PLATFORMS`)."""
+    how = cfg.parallel.fsdp_gather
+    return how == "ring" or (how == "auto"
+                             and platform not in workarounds.SYNCHRONOUS_COLLECTIVE_PLATFORMS)
 
 
 def _ring(axes: tuple[str, ...]) -> tuple[int, list[tuple[int, int]]]:

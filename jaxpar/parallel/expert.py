@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import platform as workarounds
-from jaxpar.config import BATCH_AXES, Config, ConfigError
+from jaxpar.config import BATCH_AXES, ConfigError
 from jaxpar.model.annotate import Experts
 from jaxpar.model.moe import (
     Weights,
@@ -148,7 +148,7 @@ class _Used(NamedTuple):
     dtype: Any  # the compute dtype
     sum_dtype: Any  # the gradient sums' (summed_grad_dtype)
     stored_dtype: Any
-    ring: bool = False  # gather and reduce-scatter as rings of ppermutes (expert_gather)
+    ring: bool = False  # gather and reduce-scatter as rings of ppermutes (fsdp_gather)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -264,14 +264,6 @@ def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: j
     return jnp.concatenate([p[0] for p in parts]), stats
 
 
-def expert_gather_ring(cfg: Config, platform: str) -> bool:
-    """Whether the experts' weights are gathered in rings of sends (``parallel.expert_gather``;
-    ``auto``: off :data:`jaxpar.platform.SYNCHRONOUS_COLLECTIVE_PLATFORMS`)."""
-    how = cfg.parallel.expert_gather
-    return how == "ring" or (how == "auto"
-                             and platform not in workarounds.SYNCHRONOUS_COLLECTIVE_PLATFORMS)
-
-
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     platform: str = "cpu", ragged: bool | None = None,
                     hand_groups: int = 1, chunks: int = 1, ring: bool = False) -> Experts:
@@ -287,7 +279,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
       the tokens and experts are the device's own, and no ``shard_map`` opens unless ``tensor``
       splits the experts.
     - ``chunks`` > 1 (``parallel.expert_chunks``): :func:`_dispatch_in_chunks`.
-    - ``ring`` (``parallel.expert_gather``): the weights' gather and their gradient's
+    - ``ring`` (``parallel.fsdp_gather``): the weights' gather and their gradient's
       reduce-scatter as rings of sends.
     """
     lay = _layout(mesh_shape, rules, hand_groups)

@@ -40,8 +40,9 @@ from jaxpar.model.annotate import (
     weight_grads_in,
 )
 from jaxpar.model.fused import attention_fn, resolve
+from jaxpar.parallel.collectives import fsdp_gather_ring
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
-from jaxpar.parallel.expert import expert_gather_ring, expert_parallel
+from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 from jaxpar.parallel.ulysses import local_ulysses_attention, ulysses_attention
 from jaxpar.parallel.zero import token_shard_sum
@@ -73,7 +74,7 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     hand_groups = by_hand.get("expert", 1)
     experts = (expert_parallel(mesh_shape, rules, platform=platform, hand_groups=hand_groups,
                                chunks=cfg.parallel.expert_chunks,
-                               ring=expert_gather_ring(cfg, platform))
+                               ring=fsdp_gather_ring(cfg, platform))
                if cfg.model.moe.enabled and (split_axes or hand_groups > 1) else None)
     if in_stage and platform in workarounds.NO_SHARD_MAP_IN_STAGES:
         _refuse_nested_shard_maps(cfg, split_axes if experts else [], mesh_shape)
@@ -85,7 +86,8 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
                           f"fails on the ragged all-to-all inside a pipeline stage; use "
                           f"model.moe.dispatch=dropping there (or mesh.pipe=1)")
     stack = contextlib.ExitStack()
-    stack.enter_context(activation_sharding(activation_constrainer(rules, mesh_shape)))
+    stack.enter_context(activation_sharding(activation_constrainer(
+        rules, mesh_shape, ring=fsdp_gather_ring(cfg, platform))))
     stack.enter_context(use_attention(attention))
     stack.enter_context(use_experts(experts))
     # (A pipeline stage's loss sums its head gradient itself: no shard_map nested there.)

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import BATCH_AXES, VOCAB_AXES, Config, ConfigError
+from jaxpar.parallel.collectives import ring_all_gather
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -200,11 +201,40 @@ def named_shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def activation_constrainer(rules: Rules, mesh_shape: Mapping[str, int]):
-    """The function :func:`jaxpar.model.annotate.constrain` applies inside the train step."""
+def activation_constrainer(rules: Rules, mesh_shape: Mapping[str, int], ring: bool = False):
+    """The function :func:`jaxpar.model.annotate.constrain` applies inside the train step, with
+    the ``gather`` :func:`jaxpar.model.annotate.gather_weight` applies to weights (FSDP's gather:
+    in a ring of sends where ``ring`` and the weight is split over ``tensor`` too)."""
 
     def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         spec = resolve_spec(f"activation {tuple(names)}", names, x.shape, rules, mesh_shape)
         return jax.lax.with_sharding_constraint(x, spec)
 
+    def gather(w: jax.Array, stored: Sequence[str | None], used: Sequence[str | None]
+               ) -> jax.Array:
+        src = _axes_per_dim(resolve_spec("weight", stored, w.shape, rules, mesh_shape), w.ndim)
+        dst = _axes_per_dim(resolve_spec("weight", used, w.shape, rules, mesh_shape), w.ndim)
+        moved = [(d, tuple(a for a in s if a not in t))
+                 for d, (s, t) in enumerate(zip(src, dst, strict=True)) if s != t]
+        # The TPU compiler makes the other gathers collective matmuls (jaxpar/platform.py); it
+        # keeps the gather of a weight split over tensor too synchronous.
+        if not (ring and len(moved) == 1 and moved[0][1] and "tensor" in sum(src, ())
+                and not set(dst[moved[0][0]]) & set(src[moved[0][0]])):
+            return jax.lax.with_sharding_constraint(w, _spec(dst))
+        dim, axes = moved[0]
+        return jax.shard_map(lambda a: ring_all_gather(a, axes, dim), in_specs=_spec(src),
+                             out_specs=_spec(dst), axis_names=frozenset(sum(src, ())),
+                             check_vma=False)(w)
+
+    constrain.gather = gather
     return constrain
+
+
+def _axes_per_dim(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
+    """A spec's mesh axes per dimension, ``ndim`` of them."""
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    return entries + [()] * (ndim - len(entries))
+
+
+def _spec(axes: list[tuple[str, ...]]) -> PartitionSpec:
+    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in axes))

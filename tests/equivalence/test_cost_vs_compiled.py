@@ -46,6 +46,19 @@ LAYOUTS = {
     "data=2,fsdp=2,tensor=2": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
                                {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
                                 ("all-reduce", ("data",)), ("all-reduce", ("tensor",))}),
+    # parallel.fsdp_gather=ring: the weights split over tensor too gathered in rings of sends
+    # over fsdp (the norm scales, lm_head and the gradients as before).
+    "fsdp=4,tensor=2,ring": (["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2",
+                              "parallel.fsdp_gather=ring"],
+                             {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)),
+                              ("collective-permute", ("fsdp",)), ("all-reduce", ("tensor",))}),
+    # ... and the routed experts' weights over fsdp, the others over fsdp x expert.
+    "moe,fsdp=2,expert=2,tensor=2,ring": (
+        [*MOE, "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2",
+         "parallel.fsdp_gather=ring"],
+        {("all-gather", ("fsdp", "expert")), ("reduce-scatter", ("fsdp", "expert")),
+         ("collective-permute", ("fsdp",)), ("collective-permute", ("fsdp", "expert")),
+         ("all-to-all", ("expert",)), ("all-reduce", ("tensor",))}),
     # Gemma's block (post-norms, GeGLU, q/k norms, scaled embeddings and queries, capped
     # logits): nothing more to gather or reduce than the norm scales.
     "data=2,fsdp=2,tensor=2,gemma": (

@@ -343,6 +343,9 @@ LAYOUTS = {
     # Each device's tokens in two chunks, each dispatched and combined on its own.
     "expert=4,chunks=2": ("mesh.data=1", "mesh.expert=4", "parallel.expert_chunks=2"),
     "data=2,expert=2,tensor=2": ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"),
+    # The experts' weights, and the others (split over tensor too), gathered in rings of sends.
+    "fsdp=2,expert=2,tensor=2,ring": ("mesh.data=1", "mesh.fsdp=2", "mesh.expert=2",
+                                      "mesh.tensor=2", "parallel.fsdp_gather=ring"),
     "data=2,expert=2,context=2": ("mesh.data=2", "mesh.expert=2", "mesh.context=2"),
     # Dropping with capacity_factor 2 = X/k: C = T, nothing can drop, so it computes the same
     # function as the dropless reference.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from helpers import assert_grads_and_params_match, run_layout
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -59,3 +60,28 @@ def test_ring_sends_one_nth_of_the_array_per_step():
     ops = parse_collectives(text, {"data": 2, "fsdp": 2, "other": 2})
     # One send of a [4, 16] float32 block (the loop of n - 1 = 1 step).
     assert [(c.kind, c.axes, c.bytes) for c in ops] == [("collective-permute", ("fsdp",), 256)]
+
+
+# --------------------------------------------------------------------------------------------
+# parallel.fsdp_gather=ring in a train step: the weights split over tensor too gathered in rings
+
+RING = ("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "parallel.fsdp_gather=ring")
+
+
+def test_ring_gathered_weights_give_the_single_device_loss_and_gradients():
+    got, ref = run_layout(RING), run_layout(("mesh.data=1",))
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert_grads_and_params_match(got, ref)
+
+
+def test_ring_gathers_are_sends_over_fsdp_where_all_gathers_were():
+    ring = run_layout(RING)["collectives"]
+    plain = run_layout(RING[:-1] + ("parallel.fsdp_gather=all_gather",))["collectives"]
+    sends = [c for c in ring if c.kind == "collective-permute" and c.axes == ("fsdp",)]
+    gathered = sum(c.bytes * c.executions for c in plain
+                   if c.kind == "all-gather" and c.axes == ("fsdp",))
+    left = sum(c.bytes * c.executions for c in ring
+               if c.kind == "all-gather" and c.axes == ("fsdp",))
+    sent = sum(c.bytes * c.executions for c in sends)
+    # Each gather of n = 4 becomes 3 sends of a quarter: 3/4 of the bytes, as a ring sends.
+    assert sends and sent == pytest.approx(0.75 * (gathered - left), rel=0.01)

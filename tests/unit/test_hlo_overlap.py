@@ -12,7 +12,12 @@ from jaxpar.inspect.dump import dump_report
 from jaxpar.inspect.hlo.collectives import parse_collectives, summarize_collectives
 from jaxpar.inspect.hlo.flops import dot_flops
 from jaxpar.inspect.hlo.megascale import dcn_collectives
-from jaxpar.inspect.hlo.overlap import add_overlap, collective_windows, overlap_totals
+from jaxpar.inspect.hlo.overlap import (
+    add_overlap,
+    collective_windows,
+    exposed_by_time,
+    overlap_totals,
+)
 from jaxpar.inspect.report import print_dump
 
 MESH = {"data": 2, "tensor": 4}
@@ -85,6 +90,23 @@ def test_all_gather_with_a_matmul_fusion_between_start_and_done_is_hidden():
     assert row["bytes"] == 64 * 128 * 2
     assert (row["hidden_bytes"], row["exposed_bytes"], row["hidden_count"]) == (row["bytes"], 0, 1)
     assert row["window_matmul_flops"] == MATMUL_FLOPS
+
+
+@pytest.mark.parametrize("window_seconds, exposed_share", [(1.0, 0.0), (0.5, 0.5), (4.0, 0.0)])
+def test_time_weighting_hides_the_share_of_the_transfer_the_window_matmuls_take(
+        window_seconds, exposed_share):
+    text = all_gather(MATMUL)
+    (c,) = parse_collectives(text, MESH)
+    # The transfer takes one second at this bandwidth; the matmul window_seconds at this peak.
+    out = exposed_by_time([c], text, peak_flops=MATMUL_FLOPS / window_seconds,
+                          link_bytes_per_s=c.wire_bytes)
+    assert out == {("all-gather", ("tensor",), ""): pytest.approx(exposed_share * c.bytes)}
+
+
+def test_time_weighting_leaves_a_window_without_matmuls_exposed():
+    text = all_gather(ELEMENTWISE)
+    (c,) = parse_collectives(text, MESH)
+    assert exposed_by_time([c], text, 1.0, 1.0) == {("all-gather", ("tensor",), ""): c.bytes}
 
 
 def test_all_gather_with_only_elementwise_fusions_between_is_exposed():

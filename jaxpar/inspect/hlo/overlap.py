@@ -263,3 +263,24 @@ def overlap_totals(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     hidden = sum(row.get("hidden_bytes", 0) for row in rows)
     return {"bytes": total, "hidden_bytes": hidden, "exposed_bytes": total - hidden,
             "hidden_fraction": hidden / total if total else None}
+
+
+def exposed_by_time(collectives: Sequence[Collective], hlo_text: str, peak_flops: float,
+                    link_bytes_per_s: float) -> dict[tuple, float]:
+    """Exposed bytes per row key, per step, with each hidden window weighted by time.
+
+    The rule above counts a collective hidden if any matmul runs beside it, however small.
+    Here a window hides the share of the transfer (``wire_bytes`` at ``link_bytes_per_s``)
+    that its matmuls take at ``peak_flops``, at most all of it: a 1 MFLOP matmul beside a
+    100 MiB send hides almost none of it. Still an estimate: peak flops, one link per axis.
+    """
+    schedule = read_schedule(hlo_text)
+    out: dict[tuple, float] = {}
+    for c in collectives:
+        window = schedule.windows.get(c.name.partition("[")[0])
+        hidden = 0.0
+        if window is not None and window.hidden and c.wire_bytes:
+            hidden = min(1.0, window.flops / peak_flops / (c.wire_bytes / link_bytes_per_s))
+        key = _row_key(c.kind, c.axes, c.network)
+        out[key] = out.get(key, 0.0) + c.bytes * c.executions * (1 - hidden)
+    return out
