@@ -26,10 +26,12 @@ NO_SHARD_MAP_IN_STAGES = ("tpu",)
 # "MaskAggregatorBlock" lowering; libtpu 0.0.48 compiles it. The capacity dispatch compiles.
 NO_RAGGED_IN_STAGES = ("tpu",)
 
-# Platforms whose collectives all run synchronously, with nothing beside them (XLA:CPU in jax
-# 0.10.2): a ring of sends (parallel.fsdp_gather=auto) hides nothing there, and the tests'
-# compiled programs keep the one all-gather the plan also counts.
-SYNCHRONOUS_COLLECTIVE_PLATFORMS = ("cpu",)
+# Platforms whose compiler keeps FSDP's gathers of some weights synchronous, where a ring of
+# sends lets the scheduler overlap them (parallel.fsdp_gather=auto picks the ring there): the
+# routed experts' gathers inside their shard_map, and those of weights split over tensor too,
+# which libtpu 0.0.52's collective matmul does not decompose. XLA:CPU runs every collective
+# synchronously (nothing to gain); GPUs are unmeasured.
+RING_GATHER_PLATFORMS = ("tpu",)
 
 # Platforms without a ragged all-to-all: the dropless dispatch sends padded blocks there
 # (parallel/expert.py). XLA:CPU in jax 0.10.2: "UNIMPLEMENTED".

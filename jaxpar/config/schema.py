@@ -369,8 +369,8 @@ class ParallelConfig:
     expert_chunks: int = 1
     # How FSDP gathers the weights whose gathers the TPU compiler keeps synchronous (the routed
     # experts', and weights split over tensor too): "ring" (n - 1 ppermutes, which the compiler
-    # runs beside other matmuls), "all_gather" (one collective), "auto": the ring but on
-    # XLA:CPU, whose collectives are all synchronous (parallel/collectives.py).
+    # runs beside other matmuls), "all_gather" (one collective), "auto": the ring on TPU
+    # (jaxpar/platform.py: RING_GATHER_PLATFORMS; parallel/collectives.py).
     fsdp_gather: Literal["auto", "ring", "all_gather"] = "auto"
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)

@@ -142,7 +142,7 @@ def _in_ring(c: Ledger, p: ParamCost) -> bool:
     weights the projections gather (parallel/rules.py: activation_constrainer) that tensor
     splits too, under parallel.fsdp_gather=ring."""
     st = c.st
-    if not fsdp_gather_ring(st.cfg, "cpu" if st.xla_cpu else "tpu"):
+    if not fsdp_gather_ring(st.cfg, st.platform):
         return False
     split = {a for entry in p.spec for a in entry_axes(entry)}
     return p.expert or (p.projected and "tensor" in split and st.mesh["tensor"] > 1)

@@ -40,10 +40,10 @@ def ppermute_in_order(arrays: Sequence[jax.Array], axis: str,
 def fsdp_gather_ring(cfg: Config, platform: str) -> bool:
     """Whether FSDP's gathers that the compiler keeps synchronous (the routed experts', and
     weights split over ``tensor`` too) run as rings of sends (``parallel.fsdp_gather``;
-    ``auto``: off :data:`jaxpar.platform.SYNCHRONOUS_COLLECTIVE_PLATFORMS`)."""
+    ``auto``: on :data:`jaxpar.platform.RING_GATHER_PLATFORMS`)."""
     how = cfg.parallel.fsdp_gather
     return how == "ring" or (how == "auto"
-                             and platform not in workarounds.SYNCHRONOUS_COLLECTIVE_PLATFORMS)
+                             and platform in workarounds.RING_GATHER_PLATFORMS)
 
 
 def _ring(axes: tuple[str, ...]) -> tuple[int, list[tuple[int, int]]]:
