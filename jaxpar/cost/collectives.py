@@ -101,9 +101,9 @@ def _gather_ring(c: Ledger, axes: tuple[str, ...]) -> float:
 
 
 def _layer_gathers(c: Ledger, layer: list[ParamCost]) -> None:
-    """Outside a pipeline: each layer's weights gathered forward and again backward (see
-    docs/cost-model.md, "fsdp"). The experts' gathers sit inside their shard_map, which no collective
-    matmul decomposes: synchronous."""
+    """Outside a pipeline: each layer's weights gathered forward and again backward
+    (docs/cost-model.md, "fsdp"). The experts' gathers sit inside their shard_map, which no
+    collective matmul decomposes: synchronous."""
     st = c.st
     kept = [p for p in layer if not p.resharded]
     runs = c.forwards * st.runs
