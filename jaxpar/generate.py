@@ -1,22 +1,9 @@
 """Text generation: prefill the prompts, then decode one token at a time with a KV cache.
 
-The prompts are right-padded to one length S and run through the model once (*prefill*),
-writing each layer's keys and values into a cache of L = S + max_tokens slots
-(:mod:`jaxpar.model.kv_cache`). Each *decode step* then feeds every row's newest token at its
-own position, writes its K/V and attends over the slots up to it, so a short prompt's padding
-is never visible. A row stops at an end-of-text id (``eos_id``), the loop when every row has
-stopped or made ``max_tokens``.
-
 The model is the training model, run as it is: the cache enters through the attention hook
-(:func:`jaxpar.model.annotate.use_attention`), one slice per scanned unit of layers
-(:class:`~jaxpar.model.kv_cache.UnitCache`). Prefill compiles once per (B, S, L) and the decode
-step once per (B, L), with S and L rounded up to :data:`LENGTH_BUCKET` multiples, so the Python
-loop that prints each token reuses one executable. :class:`Sampling` draws with a key per row
-and step, so the same seed gives the same tokens on any mesh. On a mesh (``data``, ``fsdp``,
-``tensor``) the layout is training's (:func:`jaxpar.parallel.hooks.model_hooks`), without
-sequence parallelism: one new token cannot be split over ``tensor``.
-
-How it works, memory and compiles: docs/generation.md, "How it works".
+(:func:`jaxpar.model.annotate.use_attention`), one slice per scanned unit of layers. Prefill
+compiles once per (B, S, L) and the decode step once per (B, L), lengths rounded up to
+:data:`LENGTH_BUCKET`. How it works, memory and compiles: docs/generation.md, "How it works".
 """
 
 from __future__ import annotations

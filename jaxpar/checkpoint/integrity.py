@@ -1,22 +1,10 @@
 """Checksums of a checkpoint's arrays: recorded at save, verified after every restore.
 
-Orbax keeps no checksum of the values it writes, so bytes flipped inside a data file mostly
-decode to other numbers: the run would resume from damaged parameters and die at a NaN loss
-steps later. Here each array of the saved :class:`~jaxpar.train.step.TrainState` gets a 32-bit
-checksum in the checkpoint's ``checksums`` item, and a restore recomputes it and compares.
-
-The checksum is of the array's *values at their global positions*, so it does not depend on
-how the array is sharded::
-
-    checksum(x) = sum over every element e of  mix(bits(e) XOR spread(flat index of e))  mod 2**32
-
-A sum modulo 2**32 is exact in any order: each device sums its own shard, and a checkpoint
-saved under one mesh and process count verifies bit for bit under any other. It runs as one
-jitted function on the devices that hold the state; orbax's background thread writes the
-results with the arrays (:class:`ChecksumHandler`), as atomically as the checkpoint.
-
-Why this sum and not a hash of orbax's files, its price, and several processes:
-docs/checkpoints.md, "Integrity".
+Orbax keeps no checksum of the values it writes, so flipped bytes would resume a run from
+damaged parameters. Each array gets a 32-bit sum mod 2**32 of its values mixed with their
+global positions, so it does not depend on the sharding: a checkpoint verifies bit for bit
+under any mesh. Why this sum, its price, and several processes: docs/checkpoints.md,
+"Integrity".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Checkpoints: orbax saves of a run, resume, restore onto another mesh, and export.
 
-A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, with the items
-``state`` (the :class:`~jaxpar.train.step.TrainState`, its stacked layers in model order),
-``data`` (the data iterator's position), ``config``, ``meta`` (step, seed, skipped updates, the
-mesh) and ``checksums`` (:mod:`jaxpar.checkpoint.integrity`). The seed and the data position
-are the whole random state of a run, so these items resume it exactly.
-
-Orbax does the hard parts. :meth:`Saver.save` returns once the arrays are in host memory, and a
-background thread writes them to a temporary directory, renamed when complete: a killed
-process leaves the previous checkpoint intact. Restores read each array straight into the
-shardings of the target state, so a checkpoint loads under any mesh of the same model. Damage
-(a checksum, or a file orbax cannot decode) is one line (:class:`DamagedCheckpointError`);
-:func:`resume` then falls back to the newest intact checkpoint under ``train.resume=auto``.
-With several processes, all meet at a barrier before the rename, and :func:`find_checkpoint`
-checks that they all chose the same checkpoint.
-
-What a checkpoint holds and how each failure is handled: docs/checkpoints.md.
+A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, whose items
+(state, data position, config, meta, checksums) resume a run exactly. Restores read each array
+straight into the target state's shardings, so any mesh of the same model loads it. What a
+checkpoint holds and how each failure is handled: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The collectives of one train step, per device: one function per parallelism, as ``parallel/``.
 
-Each function adds the communication its mesh axis causes to a :class:`Ledger`, in the order
-:func:`collectives` calls them: ZeRO-3/FSDP, data (and ZeRO-1), context, expert, tensor, and the
-pipeline (:mod:`jaxpar.cost.pipeline`). Counts are per step, as
-:func:`jaxpar.inspect.hlo.collectives.summarize_collectives` counts them, so the two compare.
-
-``bytes`` is the logical payload per device (all-gather: the gathered result, reduce-scatter:
-the unscattered input). ``wire_bytes`` is what a ring sends over an axis of N devices:
-all-reduce 2(N-1)/N of it, all-gather and reduce-scatter (N-1)/N, collective-permute all of it.
-
-Each axis's formulas, the compiler differences they count and the dtypes things travel in:
-docs/cost-model.md, "Collectives per step".
+Counts are per step, as :func:`jaxpar.inspect.hlo.collectives.summarize_collectives` counts
+them, so the two compare. Each axis's formulas, ``bytes`` against ``wire_bytes``, and the
+dtypes: docs/cost-model.md, "Collectives per step".
 """
 
 from __future__ import annotations
@@ -102,20 +94,16 @@ def _ring(c: Ledger, axes: tuple[str, ...]) -> float:
 
 
 def _gather_ring(c: Ledger, axes: tuple[str, ...]) -> float:
-    """In the layer loops the compiler makes each gather a collective matmul
-    (jaxpar.mesh.TPU_COMPILER_OPTIONS): hidden but for its ring's last step. Not the gathers
-    of weights split over tensor too: those stay synchronous (MaxText's as well; measured at
-    Llama-3-70B widths, fsdp=16 tensor=4, docs/performance.md)."""
+    """In the layer loops each gather is a collective matmul, hidden but for its ring's last
+    step; not those of weights split over tensor too (docs/cost-model.md, "Time on a hardware
+    profile")."""
     return _ring(c, axes) if c.st.mesh["tensor"] == 1 else EXPOSED
 
 
 def _layer_gathers(c: Ledger, layer: list[ParamCost]) -> None:
-    """Outside a pipeline: each layer's weights gathered in its forward pass and again in its
-    backward pass (reshard after forward), except what remat=none keeps (the router and the
-    experts, which do not go through projection.project_all); a layer that remat recomputes
-    gathers those again too. The experts' gathers are written inside their shard_map
-    (parallel/expert.py), which no collective matmul decomposes: synchronous (and MaxText's
-    too: docs/performance.md)."""
+    """Outside a pipeline: each layer's weights gathered forward and again backward
+    (docs/cost-model.md, "fsdp"). The experts' gathers sit inside their shard_map, which no
+    collective matmul decomposes: synchronous."""
     st = c.st
     kept = [p for p in layer if not p.resharded]
     runs = c.forwards * st.runs
@@ -179,12 +167,8 @@ def _add_ring(c: Ledger, axes: tuple[str, ...], count: float, payload: float, wh
 
 def _gradient_scatters(c: Ledger, layer: list[ParamCost], dense: list[ParamCost],
                        other: list[ParamCost]) -> None:
-    """Gradients reduce-scattered to their shards, every micro-step. The embedding's gradient
-    is a matmul (of the one-hot tokens) too, and a collective matmul like the layers';
-    lm_head's reduction waits for the loss's backward, with nothing beside. The experts'
-    reduce-scatters, their gathers' transposes, are synchronous as those are.
-    (parallel.pipeline_fsdp=per_layer: the layers' were reduce-scattered in the slots, by
-    per_layer_fsdp_collectives.)"""
+    """Gradients reduce-scattered to their shards, every micro-step; the embedding's is a
+    collective matmul like the layers', lm_head's and the experts' are synchronous."""
     st = c.st
     stacks = ([] if per_layer_fsdp(st) else layer) + dense
     experts = [p for p in stacks if p.expert]
@@ -207,8 +191,7 @@ def _gradient_scatters(c: Ledger, layer: list[ParamCost], dense: list[ParamCost]
 
 def data_collectives(c: Ledger) -> None:
     """Data (and context, and expert outside the experts) parallelism: gradients summed over
-    the replicas, every micro-step; ZeRO-1 then gathers the parameters each device updated for
-    its slice of the moments."""
+    the replicas, every micro-step; then ZeRO-1's gather of the updated parameters."""
     st, cfg = c.st, c.st.cfg
     # Parameters are replicated over data, expert and context (and fsdp under ZeRO-1), except
     # the routed experts' weights, which are split over expert: one all-reduce per set of axes
@@ -265,10 +248,8 @@ def data_collectives(c: Ledger) -> None:
 
 def zero1_scatter_axes(c: Ledger, axes: tuple[str, ...], group: list[ParamCost]
                        ) -> tuple[str, ...]:
-    """The axes over which ZeRO-1 reduce-scatters ``group``'s gradients: outside a pipeline
-    the step lays gradients out like Adam's moments (train/step.py), so the sum over the
-    ZeRO-1 axes ends in the slices each device updates; the rest of ``axes`` (context, expert)
-    stays an all-reduce."""
+    """The axes over which ZeRO-1 reduce-scatters ``group``'s gradients; the rest of ``axes``
+    (context, expert) stays an all-reduce."""
     if c.st.cfg.parallel.zero != 1 or c.st.pipeline is not None:
         return ()
     if not all(p.moment_bytes_per_device < p.bytes_per_device for p in group):
@@ -312,12 +293,7 @@ def context_collectives(c: Ledger) -> None:
 
 
 def _ulysses_collectives(c: Ledger) -> None:
-    """Ulysses' all-to-alls in groups of u (all of ``context``, or the hybrid's inner
-    factor): q, k, v to the head split and the output back, each moving the device's
-    b x S/c tokens of H/t (q, out) or K'/t (k, v) heads; their transposes backward (dO; dQ, dK,
-    dV), and the forward four again where remat recomputes attention. The masks' int32 arrays
-    are gathered over the group: XLA hoists them out of the layer loop (loop-invariant), so
-    once per forward run of the step."""
+    """Ulysses' all-to-alls in groups of u (docs/cost-model.md, "context")."""
     st = c.st
     u, d = st.ulysses_group, st.cfg.model.resolved_head_dim
     heads = 2 * (st.cfg.model.n_heads // st.t) + 2 * st.exchanged_kv_heads
@@ -367,13 +343,9 @@ def expert_collectives(c: Ledger) -> None:
 
 
 def _tensor_counts(c: Ledger) -> tuple[int, int, int]:
-    """Per step, over all layers: row-parallel outputs forward (attention and MLP, or the
-    experts' summed outputs and the shared experts'), column-parallel input gradients backward
-    (a MoE layer's tokens enter its experts once: one reduction, see jaxpar.parallel.expert),
-    and the runs of the embedding and of the head (under a pipeline every stage runs its
-    vocabulary piece of the embedding in every step with a forward slot, of the head in every
-    step with the head; divided here by the forward multiplicity, which ``add_act`` multiplies
-    back)."""
+    """Per step, over all layers: tensor's reductions (docs/cost-model.md, "tensor without").
+    A pipeline's embedding and head runs are divided here by the forward multiplicity, which
+    ``add_act`` multiplies back."""
     st, m = c.st, c.st.cfg.model
     n_layers, n_moe = st.layers, st.moe_layers
     shared = 1 if m.moe.num_shared_experts else 0
@@ -404,23 +376,15 @@ def _row_outputs(st: StepSizes) -> int:
 
 
 def _input_gathers(st: StepSizes) -> int:
-    """Megatron-SP's gathers of the column-parallel matmuls' inputs in a forward of the stage's
-    layers, one microbatch: one per input, whatever the matmuls reading it (attention's and
-    the MLP's; a MoE layer's experts read their own token copies)."""
+    """Megatron-SP's input gathers in a forward of the stage's layers, one microbatch: one per
+    input, whatever the matmuls reading it."""
     shared = 1 if st.cfg.model.moe.num_shared_experts else 0
     return (st.layers - st.moe_layers) * 2 + st.moe_layers * (1 + shared)
 
 
 def rerun_collectives(c: Ledger) -> None:
-    """``parallel.pipeline_stash=inputs``: every backward slot (masked ones too) runs its
-    chunk's forward again before its backward (:mod:`jaxpar.parallel.pipeline.recompute`), so
-    the forward's collectives inside the stage's layers run once more per backward slot:
-    tensor's row-parallel reductions (or, under sequence parallelism, the input gathers and
-    output scatters), the context ring's K and V blocks or gathers, the MoE dispatch and
-    combine. (The embedding and head are not in a chunk; ``per_layer`` FSDP gathers:
-    :func:`~jaxpar.cost.pipeline.per_layer_fsdp_collectives`.) Measured on tiny, ``pipe=2
-    fsdp=2 tensor=2`` with SP under ``remat`` none and full: the tensor gathers and scatters
-    grow by one forward's per backward slot, as here."""
+    """``parallel.pipeline_stash=inputs``: the stage layers' forward collectives once more per
+    backward slot (docs/pipelines.md, "Each chunk's input alone")."""
     st = c.st
     if not st.stashes_inputs:
         return
@@ -465,19 +429,15 @@ def _rematted(st: StepSizes) -> float:
 def _attention_again(st: StepSizes) -> float:
     """The share of the layers whose backward pass recomputes attention's output, and so
     reduces it again: remat=full, and remat=dots (or offload_dots) in a pipeline stage, whose
-    matmuls' custom VJP (``projection._matmul``) the dots policy does not save (measured:
-    Llama-3-8B widths, pipe=4 x fsdp=4 x tensor=4). remat=attention keeps the attention
-    branch's output."""
+    matmuls' custom VJP the dots policy does not save."""
     remat = st.cfg.train.remat
     again = remat == "full" or (remat in ("dots", "offload_dots") and st.pipeline is not None)
     return _rematted(st) if again else 0.0
 
 
 def _input_regathers(c: Ledger) -> int:
-    """Megatron-SP's all-gathers of the column-parallel matmuls' inputs again in the backward
-    pass, per step: the remat policies recompute the attention and MLP inputs (2 per layer);
-    without remat ``project_all`` keeps each input's slice and gathers it again (a pipeline
-    stage's prepared weights skip that VJP, and keep the gathered input)."""
+    """Megatron-SP's input all-gathers again in the backward pass, per step (docs/cost-model.md,
+    "tensor with sequence parallelism")."""
     st = c.st
     rematted = 2 * st.layers * st.runs
     if st.cfg.train.remat == "attention":

@@ -1,19 +1,9 @@
 """The memory of one train step, per device: state, gradients, saved activations, scratch.
 
-Parameters, gradients and optimizer state follow the rules table and ZeRO level. Saved
-activations are counted per layer and micro-batch, per remat policy, from the tensors the
-layers' custom VJPs and autodiff keep (``r = A/t`` under sequence parallelism, else ``A``).
-The working set is one layer's ``remat=none`` set, the head's float32 logits, and under FSDP
-one layer gathered at a time. Where the compilers hold different things (XLA:CPU against
-GPU/TPU), the plan counts each for the hardware it plans for.
-
-Peak = parameters + optimizer state + batch + the largest of: gradients + activations + stash
-+ weight copies + the working set; a pipeline's sums + stash + its vocabulary before the
-loops; gradients + the optimizer update's temporaries.
-
-Each term, policy by policy: docs/cost-model.md, "Memory per device". A pipeline stage's:
-docs/pipelines.md, "Memory of a stage". The plan against the TPU compiler's peaks:
-docs/performance.md, "The plan against the TPU compiler".
+Where the compilers hold different things (XLA:CPU against GPU/TPU), the plan counts each for
+the hardware it plans for. Each term: docs/cost-model.md, "Memory per device"; XLA:CPU's:
+docs/cost-model.md, "XLA:CPU's terms"; a pipeline stage's: docs/pipelines.md, "Memory of a
+stage".
 """
 
 from __future__ import annotations
@@ -92,12 +82,8 @@ class MemoryCost:
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
-    """Bytes a MoE layer's feed-forward part saves, one micro-batch (in place of the SwiGLU's):
-    router logits, probabilities and one-hot choices (float32); the k copies of each token and
-    their outputs; the rows sent, received and returned ([expert_rows, E]); the experts' three
-    hidden-sized tensors per row (gate, up, product); the shared experts like a SwiGLU.
-    ``dots`` keeps only the router logits and the shared experts' matmul outputs: the routed
-    experts' ragged or batched dots are recomputed, with their all-to-alls."""
+    """Bytes a MoE layer's feed-forward part saves, one micro-batch, in place of the SwiGLU's.
+    ``dots`` recomputes the routed experts' dots, with their all-to-alls."""
     m, moe, a, t = st.cfg.model, st.cfg.model.moe, st.a, st.t
     tokens, e = st.tokens, m.d_model
     shared = tokens * moe.num_shared_experts * m.resolved_d_ff_expert // t * a
@@ -109,10 +95,8 @@ def _moe_activations(st: StepSizes, remat: str) -> int:
 
 
 def _norms(st: StepSizes) -> int:
-    """Bytes the two RMSNorms of a layer keep under ``remat=none`` (docs/cost-model.md,
-    "Saved activations per layer"): each its
-    input and float32 reciprocal rms, and in a pipeline stage its output (A, gathered);
-    ``model.post_norms`` adds two more, which keep the branch outputs they norm."""
+    """Bytes a layer's RMSNorms keep under ``remat=none`` (docs/cost-model.md, "Saved
+    activations per layer")."""
     full = st.b * st.sl * st.cfg.model.d_model * st.a  # A
     residual = full // st.t if st.sp else full
     one = residual + residual * 4 // (st.cfg.model.d_model * st.a)
@@ -121,9 +105,8 @@ def _norms(st: StepSizes) -> int:
 
 
 def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
-    """Bytes one layer saves for the backward pass in device memory, one micro-batch
-    (docs/cost-model.md, "Saved activations per layer"); ``offload_dots`` keeps its matmul
-    outputs in host memory instead (:func:`_host_activations`)."""
+    """Bytes one layer saves in device memory, one micro-batch (docs/cost-model.md, "Saved
+    activations per layer")."""
     if remat == "offload_dots":
         # XLA:CPU keeps the "offloaded" outputs in place: its program is the dots one.
         if st.xla_cpu:
@@ -138,12 +121,8 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
         # save: only the block input, as under full (and a MoE router's float32 logits).
         router = st.tokens * m.moe.num_experts * 4 if moe and remat == "dots" else 0
         return residual + router
-    # XLA:CPU keeps every saved stack in float32 under the remat policies: it has no bf16
-    # dynamic-slice, so the backward layer loop's read of a layer's slice becomes a slice of
-    # the whole stack converted to float32, a conversion XLA then hoists out of the loop
-    # (float-normalization-bf16, then loop-invariant code motion): the bf16 stack the forward
-    # loop wrote dies there and a float32 copy of it lives through the backward pass. (The
-    # dots policy's saved matmul outputs alike.)
+    # XLA:CPU keeps every saved stack in float32 under the remat policies
+    # (docs/cost-model.md, "XLA:CPU's terms").
     if st.xla_cpu and remat != "none":
         residual, a = residual * 4 // a, 4
     q = b * s * (m.n_heads // t) * d * a
@@ -171,18 +150,15 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
 
 
 def _host_activations(st: StepSizes, moe: bool) -> int:
-    """Bytes one layer keeps in host memory, one micro-batch: under ``offload_dots`` on a
-    GPU/TPU compiler, the matmul outputs ``dots`` would keep on the device (outside a
-    pipeline, whose stage matmuls the policy does not see)."""
+    """Bytes one layer keeps in host memory, one micro-batch (``offload_dots`` on GPU/TPU,
+    outside a pipeline)."""
     if st.cfg.train.remat != "offload_dots" or st.xla_cpu or st.pipeline is not None:
         return 0
     return _layer_activations(st, "dots", moe) - _layer_activations(st, "full", moe)
 
 
 def _unit_activations(st: StepSizes, blocks: list[bool], kept_weights: int = 0) -> int:
-    """Bytes one scanned unit saves on the device, averaged over ``train.remat_every``: one
-    unit in k under the policy, the others keeping everything (and ``kept_weights``, the
-    weights a ``remat=none`` layer keeps)."""
+    """Bytes one scanned unit saves on the device, averaged over ``train.remat_every``."""
     cfg, k = st.cfg, st.cfg.train.remat_every
     policy = sum(_layer_activations(st, cfg.train.remat, moe) for moe in blocks)
     if cfg.train.remat == "none":
@@ -193,16 +169,8 @@ def _unit_activations(st: StepSizes, blocks: list[bool], kept_weights: int = 0) 
 
 def _stage_layer(st: StepSizes, moe: bool) -> int:
     """A stage's backward slot under ``remat=dots``/``full``: one recomputed layer's
-    ``remat=none`` set and the norm output its matmuls read (A), as outside a pipeline. On
-    XLA:CPU in bf16 its residual stream is float32 instead: ten float32 ``[b, S, E]`` in place
-    of the norms' tensors (the recomputed norms and residual adds, their gradients, the head's
-    input: the next microbatch's forward and head run beside the backward slot), and the inputs
-    of the weight-gradient matmuls (both norms' outputs, the SwiGLU product, the attention
-    output) transposed to float32; the attention's and the SwiGLU's tensors as in the set.
-    Counted in the live set at the peak of gpipe, 1F1B and interleaved steps at Llama-3-8B widths
-    (2 and 1 rows a microbatch, tensor 4 and 2). Not for MoE layers, nor under sequence
-    parallelism, whose live set differs (two float32 ``[b, S, E]`` gathered, the rest split: the
-    set as outside a pipeline leaves the plan 9% under the compiled peak there)."""
+    ``remat=none`` set and its norm output; XLA:CPU's in bf16 differs (docs/cost-model.md,
+    "XLA:CPU's terms")."""
     layer = _layer_activations(st, "none", moe) + st.act
     if not st.xla_cpu or st.a == 4 or moe or st.sp:
         return layer
@@ -212,41 +180,21 @@ def _stage_layer(st: StepSizes, moe: bool) -> int:
 
 
 def _dense_ragged_dot(st: StepSizes) -> int:
-    """XLA:CPU's working set for ``ragged_dot`` (dropless dispatch): it lowers the grouped
-    matmul to a dense one over every local expert, masked, so the backward pass of a MoE layer
-    holds float32 products of all its rows with every local expert's weights: about four
-    [rows, X, F] and one [rows, X, E] at once (fitted to the 1-device compiles of bench-cpu
-    with 4-16 experts, d_ff_expert 256-512, top-1 and top-2: 4.4-5.2 of [rows, X, F] before
-    the [rows, X, E] term; GPU and TPU run the grouped matmul itself). In a pipeline stage
-    under ``dots``/``full`` the live set at the peak of the real-size five-axes case (Mixtral
-    widths, 4 local experts of 8192 rows) holds more: six [rows, X, F], two [rows, X, E], the
-    layer's expert weights laid out again and one weight gradient (below)."""
+    """XLA:CPU's working set for dropless ``ragged_dot``, which it runs dense over every local
+    expert (docs/cost-model.md, "XLA:CPU's terms")."""
     m = st.cfg.model
     if not (st.xla_cpu and m.moe.enabled and m.moe.dispatch == "dropless"):
         return 0
     local, f, e = m.moe.num_experts // st.mesh["expert"], m.resolved_d_ff_expert // st.t, m.d_model
     if st.pipeline is None or st.cfg.train.remat == "none":
-        # The lowering masks the left operand per expert ([X, rows, E] for x into gate and up,
-        # and for the output gradient into w_down's gradient). In bf16 compute, where E is the
-        # wider, the peak is instead where both masks are converted to float32 twice each (as
-        # [X, rows, E] for the weight gradients and [rows, X E] for the recomputed products)
-        # beside the bf16 mask of one (the real-size deepseek-expert-fsdp, DeepSeek-V3 widths:
-        # E 7168, F 2048, 32 local experts; its buffer assignment places all five). In float32
-        # there is no conversion (the tiny MoE pipeline of test_cost_vs_compiled: the fit).
         masked = (4 * 4 + st.a) * e if st.a < 4 else 0
         return st.expert_rows * local * max((4 * f + e) * 4, masked)
-    # A stage's backward slot recomputes the layer (its matmuls' custom VJP is not saved):
-    # six [rows, X, F] and two [rows, X, E], the layer's three expert weights laid out again as
-    # [X F, E] for the dense product, and one expert weight's gradient.
     return (st.expert_rows * local * (6 * f + 2 * e) + 4 * local * f * e) * 4
 
 
 def _head_backward(st: StepSizes, vocab: int) -> int:
-    """What the loss's backward pass holds beside the logits, outside a pipeline: with the loss
-    in pieces, the head gradient's float32 partial sums, accumulated over the pieces and
-    reduced once (``model/loss.py``); on XLA:CPU also each piece's product before it is added
-    and, in bf16 compute, a float32 copy of the head for the input gradient's matmul (XLA:CPU
-    runs bf16 matmuls in float32)."""
+    """What the loss's backward pass holds beside the logits, outside a pipeline
+    (docs/cost-model.md, "XLA:CPU's terms")."""
     if st.pipeline is not None:
         return 0
     head_f32 = st.cfg.model.d_model * vocab * 4
@@ -255,16 +203,8 @@ def _head_backward(st: StepSizes, vocab: int) -> int:
 
 
 def _float32_norm_temporaries(st: StepSizes) -> int:
-    """XLA:CPU computes bf16 elementwise work in float32: recomputing a layer's norms and
-    residual adds in the backward pass holds five float32 copies of the replicated residual
-    stream at once (the live set at the step's peak, Llama-3-8B widths, fsdp=8 x tensor=8 with
-    8 rows per device: two products, two sums and an add of [8, 4096, 4096], 512 MiB each).
-    Sequence parallelism splits that stream; the GPU/TPU compilers fuse the work.
-
-    ``model.post_norms`` (four norms a layer) makes it nine (the peak of the real-size
-    ``gemma3-fsdp-tensor``, Gemma-3-27B widths with 8 rows per device: the post-norms'
-    recomputed inputs, products and sums), where the layer's ``remat=none`` set already
-    counts the post-norms' inputs in bf16 (two, one float32 copy's bytes): three more here."""
+    """XLA:CPU's float32 copies of the residual stream while it recomputes a layer's norms in
+    bf16 (docs/cost-model.md, "XLA:CPU's terms")."""
     if not st.xla_cpu or st.a == 4 or st.sp or st.pipeline is not None:
         return 0
     copies = 5 + (3 if st.cfg.model.post_norms else 0)
@@ -272,11 +212,8 @@ def _float32_norm_temporaries(st: StepSizes) -> int:
 
 
 def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
-    """The layer stack as its matmuls read it, cast once per step: outside a pipeline the
-    GPU/TPU compilers turn the cast of each layer's float32 weights inside the layer loop into
-    one cast of the whole stored stack before it (a shard of it under FSDP, gathered layer by
-    layer after), kept for the backward pass. XLA:CPU casts layer by layer (docs/jax-notes.md,
-    "Memory and cost analysis of compiled steps")."""
+    """The layer stack as its matmuls read it, cast once per step before the layer loop by the
+    GPU/TPU compilers (docs/cost-model.md, "XLA:CPU's terms")."""
     if (st.pipeline is not None or st.xla_cpu or st.a == PARAM_BYTES
             or st.cfg.train.param_dtype != "float32"):
         return 0
@@ -285,10 +222,8 @@ def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def _fsdp_gathered(st: StepSizes, params: list[ParamCost], layer_weights: int) -> int:
-    """Under ZeRO-3 outside a pipeline: one layer's weights as read and their gradient (of
-    ``layers``, or of DeepSeek's ``dense_layers``, a scanned stack of its own gathered layer by
-    layer too: the larger), and the embedding, lm_head and final norm, gathered for the whole
-    step. (A pipeline stage's weights, gathered once per step, are its weight copies.)"""
+    """Under ZeRO-3 outside a pipeline: the larger layer's weights as read and their gradient,
+    and the embedding, lm_head and final norm, gathered for the whole step."""
     if (st.cfg.parallel.zero != 3 or st.pipeline is not None
             or not any(p.gather_axes for p in params)):
         return 0

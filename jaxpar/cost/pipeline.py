@@ -1,26 +1,9 @@
 """The pipeline's share of the cost model: messages over ``pipe``, memory of a stage, bubble.
 
-Kept together because it follows the executor and its schedule tables
-(:mod:`jaxpar.parallel.pipeline.executor`, :func:`~jaxpar.parallel.pipeline.executor.describe`)
-and changes with them. Inside the stages every formula of :mod:`~jaxpar.cost.collectives` runs
-on the stage's layers once per executed slot (:class:`jaxpar.cost.ledger.Ledger` counts them).
-
-Over ``pipe``, per executor step: a send per forward slot (``b/m x S/c x E``, ``/t`` under
-sequence parallelism) and per backward slot; all-reduces of the embedding (steps that embed),
-the last output, the head's input gradient and three loss statistics (steps with the head), and
-chunk 0's input gradient. Once per step: the vocabulary pieces' gradients over ``pipe``, the
-gradient sums over the batch axes and ``context``, the FSDP gathers.
-
-Memory of a stage: the larger of two phases, beside the state, the stashes and the gradient sums.
-Inside the stretch loops: the weights as read, a backward slot's working set, the head's step.
-Before the loops: the embedding and head gathered whole over ``fsdp``, the head cast.
-
-Time: compute x the executed-work factor = compute / (1 - bubble).
-
-The whole accounting, part by part (dense first blocks, ``pipeline_fsdp=per_layer``):
-docs/pipelines.md, "What the plan counts". Against compiled steps: docs/performance.md,
-"Pipelines: the plan against compiled steps". The XLA:CPU behaviour it counts:
-docs/jax-notes.md, "XLA:CPU in a pipeline stage".
+Kept together because it follows the executor and its schedule tables and changes with them.
+Inside the stages every formula of :mod:`~jaxpar.cost.collectives` runs on the stage's layers
+once per executed slot. Time: compute / (1 - bubble). The accounting, part by part:
+docs/pipelines.md, "What the plan counts".
 """
 
 from __future__ import annotations
@@ -79,22 +62,9 @@ def per_layer_fsdp(st: StepSizes) -> bool:
 
 
 def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
-    """``parallel.pipeline_fsdp=per_layer``: a stage's layers over ``fsdp``, per step.
-
-    With ``W_c`` a chunk's layer weights gathered (``gathered_bytes / v`` of the stacked
-    parameters: the stage's ``L_s/v`` layers) and ``F``, ``B``, ``I``, ``W`` the executed steps
-    of the step's one schedule (``train.grad_accum`` folded in) with a forward slot, a backward
-    slot (B or I), an I slot and a W slot (masked ones run too):
-
-    - all-gather: ``(F + B + W) L_s/v`` times per weight, ``(F + B + W) W_c`` bytes in the
-      compute dtype (every slot gathers each layer of its chunk as it runs it; with
-      ``pipeline_stash=inputs`` a backward slot runs its chunk's forward first: ``F + 2B``);
-    - reduce-scatter: ``(B - I + W) L_s/v`` times, ``(B - I + W) W_c`` bytes in
-      ``parallel.reduce_dtype`` (every slot that makes weight gradients scatters each layer's).
-
-    Against ``per_step``'s one gather and one reduce-scatter of ``L_s`` layers per step, the
-    gathers move ``(F + B + W) / v`` times the bytes (2 (g m + p - 1) for 1F1B at v = 1 with
-    ``g`` micro-steps)."""
+    """``parallel.pipeline_fsdp=per_layer``: each slot gathers its chunk's layers over ``fsdp``,
+    each slot that makes weight gradients reduce-scatters them (docs/pipelines.md, "FSDP layer
+    by layer"). Under ``pipeline_stash=inputs`` a backward slot gathers twice: ``F + 2B``."""
     st = c.st
     if not layer:
         return
@@ -121,10 +91,8 @@ def vocab_trained(st: StepSizes) -> bool:
 
 
 def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
-    """Bytes of the executor's float32 gradient sums where they are not the step's gradients:
-    under FSDP by hand, whole over ``fsdp`` (docs/pipelines.md, "What each part holds"); under
-    ``pipeline_fsdp=per_layer`` the layers' sums are in their stored split (as the
-    gradients), the embedding's, head's and final norm's whole."""
+    """Bytes of the executor's float32 gradient sums where they are not the step's gradients
+    (docs/pipelines.md, "What each part holds")."""
     if st.pipeline is None or st.mesh["fsdp"] == 1:
         return 0
     if per_layer_fsdp(st):
@@ -134,9 +102,7 @@ def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
-    """Bytes of a stage's weights as read: its layers and the running layer's again, its
-    vocabulary piece of the head (compute dtype) and of the embedding (float32) (docs/pipelines.md,
-    "What each part holds")."""
+    """Bytes of a stage's weights as read (docs/pipelines.md, "What each part holds")."""
     widened = 4 if st.xla_cpu else st.a  # XLA:CPU runs bf16 dots in float32
     stack = sum(in_compute_dtype(p, p.gathered_bytes, widened) for p in params if p.stacked)
     units = st.layers // len(unit_blocks(st.cfg.model))  # scanned units in a stage
@@ -160,12 +126,8 @@ def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
 
 def per_layer_stage_cast(st: StepSizes, params: list[ParamCost]) -> int:
     """Under ``pipeline_fsdp=per_layer`` on the GPU/TPU compilers: the stage's stored layer
-    shards cast to the compute dtype once per step. A slot casts each layer's shard before its
-    gather (half the bytes in bf16), inside the layer loops; the compiler hoists that cast of
-    loop-invariant weights out of the loops, for the whole stage (as it does outside a
-    pipeline: ``cost/memory.py: _cast_stack``), as the compiler's heap at its peak shows
-    (docs/pipelines.md, "FSDP layer by layer"). Its one layer whole at a time is then one
-    weight at a time (the largest, gathered as read)."""
+    shards cast to the compute dtype once per step, hoisted out of the loops
+    (docs/pipelines.md, "FSDP layer by layer")."""
     if st.a == PARAM_BYTES or st.cfg.train.param_dtype != "float32":
         return 0
     return sum(in_compute_dtype(p, p.stored_bytes_per_device or p.bytes_per_device, st.a)
@@ -174,9 +136,7 @@ def per_layer_stage_cast(st: StepSizes, params: list[ParamCost]) -> int:
 
 def stage_head(st: StepSizes) -> int:
     """Bytes the head's step holds beside its logits (docs/pipelines.md, "What each part
-    holds"): float32 pieces ``[E, V/(p t)]``: the embedding gradient of the stage's piece, the
-    head gradient's partial sums over the loss pieces, and on XLA:CPU each piece's product and
-    (bf16) a float32 head."""
+    holds")."""
     piece = st.cfg.model.d_model * st.vocab_rows // (st.p * st.t) * 4
     if not vocab_trained(st):  # frozen (LoRA): only the bf16 head's float32 copy on XLA:CPU
         return piece if st.xla_cpu and st.a < 4 else 0
@@ -187,9 +147,8 @@ def stage_head(st: StepSizes) -> int:
 
 
 def before_loops(st: StepSizes, params: list[ParamCost]) -> int:
-    """Bytes of the phase before the stretch loops beside the stashes and the gradient sums: the
-    embedding and head gathered whole over ``fsdp`` (float32; without FSDP they are the
-    parameters) and the head cast to the compute dtype (docs/pipelines.md, "Memory of a stage")."""
+    """Bytes of the phase before the stretch loops beside the stashes and the gradient sums
+    (docs/pipelines.md, "Memory of a stage")."""
     vocab = {p.name: p for p in params if p.name in ("embedding", "lm_head")}
     gathered = sum(p.gathered_bytes for p in vocab.values()) if st.mesh["fsdp"] > 1 else 0
     head = vocab.get("lm_head", vocab.get("embedding"))  # tied: the embedding is the head
@@ -198,17 +157,8 @@ def before_loops(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def weight_stash_per_layer(st: StepSizes, moe: bool = False) -> int:
-    """Bytes one layer's I leaves its W, one microbatch (zero bubble's W stash:
-    :mod:`jaxpar.parallel.pipeline.backward_split`): the output gradient of every weight
-    matmul, in the compute dtype, laid out as the matmul reads it (the column-parallel
-    outputs' split over ``tensor``, the row-parallel outputs' gradients whole, as their weight
-    gradient contracts them): q, k and v, the attention output projection's (A), gate and up,
-    down's (A); a MoE layer's routed experts' per expert row instead of gate, up and down.
-    Under ``remat`` policies that recompute them in I, the matmul inputs W cannot rebuild
-    cheaply from the residuals wait too: ``full`` (and ``dots``, which in a stage keeps what
-    ``full`` keeps) the attention output, the MLP's input (A) and down's input; ``attention``
-    down's input. (The norms' scales' gradients cross as well, ``E`` floats a layer: left
-    out.)"""
+    """Bytes one layer's I leaves its W, one microbatch (docs/pipelines.md, "Zero bubble").
+    The norms' scales' gradients, ``E`` floats a layer, are left out."""
     m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
     d = m.resolved_head_dim
     full = b * s * m.d_model * a
@@ -229,13 +179,8 @@ def weight_stash_per_layer(st: StepSizes, moe: bool = False) -> int:
 
 def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer: int,
                     recomputed_layer: int | None) -> tuple[int, int, int]:
-    """(stash bytes, weights as read, a backward slot's working set) of a stage (docs/pipelines.md,
-    "What each part holds"): the chunk's residuals under ``remat=none``, else
-    ``recomputed_layer``, one layer's working set as its backward recomputes it; with I and W
-    apart (zero bubble, DualPipe-V), each slot of the W stash
-    (:func:`weight_stash_per_layer`, per layer). With ``pipeline_stash=inputs`` a residual
-    slot holds the chunk's input (one activation), and a backward slot makes the chunk's
-    residuals again for its microbatch beside the working set."""
+    """(stash bytes, weights as read, a backward slot's working set) of a stage
+    (docs/pipelines.md, "What each part holds")."""
     blocks = unit_blocks(st.cfg.model)
     waiting_per_layer = sum(weight_stash_per_layer(st, moe) for moe in blocks) // len(blocks)
     layers = st.layers // st.cfg.parallel.virtual_stages

@@ -1,14 +1,6 @@
 """The sizes every formula of the cost model uses, per device, for one config.
 
-Notation (all per device unless "global"): B global batch (sequences per optimizer step), S
-``seq_len``, E ``d_model``, H/K query/kv heads, D ``head_dim``, F ``d_ff``, V vocab (padded for
-the layout: ``StepSizes.vocab_rows``), L layers;
-d, f, c, t the ``data``, ``fsdp``, ``context``, ``tensor`` axis sizes, G ``expert``; X experts,
-k ``top_k``; g ``grad_accum``; a the bytes of the compute dtype (4 float32, 2 bfloat16). Each
-device runs g micro-batches of ``b = B / (g * d * f * expert)`` sequences of ``S/c`` tokens (with
-a pipeline, each micro-batch is cut into ``train.microbatches`` m, and ``b`` is a pipeline
-microbatch's rows: the step runs one schedule over all ``g m`` of them, ``StepSizes.pipeline``).
-One activation of the residual stream is ``A = b * S/c * E * a`` bytes.
+The notation (B, S, E, ... and ``A = b * S/c * E * a``): docs/cost-model.md, "Notation".
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class StepSizes:
-    """The sizes every formula of the cost model uses (notation of :mod:`jaxpar.cost.estimate`)."""
+    """The sizes every formula of the cost model uses (docs/cost-model.md, "Notation")."""
 
     cfg: Config
     b: int  # micro-batch per device

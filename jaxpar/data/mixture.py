@@ -1,18 +1,9 @@
 """A mixture of tokenized directories (``data.sources``): rows drawn from each by weight.
 
-The mixture is an endless sequence of rows, and row ``i`` is a pure function of ``i``, the
-seed and the sources. So every process computes the same stream (and the source of any row of
-the global batch) without talking to the others, and a checkpoint needs only the iterator's
-position. Rows come in blocks of :data:`BLOCK`, each holding a fixed count of rows per source in
-a seeded order. A source's k-th row is row ``k % n`` of its epoch ``k // n``, in a seeded
-permutation per epoch (:func:`permute`, a Feistel network: no permutation of a large source is
-ever materialized). A source that runs out starts its next epoch while the others go on.
-
-The iterator reads the mixture in order (``DataIterator(shuffle=False)``): the mixture already
-shuffles, and consecutive rows keep each global batch within one or two blocks. The tokens each
-global batch draws per source (:meth:`MixtureDataset.count_tokens`) come from the row numbers
-alone, so every process counts the whole batch while reading only its own rows. The rules:
-docs/data.md, "Mixtures".
+Row ``i`` of the endless mixture is a pure function of ``i``, the seed and the sources, so
+every process computes the same stream without talking to the others, and a checkpoint needs
+only the iterator's position. Each source's epochs are seeded permutations (:func:`permute`, a
+Feistel network: never materialized). The rules: docs/data.md, "Mixtures".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The on-disk format of a tokenized corpus (``jaxpar tokenize``): shards of token ids, their
 document offsets, and one ``index.json``.
 
-A directory holds, per split (``train``, ``validation``), shards ``train-00000.bin``: the token
-ids of whole documents, each document followed by the tokenizer's end-of-text id, as a flat
-little-endian array (uint16 when the vocabulary fits, else uint32); beside each,
-``train-00000.offsets``: uint64 offsets of the shard's documents' first tokens, plus the shard's
-length at the end. ``index.json`` names the tokenizer (name, sha256 of its file, vocabulary size,
-end-of-text id), the dtype, and per shard its token and document counts and the sha256 of both
-files. Flat arrays read at an offset (``pread``) give random access to any token with no
-dependency beyond numpy, and the rows built on them serve anything that indexes (grain's
-``MapDataset``).
-
-Files are written under a temporary name and renamed when complete; the index is written last,
-so a directory with an ``index.json`` is a finished one.
+Flat little-endian arrays read at an offset (``pread``) give random access to any token with
+numpy alone, for anything that indexes (grain's ``MapDataset``). The index is written last, so
+a directory with an ``index.json`` is a finished one. The format: docs/data.md, "The format".
 """
 
 from __future__ import annotations

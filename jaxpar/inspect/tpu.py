@@ -1,17 +1,10 @@
 """Compile the train step for a real TPU topology on a machine without TPUs (``--target``).
 
-``jaxpar inspect CONFIG --target tpu-v5e:2x4`` asks libtpu (the ``tpu`` extra) for a
-compile-only description of that slice: devices with chip coordinates, and no hardware behind
-them. The mesh is laid over those devices, and the TPU compiler itself compiles the train step
-for them ahead of time, on this CPU machine. So the report shows what the TPU compiler makes of
-the layout, which XLA:CPU cannot: asynchronous collectives overlapped with matmuls, bf16 weight
-gathers, fused ``all-reduce-scatter``s, and memory as its buffer assignment plans it.
-
-Nothing runs: no step time and no measured memory. The slice gets torus wraparound where real
-slices have it (:func:`torus_wrap`). libtpu is loaded in-process but never opens a TPU:
-``JAX_PLATFORMS=cpu`` keeps jax's default backend on the CPU, and :func:`quiet_libtpu_env` tells
-libtpu what it would otherwise probe the host for. Limits: docs/inspect.md, "TPU targets";
-compiler facts: docs/jax-notes.md, "Compiling for a TPU topology from a CPU machine".
+libtpu (the ``tpu`` extra) describes the slice compile-only: devices with chip coordinates and
+no hardware behind them. The TPU compiler compiles the step for them on this CPU machine, so
+the report shows what XLA:CPU cannot: overlapped collectives, bf16 gathers, memory as the TPU
+compiler plans it. Nothing runs. Limits: docs/inspect.md, "TPU targets"; compiler facts:
+docs/jax-notes.md, "Compiling for a TPU topology from a CPU machine".
 """
 
 from __future__ import annotations

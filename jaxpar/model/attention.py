@@ -1,21 +1,11 @@
 """Causal grouped-query attention in plain JAX: dense, and blockwise (flash-style).
 
 Shapes: q ``[B, S, H, D]``, k and v ``[B, S, K, D]`` with ``H = K x G``; query head h reads kv
-head ``h // G``. Inside, queries are grouped ``[B, S, K, G, D]`` so that the G query heads of one
-kv head share its keys. Every implementation reads the one mask description of
-:mod:`jaxpar.model.mask` (causal by stored position, within documents, windows, soft caps).
-
-``dense`` computes the scores ``[B, K, G, S, S]`` in float32; autodiff keeps the probabilities,
-O(S^2) bytes per head and layer. ``blockwise`` is FlashAttention-2's algorithm: an online
-softmax over key blocks, and a custom VJP that keeps only the output and the log-sum-exp and
-recomputes each block's probabilities, one block of scores alive at a time. Blocks that no
-query sees are skipped at run time, and blocks wholly visible run without a mask
-(:func:`jaxpar.model.mask.block_kind`).
-
-The block kernels (:func:`fold_keys`, :func:`unfold_keys`) also serve ring attention
-(:mod:`jaxpar.parallel.context`), which folds each arriving key/value block into the same
-running statistics. cuDNN's and splash's fused kernels, and the choice between
-implementations, are in :mod:`jaxpar.model.fused`. The formulas: docs/attention-and-loss.md,
+head ``h // G``. Every implementation reads the one mask description of
+:mod:`jaxpar.model.mask`. ``dense`` keeps O(S^2) probabilities per head and layer;
+``blockwise`` (FlashAttention-2) keeps the output and log-sum-exp. Its block kernels
+(:func:`fold_keys`, :func:`unfold_keys`) also serve ring attention. Fused kernels and the
+choice between them: :mod:`jaxpar.model.fused`. The formulas: docs/attention-and-loss.md,
 "Blockwise attention".
 """
 

@@ -1,20 +1,11 @@
 """Analytic training flops of the model, the yardstick for TFLOP/s and MFU.
 
-Per token, a matmul with a weight of P parameters costs 2P flops forward and 4P backward, so 6P
-in all. Attention's scores and weighted sum cost 2 x 2 x S x H x D per layer forward over the
-whole S x S square, twice that backward; causal attention only needs the lower half, so the
-useful count is half of it, 6 x S x H x D per layer and token (MaxText's count; torchtitan
-and the PaLM paper count the whole square, which reads 6% higher for llama-1b at 2k tokens).
-With the half, no kernel does more useful work than it executes (flash attention computes just
-over the half, dense attention all of it), so MFU and ``jaxpar plan``'s bound stay <= 100%.
-A local layer (``model.sliding_window`` W < S) needs only the band of its window: of the S^2/2
-pairs of the half, the triangle of (S - W)^2 / 2 pairs beyond the window drops out.
-Recomputation under remat is deliberately not counted: MFU measures useful work; so is the
-head over the true vocabulary (``model.vocab_size``), not its padding (``Config.vocab_rows``).
-
-In a mixture-of-experts layer a token multiplies with the router (E x X), its ``top_k`` experts
-and the shared experts (3 x E x d_ff_expert each): the *active* parameters, which is what
-:func:`matmul_params` counts. :func:`param_count` counts every expert.
+Per token a weight of P parameters costs 6P flops (2P forward, 4P backward). Causal
+attention counts half the S x S square, as MaxText does (docs/plan.md, "How the bound
+counts"), so MFU stays <= 100%; a local layer (``model.sliding_window`` W < S) drops the
+(S - W)^2 / 2 pairs beyond its window. Not counted: remat's recomputation, the padded
+vocabulary. :func:`matmul_params` counts a MoE layer's *active* parameters (router, ``top_k``
+and shared experts); :func:`param_count` counts every expert.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """A key/value cache for autoregressive decoding, and attention over it.
 
-Every attention layer's rotated keys and values, for every position written so far, are cached
-in ``k, v: [layers, B, L, K, D]`` (slot t holds position t). They are laid out by
-:data:`CACHE_AXES` as the attention activations are, so each device keeps its own sequences'
-and heads' K/V and decoding moves no cache bytes between devices.
-
-:mod:`jaxpar.generate` runs the model unchanged, with the attention hook
-(:func:`jaxpar.model.annotate.use_attention`) set to :meth:`UnitCache.attend` for each scanned
-unit of layers. The hook writes each layer's k and v into the cache and attends over the cache.
-A prefill (S > 1 new tokens) attends to the new keys with the model's own attention; a decode
-step (S = 1) writes each row's key at its own position and attends densely over the L slots,
-with the mask ``slot <= query position``.
-
-Multi-head latent attention (:mod:`jaxpar.model.mla`) caches the normed latent and the rope key
-instead (:func:`model_cache`, :data:`LATENT_AXES`), reached through
-:func:`~jaxpar.model.annotate.use_latent_cache`; its decode step attends over the latents
-without expanding them. Shapes and bytes: docs/generation.md, "How it works".
+Every attention layer's rotated keys and values are cached in ``k, v: [layers, B, L, K, D]``
+(slot t holds position t), laid out by :data:`CACHE_AXES` so decoding moves no cache bytes
+between devices. :mod:`jaxpar.generate` sets the attention hook to :meth:`UnitCache.attend`;
+a decode step (S = 1) attends densely over the L slots with the mask ``slot <= query
+position``. MLA caches the normed latent and the rope key instead (:data:`LATENT_AXES`).
+Shapes and bytes: docs/generation.md, "How it works".
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The token loss: cross entropy of the output head's float32 logits, whole or in pieces of the
-sequence, or over a vocabulary cut into pieces across devices (a pipeline's stages), and the
-one rule the head's weight gradient follows whatever the piece count.
+"""The token loss: cross entropy of the head's float32 logits, whole, in pieces of the
+sequence, or over a vocabulary cut across devices (a pipeline's stages).
 
-Both losses compute ``log_z - z_t`` and its gradient ``softmax(z) - one_hot(t)``
-(:func:`_d_logits`): :func:`token_losses` with the logits whole (or split over ``tensor`` by the
-partitioner), :func:`vocab_piece_loss` with the vocabulary cut into pieces across the devices
-of a manual axis, its max, sum and target logit combined by collectives.
-
-The head's gradient ``h^T d_logits`` is a sum over every token, and each device holds some
-tokens. Computed piece by piece in a loop, the compiler would add the devices' partial sums
-once per piece. So the loop keeps each device's partial sum apart, per token shard
-(:func:`per_shard_weight_grad`: nothing moves), and the shards are added once after the loop
-(:func:`~jaxpar.model.annotate.sum_over_token_shards`). The derivation and what it saves:
+Both losses compute ``log_z - z_t`` and its gradient ``softmax(z) - one_hot(t)``, and keep
+the head's gradient as one partial sum per token shard, added once after the pieces:
 docs/attention-and-loss.md, "The loss at vocabulary scale".
 """
 
@@ -49,16 +40,9 @@ def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
 def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
                       pieces: int = 1, softcap: float = 0.0, vocab_size: int | None = None
                       ) -> jax.Array:
-    """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``,
-    computed over ``pieces`` pieces of the sequence one after another: only one piece's float32
-    logits ([B, S/pieces, vocab]) and their gradient are alive at a time; the backward pass
-    recomputes each piece's logits (one more head matmul, 2 x d_model x vocab flops a token)
-    and reduces the head's gradient once (module docstring).
-
-    Piece i holds tokens i, i + n, i + 2n, ... (n = ``pieces``): a strided cut, so each
-    device's contiguous shard of the sequence (context parallelism) keeps its own tokens in
-    every piece and nothing moves between devices. The sum does not depend on the order.
-    The head's columns from ``vocab_size`` on are the padded vocabulary's (masked).
+    """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``, over
+    ``pieces`` strided pieces of the sequence (:func:`sequence_pieces`): one piece's float32
+    logits alive at a time, recomputed backward. Columns from ``vocab_size`` on are masked.
     """
     if pieces == 1:
         return jnp.sum(token_losses(head_logits(h, head), targets, softcap, vocab_size) * mask)
@@ -154,18 +138,11 @@ def joined_pieces(a: jax.Array) -> jax.Array:
 
 def token_losses(logits: jax.Array, targets: jax.Array, softcap: float = 0.0,
                  vocab_size: int | None = None) -> jax.Array:
-    """Per-token cross entropy in float32 of the logits soft-capped at ``softcap``
-    (:func:`soft_capped`; 0: off), the columns from ``vocab_size`` on (the padded vocabulary)
-    masked after the cap. With logits split on vocab, the max and the sum of
-    exponentials each become a small all-reduce over the vocab shards (vocab-parallel loss).
+    """Per-token cross entropy in float32 of the logits soft-capped at ``softcap`` (0: off),
+    the padded vocabulary's columns (from ``vocab_size`` on) masked after the cap.
 
-    The gradient, ``softmax(logits) - one_hot(targets)``, is one pass over the logits and their
-    log-partition ``log_z`` (the residuals): autodiff of ``logsumexp`` would keep the
-    exponentials as well, a third logits-sized float32 array beside the logits and their
-    gradient. With a cap the residuals are the capped logits, from which that pass also gets
-    the cap's derivative ``1 - (capped / cap)^2``: no logits-sized array of its own. (The
-    residuals are the capped logits before the mask, whose ``-inf`` would make that
-    derivative NaN; the mask is applied again where the gradient needs it.)"""
+    The backward pass keeps only the logits (capped, before the mask, whose ``-inf`` would
+    make the cap's derivative ``1 - (capped / cap)^2`` NaN) and ``log_z``: no exponentials."""
     return _token_losses(logits.astype(jnp.float32), targets, softcap, vocab_size)
 
 
@@ -222,14 +199,10 @@ def vocab_piece_loss(head: jax.Array, ids: jax.Array, h: jax.Array, targets: jax
                      mask: jax.Array, scale: jax.Array, axis: str, softcap: float = 0.0,
                      vocab_size: int | None = None) -> tuple:
     """Cross entropy over a vocabulary cut into pieces across the devices of the manual
-    ``axis``: this device holds the head's columns ``head`` [E, V/p] of the token ids ``ids``
-    [V/p]; ``h`` [B, s, E] are the (same) hidden states on every device. The log-partition
-    from the pieces' maxima and sums (``pmax``/``psum`` of ``[B, s]``), the target logit from
-    the piece holding it; the gradient w.r.t. the piece's logits is local (module docstring).
-    Returns (summed loss, d_head, d_h) with ``mask * scale`` per token; the logits soft-capped
-    at ``softcap`` (elementwise: each piece caps its own), then the ids from ``vocab_size`` on
-    (the padded vocabulary: None, none) masked. The VJP is taken at the unmasked logits: the
-    masked columns' gradient is zero before it."""
+    ``axis``. This device holds ``head`` [E, V/p], the columns of token ids ``ids`` [V/p]; ``h``
+    [B, s, E] is the same on every device. Returns (summed loss, d_head, d_h) with ``mask *
+    scale`` per token. Each piece caps its own logits, then masks ids from ``vocab_size`` on
+    (None: none); the VJP is taken at the unmasked logits."""
     logits, logits_vjp = jax.vjp(lambda w, h: soft_capped(float32_logits(h, w), softcap),
                                  head, h)
     logits = masked_logits(constrain(logits, ("batch", "seq", "vocab")), vocab_size, ids)

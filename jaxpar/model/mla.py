@@ -1,21 +1,10 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3): keys and values expanded from a small
 cached latent.
 
-Queries go through a low-rank pair of projections; keys and values are expanded from a latent
-``c`` of ``kv_lora_rank`` numbers per token, and one rope key ``kr`` is shared by every head.
-A decoder caches only ``c`` and ``rope(kr)`` per token and layer (DeepSeek-V3: 576 numbers, where
-its expanded heads would take 40,960). A prefill expands keys and values and attends as
-training does; a decode step attends over the latents without expanding them
-(:func:`absorbed_attention`; the cache: :mod:`jaxpar.model.kv_cache`).
-
-The attention kernels are the model's own (through
-:func:`~jaxpar.model.annotate.attention_override`), which take q, k and v of one head dim: where
-v's width differs from q and k's, the narrower side is padded with zeros (exact). The softmax
-scale is 1/sqrt(N + P), times YaRN's mscale^2 where ``rope_scaling`` asks for it.
-
-Heads are split over ``tensor`` as in :class:`~jaxpar.model.layers.Attention`. The latents are
-whole on every device, since every head reads all of them. Under ZeRO-3 the up-projections,
-which have no model dimension, are split over ``fsdp`` on their latent dimension instead. The
+Keys and values are expanded from a latent ``c`` of ``kv_lora_rank`` numbers per token, with
+one rope key ``kr`` shared by every head; a decoder caches only ``c`` and ``rope(kr)``, and a
+decode step attends over the latents without expanding them (:func:`absorbed_attention`). The
+model's own attention kernels run it, v or q/k zero-padded to one head dim (exact). The
 formulas, the padding's cost and the layouts: docs/attention-and-loss.md, "Multi-head latent
 attention".
 """

@@ -1,23 +1,10 @@
 """Mixture of experts: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token.
 
 Shapes: T tokens (B x S flattened), E d_model, X experts, k top_k, F d_ff_expert, C capacity.
-
-The router runs in float32 whatever the compute dtype, so top-k choices do not flip with
-rounding: softmax gates (Switch/GShard) or sigmoid scores with a bias that only steers the
-choice (DeepSeek-V3, :class:`RouterBias`, nudged by the train step toward balance), optionally
-limited to the best expert groups (:func:`limit_groups`). A token's output is the gated sum of
-its experts' SwiGLUs, plus the shared experts. Two auxiliary losses, a load-balance loss and a
-router z-loss, are computed per layer over the *global* micro-batch (:func:`moe_loss`).
-
-``moe.dispatch`` says how the T*k (token, expert) slots reach their experts: ``dropless`` sorts
-them by expert for one grouped matmul; ``dropping`` fills a fixed [X, C, E] buffer and drops the
-slots over capacity. On one device all of this runs here (:func:`local_experts`). Under expert
-parallelism the layer calls the hook :func:`jaxpar.model.annotate.experts_override` instead,
-which runs the same building blocks per device and moves the slots with all-to-alls
-(:mod:`jaxpar.parallel.expert`).
-
-Each layer reports statistics in ``aux`` (:meth:`MoE.__call__`). The formulas, the dispatch
-rules and the statistics: docs/moe.md, "What one MoE layer computes".
+The router runs in float32, so top-k choices do not flip with rounding. On one device the
+layer runs here (:func:`local_experts`); under expert parallelism it calls the hook
+:func:`jaxpar.model.annotate.experts_override` (:mod:`jaxpar.parallel.expert`). The formulas,
+the dispatch rules and the statistics: docs/moe.md, "What one MoE layer computes".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""How layers multiply by their weights: :func:`weight`, :func:`project` and :func:`project_all`
-(the weight matmuls, with one custom VJP for the backward pass), and :func:`lookup` (the embedding's
-gather).
+"""How layers multiply by their weights: :func:`weight`, :func:`project`, :func:`project_all`
+(the weight matmuls, one custom VJP) and :func:`lookup` (the embedding's gather).
 
-The model names logical axes only. These functions turn a parameter as stored (float32, its model
-dimension ``embed`` split over ``fsdp`` under ZeRO-3) into the weight a matmul reads (the compute
-dtype, ``act_embed`` whole): that is FSDP's gather. Its gradient goes back to the stored layout:
-FSDP's reduce-scatter. Why every weight must come through here: docs/add-a-layer.md, "3. The
-projection helpers".
+They turn a parameter as stored (float32, ``embed`` split over ``fsdp``) into the weight a
+matmul reads (compute dtype, gathered): FSDP's gather, and its reduce-scatter backward. Why
+every weight must come through here: docs/add-a-layer.md, "3. The projection helpers".
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The decoder: token embedding, a scanned stack of blocks, final norm, output projection, loss.
 
-The blocks are created with ``nnx.vmap`` so each parameter gets a leading ``layers`` dimension,
-and run with ``jax.lax.scan``: the traced (and compiled) program holds one block whatever the
-depth, so compile time does not grow with ``n_layers``.
-
-With a mixture of experts (``model.moe.num_experts > 0``) the scanned unit must still be one
-homogeneous module, so it is a *group* of ``moe.every`` consecutive blocks whose last block has
-a MoE layer instead of the SwiGLU MLP: ``every=1`` stacks MoE blocks (parameters
-``layers/moe/...``), ``every=2`` stacks (dense, MoE) pairs (``layers/block_0/mlp/...``,
-``layers/block_1/moe/...``). The leading ``layers`` dimension then counts groups,
-``n_layers / every`` of them (validation requires it to divide); a pipeline stage takes whole
-groups.
-
-DeepSeek-V3's first ``moe.first_dense`` blocks are dense and the rest mixtures: the dense ones
-are a second stack, ``dense_layers`` (parameters ``dense_layers/mlp/...``), scanned before
-``layers``. A pipeline runs it before its stages, with the embedding
-(:mod:`jaxpar.parallel.pipeline.executor`).
+The blocks are created with ``nnx.vmap`` (each parameter gets a leading ``layers`` dimension)
+and run with ``jax.lax.scan``, so compile time does not grow with ``n_layers``. With a
+mixture of experts the scanned unit is a *group* of ``moe.every`` blocks, the last one MoE
+(``layers/moe/...``, or ``layers/block_0/mlp/...``, ``layers/block_1/moe/...``); DeepSeek's
+``moe.first_dense`` blocks are a second stack, ``dense_layers``, scanned first
+(docs/moe.md).
 """
 
 from __future__ import annotations

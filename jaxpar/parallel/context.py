@@ -1,22 +1,10 @@
 """Context parallelism: causal attention over a sequence split across the ``context`` mesh axis.
 
-Everything outside attention is per token, so splitting the sequence over N devices splits those
-activations N ways for free. Attention is the one place a token needs the others' keys and
-values. Two ways to provide them, both inside ``shard_map`` over ``context`` only (the other
-axes stay automatic, so heads can be tensor-split at the same time; inside a pipeline stage
-``context`` is manual already and the per-device function runs directly):
-
-- ``ring`` (default): each device keeps its queries and passes its key/value block round a
-  ``ppermute`` ring, folding each block into an online softmax, so no device holds all of K/V
-  or an S x S score matrix. The backward pass runs the ring again (custom VJP), the dK/dV
-  accumulators travelling with their blocks.
-- ``allgather`` (as in Llama 3 training): K and V all-gathered once per layer, the local
-  queries attended to them; autodiff makes the gather a reduce-scatter of dK/dV.
-
-``ulysses`` and ``hybrid`` are :mod:`jaxpar.parallel.ulysses`. The *zigzag* layout balances the
-causal work: device i holds chunks i and 2N-1-i of the sequence. The train step permutes the
-tokens once on the host, and the mask description travels with them, round the ring too
-(:func:`jaxpar.model.mask.block_kind`). Bytes per device and why zigzag balances:
+Attention is the one place a token needs the others' keys and values. ``ring`` (default)
+passes each device's K/V block round a ``ppermute`` ring into an online softmax, and runs the
+ring again backward (custom VJP); ``allgather`` gathers K and V once per layer. ``ulysses`` and
+``hybrid``: :mod:`jaxpar.parallel.ulysses`. The *zigzag* layout (device i holds chunks i and
+2N-1-i) balances the causal work. Bytes per device and why zigzag balances:
 docs/attention-and-loss.md, "Context parallelism".
 """
 

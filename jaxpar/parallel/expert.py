@@ -1,24 +1,10 @@
 """Expert parallelism: the experts of every MoE layer split over the ``expert`` mesh axis.
 
-Each MoE layer's expert weights are split on their ``experts`` dimension over ``expert`` (device
-g of G holds experts g*X/G .. (g+1)*X/G - 1), on ``mlp`` over ``tensor`` and on ``embed`` over
-``fsdp``. Everything else is replicated over ``expert``, and the batch is split over it: outside
-the experts, ``expert`` is one more data-parallel axis.
-
-A device's tokens want experts that live elsewhere. The MoE layer calls :func:`expert_parallel`'s
-function through the ``experts_override`` hook. It runs per device in ``shard_map``, manual over
-the axes that split the tokens and over ``tensor``, so every device routes its own tokens:
-
-1. dispatch: an all-to-all over ``expert`` sends each slot to the device owning its expert;
-2. the local experts run on everything they received;
-3. combine: the reverse all-to-all brings the results back, to be gated and summed.
-
-Static shapes add padding, by ``moe.dispatch``: a capacity buffer (``dropping``), the real rows
-of a ``ragged_all_to_all`` (``dropless`` on GPU and TPU), or worst-case blocks (``dropless`` on
-XLA:CPU, which cannot compile the ragged one). Under ``tensor`` the expert outputs are partial
-sums, all-reduced once after the k choices are summed. Statistics are summed over the token
-axes, so each device returns the global count. What travels, in bytes: docs/moe.md, "Expert
-parallelism"; docs/cost-model.md, "`expert` (mixture of experts)".
+Outside the experts, ``expert`` is one more data-parallel axis. The MoE layer calls
+:func:`expert_parallel`'s function through the ``experts_override`` hook; it runs per device in
+``shard_map``: an all-to-all over ``expert`` sends each slot to its expert's device, the local
+experts run, and the reverse all-to-all brings the results back. The layout, the padding each
+``moe.dispatch`` needs, and the bytes: docs/moe.md, "Expert parallelism".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The parallel layout's hooks into the model, installed for one trace.
 
-The model names logical axes and calls hooks (:mod:`jaxpar.model.annotate`). This module builds
-them for a mesh shape: activation constraints; attention (over ``context``:
-``parallel.context_impl``, else what ``model.attention`` picks for the backend); the experts'
-dispatch over ``expert``; the sum of the loss's per-shard head gradient (``parallel/zero.py``);
-and the sum of a MoE layer's load over devices that split the tokens by hand. It also sets the
-dtype of the weight gradients the compiler sums (``parallel.reduce_dtype``).
-
-The train step installs them for the whole mesh. The pipeline executor installs them again
-inside its ``shard_map``, for the mesh that stays automatic there (the axes it handles by hand
-counted as 1 and named in ``by_hand``). There, attention runs on the device's piece directly,
-and a MoE layer routes the device's tokens with no ``shard_map`` of its own unless ``tensor``
-splits its experts. Such a nested ``shard_map`` is a config error on the platforms in
-:data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES` (docs/jax-notes.md, "A `shard_map` nested in a
-pipeline stage aborts libtpu").
+The model names logical axes and calls hooks (:mod:`jaxpar.model.annotate`); this module builds
+them for a mesh shape: activation constraints, attention, the experts' dispatch, the sums of
+by-hand split gradients and loads, and ``parallel.reduce_dtype``. The train step installs them
+for the whole mesh; the pipeline executor again inside its ``shard_map``, with the axes it
+handles by hand counted as 1 (``by_hand``). A ``shard_map`` nested there is a config error on
+the platforms in :data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES` (docs/jax-notes.md, "A
+`shard_map` nested in a pipeline stage aborts libtpu").
 """
 from __future__ import annotations
 

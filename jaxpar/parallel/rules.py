@@ -1,18 +1,10 @@
 """The one table from logical axis names to mesh axes, and everything derived from it.
 
-The model names the dimensions of its parameters and activations (``embed``, ``heads``, ``seq``
-...). :func:`logical_rules` says which mesh axes split each logical dimension: the batch over
-``data``, ``fsdp`` and ``expert``; the sequence over ``context``; parameters' ``embed`` over
-``fsdp`` and ``expert`` under ZeRO-3 (the routed experts' ``expert_embed`` over ``fsdp``); heads,
-MLP and vocabulary over ``tensor`` (the vocabulary padded to divide: ``Config.vocab_rows``);
-experts over ``expert``; the stacked layers over ``pipe``; and, with sequence parallelism, the
-residual stream's rows or sequence over ``tensor`` too. ``parallel.rules`` in the config can
-override entries.
-
-Rules are checked when resolved, never silently dropped: a logical name with no rule, a mesh axis
-the mesh does not have, one mesh axis used for two dimensions of one array, or a dimension that
-does not divide evenly, is a :class:`~jaxpar.config.ConfigError` naming the array. The whole
-table, with why each entry: docs/design.md, "Logical-axis rules".
+The model names the dimensions of its parameters and activations (``embed``, ``heads``,
+``seq`` ...); :func:`logical_rules` says which mesh axes split each, and ``parallel.rules``
+can override entries. Rules are checked when resolved, never silently dropped: a bad one is a
+:class:`~jaxpar.config.ConfigError` naming the array. The whole table, with why each entry:
+docs/design.md, "Logical-axis rules".
 """
 
 from __future__ import annotations

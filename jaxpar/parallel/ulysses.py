@@ -1,27 +1,15 @@
 """Ulysses context attention (all-to-all) and the hybrid of Ulysses and the ring.
 
-``ulysses`` (DeepSpeed-Ulysses). The sequence is split c ways over ``context``, but heads are
-independent of each other. So per layer one all-to-all over ``context`` per tensor turns the
-sequence split into a head split, attention runs on one device's heads, and one all-to-all
-turns the output back::
+``ulysses`` (DeepSpeed-Ulysses): per layer, all-to-alls over ``context`` turn the sequence
+split into a head split, any one-device kernel attends, and one all-to-all turns the output
+back::
 
     q [B, S/c, H, D]  --all-to-all-->  [B, S, H/c, D]        (k and v likewise)
 
-Any one-device kernel runs unchanged (dense, blockwise, splash, cuDNN): the zigzag order is undone
-around it and the int32 masks are all-gathered. Per device, layer and forward pass it sends
-(c-1)/c x B x S/c x D x (2H + 2K') elements, which shrinks as c grows with S. Kv heads that do
-not split c ways are repeated until they do (:func:`kv_repeats`, K' = r K).
-
-``hybrid`` ("USP"): Ulysses inside groups of u = ``parallel.ulysses_size`` consecutive
-``context`` indices (``axis_index_groups``), the ring between the c/u groups (``ppermute`` from
-i to i + u). The all-to-all is all-pairs traffic the kernel waits for, so it takes the nearest
-devices; the ring's sends hide behind compute and tolerate slower links. It splits the
-sequence c ways and the heads only u ways, for c beyond the kv head count.
-
-The head axes are manual in the ``shard_map`` as well as ``context`` (left automatic, the
-partitioner gathered the heads over ``tensor`` around every all-to-all). The bytes, memory and
-constraints of all four ways, and the pipeline-stage fallback: docs/attention-and-loss.md,
-"Ulysses and the hybrid".
+``hybrid`` ("USP"): Ulysses inside groups of u = ``parallel.ulysses_size`` neighbouring
+``context`` devices, the ring between the c/u groups. Kv heads that do not split are repeated
+(:func:`kv_repeats`). The bytes, memory, constraints and the pipeline-stage fallback:
+docs/attention-and-loss.md, "Ulysses and the hybrid".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """ZeRO: which device holds which part of the parameters and optimizer state.
 
-Plain data parallelism (``data``) and ZeRO-3 / FSDP (``fsdp``, ``parallel.zero=3``) need no code
-here: the rules table replicates the parameters over ``data``, and maps their ``embed``
-dimension to ``fsdp``, so parameters, gradients and Adam moments are stored 1/N per device. The
-compiler then all-reduces, or all-gathers and reduce-scatters, as each layout needs.
-
-ZeRO-1 (``parallel.zero=1``) keeps parameters and gradients whole on every device and splits
-only the optimizer state over ``data`` and ``fsdp``. This module builds those specs: the update
-runs on each device's slice, then the new parameters are all-gathered. Outside a pipeline the
-gradients take the moments' layout too (ZeRO-2), so their sum is a reduce-scatter.
-
-Weight gradients the model accumulates by hand (the loss's head, over its pieces of the
-sequence) arrive as one partial sum per token shard. :func:`token_shard_sum` adds them with a
-reduce-scatter over the axes that split the weight as stored, then an all-reduce of each
-device's slice over the other token axes, where the partitioner would all-reduce the whole
-gradient. The bytes of each: docs/cost-model.md, "Collectives per step"; ZeRO-1's layout:
+Data parallelism and ZeRO-3 need no code here: the rules table does them. This module builds
+ZeRO-1's specs (``parallel.zero=1``: the optimizer state split over ``data`` and ``fsdp``;
+outside a pipeline the gradients too), and :func:`token_shard_sum`, which adds a weight
+gradient kept as one partial sum per token shard with a reduce-scatter, then an all-reduce of
+the slice. The bytes: docs/cost-model.md, "Collectives per step"; ZeRO-1's layout:
 docs/design.md, "Logical-axis rules".
 """
 

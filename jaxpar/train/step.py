@@ -1,19 +1,9 @@
 """One optimizer step as a pure, jitted function of (state, batch), sharded by annotations.
 
-The step never mentions a collective: parameters, optimizer state and the batch get
-``NamedSharding``s from the rules table, activations get constraints inside the model, and the
-compiler inserts the all-reduces / all-gathers / reduce-scatters each layout needs.
-
-The loss is the *sum* of per-token losses divided by the *global* count of valid tokens, taken
-over the whole global batch before it is split into micro-steps. So the number (and its
-gradient) does not depend on the mesh, on micro-stepping, or on how padding falls. A mixture of
-experts adds its weighted auxiliary losses to the objective; the ``loss`` metric stays the
-cross-entropy. Non-trainable model state (``TrainState.buffers``: MoE router biases, sliding
-window flags) is kept apart from the parameters, so the optimizer never sees it. With packed
-documents, :meth:`Trainer.put_batch` derives each token's position in its document on the host,
-and the model gets one mask description (:mod:`jaxpar.model.mask`) in place of positions.
-
-The hops of one step, and the objective in full: docs/train-step.md.
+The step never mentions a collective: the rules table lays out parameters, state and batch,
+the model constrains activations, and the compiler inserts the collectives. The hops of one
+step, and the objective (a sum over tokens divided by the global valid count, so that it does
+not depend on the mesh): docs/train-step.md.
 """
 
 from __future__ import annotations
@@ -297,13 +287,10 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
 def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
                     platform: str) -> Callable:
     """Step 2, without a pipeline: ``(params, buffers, batch, valid) -> (grads, (loss_sum,
-    aux))`` of the objective (module docstring), ``train.grad_accum`` micro-steps summed.
-
-    Where :func:`~jaxpar.parallel.zero.data_summed_by_hand` says so (micro-steps, or a
-    ``parallel.reduce_dtype`` the partitioner would not sum in), the sum over ``data`` is taken
-    by hand once per step: :func:`sum_over_data_once` runs the micro-steps with ``data`` split
-    by hand and sums in the reduce dtype. (``fsdp`` keeps its per-micro-step gathers and
-    reduce-scatters: one layer's weights whole at a time is what FSDP is for.)"""
+    aux))``, ``train.grad_accum`` micro-steps summed. Where
+    :func:`~jaxpar.parallel.zero.data_summed_by_hand` says so, the sum over ``data`` is taken
+    by hand once per step (:func:`sum_over_data_once`); ``fsdp`` keeps its per-micro-step
+    gathers and reduce-scatters."""
     dtype, accum = DTYPES[cfg.train.dtype], cfg.train.grad_accum
     remat = Remat.of_train(cfg.train)
     moe, pieces, embedding_pieces = cfg.model.moe, cfg.loss_pieces(), cfg.embedding_grad_pieces()
@@ -443,10 +430,8 @@ def check_reduce_dtype(cfg: Config, platform: str) -> None:
 
 
 def check_host_memory(cfg: Config, device: Any) -> None:
-    """``train.offload.optimizer`` and ``train.remat=offload_dots`` put arrays in the devices'
-    pinned host memory: a platform without that memory kind is a config error here, before
-    any trace. (CPU, GPU and TPU have it; a device that cannot list its memories is let
-    through, and the compiler has the last word.)"""
+    """Refuse ``train.offload.optimizer`` and ``remat=offload_dots`` on a platform without
+    pinned host memory, before any trace; a device that cannot list its memories passes."""
     asked = [name for name, on in (("train.offload.optimizer=true", cfg.train.offload.optimizer),
                                    ("train.remat=offload_dots",
                                     cfg.train.remat == "offload_dots")) if on]
@@ -463,12 +448,8 @@ def check_host_memory(cfg: Config, device: Any) -> None:
 
 
 def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
-    """Resolve every sharding for ``cfg`` on ``mesh`` and jit init/step. ``cfg`` is validated.
-
-    Named steps: shardings, the parallel hooks (built once here, so that a layout the expert
-    hook cannot run fails before any trace), the loss-and-gradient function (plain, or the
-    pipeline executor's), the train step.
-    """
+    """Resolve every sharding for ``cfg`` (validated) on ``mesh`` and jit init/step. Its named
+    steps: docs/train-step.md, "Building the trainer"."""
     logical_axes = trained(cfg, param_logical_axes(abstract_model(
         cfg.model, lora_of(cfg), vocab_rows=cfg.vocab_rows())))
     tx = make_optimizer(cfg.train, logical_axes, muon_specs(cfg, logical_axes))

@@ -1,25 +1,11 @@
 """Which collectives did the compiler emit, over which mesh axes, moving how many bytes?
 
-`parse_collectives` reads the text of a compiled XLA program (`compiled.as_text()`: optimised,
-SPMD-partitioned HLO with per-device shapes). It returns one `Collective` per collective
-instruction, described logically: the kind of communication, its payload, and the mesh axes its
-device groups span. `summarize_collectives` folds those into the per-step rows of
-`jaxpar inspect --json` (each `Collective` carries its `executions`:
-:mod:`jaxpar.inspect.hlo.text`).
-
-The view is logical because each backend and XLA version spells the same communication
-differently, and users ask about the communication, not the spelling:
-
-- An async pair counts once, at its start; payloads come from the operands, so the start's
-  tuple results do not matter.
-- An all-reduce cut down to each device's shard is a `reduce-scatter`, and an all-reduce of
-  shards written into zeros an `all-gather` (with the all-reduce's wire bytes). `lowered_as`
-  keeps the spelling.
-- Replica groups map onto the user's mesh (:mod:`jaxpar.inspect.hlo.groups`); inside fused
-  computations a channel is one collective, counted once.
-
-The spellings and the compilers they were seen on: docs/jax-notes.md, "How compiled HLO spells
-collectives".
+`parse_collectives` reads compiled HLO text (per-device shapes) into one `Collective` per
+instruction, described logically: the kind, its payload, the mesh axes its groups span.
+`summarize_collectives` folds them into the per-step rows of `jaxpar inspect --json`. Logical,
+because each backend and XLA version spells the same communication differently: an async pair
+counts once, an all-reduce cut to shards is a `reduce-scatter` (`lowered_as` keeps the
+spelling). The spellings: docs/jax-notes.md, "How compiled HLO spells collectives".
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Which collectives did the compiler's schedule hide behind matmuls, and which are exposed?
 
-In a scheduled HLO module (``compiled.as_text()``, ``is_scheduled=true``) the instructions of a
-computation are in the order they run. An asynchronous collective is a *start* and a *done*, and
-whatever the schedule puts between them can run while it moves. This module finds each
-collective's start and done and the matmul work scheduled in between (its *window*). The done
-is the one whose operand is the start, or reached from it through ``async-update`` ops; a TPU
-async collective fusion and a transfer between slices (:mod:`jaxpar.inspect.hlo.megascale`)
-have windows of their own. Every other collective is synchronous: it has no window.
-
-A collective execution is **hidden** when at least one matmul
-(:func:`jaxpar.inspect.hlo.flops.instruction_flops` not zero) is scheduled strictly between its
-start and done, in the same computation; everything else is **exposed**. A window whose done
-is missing runs to the end of its computation, and what runs after that computation returns
-is not looked at. Hidden is a property of the schedule, not a measurement. A row's
-``window_matmul_flops`` (:func:`add_overlap`) counts each matmul once, and its hidden and
-exposed bytes add up to its ``bytes`` (per step: :mod:`jaxpar.inspect.hlo.collectives`).
-
-The rules in full: docs/inspect.md, "Hidden and exposed communication"; the spellings read:
-docs/jax-notes.md, "How compiled HLO spells collectives".
+In a scheduled HLO module the instructions of a computation are in the order they run. A
+collective execution is **hidden** when at least one matmul is scheduled strictly between its
+start and done (its *window*), in the same computation; everything else, synchronous
+collectives included, is **exposed**. Hidden is a property of the schedule, not a measurement.
+The rules in full: docs/inspect.md, "Hidden and exposed communication".
 """
 
 from __future__ import annotations

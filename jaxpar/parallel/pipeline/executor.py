@@ -1,25 +1,11 @@
 """The pipeline executor: one SPMD program running any schedule inside shard_map over `pipe`.
 
-The schedules (:mod:`jaxpar.parallel.pipeline.schedules`) say which stage does what at each
-*step*; :mod:`jaxpar.parallel.pipeline.program` turns them into integer arrays, and this module
-runs them, with the model cut by :mod:`jaxpar.parallel.pipeline.stages`.
-
-Why one program: every device runs the same operations at every step, and the arrays choose
-only data (microbatch, chunk, stash slot, masks). So no collective sits inside a conditional,
-and every collective inside a stage is reached by all its participants, on every backend.
-Steps that repeat a pattern of slot kinds form a *stretch*, run as one ``lax.scan``.
-
-A step: embed (vocabulary pieces summed over ``pipe``), forward slot under ``jax.vjp`` into a
-stash, head and loss split over the pieces, backward slot (``B`` or ``I``), weight-gradient
-slot (``W``), sends. ``train.grad_accum`` is folded into one schedule over ``A m``
-microbatches (:func:`split_microbatches`). Besides ``pipe`` the ``shard_map`` splits the batch
-axes and ``context`` by hand, and sums the gradients once per step (:class:`ByHand`).
-
-The walk-through, step by step, with stash slots, parameters, dense first blocks, LoRA and the
-one reduction per step: docs/pipelines.md, "One program on every stage", "Gradient
-accumulation: one schedule per step", "One reduction per step", "Dense first blocks
-(DeepSeek-V3)" and "LoRA in the stages". The bytes over ``pipe``: docs/pipelines.md, "What the
-plan counts".
+Every device runs the same operations at every step; integer arrays
+(:mod:`jaxpar.parallel.pipeline.program`) choose only data (microbatch, chunk, stash slot,
+masks). So no collective sits inside a conditional, and every collective inside a stage is
+reached by all its participants. The walk-through: docs/pipelines.md, "One program on every
+stage"; the rest of that page for accumulation, the one reduction per step, dense first
+blocks and LoRA.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """A pipeline chunk run one layer at a time, and a step's forward and backward in one loop.
 
-The executor's default runs a slot's chunk as one function under ``jax.vjp``. Two modes run it here
-instead, as a ``lax.scan`` of the slot's own whose iteration runs one layer under ``jax.vjp`` and
-stashes its residuals:
-
-- ``parallel.pipeline_fsdp=per_layer``: each layer gathered over ``fsdp`` as the slot runs it, its
-  gradient reduce-scattered at once (:class:`~jaxpar.parallel.pipeline.per_layer.LayerFsdp`);
-- ``parallel.pipeline_overlap=true``: a step's forward and backward slots in one loop
-  (:func:`layer_forward_backward`), iteration ``k`` running layer ``k`` of one microbatch's forward
-  and layer ``L-1-k`` of another's backward. The two are independent, so the compiler may hide one's
-  collectives behind the other's matmuls (DualPipe's "F&B").
-
-:class:`LayerWeights` says how an iteration reads its layer's weights and hands back its gradient; a
-zero-bubble split cuts the I and W halves per layer (:func:`layer_split`). Why and what it costs:
+Two modes run a slot's chunk as a ``lax.scan`` of one layer under ``jax.vjp`` per iteration:
+``parallel.pipeline_fsdp=per_layer`` (each layer gathered as it runs,
+:class:`~jaxpar.parallel.pipeline.per_layer.LayerFsdp`) and ``parallel.pipeline_overlap=true``
+(:func:`layer_forward_backward`: one microbatch's forward beside another's backward, so the
+compiler may hide one's collectives behind the other's matmuls). Why and what it costs:
 docs/pipelines.md, "Forward and backward in one layer loop".
 """
 

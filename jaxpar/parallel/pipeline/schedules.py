@@ -1,19 +1,10 @@
 """Pipeline schedules: which stage does what, step by step, as pure Python data.
 
-The layer stack is cut into ``p`` *stages*, one per device along ``pipe`` (interleaved schedules
-cut it into ``v * p`` *chunks*, device ``s`` holding chunks ``s, s+p, ...``). A micro-step's batch
-is split into ``m`` microbatches. A schedule is each stage's *order* of forward ``F`` and
-backward ``B`` actions (or ``B``'s halves, ``I`` and ``W``) on (microbatch, chunk) pairs.
-
-:func:`as_soon_as_possible` times the orders into executor steps. The executor
-(:mod:`jaxpar.parallel.pipeline.executor`) runs one program on every stage: a step has the same
-slots everywhere, and a stage with no work in a slot runs it masked. Laid out in *ticks* (``F``
-one, ``B`` two, ``I`` and ``W`` one each), the steps form the *table* ``jaxpar schedule``
-prints: a list of ticks, each a tuple with one :class:`Action` or ``None`` (masked) per stage, a
-``B`` in both of its ticks. Its masked share is the executed bubble.
-
-The timing rules, the cost of a slot and each schedule's bubble and stash: docs/pipelines.md,
-"The schedule table" and "How a schedule becomes a table".
+A schedule is each stage's *order* of forward ``F`` and backward ``B`` actions (or ``B``'s
+halves, ``I`` and ``W``) on (microbatch, chunk) pairs. :func:`as_soon_as_possible` times the
+orders into executor steps, whose ticks form the *table* ``jaxpar schedule`` prints: one
+:class:`Action` or ``None`` (masked) per stage and tick. The terms, the timing rules and each
+schedule's bubble: docs/pipelines.md, "The schedule table".
 """
 
 from __future__ import annotations
