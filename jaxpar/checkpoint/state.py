@@ -9,6 +9,7 @@ checkpoint holds and how each failure is handled: docs/checkpoints.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -182,8 +183,9 @@ def corrupt_error(path: Path, err: BaseException,
 def quiet_failed_reads() -> Iterator[None]:
     """Around an orbax read: if it fails, its other reads are still in flight; as they finish they
     report to the event loop orbax already closed, and Python prints each "Event loop is closed"
-    as an unraisable exception, burying the one-line error. Those, and only those, are silenced
-    (for good once a read failed: the stragglers keep coming after the error is raised)."""
+    as an unraisable exception, and asyncio logs each failed one it collects as "Task exception
+    was never retrieved", burying the one-line error. Those, and only those, are silenced (for
+    good once a read failed: the stragglers keep coming after the error is raised)."""
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -192,8 +194,19 @@ def quiet_failed_reads() -> Iterator[None]:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    unretrieved = _UnretrievedTaskErrors()
+    logging.getLogger("asyncio").addFilter(unretrieved)
     yield
     sys.unraisablehook = previous  # reached only when the read succeeded
+    logging.getLogger("asyncio").removeFilter(unretrieved)
+
+
+class _UnretrievedTaskErrors(logging.Filter):
+    """Drops asyncio's report of a failed task nobody awaited (a read in flight when another
+    read of the same restore failed)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Task exception was never retrieved")
 
 
 def _first_line(err: BaseException) -> str:

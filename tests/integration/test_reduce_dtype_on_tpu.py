@@ -55,10 +55,13 @@ def gradient_sum_dtypes(tmp_path: Path, *overrides: str) -> dict[tuple, set[str]
     (["mesh.data=1", "mesh.fsdp=4", "mesh.context=2", "train.dtype=bfloat16",
       "model.qkv_bias=true"], {("all-reduce", ("fsdp", "context")): {"f32"}}),
     # The experts' weights, gathered in bf16 inside the expert-parallel shard_map: their
-    # reduce-scatter over fsdp and sum over context (expert.used_expert_weight: bf16 before).
+    # reduce-scatter over fsdp and sum over context (expert.used_expert_weight: bf16 before),
+    # with the one all-gather (the default's rings send these sums as permutes); the other
+    # weights' reduce-scatter over fsdp x expert.
     (["moe-tiny", "mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.fsdp=2",
-      "train.dtype=bfloat16"],
-     {("reduce-scatter", ("fsdp",)): {"f32"}, ("all-reduce", ("context",)): {"f32"}}),
+      "train.dtype=bfloat16", "parallel.fsdp_gather=all_gather"],
+     {("reduce-scatter", ("fsdp",)): {"f32"}, ("all-reduce", ("context",)): {"f32"},
+      ("reduce-scatter", ("fsdp", "expert")): {"f32"}}),
 ], ids=["data8-bf16-compute-default", "data8-bf16-compute-reduce-bf16", "data8-reduce-bf16",
         "pipe2-data2-fsdp2-default", "pipe2-data2-fsdp2-reduce-bf16", "fsdp8-bf16-default",
         "fsdp8-bf16-reduce-bf16", "fsdp4-context2-bf16-default", "qkv-bias-fsdp4-context2-bf16",
