@@ -32,12 +32,16 @@ def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
     """The analytic plan's numbers beside the compiled ones, row by row, with their ratio.
 
     The plan predicts XLA:CPU's program for CPU devices and the accelerator compilers' (bf16
-    wires, combined reductions) otherwise.
+    wires, combined reductions) otherwise: for a TPU target, its chip's (the platform decides
+    what the plan expects, e.g. ``parallel.fsdp_gather=auto``'s rings).
     """
     from jaxpar.cost.estimate import estimate  # noqa: PLC0415
+    from jaxpar.hardware import PROFILES  # noqa: PLC0415
 
-    kind = str(report.get("run", {}).get("device_kind", "cpu")).lower()
-    plan = estimate(cfg, None if kind == "cpu" else "h100")
+    run = report.get("run", {})
+    kind = str(run.get("device_kind", "cpu")).lower()
+    chip = str(run.get("target") or "").split(":")[0]
+    plan = estimate(cfg, None if kind == "cpu" else chip if chip in PROFILES else "h100")
     # Over several slices a row is also keyed by its network: the plan's collective over an
     # axis that spans slices is its DCN row (the compiler's in-slice part of it, if any, is a
     # row the plan does not have).
