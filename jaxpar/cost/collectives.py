@@ -133,7 +133,9 @@ def _in_ring(c: Ledger, p: ParamCost) -> bool:
     if not fsdp_gather_ring(st.cfg, st.platform):
         return False
     split = {a for entry in p.spec for a in entry_axes(entry)}
-    return p.expert or (p.projected and "tensor" in split and st.mesh["tensor"] > 1)
+    # DeepSeek's dense first blocks go through the same projections as the layers.
+    projected = p.projected or (p.dense_stack and p.matmul and not p.name.endswith("_bias"))
+    return p.expert or (projected and "tensor" in split and st.mesh["tensor"] > 1)
 
 
 def _gathers(c: Ledger, group: list[ParamCost], count_each: float, times: float, what: str,
