@@ -1,7 +1,7 @@
 """Text generation: prefill the prompts, then decode one token at a time with a KV cache.
 
 The model is the training model, run as it is: the cache enters through the attention hook
-(:func:`jaxpar.model.annotate.use_attention`), one slice per scanned unit of layers. Prefill
+(:attr:`jaxpar.model.annotate.Layout.attention`), one slice per scanned unit of layers. Prefill
 compiles once per (B, S, L) and the decode step once per (B, L), lengths rounded up to
 :data:`LENGTH_BUCKET`. How it works, memory and compiles: docs/generation.md, "How it works".
 """
@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxpar.config import BATCH_AXES, Config, ConfigError, ModelConfig
-from jaxpar.model.annotate import Attention, use_attention, use_latent_cache
+from jaxpar.model.annotate import Attention, layout_with
 from jaxpar.model.attention import dense_attention
 from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.model.kv_cache import KVCache, UnitCache, cache_axes, model_cache
@@ -135,7 +135,7 @@ def _scan_cached(stack: nnx.Module, units: int, x: jax.Array, positions: jax.Arr
     def one_unit(x: jax.Array, inputs: tuple) -> tuple[jax.Array, tuple]:
         layer_state, k, v = inputs
         unit_cache = UnitCache(k, v, prefill)
-        with use_attention(unit_cache.attend), use_latent_cache(unit_cache.attend_latent):
+        with layout_with(attention=unit_cache.attend, latent_cache=unit_cache.attend_latent):
             x, _ = nnx.merge(graphdef, layer_state)(x, positions)
         return x, unit_cache.updated()
 

@@ -124,7 +124,7 @@ class UnitCache:
 
     def attend_latent(self, mla: Any, q: jax.Array, latent: jax.Array, k_rope: jax.Array,
                       positions: Positions) -> jax.Array:
-        """The hook of :func:`~jaxpar.model.annotate.use_latent_cache`: multi-head latent
+        """The hook of :attr:`~jaxpar.model.annotate.Layout.latent_cache`: multi-head latent
         attention ``mla`` writes its latent [B, S, R] and rope key [B, S, 1, P] into block i
         (``k`` and ``v``) and attends (the module docstring); returns [B, S, H, V]."""
         i = self._next()

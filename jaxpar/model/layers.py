@@ -24,11 +24,10 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig, RopeScalingConfig
 from jaxpar.model.annotate import (
-    attention_override,
     constrain,
+    current_layout,
     is_split,
     relayout,
-    weights_prepared,
 )
 from jaxpar.model.attention import dense_attention
 from jaxpar.model.lora import adapted
@@ -61,7 +60,7 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
 def stored_weight(param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
     """A weight as stored (dtype and layout ``names``; as prepared inside a pipeline stage): the
     experts' weights, which the experts function casts and the expert-parallel hook gathers."""
-    if weights_prepared():
+    if current_layout().weights_prepared:
         return param[...]
     return constrain(param[...], names)
 
@@ -283,7 +282,7 @@ class Attention(nnx.Module):
         k = rotary_embedding(k, rope, self.rope_theta, self.rope_scaling, frequencies)
         if self.q_multiplier != 1.0:
             q = q * jnp.asarray(self.q_multiplier, q.dtype)
-        attend = attention_override() or dense_attention
+        attend = current_layout().attention or dense_attention
         q, k, v = named(ATTENTION_INPUTS, q, k, v)
         out, = named(ATTENTION_OUTPUT, attend(q, k, v, self._mask(positions)))
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))

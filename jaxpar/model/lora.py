@@ -12,13 +12,15 @@ adapter's input out in the train step only, each token's mask the same on every 
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxpar.config.schema import LoraConfig
-from jaxpar.model.annotate import constrain, lora_dropout_key
+from jaxpar.model.annotate import constrain, current_layout
 from jaxpar.model.projection import USED_NAMES, weight
 
 # target -> (the weight it adapts, its module attribute, einsum letters of the input's
@@ -100,7 +102,7 @@ def dropped_out(x: jax.Array, salt: int) -> jax.Array:
     """``x`` [b, s, *in] with LoRA dropout where the train step installed it, else ``x``. Each
     token's mask is drawn from the layer's key, ``salt`` and the token's global number, so it is
     the same wherever the token is computed (docs/lora.md, "Dropout")."""
-    active = lora_dropout_key()
+    active = current_layout().lora_dropout
     if active is None:
         return x
     key, rate, tokens = active
@@ -208,6 +210,23 @@ def merged(a: dict, b: dict) -> dict:
     for key, value in b.items():
         out[key] = merged(out[key], value) if key in out else value
     return out
+
+
+def for_gradients(params: dict, buffers: Any, adapted: bool) -> tuple[dict, Any]:
+    """(what is differentiated, what rides along). ``adapted`` (LoRA): the adapters, and
+    (``buffers``, the frozen base weights), so no gradient of the base is computed or summed."""
+    return (adapter_part(params), (buffers, base_part(params))) if adapted else (params, buffers)
+
+
+def riding_apart(riding: Any, adapted: bool) -> tuple[Any, dict]:
+    """What :func:`for_gradients` set riding along, as (buffers, frozen base weights)."""
+    return riding if adapted else (riding, {})
+
+
+def from_gradients(params: dict, riding: Any, adapted: bool) -> tuple[dict, Any]:
+    """The inverse of :func:`for_gradients`: the whole parameters and the buffers."""
+    buffers, frozen = riding_apart(riding, adapted)
+    return merged(params, frozen), buffers
 
 
 def merged_weights(params: dict, lora: LoraConfig) -> dict:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig, RopeScalingConfig
-from jaxpar.model.annotate import attention_override, constrain, latent_cache_override
+from jaxpar.model.annotate import constrain, current_layout
 from jaxpar.model.attention import NEG, dense_attention
 from jaxpar.model.layers import RMSNorm, _param, rope_frequencies
 from jaxpar.model.lora import adapted
@@ -129,11 +129,11 @@ class MLA(nnx.Module):
     def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
                  ) -> jax.Array:
         q, latent, k_rope = self.project_in(x, positions, x_from)
-        cached = latent_cache_override()
+        cached = current_layout().latent_cache
         if cached is not None:  # decoding: the cache keeps the latent, not k and v
             return self.project_out(cached(self, q, latent, k_rope, positions))
         k, v = self.expand(latent, k_rope)
-        attend = attention_override() or dense_attention
+        attend = current_layout().attention or dense_attention
         q, k, v = named(ATTENTION_INPUTS, q, k, v)
         out, = named(ATTENTION_OUTPUT, padded_attention(attend, q, k, v, positions))
         return self.project_out(out)

@@ -2,8 +2,8 @@
 
 Shapes: T tokens (B x S flattened), E d_model, X experts, k top_k, F d_ff_expert, C capacity.
 The router runs in float32, so top-k choices do not flip with rounding. On one device the
-layer runs here (:func:`local_experts`); under expert parallelism it calls the hook
-:func:`jaxpar.model.annotate.experts_override` (:mod:`jaxpar.parallel.expert`). The formulas,
+layer runs here (:func:`local_experts`); under expert parallelism it calls the layout's
+``experts`` (:class:`jaxpar.model.annotate.Layout`, :mod:`jaxpar.parallel.expert`). The formulas,
 the dispatch rules and the statistics: docs/moe.md, "What one MoE layer computes".
 """
 
@@ -20,7 +20,7 @@ from jax import lax
 from jaxpar.config import ModelConfig, MoEConfig
 from jaxpar.model.annotate import (
     constrain,
-    experts_override,
+    current_layout,
     hand_split_devices,
     sum_over_hand_split,
 )
@@ -179,7 +179,7 @@ def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights
                   dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
     """The experts on one device: x [B, S, E], expert_ids/gates [B, S, k] -> ([B, S, E], stats),
     ``weights`` as stored. Also the signature of the
-    :func:`~jaxpar.model.annotate.experts_override` hook."""
+    :attr:`~jaxpar.model.annotate.Layout.experts` hook."""
     b, s, e = x.shape
     k = expert_ids.shape[-1]
     tokens, ids, g = x.reshape(b * s, e), expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
@@ -284,7 +284,7 @@ class MoE(nnx.Module):
         # back (reduce-scatter) in parallel.reduce_dtype, as `weight` does for the other layers.
         weights = (self._expert_weight("gate", EXPERT_IN), self._expert_weight("up", EXPERT_IN),
                    self._expert_weight("down", EXPERT_OUT))
-        experts = experts_override() or local_experts
+        experts = current_layout().experts or local_experts
         y, stats = experts(x, expert_ids, gates, weights, dispatch=moe.dispatch,
                            capacity_factor=moe.capacity_factor)
         if moe.num_shared_experts:

@@ -17,11 +17,9 @@ from flax import nnx
 
 from jaxpar.model.annotate import (
     constrain,
+    current_layout,
     gather_weight,
     relayout,
-    resharding_after_forward,
-    weight_grad_dtype,
-    weights_prepared,
 )
 
 RESIDUAL = ("residual_batch", "residual_seq", "act_embed")  # between blocks
@@ -40,14 +38,14 @@ def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
 
 def summed_grad_dtype(dtype) -> jnp.dtype:
     """The dtype of the weight gradients a layer in ``dtype`` hands to the sums:
-    :func:`weight_grad_dtype` where wider, else ``dtype``."""
-    grad_dtype = weight_grad_dtype()
+    :attr:`~jaxpar.model.annotate.Layout.weight_grad_dtype` where wider, else ``dtype``."""
+    grad_dtype = current_layout().weight_grad_dtype
     wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
     return jnp.dtype(grad_dtype if wider else dtype)
 
 
 def _used_weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
-    if weights_prepared():
+    if current_layout().weights_prepared:
         return w
     return relayout(w.astype(dtype), _stored_names(names), names)
 
@@ -104,18 +102,19 @@ def project_all(x: jax.Array, projections: tuple[Projection, ...], *,
     per parameter, in order.
 
     One custom VJP fixes five things autodiff gets wrong for a large model: it reshards after the
-    forward pass, accumulates weight gradients in :func:`weight_grad_dtype`, stacks weights of one
-    shape into one matmul, keeps ``x_from.kept`` instead of ``x``, and writes each weight gradient
-    as its own matmul (:func:`_matmul_grads`). Each is explained in docs/add-a-layer.md, "What the
-    projection VJP fixes". In a pipeline stage (:func:`weights_prepared`) each parameter is its own
-    matmul (``_matmul``): stacking would stash a copy per slot.
+    forward pass, accumulates weight gradients in the layout's ``weight_grad_dtype``, stacks
+    weights of one shape into one matmul, keeps ``x_from.kept`` instead of ``x``, and writes each
+    weight gradient as its own matmul (:func:`_matmul_grads`). Each is explained in
+    docs/add-a-layer.md, "What the projection VJP fixes". In a pipeline stage (the layout's
+    ``weights_prepared``) each parameter is its own matmul (``_matmul``): stacking would stash a
+    copy per slot.
     """
-    if weights_prepared():
+    if current_layout().weights_prepared:
         return tuple(_matmul(p.spec.replace("t", ""), None, x, param[...])
                      for p in projections for param in p.params)
     parts = tuple(_Part.of(p) for p in projections)
     ws = tuple(param[...] for p in projections for param in p.params)
-    how = _ProjectVJP(parts, resharding_after_forward(), summed_grad_dtype(x.dtype),
+    how = _ProjectVJP(parts, current_layout().reshard_after_forward, summed_grad_dtype(x.dtype),
                       ws[0].dtype, x_from.fn if x_from is not None else None)
     ys = _project(how, x, x_from.kept if x_from is not None else None, *ws)
     return tuple(out for part, y in zip(parts, ys, strict=True) for out in part.unstacked(y))
@@ -366,7 +365,7 @@ def add_bias(y: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Arra
     over the tokens, is taken in :func:`summed_grad_dtype` (autodiff would sum bf16 in a bf16
     run)."""
     b = param[...]
-    if weights_prepared():
+    if current_layout().weights_prepared:
         return y + b
     return _add_bias(_BiasVJP(tuple(names), summed_grad_dtype(y.dtype), b.dtype), y, b)
 

@@ -21,14 +21,14 @@ from flax import nnx
 from jaxpar.config import LoraConfig, ModelConfig
 from jaxpar.model.annotate import (
     constrain,
-    lora_dropout_key,
-    reshard_after_forward,
+    current_layout,
+    layout_with,
     split_count,
-    use_lora_dropout,
 )
+from jaxpar.model.edges import Edges
 from jaxpar.model.layers import Attention, RMSNorm, SwiGLU, _param
 from jaxpar.model.lora import add_adapters
-from jaxpar.model.loss import HIDDEN, head_logits
+from jaxpar.model.loss import HIDDEN
 from jaxpar.model.mask import Positions
 from jaxpar.model.mla import MLA
 from jaxpar.model.moe import LAYER_STACKED, MoE
@@ -247,9 +247,7 @@ class Transformer(nnx.Module):
         tokens = constrain(tokens, ("batch", "seq"))
         x = lookup(tokens, self.embedding, ("vocab", "act_embed"), dtype, grad_pieces,
                    vocab_shards=split_count("vocab"))
-        if self.cfg.embed_scale:  # in the compute dtype, rounded as transformers rounds it
-            x = x * jnp.asarray(self.cfg.d_model ** 0.5, dtype)
-        return constrain(x, RESIDUAL)
+        return constrain(self.edges.scaled(x), RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: Positions, *, remat: Remat | str = "none",
                    dense: bool = True) -> tuple[jax.Array, Aux]:
@@ -273,8 +271,12 @@ class Transformer(nnx.Module):
     def logits(self, x: jax.Array, *, dtype=jnp.float32) -> jax.Array:
         """The residual stream -> float32 logits [B, S, vocab rows] (final norm, output head,
         ``model.final_softcap``, the padded vocabulary's columns at ``-inf``)."""
-        return head_logits(self.final_hidden(x), self.head(dtype), self.cfg.final_softcap,
-                           self.cfg.vocab_size)
+        return self.edges.logits(self.final_hidden(x), self.head(dtype))
+
+    @property
+    def edges(self) -> Edges:
+        """The model's ends as functions of arrays (:mod:`jaxpar.model.edges`)."""
+        return Edges(self.cfg, self.embedding.shape[0])
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         """The residual stream after the final norm: what the output head multiplies."""
@@ -295,7 +297,7 @@ def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: Rem
     every layer draws its own masks."""
     remat = Remat.of(remat)
     graphdef, stacked = nnx.split(stack)
-    dropout = lora_dropout_key()
+    dropout = current_layout().lora_dropout
     units = jax.tree.leaves(stacked)[0].shape[0]
 
     def one_unit(x: jax.Array, scanned) -> tuple[jax.Array, Aux]:
@@ -303,21 +305,21 @@ def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: Rem
             return nnx.merge(graphdef, scanned)(x, positions)
         layer_state, index = scanned
         key = jax.random.fold_in(jax.random.fold_in(dropout[0], stack_id), index)
-        with use_lora_dropout(key, *dropout[1:]):
+        with layout_with(lora_dropout=(key, *dropout[1:])):
             return nnx.merge(graphdef, layer_state)(x, positions)
 
     if dropout is not None:  # each unit's index rides along, for its key
         stacked = (stacked, jnp.arange(units, dtype=jnp.int32))
     if remat.every == 1:
         # Without remat nothing would gather a layer's weights again for its backward pass.
-        with reshard_after_forward(remat.policy == "none"):
+        with layout_with(reshard_after_forward=remat.policy == "none"):
             return jax.lax.scan(rematted(one_unit, remat.policy), x, stacked)
     k, first = remat.every, rematted(one_unit, remat.policy)
 
     def one_group(x: jax.Array, group) -> tuple[jax.Array, Aux]:
         per_unit = []
         for i in range(k):
-            with reshard_after_forward(i > 0):  # the units that keep everything
+            with layout_with(reshard_after_forward=i > 0):  # the units that keep everything
                 unit = jax.tree.map(operator.itemgetter(i), group)
                 x, aux = (first if i == 0 else one_unit)(x, unit)
             per_unit.append(aux)

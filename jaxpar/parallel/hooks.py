@@ -1,9 +1,9 @@
-"""The parallel layout's hooks into the model, installed for one trace.
+"""The parallel layout as the model sees it: one :class:`~jaxpar.model.annotate.Layout` per trace.
 
-The model names logical axes and calls hooks (:mod:`jaxpar.model.annotate`); this module builds
-them for a mesh shape: activation constraints, attention, the experts' dispatch, the sums of
-by-hand split gradients and loads, and ``parallel.reduce_dtype``. The train step installs them
-for the whole mesh; the pipeline executor again inside its ``shard_map``, with the axes it
+The model names logical axes and reads the active layout (:mod:`jaxpar.model.annotate`); this
+module builds it for a mesh shape: activation constraints, attention, the experts' dispatch, the
+sums of by-hand split gradients and loads, and ``parallel.reduce_dtype``. The train step installs
+one for the whole mesh; the pipeline executor its own inside its ``shard_map``, with the axes it
 handles by hand counted as 1 (``by_hand``). A ``shard_map`` nested there is a config error on
 the platforms in :data:`jaxpar.platform.NO_SHARD_MAP_IN_STAGES` (docs/jax-notes.md, "A
 `shard_map` nested in a pipeline stage aborts libtpu").
@@ -23,15 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import platform as workarounds
 from jaxpar.config import BATCH_AXES, Config, ConfigError, documents_masked
-from jaxpar.model.annotate import (
-    activation_sharding,
-    splitting,
-    use_attention,
-    use_experts,
-    use_hand_split,
-    use_token_shard_sum,
-    weight_grads_in,
-)
+from jaxpar.model.annotate import Layout, installed
 from jaxpar.model.fused import attention_fn, resolve
 from jaxpar.parallel.collectives import fsdp_gather_ring
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
@@ -44,13 +36,14 @@ from jaxpar.platform import splash_possible
 ULYSSES = ("ulysses", "hybrid")  # the context_impls of parallel/ulysses.py
 
 
-def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
-                in_stage: bool = False, by_hand: Mapping[str, int] = MappingProxyType({}),
-                ) -> contextlib.ExitStack:
-    """A context manager installing the hooks for a mesh of ``mesh_shape``. ``in_stage``: for a
-    pipeline stage's layers, inside the executor's ``shard_map``; ``by_hand``: the axes (and
-    sizes) that split the tokens by hand there: attention runs on the device's own piece, and the
-    MoE layers' statistics are summed over them."""
+def model_layout(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
+                 in_stage: bool = False, by_hand: Mapping[str, int] = MappingProxyType({}),
+                 ) -> Layout:
+    """The :class:`~jaxpar.model.annotate.Layout` the model runs under on a mesh of
+    ``mesh_shape``. ``in_stage``: for a pipeline stage's layers, inside the executor's
+    ``shard_map``; ``by_hand``: the axes (and sizes) that split the tokens by hand there:
+    attention runs on the device's own piece, and the MoE layers' statistics are summed over
+    them. A layout that cannot run raises :class:`~jaxpar.config.ConfigError` here."""
     rules = logical_rules(cfg)
     hand_context = by_hand.get("context", 1)
     batch_axes = tuple(a for a in rules["batch"] if mesh_shape[a] > 1)
@@ -78,21 +71,27 @@ def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
                           f"({workarounds.CHECKED_LIBTPU}) "
                           f"fails on the ragged all-to-all inside a pipeline stage; use "
                           f"model.moe.dispatch=dropping there (or mesh.pipe=1)")
-    stack = contextlib.ExitStack()
-    stack.enter_context(activation_sharding(activation_constrainer(
-        rules, mesh_shape, ring=fsdp_gather_ring(cfg, platform))))
-    stack.enter_context(use_attention(attention))
-    stack.enter_context(use_experts(experts))
-    # (A pipeline stage's loss sums its head gradient itself: no shard_map nested there.)
-    stack.enter_context(use_token_shard_sum(None if in_stage else token_shard_sum(mesh_shape,
-                                                                                   rules)))
-    # bf16 matmuls would otherwise hand the compiler bf16 weight gradients to sum.
-    stack.enter_context(weight_grads_in(jnp.dtype(cfg.parallel.reduce_dtype)))
-    stack.enter_context(splitting({name: math.prod(mesh_shape[a] for a in axes)
-                                   for name, axes in rules.items()}))
-    stack.enter_context(use_hand_split(partial(lax.psum, axis_name=tuple(by_hand)),
-                                       math.prod(by_hand.values())))
-    return stack
+    hand_devices = math.prod(by_hand.values())
+    return Layout(
+        constrain=activation_constrainer(rules, mesh_shape, ring=fsdp_gather_ring(cfg, platform)),
+        attention=attention,
+        experts=experts,
+        split_counts=MappingProxyType({name: math.prod(mesh_shape[a] for a in axes)
+                                       for name, axes in rules.items()}),
+        # (A pipeline stage's loss sums its head gradient itself: no shard_map nested there.)
+        token_shard_sum=None if in_stage else token_shard_sum(mesh_shape, rules),
+        hand_split=((partial(lax.psum, axis_name=tuple(by_hand)), hand_devices)
+                    if hand_devices > 1 else None),
+        # bf16 matmuls would otherwise hand the compiler bf16 weight gradients to sum.
+        weight_grad_dtype=jnp.dtype(cfg.parallel.reduce_dtype))
+
+
+def model_hooks(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
+                in_stage: bool = False, by_hand: Mapping[str, int] = MappingProxyType({}),
+                ) -> contextlib.AbstractContextManager[Layout]:
+    """A context manager installing :func:`model_layout` (built, and checked, at the call)."""
+    return installed(model_layout(cfg, mesh_shape, platform, in_stage=in_stage,
+                                  by_hand=by_hand))
 
 
 def _refuse_nested_shard_maps(cfg: Config, nested: list[str],

@@ -27,8 +27,9 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
+from jaxpar.model.annotate import installed
 from jaxpar.model.transformer import DTYPES
-from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.hooks import model_hooks, model_layout
 from jaxpar.parallel.rules import logical_rules
 
 
@@ -183,9 +184,11 @@ def split_by_hand(cfg: Config, platform: str) -> tuple[tuple[str, ...], dict, Ca
                  if a in ("data", "fsdp", "expert", "context") and mesh_shape[a] > 1)
     inner = {**mesh_shape, **{a: 1 for a in hand}}
 
-    def hooks() -> Any:
-        return model_hooks(cfg, inner, platform, in_stage=True,
-                           by_hand={a: mesh_shape[a] for a in hand})
+    # Built here, so a layout that cannot run fails before any trace.
+    layout = model_layout(cfg, inner, platform, in_stage=True,
+                          by_hand={a: mesh_shape[a] for a in hand})
 
-    hooks().close()  # a layout the hooks refuse fails here, before any trace
+    def hooks() -> Any:
+        return installed(layout)
+
     return hand, inner, hooks

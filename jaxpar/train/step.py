@@ -9,7 +9,7 @@ not depend on the mesh): docs/train-step.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -22,10 +22,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config, ConfigError, documents_masked
 from jaxpar.mesh import process_batch_rows, step_compiler_options
-from jaxpar.model.annotate import lora_dropout_tokens, use_lora_dropout
+from jaxpar.model.annotate import installed, lora_dropout_for, lora_dropout_tokens
 from jaxpar.model.layers import FULL_PRECISION
 from jaxpar.model.lora import adapter_part, base_part, dropout_key, merged, with_dropout_tokens
-from jaxpar.model.loss import summed_token_loss
+from jaxpar.model.lora import for_gradients as lora_for_gradients
+from jaxpar.model.lora import from_gradients as lora_from_gradients
 from jaxpar.model.mask import AttentionMask, document_positions
 from jaxpar.model.moe import moe_loss, moe_metrics, update_router_bias
 from jaxpar.model.remat import Remat
@@ -35,7 +36,7 @@ from jaxpar.model.transformer import (
     create_model,
 )
 from jaxpar.parallel.context import zigzag_order
-from jaxpar.parallel.hooks import model_hooks
+from jaxpar.parallel.hooks import model_layout
 from jaxpar.parallel.manual import sum_over_data_once
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.optimizer_state import muon_layout
@@ -93,17 +94,12 @@ def trained(cfg: Config, tree: dict) -> dict:
 def for_gradients(cfg: Config, params: dict, buffers: dict) -> tuple[dict, Any]:
     """(what is differentiated, what rides along): under LoRA the frozen base weights ride
     with the buffers, so no gradient of theirs is computed or summed."""
-    if lora_of(cfg) is None:
-        return params, buffers
-    return adapter_part(params), (buffers, base_part(params))
+    return lora_for_gradients(params, buffers, lora_of(cfg) is not None)
 
 
 def from_gradients(cfg: Config, params: dict, buffers: Any) -> tuple[dict, dict]:
     """The inverse of :func:`for_gradients`: the whole parameters and the buffers."""
-    if lora_of(cfg) is None:
-        return params, buffers
-    buffers, frozen = buffers
-    return merged(params, frozen), buffers
+    return lora_from_gradients(params, buffers, lora_of(cfg) is not None)
 
 
 def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch: Batch, *,
@@ -117,9 +113,8 @@ def batch_token_loss(params: dict, buffers: dict, graphdef: nnx.GraphDef, batch:
     x = model.embed(batch["inputs"], dtype=dtype, grad_pieces=embedding_grad_pieces)
     with lora_dropout_tokens(batch.get("lora_tokens")):
         x, aux = model.run_layers(x, batch["positions"], remat=remat)
-    return summed_token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
-                             batch["mask"], loss_pieces, model.cfg.final_softcap,
-                             model.cfg.vocab_size), aux
+    return model.edges.token_loss(model.final_hidden(x), model.head(dtype), batch["targets"],
+                                  batch["mask"], loss_pieces), aux
 
 
 @dataclass(frozen=True)
@@ -347,9 +342,10 @@ def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         batch = with_dropout_tokens(with_positions(batch, seq_order), cfg.train.lora)
-        with model_hooks(cfg, cfg.mesh_shape, platform), \
-                use_lora_dropout(dropout_key(cfg.train.lora, cfg.train.seed, state.step),
-                                 cfg.train.lora.dropout):
+        dropout = lora_dropout_for(dropout_key(cfg.train.lora, cfg.train.seed, state.step),
+                                   cfg.train.lora.dropout)
+        with installed(replace(model_layout(cfg, cfg.mesh_shape, platform),
+                               lora_dropout=dropout)):
             grads, (loss_sum, aux) = grad_fn(*for_gradients(cfg, state.params, state.buffers),
                                              batch, valid)
         # Gradients live where their parameters live (under ZeRO-1, where the moments do:
@@ -457,7 +453,7 @@ def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
     sh = resolve_shardings(cfg, mesh, tx)
     platform = mesh.devices.flat[0].platform
     check_reduce_dtype(cfg, platform)
-    model_hooks(cfg, cfg.mesh_shape, platform).close()
+    model_layout(cfg, cfg.mesh_shape, platform)  # a layout that cannot run fails here
     n_context = cfg.mesh.context
     seq_order = (zigzag_order(cfg.train.seq_len, n_context)
                  if n_context > 1 and cfg.parallel.zigzag else np.arange(cfg.train.seq_len))

@@ -244,7 +244,7 @@ def test_embedding_gathers_rows_and_its_gradient_equals_the_gathers(pieces, shar
     slices of the vocabulary, the last one short for vocab 97) equals autodiff's scatter-add
     gradient of ``jnp.take``; with bf16 rows and a float32 ``reduce_dtype`` the table's
     gradient comes out of a float32 matmul."""
-    from jaxpar.model.annotate import weight_grads_in
+    from jaxpar.model.annotate import layout_with
     from jaxpar.model.projection import lookup
 
     vocab = 97 if shards == 1 else 96
@@ -265,7 +265,7 @@ def test_embedding_gathers_rows_and_its_gradient_equals_the_gathers(pieces, shar
 
     def bf16_grad(w):
         return jax.vjp(lambda w_: ours(w_, jnp.bfloat16), w)[1](cotangent.astype(jnp.bfloat16))[0]
-    with weight_grads_in(jnp.float32):
+    with layout_with(weight_grad_dtype=jnp.float32):
         hlo = jax.jit(bf16_grad).lower(table).as_text()
         wide = jax.jit(bf16_grad)(table)
     (matmul,) = [line for line in hlo.splitlines() if "dot_general" in line]
@@ -334,7 +334,7 @@ def test_bias_vjp_sums_the_gradient_over_tokens_in_the_wider_dtype():
     (and in the activations' dtype without the setting)."""
     from flax import nnx
 
-    from jaxpar.model.annotate import weight_grads_in
+    from jaxpar.model.annotate import layout_with
     from jaxpar.model.projection import add_bias
 
     keys = jax.random.split(jax.random.key(1), 3)
@@ -347,7 +347,7 @@ def test_bias_vjp_sums_the_gradient_over_tokens_in_the_wider_dtype():
     np.testing.assert_array_equal(dy_got, dy)
     np.testing.assert_allclose(db_got, dy.sum(axis=(0, 1)), rtol=1e-5, atol=1e-6)
     for wider, summed in ((jnp.float32, "f32[4,8]"), (None, "bf16[4,8]")):
-        with weight_grads_in(wider):
+        with layout_with(weight_grad_dtype=wider):
             grad = jax.grad(lambda b_: jnp.sum(
                 add_bias(y.astype(jnp.bfloat16), nnx.Param(b_), (None, None))
                 .astype(jnp.float32) * dy))
@@ -364,7 +364,7 @@ def test_a_block_keeps_its_two_residual_stream_inputs_three_mlp_and_one_score_ar
     float32 array per head (the probabilities). Autodiff alone kept 6, 6 and 2."""
     from jax.ad_checkpoint import print_saved_residuals
 
-    from jaxpar.model.annotate import reshard_after_forward
+    from jaxpar.model.annotate import layout_with
     from jaxpar.model.transformer import Block
 
     cfg = validate(load_config("tiny", BASE), 1).model
@@ -375,7 +375,7 @@ def test_a_block_keeps_its_two_residual_stream_inputs_three_mlp_and_one_score_ar
     positions = jnp.broadcast_to(jnp.arange(s), (b, s))
 
     def loss(state, x):
-        with reshard_after_forward(True):
+        with layout_with(reshard_after_forward=True):
             return jnp.sum(nnx.merge(graph, state)(x, positions)[0])
 
     printed = io.StringIO()

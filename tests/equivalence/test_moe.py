@@ -34,7 +34,7 @@ from jaxpar.cost.estimate import estimate
 from jaxpar.inspect.compare import compare_with_plan
 from jaxpar.inspect.report import build_report
 from jaxpar.mesh import make_mesh
-from jaxpar.model.annotate import use_experts
+from jaxpar.model.annotate import layout_with
 from jaxpar.model.moe import MoE, update_router_bias
 from jaxpar.parallel.expert import expert_parallel
 from jaxpar.parallel.rules import logical_rules
@@ -87,7 +87,7 @@ def run_layer(layer: MoE, x: np.ndarray, weights: np.ndarray | None = None, *, m
     if mesh is None:
         grads, (y, aux) = fn(params, x)
     else:
-        with jax.set_mesh(mesh), use_experts(hook):
+        with jax.set_mesh(mesh), layout_with(experts=hook):
             grads, (y, aux) = fn(params, x)
     return np.asarray(y), jax.tree.map(np.asarray, aux), jax.tree.map(np.asarray, grads)
 

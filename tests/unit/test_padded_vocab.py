@@ -143,8 +143,9 @@ def test_the_padding_mask_lives_in_jaxpar_model_only():
     defined = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                if "def masked_logits" in p.read_text()]
     assert defined == ["jaxpar/model/vocab.py"]
-    # The pipeline's loss is the model's own (jaxpar/model/loss.py: vocab_piece_loss), handed
-    # the true vocabulary.
+    # The pipeline's loss is the model's own (jaxpar/model/edges.py: Edges.piece_loss, which
+    # hands jaxpar/model/loss.py: vocab_piece_loss the true vocabulary).
     stages = (PACKAGE / "parallel" / "pipeline" / "stages.py").read_text()
-    assert "from jaxpar.model.loss import" in stages and "vocab_piece_loss" in stages
-    assert stages.count("stages.vocab_size)") == 2
+    assert stages.count("stages.edges.piece_loss(") == 2
+    edges = (PACKAGE / "model" / "edges.py").read_text()
+    assert "vocab_piece_loss(" in edges and "self.masked_from)" in edges

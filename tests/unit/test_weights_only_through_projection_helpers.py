@@ -26,7 +26,7 @@ from flax import nnx
 import jaxpar.model
 from jaxpar.config import load_config
 from jaxpar.model import layers, projection
-from jaxpar.model.annotate import splitting
+from jaxpar.model.annotate import layout_with
 from jaxpar.model.transformer import abstract_model
 
 HELPERS = (projection.weight, projection.project, projection.project_all, projection.lookup,
@@ -110,7 +110,7 @@ def traced_reads(monkeypatch, preset: str, overrides: list[str], split: bool
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((2, 8), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-    with splitting(SPLIT) if split else contextlib.nullcontext():
+    with layout_with(split_counts=SPLIT) if split else contextlib.nullcontext():
         jax.eval_shape(lambda s: nnx.merge(graphdef, s)(tokens, positions), state)
     return reads, params
 

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.model.lora import adapter_part, base_part
+from jaxpar.model.lora import adapter_part, base_part, riding_apart
 from jaxpar.model.projection import RESIDUAL
 from jaxpar.model.remat import Remat
 from jaxpar.model.transformer import DTYPES
@@ -217,10 +217,9 @@ def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: d
                                  split=lambda batch: split_microbatches(batch, accum, m))
 
     def grad_fn(params: dict, buffers: Any, batch: dict, valid: jax.Array) -> tuple:
-        frozen_layers = {}
-        if lora:  # as train.step.for_gradients splits them: the adapters, (buffers, the rest)
-            buffers, base = buffers
-            frozen_layers, params = base["layers"], {**base, **params}
+        buffers, base = riding_apart(buffers, lora)  # the model's LoRA split (for_gradients)
+        frozen_layers = base.get("layers", {})
+        params = {**base, **params}
         shared = {k: a for k, a in params.items() if k not in ("layers", "dense_layers")}
         aux_scale = jnp.asarray(1.0 / (accum * m), jnp.float32)
         micro = split_microbatches(batch, accum, m)  # one schedule over all of them

@@ -154,8 +154,7 @@ def _head_slot(env: StageEnv, c: Carry, r: dict, y: jax.Array) -> Carry:
                           grads=put(c.grads, r["head_dy"], dy))
     shared_grads = _masked_add(on, c.shared_grads, _fill(c.shared_grads, dict(d_norm)))
     # The head piece's gradient into its rows of the sums (VocabPiece.added: in place)
-    key, piece, axis = (("embedding", d_head.T, 0) if env.stages.tied_embeddings
-                        else ("lm_head", d_head, 1))
+    key, piece, axis = env.stages.edges.head_grad(d_head)
     shared_grads[key] = env.piece.added(shared_grads[key],
                                         jnp.where(on, piece, jnp.zeros_like(piece)), axis)
     return c._replace(loss=c.loss + jnp.where(on, loss, 0.0),
@@ -216,8 +215,7 @@ def _embedding_backward(env: StageEnv, c: Carry, r: dict, dx: jax.Array) -> Carr
     tokens = env.microbatch(r["eback_mb"])["inputs"]
     # The strided slices keep each tensor block's rows on its device (the piece's rows are
     # [shards, block] and the pieces divide the block).
-    if env.stages.embed_scale != 1.0:  # the gradient of the scaled rows
-        dx0 = dx0 * jnp.asarray(env.stages.embed_scale, dx0.dtype)
+    dx0 = env.stages.edges.scaled(dx0)  # the gradient of the scaled rows
     d_table = one_hot_weight_grad(env.piece.ids, tokens, dx0, env.stages.embedding_grad_pieces,
                                   jnp.float32)
     d_table = jnp.where(r["eback_on"] == 1, d_table, jnp.zeros_like(d_table))

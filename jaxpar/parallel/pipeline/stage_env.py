@@ -134,9 +134,9 @@ class StageEnv:
         return self.shared["embedding"].astype(self.stages.dtype)
 
     def head(self) -> jax.Array:
-        if self.stages.tied_embeddings:
-            return self.piece.cut(self.table()).T
-        return self.piece.cut(self.shared["lm_head"].astype(self.stages.dtype).T).T
+        """This stage's piece of the output head [d_model, V/p], in the compute dtype."""
+        table = self.stages.edges.head_table(self.shared)
+        return self.piece.cut(table.astype(self.stages.dtype)).T
 
     def forward(self, j: jax.Array, x: jax.Array, mb: dict) -> tuple:
         """Chunk ``j``'s layers on ``x`` under ``jax.vjp``: ((y, aux), stashable residuals)."""

@@ -19,9 +19,10 @@ from flax import nnx
 from jax import lax
 
 from jaxpar.config import Config
-from jaxpar.model.annotate import use_prepared_weights
+from jaxpar.model.annotate import layout_with
+from jaxpar.model.edges import Edges
 from jaxpar.model.layers import RMSNorm, prepare_weight, prepared_weight_grad
-from jaxpar.model.loss import joined_pieces, sequence_pieces, vocab_piece_loss
+from jaxpar.model.loss import joined_pieces, sequence_pieces
 from jaxpar.model.moe import LAYER_STACKED, moe_loss
 from jaxpar.model.projection import owned_rows
 from jaxpar.model.remat import Remat
@@ -54,7 +55,7 @@ class Stages:
     prepare: Callable  # chunks [v, layers/v, ...] -> cast and laid out for use, once per step
     unprepare: Callable  # one chunk's gradient w.r.t. its prepared weights -> stored layout
     dtype: Any
-    tied_embeddings: bool
+    edges: Edges  # the model's own embedding scale, head and loss (jaxpar/model/edges.py)
     vocab_shards: int
     aux_loss: Callable = lambda aux: jnp.zeros((), jnp.float32)  # noqa: E731
     layer_stacked: tuple[str, ...] = ()
@@ -64,11 +65,6 @@ class Stages:
     # XLA:CPU, which aborts on this program's bf16 all-reduces (FLOAT32_STAGE_SUM_PLATFORMS).
     handover_dtype: Any = None
     embedding_grad_pieces: int = 1  # ... the embedding's gradient over this many vocab slices
-    embed_scale: float = 1.0  # embeddings times this (model.embed_scale: sqrt(d_model))
-    final_softcap: float = 0.0  # model.final_softcap of the logits the loss scores
-    # model.vocab_size where the vocabulary is padded (Config.vocab_rows): the ids from it on
-    # are masked by the model's loss; None: no padding.
-    vocab_size: int | None = None
     # Chunk 0's inputs come in with the microbatches (``x0``: the embedding and the dense
     # first blocks, run before the pipeline) and their gradients go back out.
     pre_embedded: bool = False
@@ -176,8 +172,7 @@ def embed_partial(stages: Stages, table: jax.Array, piece: VocabPiece, tokens: j
                       local_id)
     # Each token's row is on one stage (zeros elsewhere): scaled before the sum, it is rounded
     # as the model's own lookup rounds it.
-    return rows if stages.embed_scale == 1.0 else rows * jnp.asarray(stages.embed_scale,
-                                                                      stages.dtype)
+    return stages.edges.scaled(rows)
 
 
 def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPiece,
@@ -192,14 +187,12 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
     h, norm_vjp = jax.vjp(stages.final_norm, shared, y)
     n = stages.loss_pieces
     if n == 1:
-        loss, d_head, d_h = vocab_piece_loss(head, piece.ids, h, mb["targets"], mb["mask"],
-                                             loss_scale, PIPE_AXIS, stages.final_softcap,
-                                             stages.vocab_size)
+        loss, d_head, d_h = stages.edges.piece_loss(head, piece.ids, h, mb["targets"],
+                                                    mb["mask"], loss_scale, PIPE_AXIS)
     else:
         def one_piece(carry: tuple, xs: tuple) -> tuple:
-            loss_i, d_head_i, d_h_i = vocab_piece_loss(head, piece.ids, *xs, loss_scale,
-                                                       PIPE_AXIS, stages.final_softcap,
-                                                       stages.vocab_size)
+            loss_i, d_head_i, d_h_i = stages.edges.piece_loss(head, piece.ids, *xs,
+                                                              loss_scale, PIPE_AXIS)
             return (carry[0] + loss_i, carry[1] + d_head_i), d_h_i
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
@@ -235,7 +228,7 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
                ) -> tuple:
         net = nnx.merge(graphdef, {**shared, **pre, "layers": layer_params},
                         {"layers": consts} if consts else {})
-        with use_prepared_weights():
+        with layout_with(weights_prepared=True):
             return net.run_layers(x, mb["positions"], remat=remat, dense=not pre)
 
     def by_leaf(fn: Callable, tree: Any, leading: int) -> Any:
@@ -260,16 +253,12 @@ def model_stages(graphdef: Any, cfg: Config, layer_axes: dict, *, dtype: Any, re
     rules, mesh_shape = logical_rules(cfg), cfg.mesh_shape
     moe = cfg.model.moe
     shards = int(np.prod([mesh_shape[a] for a in rules["vocab"] if a != PIPE_AXIS]))
-    return Stages(layers, final_norm, prepare, unprepare, dtype, cfg.model.tie_embeddings,
-                  shards,
+    return Stages(layers, final_norm, prepare, unprepare, dtype,
+                  Edges(cfg.model, cfg.vocab_rows()), shards,
                   aux_loss=lambda aux: moe_loss(aux, moe),
                   layer_stacked=LAYER_STACKED if moe.enabled else (),
                   loss_pieces=cfg.loss_pieces(),
                   embedding_grad_pieces=cfg.embedding_grad_pieces(),
-                  embed_scale=cfg.model.d_model ** 0.5 if cfg.model.embed_scale else 1.0,
-                  final_softcap=cfg.model.final_softcap,
-                  vocab_size=(cfg.model.vocab_size if cfg.vocab_rows() > cfg.model.vocab_size
-                              else None),
                   pre_embedded=bool(pre),
                   handover_dtype=(jnp.float32 if platform in FLOAT32_STAGE_SUM_PLATFORMS
                                   else None))
