@@ -106,9 +106,9 @@ class ChatTemplate:
             raise ValueError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
     def assistant_text(self, conv: Conversation) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and its assistant messages' [start, end) character spans. A
-        one-line ValueError naming ``conv.key`` for a role the template does not render, or renderings
-        that are not prefixes of one another."""
+        """The rendered conversation and its assistant messages' [start, end) character
+        spans. A one-line ValueError naming ``conv.key`` for a role the template does not
+        render, or renderings that are not prefixes of one another."""
 
         def render(messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
             try:
