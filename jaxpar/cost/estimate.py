@@ -1,21 +1,16 @@
 """The analytic cost of one train step, per device: memory, collectives, flops and time.
 
-:func:`estimate` predicts, without compiling anything, what ``jaxpar inspect`` would measure
-from the compiled step, and how long the step would take on a :mod:`~jaxpar.hardware` profile.
-It exists so that layouts can be compared before any is compiled. It is plain arithmetic on
-the model's parameter shapes and logical axes, split by the rules table, so each parameter is
-split exactly as training splits it. Without a hardware profile (or with ``cpu``) it predicts
-XLA:CPU's program; with a GPU or TPU profile, the accelerator compiler's.
-
-The parts, one module each: :mod:`~jaxpar.cost.params`, :mod:`~jaxpar.cost.shapes`,
+:func:`estimate` predicts, without compiling, what ``jaxpar inspect`` would measure, and the
+step time on a :mod:`~jaxpar.hardware` profile, so layouts can be compared before compiling.
+Without a profile (or ``cpu``) it predicts XLA:CPU's program; with a GPU or TPU profile, the
+accelerator compiler's. Parts: :mod:`~jaxpar.cost.params`, :mod:`~jaxpar.cost.shapes`,
 :mod:`~jaxpar.cost.memory`, :mod:`~jaxpar.cost.collectives`, :mod:`~jaxpar.cost.pipeline`;
-this module adds flops and time and puts them together::
+this module adds flops and time::
 
     step = compute + blocking + latency + max(0, overlappable - compute)
     MFU  = useful flops / (step * peak)
 
-What executed flops add to useful ones, and which collectives hide behind compute (the overlap
-rule): docs/cost-model.md, "Flops and time".
+Executed vs useful flops, the overlap rule: docs/cost-model.md, "Flops and time".
 """
 
 from __future__ import annotations
@@ -65,8 +60,8 @@ class FlopsCost:
 
 @dataclass(frozen=True)
 class TimeCost:
-    """Seconds per step on one hardware profile (the overlap rule: docs/cost-model.md,
-    "Time on a hardware profile")."""
+    """Seconds per step on one hardware profile (docs/cost-model.md, "Time on a hardware
+    profile")."""
 
     hardware: str
     compute: float
@@ -98,13 +93,12 @@ class CostReport:
     pipeline: dict | None = None  # parallel.pipeline.describe(): schedule, ticks, bubble, slots
 
     def collective_rows(self) -> list[dict[str, Any]]:
-        """One row per (kind, axes) like ``summarize_collectives`` (per step totals)."""
+        """One row per (kind, axes), as ``summarize_collectives`` (per-step totals)."""
         return summarize(self.collectives)
 
     def summary(self) -> dict[str, Any]:
-        """The headline numbers, flat (a W&B run's summary, ``logging.wandb``): peak memory
-        and train state per device, and with a hardware profile step time, tokens/s and MFU;
-        a pipeline's bubble."""
+        """Headline numbers, flat (W&B's run summary): peak memory, train state per device; with a
+        profile step time, tokens/s, MFU; a pipeline's bubble."""
         out: dict[str, Any] = {"plan/peak_memory_bytes": self.memory.peak,
                                "plan/state_bytes": self.memory.state}
         if self.time is not None:
@@ -130,11 +124,10 @@ class CostReport:
 def estimate(cfg: Config, hardware: str | HardwareProfile | None = None) -> CostReport:
     """The cost of one step of ``cfg`` (validated: mesh resolved), per device.
 
-    With ``hardware`` (a profile or its name in :data:`jaxpar.hardware.PROFILES`) the
-    report also has step time and MFU, and its collectives are those of that platform's
-    compiler: without one (or with ``cpu``) they are XLA:CPU's, i.e. what ``jaxpar inspect``
-    compiles on this machine (docs/cost-model.md, "Which compiler"). Raises ConfigError if the
-    mesh still has a -1 axis or a rule does not divide a parameter.
+    ``hardware`` (a profile or a name in :data:`jaxpar.hardware.PROFILES`) adds step time and
+    MFU, and that platform's compiler's collectives; without it (or ``cpu``), XLA:CPU's
+    (docs/cost-model.md, "Which compiler"). ConfigError if the mesh has a -1 axis or a rule does
+    not divide a parameter.
     """
     if any(size < 1 for size in cfg.mesh_shape.values()):
         raise ConfigError("estimate: the config must be validated first (mesh has a -1 axis)")

@@ -1,8 +1,6 @@
-"""The bookkeeping every parallelism's collectives formula writes into: a :class:`Ledger` of
+"""The bookkeeping every collectives formula writes into: a :class:`Ledger` of
 :class:`CollectiveCost` rows, and the ring :func:`wire_bytes` of a payload over a group.
-
-The formulas themselves are in :mod:`jaxpar.cost.collectives` (data, FSDP, context, expert,
-tensor) and :mod:`jaxpar.cost.pipeline` (``pipe``); both add to one ledger.
+The formulas: :mod:`jaxpar.cost.collectives` and :mod:`jaxpar.cost.pipeline` (``pipe``).
 """
 
 from __future__ import annotations
@@ -34,17 +32,15 @@ HIDDEN, EXPOSED = 1.0, 0.0  # every byte hidden behind matmuls; none
 
 
 def ring_hidden(group: int) -> float:
-    """The share of a collective matmul's bytes hidden: of its ring's ``group`` steps, the
-    last one's transfer has no slice of the matmul left to run beside it (the TPU compiler's
-    windowed einsums; docs/performance.md)."""
+    """The hidden share of a collective matmul's bytes: all but the last of its ``group`` ring
+    steps overlap a matmul slice (the TPU compiler's windowed einsums; docs/performance.md)."""
     return 1 - 1 / group if group > 1 else HIDDEN
 
 
 def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
-    """One row per (kind, axes), like
-    :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`, with the bytes the overlap
-    rule hides (``hidden_bytes``) and the rest (``exposed_bytes``), as
-    :func:`jaxpar.inspect.hlo.overlap.add_overlap` splits a compiled row."""
+    """One row per (kind, axes), as
+    :func:`jaxpar.inspect.hlo.collectives.summarize_collectives`, split into ``hidden_bytes`` and
+    ``exposed_bytes`` as :func:`jaxpar.inspect.hlo.overlap.add_overlap` splits compiled rows."""
     rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
     for c in collectives:
         row = rows.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": list(c.axes),
@@ -60,7 +56,7 @@ def summarize(collectives: Sequence[CollectiveCost]) -> list[dict[str, Any]]:
 
 
 def wire_bytes(kind: str, payload: int, group: int) -> int:
-    """Ring bytes each device sends (the definitions of jaxpar.inspect.hlo.collectives)."""
+    """Ring bytes each device sends (as jaxpar.inspect.hlo.collectives defines them)."""
     if group <= 1:
         return 0
     if kind == "all-reduce":
@@ -72,11 +68,10 @@ def wire_bytes(kind: str, payload: int, group: int) -> int:
 
 @dataclass
 class Ledger:
-    """The collectives found so far, and what every parallelism's formulas share.
+    """The collectives found so far, and what every formula shares.
 
-    Under a pipeline a device runs its stage's layers in every step with a forward (backward)
-    slot, masked ones included (``StepSizes.executed``), and reduces weight gradients in every
-    backward slot; without one, ``runs`` is g.
+    In a pipeline a device runs its layers in every step with a forward (backward) slot, masked
+    ones too, and reduces weight gradients in every backward slot; without one, ``runs`` is g.
     """
 
     st: StepSizes
@@ -85,7 +80,7 @@ class Ledger:
 
     @property
     def forwards(self) -> float:
-        """How often each forward-side collective runs per useful layer run (masked slots)."""
+        """Runs of each forward-side collective per useful layer run (masked slots)."""
         return self.st.executed("forward")
 
     @property
@@ -101,10 +96,10 @@ class Ledger:
 
     @property
     def by_hand(self) -> tuple[str, ...]:
-        """The axes whose gradient sums are taken once per step, by hand: ``data``, ``fsdp``,
-        ``expert`` and ``context`` in the pipeline executor, ``data`` under gradient
-        accumulation (not for MoE models outside a pipeline, whose load-balance loss needs
-        whole-micro-batch statistics: the executor's MoE layers sum theirs themselves)."""
+        """Axes whose gradients are summed by hand once per step: ``data``, ``fsdp``,
+        ``expert``, ``context`` in the pipeline executor; ``data`` under gradient accumulation,
+        except MoE outside a pipeline (its load-balance loss needs whole-micro-batch
+        statistics)."""
         st = self.st
         if st.pipeline is None:  # parallel/zero.py: data_summed_by_hand
             return ("data",) if data_summed_by_hand(st.cfg, st.xla_cpu) else ()
@@ -115,8 +110,8 @@ class Ledger:
         return bool(live) and set(live) <= set(self.by_hand)
 
     def runs_over(self, axes: tuple[str, ...]) -> int:
-        """Gradient reductions per step over ``axes``: once per step where they are summed by
-        hand (over all micro-steps), else ``grad_runs``."""
+        """Gradient reductions per step over ``axes``: once where summed by hand, else
+        ``grad_runs``."""
         return 1 if self.summed_by_hand(axes) else self.grad_runs
 
     @property
@@ -125,8 +120,7 @@ class Ledger:
 
     @property
     def other(self) -> list[ParamCost]:
-        """Embedding, final norm and lm_head: outside the scanned layer stack (and the
-        ``dense_layers`` stack's, :attr:`dense`)."""
+        """Embedding, final norm, lm_head: outside the scanned stacks."""
         return [p for p in self.params if not p.stacked]
 
     @property
@@ -136,9 +130,9 @@ class Ledger:
 
     def add(self, kind: str, axes: tuple[str, ...], count: int, total: int, what: str,
             hidden: float, group: int | None = None) -> None:
-        """``count`` executions per step moving ``total`` payload bytes in all, ``hidden`` of
-        them behind matmuls; ``group``: devices per replica group, where fewer than ``axes``
-        span (the hybrid's all-to-alls on sub-groups of ``context``)."""
+        """``count`` runs per step moving ``total`` payload bytes, ``hidden`` behind matmuls;
+        ``group``: devices per replica group where fewer than ``axes`` span (the hybrid's
+        all-to-alls)."""
         axes = tuple(a for a in axes if self.st.mesh[a] > 1)
         group = group or math.prod(self.st.mesh[a] for a in axes)
         if count and total and group > 1:
@@ -146,14 +140,13 @@ class Ledger:
                                            wire_bytes(kind, total, group), what, hidden))
 
     def moved(self, p: ParamCost, nbytes: int) -> int:
-        """Bytes of a weight as it travels (cast to the compute dtype on the wire)."""
+        """Bytes of a weight on the wire (cast to the compute dtype)."""
         return in_compute_dtype(p, nbytes, self.st.wire)
 
     def grad(self, p: ParamCost, nbytes: int, by_hand: bool = False) -> int:
-        """Gradients the partitioner sums travel like their weights, but lm_head's (its matmul
-        yields float32) and, outside a pipeline, the layer matrices' and experts' when
-        ``parallel.reduce_dtype`` is wider than the compute dtype (``project_all`` produces them
-        in it). Sums taken by hand cast every gradient to ``parallel.reduce_dtype``."""
+        """Partitioner-summed gradients travel like their weights, except lm_head's (float32) and,
+        outside a pipeline, the layer matrices' and experts' when ``parallel.reduce_dtype`` is wider
+        than the compute dtype. Sums by hand cast every gradient to ``parallel.reduce_dtype``."""
         in_reduce_dtype = nbytes * STORED_BYTES[self.st.cfg.parallel.reduce_dtype] // PARAM_BYTES
         if by_hand:
             return in_reduce_dtype
@@ -167,10 +160,10 @@ class Ledger:
 
     def reduced(self, group: list[ParamCost], gathered: bool = False,
                 by_hand: bool = False) -> int:
-        """Gradient bytes of ``group`` reduced per step (``gathered``: the unscattered size).
-        Under a pipeline each backward slot (masked ones too) reduces what it produced: its
-        chunk's layers; each step reduces its vocabulary piece's gradient (1/p of the embedding
-        per backward step, of the head per head step) and the final norm's."""
+        """Gradient bytes of ``group`` reduced per step (``gathered``: unscattered size). In a
+        pipeline each backward slot (masked too) reduces its chunk's layers; each step reduces its
+        vocabulary piece's (1/p of the embedding per backward step, of the head per head step) and
+        the final norm's."""
         def size(p: ParamCost) -> int:
             return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device, by_hand)
 
@@ -189,12 +182,9 @@ class Ledger:
         return round(backward * layers / st.pipeline["virtual_stages"] + shared)
 
     def _tied_head_grad(self, group: list[ParamCost], gathered: bool) -> int:
-        """A tied embedding's second reduction outside a pipeline: the loss's backward pass
-        reduces the head's float32 gradient (``model/loss.py``: its partial sums, summed once
-        after the pieces) and the embedding's backward pass, at the end of the step, the
-        lookup's; one reduction would hold the head's unreduced float32 gradient, a whole
-        ``[E, V/t]`` a device (5.25 GiB at Gemma-3-27B widths under FSDP alone), through every
-        layer's backward pass in between."""
+        """A tied embedding's second reduction outside a pipeline: the head's float32 gradient in
+        the loss's backward pass, the lookup's at the step's end. Why two: docs/cost-model.md,
+        "`fsdp` (ZeRO-3)"."""
         if not self.st.cfg.model.tie_embeddings:
             return 0
         return sum(p.gathered_bytes if gathered else p.bytes_per_device

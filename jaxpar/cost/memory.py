@@ -1,9 +1,8 @@
 """The memory of one train step, per device: state, gradients, saved activations, scratch.
 
-Where the compilers hold different things (XLA:CPU against GPU/TPU), the plan counts each for
-the hardware it plans for. Each term: docs/cost-model.md, "Memory per device"; XLA:CPU's:
-docs/cost-model.md, "XLA:CPU's terms"; a pipeline stage's: docs/pipelines.md, "Memory of a
-stage".
+Where XLA:CPU and GPU/TPU hold different things, the plan counts each for its target. Terms:
+docs/cost-model.md, "Memory per device" and "XLA:CPU's terms"; a stage's: docs/pipelines.md,
+"Memory of a stage".
 """
 
 from __future__ import annotations
@@ -55,17 +54,17 @@ class MemoryCost:
 
     @property
     def state(self) -> int:
-        """The device's share of the train state (+ the int32 step of TrainState)."""
+        """The device's share of the train state (+ TrainState's int32 step)."""
         return self.params + (0 if self.offloaded else self.optimizer) + self.buffers + 4
 
     @property
     def host(self) -> int:
-        """Host memory: the offloaded optimizer state and saved activations."""
+        """Host memory: offloaded optimizer state and saved activations."""
         return self.host_state + self.host_activations
 
     @property
     def host_state(self) -> int:
-        """The train state in host memory (the offloaded optimizer state)."""
+        """The train state in host memory (offloaded optimizer state)."""
         return self.optimizer if self.offloaded else 0
 
     @property
@@ -82,8 +81,8 @@ class MemoryCost:
 
 
 def _moe_activations(st: StepSizes, remat: str) -> int:
-    """Bytes a MoE layer's feed-forward part saves, one micro-batch, in place of the SwiGLU's.
-    ``dots`` recomputes the routed experts' dots, with their all-to-alls."""
+    """Bytes a MoE feed-forward saves per micro-batch, in place of the SwiGLU's. ``dots``
+    recomputes the routed experts' dots and their all-to-alls."""
     m, moe, a, t = st.cfg.model, st.cfg.model.moe, st.a, st.t
     tokens, e = st.tokens, m.d_model
     shared = tokens * moe.num_shared_experts * m.resolved_d_ff_expert // t * a
@@ -150,8 +149,8 @@ def _layer_activations(st: StepSizes, remat: str, moe: bool = False) -> int:
 
 
 def _host_activations(st: StepSizes, moe: bool) -> int:
-    """Bytes one layer keeps in host memory, one micro-batch (``offload_dots`` on GPU/TPU,
-    outside a pipeline)."""
+    """Bytes one layer keeps in host memory per micro-batch (``offload_dots`` on GPU/TPU, no
+    pipeline)."""
     if st.cfg.train.remat != "offload_dots" or st.xla_cpu or st.pipeline is not None:
         return 0
     return _layer_activations(st, "dots", moe) - _layer_activations(st, "full", moe)
@@ -169,8 +168,7 @@ def _unit_activations(st: StepSizes, blocks: list[bool], kept_weights: int = 0) 
 
 def _stage_layer(st: StepSizes, moe: bool) -> int:
     """A stage's backward slot under ``remat=dots``/``full``: one recomputed layer's
-    ``remat=none`` set and its norm output; XLA:CPU's in bf16 differs (docs/cost-model.md,
-    "XLA:CPU's terms")."""
+    ``remat=none`` set and norm output (XLA:CPU's in bf16 differs)."""
     layer = _layer_activations(st, "none", moe) + st.act
     if not st.xla_cpu or st.a == 4 or moe or st.sp:
         return layer
@@ -180,8 +178,7 @@ def _stage_layer(st: StepSizes, moe: bool) -> int:
 
 
 def _dense_ragged_dot(st: StepSizes) -> int:
-    """XLA:CPU's working set for dropless ``ragged_dot``, which it runs dense over every local
-    expert (docs/cost-model.md, "XLA:CPU's terms")."""
+    """XLA:CPU's working set for dropless ``ragged_dot``, run dense over every local expert."""
     m = st.cfg.model
     if not (st.xla_cpu and m.moe.enabled and m.moe.dispatch == "dropless"):
         return 0
@@ -193,8 +190,7 @@ def _dense_ragged_dot(st: StepSizes) -> int:
 
 
 def _head_backward(st: StepSizes, vocab: int) -> int:
-    """What the loss's backward pass holds beside the logits, outside a pipeline
-    (docs/cost-model.md, "XLA:CPU's terms")."""
+    """What the loss's backward holds beside the logits, outside a pipeline."""
     if st.pipeline is not None:
         return 0
     head_f32 = st.cfg.model.d_model * vocab * 4
@@ -203,8 +199,7 @@ def _head_backward(st: StepSizes, vocab: int) -> int:
 
 
 def _float32_norm_temporaries(st: StepSizes) -> int:
-    """XLA:CPU's float32 copies of the residual stream while it recomputes a layer's norms in
-    bf16 (docs/cost-model.md, "XLA:CPU's terms")."""
+    """XLA:CPU's float32 copies of the residual stream while recomputing norms in bf16."""
     if not st.xla_cpu or st.a == 4 or st.sp or st.pipeline is not None:
         return 0
     copies = 5 + (3 if st.cfg.model.post_norms else 0)
@@ -212,8 +207,7 @@ def _float32_norm_temporaries(st: StepSizes) -> int:
 
 
 def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
-    """The layer stack as its matmuls read it, cast once per step before the layer loop by the
-    GPU/TPU compilers (docs/cost-model.md, "XLA:CPU's terms")."""
+    """The layer stack as its matmuls read it, cast once per step by GPU/TPU compilers."""
     if (st.pipeline is not None or st.xla_cpu or st.a == PARAM_BYTES
             or st.cfg.train.param_dtype != "float32"):
         return 0
@@ -222,8 +216,8 @@ def _cast_stack(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def _fsdp_gathered(st: StepSizes, params: list[ParamCost], layer_weights: int) -> int:
-    """Under ZeRO-3 outside a pipeline: the larger layer's weights as read and their gradient,
-    and the embedding, lm_head and final norm, gathered for the whole step."""
+    """ZeRO-3 outside a pipeline: the larger layer's weights as read and their gradient, and the
+    embedding, lm_head and final norm, gathered for the whole step."""
     if (st.cfg.parallel.zero != 3 or st.pipeline is not None
             or not any(p.gather_axes for p in params)):
         return 0

@@ -1,19 +1,16 @@
 """What the optimizer step adds beyond the state: Muon's Newton-Schulz iterations.
 
-``train.optimizer=muon`` orthogonalises each stacked layer matrix's momentum by
-:data:`~jaxpar.parallel.optimizer_state.MUON_NS_STEPS` Newton-Schulz iterations, which need
-the whole matrix: the step gathers the momentum (:func:`jaxpar.parallel.optimizer_state.muon_specs`)
-first over every axis but ``tensor`` (``fsdp``; ZeRO-1's ``data`` x ``fsdp``), then over
-``tensor``, iterates on every matrix a device holds (its pipeline stage's layers, its expert
-shard's experts: the other axes repeat the same work), and keeps its slice of the result.
+``train.optimizer=muon`` runs :data:`~jaxpar.parallel.optimizer_state.MUON_NS_STEPS`
+iterations on each stacked matrix's momentum, whole. The step gathers it
+(:func:`jaxpar.parallel.optimizer_state.muon_specs`) over every axis but ``tensor``, then over
+``tensor``; each device iterates on every matrix it holds (other axes repeat the work) and
+keeps its slice.
 
-Per Muon parameter, once per step, per device: one all-gather per stage over the axes it
-removes, its payload the gathered result (float32: the update is computed in float32); and,
-for each of the ``batch`` matrices held (``m x n``, m <= n: optax iterates on the wide
-orientation), per iteration ``A = X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n)
-matmul flops. The elementwise work (the Frobenius normalisation, ``b A + c A A``, ``a X +
-B X``) is left out, as for the model's flops. Memory: the gathered matrices, their results
-and the iterations' copies live beside the gradients during the update (``update_bytes``).
+Per Muon parameter, step and device: one float32 all-gather per stage, its payload the
+result; per ``m x n`` matrix held (m <= n) and iteration, ``X X^T`` (2 m^2 n), ``A A``
+(2 m^3) and ``B X`` (2 m^2 n) matmul flops, elementwise work left out. Memory: gathered
+matrices, results and copies beside the gradients (``update_bytes``). Owner-computes and
+the rest: docs/optimizers.md, "What Muon's Newton-Schulz iterations cost under sharding".
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ class MuonMatrix:
 
     @property
     def whole_bytes(self) -> int:
-        """The float32 matrices as the iterations read them (the last gather's result)."""
+        """The float32 matrices as iterated (the last gather's result)."""
         return self.batch * self.m * self.n * PARAM_BYTES
 
 
@@ -63,7 +60,7 @@ def _axes(spec: tuple, mesh: Mapping[str, int]) -> set[str]:
 
 
 def muon_matrices(cfg: Config, params: list[ParamCost]) -> list[MuonMatrix]:
-    """Every Muon parameter's gathers and iterations, per device (none for other optimizers)."""
+    """Every Muon parameter's gathers and iterations per device (none for other optimizers)."""
     if cfg.train.optimizer != "muon":
         return []
     mesh, rules = cfg.mesh_shape, logical_rules(cfg)
@@ -103,8 +100,8 @@ def muon_matrices(cfg: Config, params: list[ParamCost]) -> list[MuonMatrix]:
 def _owner_matrix(name: str, shape: tuple[int, ...], names: tuple, p: ParamCost,
                   owners: tuple[str, ...], mesh: Mapping[str, int], m: int, n: int
                   ) -> MuonMatrix:
-    """Owner-computes: the device's B local entries padded to c k for the k owner devices, c
-    of them iterated on here; each all-to-all's payload is the padded local block."""
+    """Owner-computes: B local entries padded to c k for k owners, c iterated here; each
+    all-to-all carries the padded local block."""
     local_batch = math.prod(d for d, a in zip(shape, names, strict=True)
                             if a in MUON_BATCH_AXES)
     local_batch //= math.prod(mesh[a] for e, a2 in zip(p.spec, names, strict=False)
@@ -116,8 +113,7 @@ def _owner_matrix(name: str, shape: tuple[int, ...], names: tuple, p: ParamCost,
 
 
 def muon_collectives(c: Ledger) -> None:
-    """Muon's gathers of the momentum before the iterations, or its owner-computes
-    exchanges: one row per kind and set of axes."""
+    """Muon's momentum gathers, or owner-computes exchanges: a row per kind and axes."""
     rows: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     for matrix in muon_matrices(c.st.cfg, c.params):
         for kind, moves in (("all-gather", matrix.gathers), ("all-to-all", matrix.exchanges)):
@@ -151,9 +147,8 @@ OWNER_COPIES = 1
 
 
 def update_bytes(cfg: Config, params: list[ParamCost]) -> int:
-    """Muon's working set during the update beyond the moments' temporaries: the gathered
-    matrices, :data:`GATHERED_COPIES` times over; under owner-computes
-    :data:`OWNER_COPIES` times an exchange's payload."""
+    """Muon's update working set beyond the moments' temporaries: the gathered matrices
+    :data:`GATHERED_COPIES` times; owner-computes: :data:`OWNER_COPIES` exchange payloads."""
     total = 0.0
     for m in muon_matrices(cfg, params):
         total += (OWNER_COPIES * m.exchanges[0][1] if m.exchanges

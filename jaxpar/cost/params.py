@@ -1,12 +1,10 @@
 """The cost model's parameters: read from the model itself, split by the rules table.
 
-Every parameter's name, shape and logical axes come from :func:`jaxpar.model.transformer.
-abstract_model` (shapes only: nothing is allocated, traced for a device or compiled), so the
-cost model cannot drift from the model. The rules table (:func:`jaxpar.parallel.rules.
-resolve_spec`) then splits each one exactly as training splits it. The optimizer's state
-(``train.optimizer``: :func:`jaxpar.parallel.optimizer_state.state_shapes`) is stored in
-``train.opt_state_dtype``; parameters and their gradients in ``train.param_dtype`` (norm scales
-and the router in float32).
+Names, shapes and logical axes come from :func:`jaxpar.model.transformer.abstract_model`
+(shapes only, nothing allocated or compiled), so the cost model cannot drift from the model;
+:func:`jaxpar.parallel.rules.resolve_spec` splits each as training does. Optimizer state
+(:func:`jaxpar.parallel.optimizer_state.state_shapes`) is in ``train.opt_state_dtype``;
+parameters and gradients in ``train.param_dtype`` (norm scales and router: float32).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ STORED_BYTES = {"float32": 4, "bfloat16": 2}  # train.param_dtype, parallel.redu
 
 @dataclass(frozen=True)
 class ParamShape:
-    """One variable of the model (``layers/...`` are stacked over the scanned units)."""
+    """One model variable (``layers/...`` stacked over the scanned units)."""
 
     name: str
     shape: tuple[int, ...]
@@ -55,9 +53,8 @@ class ParamShape:
 @functools.cache
 def _variables(m: ModelConfig, buffers: bool, lora: LoraConfig | None = None,
                vocab_rows: int | None = None) -> tuple[ParamShape, ...]:
-    """The abstract model's parameters (or, with ``buffers``, its other variables), by name,
-    with ``lora``'s adapters, the vocabulary padded to ``vocab_rows``. Cached: ``jaxpar plan
-    --search`` estimates many layouts of one model."""
+    """The abstract model's parameters (``buffers``: its other variables) by name, with
+    ``lora``'s adapters, vocabulary padded to ``vocab_rows``. Cached for ``plan --search``."""
     model = abstract_model(m, lora, vocab_rows=vocab_rows)
     _, params, others = nnx.split(model, nnx.Param, ...)
     flat = jax.tree_util.tree_flatten_with_path
@@ -70,21 +67,20 @@ def _variables(m: ModelConfig, buffers: bool, lora: LoraConfig | None = None,
 
 def model_params(m: ModelConfig, lora: LoraConfig | None = None,
                  vocab_rows: int | None = None) -> list[ParamShape]:
-    """Every parameter of the Transformer in ``jaxpar/model`` (with ``lora``'s adapters, the
-    vocabulary padded to ``vocab_rows``: a layout's ``Config.vocab_rows()``), sorted by name."""
+    """Every parameter, sorted by name (with ``lora``'s adapters; vocabulary padded to
+    ``vocab_rows``, a layout's ``Config.vocab_rows()``)."""
     return list(_variables(m, False, lora, vocab_rows))
 
 
 def model_buffers(m: ModelConfig) -> list[ParamShape]:
-    """Non-trainable variables (``TrainState.buffers``): the router biases of aux-loss-free
-    balancing, float32 and replicated."""
+    """Non-trainable variables (``TrainState.buffers``): aux-loss-free router biases, float32,
+    replicated."""
     return list(_variables(m, buffers=True))
 
 
 def unit_blocks(m: ModelConfig) -> list[bool]:
-    """Whether each block of the scanned unit is a MoE block, from the parameter names: a unit
-    is one block (``layers/attn/...``) or a group of ``moe.every`` blocks
-    (``layers/block_<i>/...``, the last with the MoE layer)."""
+    """Whether each block of the scanned unit is MoE, from parameter names: a unit is one block
+    (``layers/attn/...``) or ``moe.every`` blocks (``layers/block_<i>/...``, MoE last)."""
     blocks: dict[int, bool] = {}
     for p in model_params(m):
         if p.stacked:
@@ -107,7 +103,7 @@ def entry_axes(entry: SpecEntry) -> tuple[str, ...]:
 
 
 def _parts(spec: Sequence[SpecEntry], mesh: Mapping[str, int]) -> int:
-    """How many pieces a spec cuts an array into."""
+    """Pieces a spec cuts an array into."""
     return math.prod(mesh[a] for entry in spec for a in entry_axes(entry))
 
 
@@ -140,39 +136,36 @@ class ParamCost:
 
     @property
     def dense_stack(self) -> bool:
-        """A weight of ``dense_layers`` (DeepSeek's dense first blocks): a scanned stack of its
-        own, gathered layer by layer like ``layers`` (not counted in :attr:`stacked`)."""
+        """A ``dense_layers`` weight (DeepSeek's dense first blocks), gathered layer by layer like
+        ``layers`` but not in :attr:`stacked`."""
         return self.name.startswith("dense_layers/")
 
     @property
     def resharded(self) -> bool:
-        """Whether a layer without remat gathers it again for the backward pass rather than
-        keeping it gathered (``model/projection.py: project_all``): all layer weights but the MoE
-        router's and the routed experts', which do not go through ``project``."""
+        """Whether a layer without remat gathers it again backward rather than keep it
+        (``model/projection.py: project_all``): all layer weights but router and routed experts."""
         return self.stacked and not (self.expert or self.name.endswith("/moe/router"))
 
     @property
     def projected(self) -> bool:
-        """A weight that goes through ``projection.project_all`` (the embedding, attention and
-        MLP matrices), whose gradient is produced in ``parallel.reduce_dtype`` when that is
-        wider than the compute dtype."""
+        """A weight through ``projection.project_all`` (embedding, attention and MLP matrices): its
+        gradient is in ``parallel.reduce_dtype`` when wider than the compute dtype."""
         return self.name == "embedding" or (self.resharded and self.matmul
                                             and not self.name.endswith("_bias"))
 
     @property
     def matmul(self) -> bool:
-        """A weight the model casts to the compute dtype (everything but the norm scales and the
-        MoE router, which routes in float32)."""
+        """A weight cast to the compute dtype (all but norm scales and the float32 router)."""
         return not self.name.endswith(("/scale", "/router"))
 
     @property
     def expert(self) -> bool:
-        """A routed expert's weight (split over ``expert``, used inside the expert shard_map)."""
+        """A routed expert's weight (split over ``expert``, used in the expert shard_map)."""
         return "/moe/w_" in self.name
 
 
 def param_costs(cfg: Config) -> list[ParamCost]:
-    """Split every parameter with the config's rules (a ConfigError names a bad rule)."""
+    """Split every parameter by the config's rules (a ConfigError names a bad rule)."""
     mesh = cfg.mesh_shape
     rules = logical_rules(cfg)
     lora = cfg.train.lora if cfg.train.lora.rank > 0 else None
@@ -200,17 +193,16 @@ def param_costs(cfg: Config) -> list[ParamCost]:
 
 def fsdp_gather_axes(spec: Sequence[SpecEntry], names: Sequence[str | None],
                      mesh: Mapping[str, int]) -> tuple[str, ...]:
-    """The axes (size > 1) FSDP gathers a parameter over: ``fsdp`` and ``expert`` where they
-    split it (parallel/rules.py: ``embed``), but not where they split its ``experts``
-    dimension: those are each device's own experts."""
+    """Axes (size > 1) FSDP gathers a parameter over: ``fsdp`` and ``expert`` where they split
+    ``embed``, not ``experts`` (each device's own experts)."""
     split = {a for entry, name in zip(spec, names, strict=False) if name != "experts"
              for a in entry_axes(entry)}
     return tuple(a for a in ("fsdp", "expert") if a in split and mesh[a] > 1)
 
 
 def _state_bytes(cfg: Config, p: ParamShape, moment_spec: tuple[SpecEntry, ...]) -> int:
-    """Bytes per device of the optimizer-state arrays of one parameter, each split by its
-    moment spec less the dimensions it lacks, as the step lays them out."""
+    """Per-device bytes of one parameter's optimizer state, each array split by its moment spec
+    less missing dims, as the step lays it out."""
     mesh, total = cfg.mesh_shape, 0
     width = STATE_BYTES[cfg.train.opt_state_dtype]
     for shape in state_shapes(cfg.train.optimizer, p.name, p.shape, p.names):
@@ -221,7 +213,7 @@ def _state_bytes(cfg: Config, p: ParamShape, moment_spec: tuple[SpecEntry, ...])
 
 def _zero1_spec(spec: tuple[SpecEntry, ...], names: tuple[str | None, ...],
                 mesh: Mapping[str, int]) -> tuple[SpecEntry, ...]:
-    """ZeRO-1's moment spec: the ``embed`` dim also split over data and fsdp (parallel/zero.py)."""
+    """ZeRO-1's moment spec: ``embed`` also split over data and fsdp."""
     extra = tuple(a for a in ZERO1_AXES if mesh[a] > 1)
     dim = model_dim(names)
     if not extra or dim is None:
@@ -232,6 +224,5 @@ def _zero1_spec(spec: tuple[SpecEntry, ...], names: tuple[str | None, ...],
 
 
 def in_compute_dtype(p: ParamCost, nbytes: int, a: int) -> int:
-    """Bytes of a weight (or its gradient) as it travels: cast to the compute dtype, except
-    the norm scales, which stay float32."""
+    """Bytes of a weight (or gradient) on the wire: compute dtype, norm scales float32."""
     return nbytes * a // PARAM_BYTES if p.matmul else nbytes

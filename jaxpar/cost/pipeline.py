@@ -1,9 +1,8 @@
 """The pipeline's share of the cost model: messages over ``pipe``, memory of a stage, bubble.
 
-Kept together because it follows the executor and its schedule tables and changes with them.
-Inside the stages every formula of :mod:`~jaxpar.cost.collectives` runs on the stage's layers
-once per executed slot. Time: compute / (1 - bubble). The accounting, part by part:
-docs/pipelines.md, "What the plan counts".
+It follows the executor and its schedule tables. Inside the stages every formula of
+:mod:`~jaxpar.cost.collectives` runs on the stage's layers once per executed slot. Time:
+compute / (1 - bubble). Part by part: docs/pipelines.md, "What the plan counts".
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from jaxpar.cost.shapes import StepSizes
 
 
 def pipeline_collectives(c: Ledger) -> None:
-    """Sends and all-reduces over ``pipe`` per executor step (docs/pipelines.md,
-    "Messages over pipe")."""
+    """Sends and all-reduces over ``pipe`` per executor step (docs/pipelines.md, "Messages over
+    pipe")."""
     st = c.st
     if st.pipeline is None:
         return
@@ -55,16 +54,15 @@ def pipeline_collectives(c: Ledger) -> None:
 
 
 def per_layer_fsdp(st: StepSizes) -> bool:
-    """Whether the stages gather their layers over ``fsdp`` one at a time
-    (``parallel.pipeline_fsdp=per_layer``, :mod:`jaxpar.parallel.pipeline.per_layer`)."""
+    """Whether stages gather layers over ``fsdp`` one at a time (``pipeline_fsdp=per_layer``)."""
     return (st.pipeline is not None and st.mesh["fsdp"] > 1
             and st.cfg.parallel.pipeline_fsdp == "per_layer")
 
 
 def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
-    """``parallel.pipeline_fsdp=per_layer``: each slot gathers its chunk's layers over ``fsdp``,
-    each slot that makes weight gradients reduce-scatters them (docs/pipelines.md, "FSDP layer
-    by layer"). Under ``pipeline_stash=inputs`` a backward slot gathers twice: ``F + 2B``."""
+    """``pipeline_fsdp=per_layer``: each slot gathers its chunk's layers over ``fsdp``; each slot
+    making weight gradients reduce-scatters them (docs/pipelines.md, "FSDP layer by layer").
+    ``pipeline_stash=inputs``: a backward slot gathers twice (``F + 2B``)."""
     st = c.st
     if not layer:
         return
@@ -85,13 +83,12 @@ def per_layer_fsdp_collectives(c: Ledger, layer: list[ParamCost]) -> None:
 
 
 def vocab_trained(st: StepSizes) -> bool:
-    """Whether the embedding and head train (not under LoRA, whose executor holds them frozen:
-    no gradient of theirs is built, held or summed)."""
+    """Whether embedding and head train (not under LoRA: frozen, no gradient built or summed)."""
     return st.cfg.train.lora.rank == 0
 
 
 def pipeline_gradient_sums(st: StepSizes, params: list[ParamCost]) -> int:
-    """Bytes of the executor's float32 gradient sums where they are not the step's gradients
+    """Bytes of the executor's float32 gradient sums where not the step's gradients
     (docs/pipelines.md, "What each part holds")."""
     if st.pipeline is None or st.mesh["fsdp"] == 1:
         return 0
@@ -125,9 +122,8 @@ def stage_weights(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def per_layer_stage_cast(st: StepSizes, params: list[ParamCost]) -> int:
-    """Under ``pipeline_fsdp=per_layer`` on the GPU/TPU compilers: the stage's stored layer
-    shards cast to the compute dtype once per step, hoisted out of the loops
-    (docs/pipelines.md, "FSDP layer by layer")."""
+    """``pipeline_fsdp=per_layer`` on GPU/TPU compilers: stored layer shards cast to the compute
+    dtype once per step, hoisted out of the loops (docs/pipelines.md, "FSDP layer by layer")."""
     if st.a == PARAM_BYTES or st.cfg.train.param_dtype != "float32":
         return 0
     return sum(in_compute_dtype(p, p.stored_bytes_per_device or p.bytes_per_device, st.a)
@@ -147,7 +143,7 @@ def stage_head(st: StepSizes) -> int:
 
 
 def before_loops(st: StepSizes, params: list[ParamCost]) -> int:
-    """Bytes of the phase before the stretch loops beside the stashes and the gradient sums
+    """Bytes of the phase before the stretch loops, beside stashes and gradient sums
     (docs/pipelines.md, "Memory of a stage")."""
     vocab = {p.name: p for p in params if p.name in ("embedding", "lm_head")}
     gathered = sum(p.gathered_bytes for p in vocab.values()) if st.mesh["fsdp"] > 1 else 0
@@ -157,8 +153,8 @@ def before_loops(st: StepSizes, params: list[ParamCost]) -> int:
 
 
 def weight_stash_per_layer(st: StepSizes, moe: bool = False) -> int:
-    """Bytes one layer's I leaves its W, one microbatch (docs/pipelines.md, "Zero bubble").
-    The norms' scales' gradients, ``E`` floats a layer, are left out."""
+    """Bytes one layer's I leaves its W per microbatch (docs/pipelines.md, "Zero bubble"), less
+    the norm scales' gradients (``E`` floats a layer)."""
     m, b, s, a, t = st.cfg.model, st.b, st.sl, st.a, st.t
     d = m.resolved_head_dim
     full = b * s * m.d_model * a
@@ -204,8 +200,8 @@ def pipeline_memory(st: StepSizes, params: list[ParamCost], residuals_per_layer:
 
 
 def chunk_gradients(st: StepSizes, params: list[ParamCost]) -> int:
-    """Bytes of the running chunk's weight gradients as a backward slot builds them: the
-    weights as read (compute dtype, gathered), before they are added into the float32 sums."""
+    """Bytes of the running chunk's weight gradients in a backward slot: the weights as read
+    (compute dtype, gathered), before the float32 sums."""
     stack = sum(in_compute_dtype(p, p.gathered_bytes, st.a) for p in params
                 if p.stacked and p.trained)  # (LoRA: the adapters')
     v = st.cfg.parallel.virtual_stages

@@ -1,14 +1,11 @@
 """``jaxpar plan``: what a layout would cost on given hardware, and which layout to rent.
 
-``jaxpar plan CONFIG [key=value ...] [--hardware h100] [--devices N]`` prints the analytic cost
-(:func:`jaxpar.cost.estimate.estimate`) of the config's own layout: memory per device against the
-device's HBM, every collective with its bytes and link time, flops, step time and MFU.
-
-``--search`` instead ranks every layout of N devices (mesh, sequence parallelism, ZeRO, pipeline
-schedule and microbatches) with the remat policy and optimizer offload that make it fit
-(:mod:`jaxpar.cost.search`: what is tried and how it is pruned), and ``--verify K --target TPU``
-compiles the best K for a TPU slice to set the compiler's peak memory beside the plan's
-(:mod:`jaxpar.inspect.verify`). Nothing else compiles, and jax never starts a backend.
+``jaxpar plan CONFIG [key=value ...] [--hardware h100] [--devices N]`` prints the config's own
+layout's analytic cost: memory per device against HBM, each collective's bytes and link time,
+flops, step time, MFU. ``--search`` ranks every layout of N devices with the levers that make
+it fit (:mod:`jaxpar.cost.search`); ``--verify K --target TPU`` compiles the best K for a TPU
+slice beside the plan (:mod:`jaxpar.inspect.verify`). Nothing else compiles; no jax backend
+starts.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ def hardware_line(cfg: Config, devices: int, hw: HardwareProfile) -> str:
 
 
 def format_plan(report: CostReport) -> Group:
-    """Tables for one layout: memory, collectives, flops and time (``report`` estimated with a
-    hardware profile)."""
+    """Tables for one layout: memory, collectives, flops and time (``report`` with a profile)."""
     if report.time is None:
         raise ValueError("format_plan: estimate the report with a hardware profile")
     hw = get_profile(report.time.hardware)
@@ -190,8 +186,7 @@ def _timing_table(report: CostReport) -> Table:
 
 
 def format_search(candidates: Sequence[Candidate], rows: int | None = TOP) -> Table:
-    """The ranked candidates (the first ``rows`` of them; None: all, the rejected ones too, with
-    their reasons)."""
+    """The first ``rows`` ranked candidates (None: all, rejected ones with reasons)."""
     table = Table(title="layouts, fastest first", title_justify="left")
     for column, justify in (("#", "right"), ("layout", "left"), ("micro", "right"),
                             ("remat", "left"), ("offload", "left"), ("step (ideal)", "right"),
@@ -219,8 +214,8 @@ def format_search(candidates: Sequence[Candidate], rows: int | None = TOP) -> Ta
 
 
 def reason_counts(candidates: Sequence[Candidate], top: int = 5) -> list[tuple[int, str]]:
-    """The most common reasons for rejection, numbers replaced by N so that one rule's
-    messages count together: [(count, reason)], most common first."""
+    """[(count, reason)] of rejections, most common first; numbers read as N so one rule's
+    messages count together."""
     counts = Counter(re.sub(r"\d+(\.\d+)?", "N", c.reason) for c in candidates
                      if c.reason is not None)
     return [(n, why) for why, n in counts.most_common(top)]
@@ -246,10 +241,10 @@ def planned_devices(cfg: Config, device_count: int | None) -> int:
 def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
               device_count: int | None = None, console: Console | None = None,
               show_all: bool = False) -> int:
-    """``jaxpar plan``: print the plan (or the ranked search); 0 when done.
+    """``jaxpar plan``: print the plan (or search); 0 when done.
 
-    ``cfg`` is loaded but need not be validated (this validates it for ``device_count``). An
-    unknown hardware name or an invalid config raises ConfigError (the CLI's exit code 2).
+    ``cfg`` need not be validated (done here for ``device_count``). ConfigError (CLI exit 2) for
+    an unknown hardware name or invalid config.
     """
     console = console or Console()
     hw = get_profile(hardware)
@@ -272,9 +267,8 @@ def plan_main(cfg: Config, hardware: str = "h100", search: bool = False,
 
 def print_search(cfg: Config, devices: int, hw: HardwareProfile, console: Console,
                  show_all: bool = False) -> list[Candidate]:
-    """``plan --search``: the top layouts (all of them, rejected ones too, with ``show_all``),
-    the most common reasons for rejection, the overrides of the fastest; returns the ranked
-    candidates."""
+    """``plan --search``: the top layouts (``show_all``: all, rejected too), the commonest
+    rejections, the fastest's overrides; returns the ranked candidates."""
     candidates = _search(cfg, devices, hw, keep=None if show_all else TOP)
     console.print(f"jaxpar plan --search | {hardware_line(cfg, devices, hw)}")
     console.print(format_search(candidates, rows=None if show_all else TOP))

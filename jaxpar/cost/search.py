@@ -1,20 +1,16 @@
 """``jaxpar plan --search``: every layout of N devices with the memory levers that make it fit,
 ranked by estimated step time.
 
-A *layout* is everything that changes how the work is split: the mesh (each ordered
-factorisation of N, ``expert`` only for a mixture of experts), sequence parallelism, ZeRO-3 or
-ZeRO-1, each ``parallel.context_impl``, and with ``pipe > 1`` the schedule, the microbatches and
-``parallel.pipeline_fsdp``. The *levers* only trade memory for time on a layout:
-``train.remat``, ``train.offload.optimizer`` and ``parallel.pipeline_stash``.
+A *layout* is how work is split: the mesh (ordered factorisations of N; ``expert`` only for
+MoE), sequence parallelism, ZeRO-3 or ZeRO-1, ``parallel.context_impl``, and with ``pipe > 1``
+schedule, microbatches and ``parallel.pipeline_fsdp``. *Levers* trade memory for time:
+``train.remat``, ``train.offload.optimizer``, ``parallel.pipeline_stash``.
 
-Estimating every layout with every lever would take minutes. Two rules keep the search to about
-one estimate per layout. A lever never speeds a step up, so each layout's *probe* (no remat,
-nothing offloaded, residuals stashed) bounds all its variants from below. Layouts are expanded
-in the order of their probes; once ``keep`` fit and the next probe is slower than the
-``keep``-th, the rest are *pruned*. The ranking is exact for the top ``keep`` under the model;
-the count of layouts that fit is a lower bound when some were pruned.
-
-What is tried, and why each rule holds: docs/plan.md, "Search and verify".
+Two rules keep it near one estimate per layout. A lever never speeds a step up, so a layout's
+*probe* (no remat, nothing offloaded, residuals stashed) bounds its variants from below.
+Layouts expand in probe order; once ``keep`` fit and the next probe is slower than the
+``keep``-th, the rest are *pruned*. The top ``keep`` are exact under the model; the count that
+fit is a lower bound when some were pruned. Details: docs/plan.md, "Search and verify".
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ WHOLE_BACKWARD = ("gpipe", "1f1b", "interleaved")
 
 @dataclass(frozen=True)
 class Layout:
-    """How the work is split (module docstring): the mesh and the settings that go with it."""
+    """How the work is split: the mesh and its settings."""
 
     data: int
     fsdp: int
@@ -115,7 +111,7 @@ class Candidate:
 
     @property
     def layout(self) -> str:
-        """``pipe=4 fsdp=16 tensor=4 sp zero=3 1f1b`` (microbatches and levers: own columns)."""
+        """``pipe=4 fsdp=16 tensor=4 sp zero=3 1f1b`` (microbatches, levers: own columns)."""
         lay = self.layout_
         parts = [f"{a}={getattr(lay, a)}" for a in ("pipe", "data", "fsdp", "expert", "context",
                                                       "tensor") if getattr(lay, a) > 1]
@@ -136,7 +132,7 @@ class Candidate:
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
-        """The ``key=value`` overrides that select this candidate (for ``jaxpar train``)."""
+        """The ``key=value`` overrides selecting this candidate (for ``jaxpar train``)."""
         lay = self.layout_
         out = [f"mesh.pipe={lay.pipe}", f"mesh.data={lay.data}", f"mesh.fsdp={lay.fsdp}",
                *([f"mesh.expert={lay.expert}"] if lay.expert > 1 else []),
@@ -174,8 +170,7 @@ SEARCHED_CHUNKS = {"interleaved": (2,), "zero_bubble": (1, 2), "dualpipe_v": (2,
 
 def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
                ) -> Iterator[tuple[str | None, int, int, str | None, str | None]]:
-    """(schedule, virtual_stages, microbatches, pipeline_fsdp, pipeline_stash) for ``pipe``
-    stages."""
+    """(schedule, virtual_stages, microbatches, pipeline_fsdp, pipeline_stash) for ``pipe``."""
     if pipe == 1:
         yield None, 1, 1, None, None
         return
@@ -198,8 +193,8 @@ def _pipelines(cfg: Config, pipe: int, fsdp: int, replicas: int
 
 
 def _context_impls(context: int) -> Iterator[tuple[str | None, int]]:
-    """(context_impl, ulysses_size) for ``context`` devices: every implementation, the hybrid
-    with each inner factor (validation rejects the head counts that do not split)."""
+    """(context_impl, ulysses_size) for ``context`` devices: each implementation, the hybrid per
+    inner factor (validation rejects head counts that do not split)."""
     if context == 1:
         yield None, 0
         return
@@ -213,7 +208,7 @@ def _context_impls(context: int) -> Iterator[tuple[str | None, int]]:
 
 
 def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
-    """Every layout of ``device_count`` devices that :func:`search` tries (module docstring)."""
+    """Every layout of ``device_count`` devices :func:`search` tries."""
     moe = cfg.model.moe.enabled
     for sizes in _factorisations(device_count, 6 if moe else 5):
         pipe, data, fsdp, expert, context, tensor = sizes if moe else (*sizes[:3], 1,
@@ -230,7 +225,7 @@ def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
 
 def _try(cfg: Config, layout: Layout, remat: str, offload: bool, devices: int,
          hw: HardwareProfile) -> Candidate:
-    """One estimate: fits, or the reason it does not (validation's message, or the memory)."""
+    """One estimate: fits, or why not (validation's message, or memory)."""
     try:
         report = estimate(validate(layout.apply(cfg, remat, offload), devices), hw)
     except ConfigError as err:
@@ -244,8 +239,8 @@ def _try(cfg: Config, layout: Layout, remat: str, offload: bool, devices: int,
 
 
 def _expand(cfg: Config, probe: Candidate, devices: int, hw: HardwareProfile) -> Candidate:
-    """The fastest lever setting of the probe's layout that fits (ties: least memory), else the
-    smallest one (rule 1 of the module docstring)."""
+    """The probe layout's fastest fitting lever setting (ties: least memory), else the
+    smallest."""
     remats = schema_values(TrainConfig, "remat")
     layouts = [probe.layout_]
     if probe.schedule in WHOLE_BACKWARD:  # each chunk's input stashed, the chunk run again
@@ -273,8 +268,7 @@ def _expand(cfg: Config, probe: Candidate, devices: int, hw: HardwareProfile) ->
 
 def search(cfg: Config, device_count: int, hardware: str | HardwareProfile,
            keep: int | None = TOP) -> list[Candidate]:
-    """Every layout of ``device_count`` devices: the ones that fit ranked by step time (then
-    memory), then the pruned ones, then the rejected ones (module docstring)."""
+    """Every layout: those that fit by step time (then memory), then pruned, then rejected."""
     hw = get_profile(hardware)
     probe_remat = "none" if "none" in schema_values(TrainConfig, "remat") else cfg.train.remat
     probes = [_try(cfg, lay, probe_remat, False, device_count, hw)

@@ -24,7 +24,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class StepSizes:
-    """The sizes every formula of the cost model uses (docs/cost-model.md, "Notation")."""
+    """The sizes every cost formula uses."""
 
     cfg: Config
     b: int  # micro-batch per device
@@ -48,37 +48,36 @@ class StepSizes:
 
     @property
     def layers(self) -> int:
-        """Layers this device runs: its stage's share of the stack."""
+        """Layers this device runs: its stage's share."""
         return self.cfg.model.n_layers // self.p
 
     @property
     def moe_layers(self) -> int:
-        """MoE layers this device runs: its stage's share of them."""
+        """MoE layers this device runs: its stage's share."""
         return self.cfg.model.n_moe_layers // self.p
 
     @property
     def runs(self) -> int:
-        """How often a device runs its layers forward per step: micro-steps x microbatches."""
+        """Forward runs of a device's layers per step: micro-steps x microbatches."""
         return self.accum * self.m
 
     @property
     def wire(self) -> int:
-        """Bytes per compute-dtype element on the wire: XLA:CPU computes bf16 dots in float32."""
+        """Bytes per compute-dtype element on the wire (XLA:CPU computes bf16 dots in float32)."""
         return PARAM_BYTES if self.xla_cpu else self.a
 
     @property
     def attention_matmuls(self) -> int:
-        """The attention's column-parallel matmuls under tensor parallelism: q+k+v stacked
-        (``projection.project_all``), q and k+v with grouped-query attention (their input
-        gradients, summed in one VJP, are still reduced one by one on XLA:CPU); q, k and v in
-        a pipeline stage, whose prepared weights are not stacked."""
+        """Attention's column-parallel matmuls under tensor parallelism: q+k+v stacked
+        (``projection.project_all``); q and k+v under GQA (XLA:CPU reduces their input gradients one
+        by one); q, k and v in a pipeline stage (weights not stacked)."""
         if self.pipeline is not None:
             return 3
         return 1 if self.cfg.model.n_kv_heads == self.cfg.model.n_heads else 2
 
     @property
     def mlp_matmuls(self) -> int:
-        """The SwiGLU's column-parallel matmuls: gate+up stacked, gate and up in a pipeline."""
+        """SwiGLU's column-parallel matmuls: gate+up stacked; gate and up in a pipeline."""
         return 2 if self.pipeline is not None else 1
 
     @property
@@ -88,8 +87,8 @@ class StepSizes:
 
     @property
     def column_parallel_reductions(self) -> int:
-        """Backward input-gradient reductions per layer over tensor: one per column matmul on
-        XLA:CPU; the TPU compiler sums separate ones before reducing."""
+        """Input-gradient reductions over tensor per layer: one per column matmul on
+        XLA:CPU; the TPU compiler sums them first."""
         return self.column_matmuls if self.xla_cpu else 2
 
     @property
@@ -107,31 +106,29 @@ class StepSizes:
 
     @property
     def loss_pieces(self) -> int:
-        """Pieces of the sequence the loss (or the pipeline's head) is computed in."""
+        """Sequence pieces the loss (or the pipeline's head) is computed in."""
         return self.cfg.loss_pieces()
 
     @property
     def embedding_grad_pieces(self) -> int:
-        """Slices of the vocabulary the embedding's gradient is built in (a pipeline stage: of its
-        piece)."""
+        """Vocabulary slices the embedding's gradient is built in (a stage: of its piece)."""
         return self.cfg.embedding_grad_pieces()
 
     @property
     def vocab_rows(self) -> int:
-        """The vocabulary as the arrays hold it, padded for the layout (``Config.vocab_rows``):
-        what bytes and executed flops count; useful flops count ``model.vocab_size``."""
+        """The vocabulary padded for the layout (``Config.vocab_rows``): bytes and executed flops
+        count it; useful flops count ``model.vocab_size``."""
         return self.cfg.vocab_rows()
 
     @property
     def ring(self) -> bool:
-        """K/V blocks go round a ring over ``context``: ``ring``, and the ``hybrid``'s outer
-        ring."""
+        """K/V blocks go round a ring over ``context``: ``ring``, the ``hybrid``'s outer."""
         return self.c > 1 and self.cfg.parallel.context_impl in ("ring", "hybrid")
 
     @property
     def ulysses_group(self) -> int:
-        """Devices of one Ulysses all-to-all (parallel/ulysses.py): all of ``context`` for
-        ``ulysses``, the hybrid's ``ulysses_size``; 1 for the ring and the all-gather."""
+        """Devices of one Ulysses all-to-all: all of ``context`` (``ulysses``), ``ulysses_size``
+        (hybrid); 1 for ring and all-gather."""
         impl = self.cfg.parallel.context_impl
         if self.c == 1 or impl not in ("ulysses", "hybrid"):
             return 1
@@ -144,22 +141,22 @@ class StepSizes:
 
     @property
     def exchanged_kv_heads(self) -> int:
-        """K': a tensor shard's kv heads as the all-to-all exchanges them, repeated until they
-        split over its group (``ulysses.kv_repeats``); K/t without one."""
+        """K': a tensor shard's kv heads as exchanged, repeated until they split over the group
+        (``ulysses.kv_repeats``); K/t without an exchange."""
         kv, u = self.cfg.model.n_kv_heads // self.t, self.ulysses_group
         return kv * (u // math.gcd(kv, u))
 
     @property
     def ring_block(self) -> int:
-        """Elements of one K (or V) block going round the ring: b x S/c x K/t x D, or in the
-        hybrid, after the all-to-all, u x S/c tokens of K'/u heads."""
+        """Elements of one K (or V) ring block: b x S/c x K/t x D; hybrid: u x S/c tokens of K'/u
+        heads."""
         return self.b * self.sl * self.exchanged_kv_heads * self.cfg.model.resolved_head_dim
 
     @property
     def attention(self) -> str:
-        """The attention the step runs: ``ring``/``allgather``/``hybrid`` over ``context`` (on
-        the blockwise kernel), else what ``model.attention`` resolves to on ``platform`` (for
-        ``ulysses``: on the whole sequence, which its kernel attends)."""
+        """The step's attention: ``ring``/``allgather``/``hybrid`` over ``context``
+        (blockwise kernel), else ``model.attention`` resolved on ``platform`` (``ulysses``:
+        on the whole sequence)."""
         if self.c > 1 and self.cfg.parallel.context_impl != "ulysses":
             return self.cfg.parallel.context_impl
         m = self.cfg.model
@@ -168,31 +165,30 @@ class StepSizes:
 
     @property
     def pieces_attended(self) -> bool:
-        """Whether the attention kernel works on the device's pieces of the sequence (ring,
-        all-gather, hybrid), not the whole sequence (one device, Ulysses)."""
+        """Whether the kernel works on the device's sequence pieces (ring, all-gather, hybrid), not
+        the whole sequence (one device, Ulysses)."""
         return self.c > 1 and self.cfg.parallel.context_impl != "ulysses"
 
     @property
     def flash(self) -> bool:
-        """Attention with an online softmax and a custom VJP: it saves the output and the
-        log-sum-exp, never a score matrix, and recomputes the scores backward."""
+        """Online softmax with a custom VJP: saves output and log-sum-exp, no score matrix; scores
+        recomputed backward."""
         return self.attention != "dense"
 
     @property
     def block(self) -> int:
-        """Queries (and keys) per block of the flash kernel: ``model.attention_block``, at most
-        one contiguous piece of the local sequence (a zigzag chunk under context parallelism)."""
+        """Queries (and keys) per flash block: ``model.attention_block``, at most one contiguous
+        local piece (a zigzag chunk under context parallelism)."""
         piece = (self.sl // (2 if self.cfg.parallel.zigzag else 1) if self.pieces_attended
                  else self.s)
         return min(self.cfg.model.attention_block, piece)
 
     @property
     def computed_share(self) -> float:
-        """Share of the S x S square the busiest device's flash kernel computes: the zigzag
-        layout balances the causal half (2c+1 of 4c chunk pairs each); a contiguous split
-        leaves the last device all of its blocks; on one device, n(n+1)/2 of n^2 blocks. With
-        a sliding window, local layers count the blocks the window touches (averaged over the
-        layers: :func:`windowed_share`)."""
+        """Share of the S x S square the busiest device computes: zigzag balances the causal half
+        (2c+1 of 4c chunk pairs each); a contiguous split leaves the last device all its blocks; one
+        device: n(n+1)/2 of n^2. Sliding-window layers count the blocks the window touches
+        (:func:`windowed_share`, averaged over layers)."""
         if self.pieces_attended:
             causal = (2 * self.c + 1) / (4 * self.c) if self.cfg.parallel.zigzag else 1.0
         else:
@@ -213,20 +209,20 @@ class StepSizes:
         return self.b * self.sl * self.cfg.model.d_model * self.a
 
     def tokens_x_embed(self, element_bytes: int) -> int:
-        """b x S/c x E elements of ``element_bytes`` each (an activation on the wire)."""
+        """b x S/c x E elements of ``element_bytes`` (an activation on the wire)."""
         return self.b * self.sl * self.cfg.model.d_model * element_bytes
 
     # Mixture of experts: per device and micro-step, per MoE layer.
 
     @property
     def tokens(self) -> int:
-        """T: tokens one device routes per micro-step (its b rows x S/c positions)."""
+        """T: tokens a device routes per micro-step (b rows x S/c)."""
         return self.b * self.sl
 
     @property
     def moe_exchange(self) -> str | None:
-        """How slots cross the expert axis: ``capacity`` (dropping), ``padded`` (dropless on
-        XLA:CPU), ``ragged`` (dropless elsewhere), or None (no expert axis, or a dense model)."""
+        """How slots cross ``expert``: ``capacity`` (dropping), ``padded`` (dropless on XLA:CPU),
+        ``ragged`` (dropless elsewhere), None (no expert axis, or dense)."""
         moe = self.cfg.model.moe
         if not moe.enabled or self.mesh["expert"] == 1:
             return None
@@ -236,8 +232,8 @@ class StepSizes:
 
     @property
     def expert_rows(self) -> int:
-        """Rows one device's experts compute per MoE layer (= rows of each all-to-all): the
-        capacity buffer, the worst-case blocks of the padded exchange, or the T x k real slots."""
+        """Rows a device's experts compute per MoE layer (= rows per all-to-all): the capacity
+        buffer, the padded exchange's worst-case blocks, or the T x k real slots."""
         moe, g = self.cfg.model.moe, self.mesh["expert"]
         if moe.dispatch == "dropping":
             return moe.num_experts * moe.capacity(self.tokens)
@@ -254,8 +250,8 @@ class StepSizes:
     # Pipeline (parallel/pipeline/executor.py): what the executor's schedule adds per microbatch.
 
     def executed(self, direction: str) -> float:
-        """Forward (``"forward"``) or backward chunk runs a pipeline stage executes per useful
-        one: its steps with that slot, masked ones included, over microbatches x chunks."""
+        """Forward (``"forward"``) or backward chunk runs a stage executes per useful one (masked
+        slots included)."""
         if self.pipeline is None:
             return 1.0
         useful = self.pipeline["microbatches"] * self.pipeline["virtual_stages"]
@@ -263,33 +259,32 @@ class StepSizes:
 
     @property
     def stashes_inputs(self) -> bool:
-        """Whether a stage keeps each chunk's input and runs the chunk again in its backward
-        slot (``parallel.pipeline_stash=inputs``, :mod:`jaxpar.parallel.pipeline.recompute`)."""
+        """Whether a stage stashes chunk inputs and reruns the chunk backward
+        (``parallel.pipeline_stash=inputs``)."""
         return self.pipeline is not None and self.cfg.parallel.pipeline_stash == "inputs"
 
     def chunk_forwards(self) -> float:
-        """Forward runs of each chunk a stage executes per useful one (masked slots too): its
-        forward slots', and with ``pipeline_stash=inputs`` one more in every backward slot."""
+        """Forward runs of each chunk per useful one (masked too);
+        ``pipeline_stash=inputs`` adds one per backward slot."""
         return self.executed("forward") + (self.executed("backward") if self.stashes_inputs
                                            else 0.0)
 
     @property
     def sent(self) -> int:
-        """Bytes of one stage-to-stage message: a microbatch's residual stream shard (split
-        over tensor too under sequence parallelism), as it travels."""
+        """Bytes of one stage-to-stage message: a microbatch's residual-stream shard as it travels
+        (split over tensor too under sequence parallelism)."""
         return self.tokens_x_embed(self.wire) // (self.t if self.sp else 1)
 
 
 @functools.lru_cache(maxsize=1024)
 def _schedule(name: str, p: int, m: int, v: int, accum: int, overlap: bool) -> dict:
-    """``describe``, kept: it simulates the schedule tick by tick (milliseconds) and depends on
-    these six values only, and ``plan --search`` asks it for thousands of layouts (half its
-    time for llama3-70b on 256 devices). Callers get a copy."""
+    """``describe``, cached for ``plan --search`` (docs/plan.md, "Search and verify"). Callers
+    get a copy."""
     return describe(name, p, m, v, accum=accum, overlap=overlap)
 
 
 def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
-    """The sizes of one step of ``cfg`` (validated), for XLA:CPU's program or an accelerator's."""
+    """The sizes of one step of ``cfg`` (validated), for XLA:CPU or an accelerator."""
     mesh = dict(cfg.mesh_shape)
     shards = math.prod(mesh[a] for a in BATCH_AXES)
     t, par = cfg.train, cfg.parallel
@@ -306,9 +301,8 @@ def step_sizes(cfg: Config, xla_cpu: bool, platform: str = "cpu") -> StepSizes:
 def windowed_share(s: int, c: int, block: int, window: int,
                    order: np.ndarray | None = None) -> float:
     """Share of the S x S square the busiest of ``c`` devices computes in a local layer: the
-    (query block, key block) pairs of its S/c tokens (stored in ``order``) against all S that
-    the kernels do not skip, by :func:`~jaxpar.model.mask.block_kind`'s two rules (every key
-    after every query; every key before every query's window) vectorised over the pairs."""
+    (query block, key block) pairs of its S/c tokens (in ``order``) the kernels do not skip by
+    :func:`~jaxpar.model.mask.block_kind`'s two rules, vectorised."""
     order = np.arange(s) if order is None else np.asarray(order)
     tiles = order.reshape(-1, block)
     first, last = tiles.min(-1), tiles.max(-1)

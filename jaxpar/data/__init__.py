@@ -6,12 +6,10 @@ the per-process iterator.
 >>> it = DataIterator(ds, global_batch=32, seed=0)  # rows=: this process's rows only
 >>> batch = next(it)  # {"inputs", "targets", "mask"}: numpy arrays of shape [32, 256]
 
-``jaxpar tokenize`` (:mod:`.tokenize`) writes a corpus once as shards of token ids
-(:mod:`.shards`); :func:`open_tokenized` reads a split of it as the same rows, and
-:func:`open_mixture` several of them as one stream drawn by weight (:mod:`.mixture`);
-:func:`open_source` opens one split of either kind of source, as ``data.source`` names it.
-Importing this package does not import jax: :class:`DataIterator` needs grain (which does), so
-it is imported on first use, and tokenizing runs without either.
+``jaxpar tokenize`` writes a corpus once as shards (:mod:`.shards`); :func:`open_tokenized`
+reads a split as rows, :func:`open_mixture` several by weight, :func:`open_source` whichever
+``data.source`` names. Importing does not import jax; :class:`DataIterator` (grain, which
+does) is imported on first use.
 """
 
 from typing import TYPE_CHECKING

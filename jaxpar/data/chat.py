@@ -1,18 +1,17 @@
-"""Chat data for supervised fine-tuning: conversations rendered with the tokenizer's chat template,
-the loss on the assistant's tokens only (``data.loss_on=assistant``; docs/data.md#chat-data).
+"""Chat data for supervised fine-tuning: conversations rendered with the tokenizer's chat
+template, loss on the assistant's tokens only (``data.loss_on=assistant``;
+docs/data.md#chat-data).
 
-A chat file is JSON lines, one conversation a line: ``{"messages": [{"role": ..., "content":
-...}, ...]}``, or ``{"prompt": ..., "completion": ...}`` (a user message and the assistant's
-answer). Each conversation is rendered to text by the Jinja ``chat_template`` of the
-``tokenizer_config.json`` beside ``data.tokenizer`` (or the ``chat_template.jinja`` that newer
-transformers save beside it), as Hugging Face's ``apply_chat_template``
-renders it (the same sandboxed Jinja environment and globals), and tokenized whole.
+A chat file is JSON lines: ``{"messages": [{"role": ..., "content": ...}, ...]}``, or
+``{"prompt": ..., "completion": ...}`` (user message, assistant answer). Each conversation is
+rendered by the Jinja ``chat_template`` of the ``tokenizer_config.json`` (or
+``chat_template.jinja``) beside ``data.tokenizer``, as Hugging Face's ``apply_chat_template``
+(same sandboxed environment and globals), then tokenized whole.
 
-Which characters belong to the assistant: for each assistant message, the conversation before it
-rendered with ``add_generation_prompt=True`` must be a prefix of the conversation up to and
-including it; the characters in between (the answer and the template's end-of-turn marker) are
-the assistant's. A token whose first character lies in one of those spans is an assistant token,
-and its weight as a target is 1; every other token's is 0.
+The assistant's characters: the conversation before each assistant message, rendered with
+``add_generation_prompt=True``, must prefix the conversation through it; the characters in
+between (answer, end-of-turn marker) are the assistant's. A token starting in such a span has
+target weight 1; every other, 0.
 """
 
 from __future__ import annotations
@@ -98,7 +97,7 @@ class ChatTemplate:
         self._errors = (jinja2.exceptions.TemplateError,)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-        """The text of ``messages``; a template error (an unknown role) raises ValueError."""
+        """The text of ``messages``; ValueError on a template error (an unknown role)."""
         try:
             return self._template.render(messages=list(messages),
                                          add_generation_prompt=add_generation_prompt,
@@ -107,9 +106,9 @@ class ChatTemplate:
             raise ValueError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
     def assistant_text(self, conv: Conversation) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the [start, end) character spans of its assistant
-        messages. Raises a one-line ValueError naming ``conv.key`` for a role the template does
-        not render, or a template whose renderings are not prefixes of one another."""
+        """The rendered conversation and its assistant messages' [start, end) character
+        spans. A one-line ValueError naming ``conv.key`` for a role the template does not
+        render, or renderings that are not prefixes of one another."""
 
         def render(messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
             try:
@@ -144,9 +143,8 @@ class ChatTemplate:
 
 
 def _generation_tag(jinja2: Any) -> type:
-    """``{% generation %}...{% endgeneration %}``, which some templates wrap the assistant's
-    part in (for transformers' assistant mask): rendered as its body; the spans come from
-    the prefixes here (module docstring)."""
+    """``{% generation %}...{% endgeneration %}`` (some templates' assistant-mask markup),
+    rendered as its body; spans come from the prefixes instead."""
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -165,7 +163,7 @@ def _token_text(token: Any) -> str:
 
 
 def read_conversations(source: str) -> list[Conversation]:
-    """The conversations of the .jsonl file(s) ``source`` (a file, directory or glob)."""
+    """The conversations of the .jsonl file(s) ``source`` (file, directory or glob)."""
     files = [(p, k) for p, k in user_files(source) if p.endswith(".jsonl")]
     if not files:
         raise ValueError(f"data.source={source!r}: data.loss_on=assistant reads chat .jsonl "
@@ -210,8 +208,8 @@ def parse_conversation(line: str, where: str) -> tuple[Message, ...]:
 
 def encode_conversation(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]]
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 ids, float32 weights): ``text`` tokenized (special tokens in it recognised, none
-    added), weight 1 on the tokens whose first character lies in a span of ``spans``."""
+    """(int32 ids, float32 weights): ``text`` tokenized (special tokens recognised, none added),
+    weight 1 on tokens whose first character lies in ``spans``."""
     ids, offsets = tokenizer.encode_offsets(text)
     starts = np.asarray([s for s, _ in offsets], dtype=np.int64).reshape(-1)
     weights = np.zeros(len(ids), dtype=np.float32)

@@ -1,8 +1,7 @@
 """From `data.source` to a packed train or validation split.
 
-The split is by document and decided by a hash of each document's key (its relative path, or
-path and line), so it is deterministic, identical on every process, and a document keeps its
-split when `max_bytes` lets more or fewer documents in.
+The split is by document, by a hash of its key (relative path, or path and line): the same on
+every process, and stable as `max_bytes` admits more or fewer documents.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ def build_dataset(
 ) -> PackedDataset:
     """Read, split, tokenize and pack `source` into rows of `seq_len` inputs and targets.
 
-    ``loss_on="assistant"``: `source` is chat .jsonl, rendered with the chat template beside
-    the tokenizer, and the rows' mask is 1 only on the assistant's tokens (data/chat.py)."""
+    ``loss_on="assistant"``: `source` is chat .jsonl, rendered with the tokenizer's chat
+    template; the mask is 1 only on the assistant's tokens (data/chat.py)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if seq_len < 1:
@@ -109,10 +108,9 @@ def check_vocabulary(ids: int, vocab_size: int, label: str) -> None:
 
 def open_source(data: DataConfig, source: str, split: str, seq_len: int, *, vocab_size: int,
                 label: str | None = None) -> TokenizedDataset | PackedDataset:
-    """``split`` of one source: a directory written by ``jaxpar tokenize`` (read, never
-    scanned), or anything else ``data.source`` reads (tokenized and split here, as ``data``
-    says). ValueError when anything is off, and before any work when the tokenizer has more
-    ids than the model's ``vocab_size``."""
+    """``split`` of one source: a ``jaxpar tokenize`` directory (never scanned), or anything else
+    ``data.source`` reads (tokenized and split here). ValueError when anything is off; before any
+    work if the tokenizer has more ids than ``vocab_size``."""
     label = label or f"data.source={source!r}"
     if is_tokenized(source):
         ds = open_tokenized(source, split, seq_len, tokenizer=data.tokenizer,
@@ -127,10 +125,10 @@ def open_source(data: DataConfig, source: str, split: str, seq_len: int, *, voca
 
 
 def validation_mask(keys: Sequence[str], val_fraction: float) -> np.ndarray:
-    """True for the documents in the validation split (about `val_fraction` of them).
+    """True for documents in the validation split (about `val_fraction`).
 
-    With two or more documents neither split is left empty: if the hash puts none (or all) in
-    validation, the document with the lowest (highest) hash changes side.
+    With two or more documents neither split is empty: if the hash puts none (all) in validation,
+    the lowest (highest) hash changes side.
     """
     scores = np.array([split_score(k) for k in keys])
     in_validation = scores < val_fraction
@@ -143,17 +141,17 @@ def validation_mask(keys: Sequence[str], val_fraction: float) -> np.ndarray:
 
 
 def split_score(key: str) -> float:
-    """A document's stable pseudo-random number in [0, 1): below `val_fraction`, validation.
+    """A document's stable pseudo-random number in [0, 1); below `val_fraction`: validation.
 
-    Python's hash() is salted per process, so a keyed digest instead. `jaxpar tokenize` applies
-    the same rule one document at a time, and :func:`validation_mask`'s correction at the end.
+    A keyed digest, as hash() is salted per process. `jaxpar tokenize` applies it per document,
+    and :func:`validation_mask`'s correction at the end.
     """
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2.0**64
 
 
 def dataset_line(ds: PackedDataset | TokenizedDataset) -> str:
-    """One line for the train log: split, documents, tokens, rows, and where they come from."""
+    """One train-log line: split, documents, tokens, rows, origin."""
     origin = f"source={ds.source}"
     if isinstance(ds, TokenizedDataset):
         origin += f", tokenized: {len(ds.shards)} shards of {ds.index.dtype}"

@@ -1,15 +1,9 @@
 """The per-process batch iterator: endless, seeded, checkpointable.
 
-Grain does the index bookkeeping: a seeded shuffle of row indices that is redrawn each epoch,
-endless repetition, batching into global batches, and an iterator whose state is one integer.
-Each process then gathers only the rows of every global batch that its devices hold (``rows``,
-from the batch sharding: ``jaxpar.mesh.process_batch_rows``).
-
-Grain's own sharding (`slice`, `ShardByJaxProcess`) splits the *records* between processes, so
-each process would batch a different sub-stream and the union of the per-process batches would
-not be the batch a 1-process run sees. Slicing the global batch of indices instead keeps the
-stream independent of the process count (the correctness tests compare layouts against a single
-device), and it makes a checkpoint resumable with a different number of processes.
+Grain shuffles row indices (redrawn each epoch), repeats and batches them into global batches;
+its state is one integer. Each process gathers only its devices' rows of each global batch
+(``rows``, from ``jaxpar.mesh.process_batch_rows``), so the stream does not depend on the
+process count. Why not grain's sharding: docs/data.md, "Training from a tokenized directory".
 """
 
 from __future__ import annotations
@@ -21,8 +15,8 @@ import numpy as np
 
 
 class RowDataset(Protocol):
-    """What the iterator reads: :class:`~jaxpar.data.packing.PackedDataset` (in memory) and
-    :class:`~jaxpar.data.tokenized.TokenizedDataset` (shards on disk) alike."""
+    """What the iterator reads: :class:`~jaxpar.data.packing.PackedDataset` (in memory) or
+    :class:`~jaxpar.data.tokenized.TokenizedDataset` (on disk)."""
 
     source: str  # for messages
     split: str
@@ -38,13 +32,11 @@ class RowDataset(Protocol):
 class DataIterator:
     """`next(it)` -> rows `rows` of the next global batch: dict of [len(rows), seq_len] arrays.
 
-    `rows` (default: all of them) are positions in the global batch of `global_batch` rows, the
-    ones this process's devices hold; any subset in any order, the same for every batch. The
-    stream depends only on the dataset, `global_batch`, `seed` and `shuffle` (not on `rows`, so
-    the state resumes under another process count); batches run on across epoch ends.
-    With `segments` (``data.document_mask``), each batch also has int32 ``segment_ids``: the
-    document of every input position (the datasets' ``segment_ids``); not part of the state, as
-    it does not change the stream.
+    `rows` (default: all): positions in the global batch of `global_batch` rows, any subset in any
+    order, the same every batch. The stream depends only on the dataset, `global_batch`, `seed`
+    and `shuffle` (not `rows`: the state resumes under another process count); it runs on across
+    epochs. `segments` (``data.document_mask``) adds int32 ``segment_ids`` per input position; not
+    part of the state.
     """
 
     def __init__(
@@ -107,26 +99,26 @@ class DataIterator:
         return batch
 
     def tokens_seen(self) -> dict[str, int]:
-        """A mixture's real target tokens drawn so far from each source, in the global batches
-        handed out (checkpointed with the position); empty for a single source."""
+        """A mixture's real target tokens drawn per source in the batches handed out (checkpointed);
+        empty for a single source."""
         return dict(zip(self._names, self._seen.tolist(), strict=True))
 
     def with_rows(self, rows: np.ndarray) -> DataIterator:
-        """The same stream at the same position, yielding rows ``rows`` of each global batch."""
+        """The same stream and position, yielding rows ``rows`` of each global batch."""
         other = DataIterator(self._ds, self._config["global_batch"], self._config["seed"], rows,
                              self._config["shuffle"], self._segments)
         other.set_state(self.get_state())
         return other
 
     def get_state(self) -> dict[str, Any]:
-        """A small JSON-serializable dict; the same for every process at the same step."""
+        """A small JSON-serializable dict, the same on every process at a step."""
         state = {"grain": self._iter.get_state(), **self._config}
         if self._names:
             state["tokens_seen"] = self.tokens_seen()
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Resume so that the next batch is the one the saved iterator would have produced."""
+        """Resume so the next batch is the one the saved iterator would have produced."""
         saved = {k: state.get(k) for k in self._config}
         if saved != self._config:
             raise ValueError(

@@ -1,9 +1,9 @@
 """A mixture of tokenized directories (``data.sources``): rows drawn from each by weight.
 
-Row ``i`` of the endless mixture is a pure function of ``i``, the seed and the sources, so
-every process computes the same stream without talking to the others, and a checkpoint needs
-only the iterator's position. Each source's epochs are seeded permutations (:func:`permute`, a
-Feistel network: never materialized). The rules: docs/data.md, "Mixtures".
+Row ``i`` of the endless mixture is a pure function of ``i``, the seed and the sources: every
+process computes the same stream alone, and a checkpoint needs only the position. Each
+source's epochs are seeded permutations (:func:`permute`, never materialized). Rules:
+docs/data.md, "Mixtures".
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ _CACHED_BLOCKS = 4  # a global batch spans a block or two; a few more for with_r
 
 
 def block_counts(weights: Sequence[float], block: int = BLOCK) -> np.ndarray:
-    """Rows per source in each block: ``block * weight / sum`` rounded by largest remainder
-    (ties to the earlier source), so the counts sum to ``block``."""
+    """Rows per source in a block: ``block * weight / sum`` by largest remainder (ties to the
+    earlier source), summing to ``block``."""
     share = np.asarray(weights, dtype=np.float64)
     exact = block * share / share.sum()
     counts = np.floor(exact).astype(np.int64)
@@ -34,14 +34,9 @@ def block_counts(weights: Sequence[float], block: int = BLOCK) -> np.ndarray:
 
 
 def permute(j: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
-    """A permutation of ``range(n)`` chosen by ``key``, applied to the row numbers ``j``.
-
-    A balanced Feistel network over the smallest even number of bits holding ``n`` is a
-    permutation of ``[0, 2**bits)``; values that land at ``n`` or above are encrypted again
-    until they fall inside ("cycle walking"), which keeps it a permutation of ``range(n)``.
-    ``2**bits < 4n``, so that takes few rounds. Written here, in numpy, rather than taken from a
-    library so the order cannot change under a version upgrade: same seed, same batches.
-    """
+    """A permutation of ``range(n)`` chosen by ``key``, applied to row numbers ``j``: a Feistel
+    network with cycle walking, in numpy so versions cannot change it (docs/data.md,
+    "Mixtures")."""
     half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
     keys = np.random.default_rng([*key]).integers(0, 2**63, size=_ROUNDS, dtype=np.uint64)
@@ -67,14 +62,14 @@ def _feistel(x: np.ndarray, half: int, mask: np.uint64, keys: np.ndarray) -> np.
 
 
 def source_names(paths: Sequence[str]) -> tuple[str, ...]:
-    """Short names for metrics: each directory's name; a repeated name gets ``-<index>``."""
+    """Short names for metrics: directory names; a repeated one gets ``-<index>``."""
     bases = [Path(p).expanduser().name or str(p) for p in paths]
     return tuple(b if bases.count(b) == 1 else f"{b}-{i}" for i, b in enumerate(bases))
 
 
 class MixtureDataset:
-    """Rows of several :class:`TokenizedDataset` by weight: the iterator's ``RowDataset``
-    (``len``, ``rows(indices)``), plus ``count_tokens(indices)`` per source for metrics."""
+    """Rows of several :class:`TokenizedDataset` by weight: a ``RowDataset``, plus
+    ``count_tokens(indices)`` per source for metrics."""
 
     split = "train"
 
@@ -122,7 +117,7 @@ class MixtureDataset:
         return sources, rows
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows `indices` stacked, as :meth:`TokenizedDataset.rows` gives them."""
+        """Rows `indices` stacked, as :meth:`TokenizedDataset.rows`."""
         sources, rows = self.locate(indices)
         out = {"inputs": np.empty((len(rows), self.seq_len), dtype=np.int32),
                "targets": np.empty((len(rows), self.seq_len), dtype=np.int32),
@@ -135,8 +130,7 @@ class MixtureDataset:
         return out
 
     def segment_ids(self, indices: np.ndarray) -> np.ndarray:
-        """Document ids of rows `indices`, as each source gives them
-        (:meth:`TokenizedDataset.segment_ids`)."""
+        """Document ids of rows `indices`, as each source gives them."""
         sources, rows = self.locate(indices)
         out = np.empty((len(rows), self.seq_len), dtype=np.int32)
         for s, ds in enumerate(self.datasets):
@@ -146,7 +140,7 @@ class MixtureDataset:
         return out
 
     def count_tokens(self, indices: np.ndarray) -> np.ndarray:
-        """int64 [sources]: the real target tokens (mask sum) rows `indices` take from each."""
+        """int64 [sources]: real target tokens (mask sum) rows `indices` take from each."""
         sources, rows = self.locate(indices)
         return np.array([ds.target_counts(rows[sources == s]).sum()
                          for s, ds in enumerate(self.datasets)], dtype=np.int64)
@@ -159,8 +153,7 @@ class MixtureDataset:
                 f"rows of {self.seq_len}, tokenizer={self.tokenizer}")
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Block `b`: the source of each position, and its rank among that source's positions
-        (the k-th of the block's rows from that source)."""
+        """Block `b`: each position's source, and its rank among that source's positions."""
         if b not in self._blocks:
             if self.shuffle:
                 sources = np.repeat(np.arange(len(self.counts)), self.counts)
@@ -180,9 +173,9 @@ class MixtureDataset:
 
 def open_mixture(sources: Sequence[tuple[str, float]], seq_len: int, *, tokenizer: str,
                  seed: int, shuffle: bool = True, checksums: bool = False) -> MixtureDataset:
-    """The ``train`` splits of ``(path, weight)`` pairs as one mixture; a one-line ValueError
-    naming ``data.sources[i]`` when a path is not a tokenized directory, the sources were made
-    with different tokenizers (or not with ``tokenizer``), or a weight is too small to draw."""
+    """The ``train`` splits of ``(path, weight)`` pairs as one mixture. One-line ValueError
+    naming ``data.sources[i]`` for a path not tokenized, mismatched tokenizers (or not
+    ``tokenizer``), or a weight too small to draw."""
     datasets = []
     for i, (path, _) in enumerate(sources):
         label = f"data.sources[{i}].path={path!r}"

@@ -1,19 +1,14 @@
 """Packing: documents become one token stream, cut into fixed-length training rows.
 
-Documents are joined with the tokenizer's end-of-text id between them, so no token is wasted on
-padding except at the very end. Row `i` is the window `stream[i*L : i*L + L + 1]` (L = seq_len):
-its first L tokens are the inputs and its last L the targets. Consecutive rows share one boundary
-token, so every token after the first is a target exactly once, and the inputs of all rows laid
-end to end are the stream itself. Only the last row can run past the stream; its padded targets
-get mask 0. Rows are views computed on demand from one flat array (no copy per row).
+Documents are joined by the end-of-text id, so only the end is padded. Row `i` is
+`stream[i*L : i*L + L + 1]` (L = seq_len): first L tokens inputs, last L targets. Rows share
+one boundary token, so every token after the first is a target once. Only the last row can
+run past the stream; its padded targets get mask 0. Rows are views of one flat array.
 
-Document ids (:meth:`PackedDataset.segment_ids`, for ``data.document_mask``) number the
-documents of a row from 0: a document's end-of-text separator belongs to it, the padding after
-the stream is one more document, as for tokenized directories.
-
-Chat data (``data.loss_on=assistant``) also packs a weight per stream token
-(:func:`pack_weights`): the mask of a target is its weight, 1 on the assistant's tokens and 0
-on the rest, the separators and the padding.
+Document ids (:meth:`PackedDataset.segment_ids`) count a row's documents from 0; a separator
+belongs to its document, the trailing padding is one more. Chat data
+(``data.loss_on=assistant``) packs a weight per token (:func:`pack_weights`): a target's mask
+is 1 on the assistant's tokens, 0 elsewhere (separators, padding).
 """
 
 from __future__ import annotations
@@ -40,8 +35,8 @@ def pack_tokens(docs: Sequence[np.ndarray], eos_id: int, seq_len: int) -> tuple[
 
 
 def pack_weights(weights: Sequence[np.ndarray], padded_len: int) -> np.ndarray:
-    """float32 [padded_len]: per-token weights laid out as :func:`pack_tokens` lays out the
-    tokens, 0 on the separators and the padding."""
+    """float32 [padded_len]: per-token weights laid out as :func:`pack_tokens` lays out tokens, 0
+    on separators and padding."""
     out = np.zeros(padded_len, dtype=np.float32)
     at = 0
     for w in weights:
@@ -102,8 +97,8 @@ class PackedDataset:
         }
 
     def segment_ids(self, indices: np.ndarray) -> np.ndarray:
-        """int32 [n, seq_len]: per input position of rows `indices`, which document it is in,
-        counted from 0 at the row's first position (module docstring)."""
+        """int32 [n, seq_len]: the document of each input position of rows `indices`, from 0 at the
+        row's start."""
         positions = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + np.arange(
             self.seq_len)
         boundaries = (np.array([self.n_tokens + 1]) if self.boundaries is None

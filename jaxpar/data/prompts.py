@@ -1,15 +1,11 @@
 """Prompts as token ids, and the ids that end a generated sequence: ``generation.*`` applied to
 the run's tokenizer, for ``jaxpar generate`` and lm-eval's model ``jaxpar``.
 
-A model jaxpar pre-trained saw documents packed end to end, each after the end-of-text token
-that closed the one before (``generation.prompt=eos_prefix``, the default): its prompt starts
-after that token, the text encoded as packing encoded it, without the tokenizer's special
-tokens. A model trained elsewhere (``jaxpar import-hf`` writes ``generation.prompt=tokenizer``)
-saw its text as its own tokenizer encodes it, with the BOS its post-processor adds where the
-model expects one (Llama 3, Gemma) and nothing where it does not (Qwen): its prompt is encoded
-exactly so, with nothing else in front. A sequence ends at any of ``generation.eos_ids`` (an
-imported model's ``generation_config.json``, else ``config.json``: a chat model's end-of-turn
-token among them), or at the tokenizer's end-of-text token when there are none.
+``eos_prefix`` (default; a model jaxpar trained): the end-of-text token, then the text without
+special tokens, as packing encoded it. ``tokenizer`` (``jaxpar import-hf``): the text exactly as
+its tokenizer encodes it, BOS included where the model expects one. A sequence ends at any of
+``generation.eos_ids``, else at the end-of-text token. The table: docs/generation.md, "Prompts
+and stopping".
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from jaxpar.data.tokenizer import Tokenizer, make_tokenizer, named_special_token
 
 @dataclass(frozen=True)
 class Prompts:
-    """How prompts of one model are encoded and where its sequences end (module docstring)."""
+    """How one model's prompts are encoded and where its sequences end."""
 
     tokenizer: Tokenizer  # its eos_id: the tokenizer's own end-of-text token
     eos_prefix: bool  # generation.prompt=eos_prefix
@@ -35,20 +31,19 @@ class Prompts:
         return not self.eos_prefix
 
     def encode(self, text: str) -> list[int]:
-        """The prompt ``text`` as token ids, as the model's training presented text."""
+        """``text`` as token ids, as the model's training presented text."""
         if self.eos_prefix:
             return [self.tokenizer.eos_id, *self.tokenizer.encode(text).tolist()]
         return self.tokenizer.encode(text, special_tokens=True).tolist()
 
     def prefix_id(self) -> int:
-        """The one token that stands for an empty context: the BOS, else the end-of-text token
-        (as lm-eval's ``hf`` model chooses)."""
+        """The token standing for an empty context: BOS, else end-of-text (as lm-eval's ``hf``)."""
         return self.tokenizer.eos_id if self.bos_id is None else self.bos_id
 
 
 def prompts_for(cfg: Config, tokenizer: str | None = None) -> Prompts:
     """``cfg``'s prompts on its tokenizer (``tokenizer``: a tokenizer.json or 'byte' instead of
-    ``data.tokenizer``). ValueError or ImportError for a tokenizer that cannot be used."""
+    ``data.tokenizer``). ValueError or ImportError if unusable."""
     g = cfg.generation
     spec = tokenizer or cfg.data.tokenizer
     if g.prompt == "eos_prefix":  # the first token is packing's separator, found by its name

@@ -1,9 +1,8 @@
 """The on-disk format of a tokenized corpus (``jaxpar tokenize``): shards of token ids, their
 document offsets, and one ``index.json``.
 
-Flat little-endian arrays read at an offset (``pread``) give random access to any token with
-numpy alone, for anything that indexes (grain's ``MapDataset``). The index is written last, so
-a directory with an ``index.json`` is a finished one. The format: docs/data.md, "The format".
+Flat little-endian arrays read with ``pread`` give random access with numpy alone. The index
+is written last: a directory with one is finished. The format: docs/data.md, "The format".
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ _READ_CHUNK = 1 << 24
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerInfo:
-    """Which tokenizer made the ids: its file's sha256 ("byte" for the byte tokenizer) is what
-    training compares; the name is for messages."""
+    """Which tokenizer made the ids: training compares its file's sha256 ("byte" for the byte
+    tokenizer); the name is for messages."""
 
     name: str
     sha256: str
@@ -62,8 +61,8 @@ class Shard:
 
 @dataclasses.dataclass(frozen=True)
 class TokenIndex:
-    """What ``index.json`` holds. ``splits`` maps a split name to its shards, in stream order; a
-    split without documents is absent."""
+    """``index.json``. ``splits``: split name -> its shards in stream order (empty splits
+    absent)."""
 
     tokenizer: TokenizerInfo
     dtype: str  # a key of DTYPES
@@ -97,7 +96,7 @@ class TokenIndex:
 
 
 def split_text_bytes(shards: tuple[Shard, ...]) -> int | None:
-    """UTF-8 bytes of a split's texts; None when a shard does not record them (an old index)."""
+    """UTF-8 bytes of a split's texts; None when a shard lacks them (an old index)."""
     counts = [s.text_bytes for s in shards]
     return None if None in counts else sum(counts)
 
@@ -113,8 +112,8 @@ def tokenizer_info(tokenizer: Tokenizer, spec: str) -> TokenizerInfo:
 
 
 def tokenizer_digest(spec: str) -> str:
-    """"byte", or the sha256 of the tokenizer.json that `spec` names (its path may differ from
-    the one the shards were made with; its content may not)."""
+    """"byte", or the sha256 of `spec`'s tokenizer.json (its path may differ from the shards';
+    its content may not)."""
     if spec == "byte":
         return "byte"
     path = Path(spec).expanduser()
@@ -149,20 +148,20 @@ def has_index(path: str | Path) -> bool:
 
 
 def is_tokenized(path: str | Path) -> bool:
-    """Whether ``data.source`` names a directory that ``jaxpar tokenize`` wrote, or began to
-    (that one is read as such too, so that its missing index is what the error says)."""
+    """Whether ``data.source`` is a directory ``jaxpar tokenize`` wrote or began (so the error
+    names its missing index)."""
     return has_index(path) or looks_unfinished(path)
 
 
 def looks_unfinished(path: str | Path) -> bool:
-    """Shards or a progress file but no index: a run that stopped before it wrote the index."""
+    """Shards or a progress file but no index: a run stopped before writing it."""
     path = Path(path).expanduser()
     return path.is_dir() and not has_index(path) and (
         (path / PROGRESS_FILE).is_file() or any(path.glob("*-00000.bin")))
 
 
 def read_index(directory: str | Path, label: str) -> TokenIndex:
-    """The index of a tokenized directory; a missing or unreadable one is a one-line error."""
+    """A tokenized directory's index; missing or unreadable: a one-line error."""
     path = Path(directory).expanduser() / INDEX_FILE
     if not path.is_file():
         if (Path(directory).expanduser() / PROGRESS_FILE).is_file():
@@ -187,8 +186,8 @@ def read_index(directory: str | Path, label: str) -> TokenIndex:
 
 def check_shards(directory: Path, index: TokenIndex, split: str | None, checksums: bool,
                  label: str) -> int:
-    """Every shard file of `split` (None: all splits) has the size the index gives it, and with
-    `checksums` the sha256 too (reads every byte). Returns the number of shards checked."""
+    """Check each shard file of `split` (None: all) has the index's size, and with `checksums`
+    its sha256 (reads every byte). Returns the number checked."""
     itemsize = np.dtype(DTYPES[index.dtype]).itemsize
     splits = index.splits if split is None else {split: index.splits.get(split, ())}
     checked = 0
@@ -218,8 +217,8 @@ def _check_file(path: Path, size: int, digest: str | None, label: str) -> None:
 class ShardWriter:
     """Appends documents to one shard under temporary names; :meth:`finish` makes it final.
 
-    Tokens go to disk as they come (only the document offsets stay in memory), hashed on the
-    way; nothing is visible under the shard's name until the whole shard is on disk."""
+    Tokens go to disk as they come, hashed on the way (only offsets stay in memory); nothing is
+    visible under the shard's name until all of it is on disk."""
 
     def __init__(self, directory: Path, split: str, number: int, dtype: str):
         self.name = f"{split}-{number:05d}"
@@ -239,9 +238,8 @@ class ShardWriter:
 
     def add(self, tokens: np.ndarray, starts: np.ndarray | None = None, *,
             text_bytes: int = 0) -> None:
-        """Append one document's ids (its end-of-text id included), or with `starts` several
-        documents laid end to end, `starts` their first positions in `tokens`; `text_bytes`:
-        the UTF-8 size of their texts."""
+        """Append one document's ids (end-of-text included), or with `starts` several laid end to
+        end, `starts` their first positions; `text_bytes`: their texts' UTF-8 size."""
         data = np.ascontiguousarray(tokens, dtype=self._dtype)
         first = [0] if starts is None else np.asarray(starts, dtype=np.int64).tolist()
         self._starts += [self.tokens + s for s in first]
@@ -251,8 +249,8 @@ class ShardWriter:
         self.text_bytes += text_bytes
 
     def finish(self, rename: bool = True) -> Shard:
-        """Flush both files to disk and, with `rename`, give them their final names (else the
-        caller renames them with :func:`rename_shard` once it has recorded the shard)."""
+        """Flush both files and, with `rename`, give their final names (else the caller does, with
+        :func:`rename_shard`, after recording the shard)."""
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -270,13 +268,13 @@ class ShardWriter:
         return shard
 
     def close(self) -> None:
-        """Stop without finishing (an interrupted run): the temporary file stays, unrecorded."""
+        """Stop unfinished (interrupted run): the temporary file stays, unrecorded."""
         self._file.close()
 
 
 def rename_shard(directory: Path, shard: Shard) -> None:
-    """Give a finished shard's temporary files their final names (done ones are skipped, so a
-    rerun after a crash completes what is left)."""
+    """Give a finished shard's temporary files their final names; done ones are skipped, so a
+    rerun after a crash completes the rest."""
     for name in (shard.tokens_file, shard.offsets_file):
         tmp = directory / (name + ".tmp")
         if tmp.exists():

@@ -1,12 +1,11 @@
-"""Where documents come from: the interpreter's standard library, the user's files, or a Hugging
-Face `datasets` directory (`save_to_disk`).
+"""Where documents come from: the standard library, the user's files, or a Hugging Face
+`datasets` directory (`save_to_disk`).
 
-`iter_documents` turns a `data.source` string into a deterministic stream of documents, each with
-a stable key (a relative path, plus a line/row number for multi-document files); it holds one
-document (or one Parquet/Arrow batch) at a time, so `jaxpar tokenize` reads corpora larger than
-memory. `read_documents` is the same as a list. Keys, not list positions, decide the
-train/validation split, so the split of a document does not depend on how much of the corpus was
-read. Anything a user can get wrong is a one-line `ValueError` that names `data.source`.
+`iter_documents` streams a `data.source` deterministically, each document with a stable key
+(relative path, plus line/row in multi-document files), one document or Parquet/Arrow batch
+at a time, so `jaxpar tokenize` reads corpora larger than memory. Keys decide the split, so
+it does not depend on how much was read. User errors: one-line `ValueError` naming
+`data.source`.
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ def iter_documents(
 ) -> Iterator[Document]:
     """Documents of `source` in a fixed order, stopping at `max_bytes` of UTF-8 text.
 
-    The document that crosses `max_bytes` is cut to fit, so at most `max_bytes` are read even
-    from a single huge file. Empty documents are dropped. `text_field` is the JSON field, or
-    the Parquet/`datasets` column, that holds the text. The source is checked (it exists, it
-    holds files of a known kind) before the first document is asked for.
+    The crossing document is cut to fit, even a single huge file. Empty documents are dropped.
+    `text_field`: the JSON field or Parquet/`datasets` column with the text. The source is
+    checked (exists, known file kinds) before the first document.
     """
     if max_bytes is not None and max_bytes <= 0:
         raise _error(source, f"max_bytes must be positive or None, got {max_bytes}")
@@ -80,7 +78,7 @@ def _error(source: str, message: str) -> ValueError:
 
 
 def _stdlib_files() -> list[tuple[str, str]]:
-    """The .py files of the running interpreter's standard library, without site-packages."""
+    """The interpreter's standard-library .py files, without site-packages."""
     root = sysconfig.get_paths()["stdlib"]
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -90,7 +88,7 @@ def _stdlib_files() -> list[tuple[str, str]]:
 
 
 def user_files(source: str) -> list[tuple[str, str]]:
-    """(path, key) pairs for a file, a directory (recursively) or a glob pattern, sorted."""
+    """Sorted (path, key) pairs for a file, a directory (recursively) or a glob."""
     path = os.path.expanduser(source)
     if os.path.isfile(path):
         if not path.endswith(SUPPORTED):
@@ -214,7 +212,7 @@ def _require_column(source: str, path: str, field: str, columns: list[str]) -> N
 
 
 def _rows(key: str, batches: Iterator[list]) -> Iterator[Document]:
-    """Documents "key:row" of a table's text column, batch by batch; null rows are skipped."""
+    """Documents "key:row" of a table's text column, by batch; null rows skipped."""
     row = 0
     for texts in batches:
         for text in texts:

@@ -1,8 +1,8 @@
 """Tokenizers: a built-in byte-level one and HuggingFace `tokenizer.json` files.
 
-The byte tokenizer needs no files or downloads, so the default corpus trains out of the box; a
-real `tokenizer.json` is loaded through the optional `tokenizers` package. Both expose the same
-small interface (`Tokenizer`), which is all that packing and the train loop rely on.
+The byte tokenizer needs no files, so the default corpus trains out of the box; a
+`tokenizer.json` loads through the optional `tokenizers` package. Packing and the train loop
+use only the shared interface (`Tokenizer`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, and NUL (0) separates documents.
-
-    NUL never occurs in the text files this library reads, so it is free to act as end-of-text.
-    """
+    """UTF-8 bytes as tokens: vocabulary 256; NUL (0), absent from the text files read,
+    separates documents."""
 
     name = "byte"
     vocab_size = 256
@@ -67,15 +65,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A HuggingFace `tokenizer.json`, used without its own special-token or length handling.
+    """A HuggingFace `tokenizer.json` without its own special-token or length handling.
 
-    Packing inserts its own separator between documents and cuts rows itself, so the file's
-    post-processor (BOS/EOS insertion), truncation and padding are all switched off; only a
-    prompt of a model trained with them asks for the post-processor (``special_tokens``).
-    ``eos``: the end-of-text token where the caller knows it (an imported model's: its id, or
-    its text as ``tokenizer_config.json`` names it); None: the first of the usual end-of-text
-    names that the file holds, else the ``eos_token`` that the ``tokenizer_config.json`` beside
-    it names (a model's own directory: DeepSeek's ``<｜end▁of▁sentence｜>``, say).
+    Packing separates documents and cuts rows itself, so post-processor (BOS/EOS), truncation
+    and padding are off; only a prompt of a model trained with them asks for the post-processor
+    (``special_tokens``). ``eos``: the end-of-text token if the caller knows it (an id, or its
+    text as ``tokenizer_config.json`` names it); None: the first usual end-of-text name the file
+    holds, else the ``eos_token`` of the ``tokenizer_config.json`` beside it (DeepSeek's
+    ``<｜end▁of▁sentence｜>``).
     """
 
     def __init__(self, path: str, eos: int | str | None = None):
@@ -110,17 +107,17 @@ class HFTokenizer:
         raise ValueError(f"data.tokenizer={path!r}: no end-of-text token (looked for {names})")
 
     def token_id(self, token: str) -> int | None:
-        """The id of ``token`` (a special token's text, ``</s>``), None if the file has none."""
+        """The id of ``token`` (a special token's text, ``</s>``); None if absent."""
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, special_tokens: bool = False) -> np.ndarray:
-        """``special_tokens``: the file's post-processor adds its own (a BOS, for instance)."""
+        """``special_tokens``: the post-processor adds its own (a BOS)."""
         ids = self._tok.encode(text, add_special_tokens=special_tokens).ids
         return np.asarray(ids, dtype=np.int32)
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """``text``'s ids (special tokens in it recognised, none added) and each token's
-        [start, end) characters in it (chat data: which tokens are the assistant's)."""
+        """``text``'s ids (special tokens recognised, none added) and each token's [start, end)
+        characters (chat data: which tokens are the assistant's)."""
         encoding = self._tok.encode(text, add_special_tokens=False)
         return np.asarray(encoding.ids, dtype=np.int32), list(encoding.offsets)
 
@@ -134,8 +131,8 @@ class HFTokenizer:
 
 
 def make_tokenizer(spec: str = "byte", eos: int | str | None = None) -> Tokenizer:
-    """'byte' for the built-in byte tokenizer, otherwise a path to a HuggingFace tokenizer.json
-    (``eos``: its end-of-text token, if known: :class:`HFTokenizer`)."""
+    """'byte' for the byte tokenizer, else a HuggingFace tokenizer.json path (``eos``: see
+    :class:`HFTokenizer`)."""
     if spec == "byte":
         return ByteTokenizer()
     path = os.path.expanduser(spec)
@@ -147,8 +144,8 @@ def make_tokenizer(spec: str = "byte", eos: int | str | None = None) -> Tokenize
 
 
 def named_special_tokens(spec: str) -> dict[str, str]:
-    """The ``bos_token`` and ``eos_token`` texts that the ``tokenizer_config.json`` beside a
-    tokenizer.json names, else its ``special_tokens_map.json`` (older saves); {} for none."""
+    """``bos_token``/``eos_token`` texts the ``tokenizer_config.json`` beside a tokenizer.json
+    names, else its ``special_tokens_map.json`` (older saves); {} for none."""
     found: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
         path = Path(spec).expanduser().with_name(name)

@@ -1,10 +1,9 @@
 """Context parallelism: causal attention over a sequence split across the ``context`` mesh axis.
 
-Attention is the one place a token needs the others' keys and values. ``ring`` (default)
-passes each device's K/V block round a ``ppermute`` ring into an online softmax, and runs the
-ring again backward (custom VJP); ``allgather`` gathers K and V once per layer. ``ulysses`` and
-``hybrid``: :mod:`jaxpar.parallel.ulysses`. The *zigzag* layout (device i holds chunks i and
-2N-1-i) balances the causal work. Bytes per device and why zigzag balances:
+``ring`` (default) passes each device's K/V block round a ``ppermute`` ring into an online
+softmax, and runs the ring again backward (custom VJP); ``allgather`` gathers K and V once per
+layer. ``ulysses``, ``hybrid``: :mod:`jaxpar.parallel.ulysses`. The *zigzag* layout (device i
+holds chunks i and 2N-1-i) balances the causal work. Bytes per device:
 docs/attention-and-loss.md, "Context parallelism".
 """
 
@@ -47,8 +46,8 @@ def zigzag_order(seq_len: int, n: int) -> np.ndarray:
 
 
 def block_schedule(seq_len: int, n: int, zigzag: bool) -> np.ndarray:
-    """kinds[device, ring step, query chunk, key chunk] for the ring, computed on the host by the
-    kernel's own ``block_kind`` rule: its non-SKIP entries are the blocks each device computes."""
+    """kinds[device, ring step, query chunk, key chunk], from the kernel's ``block_kind`` rule on
+    the host. Non-SKIP entries are the blocks each device computes."""
     order = zigzag_order(seq_len, n) if zigzag else np.arange(seq_len)
     chunks = 2 if zigzag else 1
     local = order.reshape(n, chunks, -1)  # device -> chunk -> positions
@@ -64,14 +63,14 @@ def block_schedule(seq_len: int, n: int, zigzag: bool) -> np.ndarray:
 
 
 def ring_pairs(n: int, stride: int = 1) -> list[tuple[int, int]]:
-    """The ring's (source, target) pairs on the ``context`` axis: device i -> i + stride.
-    ``stride`` > 1: several rings side by side (the hybrid's outer ring)."""
+    """The ring's (source, target) pairs on ``context``: device i -> i + stride (> 1: several
+    rings side by side, the hybrid's outer ring)."""
     size = n * stride
     return [(i, (i + stride) % size) for i in range(size)]
 
 
 def _rotate(tree, n: int, stride: int = 1):
-    """Send every array to the next device on the ring (device i -> i + stride)."""
+    """Send every array to device i + stride on the ring."""
     ring = ring_pairs(n, stride)
     leaves, treedef = jax.tree.flatten(tree)
     # In order: independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
@@ -85,8 +84,8 @@ def _rotate(tree, n: int, stride: int = 1):
 
 def ring_forward(q, k, v, q_pos, k_pos, n: int, block: int, count: bool = False,
                  stride: int = 1):
-    """q: [B, s, K, G, D], k, v: [B, s, K, D] and masks, all local. Returns (out, lse), and with
-    ``count`` the number of blocks this device computed. ``stride``: :func:`ring_pairs`."""
+    """q: [B, s, K, G, D], k, v: [B, s, K, D] and masks, all local -> (out, lse), plus, with
+    ``count``, the number of blocks this device computed."""
     acc = empty_statistics(q)
     blocks = jnp.zeros((), jnp.int32)
     kv_block = (k, v, k_pos)
@@ -117,8 +116,7 @@ def _ring_backward(q, k, v, q_pos, k_pos, out, lse, do, n: int, block: int, stri
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def ring_attention_local(q, k, v, q_pos, k_pos, n, block, stride=1):
-    """Ring attention on one device's blocks, inside ``shard_map`` over ``context``: n ring steps
-    of ``stride``."""
+    """Ring attention on one device's blocks, inside ``shard_map`` over ``context``."""
     return ring_forward(q, k, v, q_pos, k_pos, n, block, stride=stride)[0].astype(q.dtype)
 
 
@@ -143,8 +141,8 @@ ring_attention_local.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _allgather_attention_local(q, k, v, q_pos, k_pos, block: int):
-    """Local queries against the whole sequence's K/V, gathered once, with the blockwise
-    kernel; the backward pass reduce-scatters dK/dV (:func:`_gathered_sequence`)."""
+    """Local queries against the whole sequence's K/V, gathered once; the backward pass
+    reduce-scatters dK/dV."""
     k_all = _gathered_sequence(k)
     v_all = _gathered_sequence(v)
     kpos_all = jax.tree.map(lambda a: lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), k_pos)
@@ -153,9 +151,9 @@ def _allgather_attention_local(q, k, v, q_pos, k_pos, block: int):
 
 @jax.custom_vjp
 def _gathered_sequence(x: jax.Array) -> jax.Array:
-    """``x`` [B, s, ...] all-gathered over ``context`` along the sequence. Its gradient is
-    reduce-scattered back in float32, as the ring's dK/dV travel: N devices' partial sums keep
-    their precision (and XLA:CPU cannot compile the bf16 one)."""
+    """``x`` [B, s, ...] all-gathered over ``context`` along the sequence. The gradient is
+    reduce-scattered in float32, keeping N partial sums' precision (XLA:CPU cannot compile the
+    bf16 one)."""
     return lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
 
 
@@ -177,17 +175,15 @@ _gathered_sequence.defvjp(_gathered_sequence_fwd, _gathered_sequence_bwd)
 
 
 def local_tokens(seq_len: int, n: int, zigzag: bool) -> int:
-    """Tokens of one contiguous piece of a device's sequence: its share, or half of it under
-    zigzag (the ring kernel's default block)."""
+    """Tokens of one contiguous piece of a device's sequence: its share, or half under zigzag."""
     return seq_len // n // (2 if zigzag else 1)
 
 
 def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ...] = (),
                       block: int | None = None) -> Callable:
-    """``attention(q, k, v, positions)`` for the model: q [B,S,H,D], k/v [B,S,K,D] -> [B,S,H,D],
-    S split over ``context`` and B over ``batch_axes``, both manual (so the compiler does not
-    gather the batch around the K/V collectives); the heads are left to the compiler. ``block``:
-    queries and keys worked at a time (default: one zigzag chunk)."""
+    """q [B,S,H,D], k/v [B,S,K,D] -> [B,S,H,D]. S is split over ``context`` and B over
+    ``batch_axes``, both manual (so the batch is not gathered around the K/V collectives); heads
+    are left to the compiler. ``block``: queries and keys per step (default: one zigzag chunk)."""
     rows = batch_axes or None
     seq = P(rows, CONTEXT_AXIS)
     seq4 = P(rows, CONTEXT_AXIS, None, None)
@@ -198,8 +194,7 @@ def context_attention(impl: str, n: int, zigzag: bool, batch_axes: tuple[str, ..
 
 def local_context_attention(impl: str, n: int, zigzag: bool, block: int | None = None
                             ) -> Callable:
-    """The same attention on one device's piece of the sequence, ``context`` already manual (a
-    pipeline stage)."""
+    """The same attention on one device's piece, ``context`` already manual (a pipeline stage)."""
 
     def local(q, k, v, positions):
         qg = group(q, k.shape[2])

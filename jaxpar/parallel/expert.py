@@ -1,10 +1,9 @@
 """Expert parallelism: the experts of every MoE layer split over the ``expert`` mesh axis.
 
-Outside the experts, ``expert`` is one more data-parallel axis. The MoE layer calls
-:func:`expert_parallel`'s function through the ``experts_override`` hook; it runs per device in
-``shard_map``: an all-to-all over ``expert`` sends each slot to its expert's device, the local
-experts run, and the reverse all-to-all brings the results back. The layout, the padding each
-``moe.dispatch`` needs, and the bytes: docs/moe.md, "Expert parallelism".
+Outside the experts, ``expert`` is one more data-parallel axis. Through the
+``experts_override`` hook, per device in ``shard_map``: an all-to-all over ``expert`` sends each
+slot to its expert's device, the local experts run, the reverse all-to-all brings results back.
+Layout, padding per ``moe.dispatch``, bytes: docs/moe.md, "Expert parallelism".
 """
 
 from __future__ import annotations
@@ -54,9 +53,9 @@ def padded_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                     ) -> tuple[jax.Array, dict]:
     """Dropless over G = ``groups`` devices with fixed-size all-to-all blocks.
 
-    A token's k distinct experts put at most min(k, X/G) of its slots on one device, so blocks of
-    ``T x min(k, X/G)`` rows per destination never overflow. Unused rows carry the local expert id
-    X/G, which the grouped matmul treats as padding.
+    A token's k distinct experts put at most min(k, X/G) slots on one device, so blocks of
+    ``T x min(k, X/G)`` rows never overflow. Unused rows carry local expert id X/G (padding to the
+    grouped matmul).
     """
     t, k = expert_ids.shape
     local = num_experts // groups
@@ -79,9 +78,8 @@ def ragged_dropless(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                     ) -> tuple[jax.Array, dict]:
     """Dropless over G devices with ``lax.ragged_all_to_all``: only real rows travel.
 
-    The slots are sorted by destination; ``sizes[s, d]`` (all-gathered) is how many rows device s
-    sends device d, which fixes every offset both ways. XLA:CPU cannot compile it: tests check the
-    offsets against an emulation, and compile this path for a TPU.
+    Slots are sorted by destination; ``sizes[s, d]`` (all-gathered) rows go from s to d, fixing
+    every offset. XLA:CPU cannot compile it: tests check the offsets against an emulation.
     """
     t, k = expert_ids.shape
     local = num_experts // groups
@@ -139,10 +137,9 @@ class _Used(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def used_expert_weight(how: _Used, w: jax.Array) -> jax.Array:
-    """This device's experts, stored ``w``, in the compute dtype with the whole model dimension:
-    all-gathered over ``how.embed`` (FSDP). The backward pass widens the gradient to
-    ``how.sum_dtype`` before the reduce-scatter over ``embed`` and the sum over ``replicated``,
-    where autodiff would sum in the compute dtype."""
+    """This device's experts in the compute dtype, all-gathered over ``how.embed`` (FSDP). The
+    backward pass widens the gradient to ``how.sum_dtype`` before the reduce-scatter over
+    ``embed`` and the sum over ``replicated`` (autodiff would sum in the compute dtype)."""
     w = w.astype(how.dtype)
     if how.replicated:
         w = lax.pcast(w, how.replicated, to="varying")
@@ -222,8 +219,8 @@ def _layout(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]],
 def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, dispatch: str,
               capacity_factor: float, num_experts: int, groups: int, ragged: bool
               ) -> tuple[jax.Array, dict]:
-    """One device's routed tokens through the experts, exchanged over ``groups`` devices: the
-    capacity buffer (dropping), or dropless locally, with ragged or padded all-to-alls."""
+    """One device's routed tokens through the experts, exchanged over ``groups`` devices: capacity
+    buffer (dropping), or dropless with ragged or padded all-to-alls."""
     if dispatch == "dropping":
         return dropping_experts(tokens, ids, gates, w, capacity_factor, num_experts=num_experts,
                                 exchange=_exchange if groups > 1 else None)
@@ -236,9 +233,8 @@ def _dispatch(tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: Weights, d
 
 def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: jax.Array,
                         *rest: Any) -> tuple[jax.Array, dict]:
-    """:func:`_dispatch` over ``chunks`` equal runs of a device's tokens, one after another: the
-    same result, but one chunk's all-to-alls may run while another's experts compute (as
-    MaxText's ``num_moe_token_chunks``), and the buffers shrink."""
+    """:func:`_dispatch` over ``chunks`` equal runs of tokens in turn: one chunk's all-to-alls may
+    overlap another's experts (MaxText's ``num_moe_token_chunks``), and buffers shrink."""
     if chunks == 1:
         return _dispatch(tokens, ids, gates, *rest)
     if tokens.shape[0] % chunks:
@@ -253,20 +249,17 @@ def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: j
 def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     platform: str = "cpu", ragged: bool | None = None,
                     hand_groups: int = 1, chunks: int = 1, ring: bool = False) -> Experts:
-    """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook for a mesh:
-    per-device routing in ``shard_map`` (manual over the token axes and ``tensor``), with
-    all-to-alls over ``expert`` when it has more than one device.
+    """The ``experts(x, expert_ids, gates, weights, *, dispatch, capacity_factor)`` hook: routing
+    per device in ``shard_map`` (manual over the token axes and ``tensor``), all-to-alls over
+    ``expert`` when it has several devices.
 
-    - ``weights`` arrive as stored; each device gathers its experts' ``embed`` split
-      (:func:`used_expert_weight`), as FSDP does for every other weight.
-    - ``ragged``: the dropless exchange is ``ragged_all_to_all`` (off the platforms in
-      :data:`jaxpar.platform.PADDED_ALL_TO_ALL_PLATFORMS`) or the padded ``all_to_all``.
-    - ``hand_groups`` > 1: ``expert`` is manual already over that many devices (a pipeline stage):
-      the tokens and experts are the device's own, and no ``shard_map`` opens unless ``tensor``
-      splits the experts.
+    - ``weights`` arrive as stored; each device gathers its experts' ``embed`` split, as FSDP.
+    - ``ragged``: dropless uses ``ragged_all_to_all`` (off the platforms in
+      :data:`jaxpar.platform.PADDED_ALL_TO_ALL_PLATFORMS`), else the padded ``all_to_all``.
+    - ``hand_groups`` > 1: ``expert`` is already manual (a pipeline stage); no ``shard_map``
+      opens unless ``tensor`` splits the experts.
     - ``chunks`` > 1 (``parallel.expert_chunks``): :func:`_dispatch_in_chunks`.
-    - ``ring`` (``parallel.fsdp_gather``): the weights' gather and their gradient's
-      reduce-scatter as rings of sends.
+    - ``ring`` (``parallel.fsdp_gather``): gather and gradient reduce-scatter as rings of sends.
     """
     lay = _layout(mesh_shape, rules, hand_groups)
     groups, token_axes, tensor, embed, replicated = (lay.groups, lay.token_axes, lay.tensor,
@@ -325,8 +318,8 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
 
 def _gathered(w, axis: int, embed: tuple[str, ...], replicated: tuple[str, ...],
               dtypes: tuple, ring: bool) -> Any:
-    """An expert weight as used (:func:`used_expert_weight`), or an adapted triple (w, A, B) with
-    A and B gathered on the side that has the model dimension."""
+    """An expert weight as used, or an adapted (w, A, B) with A and B gathered on the side that
+    has the model dimension."""
     def one(w: jax.Array, axis: int | None) -> jax.Array:
         how = (_Used(embed, replicated, axis, *dtypes, ring) if axis is not None else
                _Used((), replicated + embed, 0, *dtypes))
@@ -348,19 +341,18 @@ def _weight_spec(w, spec: P):
 
 
 def _tensor_varying(x: jax.Array, tensor: str, wide: bool) -> jax.Array:
-    """``x`` marked varying over ``tensor`` (its gradient is summed over ``tensor``: in float32
-    where ``wide``, the cast's transpose taking the sum there and back)."""
+    """``x`` marked varying over ``tensor``; its gradient is summed over ``tensor`` (in float32
+    where ``wide``)."""
     if not wide:
         return lax.pcast(x, tensor, to="varying")
     return lax.pcast(x.astype(jnp.float32), tensor, to="varying").astype(x.dtype)
 
 
 def _tensor_sum(y: jax.Array, tensor: str, wide: bool, unchecked: bool) -> jax.Array:
-    """``psum`` of ``y`` over ``tensor`` (in float32 where ``wide``).
+    """``psum`` of ``y`` over ``tensor`` (float32 where ``wide``).
 
-    ``unchecked``: with ``check_vma=False`` and ``tensor`` left out of the output's spec, autodiff
-    would all-reduce a cotangent that is the same on every device; :func:`_sum_of_replicated`
-    multiplies instead.
+    ``unchecked`` (``check_vma=False``, ``tensor`` not in the output spec): autodiff would
+    all-reduce a cotangent equal on every device; :func:`_sum_of_replicated` multiplies instead.
     """
     total = _sum_of_replicated if unchecked else lax.psum
     if not wide:
@@ -370,8 +362,8 @@ def _tensor_sum(y: jax.Array, tensor: str, wide: bool, unchecked: bool) -> jax.A
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _sum_of_replicated(y: jax.Array, axis: str) -> jax.Array:
-    """``psum`` over ``axis`` of a result whose cotangent is the same on every device of
-    ``axis``: the axis size times one of them, no all-reduce."""
+    """``psum`` over ``axis`` of a result whose cotangent is equal on every device: axis size
+    times it, no all-reduce."""
     return lax.psum(y, axis)
 
 

@@ -1,16 +1,14 @@
-"""Splitting mesh axes by hand: a ``shard_map`` manual over an axis gives each device its own rows
-(or sequence piece), and the step sums the gradients over that axis once, after all its micro-steps,
-where the partitioner would sum them after every one.
+"""Splitting mesh axes by hand: a ``shard_map`` manual over an axis gives each device its own
+rows (or sequence piece), so the step sums gradients over that axis once per step, not after
+every micro-step as the partitioner would.
 
-Two users, one rule (each gradient cast to ``parallel.reduce_dtype``, summed, cast back:
-:func:`sum_in`):
+One rule (:func:`sum_in`: cast to ``parallel.reduce_dtype``, sum, cast back), two users:
 
-- the plain step under gradient accumulation (:func:`sum_over_data_once`): ``data`` manual, one
-  all-reduce over it per step;
-- the pipeline executor (:class:`ByHand`): ``data``, ``fsdp``, ``expert`` and ``context`` manual
-  besides ``pipe``. Once per step it gathers a stage's weights over ``fsdp``, and at the end
-  reduce-scatters their gradients back over ``fsdp`` and all-reduces them over the axes they are
-  replicated over. ``tensor`` stays automatic.
+- the plain step under gradient accumulation (:func:`sum_over_data_once`): ``data`` manual;
+- the pipeline executor (:class:`ByHand`): ``data``, ``fsdp``, ``expert``, ``context`` and
+  ``pipe`` manual. It gathers a stage's weights over ``fsdp`` once per step, then
+  reduce-scatters their gradients over ``fsdp`` and all-reduces them over their replica axes.
+  ``tensor`` stays automatic.
 
 Why, and what each device holds: docs/pipelines.md, "One reduction per step".
 """
@@ -39,9 +37,8 @@ def sum_in(dtype: Any, x: jax.Array, axes: tuple[str, ...] | str) -> jax.Array:
 
 
 def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Callable:
-    """``accumulated`` (the micro-steps' summed gradients, loss and MoE statistics) run in a
-    ``shard_map`` manual over ``data``: each data shard sums its micro-steps locally, and one
-    all-reduce per step adds them. The model's hooks see ``data`` as 1."""
+    """``accumulated`` (summed gradients, loss, MoE statistics) run manual over ``data``: each
+    shard sums its micro-steps locally, then one all-reduce. The hooks see ``data`` as 1."""
     inner = {**cfg.mesh_shape, "data": 1}
     reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
 
@@ -64,11 +61,10 @@ def sum_over_data_once(cfg: Config, accumulated: Callable, platform: str) -> Cal
 
 @dataclass(frozen=True)
 class ByHand:
-    """What the executor's ``shard_map`` splits by hand besides ``pipe``, and the parameters'
-    splits over those axes (with ``pipe``). ``hooks()`` installs the model's hooks for the rest
-    of the mesh, which stays automatic; ``auto_shared_specs`` and ``auto_layer_specs`` are the
-    parameters' splits over those automatic axes. Every gather and sum runs on the device's own
-    shard (:func:`_per_shard`)."""
+    """The axes the executor's ``shard_map`` splits by hand besides ``pipe``, and the parameters'
+    splits over them (with ``pipe``). ``hooks()`` installs the hooks for the automatic rest;
+    ``auto_shared_specs``/``auto_layer_specs`` are the splits over those axes. Gathers and sums run
+    on the device's own shard (:func:`_per_shard`)."""
 
     axes: tuple[str, ...]
     shared_specs: Any
@@ -83,7 +79,7 @@ class ByHand:
     owned: tuple[str, ...] = ()
 
     def gather(self, tree: Any, specs: Any, auto_specs: Any) -> Any:
-        """Each parameter whole over the axes split by hand (FSDP's gather, once per step)."""
+        """Each parameter whole over the manual axes (FSDP's gather, once per step)."""
         def leaf(x: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
             split = self._split(spec)
 
@@ -96,9 +92,9 @@ class ByHand:
 
     def reduce(self, tree: Any, specs: Any, auto_specs: Any, *, scatter: bool = True,
                replicas: bool = True) -> Any:
-        """Gradient sums over the axes split by hand: a reduce-scatter back to the stored split
-        (FSDP), an all-reduce where replicated. ``scatter=False``: the sums are the stored split
-        already (``pipeline_fsdp=per_layer``); ``replicas=False``: the reduce-scatter alone."""
+        """Gradient sums over the manual axes: reduce-scatter to the stored split (FSDP), all-reduce
+        where replicated. ``scatter=False``: already the stored split (``pipeline_fsdp=per_layer``);
+        ``replicas=False``: the reduce-scatter alone."""
         def leaf(g: jax.Array, spec: PartitionSpec, auto: PartitionSpec) -> jax.Array:
             split = self._split(spec) if scatter else []
             rest = tuple(a for a in self.axes if a not in _axes_of(spec)) if replicas else ()
@@ -122,7 +118,7 @@ class ByHand:
                              "context" if "context" in self.axes else None)
 
     def total(self, x: Any) -> Any:
-        """Sums of per-device statistics (loss, MoE counts) over the axes split by hand."""
+        """Sums of per-device statistics (loss, MoE counts) over the manual axes."""
         return jax.tree.map(lambda a: lax.psum(a, self.axes), x) if self.axes else x
 
     def _split(self, spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
@@ -140,8 +136,7 @@ def _axes_of(spec: PartitionSpec) -> set[str]:
 
 
 def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
-    """``fn`` on each device's own shard of ``x``: the automatic axes that split it (``auto``)
-    become manual around ``fn``."""
+    """``fn`` on the device's own shard of ``x``: the automatic axes in ``auto`` go manual."""
     axes = frozenset(_axes_of(auto))
     if not axes:
         return fn(x)
@@ -150,9 +145,8 @@ def _per_shard(fn: Callable, x: jax.Array, auto: PartitionSpec) -> jax.Array:
 
 
 class Frozen(NamedTuple):
-    """Under LoRA, the stacked base weights' splits for the executor (by hand and automatic, as
-    ``ByHand``'s). They and the shared parameters are constants to the stages' VJPs: gathered
-    once per step, never differentiated or summed."""
+    """LoRA's stacked base weights' splits for the executor, as ``ByHand``'s. They and the shared
+    parameters are constants to the stages' VJPs: gathered once per step, never differentiated."""
 
     layer_specs: Any
     auto_layer_specs: Any
@@ -173,11 +167,11 @@ def specs_of(tree: Any, axes: set[str], lead: tuple = ()) -> Any:
 
 
 def split_by_hand(cfg: Config, platform: str) -> tuple[tuple[str, ...], dict, Callable]:
-    """The axes the executor splits by hand, the mesh as a stage sees it, and the stages' hooks.
+    """The executor's manual axes, the mesh as a stage sees it, and the stages' hooks.
 
-    Inside the executor ``data``, ``fsdp``, ``expert`` and ``context`` look like axes of size 1:
-    gradients are summed over them once per step, context attention runs on each device's piece, and
-    the MoE layers sum their statistics and exchange their tokens over them directly.
+    Inside, ``data``, ``fsdp``, ``expert`` and ``context`` look like size-1 axes: gradients are
+    summed over them once per step, context attention runs on each piece, and MoE layers sum
+    statistics and exchange tokens over them directly.
     """
     mesh_shape = cfg.mesh_shape
     hand = tuple(a for a in (*logical_rules(cfg)["batch"], "context")

@@ -7,11 +7,8 @@ import jax.numpy as jnp
 
 
 def split_micro_steps(batch: dict, steps: int) -> dict:
-    """[B, S] -> [steps, B/steps, S], micro-step j taking rows j, j+steps, j+2*steps, ...
-
-    Interleaving (rather than contiguous blocks) keeps each device's rows on that device: a
-    device holding rows [d*B/N, (d+1)*B/N) holds rows of every micro-step.
-    """
+    """[B, S] -> [steps, B/steps, S], micro-step j taking rows j, j+steps, ...: each device's
+    rows stay on it, and it holds rows of every micro-step."""
     def split(x: jax.Array) -> jax.Array:
         return jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
 

@@ -1,8 +1,7 @@
-"""The optimizer state's layout, without optax: which parameters are Muon's matrices, the
-shapes of each ``train.optimizer``'s per-parameter arrays, and how each array is split. The
-optimizers (:mod:`jaxpar.train.optimizers`) and the cost model (:mod:`jaxpar.cost.params`) both
-read it, so that ``jaxpar plan`` counts the state the step builds
-(``tests/unit/test_optimizer_setup.py`` checks they agree)."""
+"""The optimizer state's layout, without optax: Muon's matrices, each ``train.optimizer``'s
+per-parameter array shapes, and their splits. The optimizers and the cost model
+(:mod:`jaxpar.cost.params`) both read it, so ``jaxpar plan`` counts the state the step builds
+(checked by ``tests/unit/test_optimizer_setup.py``)."""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ STATE_BYTES = {"float32": 4, "bfloat16": 2}  # train.opt_state_dtype
 
 def muon_matrix_axes(name: str, names: Sequence[str | None]
                      ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Muon's view of one parameter: the (reduction, output) axes of a stacked layer weight, or
-    None for a parameter AdamW updates. Layers and experts are batch axes. A weight whose last
-    axis is ``embed`` (``wo``, ``w_down``) maps all other axes to it; any other maps its first to
-    the rest."""
+    """(reduction, output) axes of a stacked layer weight for Muon, or None (AdamW's). Layers and
+    experts are batch axes. A weight ending in ``embed`` (``wo``, ``w_down``) maps all other axes
+    to it; any other maps its first axis to the rest."""
     if not names or names[0] != "layers" or name.rsplit("/", 1)[-1] in ("scale", "router"):
         return None
     matrix = [i for i, n in enumerate(names) if n not in MUON_BATCH_AXES]
@@ -36,8 +34,7 @@ def muon_matrix_axes(name: str, names: Sequence[str | None]
 
 
 def adafactor_factored_dims(shape: Sequence[int]) -> tuple[int, int] | None:
-    """The two dimensions optax's adafactor factors the second moment over, or None for a full
-    one."""
+    """The two dims adafactor factors the second moment over; None: unfactored."""
     if len(shape) < 2:
         return None
     order = sorted(range(len(shape)), key=lambda i: (shape[i], i))
@@ -66,17 +63,16 @@ def state_shapes(optimizer: str, name: str, shape: tuple[int, ...],
 
 
 def state_counters(optimizer: str, weight_decay: float) -> int:
-    """Bytes of the state that is not per parameter: int32 step counts and Muon's three float32
-    Newton-Schulz coefficients."""
+    """Bytes of non-per-parameter state: int32 step counts, Muon's three float32 Newton-Schulz
+    coefficients."""
     if optimizer == "muon":
         return 4 * 4 + 3 * 4
     return 3 * 4 if optimizer == "adafactor" and weight_decay else 2 * 4
 
 
 def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) -> PartitionSpec:
-    """The spec of a state array of ``shape`` belonging to a parameter of ``param_shape`` split
-    by ``spec``: the parameter's own, less a dimension for Adafactor's factors, else replicated.
-    The cost model splits state bytes alike."""
+    """Spec of a state array of ``shape`` for a parameter of ``param_shape`` split by ``spec``:
+    the parameter's, less a dim for Adafactor's factors, else replicated (as the cost model)."""
     entries = list(spec) + [None] * (len(param_shape) - len(spec))
     if tuple(shape) == tuple(param_shape):
         return PartitionSpec(*entries)
@@ -90,10 +86,9 @@ def state_spec(param_shape: tuple[int, ...], spec: Any, shape: tuple[int, ...]) 
 
 def muon_specs(name: str, names: Sequence[str | None], rules: Mapping[str, Sequence[str]],
                mesh_shape: Mapping[str, int]) -> tuple[PartitionSpec, ...] | None:
-    """The layouts one parameter's momentum passes through before Muon's iterations (None: not a
-    Muon matrix), ending whole on every device that holds the matrices. Where ``tensor`` splits a
-    matrix axis the gather goes in two stages, ``tensor`` last: the larger gather on the faster
-    link, in a fixed order (docs/optimizers.md)."""
+    """Layouts one parameter's momentum passes through before Muon's iterations (None: not Muon),
+    ending whole where the matrices are held. Where ``tensor`` splits a matrix axis the gather is
+    two-stage, ``tensor`` last (larger gather on the faster link; docs/optimizers.md)."""
     if muon_matrix_axes(name, names) is None:
         return None
     split = split_names(name, names)  # a pipeline's dense first blocks: not cut into stages
@@ -111,10 +106,9 @@ def muon_specs(name: str, names: Sequence[str | None], rules: Mapping[str, Seque
 
 
 class MuonLayout(NamedTuple):
-    """How one Muon parameter's Newton-Schulz iterations are laid out. ``owners`` empty: the
-    momentum is gathered whole through ``stages``. Else owner-computes: an all-to-all over
-    ``owners`` gives each device whole matrices of its share, which it iterates on and sends
-    back."""
+    """Layout of one Muon parameter's Newton-Schulz iterations. ``owners`` empty: momentum
+    gathered whole through ``stages``. Else owner-computes: an all-to-all over ``owners`` gives
+    each device whole matrices to iterate, then sends them back."""
 
     stages: tuple[PartitionSpec, ...]
     held: PartitionSpec
@@ -123,8 +117,8 @@ class MuonLayout(NamedTuple):
 
 def muon_layout(name: str, names: Sequence[str | None], rules: Mapping[str, Sequence[str]],
                 mesh_shape: Mapping[str, int], zero: int) -> MuonLayout | None:
-    """One parameter's :class:`MuonLayout` (None: not a Muon matrix): owner-computes where the
-    momentum is split like the parameter (ZeRO-3) and its batch axes lead."""
+    """One parameter's :class:`MuonLayout` (None: not Muon): owner-computes where the momentum is
+    split like the parameter (ZeRO-3) and its batch axes lead."""
     stages = muon_specs(name, names, rules, mesh_shape)
     if stages is None:
         return None

@@ -1,10 +1,9 @@
 """The one table from logical axis names to mesh axes, and everything derived from it.
 
-The model names the dimensions of its parameters and activations (``embed``, ``heads``,
-``seq`` ...); :func:`logical_rules` says which mesh axes split each, and ``parallel.rules``
-can override entries. Rules are checked when resolved, never silently dropped: a bad one is a
-:class:`~jaxpar.config.ConfigError` naming the array. The whole table, with why each entry:
-docs/design.md, "Logical-axis rules".
+The model names its dimensions (``embed``, ``heads``, ``seq`` ...); :func:`logical_rules` says
+which mesh axes split each, and ``parallel.rules`` overrides entries. A bad rule is a
+:class:`~jaxpar.config.ConfigError` naming the array, never silently dropped. The table, with
+why each entry: docs/design.md, "Logical-axis rules".
 """
 
 from __future__ import annotations
@@ -80,13 +79,11 @@ def logical_rules(cfg: Config) -> dict[str, tuple[str, ...]]:
 
 def sequence_parallel_splits_rows(cfg: Config) -> bool:
     """Whether sequence parallelism splits the residual stream's batch rows over ``tensor``
-    (whole sequences per device) rather than its sequence (Megatron-SP's layout).
+    rather than its sequence (Megatron-SP's layout).
 
-    Split on rows, the all-gather before each block's matmuls concatenates contiguous pieces;
-    split on the sequence, XLA gathers strided slices and copies the result back, one more pass
-    per gather (docs/design.md, "Logical-axis rules"). Rows only where each device's rows of a
-    micro-batch of a micro-step divide by ``tensor``: long sequences at one row per device keep
-    the sequence split.
+    Rows gather as contiguous pieces; a sequence split costs one more copy per gather
+    (docs/design.md, "Logical-axis rules"). Rows only where each device's rows of a micro-batch
+    divide by ``tensor``.
     """
     shape = cfg.mesh_shape
     rows = cfg.train.batch_size // (cfg.train.grad_accum * cfg.train.microbatches
@@ -127,8 +124,8 @@ def resolve_spec(what: str, names: Sequence[str | None], shape: Sequence[int] | 
 
 
 def param_logical_axes(abstract_model: nnx.Module, *, buffers: bool = False) -> dict:
-    """Nested dict (as ``nnx.State.to_pure_dict``) of each parameter's logical axis names; with
-    ``buffers=True``, of every other variable's (non-trainable state: MoE router biases)."""
+    """Nested dict (as ``nnx.State.to_pure_dict``) of each parameter's logical axis names;
+    ``buffers=True``: of the non-trainable variables' (MoE router biases)."""
     _, params, others = nnx.split(abstract_model, nnx.Param, ...)
     flat = {}
     for path, var in nnx.to_flat_state(others if buffers else params):
@@ -160,9 +157,9 @@ def is_axes_leaf(x: Any) -> bool:
 
 
 def split_names(name: str, names: tuple) -> tuple:
-    """The logical names a parameter is split by: its own, except that the ``dense_layers``
-    stack (DeepSeek's dense first blocks) is not cut into pipeline stages (a pipeline runs it
-    before them, its stacked dimension whole on every stage)."""
+    """A parameter's logical names, except that the ``dense_layers`` stack (DeepSeek's dense
+    first blocks) is not cut into pipeline stages: a pipeline runs it first, whole on every
+    stage."""
     if name.startswith("dense_layers/") and names[:1] == ("layers",):
         return (None, *names[1:])
     return names
@@ -181,8 +178,8 @@ def param_specs(abstract_params: dict, logical_axes: dict, rules: Rules,
 
 def model_specs(abstract_model: nnx.Module, params: dict, buffers: dict, rules: Rules,
                 mesh_shape: Mapping[str, int]) -> tuple[dict, dict]:
-    """PartitionSpecs of a model's parameters and of its buffers (every other variable: MoE
-    router biases), each laid out by its logical axes and the rules table."""
+    """PartitionSpecs of a model's parameters and buffers (MoE router biases), from their logical
+    axes and the rules table."""
     return (param_specs(params, param_logical_axes(abstract_model), rules, mesh_shape),
             param_specs(buffers, param_logical_axes(abstract_model, buffers=True), rules,
                         mesh_shape))
@@ -194,9 +191,9 @@ def named_shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:
 
 
 def activation_constrainer(rules: Rules, mesh_shape: Mapping[str, int], ring: bool = False):
-    """The function :func:`jaxpar.model.annotate.constrain` applies inside the train step, with
-    the ``gather`` :func:`jaxpar.model.annotate.gather_weight` applies to weights (FSDP's gather:
-    in a ring of sends where ``ring`` and the weight is split over ``tensor`` too)."""
+    """The function :func:`jaxpar.model.annotate.constrain` applies in the train step, and the
+    ``gather`` :func:`jaxpar.model.annotate.gather_weight` applies (FSDP's; a ring of sends where
+    ``ring`` and the weight is split over ``tensor`` too)."""
 
     def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         spec = resolve_spec(f"activation {tuple(names)}", names, x.shape, rules, mesh_shape)

@@ -1,15 +1,13 @@
 """Ulysses context attention (all-to-all) and the hybrid of Ulysses and the ring.
 
 ``ulysses`` (DeepSpeed-Ulysses): per layer, all-to-alls over ``context`` turn the sequence
-split into a head split, any one-device kernel attends, and one all-to-all turns the output
-back::
+split into a head split, any one-device kernel attends, one all-to-all turns it back::
 
     q [B, S/c, H, D]  --all-to-all-->  [B, S, H/c, D]        (k and v likewise)
 
 ``hybrid`` ("USP"): Ulysses inside groups of u = ``parallel.ulysses_size`` neighbouring
-``context`` devices, the ring between the c/u groups. Kv heads that do not split are repeated
-(:func:`kv_repeats`). The bytes, memory, constraints and the pipeline-stage fallback:
-docs/attention-and-loss.md, "Ulysses and the hybrid".
+devices, the ring between the c/u groups. Kv heads that do not split are repeated. Bytes,
+memory, constraints, pipeline fallback: docs/attention-and-loss.md, "Ulysses and the hybrid".
 """
 
 from __future__ import annotations
@@ -36,16 +34,15 @@ Kernel = Callable[[jax.Array, jax.Array, jax.Array, Positions], jax.Array]
 
 
 def exchange_groups(n: int, size: int) -> list[list[int]] | None:
-    """The all-to-all's groups on the ``context`` axis of n devices: runs of ``size`` consecutive
-    indices; None when ``size == n``."""
+    """The all-to-all's groups on ``context`` (n devices): runs of ``size``; None if size == n."""
     if size == n:
         return None
     return [list(range(g * size, (g + 1) * size)) for g in range(n // size)]
 
 
 def kv_repeats(kv_heads: int, size: int) -> int:
-    """Copies of each of a tensor shard's ``kv_heads`` the exchange needs, so that they split
-    ``size`` ways (1 when they already do)."""
+    """Copies of each of a tensor shard's ``kv_heads`` so they split ``size`` ways (1 if they
+    do)."""
     return size // math.gcd(kv_heads, size)
 
 
@@ -56,8 +53,8 @@ def _all_to_all(x: jax.Array, split_axis: int, concat_axis: int, n: int, size: i
 
 
 def sequence_to_heads(x: jax.Array, n: int, size: int, head_split: int) -> jax.Array:
-    """[B, s, N, D] (this device's tokens, all N heads) -> [B, s x size, N/size, D] (the group's
-    tokens, this device's heads). Only heads of one tensor shard move (``head_split``)."""
+    """[B, s, N, D] (own tokens, all heads) -> [B, s x size, N/size, D] (the group's tokens, own
+    heads). Only one tensor shard's heads move (``head_split``)."""
     b, s, h, d = x.shape
     x = x.reshape(b, s, head_split, h // head_split, d)
     x = _all_to_all(x, split_axis=3, concat_axis=1, n=n, size=size)
@@ -73,23 +70,21 @@ def heads_to_sequence(x: jax.Array, n: int, size: int, head_split: int) -> jax.A
 
 
 def _repeat_kv(x: jax.Array, size: int, head_split: int) -> jax.Array:
-    """k or v [B, s, K, D] with each kv head repeated until a tensor shard's kv heads split
-    ``size`` ways."""
+    """k or v [B, s, K, D], kv heads repeated until a tensor shard's split ``size`` ways."""
     r = kv_repeats(x.shape[2] // head_split, size)
     return jnp.repeat(x, r, axis=2) if r > 1 else x
 
 
 def _gather_mask(mask: Positions, n: int, size: int) -> Positions:
-    """Every ``[B, s]`` array of the mask description all-gathered in the exchange's groups, in
-    the order of the tokens the device now holds."""
+    """Each ``[B, s]`` mask array all-gathered in the groups, in the device's new token order."""
     groups = exchange_groups(n, size)
     return jax.tree.map(lambda a: lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True,
                                                  axis_index_groups=groups), mask)
 
 
 def _reorder(x: jax.Array, chunks: np.ndarray) -> jax.Array:
-    """``x`` with its sequence axis cut into ``len(chunks)`` equal chunks, reordered by
-    ``chunks``: static slices, no gather."""
+    """``x``'s sequence cut into ``len(chunks)`` chunks, reordered by ``chunks`` (static
+    slices)."""
     pieces = jnp.split(x, len(chunks), axis=1)
     return jnp.concatenate([pieces[int(c)] for c in chunks], axis=1)
 
@@ -99,8 +94,8 @@ def _reorder(x: jax.Array, chunks: np.ndarray) -> jax.Array:
 
 
 def ulysses_local(n: int, zigzag: bool, head_split: int, kernel: Kernel) -> Callable:
-    """Ulysses over all n devices of ``context`` on this device's [B, S/n, H, D]: the whole
-    sequence attended by ``kernel`` in natural order."""
+    """Ulysses over all n ``context`` devices on [B, S/n, H, D]: ``kernel`` attends the whole
+    sequence in natural order."""
     # Storage chunk j holds natural chunk stored[j] (context.zigzag_order, with 2n chunks).
     stored = zigzag_order(2 * n, n) if zigzag else None
     natural = np.argsort(stored) if zigzag else None
@@ -121,8 +116,8 @@ def ulysses_local(n: int, zigzag: bool, head_split: int, kernel: Kernel) -> Call
 
 def hybrid_local(n: int, size: int, zigzag: bool, head_split: int, block: int | None
                  ) -> Callable:
-    """Ulysses inside groups of ``size`` consecutive ``context`` devices, the ring over the
-    groups, on this device's [B, S/n, H, D]. ``block``: the ring kernel's tile."""
+    """Ulysses in groups of ``size`` consecutive devices, the ring over groups, on [B, S/n, H, D].
+    ``block``: the ring kernel's tile."""
     outer = n // size
 
     def local(q, k, v, positions):
@@ -140,9 +135,8 @@ def hybrid_local(n: int, size: int, zigzag: bool, head_split: int, block: int | 
 def local_ulysses_attention(n: int, size: int, zigzag: bool, head_split: int = 1,
                             block: int | None = None, kernel: Kernel | None = None
                             ) -> Callable:
-    """``ulysses`` (``size == n``) or ``hybrid`` attention on one device's piece of a sequence
-    split n ways over ``context`` (manual). ``head_split``: the pieces ``tensor`` splits the kv
-    heads into; ``kernel``: Ulysses' attention on the whole sequence."""
+    """``ulysses`` (``size == n``) or ``hybrid`` on one device's piece, ``context`` manual.
+    ``head_split``: pieces ``tensor`` splits the kv heads into; ``kernel``: Ulysses' attention."""
     if size == n:
         if kernel is None:
             def kernel(q, k, v, mask):
@@ -156,11 +150,9 @@ def ulysses_attention(n: int, size: int, zigzag: bool, batch_axes: tuple[str, ..
                       block: int | None = None, *, head_axes: tuple[str, ...] = (),
                       kernel: Kernel | None = None, one_device_kernel: bool = False
                       ) -> Callable:
-    """``attention(q, k, v, positions)`` for ``ulysses`` (``size == n``) or the ``hybrid``, as
-    :func:`jaxpar.parallel.context.context_attention`. The head axes ``head_axes`` are manual
-    here too (docs/attention-and-loss.md, "Ulysses and the hybrid"). ``one_device_kernel``:
-    ``kernel`` is one device's program (splash), so every mesh axis is manual and its outputs'
-    variance unchecked."""
+    """``attention(q, k, v, positions)`` for ``ulysses`` or ``hybrid``, as
+    :func:`jaxpar.parallel.context.context_attention`, with ``head_axes`` manual too.
+    ``one_device_kernel`` (splash): every mesh axis manual, output variance unchecked."""
     rows = batch_axes or None
     heads = P(rows, CONTEXT_AXIS, head_axes or None, None)
     local = local_ulysses_attention(n, size, zigzag, 1, block, kernel)

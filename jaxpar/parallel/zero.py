@@ -1,10 +1,9 @@
 """ZeRO: which device holds which part of the parameters and optimizer state.
 
-Data parallelism and ZeRO-3 need no code here: the rules table does them. This module builds
-ZeRO-1's specs (``parallel.zero=1``: the optimizer state split over ``data`` and ``fsdp``;
-outside a pipeline the gradients too), and :func:`token_shard_sum`, which adds a weight
-gradient kept as one partial sum per token shard with a reduce-scatter, then an all-reduce of
-the slice. The bytes: docs/cost-model.md, "Collectives per step"; ZeRO-1's layout:
+Data parallelism and ZeRO-3 are the rules table's. Here: ZeRO-1's specs (``parallel.zero=1``:
+optimizer state, and outside a pipeline gradients, split over ``data`` and ``fsdp``), and
+:func:`token_shard_sum` (a per-token-shard weight gradient summed by reduce-scatter, then
+all-reduce of the slice). Bytes: docs/cost-model.md, "Collectives per step"; layout:
 docs/design.md, "Logical-axis rules".
 """
 
@@ -27,7 +26,7 @@ ZERO1_AXES = ("data", "fsdp")
 
 def _with_embed_split(spec: PartitionSpec, names: tuple[str, ...],
                       mesh_shape: Mapping[str, int]) -> PartitionSpec:
-    """Split the ``embed`` dimension of one array's spec over the ZeRO-1 axes as well."""
+    """Also split ``embed`` of one spec over the ZeRO-1 axes."""
     axes = tuple(a for a in ZERO1_AXES if mesh_shape[a] > 1)
     dim = model_dim(names)
     if not axes or dim is None:
@@ -41,8 +40,8 @@ def _with_embed_split(spec: PartitionSpec, names: tuple[str, ...],
 
 
 def moment_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
-    """PartitionSpecs of Adam's moments: the parameters' own (ZeRO-3), or with ``embed`` split
-    over ``data``/``fsdp`` as well (ZeRO-1)."""
+    """Adam's moments' specs: the parameters' (ZeRO-3), or ``embed`` also split over
+    ``data``/``fsdp`` (ZeRO-1)."""
     if cfg.parallel.zero != 1:
         return param_specs
     return jax.tree.map(
@@ -51,9 +50,8 @@ def moment_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
 
 
 def gradient_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
-    """PartitionSpecs the step gives the summed gradients: under ZeRO-1 without a pipeline the
-    moments' (ZeRO-2), so the sum over ``data``/``fsdp`` ends in a reduce-scatter to each
-    device's slice; otherwise (and in a pipeline, which sums by hand) the parameters'."""
+    """The summed gradients' specs: the moments' under ZeRO-1 without a pipeline (ZeRO-2: the
+    sum ends in a reduce-scatter); otherwise, and in a pipeline, the parameters'."""
     if cfg.parallel.zero != 1 or cfg.mesh.pipe > 1:
         return param_specs
     return moment_specs(cfg, param_specs, logical_axes)
@@ -61,9 +59,8 @@ def gradient_specs(cfg: Config, param_specs: Any, logical_axes: Any) -> Any:
 
 def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params: Any,
                           param_specs: Any, logical_axes: Any) -> Any:
-    """PartitionSpecs for the optimizer state: each per-parameter array (a leaf whose path ends
-    in that parameter's path) gets :func:`moment_specs`' spec less the dimensions it lacks
-    (:func:`.optimizer_state.state_spec`); scalars are replicated."""
+    """Optimizer-state specs: a per-parameter array (path ending in the parameter's) gets
+    :func:`moment_specs`' spec less its missing dims; scalars are replicated."""
     moments = moment_specs(cfg, param_specs, logical_axes)
     flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     specs = jax.tree_util.tree_flatten(moments, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
@@ -82,11 +79,10 @@ def optimizer_state_specs(cfg: Config, abstract_opt_state: Any, abstract_params:
 
 
 def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
-    """Whether a run without a pipeline sums its gradients over ``data`` by hand, once per step
-    (:func:`jaxpar.parallel.manual.sum_over_data_once`), rather than leaving it to the
-    partitioner: where the partitioner would not sum in ``parallel.reduce_dtype``, or under
-    gradient accumulation. Never for a mixture of experts, or when ``data`` splits no batch. Why:
-    docs/design.md, "Gradient sums once per step"."""
+    """Whether a run without a pipeline sums gradients over ``data`` by hand once per step
+    (:func:`jaxpar.parallel.manual.sum_over_data_once`): where the partitioner would not sum in
+    ``parallel.reduce_dtype``, or under gradient accumulation. Never for MoE, or when ``data``
+    splits no batch. Why: docs/design.md, "Gradient sums once per step"."""
     if cfg.model.moe.enabled or cfg.mesh_shape["data"] == 1:
         return False
     if "data" not in logical_rules(cfg)["batch"]:
@@ -97,9 +93,8 @@ def data_summed_by_hand(cfg: Config, xla_cpu: bool) -> bool:
 
 
 def token_shard_sum(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]]):
-    """The :func:`jaxpar.model.annotate.sum_over_token_shards` hook for a mesh (None when no
-    token axis splits anything): ``(partial_sums, used, stored) -> sum``, in ``shard_map`` manual
-    over the token axes and those splitting the weight."""
+    """The :func:`jaxpar.model.annotate.sum_over_token_shards` hook (None when no token axis
+    splits): ``(partial_sums, used, stored) -> sum``, manual over the token and weight axes."""
     batch, seq = (tuple(a for a in rules[name] if mesh_shape[a] > 1) for name in ("batch", "seq"))
     token_axes = batch + seq
     if not token_axes:

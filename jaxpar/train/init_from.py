@@ -1,12 +1,10 @@
 """``train.init_from``: a run that starts from another checkpoint's weights.
 
-The parameters are read straight into this run's shardings and dtype
-(:func:`jaxpar.checkpoint.weights.restore_params`); the optimizer state is fresh, the step is 0,
-and the model's buffers take their initial values (MoE router biases start at zero, the layers'
-window flags as the config sets them), except where a weights-only checkpoint holds them as
-weights (an imported DeepSeek-V3's router correction biases, which its routing needs): saved
-buffers win over the initial ones. Under ``train.lora`` the checkpoint gives the base weights
-and the adapters start as a fresh run's (B zero: the model starts as the checkpoint's).
+Parameters are read straight into this run's shardings and dtype
+(:func:`jaxpar.checkpoint.weights.restore_params`); optimizer state is fresh, step 0. Buffers
+take initial values (router biases zero, window flags per config), but buffers a weights-only
+checkpoint saved win (an imported DeepSeek-V3's router correction biases). Under
+``train.lora`` the checkpoint gives the base; adapters start fresh (B zero).
 """
 
 from __future__ import annotations
@@ -56,8 +54,8 @@ def initial_state(trainer: Trainer, source: Path) -> TrainState:
 
 
 def _fresh_adapters(trainer: Trainer) -> dict:
-    """The adapters of a fresh LoRA run, laid out as the run keeps them (the base weights the
-    same program would make are not outputs: the compiler drops them)."""
+    """A fresh LoRA run's adapters, laid out as the run keeps them (base weights are not
+    outputs: the compiler drops them)."""
     cfg = trainer.cfg
 
     def make() -> dict:
@@ -70,12 +68,12 @@ def _fresh_adapters(trainer: Trainer) -> dict:
 
 
 def _held(wanted: dict, stored: dict) -> dict:
-    """The part of the nested dict ``wanted`` whose keys the checkpoint's tree ``stored`` has."""
+    """The part of ``wanted`` whose keys the checkpoint's tree ``stored`` has."""
     return {k: _held(v, stored[k]) if isinstance(v, dict) else v
             for k, v in wanted.items() if k in stored}
 
 
 def _over(base: dict, saved: dict) -> dict:
-    """``base`` with each array that ``saved`` (a part of its tree) holds replaced."""
+    """``base`` with each array ``saved`` holds replaced."""
     return {k: (_over(v, saved[k]) if isinstance(v, dict) else saved[k]) if k in saved else v
             for k, v in base.items()}

@@ -1,15 +1,13 @@
 """The training loop: data in, steps, progress, log lines, ``run_dir`` files, a final summary.
 
-Around the steps: resume from a checkpoint (``train.resume``), periodic asynchronous saves
-(``checkpoint.every``) and one at the end, a save and a clean exit on SIGTERM/SIGINT, and the
-reaction to non-finite steps (``train.on_nonfinite``), whose updates the step itself already
-dropped on device.
+Around the steps: resume (``train.resume``), asynchronous saves (``checkpoint.every``) and one
+at the end, a save and clean exit on SIGTERM/SIGINT, and the reaction to non-finite steps
+(``train.on_nonfinite``), whose updates the step already dropped on device.
 
-Under several processes (``distributed``), every process runs this loop on its own devices and
-its own batch rows; only process 0 speaks (console, progress bar, ``metrics.jsonl``,
-``config.yaml``), and every stop decision is the same on all of them: signals are agreed at log
-and save steps, non-finite steps are read from the same replicated metrics, and the data never
-ends (the iterator is endless).
+Under several processes each runs this loop on its own devices and rows; only process 0 speaks
+(console, progress bar, ``metrics.jsonl``, ``config.yaml``). Stop decisions agree everywhere:
+signals are agreed at log and save steps, non-finite steps read from the same replicated
+metrics, and the data never ends.
 """
 
 from __future__ import annotations
@@ -88,8 +86,8 @@ class NonFiniteError(RuntimeError):
 
 
 class _StopSignals:
-    """SIGTERM and SIGINT set a flag that the loop reads after each step, so it can save and exit
-    cleanly; a second signal interrupts at once (KeyboardInterrupt)."""
+    """SIGTERM and SIGINT set a flag the loop reads after each step, to save and exit cleanly; a
+    second signal interrupts at once (KeyboardInterrupt)."""
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -107,9 +105,9 @@ class _StopSignals:
         self.received = signal.Signals(signum).name
 
     def stop_agreed(self, synced_step: bool) -> bool:
-        """Whether to stop after this step. Processes of one run must stop at the same step (a
-        save and every step are collective), so with several they agree, at steps that wait for
-        the device anyway (``synced_step``: log or save steps); one process stops at once."""
+        """Whether to stop after this step. Processes must stop at the same step (saves and steps
+        are collective), so several agree at steps that wait anyway (``synced_step``: log or
+        save); one process stops at once."""
         if jax.process_count() == 1:
             return self.received is not None
         if not synced_step:
@@ -125,9 +123,9 @@ class _StopSignals:
 
 
 def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator, str]:
-    """The iterator over ``split`` (every row of each global batch: a process keeps its own
-    with ``with_rows(trainer.local_batch_rows())``), and a one-line description. The
-    validation split is read in order (train/eval.py scores the same batches every time)."""
+    """The iterator over ``split`` (all rows; a process keeps its own with
+    ``with_rows(trainer.local_batch_rows())``) and a one-line description. Validation is read
+    in order (train/eval.py scores the same batches every time)."""
     try:
         if cfg.data.sources:  # a mixture, which shuffles itself: the iterator reads it in order
             if split != "train":  # each source's held-out split is scored on its own
@@ -155,12 +153,11 @@ def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator,
 
 def train(cfg: Config, console: Console | None = None, plan: PlanFn | None = None) -> Summary:
     """Run ``cfg`` (validated) to ``train.steps``; write ``run_dir`` files; return a summary.
-    ``plan``: the cost model's numbers of a config, for a tracked run's summary
-    (``logging.wandb``; the command line's: this layer does not import the cost model).
+    ``plan``: the cost model's numbers for a tracked run's summary (from the command line: this
+    layer does not import the cost model).
 
-    With ``train.resume`` (default ``auto``) it first continues from a checkpoint, and the steps
-    after it are bitwise the steps an uninterrupted run takes. The loop reads as its five named
-    parts, the methods of :class:`_Run`: start-up, step, log, save, stop.
+    ``train.resume`` (default ``auto``) first continues from a checkpoint; later steps are
+    bitwise an uninterrupted run's. The five parts are :class:`_Run`'s methods.
     """
     console = console or Console(soft_wrap=True)
     if jax.process_index() != 0:  # one voice: the other processes print nothing
@@ -215,8 +212,8 @@ def train(cfg: Config, console: Console | None = None, plan: PlanFn | None = Non
 
 
 def _init_source(cfg: Config, source: Path | None, console: Console) -> Path | None:
-    """The checkpoint whose weights ``train.init_from`` starts from, or None. A checkpoint
-    to resume wins: rerunning a fine-tuning command continues it instead of starting over."""
+    """The checkpoint ``train.init_from`` starts from, or None. A checkpoint to resume wins:
+    rerunning a fine-tuning command continues it."""
     if cfg.train.init_from is None:
         return None
     if source is not None:
@@ -231,10 +228,9 @@ def _init_source(cfg: Config, source: Path | None, console: Console) -> Path | N
 
 @dataclass
 class _Run:
-    """One run's moving parts. :meth:`start_up` builds them (restoring a checkpoint if there is
-    one) and prints what the run is; :meth:`step` runs one step without waiting for it;
-    :meth:`fetch` and :meth:`log` read and report the steps since the last look; :meth:`save`
-    starts an asynchronous checkpoint; :meth:`stop` prints the summary and returns it."""
+    """One run's moving parts: :meth:`start_up` (restoring a checkpoint if any), :meth:`step`
+    (no waiting), :meth:`fetch` and :meth:`log` (the steps since the last look), :meth:`save`
+    (asynchronous), :meth:`stop` (prints and returns the summary)."""
 
     cfg: Config
     console: Console
@@ -268,9 +264,9 @@ class _Run:
     def start_up(cls, cfg: Config, console: Console, source: Path | None,
                  start_step: int, init_from: Path | None = None,
                  plan: PlanFn | None = None) -> _Run:
-        """Check run_dir, build data, mesh and trainer, restore ``source`` (a checkpoint step
-        directory, or None for a fresh start, from the weights of ``init_from`` if given), write
-        ``config.yaml``, print the header lines and compile the step."""
+        """Check run_dir; build data, mesh, trainer; restore ``source`` (a checkpoint step
+        directory; None: fresh, from ``init_from``'s weights if given); write ``config.yaml``;
+        print the header; compile the step."""
         require_packages(cfg)  # a missing optional package: before anything is written
         if cfg.checkpoint.enabled:  # before anything is written or compiled
             checkpoint.check_run_dir_free(cfg, start_step if source is not None else None)
@@ -361,8 +357,8 @@ class _Run:
         return self.saver is not None and every > 0 and step % every == 0
 
     def fetch(self) -> dict:
-        """The newest step's metrics on the host; counts (or, with ``stop``, raises on) the
-        non-finite steps among those pending."""
+        """The newest step's metrics on the host; counts (``stop``: raises on) pending non-finite
+        steps."""
         values, bad = _fetch(self.pending, self.cfg.train.on_nonfinite)
         self.skipped += bad
         self.pending.clear()
@@ -371,7 +367,7 @@ class _Run:
     # -- log -----------------------------------------------------------------------------------
 
     def log(self, step: int, values: dict, task: Any) -> None:
-        """One metrics.jsonl row and one console line, timed over the steps since the last."""
+        """One metrics.jsonl row and console line, timed over the steps since the last."""
         t = self.cfg.train
         tokens_per_step = t.batch_size * t.seq_len
         flops_per_step = train_flops_per_token(self.cfg.model, t.seq_len) * tokens_per_step
@@ -417,7 +413,7 @@ class _Run:
     # -- stop ----------------------------------------------------------------------------------
 
     def stop(self, step: int, received: str | None) -> Summary:
-        """The summary of a run that ended at ``step`` (early if a signal was ``received``)."""
+        """The summary of a run ended at ``step`` (early if a signal was ``received``)."""
         cfg, saver = self.cfg, self.saver
         newest = (str(saver.root / str(self.saved_step)) if saver is not None and self.saved_step
                   else None)
@@ -450,7 +446,7 @@ class _Run:
 
 
 def _run_dir_files(cfg: Config, append: bool, start_step: int) -> MetricsFile | None:
-    """Write ``config.yaml`` and open ``metrics.jsonl`` (on process 0 only; None elsewhere)."""
+    """Write ``config.yaml``, open ``metrics.jsonl`` (process 0; None elsewhere)."""
     if jax.process_index() != 0:
         return None
     run_dir = Path(cfg.run_dir)
@@ -468,8 +464,8 @@ def _run_dir_files(cfg: Config, append: bool, start_step: int) -> MetricsFile | 
 
 def start_lines(cfg: Config, devices: int, device_kind: str, data_line: str,
                 pipeline: Mapping[str, Any] | None) -> list[str]:
-    """What a run prints about itself before compiling: devices, mesh, model and settings; the
-    mixture of experts; the data; the pipeline schedule; the peak behind MFU."""
+    """What a run prints before compiling: devices, mesh, model, settings, MoE, data, pipeline
+    schedule, the peak behind MFU."""
     t = cfg.train
     lines = [f"[bold]jaxpar train[/bold] {devices} x {device_kind} | mesh "
              f"{mesh_text(cfg.mesh_shape)} | {param_count(cfg.model) / 1e6:.2f}M params | "
@@ -494,8 +490,8 @@ def start_lines(cfg: Config, devices: int, device_kind: str, data_line: str,
 
 
 def _fetch(pending: list[tuple[int, dict]], on_nonfinite: str) -> tuple[dict, int]:
-    """Host copies of the newest step's metrics, and how many pending steps were non-finite
-    (their updates were dropped on device). With ``stop``, the first one raises."""
+    """Host copies of the newest metrics, and how many pending steps were non-finite (updates
+    dropped on device). ``stop``: the first raises."""
     fetched = jax.device_get([metrics for _, metrics in pending])
     bad = 0
     for (step, _), values in zip(pending, fetched, strict=True):

@@ -1,9 +1,8 @@
 """Throughput, MFU, the metrics file, and the lines that describe a run.
 
-MFU compares achieved model flops per device with the device's dense bf16 peak
-(:func:`jaxpar.hardware.peak_flops`, matched against ``jax.Device.device_kind``). CPUs have no
-meaningful peak here, so MFU is
-reported as n/a for them rather than as a made-up number.
+MFU is achieved model flops per device over the dense bf16 peak
+(:func:`jaxpar.hardware.peak_flops`, by ``jax.Device.device_kind``); n/a on CPUs, which have
+no meaningful peak.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ class MetricsFile:
 
     def keep_through(self, step: int) -> None:
         """Drop rows after ``step``: a resumed run logs them again (the killed run may have logged
-        steps past its last checkpoint)."""
+        past its last checkpoint)."""
         if not self.path.exists():
             return
         kept = []
@@ -44,9 +43,8 @@ class MetricsFile:
 
 
 def scalars(row: Mapping[str, Any]) -> dict[str, float]:
-    """A ``metrics.jsonl`` row as the named scalars the trackers (TensorBoard, W&B) log at its
-    step: a list (MoE's tokens per expert) as one per element, ``name/i``; null values (a
-    non-finite loss) left out."""
+    """A row as the named scalars trackers log at its step: a list (MoE tokens per expert) as
+    ``name/i`` per element; nulls (non-finite loss) left out."""
     out = {}
     for key, value in row.items():
         if key == "step" or value is None:
@@ -64,7 +62,7 @@ def mesh_text(mesh: Mapping[str, int]) -> str:
 
 
 def pipeline_line(info: Mapping[str, Any]) -> str:
-    """One line on the pipeline schedule (``describe``'s dict): what the executor runs."""
+    """One line on the pipeline schedule (``describe``'s dict)."""
     chunks = (f", {info['virtual_stages']} chunks per stage" if info["virtual_stages"] > 1
               else "")
     accum = info.get("grad_accum", 1)

@@ -1,13 +1,11 @@
-"""Seeing where a run's time goes: a ``jax.profiler`` trace of chosen steps (``train.profile``)
-and the ``metrics.jsonl`` rows as TensorBoard scalars (``logging.tensorboard``) and as a W&B run
+"""Seeing where a run's time goes: a ``jax.profiler`` trace of chosen steps (``train.profile``),
+and ``metrics.jsonl`` rows as TensorBoard scalars (``logging.tensorboard``) and a W&B run
 (``logging.wandb``, :mod:`jaxpar.train.tracking`).
 
-All write on process 0 only, like ``metrics.jsonl``: a trace of one process shows every
-collective of the step (the others wait in the same ones), and one writer keeps the event files
-(and the W&B history) from being written twice. Both trackers get the same scalars of the same
-rows (:func:`jaxpar.train.metrics.scalars`). tensorboardX and wandb are optional extras; a
-missing one is a one-line config error before anything is written or compiled
-(:func:`require_packages`).
+Process 0 alone writes: one process's trace shows every collective (the others wait in the
+same ones), and one writer avoids duplicate events. Both trackers get the same scalars
+(:func:`jaxpar.train.metrics.scalars`). tensorboardX and wandb are optional; a missing one is
+a one-line config error before anything runs (:func:`require_packages`).
 """
 
 from __future__ import annotations
@@ -44,15 +42,14 @@ def require_tensorboard(cfg: Config) -> None:
 
 
 class Observer:
-    """The profiler trace, the TensorBoard writer and the W&B run of one run, driven by the
-    loop: around each step (:meth:`before_step`, :meth:`after_step`), at each log row
-    (:meth:`log`), and at the end, whatever ended the run (:meth:`close`). ``start_lines``: what
-    the run prints about them before compiling."""
+    """One run's profiler trace, TensorBoard writer and W&B run, driven by the loop:
+    :meth:`before_step`, :meth:`after_step`, :meth:`log` per row, :meth:`close` however the run
+    ends. ``start_lines``: what the run prints about them."""
 
     def __init__(self, cfg: Config, first_step: int, say: Callable[[str], None],
                  plan: PlanFn | None = None):
-        """``first_step``: the first step this run takes (after a resume, not 1); ``plan``: the
-        plan's numbers of a config, for the W&B summary."""
+        """``first_step``: this run's first step (not 1 after a resume); ``plan``: the plan's
+        numbers for the W&B summary."""
         self.say = say
         run_dir = Path(cfg.run_dir)
         self.profile_dir = run_dir / PROFILE_DIR
@@ -84,15 +81,14 @@ class Observer:
             self.tracing = True
 
     def after_step(self, step: int, outputs: Any) -> None:
-        """Stop the trace after its last step, once the device has finished it: steps are
-        dispatched asynchronously, so without the wait the trace would end before its work."""
+        """Stop the trace after its last step, once the device finished it (steps dispatch
+        asynchronously)."""
         if self.tracing and step == self.last:
             jax.block_until_ready(outputs)
             self._stop(f"steps {self.first}-{step}")
 
     def log(self, row: dict[str, Any]) -> None:
-        """One ``metrics.jsonl`` row's scalars (:func:`~jaxpar.train.metrics.scalars`) at its
-        step, to each tracker the config asks for."""
+        """One row's scalars at its step, to each tracker asked for."""
         values = scalars(row)
         if self.tracker is not None:
             self.tracker.log(row["step"], values)

@@ -1,13 +1,10 @@
-"""Optimizers (``train.optimizer``), learning-rate schedules (``train.schedule``) and the storage
-dtype of the optimizer state (``train.opt_state_dtype``), all through optax.
+"""Optimizers (``train.optimizer``), learning-rate schedules (``train.schedule``) and the
+optimizer state's storage dtype (``train.opt_state_dtype``), through optax.
 
-Every optimizer runs after global-norm clipping, on float32 copies of the gradients and parameters
-(:func:`in_float32`); a bfloat16 state is widened to float32 for each update (:func:`stored_state`).
-``adamw``, ``adafactor`` and ``lion`` are optax's; ``muon`` gives the stacked layer matrices Muon's
-orthogonalised momentum (:func:`muon_dimensions`) and AdamW to everything else. Which parameters are
-Muon's matrices and the shape of each optimizer's state are described without optax in
-:mod:`jaxpar.parallel.optimizer_state`, which the cost model reads. Each optimizer, its state and
-its cost under sharding: docs/optimizers.md.
+Every optimizer runs after global-norm clipping on float32 copies (:func:`in_float32`); a
+bfloat16 state is widened per update (:func:`stored_state`). ``adamw``, ``adafactor``,
+``lion``: optax's; ``muon``: Muon on stacked layer matrices, AdamW elsewhere. The state's
+layout without optax: :mod:`jaxpar.parallel.optimizer_state`. Details: docs/optimizers.md.
 """
 
 from __future__ import annotations
@@ -41,11 +38,10 @@ MUON_BETA = 0.95  # Muon's momentum (its authors' value)
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
-    """``train.schedule`` after ``train.warmup_steps`` of linear warm-up from 0 to ``lr``:
-    ``cosine`` decays to ``lr * min_lr_ratio`` at ``steps``; ``wsd`` holds ``lr`` until the last
-    ``decay_fraction`` of the steps, then decays linearly (:func:`wsd_value`); ``constant``
-    stays. Optimizer step k (1-based) uses the schedule at k, so the first step already moves the
-    parameters."""
+    """``train.schedule`` after ``train.warmup_steps`` of linear warm-up from 0: ``cosine``
+    decays to ``lr * min_lr_ratio`` at ``steps``; ``wsd`` holds ``lr``, then decays linearly over
+    the last ``decay_fraction`` (:func:`wsd_value`); ``constant`` stays. Optimizer step k
+    (1-based) uses the schedule at k, so the first step moves the parameters."""
     if t.schedule == "cosine":
         base = optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
@@ -65,8 +61,8 @@ def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
 
 
 def wsd_decay_start(t: TrainConfig) -> int:
-    """The step after which ``wsd`` decays: the last ``round(decay_fraction * steps)`` steps (at
-    least one), never before the warm-up ends."""
+    """The step after which ``wsd`` decays: the last ``round(decay_fraction * steps)`` (at least
+    one), never during warm-up."""
     return max(t.steps - max(1, round(t.decay_fraction * t.steps)), t.warmup_steps)
 
 
@@ -91,8 +87,7 @@ def decays(name: str) -> bool:
 
 
 def muon_dimensions(name: str, names: Sequence[str | None]) -> MuonDimensionNumbers | None:
-    """Muon's view of one parameter: its matrix axes as optax's dimension numbers, or None for a
-    parameter AdamW updates."""
+    """A parameter's matrix axes as optax's dimension numbers; None: AdamW's."""
     axes = muon_matrix_axes(name, names)
     return None if axes is None else MuonDimensionNumbers(reduction_axis=axes[0],
                                                           output_axis=axes[1])
@@ -104,10 +99,9 @@ def muon_dimensions(name: str, names: Sequence[str | None]) -> MuonDimensionNumb
 
 def make_optimizer(t: TrainConfig, logical_axes: Mapping | None = None,
                    muon_specs: Mapping | None = None) -> optax.GradientTransformation:
-    """``train.optimizer`` after global-norm clipping, in float32, its state stored in
-    ``train.opt_state_dtype``. Muon alone needs ``logical_axes`` (the parameters' logical names)
-    and ``muon_specs`` (a :class:`~jaxpar.parallel.optimizer_state.MuonLayout` per matrix, laying
-    out its iterations; None: wherever the partitioner puts them)."""
+    """``train.optimizer`` after clipping, in float32, state stored in ``train.opt_state_dtype``.
+    Muon alone needs ``logical_axes`` and ``muon_specs`` (a
+    :class:`~jaxpar.parallel.optimizer_state.MuonLayout` per matrix; None: the partitioner's)."""
     from jaxpar.parallel.rules import param_name  # noqa: PLC0415
 
     def decay_mask(params: dict) -> dict:
@@ -165,10 +159,9 @@ def _muon(t: TrainConfig, lr: optax.Schedule, logical_axes: Mapping,
 
 def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
                    ) -> optax.GradientTransformation:
-    """optax's ``scale_by_muon`` (Nesterov momentum, then Newton-Schulz; its state and its
-    numbers), with the iterations laid out as ``specs`` says: owner-computes
-    (:func:`_owner_newton_schulz`), or the momentum gathered whole through ``layout.stages``.
-    Left to the partitioner, the iterations reshard between matmuls (docs/optimizers.md)."""
+    """optax's ``scale_by_muon`` (Nesterov momentum, then Newton-Schulz; same state and numbers),
+    iterations laid out per ``specs``: owner-computes, or gathered through ``layout.stages``. Left
+    to the partitioner they reshard between matmuls (docs/optimizers.md)."""
     base = scale_by_muon(beta=MUON_BETA, eps=eps, ns_steps=MUON_NS_STEPS, nesterov=True,
                          weight_dimension_numbers=dims_fn)
     if specs is None:
@@ -207,9 +200,8 @@ def _scale_by_muon(eps: float, dims_fn: Any, specs: Mapping | None
 
 def _newton_schulz(x: jax.Array, d: MuonDimensionNumbers, coeffs: jax.Array,
                    eps: float) -> jax.Array:
-    """optax's orthogonalisation of each matrix of ``x``, vmapped over the leading batch axes one
-    at a time: optax's flattened [layers x experts] axis cannot keep the experts' split over
-    ``expert``."""
+    """optax's orthogonalisation, vmapped over the leading batch axes one at a time (optax's
+    flattened [layers x experts] would lose the ``expert`` split)."""
     matrix = (*d.reduction_axis, *d.output_axis)
     batch = x.ndim - len(matrix)
     # One batch axis: optax's own flattening (it keeps the split; and XLA:CPU's compiled peak
@@ -230,9 +222,9 @@ def _newton_schulz(x: jax.Array, d: MuonDimensionNumbers, coeffs: jax.Array,
 
 def _owner_newton_schulz(x: jax.Array, d: MuonDimensionNumbers, layout: MuonLayout,
                          coeffs: jax.Array, eps: float) -> jax.Array:
-    """Owner-computes: within each group of ``layout.owners`` devices, one all-to-all gives each
-    device whole matrices of its share, it iterates on them, and a second all-to-all sends every
-    device its piece of each result (docs/optimizers.md)."""
+    """Owner-computes: in each group of ``layout.owners``, an all-to-all gives each device whole
+    matrices of its share; it iterates; a second sends each its pieces back
+    (docs/optimizers.md)."""
     owners, held = layout.owners, tuple(layout.held)
     matrix = (*d.reduction_axis, *d.output_axis)
     nb = x.ndim - len(matrix)  # the leading batch axes
@@ -268,8 +260,8 @@ def _owner_newton_schulz(x: jax.Array, d: MuonDimensionNumbers, layout: MuonLayo
 
 
 def _masked_like(specs: Mapping, updates: Any) -> Any:
-    """``specs`` (a tuple of PartitionSpecs per Muon matrix, None elsewhere) with
-    optax.MaskedNode()s where ``updates`` has them (AdamW's parameters)."""
+    """``specs`` (PartitionSpecs per Muon matrix, None elsewhere) with optax.MaskedNode()s where
+    ``updates`` has them."""
     return jax.tree.map(lambda s, u: optax.MaskedNode() if isinstance(u, optax.MaskedNode) else s,
                         specs, updates,
                         is_leaf=lambda x: x is None or isinstance(x, (tuple,
@@ -277,8 +269,8 @@ def _masked_like(specs: Mapping, updates: Any) -> Any:
 
 
 def _scale_by_matrix_shape(dims_fn: Any) -> optax.GradientTransformation:
-    """Muon's per-matrix update scale ``sqrt(max(1, fan_out / fan_in))``, which keeps the RMS of
-    a wide matrix's update up."""
+    """Muon's update scale ``sqrt(max(1, fan_out / fan_in))``, keeping wide matrices' update RMS
+    up."""
 
     def scale(u: jax.Array, d: MuonDimensionNumbers) -> jax.Array:
         fan_in = math.prod(u.shape[i] for i in d.reduction_axis)
@@ -302,9 +294,9 @@ def as_float32(tree: Any) -> Any:
 
 
 def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` run on float32 copies of the gradients and parameters, so the moments, the clipping
-    norm and the update are float32 whatever ``train.param_dtype`` stores. There is no float32
-    master copy (docs/mixed-precision.md)."""
+    """``tx`` on float32 copies of gradients and parameters: moments, clipping norm and update
+    are float32 whatever ``train.param_dtype``. No float32 master copy
+    (docs/mixed-precision.md)."""
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return tx.update(as_float32(grads), state,
@@ -314,8 +306,8 @@ def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation
 
 
 def per_parameter(path: Sequence[Any]) -> bool:
-    """Whether a state leaf at ``path`` belongs to a parameter-shaped tree: its path ends in a
-    dict key (the parameter's name), where counters and Muon's coefficients end in an attribute."""
+    """Whether a state leaf at ``path`` is per parameter: its path ends in a dict key; counters
+    and Muon's coefficients end in an attribute."""
     return bool(path) and isinstance(path[-1], jax.tree_util.DictKey)
 
 
@@ -327,8 +319,7 @@ def cast_state(state: Any, dtype: Any) -> Any:
 
 
 def stored_state(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
-    """``tx`` whose per-parameter state is stored in ``dtype``, widened to float32 for each
-    update and rounded back."""
+    """``tx`` with per-parameter state stored in ``dtype``, widened to float32 per update."""
     if dtype == "float32":
         return tx
     stored = jnp.dtype(dtype)

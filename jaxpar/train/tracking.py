@@ -1,11 +1,10 @@
 """A Weights & Biases run beside ``metrics.jsonl`` (``logging.wandb``).
 
-It holds every ``metrics.jsonl`` row's scalars at the row's ``step``, ``config.yaml`` as the run's
-config, and in its summary the mesh, the layout and ``jaxpar plan``'s prediction for this config
-(:func:`jaxpar.cli.train.plan_summary`). Process 0 alone writes it, and a resumed run continues the
-same W&B run (its id in ``run_dir/wandb_run_id``). An unreachable server is a one-line warning and
-the run goes on untracked; a missing package is a config error before anything runs
-(:func:`require_wandb`). What is logged, and resumes: docs/configuration.md.
+It holds each row's scalars at its ``step``, ``config.yaml`` as config, and a summary with the
+mesh, layout and ``jaxpar plan``'s prediction (:func:`jaxpar.cli.train.plan_summary`).
+Process 0 writes it; a resumed run continues it (id in ``run_dir/wandb_run_id``). An
+unreachable server warns once and the run goes on; a missing package is a config error
+(:func:`require_wandb`). Details: docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ WANDB_DIR = "wandb"  # wandb's own folder, under run_dir
 
 def require_wandb(cfg: Config) -> None:
     """With ``logging.wandb.mode`` online or offline, wandb must be there (checked on every
-    process before anything is written or compiled): process 0, which will use it, imports it;
-    the others only look for it, and never import it."""
+    process first): process 0 imports it, the others only look for it."""
     mode = cfg.logging.wandb.mode
     if mode == "disabled":
         return
@@ -58,8 +56,8 @@ def layout_summary(cfg: Config, device_kind: str) -> dict[str, Any]:
 
 
 class WandbRun:
-    """The W&B run of one ``jaxpar train`` run, on process 0: :meth:`open`, :meth:`log` per
-    ``metrics.jsonl`` row, :meth:`close` at the end, whatever ended the run."""
+    """The W&B run on process 0: :meth:`open`, :meth:`log` per row, :meth:`close` however the
+    run ends."""
 
     def __init__(self, run: Any, say: Callable[[str], None]):
         self.run = run
@@ -68,10 +66,9 @@ class WandbRun:
     @classmethod
     def open(cls, cfg: Config, first_step: int, say: Callable[[str], None],
              plan: PlanFn | None = None) -> tuple[WandbRun | None, str | None]:
-        """The run (None when not asked for, on another process than 0, or when the server
-        cannot be reached) and a line for the console (None: nothing to say). ``plan``: what
-        ``jaxpar plan`` predicts for a config, asked once the run has started, for the
-        summary."""
+        """The run (None: not asked for, not process 0, or server unreachable) and a console
+        line (None: nothing to say). ``plan``: ``jaxpar plan``'s prediction, asked once the run
+        started."""
         w = cfg.logging.wandb
         if w.mode == "disabled" or jax.process_index() != 0:
             return None, None
@@ -106,8 +103,8 @@ class WandbRun:
                                f"{', continued' if resumed else ''}) {where}").rstrip()
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        """One row's scalars at ``step``. W&B's own step counter goes on counting, so the
-        steps a resumed run logs again are accepted (module docstring)."""
+        """One row's scalars at ``step``; W&B's own step counter runs on, so a resumed run's
+        repeated steps are accepted."""
         if self.run is None:
             return
         try:

@@ -1,23 +1,15 @@
 """A stage's backward pass cut in two without recomputing anything: I, then W.
 
-Zero-bubble schedules (:func:`jaxpar.parallel.pipeline.schedules.zero_bubble`) split a chunk's
-backward ``B`` into ``I``, the gradient with respect to the chunk's input (what the previous
-stage waits for), and ``W``, the gradients with respect to its weights (what nobody waits for).
-For a weight matmul ``y = x w``, I computes ``dx = dy wᵀ`` and W ``dw = xᵀ dy``: W needs ``dy``,
-which only I makes. So I leaves behind the *crossing* values W needs, which wait in a stash of
-their own between a microbatch's I and its W.
+Zero-bubble schedules split a chunk's backward ``B`` into ``I`` (the input gradient, which the
+previous stage waits for) and ``W`` (the weight gradients, which nobody waits for). For
+``y = x w``, I computes ``dx = dy wᵀ`` and W ``dw = xᵀ dy``; W needs ``dy``, which only I
+makes, so such *crossing* values wait in a stash between a microbatch's I and its W.
 
-The chunk's backward is traced once to a jaxpr and its equations are sorted: I gets everything
-the input gradient needs, W the weight-gradient matmuls and what only they need, and cheap
-equations of the residuals alone run in both. Loops are cut through, so the reverse scan over
-the layers becomes an I scan and a W scan. Every matmul runs in exactly one of I and W, so a
-``zero_bubble`` step's matmul flops are 1F1B's. It reads the program, not the model, so it works
-on any layer; the price is that it walks JAX's jaxpr structures, which a new jax release may
-change (``scripts/newest_jax.py`` runs its tests on the newest one).
-
-:func:`split_backward` reports the crossing shapes, which the executor sizes its stash from and
-``jaxpar plan`` counts. The sorting rules in full: docs/pipelines.md, "Zero bubble: I and W
-apart, nothing recomputed".
+The backward is traced once to a jaxpr and its equations sorted; loops are cut through. Every
+matmul runs in exactly one part, so ``zero_bubble``'s matmul flops are 1F1B's. It works on any
+layer, but walks jaxpr structures a new jax may change (``scripts/newest_jax.py`` tests the
+newest). :func:`split_backward` reports the crossing shapes (the executor's stash, ``jaxpar
+plan``). Sorting rules: docs/pipelines.md, "Zero bubble: I and W apart, nothing recomputed".
 """
 
 from __future__ import annotations
@@ -154,8 +146,7 @@ def _scan_layout(op: _Op) -> tuple[int, int]:
 
 
 def _needed_ins(body: _Body, needed_outs: Sequence[bool]) -> tuple[list[bool], dict]:
-    """Which of ``body.ins`` the outputs marked in ``needed_outs`` read, and per op (by id)
-    which of its outputs they read."""
+    """Which ``body.ins`` the ``needed_outs`` read, and per op (by id) which outputs they read."""
     needed = {k for k, want in zip(body.outs, needed_outs, strict=True)
               if want and not isinstance(k, _Lit)}
     live_outs: dict[int, list[bool]] = {}
@@ -179,8 +170,8 @@ def _op_needed_ins(op: _Op, outs_needed: Sequence[bool]) -> list[bool]:
 
 
 def _needed_carries(op: _Op, outs_needed: Sequence[bool]) -> tuple[list[bool], list[bool]]:
-    """A scan's carries the marked outputs need (a carry is needed if its output is, or a
-    needed output reads its input: to a fixed point), and which body inputs they all read."""
+    """A scan's carries the marked outputs need (to a fixed point: its output is needed, or a
+    needed output reads its input), and the body inputs they read."""
     n_consts, n_carry = _scan_layout(op)
     carries = list(outs_needed[:n_carry])
     ys = list(outs_needed[n_carry:])
@@ -220,9 +211,8 @@ class _Plan:
 
 def _plan(body: _Body, i_outs: Sequence[bool], w_outs: Sequence[bool],
           w_inputs: set) -> _Plan:
-    """Sort ``body``'s ops: I computes the outputs marked in ``i_outs``, W those in
-    ``w_outs``. ``w_inputs``: keys of ``body.ins`` W has (the rest, e.g. the cotangent or a
-    carry I runs, are I's alone: what W needs of them crosses)."""
+    """Sort ``body``'s ops: I makes ``i_outs``, W ``w_outs``. ``w_inputs``: ``body.ins`` keys W
+    has; the rest (the cotangent, a carry I runs) are I's, and what W needs of them crosses."""
     _, i_live = _needed_ins(body, i_outs)
     _, w_live = _needed_ins(body, w_outs)
     role: dict = {}
@@ -277,9 +267,8 @@ def _split_scan(op: _Op, i_needed: Sequence[bool], w_only: Sequence[bool]) -> _S
 
 def _close(plan: _Plan, made_by: dict, cheap: set, i_outs: Sequence[bool],
            w_outs: Sequence[bool], w_inputs: set) -> None:
-    """What W reads, back from its ops and outputs: a cheap value of the residuals is
-    recomputed ("IW"), anything else I made crosses. Then what each part reads of the
-    body's inputs."""
+    """What W reads, back from its ops and outputs: cheap values of the residuals are recomputed
+    ("IW"), anything else I made crosses. Then each part's reads of the body's inputs."""
     body, role, splits = plan.body, plan.role, plan.splits
     seen: set = set()
 
@@ -326,14 +315,13 @@ def _close(plan: _Plan, made_by: dict, cheap: set, i_outs: Sequence[bool],
 
 
 def _w_outs_of(op: _Op, split: _ScanSplit) -> set:
-    """The outputs of a split scan that its W part makes: W's carries and ys."""
+    """A split scan's outputs W makes: W's carries and ys."""
     want = [not c for c in split.i_carry] + split.w_ys
     return {k for k, w in zip(op.outs, want, strict=True) if w and k is not None}
 
 
 def _scan_part_ins(op: _Op, reads: set, carries: Sequence[bool]) -> list:
-    """The scan's operands one part reads: the consts and xs its body part reads, and the
-    initial values of its carries."""
+    """The scan operands one part reads: its consts and xs, and its carries' initial values."""
     n_consts, n_carry = _scan_layout(op)
     out = []
     for i, (k, inner) in enumerate(zip(op.ins, op.body.ins, strict=True)):
@@ -383,9 +371,8 @@ def _run(plan: _Plan, env: dict, part: str) -> None:
 
 
 def _run_scan(plan: _Plan, op: _Op, env: dict, part: str) -> None:
-    """A split scan's ``part``: a ``lax.scan`` over its body's part with that part's carries,
-    the consts and xs it reads, and its outputs; I also emits each iteration's crossing
-    values (stacked), which W then reads as more xs."""
+    """A split scan's ``part`` as a ``lax.scan`` of its body part; I also emits each iteration's
+    crossing values (stacked), which W reads as more xs."""
     split = plan.splits[id(op)]
     sub = split.plan
     n_consts, n_carry = _scan_layout(op)
@@ -431,10 +418,10 @@ def _run_scan(plan: _Plan, op: _Op, env: dict, part: str) -> None:
 
 @dataclass(frozen=True)
 class SplitBackward:
-    """``bwd(primals, cotangents) -> (weight_grads, input_grad)`` cut in two (module
-    docstring): ``input_part(primals, cotangents) -> (input_grad, crossing)`` and
-    ``weight_part(primals, crossing) -> weight_grads``; ``crossing`` is a list of arrays of
-    the shapes in ``crossing_shapes``."""
+    """``bwd(primals, cotangents) -> (weight_grads, input_grad)`` cut in two:
+    ``input_part(primals, cotangents) -> (input_grad, crossing)`` and
+    ``weight_part(primals, crossing) -> weight_grads``; ``crossing``: arrays of
+    ``crossing_shapes``."""
 
     plan: _Plan
     primal_tree: Any
@@ -463,9 +450,9 @@ class SplitBackward:
 
 
 def split_backward(bwd: Callable, primals: Any, cotangents: Any) -> SplitBackward:
-    """Trace ``bwd(primals, cotangents) -> (weight_grads, input_grad)`` (abstract values
-    suffice) and cut it into I and W (:class:`SplitBackward`). ``primals``: what both parts
-    may read (the stashed residuals, the weights); ``cotangents``: what only I reads."""
+    """Trace ``bwd(primals, cotangents) -> (weight_grads, input_grad)`` (abstract values suffice)
+    and cut it into I and W. ``primals``: what both parts may read (stashed residuals, weights);
+    ``cotangents``: what only I reads."""
     closed, out_shape = jax.make_jaxpr(bwd, return_shape=True)(primals, cotangents)
     grads_shape, dx_shape = out_shape
     n_grads = len(jax.tree.leaves(grads_shape))
@@ -482,8 +469,8 @@ def split_backward(bwd: Callable, primals: Any, cotangents: Any) -> SplitBackwar
 
 
 def _shape_of(plan: _Plan, key: Any) -> jax.ShapeDtypeStruct:
-    """The shape of a crossing value: an input's, an op's output's, or a split scan's
-    body's, stacked over its iterations."""
+    """A crossing value's shape: an input's, an op output's, or a split scan body's stacked over
+    its iterations."""
     aval = plan.body.in_avals.get(key)
     for op in plan.body.ops:
         if aval is not None:

@@ -1,15 +1,13 @@
-"""DeepSeek-V3's dense first blocks (``model.moe.first_dense``) in a pipeline: a pre-phase run
+"""DeepSeek-V3's dense first blocks (``model.moe.first_dense``) in a pipeline: a pre-phase
 before the stages, outside the executor's ``shard_map``.
 
-The embedding and the ``dense_layers`` stack run on the whole step's batch under ``jax.vjp``,
-their rows split over ``pipe`` as well as the batch axes, so that each pipe device does 1/p of
-this work (flops: the dense blocks once per token, as on one device). Their output is cut into
-microbatches and fed to chunk 0 in place of its embedding (:mod:`.executor`): one all-gather
-of ``B/d x S/c x E`` over ``pipe`` per step (d: the batch axes' devices, c: context). The
-executor hands back chunk 0's input gradient per microbatch, and the pre-phase's VJP turns it
-into the embedding's and the dense blocks' gradients, summed over the batch axes and ``pipe``
-once per step. The dense blocks' weights are whole on every stage, like the embedding; their
-residuals (``B/(d p)`` rows) stay alive while the pipeline runs.
+The embedding and ``dense_layers`` run on the step's batch under ``jax.vjp``, rows split over
+``pipe`` and the batch axes, so each token's dense blocks run once. The output, cut into
+microbatches, replaces chunk 0's embedding: one all-gather of ``B/d x S/c x E`` over ``pipe``
+per step (d: batch-axis devices, c: context). The VJP turns chunk 0's input gradients into the
+embedding's and dense blocks' gradients, summed once per step. Their weights are whole on
+every stage; their residuals (``B/(d p)`` rows) live while the pipeline runs. More:
+docs/pipelines.md, "Dense first blocks".
 """
 
 from __future__ import annotations
@@ -33,10 +31,9 @@ from jaxpar.parallel.rules import logical_rules
 
 def dense_pre_phase(cfg: Config, graphdef: Any, mesh_shape: dict, platform: str, *,
                      dtype: Any, remat: Remat, split: Callable) -> Callable:
-    """DeepSeek's dense first blocks, run before the stages: ``(params, buffers, batch) ->
-    (x0, backward)``, chunk 0's inputs (microbatched by ``split``) and the map from their
-    gradient to the embedding's and ``dense_layers``' gradients. The batch rows are split over
-    pipe as well, so that the pipe devices share this work rather than each repeat it."""
+    """``(params, buffers, batch) -> (x0, backward)``: chunk 0's inputs (microbatched by
+    ``split``), and the map from their gradient to the embedding's and ``dense_layers``'
+    gradients. Rows are split over pipe too, so pipe devices share the work."""
     rules = logical_rules(cfg)
     pre_rules = {k: (*rules[k], PIPE_AXIS) for k in ("batch", "residual_batch")}
     pre_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(

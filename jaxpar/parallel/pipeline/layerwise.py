@@ -1,11 +1,11 @@
 """A pipeline chunk run one layer at a time, and a step's forward and backward in one loop.
 
-Two modes run a slot's chunk as a ``lax.scan`` of one layer under ``jax.vjp`` per iteration:
+Two modes run a slot's chunk as a ``lax.scan`` of one layer under ``jax.vjp``:
 ``parallel.pipeline_fsdp=per_layer`` (each layer gathered as it runs,
 :class:`~jaxpar.parallel.pipeline.per_layer.LayerFsdp`) and ``parallel.pipeline_overlap=true``
-(:func:`layer_forward_backward`: one microbatch's forward beside another's backward, so the
-compiler may hide one's collectives behind the other's matmuls). Why and what it costs:
-docs/pipelines.md, "Forward and backward in one layer loop".
+(:func:`layer_forward_backward`: one microbatch's forward beside another's backward, so one's
+collectives may hide behind the other's matmuls). Why, and the cost: docs/pipelines.md,
+"Forward and backward in one layer loop".
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from jaxpar.parallel.pipeline.stages import Residuals, Stages
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """How a layer-by-layer slot reads one layer's weights and hands back its gradient: gathered
-    and reduce-scattered at once (``fsdp``: per-layer FSDP), or sliced from the stage's prepared
-    weights, its gradient in the stored layout, float32."""
+    """How a layer-by-layer slot reads a layer's weights and returns its gradient: gathered and
+    reduce-scattered at once (``fsdp``), or sliced from the stage's prepared weights; the
+    gradient in the stored layout, float32."""
 
     stages: Stages
     fsdp: LayerFsdp | None = None
@@ -44,7 +44,7 @@ class LayerWeights:
         return jax.tree.map(lambda g: g[0].astype(jnp.float32), self.stages.unprepare(grad))
 
     def leaves(self, stored: Any, const: Any) -> list:
-        """What a layer's VJP holds of its weights (the stash leaves them out)."""
+        """What a layer's VJP holds of its weights (left out of the stash)."""
         return jax.tree.leaves((self.take(stored), {}, _units(const)))
 
 
@@ -89,7 +89,7 @@ def _input_one(lw: LayerWeights, split: SplitBackward, dy: jax.Array, aux_cotang
 
 
 def _stacked_aux(stages: Stages, aux: dict) -> dict:
-    """One row per layer for the layer-stacked statistics, the rest summed over the layers."""
+    """One row per layer for layer-stacked statistics; the rest summed over layers."""
     return {k: a.reshape(-1, *a.shape[2:]) if k in stages.layer_stacked else jnp.sum(a, axis=0)
             for k, a in aux.items()}
 
@@ -100,9 +100,8 @@ def _stacked_aux(stages: Stages, aux: dict) -> dict:
 
 def layer_forward(lw: LayerWeights, residuals: Residuals, shared: dict, chunk: Any, consts: Any,
                   x: jax.Array, mb: dict) -> tuple[tuple[jax.Array, dict], list]:
-    """A chunk's layers on ``x``, one at a time: ((y, aux), stashable residuals
-    ``[layers, ...]``). ``chunk``: the chunk's layers as :class:`LayerWeights` reads them;
-    ``residuals`` splits a VJP into what waits in the stash."""
+    """A chunk's layers on ``x`` one at a time -> ((y, aux), stashable residuals
+    ``[layers, ...]``). ``residuals`` splits a VJP into what waits in the stash."""
     def one(x: jax.Array, xs: tuple) -> tuple:
         return _forward_one(lw, residuals, shared, mb, x, *xs)
 
@@ -111,25 +110,23 @@ def layer_forward(lw: LayerWeights, residuals: Residuals, shared: dict, chunk: A
 
 
 def added(sums: Any, on: jax.Array, at: Any, grads: Any) -> Any:
-    """``sums`` (float32, ``[chunks, layers, ...]``) with ``grads`` added at index ``at`` where
-    ``on``."""
+    """``sums`` (float32, ``[chunks, layers, ...]``) plus ``grads`` at ``at`` where ``on``."""
     return jax.tree.map(
         lambda acc, g: acc.at[at].add(jnp.where(on, g, jnp.zeros_like(g)).astype(acc.dtype)),
         sums, grads)
 
 
 def _rows(chunk: Any) -> jax.Array:
-    """0 .. the chunk's layers - 1: which row of the sums a layer loop's iteration adds to."""
+    """0 .. chunk layers - 1: the sums' row each loop iteration adds to."""
     return jnp.arange(jax.tree.leaves(chunk)[0].shape[0])
 
 
 def layer_backward(lw: LayerWeights, residuals: Residuals, chunk: Any, consts: Any,
                    stashed: list, dy: jax.Array, aux_cotangent: jax.Array, sums: Any,
                    j: jax.Array, on: jax.Array) -> tuple[Any, jax.Array]:
-    """(``sums`` with chunk ``j``'s weight gradients added where ``on``; input gradient), the
-    layers in reverse, from :func:`layer_forward`'s stashed residuals. Each layer's gradient goes
-    into the sums inside the loop: stacked and added after, it would hold a second buffer the
-    size of the sums (docs/pipelines.md, "FSDP layer by layer")."""
+    """(``sums`` plus chunk ``j``'s weight gradients where ``on``; input gradient), layers in
+    reverse from the stashed residuals. Gradients are added inside the loop, avoiding a second
+    sums-sized buffer (docs/pipelines.md, "FSDP layer by layer")."""
     def one(carry: tuple, xs: tuple) -> tuple:
         dy, sums = carry
         row, *layer = xs
@@ -144,8 +141,7 @@ def layer_backward(lw: LayerWeights, residuals: Residuals, chunk: Any, consts: A
 def layer_backward_input(lw: LayerWeights, split: SplitBackward, chunk: Any, consts: Any,
                          stashed: list, dy: jax.Array, aux_cotangent: jax.Array,
                          ) -> tuple[jax.Array, list]:
-    """An I, layer by layer in reverse: the input gradient, and what each layer's W needs stacked
-    ``[layers, ...]``. No weight gradient exists yet."""
+    """An I, layers in reverse: the input gradient, and what each W needs ``[layers, ...]``."""
     def one(dy: jax.Array, xs: tuple) -> tuple:
         return _input_one(lw, split, dy, aux_cotangent, *xs)
 
@@ -155,9 +151,8 @@ def layer_backward_input(lw: LayerWeights, split: SplitBackward, chunk: Any, con
 def layer_backward_weights(lw: LayerWeights, split: SplitBackward, chunk: Any, consts: Any,
                            stashed: list, crossing: list, sums: Any, j: jax.Array,
                            on: jax.Array) -> Any:
-    """A W, layer by layer: ``sums`` with each layer's weight gradients added where ``on``. With
-    FSDP a layer is gathered again only where its weight gradients read its weights (a LoRA
-    adapter's)."""
+    """A W, layer by layer: ``sums`` plus each layer's weight gradients where ``on``. Under FSDP
+    a layer is gathered again only where its W reads its weights (LoRA)."""
     reads_weights = any(split.primal_reads[len(stashed):])
 
     def one(sums: Any, xs: tuple) -> tuple:
@@ -177,11 +172,10 @@ def layer_backward_weights(lw: LayerWeights, split: SplitBackward, chunk: Any, c
 def layer_forward_backward(lw: LayerWeights, residuals: Residuals, split: SplitBackward | None,
                            shared: dict, forward: tuple, x: jax.Array, mb: dict,
                            backward: tuple, dy: jax.Array, aux_cotangent: jax.Array) -> tuple:
-    """A step's forward and backward slots in one loop: iteration ``k`` runs layer ``k`` of the
-    forward's chunk and layer ``L-1-k`` of the backward's (``split``: an I). ``forward``:
-    (layers, consts); ``backward``: (layers, consts, stashed residuals). Returns ((y, aux),
-    residuals to stash, the backward's weight gradients or what its W needs ``[layers, ...]``,
-    dx)."""
+    """A step's forward and backward slots in one loop: iteration ``k`` runs forward layer ``k``
+    and backward layer ``L-1-k`` (``split``: an I). ``forward``: (layers, consts); ``backward``:
+    (layers, consts, residuals). Returns ((y, aux), residuals to stash, weight gradients or what
+    the W needs ``[layers, ...]``, dx)."""
     def one(carry: tuple, xs: tuple) -> tuple:
         x, dy = carry
         forward_layer, backward_layer = xs
@@ -198,9 +192,9 @@ def layer_forward_backward(lw: LayerWeights, residuals: Residuals, split: SplitB
 
 def layer_split(lw: LayerWeights, residuals: Residuals, chunk: tuple, res_shapes: list,
                 dy: jax.ShapeDtypeStruct, aux: jax.ShapeDtypeStruct) -> SplitBackward:
-    """One layer's backward cut into I and W, traced on abstract values: one layer's residuals
-    (``res_shapes`` without their layer dimension), its weights, and the output and aux
-    cotangents for I. ``chunk``: a chunk's (layers as read, frozen, consts)."""
+    """One layer's backward cut into I and W, traced on abstract values (residuals without the
+    layer dim, weights, output and aux cotangents). ``chunk``: (layers as read, frozen,
+    consts)."""
     stored, _, consts = chunk
     weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in jax.eval_shape(
         lambda s, c: lw.leaves(jax.tree.map(lambda a: a[0], s), jax.tree.map(

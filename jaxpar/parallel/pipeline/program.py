@@ -1,11 +1,10 @@
 """The pipeline's schedule compiled for the executor: per (step, stage) integers, by stretch.
 
-:func:`compile_program` walks a schedule's steps (:mod:`jaxpar.parallel.pipeline.schedules`) and
-writes, for every step and stage, what the executor (:mod:`jaxpar.parallel.pipeline.executor`)
-reads: which microbatch and chunk each slot runs, which stash slot it reads and writes, and where
-what arrives at the end of the step is kept. Slots come from per-stage free lists, lowest first, so
-a stash holds exactly the schedule's peak in flight (plus one spare slot that masked writes go to).
-Consecutive steps of one kind form a *stretch*, which the executor runs as one scan.
+:func:`compile_program` writes, for every step and stage, what the executor reads: each slot's
+microbatch and chunk, the stash slots it reads and writes, and where arrivals are kept. Slots
+come from per-stage free lists, lowest first, so a stash holds exactly the schedule's peak in
+flight (plus one spare for masked writes). Consecutive steps of one kind form a *stretch*,
+run as one scan.
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ class _Slots:
 
 @dataclass(frozen=True)
 class Stretch:
-    """Consecutive steps that repeat one pattern of kinds: ``fields[name]`` is int32
-    ``[repeats, len(pattern), stages]``, run by the executor as one scan over the repeats."""
+    """Consecutive steps repeating one pattern of kinds: ``fields[name]`` is int32
+    ``[repeats, len(pattern), stages]``, one scan over the repeats."""
 
     pattern: tuple[tuple[str, ...], ...]
     fields: dict[str, np.ndarray]
@@ -85,8 +84,8 @@ class Stretch:
 
 @dataclass(frozen=True)
 class Program:
-    """A schedule compiled for the executor: its stretches and the size of each stash (the
-    spare slot that masked writes go to is index ``size``)."""
+    """A compiled schedule: its stretches and each stash's size (the spare slot is index
+    ``size``)."""
 
     stretches: tuple[Stretch, ...]
     act_slots: int  # activations that arrived and wait for their forward
@@ -105,8 +104,8 @@ class Program:
 
 
 def executed_kinds(step: Step) -> tuple[str, ...]:
-    """The slots the executor runs for ``step``: its kinds, except that an I and a W of the same
-    (microbatch, chunk) on every stage run as one B."""
+    """The slots run for ``step``: its kinds, but an I and a W of the same (microbatch, chunk) on
+    every stage run as one B."""
     if "I" in step.kinds and "W" in step.kinds and all(
             (a.get("I") is None) == (a.get("W") is None)
             and (a.get("I") is None or a["I"].mb == a["W"].mb and a["I"].chunk == a["W"].chunk)
@@ -116,8 +115,7 @@ def executed_kinds(step: Step) -> tuple[str, ...]:
 
 
 def step_kind(step: Step, n_chunks: int) -> tuple[str, ...]:
-    """What the executor's step runs: :func:`executed_kinds`, plus ``H`` (the head and loss)
-    when a stage's forward is the last chunk."""
+    """:func:`executed_kinds`, plus ``H`` (head and loss) when a forward is the last chunk."""
     head = any((a := slots.get("F")) is not None and a.chunk == n_chunks - 1
                for slots in step.actions)
     return executed_kinds(step) + (("H",) if head else ())
@@ -176,8 +174,8 @@ def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
 
 def _arrival_field(pools: dict, pool: _Slots, sender: int, receiver: int,
                    placement: Placement) -> str:
-    """The field naming where a send arrives: on the ring activations go on and gradients back
-    (``recv_act``, ``recv_grad``); in the V either may go either way, or stay."""
+    """The field for where a send arrives: on the ring activations go on, gradients back
+    (``recv_act``, ``recv_grad``); in the V either way, or stay."""
     name = "act" if pool is pools["act"] else "grad"
     if placement == "ring":
         return f"recv_{name}"
@@ -189,9 +187,9 @@ def _arrival_field(pools: dict, pool: _Slots, sender: int, receiver: int,
 
 def compile_program(steps: Sequence[Step], p: int, v: int = 1,
                     placement: Placement = "ring") -> Program:
-    """The arrays the executor indexes, step by step, grouped into stretches. A slot read in a
-    step is freed at its end, and what arrives takes the lowest free slot on its receiver;
-    residual slots are taken before any are freed, so none is overwritten while read."""
+    """The arrays the executor indexes, grouped into stretches. A slot read in a step is freed at
+    its end; arrivals take the receiver's lowest free slot. Residual slots are taken before any
+    are freed, so none is overwritten while read."""
     n_chunks = v * p
     f = {name: np.full((len(steps), p), -1, np.int32) for name in FIELDS}
     for name in ("f_on", "f_first", "b_on", "b_first", "w_on", "head_on", "head_last",
@@ -227,8 +225,8 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1,
 
 
 def _stretches(kinds: Sequence[tuple], longest: int = 8) -> list[tuple[int, int, int]]:
-    """Cut the steps' kinds into stretches ``(start, period, repeats)``: the cut whose patterns
-    hold the fewest steps (step bodies to compile), then the fewest stretches."""
+    """Cut the steps' kinds into stretches ``(start, period, repeats)``: fewest steps in the
+    patterns (bodies to compile), then fewest stretches."""
     n = len(kinds)
     best: list[tuple[int, int, tuple | None]] = [(0, 0, None)] * (n + 1)  # cost from i on
     for i in range(n - 1, -1, -1):
@@ -260,10 +258,10 @@ def _stretch_name(stretch: Stretch) -> str:
 
 def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1, overlap: bool = False,
              ) -> dict[str, Any]:
-    """What ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report about a run's
-    schedule: ticks, bubble, the executed-work factor and the busiest stage's stash sizes.
-    ``accum`` micro-steps of ``m`` microbatches run as one schedule of ``accum x m``; ``overlap``
-    turns the last chunk round a step later."""
+    """A run's schedule as ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report
+    it: ticks, bubble, executed-work factor, the busiest stage's stash sizes. ``accum`` micro-steps
+    of ``m`` microbatches run as one schedule of ``accum x m``; ``overlap`` turns the last chunk a
+    step later."""
     steps = schedule_steps(name, p, accum * m, v, overlap)
     table = table_of(steps)
     program = compile_program(steps, p, v, placement_of(name))
@@ -286,14 +284,13 @@ def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1, overlap: boo
 
 
 def _once(program: Program) -> list[bool]:
-    """Per step, whether its stretch runs once: a loop the compiler unrolls, whose fields it
-    sees as constants."""
+    """Per step, whether its stretch runs once (unrolled, fields constant to the compiler)."""
     return [once for s in program.stretches for once in [len(s.fields["f_on"]) == 1] * s.steps]
 
 
 def _embedding_steps(steps: Sequence[Step], program: Program) -> dict[str, int]:
-    """Steps whose embedding and chunk-0 input gradient the compiled program keeps: all but those
-    of a stretch that runs once where no stage's forward (or backward) is the first chunk's."""
+    """Steps whose embedding and chunk-0 input gradient the program keeps: all but a once-run
+    stretch's where no forward (or backward) is the first chunk's."""
     once = _once(program)
 
     def kept(t: int, kinds: tuple[str, ...]) -> bool:
@@ -305,9 +302,9 @@ def _embedding_steps(steps: Sequence[Step], program: Program) -> dict[str, int]:
 
 
 def compiled_sends(program: Program) -> int:
-    """The ``ppermute``s over ``pipe`` a compiled step executes: one a direction per step for its
-    slots, less the sends the compiler drops as dead (the last step's, where its stretch runs
-    once). Checked against XLA:CPU's programs: exact but for DualPipe-V (within 6%)."""
+    """The ``ppermute``s over ``pipe`` a compiled step runs: one a direction per step, less those
+    the compiler drops as dead (a once-run stretch's last step). Exact against XLA:CPU's
+    programs but for DualPipe-V (within 6%)."""
     ways = 2 if program.placement == "v" else 1
     kinds, once = program.step_kinds(), _once(program)
     total = 0

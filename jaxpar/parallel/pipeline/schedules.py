@@ -1,10 +1,10 @@
 """Pipeline schedules: which stage does what, step by step, as pure Python data.
 
 A schedule is each stage's *order* of forward ``F`` and backward ``B`` actions (or ``B``'s
-halves, ``I`` and ``W``) on (microbatch, chunk) pairs. :func:`as_soon_as_possible` times the
-orders into executor steps, whose ticks form the *table* ``jaxpar schedule`` prints: one
-:class:`Action` or ``None`` (masked) per stage and tick. The terms, the timing rules and each
-schedule's bubble: docs/pipelines.md, "The schedule table".
+halves ``I`` and ``W``) on (microbatch, chunk) pairs. :func:`as_soon_as_possible` times the
+orders into executor steps; their ticks form the *table* ``jaxpar schedule`` prints (an
+:class:`Action` or ``None``, masked, per stage and tick). Terms, timing rules, bubbles:
+docs/pipelines.md, "The schedule table".
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ TICKS: dict[str, int] = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work: forward ``F``, full backward ``B``, or its halves ``I`` (input gradient)
-    and ``W`` (weight gradient), of microbatch ``mb`` through model chunk ``chunk``."""
+    """Forward ``F``, full backward ``B``, or its halves ``I`` (input gradient) and ``W`` (weight
+    gradient), of microbatch ``mb`` through chunk ``chunk``."""
 
     kind: Kind
     mb: int
@@ -49,9 +49,9 @@ Placement = Literal["ring", "v"]
 
 
 def stage_of(chunk: int, p: int, placement: Placement = "ring") -> int:
-    """The device along ``pipe`` that holds ``chunk``: chunks go round the ring (s, s+p, ...), or
-    down and back up the V for ``dualpipe_v`` (device ``d`` holds ``d`` and ``2p-1-d``). Either way
-    a chunk is its device's ``chunk // p``-th."""
+    """The ``pipe`` device holding ``chunk``: round the ring (s, s+p, ...), or down and back up
+    the V for ``dualpipe_v`` (device ``d`` holds ``d`` and ``2p-1-d``). Either way it is its
+    device's ``chunk // p``-th chunk."""
     if placement == "v":
         return chunk if chunk < p else 2 * p - 1 - chunk
     return chunk % p
@@ -62,7 +62,7 @@ PLACEMENTS: dict[str, Placement] = {"dualpipe_v": "v"}
 
 
 def placement_of(name: str) -> Placement:
-    """How ``parallel.pipeline_schedule=name`` places its chunks on the devices."""
+    """How schedule ``name`` places its chunks on the devices."""
     return PLACEMENTS.get(name, "ring")
 
 
@@ -103,8 +103,8 @@ SLOT_ORDER = ("F", "B", "I", "W")  # the order a step runs its slots in (B and I
 
 @dataclass(frozen=True)
 class Step:
-    """One executor step: the slot kinds every stage runs (in :data:`SLOT_ORDER`), and per stage the
-    action in each slot (a missing kind: that stage's slot is masked)."""
+    """One executor step: the slot kinds every stage runs (in :data:`SLOT_ORDER`), and each
+    stage's action per slot (missing: masked)."""
 
     kinds: tuple[str, ...]
     actions: tuple[dict[str, Action], ...]
@@ -116,9 +116,9 @@ class Step:
 
 def _ready_for(a: Action, s: int, step: int, ready: dict, made_here: dict, n_chunks: int,
                overlap: bool = False) -> bool:
-    """Whether everything ``a`` needs exists when stage ``s`` reaches it at ``step``: made on an
-    earlier step, or earlier in this step by this stage in a slot that runs first (with ``overlap``,
-    not by the same step's forward)."""
+    """Whether all ``a`` needs exists when stage ``s`` reaches it at ``step``: made earlier, or
+    earlier this step by this stage in a prior slot (with ``overlap``, not by this step's
+    forward)."""
     for _, key in needs(a, n_chunks):
         if key in ready and ready[key] < step:
             continue
@@ -134,9 +134,9 @@ def time_steps(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = F
                ) -> list[Step]:
     """Time per-stage orders as executor steps (:func:`as_soon_as_possible`'s rule).
 
-    ``orders[s]`` is stage ``s``'s list; ``v`` is the chunks per stage. With ``overlap``
-    (``parallel.pipeline_overlap``) a step's forward and backward run in one layer loop, so the last
-    chunk's backward comes the step after its forward. Raises ValueError if the orders deadlock.
+    ``orders[s]``: stage ``s``'s list; ``v``: chunks per stage. With ``overlap``
+    (``parallel.pipeline_overlap``) forward and backward share one layer loop, so the last chunk's
+    backward comes the step after its forward. ValueError if the orders deadlock.
     """
     p = len(orders)
     n_chunks = v * p
@@ -175,8 +175,8 @@ def time_steps(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = F
 
 
 def table_of(steps: Sequence[Step]) -> Table:
-    """The steps laid out in ticks, each slot as many as its kind costs, ``None`` where a stage's
-    slot is masked: the executed timeline."""
+    """The steps laid out in ticks (each slot as many as its kind costs, ``None`` where masked):
+    the executed timeline."""
     p = len(steps[0].actions) if steps else 0
     table: Table = []
     for step in steps:
@@ -201,8 +201,8 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
 
 
 def gpipe(p: int, m: int) -> Table:
-    """GPipe: every stage runs all ``m`` forwards, then all ``m`` backwards. Bubble (p-1)/(m+p-1);
-    every stage holds all ``m`` microbatches at the turn."""
+    """GPipe: all ``m`` forwards, then all ``m`` backwards. Bubble (p-1)/(m+p-1); every stage
+    holds all ``m`` microbatches at the turn."""
     _check_sizes(p, m)
     return as_soon_as_possible(_gpipe_orders(p, m))
 
@@ -214,12 +214,11 @@ def _gpipe_orders(p: int, m: int) -> list[list[Action]]:
 
 def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False, lag: int = 0,
                         ) -> list[list[Action]]:
-    """Per-stage orders of 1F1B, as one loop over x = 0 .. m+2(p-1)-1.
+    """1F1B's per-stage orders, one loop over x = 0 .. m+2(p-1)-1.
 
-    At x stage s runs F(x), then the backward of microbatch x-2(p-1-s): it runs 2(p-1-s) forwards
-    ahead (warm-up), and the x past m are the cool-down. With ``split_backward`` that backward is
-    its I alone (:func:`defer_weight_grads` places the W's). ``lag`` more steps in the round trip
-    (``parallel.pipeline_overlap``) mean ``lag`` more forwards ahead.
+    At x stage s runs F(x), then the backward of microbatch x-2(p-1-s): 2(p-1-s) forwards ahead
+    (warm-up); x past m is the cool-down. ``split_backward``: that backward is its I alone.
+    ``lag`` more steps in the round trip mean ``lag`` more forwards ahead.
     """
     orders = []
     for s in range(p):
@@ -234,18 +233,17 @@ def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False, lag: int =
 
 
 def one_f_one_b(p: int, m: int) -> Table:
-    """1F1B (PipeDream-flush, Megatron's default): warm up with ``p-1-s`` forwards on stage ``s``,
-    alternate one forward and one backward, then cool down. GPipe's bubble, but stage ``s`` holds at
+    """1F1B (PipeDream-flush, Megatron's default): ``p-1-s`` warm-up forwards on stage ``s``,
+    then alternate forward and backward, then cool down. GPipe's bubble, but stage ``s`` holds at
     most ``2(p-1-s) + 1`` microbatches (GPipe: ``m``)."""
     _check_sizes(p, m)
     return as_soon_as_possible(_one_f_one_b_orders(p, m, split_backward=False))
 
 
 def interleaved(p: int, m: int, v: int) -> Table:
-    """Megatron's interleaved 1F1B: ``v`` chunks per stage, stage ``s`` holding chunks
-    ``s, s+p, ..., s+(v-1)p``; ``m`` must be divisible by ``p``. Microbatches go in groups of ``p``,
-    each group through a stage's chunks in turn. Bubble (p-1)/(v m + p-1); the derivation:
-    docs/pipelines.md, "How a schedule becomes a table"."""
+    """Megatron's interleaved 1F1B: stage ``s`` holds chunks ``s, s+p, ..., s+(v-1)p``; ``p``
+    must divide ``m``. Groups of ``p`` microbatches pass a stage's chunks in turn. Bubble
+    (p-1)/(v m + p-1): docs/pipelines.md, "How a schedule becomes a table"."""
     return as_soon_as_possible(_interleaved_orders(p, m, v), v)
 
 
@@ -275,13 +273,12 @@ def _interleaved_orders(p: int, m: int, v: int, split_backward: bool = False, la
 
 
 def zero_bubble(p: int, m: int, v: int = 1) -> Table:
-    """Zero bubble in lockstep (after Qi et al., 2024): 1F1B (``v = 1``) or interleaved 1F1B
-    (``v > 1``) with every backward split into ``I`` and ``W``, each W deferred by
-    :func:`defer_weight_grads`.
+    """Zero bubble in lockstep (after Qi et al., 2024): 1F1B (``v = 1``) or interleaved
+    (``v > 1``), every backward split into ``I`` and ``W``, the W's deferred.
 
-    The steps between warm-up and steady state then run F + I (2 ticks) instead of F + B (3), and
-    each W fills a step no stage idles in. Why that is the least uniform steps can take, and what
-    each stage holds: docs/pipelines.md, "Zero bubble: I and W apart, nothing recomputed".
+    Middle steps run F + I (2 ticks), not F + B (3); each W fills an otherwise idle step. Why
+    that is optimal for uniform steps, and memory: docs/pipelines.md, "Zero bubble: I and W apart,
+    nothing recomputed".
     """
     orders = (_one_f_one_b_orders(p, m, split_backward=True) if v == 1
               else _interleaved_orders(p, m, v, split_backward=True))
@@ -289,9 +286,9 @@ def zero_bubble(p: int, m: int, v: int = 1) -> Table:
 
 
 def defer_weight_grads(steps: Sequence[Step]) -> list[Step]:
-    """``steps`` whose backwards are I's alone, with each stage's k-th W put in the step where the
-    last stage to reach its k-th I runs it: every W slot is then busy on every stage. Raises
-    ValueError if the stages run different numbers of I's."""
+    """``steps`` (backwards I's alone) with each stage's k-th W in the step where the last stage
+    to reach its k-th I runs it, so every W slot is busy. ValueError if stages run different
+    numbers of I's."""
     steps = list(steps)
     p = len(steps[0].actions) if steps else 0
     inputs = [[(t, step.actions[s]["I"]) for t, step in enumerate(steps)
@@ -311,15 +308,12 @@ def defer_weight_grads(steps: Sequence[Step]) -> list[Step]:
 
 
 def dualpipe_v(p: int, m: int) -> Table:
-    """DualPipe-V (DeepSeek-V3) in lockstep: the V placement (two chunks a device, the loss on the
-    first), I and W apart with zero bubble's deferred W's, and steady steps that run one
-    microbatch's forward beside another's I.
+    """DualPipe-V (DeepSeek-V3) in lockstep: the V placement (two chunks a device, loss on the
+    first), deferred W's, steady steps running one microbatch's forward beside another's I.
 
-    The order is found, not transcribed. At every step each stage runs the ready I of the earliest
-    microbatch (deeper chunk first) and the ready forward of the earliest microbatch, while it holds
-    fewer than ``cap`` chunks between forward and I; the least ``cap`` that reaches the fewest ticks
-    is kept (:func:`_dualpipe_v_steps`). Bubble, memory and why: docs/pipelines.md, "DualPipe-V in
-    one program".
+    The order is searched: each step a stage runs the earliest ready I (deeper chunk first) and
+    the earliest ready forward while under ``cap`` chunks in flight; the least ``cap`` reaching
+    the fewest ticks wins. Bubble, memory, why: docs/pipelines.md, "DualPipe-V in one program".
     """
     return table_of(_dualpipe_v_steps(p, m))
 
@@ -341,8 +335,8 @@ def _dualpipe_v_steps(p: int, m: int, lag: int = 0) -> list[Step]:
 
 
 def _v_greedy(p: int, m: int, cap: int, lag: int = 0) -> list[Step] | None:
-    """DualPipe-V's forwards and I's, step by step; None if the stages stall (``cap`` too small).
-    The loss's I comes ``lag`` steps after its forward."""
+    """DualPipe-V's forwards and I's per step; None if stages stall (``cap`` too small). The
+    loss's I comes ``lag`` steps after its forward."""
     last = 2 * p - 1
     ready: list[dict[Action, int]] = [{} for _ in range(p)]  # stage -> action -> first step
     held, entered, left = [0] * p, 0, 2 * p * m
@@ -389,9 +383,8 @@ SCHEDULES: dict[str, Callable[..., Table]] = {
 
 def schedule_orders(name: str, p: int, m: int, v: int = 1, overlap: bool = False,
                     ) -> list[list[Action]]:
-    """Each stage's order for ``parallel.pipeline_schedule=name`` (``v``: virtual stages;
-    ``overlap``: ``parallel.pipeline_overlap``). Zero bubble's are I's: its W's are placed after the
-    timing."""
+    """Each stage's order for schedule ``name`` (``v``: virtual stages; ``overlap``:
+    ``parallel.pipeline_overlap``). Zero bubble's are I's; its W's are placed after timing."""
     if name not in SCHEDULES:
         raise ValueError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
     lag = 1 if overlap else 0
@@ -413,8 +406,7 @@ def schedule_orders(name: str, p: int, m: int, v: int = 1, overlap: bool = False
 
 
 def schedule_steps(name: str, p: int, m: int, v: int = 1, overlap: bool = False) -> list[Step]:
-    """The executor's steps for ``parallel.pipeline_schedule=name`` (``overlap``:
-    :func:`time_steps`)."""
+    """The executor's steps for schedule ``name``."""
     if name == "dualpipe_v":
         schedule_orders(name, p, m, v)  # checks v
         return list(_dualpipe_v_steps(p, m, 1 if overlap else 0))
@@ -423,15 +415,14 @@ def schedule_steps(name: str, p: int, m: int, v: int = 1, overlap: bool = False)
 
 
 def schedule_table(name: str, p: int, m: int, v: int = 1, overlap: bool = False) -> Table:
-    """The executed timeline (ticks x stages) for ``parallel.pipeline_schedule=name``."""
+    """The executed timeline (ticks x stages) for schedule ``name``."""
     return table_of(schedule_steps(name, p, m, v, overlap))
 
 
 def stage_layer_order(n_layers: int, p: int, v: int, placement: Placement = "ring",
                       ) -> list[int]:
-    """Which model layer each stored layer is, so that device ``s``'s contiguous stored layers are
-    its chunks in order (:func:`stage_of`). The identity for ``v = 1``; for ``v > 1`` it lets each
-    device read its chunks without any parameter crossing ``pipe``."""
+    """Model layer of each stored layer, so device ``s``'s contiguous stored layers are its
+    chunks in order. Identity for ``v = 1``; for ``v > 1`` no parameter crosses ``pipe``."""
     per_chunk = n_layers // (p * v)
     chunks = {stage_of(c, p, placement) * v + c // p: c for c in range(p * v)}
     return [chunks[i] * per_chunk + k for i in range(p * v) for k in range(per_chunk)]

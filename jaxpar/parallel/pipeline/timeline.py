@@ -1,9 +1,7 @@
-"""Reading a schedule's executed timeline: a *table* of ticks x stages (each entry an
-:class:`~jaxpar.parallel.pipeline.schedules.Action` or ``None``, a masked slot), what it costs
+"""Reading an executed timeline: a *table* of ticks x stages (an
+:class:`~jaxpar.parallel.pipeline.schedules.Action` or ``None``, masked, each), its cost
 (:func:`bubble_fraction`), what a stage holds (:func:`peak_in_flight`,
-:func:`peak_weight_stash`), how it prints (:func:`render`), and whether it is a possible
-schedule at all (:func:`validate`). The tables come from
-:mod:`jaxpar.parallel.pipeline.schedules`."""
+:func:`peak_weight_stash`), printing (:func:`render`), and :func:`validate`."""
 
 from __future__ import annotations
 
@@ -47,7 +45,7 @@ def _width(table: Sequence[Tick]) -> int:
 
 
 def _runs(table: Sequence[Tick]) -> list[_Run]:
-    """Each stage's consecutive equal entries merged into one run, all sorted by start tick."""
+    """Each stage's consecutive equal entries as one run, sorted by start tick."""
     p = _width(table)
     runs = []
     for s in range(p):
@@ -71,8 +69,8 @@ def bubble_fraction(table: Sequence[Tick]) -> Fraction:
 
 
 def peak_in_flight(table: Sequence[Tick]) -> tuple[int, ...]:
-    """Per stage, the most (microbatch, chunk) pairs whose forward has started but whose
-    backward (B, or W for a split backward) has not finished: the activations it must hold."""
+    """Per stage, the most (microbatch, chunk) pairs with forward started and backward (B, or W)
+    not finished: the activations it holds."""
     p = _width(table)
     held = [0] * p
     peak = [0] * p
@@ -86,9 +84,8 @@ def peak_in_flight(table: Sequence[Tick]) -> tuple[int, ...]:
 
 
 def peak_weight_stash(table: Sequence[Tick]) -> tuple[int, ...]:
-    """Per stage, the most (microbatch, chunk) pairs whose I has finished but whose W has not
-    started: what waits in the W stash (:mod:`jaxpar.parallel.pipeline.backward_split`). A W
-    in the step of its own I (and a fused B) holds none."""
+    """Per stage, the most pairs with I finished and W not started (the W stash). A W in its own
+    I's step, or a B, holds none."""
     p = _width(table)
     done: dict[tuple[int, int, int], int] = {}
     for run in _runs(table):
@@ -103,9 +100,9 @@ def peak_weight_stash(table: Sequence[Tick]) -> tuple[int, ...]:
 
 
 def render(table: Sequence[Tick]) -> str:
-    """One text row per stage, one column per tick: ``F3`` = forward of microbatch 3, ``.`` =
-    idle; a B shows in both its ticks. When stages hold several chunks a letter names which
-    (``F3a`` on stage s = chunk s, ``F3b`` = chunk s+p, ...)."""
+    """One row per stage, one column per tick: ``F3`` = forward of microbatch 3, ``.`` = idle; a B
+    shows in both ticks. With several chunks a letter names it (``F3a`` = chunk s, ``F3b`` =
+    s+p, ...)."""
     p = _width(table)
     several = any(cell is not None and cell.chunk >= p for tick in table for cell in tick)
 
@@ -131,14 +128,12 @@ def render(table: Sequence[Tick]) -> str:
 
 def validate(table: Sequence[Tick], p: int, m: int, v: int = 1,
              placement: Placement = "ring") -> None:
-    """Raise ValueError naming the first thing that makes ``table`` an impossible schedule.
+    """Raise ValueError naming the first thing that makes ``table`` impossible.
 
-    Checked in this order, each in tick order: the shape (``p`` entries per tick, one action or
-    None each, so no stage does two things at once); each run of an action lasts its ticks, on
-    the stage that holds its chunk, with ``mb`` and ``chunk`` in range; every (mb, chunk) has
-    exactly one F and exactly one backward (a B, or an I and a W); and nothing starts before
-    what it needs has finished on an earlier tick (F after the previous chunk's F, B/I after
-    their own F and the next chunk's B/I, W after its I).
+    In order, each in tick order: the shape (``p`` entries per tick, an action or None); each
+    action lasts its ticks on its chunk's stage, ``mb`` and ``chunk`` in range; each (mb, chunk)
+    has one F and one backward (B, or I and W); nothing starts before what it needs finished (F
+    after the previous chunk's F, B/I after their F and the next chunk's B/I, W after its I).
     """
     if table and len(table[0]) != p:
         raise ValueError(f"tick 0 has {len(table[0])} entries, expected one per stage (p={p})")
