@@ -1,9 +1,7 @@
 """Causal grouped-query attention in plain JAX: dense, and blockwise (flash-style).
 
-Shapes: q ``[B, S, H, D]``, k and v ``[B, S, K, D]`` with ``H = K x G``; query head h reads kv head
-``h // G``. Every implementation reads the mask of :mod:`jaxpar.model.mask`. ``dense`` keeps O(S^2)
-probabilities; ``blockwise`` (FlashAttention-2) keeps the output and log-sum-exp. Ring attention
-reuses the block kernels (:func:`fold_keys`, :func:`unfold_keys`). Fused kernels:
+q ``[B, S, H, D]``, k and v ``[B, S, K, D]``, ``H = K x G``: query head h reads kv head ``h // G``.
+Ring attention reuses the block kernels (:func:`fold_keys`, :func:`unfold_keys`); fused kernels:
 :mod:`jaxpar.model.fused`. The formulas: docs/attention-and-loss.md, "Blockwise attention".
 """
 
@@ -71,8 +69,8 @@ def weighted_values(scores: jax.Array, v: jax.Array) -> jax.Array:
     """``softmax(scores) @ v``: scores ``[B, K, G, S, T]``, v ``[B, T, K, D]`` -> ``[B, S, K, G,
     D]``.
 
-    The probabilities are in ``v``'s dtype. The custom VJP keeps only the float32 probabilities and
-    ``v``, not the exponentials (docs/jax-notes.md, "Residuals as data").
+    Probabilities in ``v``'s dtype; the backward pass keeps them in float32 (docs/memory.md, "Remat
+    policies").
     """
     return _weighted_values_fwd(scores, v)[0]
 
@@ -149,9 +147,7 @@ def backward_block(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, masked: 
 def _by_kind(fn: Callable, state, q_pos, k_pos, count: jax.Array | None = None):
     """``fn(state, masked)`` for a block that is not skipped; a skipped block costs nothing.
 
-    The skip depends on positions and documents, so it is chosen at run time; the branches hold no
-    collective. With ``count`` (int32 scalar): returns ``(state, count)``, counting the blocks
-    computed.
+    Chosen at run time; no collective in the branches. With ``count``: ``(state, blocks computed)``.
     """
     if count is None:
         return lax.switch(block_kind(q_pos, k_pos), [
@@ -177,10 +173,7 @@ def _untile(x: jax.Array) -> jax.Array:
 
 
 def zeros_like(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.Array:
-    """float32 zeros (``shape``, default ``x``'s) varying over ``x``'s manual mesh axes.
-
-    Inside ``shard_map`` an accumulator must be per-device from the start.
-    """
+    """float32 zeros (``shape``, default ``x``'s) varying over ``x``'s manual mesh axes."""
     return lax.full_like(x, 0, jnp.float32, shape)  # full_like keeps x's manual axis types
 
 
@@ -196,10 +189,9 @@ def _tiled(tree, size: int):
 
 def fold_keys(acc: tuple, q, k, v, q_pos: AttentionMask, k_pos: AttentionMask, block: int,
               count: bool = False) -> tuple:
-    """``acc`` (:func:`empty_statistics` of grouped ``q``) after every key of ``k``/``v``.
+    """``acc`` (:func:`empty_statistics`) after every key of ``k``/``v``, ``block`` at a time.
 
-    Queries and keys go ``block`` at a time. ``count``: returns ``(acc, blocks)``, the int32 number
-    of block pairs computed.
+    ``count``: ``(acc, blocks)``, the int32 number of block pairs computed.
     """
     bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
     keys = (_tiles(k, bk), _tiles(v, bk), _tiled(k_pos, bk))
@@ -227,10 +219,9 @@ def fold_keys(acc: tuple, q, k, v, q_pos: AttentionMask, k_pos: AttentionMask, b
 
 
 def unfold_keys(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, block: int) -> tuple:
-    """(dq, dk, dv) float32 plus the gradients of attending grouped ``q`` to ``k``/``v``.
+    """(dq, dk, dv) float32 plus the gradients of grouped ``q`` attending to ``k``/``v``.
 
-    From the forward's ``lse`` and ``delta = rowsum(do * out)``: each key block passes over the
-    query blocks.
+    From the forward's ``lse`` and ``delta = rowsum(do * out)``.
     """
     bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
     dq, dk, dv = grads
@@ -273,20 +264,17 @@ def _blockwise_forward(q, k, v, q_pos, k_pos, block):
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def blockwise(q, k, v, q_pos, k_pos, block: int) -> jax.Array:
-    """Grouped ``q`` [B, Sq, K, G, D] attending to ``k``/``v`` [B, Sk, K, D], ``block`` x ``block``
-    at a time.
+    """Grouped ``q`` [B, Sq, K, G, D] attending to ``k``/``v`` [B, Sk, K, D] in blocks.
 
-    ``q_pos``/``k_pos``: mask descriptions (:class:`AttentionMask`). Keeps O(S) for the backward
-    pass.
+    ``q_pos``/``k_pos``: :class:`AttentionMask`. Keeps O(S) for the backward pass.
     """
     return _blockwise_forward(q, k, v, q_pos, k_pos, block)[0].astype(q.dtype)
 
 
 def whole(fn: Callable, *static: int) -> Callable:
-    """``fn`` under ``jax.checkpoint``, for a custom VJP's forward run inside a scan.
+    """``fn`` under ``jax.checkpoint``: a custom VJP's forward in a scan, kept whole.
 
-    Otherwise JAX stacks its position-only part as O(S^2) residuals (docs/jax-notes.md, "Residuals
-    as data").
+    Why: docs/jax-notes.md, "Residuals as data".
     """
     return jax.checkpoint(fn, static_argnums=static)
 

@@ -1,9 +1,8 @@
 """A key/value cache for autoregressive decoding, and attention over it.
 
-Every attention layer's rotated keys and values go to ``k, v: [layers, B, L, K, D]`` (slot t:
-position t), laid out by :data:`CACHE_AXES` so decoding moves no cache bytes. :mod:`jaxpar.generate`
-sets the attention hook to :meth:`UnitCache.attend`. MLA caches the normed latent and the rope key
-(:data:`LATENT_AXES`). Shapes and bytes: docs/generation.md, "How it works".
+Keys and values go to ``k, v: [layers, B, L, K, D]`` (slot t: position t), laid out by
+:data:`CACHE_AXES`; MLA caches latents (:data:`LATENT_AXES`). :mod:`jaxpar.generate` sets the
+attention hook to :meth:`UnitCache.attend`. Details: docs/generation.md, "How it works".
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ def write(cache: jax.Array, new: jax.Array, positions: jax.Array, axes: tuple = 
           ) -> jax.Array:
     """One layer's cache [B, L, K, D] with ``new`` [B, S, K, D] written at ``positions`` [B, S].
 
-    S > 1 is a prefill: positions must be ``0..S-1`` in every row. S = 1 writes each row at its own
-    position by a select, which keeps every device on its own rows.
+    S > 1 (a prefill) needs positions ``0..S-1`` in every row; S = 1 writes each row at its own.
     """
     new = new.astype(cache.dtype)
     if new.shape[1] > 1:
@@ -76,8 +74,7 @@ def cached_attention(q: jax.Array, positions: Positions, k_cache: jax.Array,
                      v_cache: jax.Array) -> jax.Array:
     """Causal GQA of q [B, S, H, D] at ``positions`` [B, S] over the cache [B, L, K, D].
 
-    ``positions`` may be a mask description with a window and soft cap. A query at p sees slots 0..p
-    (within a window, the last ``window``). Scores and softmax in float32.
+    A query at p sees slots 0..p (and within its window). Scores and softmax in float32.
     """
     b, s, h, d = q.shape
     mask = as_mask(positions)
@@ -97,11 +94,10 @@ def cached_attention(q: jax.Array, positions: Positions, k_cache: jax.Array,
 
 
 class UnitCache:
-    """The cache of one scanned unit of layers during one trace: ``k``/``v`` [blocks, B, L, K, D].
+    """The cache of one scanned unit during one trace: ``k``/``v`` [blocks, B, L, K, D].
 
-    A unit holds ``moe.every`` blocks, else one. :meth:`attend` is the attention hook: the unit's
-    i-th attention layer reads and writes block i; a prefill attends with ``prefill``.
-    :meth:`updated` returns the new slices for the layer scan to stack.
+    :meth:`attend` is the hook: the unit's i-th attention reads and writes block i. :meth:`updated`
+    returns the new slices.
     """
 
     def __init__(self, k: jax.Array, v: jax.Array, prefill: Attention = dense_attention):
@@ -123,10 +119,10 @@ class UnitCache:
 
     def attend_latent(self, mla: Any, q: jax.Array, latent: jax.Array, k_rope: jax.Array,
                       positions: Positions) -> jax.Array:
-        """The hook of :func:`~jaxpar.model.annotate.use_latent_cache`; returns [B, S, H, V].
+        """The hook of :func:`~jaxpar.model.annotate.use_latent_cache`: writes, attends; [B, S, H,
+        V].
 
-        ``mla`` writes its latent [B, S, R] and rope key [B, S, 1, P] into block i (``k`` and
-        ``v``), then attends.
+        Latent [B, S, R] and rope key [B, S, 1, P] go to block i of ``k`` and ``v``.
         """
         i = self._next()
         axes, order = LATENT_AXES[1:], as_mask(positions).order

@@ -1,14 +1,9 @@
 """The one mask description every attention kernel reads: causal order plus documents.
 
-:class:`AttentionMask` says, per token of a packed row, its place in the row (``order``) and its
-document (``segments``). Query q sees key k when::
-
-    segments[q] == segments[k]  and  order[q] >= order[k]
-
-Every field is a ``[B, S]`` int32 array, so the mask is split and rotated exactly as the tokens are.
-A plain ``[B, S]`` array of positions means ``AttentionMask(order=positions)``. :func:`block_kind`
-classifies block pairs at run time as SKIP, FULL or MASKED. The rules: docs/attention-and-loss.md,
-"The mask: causal order and documents" and "Sliding windows and soft-capped scores".
+Query q sees key k when ``segments[q] == segments[k]`` and ``order[q] >= order[k]``. Every field is
+``[B, S]`` int32, so the mask is split like the tokens. A plain positions array means
+``AttentionMask(order=positions)``. The rules: docs/attention-and-loss.md, "The mask: causal order
+and documents" and "Sliding windows and soft-capped scores".
 """
 
 from __future__ import annotations
@@ -30,9 +25,9 @@ UNLIMITED = 2**30  # the window of a global layer: wider than any sequence, no i
 class AttentionMask:
     """Per token of ``[B, S]`` rows: where it is, its document, rope position and window.
 
-    ``segments``: document ids, non-decreasing along ``order`` (None: one document). ``rope``: the
-    rotary position, restarting at each document (None: ``order``). ``window``: keys a query sees
-    back from itself (None: unlimited). ``softcap``: 0 is off.
+    ``segments``: document ids, non-decreasing along ``order`` (None: one). ``rope``: position in
+    its document (None: ``order``). ``window``: keys seen back (None: unlimited). ``softcap`` 0:
+    off.
     """
 
     order: jax.Array
@@ -56,10 +51,7 @@ def as_mask(positions: Positions) -> AttentionMask:
 
 def with_window(positions: Positions, window: jax.Array | int | None, softcap: float = 0.0
                 ) -> AttentionMask:
-    """``positions`` with every query's ``window`` and the scores' ``softcap``.
-
-    ``window``: a scalar, traced or not, broadcast to the tokens; None: unlimited.
-    """
+    """``positions`` with ``window`` (broadcast; None: unlimited) and ``softcap``."""
     mask = as_mask(positions)
     if window is not None:
         window = jnp.broadcast_to(jnp.asarray(window, jnp.int32), mask.order.shape)
@@ -82,10 +74,7 @@ def visible(q: AttentionMask, k: AttentionMask) -> jax.Array:
 
 
 def block_kind(q: Positions, k: Positions) -> jax.Array:
-    """SKIP, FULL or MASKED for a block of queries against a block of keys.
-
-    Numpy or jax, ``[B, n]`` tiles or ``[n]`` rows. A tile is skipped only if every row's pair is.
-    """
+    """SKIP, FULL or MASKED per (query block, key block); ``[B, n]`` tiles or ``[n]`` rows."""
     q, k = as_mask(q), as_mask(k)
     qo, ko = q.order, k.order
     skip = qo.max(-1) < ko.min(-1)
@@ -104,10 +93,7 @@ def block_kind(q: Positions, k: Positions) -> jax.Array:
 
 
 def document_positions(segment_ids: np.ndarray) -> np.ndarray:
-    """int32 ``[n, S]``: each token's index in its document.
-
-    Rows of segment ids in row order, on the host, before any reordering.
-    """
+    """int32 ``[n, S]``: each token's index in its document, from segment ids in row order."""
     segment_ids = np.asarray(segment_ids)
     index = np.broadcast_to(np.arange(segment_ids.shape[-1]), segment_ids.shape)
     starts = np.ones(segment_ids.shape, bool)

@@ -1,10 +1,7 @@
 """The padded vocabulary: the embedding's rows and the head's columns past ``model.vocab_size``.
 
-A layout that splits the vocabulary needs its size to divide;
-:meth:`jaxpar.config.Config.vocab_rows` pads it. The padding ids are no tokens. Their rows hold
-zeros (:func:`padded`). Their logits are ``-inf`` on every logits path (:func:`masked_logits`), so
-the loss, perplexity and generation are the unpadded model's. :func:`fit_vocab` resizes weights to
-another padding. Details: docs/configuration.md, "Padded vocabularies".
+The padding ids are no tokens: zero rows (:func:`padded`), ``-inf`` logits (:func:`masked_logits`).
+:func:`fit_vocab` resizes to another padding. Details: docs/configuration.md, "Padded vocabularies".
 """
 
 from __future__ import annotations
@@ -21,11 +18,10 @@ VOCAB_AXIS = {"embedding": 0, "lm_head": 1}
 
 def masked_logits(logits: jax.Array, vocab_size: int | None,
                   ids: jax.Array | None = None) -> jax.Array:
-    """``logits`` [..., columns] with the columns of padding ids (``>= vocab_size``) at ``-inf``.
+    """``logits`` [..., columns] with padding ids' columns (``>= vocab_size``) at ``-inf``.
 
-    ``ids`` [columns]: each column's token id (a pipeline stage's piece of the vocabulary); by
-    default ``0 .. columns - 1``, and then unpadded logits come back untraced. ``vocab_size`` None:
-    no padding.
+    ``ids`` [columns]: each column's id (default ``0 .. columns - 1``). ``vocab_size`` None: no
+    padding.
     """
     if vocab_size is None:
         return logits
@@ -53,10 +49,6 @@ def padded(value: Any, rows: int, axis: int) -> Any:
 
 
 def fit_vocab(params: dict, rows: int) -> dict:
-    """``params`` with the embedding and head (where present) cut or zero-padded to ``rows``.
-
-    ``model.vocab_size`` strips the padding; :meth:`~jaxpar.config.Config.vocab_rows` pads for a
-    layout. Only padding is ever cut.
-    """
+    """``params`` with embedding and head cut or zero-padded to ``rows``; only padding is cut."""
     return {k: resized(v, rows, VOCAB_AXIS[k]) if k in VOCAB_AXIS else v
             for k, v in params.items()}
