@@ -1,3 +1,5 @@
-"""Checkpoints: a run's orbax train state with a checksum per array (:mod:`.state`,
-:mod:`.integrity`), weights-only checkpoints and reading a checkpoint's weights without a mesh
-(:mod:`.weights_only`, :mod:`.weights`: also ``jaxpar export``'s flat format)."""
+"""Checkpoints: a run's orbax train state with a checksum per array, and its weights alone.
+
+:mod:`.state` and :mod:`.integrity` save and verify; :mod:`.weights_only` and :mod:`.weights` read
+weights without a mesh (also ``jaxpar export``'s flat format).
+"""

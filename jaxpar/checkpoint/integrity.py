@@ -1,10 +1,8 @@
 """Checksums of a checkpoint's arrays: recorded at save, verified after every restore.
 
-Orbax keeps no checksum of the values it writes, so flipped bytes would resume a run from
-damaged parameters. Each array gets a 32-bit sum mod 2**32 of its values mixed with their
-global positions, so it does not depend on the sharding: a checkpoint verifies bit for bit
-under any mesh. Why this sum, its price, and several processes: docs/checkpoints.md,
-"Integrity".
+Orbax keeps no checksum, so flipped bytes would resume a run from damaged parameters. Each array
+gets a 32-bit sum of its values mixed with their global positions: it verifies bit for bit under any
+mesh. Why this sum, its price, several processes: docs/checkpoints.md, "Integrity".
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ def _fmix32(h: jax.Array) -> jax.Array:
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """The bit pattern of ``x`` as uint32 words: 1- and 2-byte elements widened, 8-byte elements
-    split into two words along a new last axis."""
+    """The bit pattern of ``x`` as uint32 words (8-byte elements: two words on a new last axis)."""
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
     size = np.dtype(x.dtype).itemsize
@@ -57,7 +54,7 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
 
 
 def array_checksum(x: jax.Array) -> jax.Array:
-    """The uint32 checksum of ``x`` (see the module docstring); traceable, any sharding."""
+    """The uint32 checksum of ``x``; traceable, any sharding."""
     words = _words(x)
     spread = _flat_index(words.shape) * jnp.uint32(_SPREAD)
     return jnp.sum(_fmix32(words ^ spread), dtype=jnp.uint32)
@@ -71,8 +68,10 @@ def _checksum_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
 
 
 def leaf_name(path: tuple) -> str:
-    """A key path as a slash name, the same for the live tree and orbax's metadata tree (which
-    stores named tuples as dicts and tuples as lists): ``params/layers/attn/wq``."""
+    """A key path as a slash name (``params/layers/attn/wq``), for live and orbax metadata trees.
+
+    Orbax's metadata stores named tuples as dicts and tuples as lists; the name is the same.
+    """
     parts = []
     for key in path:
         for attr in ("key", "name", "idx"):
@@ -85,14 +84,15 @@ def leaf_name(path: tuple) -> str:
 
 
 def warm_up(abstract_tree: Any) -> None:
-    """Compile the checksums of trees laid out as ``abstract_tree`` (shapes, dtypes and
-    shardings) now, so that the first save does not wait for it (jit reuses the executable)."""
+    """Compile the checksums of trees laid out as ``abstract_tree`` now, not at the first save."""
     _checksum_leaves.lower(jax.tree.leaves(abstract_tree)).compile()
 
 
 def start(tree: Any) -> dict[str, Any]:
-    """What a save records as its ``checksums`` item, still on device: dispatched, not waited
-    for. Collective over processes, as a save is."""
+    """A save's ``checksums`` item, still on device: dispatched, not waited for.
+
+    Collective over processes, as a save is.
+    """
     named = jax.tree_util.tree_flatten_with_path(tree)[0]
     sums = _checksum_leaves([leaf for _, leaf in named])
     return {"algorithm": ALGORITHM,
@@ -112,9 +112,10 @@ def checksums(tree: Any) -> dict[str, int]:
 
 
 class ChecksumHandler(ocp.JsonCheckpointHandler):
-    """The ``checksums`` item: JSON like orbax's, saved from :func:`start`'s device scalars,
-    fetched in orbax's background thread with the array writes. The primary process writes it;
-    orbax commits it with the arrays."""
+    """The ``checksums`` item: JSON fetched from :func:`start`'s scalars in orbax's thread.
+
+    The primary process writes it; orbax commits it with the arrays.
+    """
 
     async def async_save(self, directory: Any, item: Any = None,
                          args: Any = None) -> list[ocp.future.Future]:
@@ -142,14 +143,12 @@ class ChecksumRestore(ocp.args.CheckpointArgs):
 
 
 def restore_args(step_dir: Path) -> dict[str, Any]:
-    """The ``checksums`` item to restore from ``step_dir``, if it has one (checkpoints saved
-    before jaxpar recorded checksums do not)."""
+    """The ``checksums`` item to restore from ``step_dir``; None for old checkpoints without one."""
     return {"checksums": ChecksumRestore()} if (step_dir / "checksums").is_dir() else {}
 
 
 def problem(recorded: Mapping[str, Any], tree: Any) -> str | None:
-    """What is wrong with ``tree`` against the ``recorded`` checksums, one phrase naming the
-    first array that fails; None when every array matches."""
+    """One phrase naming the first array of ``tree`` that fails ``recorded``; None if all match."""
     try:
         name = first_mismatch(recorded, tree)
     except (ValueError, KeyError, TypeError, AttributeError) as err:  # a damaged record
@@ -159,8 +158,7 @@ def problem(recorded: Mapping[str, Any], tree: Any) -> str | None:
 
 
 def first_mismatch(recorded: Mapping[str, Any], tree: Any) -> str | None:
-    """The name of the first array of ``tree`` whose checksum differs from ``recorded`` (a
-    saved ``checksums`` item), or None when all match."""
+    """The name of the first array of ``tree`` whose checksum differs from ``recorded``, or None."""
     if recorded.get("algorithm") != ALGORITHM:
         raise ValueError(f"checksums of an unknown kind ({recorded.get('algorithm')!r})")
     saved = recorded["arrays"]

@@ -1,17 +1,10 @@
 """A checkpoint read into a layout that pads the vocabulary differently.
 
-The vocabulary-shaped arrays of a run (the embedding's rows, the head's columns, and their
-optimizer moments and factored statistics) have :meth:`jaxpar.config.Config.vocab_rows`
-entries along the vocabulary: the true ``model.vocab_size`` padded for the devices that split
-it, so a checkpoint saved under ``tensor=2`` may hold fewer (or more) rows than a run under
-``tensor=4`` wants. The rows past the true vocabulary are padding (zeros in the weights, never
-read or updated: :mod:`jaxpar.model.vocab`), so only padding is cut or added.
-
-A train state is read as saved (those arrays' vocabulary dimension unsplit, every other one
-as the run splits it), verified against its checksums as saved, then cut or zero-padded
-into the run's shapes and shardings (:func:`repadded`). Weights without a train state are
-read straight into the run's shapes by orbax, which pads with zeros or truncates
-(``jaxpar/checkpoint/weights.py``).
+Vocabulary-shaped arrays (embedding, head, their optimizer state) have
+:meth:`jaxpar.config.Config.vocab_rows` rows, which depend on the layout. A train state is read as
+saved, verified, then cut or zero-padded into the run's shapes (:func:`repadded`). Only padding is
+cut or added. Weights alone are repadded by orbax as it reads them
+(:mod:`jaxpar.checkpoint.weights`). Details: docs/checkpoints.md, "Another layout".
 """
 
 from __future__ import annotations
@@ -29,17 +22,17 @@ EMBEDDING = "params/embedding"  # the array whose first dimension is the padded 
 
 
 def vocab_rows(shapes: Mapping[str, tuple]) -> int | None:
-    """The padded vocabulary's rows of a tree of ``name -> (shape, dtype)`` (None: no
-    embedding there)."""
+    """The vocabulary rows of a tree of ``name -> (shape, dtype)``; None without an embedding."""
     entry = shapes.get(EMBEDDING)
     return None if entry is None else entry[0][0]
 
 
 def repadded_axes(saved: tuple[int, ...], wanted: tuple[int, ...],
                   rows: tuple[int, int] | None) -> tuple[int, ...] | None:
-    """The axes along which an array saved as ``saved`` is wanted as ``wanted`` because the
-    vocabulary's rows went from ``rows[0]`` to ``rows[1]``; None when the shapes differ
-    otherwise (another model)."""
+    """The axes where ``saved`` becomes ``wanted`` as the rows go from ``rows[0]`` to ``rows[1]``.
+
+    None when the shapes differ otherwise (another model).
+    """
     if rows is None or len(saved) != len(wanted):
         return None
     axes = tuple(i for i, (a, b) in enumerate(zip(saved, wanted, strict=True)) if a != b)
@@ -49,9 +42,10 @@ def repadded_axes(saved: tuple[int, ...], wanted: tuple[int, ...],
 
 
 def as_saved(abstract_state: Any, saved: Mapping[str, tuple]) -> Any:
-    """``abstract_state`` (ShapeDtypeStructs with shardings) with each array whose vocabulary
-    was padded differently in its saved shape, that dimension unsplit (its saved size need not
-    divide over this layout's devices)."""
+    """``abstract_state`` with each differently padded array in its saved shape, unsplit there.
+
+    Its saved size need not divide over this layout's devices.
+    """
     def leaf(path: tuple, a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         shape = tuple(saved[leaf_name(path)][0])
         if shape == tuple(a.shape):
@@ -69,8 +63,10 @@ def as_saved(abstract_state: Any, saved: Mapping[str, tuple]) -> Any:
 
 
 def repadded(state: Any, abstract_state: Any) -> Any:
-    """``state`` (read by :func:`as_saved`'s tree) cut or zero-padded into ``abstract_state``'s
-    shapes and shardings; arrays already so are passed through untouched."""
+    """``state`` (read by :func:`as_saved`'s tree) cut or zero-padded into ``abstract_state``.
+
+    Arrays already so pass through untouched.
+    """
     leaves, treedef = jax.tree.flatten(state)
     wanted = jax.tree.leaves(abstract_state)
     changed = [i for i, (a, w) in enumerate(zip(leaves, wanted, strict=True))

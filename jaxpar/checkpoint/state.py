@@ -1,9 +1,9 @@
 """Checkpoints: orbax saves of a run, resume, restore onto another mesh, and export.
 
-A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``, whose items
-(state, data position, config, meta, checksums) resume a run exactly. Restores read each array
-straight into the target state's shardings, so any mesh of the same model loads it. What a
-checkpoint holds and how each failure is handled: docs/checkpoints.md.
+A checkpoint is one orbax step directory, ``run_dir/checkpoints/<step>/``. Its items (state, data
+position, config, meta, checksums) resume a run exactly. Each array is read straight into the
+target's shardings, so any mesh of the same model loads it. Details and failures:
+docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ ITEMS = ("state", "data", "config", "meta", "checksums")
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used here (missing, corrupt, or of another model): exit 2."""
+    """A checkpoint that cannot be used here (missing, corrupt, another model): exit 2."""
 
 
 class DamagedCheckpointError(CheckpointError):
-    """A checkpoint whose files are damaged: unreadable, or an array that fails its checksum.
-    ``train.resume=auto`` falls back to an older checkpoint on this error (and only on it)."""
+    """Damaged files: unreadable, or an array that fails its checksum.
+
+    Only on this error does ``train.resume=auto`` fall back to an older checkpoint.
+    """
 
 
 def item_handlers(saving: bool = False) -> dict[str, ocp.CheckpointHandler]:
@@ -75,10 +77,9 @@ def _is_step_dir(path: Path) -> bool:
 def find_checkpoint(cfg: Config) -> Path | None:
     """The step directory ``train.resume`` asks for, or None to start fresh.
 
-    ``auto``: the newest complete checkpoint in ``run_dir/checkpoints`` (None if there is none);
-    ``never``: None; ``N``: ``run_dir/checkpoints/N``; anything else is a path: a step directory,
-    or a ``checkpoints`` directory or run directory whose newest complete checkpoint is taken.
-    Every process of a run gets the same answer, or all raise.
+    ``auto``: the newest complete checkpoint in ``run_dir/checkpoints``; ``never``: None; ``N``:
+    ``run_dir/checkpoints/N``. Anything else is a path (docs/checkpoints.md, "Resume"). Every
+    process gets the same answer, or all raise.
     """
     return _same_on_every_process(cfg, _choose(cfg))
 
@@ -107,9 +108,10 @@ def _choose(cfg: Config) -> Path | None:
 
 
 def _same_on_every_process(cfg: Config, path: Path | None) -> Path | None:
-    """Each process looks at run_dir itself: they must all have found the same step (they do
-    when run_dir is on a file system they share; a checkpoint is final only once every
-    process's writes are done, so a save in flight is invisible to all of them alike)."""
+    """Check that every process found the same step in run_dir.
+
+    They do when run_dir is shared: a checkpoint is final only once every process's writes are done.
+    """
     if jax.process_count() == 1:
         return path
     steps = multihost_utils.process_allgather(np.int32(-1 if path is None else int(path.name)))
@@ -123,7 +125,7 @@ def _same_on_every_process(cfg: Config, path: Path | None) -> Path | None:
 
 
 def check_run_dir_free(cfg: Config, restored_step: int | None) -> None:
-    """Refuse to start a run whose saves would overwrite newer checkpoints in run_dir."""
+    """Refuse a run whose saves would overwrite newer checkpoints in run_dir."""
     root = checkpoints_dir(cfg)
     steps = complete_steps(root)
     if restored_step is None and steps:
@@ -160,16 +162,16 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """The resolved config (as a dict) of the run that saved ``path``."""
+    """The resolved config (a dict) of the run that saved ``path``."""
     return _read_json_items(path, ("config",))["config"]
 
 
 def corrupt_error(path: Path, err: BaseException,
              names: Mapping[str, str] | None = None) -> DamagedCheckpointError:
-    """One line for a read that failed. ``names`` maps orbax's key of each array
-    (``params.layers.attn.wq``) to its slash name: tensorstore's error quotes the key of the
-    array it failed on (``'path': 'KEY/'`` in its spec, or ``"KEY/.zarray"``), so the line can
-    name it."""
+    """One line for a failed read, naming the array if tensorstore's error quotes its key.
+
+    ``names`` maps orbax's keys (``params.layers.attn.wq``) to slash names.
+    """
     text = str(err)
     for key, name in (names or {}).items():
         if f"'{key}/'" in text or f'"{key}/' in text:
@@ -181,11 +183,11 @@ def corrupt_error(path: Path, err: BaseException,
 
 @contextlib.contextmanager
 def quiet_failed_reads() -> Iterator[None]:
-    """Around an orbax read: if it fails, its other reads are still in flight; as they finish they
-    report to the event loop orbax already closed, and Python prints each "Event loop is closed"
-    as an unraisable exception, and asyncio logs each failed one it collects as "Task exception
-    was never retrieved", burying the one-line error. Those, and only those, are silenced (for
-    good once a read failed: the stragglers keep coming after the error is raised)."""
+    """Around an orbax read: silence the noise of its other reads after one fails.
+
+    Only "Event loop is closed" and "Task exception was never retrieved", for good once a read
+    failed (docs/jax-notes.md, "Orbax").
+    """
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -202,8 +204,7 @@ def quiet_failed_reads() -> Iterator[None]:
 
 
 class _UnretrievedTaskErrors(logging.Filter):
-    """Drops asyncio's report of a failed task nobody awaited (a read in flight when another
-    read of the same restore failed)."""
+    """Drops asyncio's report of a failed read nobody awaited."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Task exception was never retrieved")
@@ -224,8 +225,10 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], path: Path,
                      rows: tuple[int, int] | None = None) -> None:
     """One line naming the first array that differs (missing, extra, shape or dtype).
-    ``rows``: the vocabulary's (saved, wanted) rows where this layout pads it differently
-    (:func:`vocab_padding`): dimensions that go from one to the other differ on purpose."""
+
+    ``rows``: the vocabulary's (saved, wanted) rows, where dimensions differ on purpose
+    (:func:`vocab_padding`).
+    """
     hint = "model.*, train.param_dtype (and train.grad_clip) must match the run that saved it"
     for name, (shape, dtype) in wanted.items():
         if name not in saved:
@@ -246,10 +249,11 @@ def check_compatible(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], pa
 
 def vocab_padding(path: Path, saved: Mapping[str, tuple], wanted: Mapping[str, tuple],
                   vocab_size: int | None) -> tuple[int, int] | None:
-    """(saved, wanted) rows of the vocabulary where ``path`` pads it differently from this run
-    (:mod:`jaxpar.checkpoint.repad`), else None. ``vocab_size``: this run's true vocabulary,
-    which must be the checkpoint's (its config records it: the padded shapes no longer tell);
-    None checks nothing and repads nothing."""
+    """(saved, wanted) vocabulary rows where ``path`` pads differently from this run, else None.
+
+    ``vocab_size``: this run's true vocabulary, which must be the checkpoint's; None checks and
+    repads nothing.
+    """
     if vocab_size is None:
         return None
     model = read_config(path).get("model") or {}
@@ -272,16 +276,12 @@ class Restored:
 
 
 def restore(path: Path, abstract_state: Any, vocab_size: int | None = None) -> Restored:
-    """Read checkpoint ``path`` into ``abstract_state``'s shapes and shardings and verify every
-    array against its recorded checksum.
+    """Read checkpoint ``path`` into ``abstract_state``'s shapes and shardings; verify every array.
 
-    ``abstract_state`` is ``build_trainer(cfg, mesh).abstract_state`` for the mesh of *this*
-    run, whatever mesh saved the checkpoint: orbax reads each array's slices straight onto the
-    devices that hold them in the new layout, so no host ever holds a whole array. Raises
-    :class:`DamagedCheckpointError` for damaged files, :class:`CheckpointError` for a
-    checkpoint of another model. ``vocab_size``: the run's ``model.vocab_size``; given, a
-    checkpoint whose vocabulary this layout pads differently is read as saved, verified, and
-    cut or padded (:mod:`jaxpar.checkpoint.repad`).
+    ``abstract_state``: ``build_trainer(cfg, mesh).abstract_state`` for *this* run's mesh; no host
+    holds a whole array. Raises :class:`DamagedCheckpointError` for damaged files,
+    :class:`CheckpointError` for another model. ``vocab_size`` given: a differently padded
+    vocabulary is repadded (:mod:`jaxpar.checkpoint.repad`).
     """
     start = time.perf_counter()
     wanted = _flat_shapes(abstract_state)
@@ -314,8 +314,8 @@ def restore(path: Path, abstract_state: Any, vocab_size: int | None = None) -> R
 
 
 def _verify(path: Path, state: Any, recorded: Mapping[str, Any] | None) -> bool:
-    """Raise if an array of ``state`` fails its ``recorded`` checksum; False when there are
-    none (a checkpoint saved before jaxpar recorded them)."""
+    """Raise if an array of ``state`` fails its ``recorded`` checksum; False if none are recorded.
+    """
     if recorded is None:
         return False
     problem = integrity.problem(recorded, state)
@@ -326,11 +326,12 @@ def _verify(path: Path, state: Any, recorded: Mapping[str, Any] | None) -> bool:
 
 def resume(cfg: Config, source: Path, abstract_state: Any,
            say: Callable[[str], None]) -> Restored:
-    """Restore ``source`` (:func:`find_checkpoint`'s choice). Under ``train.resume=auto`` a
-    damaged checkpoint is followed by the next older one, and so on; once one is intact, each
-    damaged one is renamed to ``<step>.damaged`` (out of orbax's sight: the run saves those steps
-    again) and ``say`` gets one line for it. If none is intact, or the checkpoint was named
-    explicitly, the damage is the error."""
+    """Restore ``source`` (:func:`find_checkpoint`'s choice).
+
+    Under ``train.resume=auto`` a damaged checkpoint gives way to the next older one. Once one is
+    intact, each damaged one is renamed ``<step>.damaged`` and ``say`` gets a line for it. If none
+    is intact, or the checkpoint was named, the damage is the error.
+    """
     candidates = [source]
     if cfg.train.resume.strip() == "auto":
         root = checkpoints_dir(cfg)
@@ -360,8 +361,10 @@ def resume(cfg: Config, source: Path, abstract_state: Any,
 
 
 def _move_aside(path: Path) -> Path:
-    """Rename a damaged step directory to a name orbax does not read as a step (kept, not
-    deleted: it may be worth a look). Renamed by the primary process; all wait for it."""
+    """Rename a damaged step directory out of orbax's sight (kept for a look).
+
+    The primary process renames; all wait for it.
+    """
     target = path.with_name(f"{path.name}.damaged")
     for n in range(2, 1000):
         if not target.exists():
@@ -383,8 +386,7 @@ class Saver:
     """Asynchronous saves into ``run_dir/checkpoints``, keeping the newest ``checkpoint.keep``."""
 
     def __init__(self, cfg: Config, abstract_state: Any = None):
-        """``abstract_state``: the layout of the states to be saved, to compile their checksums
-        now rather than at the first save."""
+        """``abstract_state``: the saved states' layout, to compile their checksums now."""
         if abstract_state is not None:
             integrity.warm_up(abstract_state)
         self.root = checkpoints_dir(cfg)
@@ -401,9 +403,8 @@ class Saver:
              meta: dict[str, Any]) -> float:
         """Start saving ``state`` as ``step``; returns the seconds the caller was blocked.
 
-        Blocks only while the arrays are copied to host memory (and while a previous save of
-        this Saver is still being written); ``state`` may be donated to the next step as soon as
-        this returns.
+        Blocks while the arrays are copied to host memory, and while a previous save is being
+        written. ``state`` may then be donated.
         """
         start = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(
@@ -418,14 +419,13 @@ class Saver:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for the save in flight to be complete on disk, then release orbax's threads."""
+        """Wait for the save in flight to be on disk, then release orbax's threads."""
         self._manager.wait_until_finished()
         self._manager.close()
 
 
 def newest_at(path: Path) -> Path | None:
-    """``path`` if it is a complete step directory, else the newest complete checkpoint in
-    ``path/checkpoints`` or ``path`` (a run or checkpoints directory); None if there is none."""
+    """``path`` if it is a complete step directory, else the newest checkpoint under it; or None."""
     if _is_step_dir(path) and ocp.path.step.is_path_finalized(path):
         return path
     for candidate in (path / CHECKPOINTS, path):

@@ -1,14 +1,8 @@
-"""Weights without the rest of a training state: ``jaxpar export``'s flat format, weights-only
-checkpoints (what ``jaxpar import-hf`` writes), and starting a run from weights
-(``train.init_from``). Reading a checkpoint's weights onto the host is
-:mod:`jaxpar.checkpoint.weights_only`'s (``jaxpar generate`` uses it too).
+"""Weights without the rest of a train state: export, weights-only checkpoints, ``train.init_from``.
 
-A weights-only checkpoint is an orbax step directory ``<dir>/checkpoints/0`` with the items
-``state`` (``{"params": ...}``, float32, layers stacked in model order as in a run's
-checkpoint), ``config`` (a jaxpar config whose ``model`` section describes them) and ``meta``
-(``{"step": 0, "weights_only": true, ...}``). It has no optimizer state and no data position,
-so ``train.resume`` refuses it; ``train.init_from`` takes it, or a run's checkpoint, and starts
-at step 0 with a fresh optimizer. Both read each array straight into the run's shardings.
+``jaxpar export``'s flat format; weights-only checkpoints (what ``jaxpar import-hf`` writes);
+starting a run from weights. Their format: docs/checkpoints.md, "Weights-only checkpoints". Reading
+weights onto the host: :mod:`jaxpar.checkpoint.weights_only`.
 """
 
 from __future__ import annotations
@@ -51,8 +45,7 @@ def is_weights_only(path: Path) -> bool:
 
 
 class _ChosenSettingNotes(logging.Filter):
-    """orbax's warnings about two settings :func:`save_weights` makes on purpose (numpy arrays
-    saved by a plain handler, no OCDBT): they would be the user's only output lines to ignore."""
+    """orbax's warnings about two settings :func:`save_weights` makes on purpose."""
 
     NOTES = ("ArrayMetadata persistence is disabled", "Skipping merge of OCDBT")
 
@@ -62,9 +55,11 @@ class _ChosenSettingNotes(logging.Filter):
 
 def save_weights(out_dir: Path, cfg: Config, params: dict, meta: dict[str, Any],
                  buffers: dict | None = None) -> Path:
-    """Write ``params`` (nested dict of host arrays) as the weights-only checkpoint
-    ``out_dir/checkpoints/0``; returns that step directory. ``buffers``: model buffers that
-    are part of the weights (an imported DeepSeek-V3's router biases), saved beside them."""
+    """Write ``params`` (host arrays) as the weights-only checkpoint ``out_dir/checkpoints/0``.
+
+    Returns that step directory. ``buffers``: model buffers saved beside them (an imported
+    DeepSeek-V3's router biases).
+    """
     notes = _ChosenSettingNotes()
     logging.getLogger("absl").addFilter(notes)
     try:
@@ -103,8 +98,7 @@ def _save_weights(out_dir: Path, cfg: Config, state: dict, meta: dict[str, Any])
 
 
 def stored_buffers(source: Path) -> Any:
-    """The tree of the model buffers (their metadata) that the weights-only checkpoint
-    ``source`` holds (an import's), empty (falsy) where it holds none."""
+    """The model buffers' metadata that weights-only checkpoint ``source`` holds; empty if none."""
     if not is_weights_only(source):
         return {}
     handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
@@ -119,12 +113,12 @@ def stored_buffers(source: Path) -> Any:
 
 def restore_params(source: Path, wanted: Any, item: str = "params",
                    vocab_size: int | None = None) -> Any:
-    """The parameters (or ``item``: ``buffers``) of checkpoint ``source`` (a run's, or
-    weights-only; any mesh saved them), read straight into ``wanted``'s shapes, dtypes and
-    shardings (a tree of ``jax.ShapeDtypeStruct`` with shardings). Only that item is read.
-    ``vocab_size``: the run's ``model.vocab_size``; given, a vocabulary saved with another
-    padding is zero-padded or cut to ``wanted``'s rows as it is read (orbax's non-strict
-    read: :mod:`jaxpar.checkpoint.repad`)."""
+    """The parameters (or ``item``) of checkpoint ``source``, read into ``wanted``'s shardings.
+
+    ``wanted``: ``jax.ShapeDtypeStruct`` with shardings; any mesh may have saved it. Only that item
+    is read. ``vocab_size`` given: another padding is zero-padded or cut as it is read
+    (:mod:`jaxpar.checkpoint.repad`).
+    """
 
     def shapes(tree: Any) -> dict[str, tuple]:  # shapes only: any stored dtype converts
         return {f"{item}/{leaf_name(p)}": (tuple(a.shape), "")
@@ -159,15 +153,11 @@ def restore_params(source: Path, wanted: Any, item: str = "params",
 
 
 def export(source: Path, out_dir: Path) -> tuple[Path, Path, int]:
-    """Write ``model.safetensors`` (float32 parameters, slash names such as
-    ``layers/attn/wq``) and ``config.json`` (the model config, each parameter's shape and
-    logical axes, and the step) into ``out_dir``. Returns both paths and the step.
+    """Write ``model.safetensors`` and ``config.json`` into ``out_dir``; returns both paths and the
+    step.
 
-    ``source`` is a step directory, or a ``checkpoints`` or run directory (newest checkpoint).
-    Only the parameters are read (verified against their checksums where the checkpoint has
-    them), as host numpy arrays; no mesh or optimizer state is needed.
-    Layer parameters stay stacked along their leading ``layers`` axis, as the model scans them;
-    the embedding and head have ``model.vocab_size`` rows (the padding dropped).
+    ``source``: a step, ``checkpoints`` or run directory. Only the parameters are read, verified, on
+    the host. The format: docs/checkpoints.md, "Export".
     """
     from safetensors.numpy import save_file  # noqa: PLC0415  (only export needs it)
 

@@ -1,16 +1,9 @@
 """A checkpoint's weights without its training state: what ``jaxpar generate`` loads.
 
-Three steps, in the order a command needs them:
-
-1. :func:`step_dir`: the step directory a user named (a step, ``checkpoints`` or run directory,
-   as ``jaxpar export`` takes them);
-2. :func:`saved_config`: the resolved config of the run that saved it, read as plain JSON from
-   the checkpoint's ``config`` item, *without* starting jax: ``host_devices`` (the run's, or an
-   override) must still be able to choose the number of virtual CPU devices, and orbax's reader
-   starts a backend;
-3. :func:`read_weights`: the parameters and the MoE buffers (router biases) as host numpy
-   arrays, checked against the checksums recorded at the save (the optimizer state is never
-   read). The caller lays them out on its own mesh.
+Three steps, in the order a command needs them: :func:`step_dir` finds the step;
+:func:`saved_config` reads its config as plain JSON, before jax starts (docs/jax-notes.md, "Orbax");
+:func:`read_weights` reads parameters and MoE buffers onto the host, verified. The optimizer state
+is never read; the caller lays the arrays out on its own mesh.
 """
 
 from __future__ import annotations
@@ -35,8 +28,10 @@ from jaxpar.checkpoint.state import (
 
 
 def step_dir(source: Path) -> Path:
-    """``source`` if it is a complete step directory, else the newest complete checkpoint of a
-    ``checkpoints`` or run directory; a one-line :class:`CheckpointError` when there is none."""
+    """``source`` as a complete step directory (or the newest under it).
+
+    A one-line :class:`CheckpointError` when there is none.
+    """
     found = newest_at(source.expanduser())
     if found is None:
         raise CheckpointError(f"{source}: no complete checkpoint there (expected a step "
@@ -46,8 +41,7 @@ def step_dir(source: Path) -> Path:
 
 
 def saved_config(path: Path) -> dict[str, Any]:
-    """The config item of step directory ``path`` as a dict. Orbax's JSON handler keeps it as
-    one JSON file, ``config/metadata``, read here directly (see the module docstring)."""
+    """The config item of step directory ``path`` as a dict, read as JSON without orbax."""
     file = path / "config" / "metadata"
     try:
         data = json.loads(file.read_text())
@@ -59,8 +53,10 @@ def saved_config(path: Path) -> dict[str, Any]:
 
 
 def read_weights(path: Path) -> tuple[dict, dict, int]:
-    """(parameters, buffers, step) of step directory ``path``, as numpy arrays in their stored
-    dtypes, verified against the checkpoint's checksums when it has them."""
+    """(parameters, buffers, step) of step directory ``path``, numpy in their stored dtypes.
+
+    Verified against the checkpoint's checksums when it has them.
+    """
     handlers = dict(item_handlers(), state=ocp.PyTreeCheckpointHandler())
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
     try:

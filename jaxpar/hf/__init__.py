@@ -1,3 +1,5 @@
-"""Hugging Face checkpoints in and out: :mod:`.config` (their ``config.json`` <-> jaxpar's model
-config), :mod:`.names` (parameter names and layouts), :mod:`.importer` (``jaxpar import-hf``:
-a weights-only checkpoint) and :mod:`.exporter` (``jaxpar export --format hf``)."""
+"""Hugging Face checkpoints in and out: configs, names and layouts, import and export.
+
+:mod:`.config` maps ``config.json``, :mod:`.names` the tensors; :mod:`.importer` is ``jaxpar
+import-hf``, :mod:`.exporter` ``jaxpar export --format hf``.
+"""

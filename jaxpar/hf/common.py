@@ -1,6 +1,7 @@
-"""What the Hugging Face config readers share (:mod:`jaxpar.hf.config`, :mod:`jaxpar.hf.gemma`,
-:mod:`jaxpar.hf.deepseek`): the error, the checks that raise it, and the RoPE settings of either
-transformers dialect (DeepSeek-V3's YaRN included)."""
+"""What the Hugging Face config readers share: the error, its checks, the RoPE settings.
+
+Both transformers dialects are read, DeepSeek-V3's YaRN included.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def refuse(condition: bool, field: str, why: str) -> None:
 
 
 def rope_from_hf(hf: Mapping[str, Any], kind: str) -> tuple[float, RopeScalingConfig]:
-    """RoPE base and scaling from either dialect: 5.x's ``rope_parameters`` (theta and the
-    scaling rule in one dict) or 4.x's ``rope_theta`` + ``rope_scaling``."""
+    """RoPE base and scaling from 5.x's ``rope_parameters`` or 4.x's ``rope_theta`` +
+    ``rope_scaling``.
+    """
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or {}
     refuse(not isinstance(params, Mapping) or not isinstance(legacy, Mapping),

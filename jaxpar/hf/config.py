@@ -1,19 +1,10 @@
 """Hugging Face ``config.json`` <-> jaxpar's :class:`~jaxpar.config.ModelConfig`.
 
-Read: the Llama family (``llama``, ``mistral``, ``qwen2`` with its q/k/v biases, ``qwen3`` with
-its q/k norms), the mixtures of experts ``mixtral`` and ``qwen3_moe`` (every layer a
-mixture), DeepSeek-V3 (:mod:`jaxpar.hf.deepseek`) and Gemma 2 and 3 (:mod:`jaxpar.hf.gemma`).
-Mistral's and Mixtral's ``sliding_window`` is ``model.sliding_window`` (every layer local);
-Qwen's, with ``use_sliding_window``, only where ``max_window_layers`` leaves every layer local
-(0) or none (>= the layer count): its "first layers global, the rest local" has no
-``model.global_every``. Anything jaxpar's model would compute differently (biases on o_proj or
-the MLP, another activation, a RoPE rule other than plain, ``linear``, ``llama3`` or
-DeepSeek's ``yarn``) is a one-line :class:`HFConfigError` naming the field, never silently
-dropped.
-
-Both dialects of the RoPE settings are read: transformers 4.x writes ``rope_theta`` and
-``rope_scaling`` at the top level, 5.x writes them inside ``rope_parameters`` and drops (or
-nulls) the old keys. Written: both, so that either version reads the same model.
+Read: the Llama family, ``mixtral`` and ``qwen3_moe``, DeepSeek-V3 (:mod:`jaxpar.hf.deepseek`),
+Gemma 2 and 3 (:mod:`jaxpar.hf.gemma`). Which of each is read: docs/hugging-face.md, "Import".
+Anything jaxpar would compute differently is a one-line :class:`HFConfigError` naming the field,
+never silently dropped. The RoPE settings are read in both transformers dialects (4.x's top-level
+keys, 5.x's ``rope_parameters``) and written in both.
 """
 
 from __future__ import annotations
@@ -59,8 +50,9 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
 
 
 def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """The jaxpar model of a Hugging Face ``config.json`` (as a dict); raises
-    :class:`HFConfigError` naming the first field jaxpar cannot represent."""
+    """The jaxpar model of a ``config.json`` dict; :class:`HFConfigError` names a field it cannot
+    represent.
+    """
     kind = hf.get("model_type")
     _refuse(kind == "qwen2_moe", "shared_expert_intermediate_size", "qwen2_moe's sigmoid-gated "
             "shared expert has no jaxpar equivalent")
@@ -105,7 +97,7 @@ def _moe_from_hf(hf: Mapping[str, Any], kind: str) -> MoEConfig:
 
 
 def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
-    """Fields that would make the Hugging Face model compute something else than jaxpar's."""
+    """Fields that would make the Hugging Face model compute something else."""
     _refuse(hf.get("hidden_act", "silu") != "silu", "hidden_act",
             f"{hf.get('hidden_act')!r} is not supported (jaxpar's MLP is SwiGLU: silu)")
     _refuse(bool(hf.get("attention_bias")), "attention_bias",
@@ -121,8 +113,10 @@ def _check_unsupported(hf: Mapping[str, Any], kind: str) -> None:
 
 
 def _window_from_hf(hf: Mapping[str, Any], kind: str) -> int | None:
-    """The one window of every layer (``model.sliding_window``), or None; a mix of local and
-    global layers jaxpar cannot express is refused (module docstring)."""
+    """Every layer's one window (``model.sliding_window``), or None.
+
+    A mix of local and global layers jaxpar cannot express is refused.
+    """
     window = hf.get("sliding_window")
     layers = int(_get(hf, "num_hidden_layers"))
     if kind.startswith("qwen"):  # their sliding_window is a setting, off unless enabled
@@ -148,8 +142,7 @@ def _window_from_hf(hf: Mapping[str, Any], kind: str) -> int | None:
 
 
 def hf_model_type(m: ModelConfig) -> str:
-    """The Hugging Face model type that computes what ``m`` computes, or an error naming the
-    jaxpar setting none of them has."""
+    """The Hugging Face model type computing what ``m`` does, or an error naming the setting."""
     if m.mla.enabled:
         deepseek.check_deepseek_export(m, _refuse_export)
         return "deepseek_v3"
@@ -189,8 +182,7 @@ def hf_model_type(m: ModelConfig) -> str:
 
 
 def _check_attention_export(m: ModelConfig, kind: str) -> None:
-    """Attention variants the exported model types lack: per-layer windows, soft caps and a
-    RoPE base of the local layers (Gemma's)."""
+    """Refuse what the exported types lack: per-layer windows, soft caps, a local RoPE base."""
     _refuse_export(m.global_every > 0, f"model.global_every={m.global_every}",
                    f"{kind}'s sliding window is the same in every layer")
     _refuse_export(m.attn_softcap > 0, f"model.attn_softcap={m.attn_softcap}",

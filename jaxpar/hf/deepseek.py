@@ -1,7 +1,8 @@
-"""DeepSeek-V3 (``deepseek_v3``) <-> jaxpar's :class:`~jaxpar.config.ModelConfig`: multi-head
-latent attention (``model.mla``), sigmoid routing with the correction bias limited to groups,
-the dense first blocks (``model.moe.first_dense``), YaRN RoPE (read by
-:func:`jaxpar.hf.common.rope_from_hf`) and the published float8 weights' block scales."""
+"""DeepSeek-V3 (``deepseek_v3``) <-> jaxpar's :class:`~jaxpar.config.ModelConfig`.
+
+Latent attention, group-limited sigmoid routing, dense first blocks, YaRN RoPE and float8 block
+scales: docs/hugging-face.md, "DeepSeek-V3".
+"""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from jaxpar.hf.common import refuse, required, rope_from_hf
 
 
 def check_fp8_blocks(hf: Mapping[str, Any]) -> None:
-    """DeepSeek's published weights: float8 e4m3 with a float32 ``weight_scale_inv`` per block
-    of ``weight_block_size`` (dequantized on import, :mod:`jaxpar.hf.importer`); nothing else."""
+    """Accept only DeepSeek's float8 e4m3 with a float32 ``weight_scale_inv`` per block.
+
+    Dequantized on import (:mod:`jaxpar.hf.importer`).
+    """
     q = hf.get("quantization_config")
     if not q:
         return
@@ -28,8 +31,7 @@ def check_fp8_blocks(hf: Mapping[str, Any]) -> None:
 
 
 def deepseek_model_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """DeepSeek-V3: multi-head latent attention, sigmoid routing with the correction bias
-    limited to groups, dense first blocks. Multi-token-prediction layers are not read."""
+    """The jaxpar model of DeepSeek-V3; multi-token-prediction layers are not read."""
     for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
                          ("moe_layer_freq", 1)):
         refuse(hf.get(key, allowed) != allowed, key, f"{hf.get(key)!r}: only {allowed!r} "
@@ -65,9 +67,11 @@ def deepseek_model_config(hf: Mapping[str, Any]) -> ModelConfig:
 
 def check_deepseek_export(m: ModelConfig, refuse_export: Callable[[bool, str, str], None]
                           ) -> None:
-    """What DeepSeek-V3's Hugging Face model fixes: a mixture with a sigmoid_bias router
-    (normalised or not), shared experts, every block after the first dense ones a mixture;
-    ``refuse_export`` raises the exporter's error."""
+    """What DeepSeek-V3's Hugging Face model fixes; ``refuse_export`` raises otherwise.
+
+    A sigmoid_bias router (normalised or not), shared experts, every block after the dense ones a
+    mixture.
+    """
     moe = m.moe
     checks = (("num_experts", moe.enabled), ("router", moe.router == "sigmoid_bias"),
               ("every", moe.every == 1), ("num_shared_experts", moe.num_shared_experts >= 1))

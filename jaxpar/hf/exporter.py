@@ -1,17 +1,10 @@
 """``jaxpar export CKPT --to DIR --format hf``: a checkpoint as a Hugging Face model directory.
 
-Writes ``config.json`` (:func:`jaxpar.hf.config.hf_config_from_model`: llama, qwen2,
-qwen3, mixtral or qwen3_moe, the RoPE settings in the dialects of transformers 4.x and 5.x),
-the float32 weights under their Hugging Face names (:mod:`jaxpar.hf.names`) in
-safetensors files of at most ``max_shard_bytes`` each (``model.safetensors``, or
-``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` when it takes
-several), the tokenizer files of the run's ``data.tokenizer`` when that is a
-``tokenizer.json``, and ``generation_config.json`` with the ids that end a sequence when
-``generation.eos_ids`` names them (an import's own, so that transformers stops where jaxpar
-does). A LoRA run's adapters are merged into the weights they adapt
-(:func:`jaxpar.model.lora.merged_weights`), and the padded vocabulary's rows are dropped
-(``model.vocab_size`` is the true one: :mod:`jaxpar.model.vocab`). Reads only the parameters,
-on the host; a shard's converted tensors are the only other copy alive.
+Writes ``config.json`` (:func:`jaxpar.hf.config.hf_config_from_model`), the float32 weights under
+their Hugging Face names in safetensors shards, tokenizer files and ``generation_config.json``. A
+LoRA run's adapters are merged (:func:`jaxpar.model.lora.merged_weights`); the vocabulary's padding
+is dropped. Reads only the parameters, on the host; a shard's converted tensors are the only other
+copy alive. What each file holds: docs/hugging-face.md, "Export".
 """
 
 from __future__ import annotations
@@ -59,8 +52,10 @@ def _hf_arrays(weights: dict, tensors: list[Tensor]) -> Iterator[tuple[str, np.n
 
 
 def shard_plan(sizes: list[int], max_bytes: int) -> list[int]:
-    """The file number of each tensor, in order: a new file whenever the next tensor would pass
-    ``max_bytes`` (a tensor larger than that gets a file of its own)."""
+    """The file number of each tensor, in order: a new file when the next would pass ``max_bytes``.
+
+    A larger tensor gets a file of its own.
+    """
     plan, number, filled = [], 0, 0
     for nbytes in sizes:
         if filled and filled + nbytes > max_bytes:
@@ -99,8 +94,10 @@ def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
 
 
 def _with_buffers(m: ModelConfig, params: dict, buffers: dict) -> dict:
-    """The weights the export reads: the parameters, and the buffers a Hugging Face model keeps
-    as weights (DeepSeek-V3's router biases; zeros where the checkpoint has none)."""
+    """The parameters, and the buffers a Hugging Face model keeps as weights.
+
+    DeepSeek-V3's router biases; zeros where the checkpoint has none.
+    """
     if not buffers:
         _, _, abstract = nnx.split(abstract_model(m), nnx.Param, ...)
         buffers = jax.tree.map(lambda a: np.zeros(a.shape, np.float32),
@@ -110,8 +107,10 @@ def _with_buffers(m: ModelConfig, params: dict, buffers: dict) -> dict:
 
 def export_hf(source: Path, out_dir: Path, max_shard_size: str = DEFAULT_MAX_SHARD
               ) -> tuple[list[Path], int]:
-    """Write the Hugging Face model directory of checkpoint ``source`` (a step, run or
-    checkpoints directory) into ``out_dir``; returns the weight files and the step."""
+    """Write the Hugging Face directory of checkpoint ``source`` into ``out_dir``.
+
+    ``source``: a step, run or checkpoints directory. Returns the weight files and the step.
+    """
     max_bytes = parse_size(max_shard_size)
     path = step_dir(source)
     cfg = config_from_dict(read_config(path))

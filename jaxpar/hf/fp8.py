@@ -1,13 +1,9 @@
-"""Block-scaled float8 weights, as DeepSeek-V3's published checkpoints store them, read as
-float32 a block of rows at a time.
+"""Block-scaled float8 weights (DeepSeek-V3's), read as float32 a block of rows at a time.
 
-A quantized weight ``NAME.weight`` [out, in] is float8 e4m3 beside a float32
-``NAME.weight_scale_inv`` [ceil(out / b0), ceil(in / b1)] (``quantization_config``'s
-``weight_block_size`` [b0, b1], 128 x 128): the weight is ``w8 * scale_inv`` with each scale
-broadcast over its block. numpy has no float8 type and safetensors' numpy reader refuses
-them, so the rows are read here from the file's own layout (an 8-byte header length, a JSON
-header of dtype, shape and byte offsets per tensor, then the data), mapped for the rows of one
-block and copied out, with ``ml_dtypes``' float8 type to convert them.
+``NAME.weight`` [out, in] is float8 e4m3 beside a float32 ``NAME.weight_scale_inv`` [ceil(out / b0),
+ceil(in / b1)], ``weight_block_size`` [b0, b1]. The weight is ``w8 * scale_inv``, each scale
+broadcast over its block. safetensors' numpy reader refuses float8, so rows are mapped from the
+file's own layout and converted with ``ml_dtypes`` (docs/hugging-face.md, "DeepSeek-V3").
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ def scale_name(name: str) -> str:
 
 
 def _header(file: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and where its data begin (read once per version
-    of the file: a tensor is read in many blocks)."""
+    """The JSON header of a safetensors file and where its data begin (cached per version)."""
     stat = Path(file).stat()
     return _read_header(str(file), stat.st_mtime_ns, stat.st_size)
 
@@ -50,8 +45,7 @@ def tensor_info(file: Path, name: str) -> tuple[str, tuple[int, ...]]:
 
 
 def read_rows(file: Path, name: str, start: int, stop: int) -> np.ndarray:
-    """Rows ``start:stop`` of tensor ``name`` in its stored dtype (a copy; the mapping of just
-    those bytes is released on return)."""
+    """Rows ``start:stop`` of tensor ``name`` in its stored dtype: a copy, the mapping released."""
     header, data = _header(file)
     entry = header[name]
     dtype, shape = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"])
@@ -68,8 +62,9 @@ def read_rows(file: Path, name: str, start: int, stop: int) -> np.ndarray:
 
 def dequantized_rows(file: Path, scale_file: Path, name: str, start: int, stop: int,
                      block: tuple[int, int]) -> np.ndarray:
-    """Rows ``start:stop`` of the float8 weight ``name`` as float32: each element times the
-    ``scale_inv`` of its block."""
+    """Rows ``start:stop`` of float8 weight ``name`` as float32, each times its block's
+    ``scale_inv``.
+    """
     w = read_rows(file, name, start, stop).astype(np.float32)
     first, last = start // block[0], (stop - 1) // block[0] + 1
     scales = read_rows(scale_file, scale_name(name), first, last).astype(np.float32)

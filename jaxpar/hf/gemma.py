@@ -1,16 +1,8 @@
 """Gemma 2 and Gemma 3 ``config.json`` <-> jaxpar's :class:`~jaxpar.config.ModelConfig`.
 
-Read: ``gemma2``, ``gemma3_text`` (Gemma3ForCausalLM) and ``gemma3``
-(Gemma3ForConditionalGeneration, whose language model's settings sit in ``text_config``; the
-importer leaves its vision tower out). A Gemma is jaxpar's decoder with GeGLU
-(``gelu_pytorch_tanh``), "sandwich" norms (``model.post_norms``), embeddings scaled by
-sqrt(d_model), scores scaled by ``query_pre_attn_scalar**-0.5``, final logits soft-capped
-(Gemma 2), q/k norms (Gemma 3), local layers with a sliding window between periodic global
-ones (``layer_types``), and for Gemma 3 a RoPE base of its own for the local layers and a
-linear scaling of the global ones.
-
-Written: ``gemma3_text`` when the model has q/k norms, else ``gemma2``; the RoPE settings in the
-dialects of transformers 4.x and 5.x.
+Read: ``gemma2``, ``gemma3_text`` and the multimodal ``gemma3`` (settings in ``text_config``; the
+vision tower left out). Written: ``gemma3_text`` with q/k norms, else ``gemma2``, RoPE in both
+dialects. Which Gemma setting is which jaxpar one: docs/hugging-face.md, "Gemma 2 and Gemma 3".
 """
 
 from __future__ import annotations
@@ -45,8 +37,7 @@ def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def gemma_model_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """The jaxpar model of a Gemma 2/3 ``config.json``; refuses, naming the field, what jaxpar
-    would compute differently."""
+    """The jaxpar model of a Gemma 2/3 ``config.json``; refuses, naming the field, what differs."""
     text = text_config(hf)
     kind = "gemma2" if hf["model_type"] == "gemma2" else "gemma3_text"
     activation = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
@@ -79,8 +70,10 @@ def gemma_model_config(hf: Mapping[str, Any]) -> ModelConfig:
 
 
 def _window_pattern(text: Mapping[str, Any], kind: str, n_layers: int) -> tuple[int | None, int]:
-    """``layer_types`` as (``sliding_window``, ``global_every``): layers k, 2k, ... (from 1)
-    full, the others sliding; all full: no window; all sliding: ``global_every`` 0."""
+    """``layer_types`` as (``sliding_window``, ``global_every``).
+
+    Layers k, 2k, ... (from 1) full, the others sliding; all full: no window; all sliding: 0.
+    """
     types = text.get("layer_types")
     if types is None:
         k = int(text.get("sliding_window_pattern") or WINDOW_PATTERN[kind])
@@ -103,8 +96,7 @@ def _window_pattern(text: Mapping[str, Any], kind: str, n_layers: int) -> tuple[
 
 
 def _rope(text: Mapping[str, Any], kind: str) -> tuple[float, float, RopeScalingConfig]:
-    """(global RoPE base, local RoPE base, global scaling) from transformers 5's per-layer-type
-    ``rope_parameters`` or 4.x's ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``."""
+    """(global RoPE base, local RoPE base, global scaling), from either transformers dialect."""
     params = text.get("rope_parameters") or {}
     if not (FULL in params or SLIDING in params):  # one dict for every layer (or 4.x's keys)
         theta, scaling = rope_from_hf(text, kind)
@@ -129,8 +121,7 @@ def is_gemma(m: ModelConfig) -> bool:
 
 
 def gemma_model_type(m: ModelConfig, refuse) -> str:
-    """``gemma3_text`` (q/k norms) or ``gemma2``; ``refuse(condition, field, why)`` for what
-    neither computes."""
+    """``gemma3_text`` (q/k norms) or ``gemma2``; ``refuse(condition, field, why)`` the rest."""
     refuse(not m.embed_scale, "model.post_norms without model.embed_scale", "the Gemmas "
            "(the models with post-norms) scale their embeddings")
     refuse(m.moe.enabled, "model.moe", "no Gemma has a mixture of experts")

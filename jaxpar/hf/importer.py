@@ -1,17 +1,10 @@
-"""``jaxpar import-hf DIR --to OUT``: a local Hugging Face model directory as a jaxpar
-weights-only checkpoint (:mod:`jaxpar.checkpoint.weights`), ready for ``train.init_from``.
+"""``jaxpar import-hf DIR --to OUT``: a Hugging Face model directory as a weights-only checkpoint.
 
-Reads ``config.json`` (:mod:`jaxpar.hf.config`) and ``model.safetensors`` or the shards
-of ``model.safetensors.index.json``, a block of rows of one tensor at a time (the file opened
-for each block, so the pages safetensors maps are released again), straight into the stacked
-float32 arrays of the jaxpar model (:mod:`jaxpar.hf.names`): the host holds the model
-once, plus one block. Weights stored in bfloat16 or float16 become float32 (exactly). Writes
-``OUT/checkpoints/0`` (the vocabulary padded to ``model.vocab_multiple`` rows, zeros past the
-true ``model.vocab_size``), a jaxpar ``OUT/config.yaml`` to train from, and copies the tokenizer
-files next to them. The config also says how the model's prompts are encoded (by its own
-tokenizer, special tokens included) and which ids end its sequences (``generation.*``:
-:func:`generation_settings`), so that ``jaxpar generate`` continues a prompt as transformers
-does.
+Reads ``config.json`` (:mod:`jaxpar.hf.config`) and the safetensors files a block of rows at a time,
+into the stacked float32 arrays of the jaxpar model (:mod:`jaxpar.hf.names`). Writes
+``OUT/checkpoints/0``, a ``config.yaml`` to train from, and the tokenizer files. The config also
+says how prompts are encoded and which ids end a sequence (:func:`generation_settings`). What it
+writes and its memory: docs/hugging-face.md, "Import".
 """
 
 from __future__ import annotations
@@ -92,8 +85,7 @@ def weight_files(directory: Path) -> dict[str, Path]:
 
 
 def _host_arrays(m: ModelConfig) -> dict:
-    """Empty float32 arrays shaped as the model's parameters and buffers:
-    ``{"params": ..., "buffers": ...}``, each nested as the model."""
+    """Empty float32 arrays shaped as the model's ``{"params": ..., "buffers": ...}``."""
     # the window flags follow the config: no tensor holds them
     _, params, _, buffers = nnx.split(abstract_model(m), nnx.Param, LocalLayer, ...)
 
@@ -110,8 +102,10 @@ def _tree(arrays: dict, t: Tensor) -> dict:
 
 
 def _check_coverage(tensors: list[Tensor], params: dict) -> None:
-    """Every slice of every parameter gets exactly one tensor (else the arrays, allocated
-    empty, would keep garbage): a guard on :func:`hf_tensors`."""
+    """Every slice of every parameter gets exactly one tensor (else garbage stays).
+
+    A guard on :func:`hf_tensors`.
+    """
     slices: dict[tuple[str, ...], set] = {}
     for t in tensors:
         slices.setdefault((t.buffer, *t.path), set()).add(t.index)
@@ -156,17 +150,18 @@ def _check_names(tensors: list[Tensor], files: dict[str, Path], m: ModelConfig,
 
 
 def prediction_layer(name: str, m: ModelConfig) -> int | None:
-    """The layer number of a DeepSeek multi-token-prediction tensor (numbered past
-    ``n_layers``), else None."""
+    """The layer of a DeepSeek multi-token-prediction tensor (past ``n_layers``), else None."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
     return int(match.group(1)) if match and int(match.group(1)) >= m.n_layers else None
 
 
 def read_weights(directory: Path, m: ModelConfig, block: tuple[int, int] | None = None,
                  left_out: tuple[str, ...] = ()) -> tuple[dict, int]:
-    """Every tensor of ``directory`` in jaxpar's layout, float32, as nested host arrays
-    (``{"params": ..., "buffers": ...}``), and the count of the tensors starting with
-    ``left_out`` that it does not read; ``block``: the float8 weights' scale blocks."""
+    """Every tensor of ``directory`` in jaxpar's layout, float32 ``{"params", "buffers"}`` host
+    arrays.
+
+    Also the count of unread tensors starting with ``left_out``. ``block``: the float8 scale blocks.
+    """
     files = weight_files(directory)
     tensors = hf_tensors(m, text_prefix(files))
     unused = _check_names(tensors, files, m, left_out)
@@ -181,10 +176,11 @@ def read_weights(directory: Path, m: ModelConfig, block: tuple[int, int] | None 
 
 def _read_into(file: Path, t: Tensor, target: np.ndarray,
                quantized: tuple[Path, tuple[int, int]] | None = None) -> None:
-    """Tensor ``t`` of ``file`` into its jaxpar slice ``target`` (float32), BLOCK_BYTES of it
-    at a time, the file opened for each block: neither a whole copy of the tensor nor its
-    mapped pages stay resident. ``quantized``: the file of its float8 scales and their block
-    (:mod:`jaxpar.hf.fp8`), which each block of rows is dequantized with."""
+    """Tensor ``t`` of ``file`` into its float32 slice ``target``, BLOCK_BYTES at a time.
+
+    The file is opened per block, so no whole copy or mapped pages stay resident. ``quantized``: the
+    float8 scales' file and block (:mod:`jaxpar.hf.fp8`).
+    """
     shape = tensor_info(file, t.hf)[1]
     if shape != hf_shape(t.layout, target.shape):
         raise HFConfigError(f"tensor {t.hf} is {list(shape)}, but config.json makes it "
@@ -215,10 +211,11 @@ def _copy_tokenizer(source: Path, out_dir: Path) -> Path | None:
 
 
 def generation_settings(source: Path, hf: dict, vocab_size: int) -> GenerationConfig:
-    """Prompts encoded as the model's tokenizer encodes them; sequences ending at the
-    ``eos_token_id`` of ``generation_config.json`` (what transformers' ``generate`` stops at),
-    else of ``config.json``: one id or a list (a chat model's end-of-turn token among them).
-    Ids outside the vocabulary are dropped: the model cannot produce them."""
+    """How prompts are encoded and where sequences end, as transformers does.
+
+    The model's own tokenizer; ``eos_token_id`` of ``generation_config.json``, else ``config.json``
+    (one id or a list). Ids outside the vocabulary are dropped.
+    """
     ids = None
     path = source / "generation_config.json"
     if path.is_file():
@@ -236,7 +233,7 @@ def generation_settings(source: Path, hf: dict, vocab_size: int) -> GenerationCo
 
 
 def import_hf(source: Path, out_dir: Path) -> Imported:
-    """Convert the Hugging Face model directory ``source`` into ``out_dir`` (see module doc)."""
+    """Convert the Hugging Face model directory ``source`` into ``out_dir``."""
     source, out_dir = source.expanduser(), out_dir.expanduser()
     if not source.is_dir():
         raise HFConfigError(f"{source}: not a directory")
@@ -273,7 +270,7 @@ def import_hf(source: Path, out_dir: Path) -> Imported:
 
 
 def import_hf_main(source: Path, out_dir: Path) -> int:
-    """``jaxpar import-hf``: convert, then say what was written and how to train from it."""
+    """``jaxpar import-hf``: convert, then say what was written and how to train."""
     done = import_hf(source, out_dir)
     m = done.model
     if done.left_out:

@@ -1,13 +1,9 @@
 """Which Hugging Face tensor is which jaxpar parameter, and how their layouts differ.
 
-Every Hugging Face tensor of a supported model maps to one jaxpar parameter (or a slice of a
-stacked one: jaxpar stacks layer weights on a leading ``layers`` axis, and a mixture's expert
-weights on ``experts`` after it). The layouts differ because PyTorch stores ``[out, in]`` and
-jaxpar ``[in, out]`` with heads split out; RoPE needs no permutation, since both rotate the
-two halves of each head. Gemma's norms store ``weight`` where jaxpar's scale is ``1 + weight``
-(``PLUS_ONE``). DeepSeek-V3's dense first blocks are ``dense_layers/...``.
-
-The whole table, per model family: docs/hugging-face.md, "Names and layouts".
+Each tensor maps to one jaxpar parameter, or a slice of one stacked on ``layers`` (and ``experts``).
+PyTorch stores ``[out, in]``, jaxpar ``[in, out]`` with heads split out. RoPE needs no permutation.
+Gemma's norms store ``weight`` for jaxpar's ``1 + weight`` (``PLUS_ONE``). The table:
+docs/hugging-face.md, "Names and layouts".
 """
 
 from __future__ import annotations
@@ -41,9 +37,11 @@ class Tensor:
 
 
 def hf_tensors(m: ModelConfig, prefix: str = "model.") -> list[Tensor]:
-    """Every tensor of the Hugging Face model that ``m`` is, in the order save_pretrained
-    writes (global ones first, then layer by layer), the language model's under ``prefix``
-    (one of :data:`TEXT_PREFIXES`). MoE models: ``moe.every == 1`` only."""
+    """Every tensor of ``m``'s Hugging Face model, in save_pretrained's order, under ``prefix``.
+
+    Global tensors first, then layer by layer; ``prefix`` is one of :data:`TEXT_PREFIXES`. MoE
+    models: ``moe.every == 1`` only.
+    """
     norm = PLUS_ONE if m.post_norms else SAME
     out = [Tensor(f"{prefix}embed_tokens.weight", ("embedding",), (), SAME)]
     for layer in range(m.n_layers):
@@ -137,7 +135,7 @@ def param_at(params: dict, path: tuple[str, ...]) -> Any:
 
 
 def slice_shape(params: dict, t: Tensor) -> tuple[int, ...]:
-    """The shape of the jaxpar slice ``t`` names (its stacked parameter less the stack axes)."""
+    """The shape of the jaxpar slice ``t`` names: its parameter less the stack axes."""
     return tuple(param_at(params, t.path).shape[len(t.index):])
 
 
@@ -155,9 +153,10 @@ def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def jaxpar_view(layout: str, target: np.ndarray) -> tuple[np.ndarray, bool]:
-    """A view of the jaxpar slice ``target`` whose rows (``False``) or columns (``True``) are
-    the rows of the Hugging Face array: reading a tensor in row blocks fills ``target`` in
-    place, without a whole copy of it."""
+    """A view of ``target`` whose rows (``False``) or columns (``True``) are the HF array's rows.
+
+    Reading a tensor in row blocks fills ``target`` in place.
+    """
     if layout in (SAME, HEADS_BIAS, PLUS_ONE):  # PLUS_ONE: the reader adds the one
         return target.reshape(-1) if layout == HEADS_BIAS else target, False
     if layout == HEADS_IN:  # [E, H, D] viewed as [E, H*D]: HF's rows are its columns

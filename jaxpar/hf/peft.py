@@ -1,13 +1,8 @@
-"""``jaxpar export CKPT --to DIR --format hf --adapters-only``: a LoRA run's adapters as a PEFT
-adapter directory (docs/lora.md).
+"""``jaxpar export ... --format hf --adapters-only``: a LoRA run's adapters as a PEFT directory.
 
-Writes ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, the Hugging Face
-module names targeted, ``lora_dropout``, ``bias: none``, ``task_type: CAUSAL_LM``) and
-``adapter_model.safetensors`` with, per targeted module of each layer,
-``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``,
-so that ``W_hf + (lora_alpha / r) lora_B lora_A`` is the merged weight (the Hugging Face
-``[out, in]`` matrix of ``W + (alpha / r) A B``; :func:`jaxpar.hf.names.to_hf` flattens the
-heads of a jaxpar weight in the same order as the adapters are flattened here).
+Writes ``adapter_config.json`` and ``adapter_model.safetensors``. ``W_hf + (lora_alpha / r) lora_B
+lora_A`` is the merged weight: :func:`jaxpar.hf.names.to_hf` flattens heads in the order used here.
+The files: docs/lora.md, "Export".
 """
 
 from __future__ import annotations
@@ -48,10 +43,10 @@ def adapter_tensors(cfg, params: dict) -> dict[str, np.ndarray]:
 
 
 def check_exportable(cfg) -> None:
-    """Refuse (one line) the adapters PEFT's directory cannot name yet: a MoE model's routed
-    experts (transformers keeps each layer's experts as fused tensors, not the per-expert
-    ``nn.Linear`` modules a ``LoraConfig`` targets) and the blocks of a MoE model with dense
-    blocks (``moe.every > 1``, ``moe.first_dense > 0``: not yet mapped to Hugging Face layers)."""
+    """Refuse (one line) adapters PEFT's directory cannot name yet (docs/lora.md, "Export").
+
+    A MoE model's routed experts; the blocks of a MoE model with dense blocks.
+    """
     lora, moe = cfg.train.lora, cfg.model.moe
     if not moe.enabled:
         return
@@ -68,8 +63,7 @@ def check_exportable(cfg) -> None:
 
 
 def export_adapters(source: Path, out_dir: Path) -> tuple[Path, int]:
-    """Write the PEFT adapter directory of LoRA checkpoint ``source``; returns the weights file
-    and the step."""
+    """Write the PEFT directory of LoRA checkpoint ``source``; returns the weights file and step."""
     path = step_dir(source)
     cfg = config_from_dict(read_config(path))
     lora = cfg.train.lora

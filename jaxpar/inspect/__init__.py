@@ -1,4 +1,6 @@
-"""What the compiler made of a step, per device, without running it: :mod:`.report`
-(``jaxpar inspect``), :mod:`.hlo` (reading the optimized HLO: collectives, flops, buffers),
-:mod:`.compare` (compiled against :mod:`jaxpar.cost`'s plan), :mod:`.tpu` (compiling for a TPU
-slice on this machine), :mod:`.dump` (any HLO dump), :mod:`.real_size` (the real-size matrix)."""
+"""What the compiler made of a step, per device, without running it.
+
+:mod:`.report` is ``jaxpar inspect``; :mod:`.hlo` reads the optimized HLO; :mod:`.compare` sets it
+beside the plan; :mod:`.tpu` compiles for a TPU slice here; :mod:`.dump` reads any HLO dump;
+:mod:`.real_size` is the real-size matrix.
+"""

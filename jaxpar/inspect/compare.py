@@ -1,13 +1,9 @@
 """Compiled vs planned (``jaxpar inspect --compare [--strict --tolerance T]``).
 
-The analytic plan (:mod:`jaxpar.cost.estimate`) says what a layout must move and hold; the
-compiled step says what XLA made of it. Rows are matched by collective (kind, mesh axes); a row
-only one side has is exactly what a user should look at: a collective the partitioner inserted
-that the layout does not need, or one the plan expects that XLA lowered differently. ``--strict``
-turns the comparison into a check a user can run in their own CI: every collective row and the
-peak memory within ``tolerance`` of the plan, rows under :data:`FLOOR_BYTES` per device aside.
-Where the TPU compiler made an axis's gathers and reduce-scatters collective matmuls, their
-bytes travel as permutes: those rows are compared as one (:data:`RINGS`).
+Rows are matched by collective (kind, mesh axes); a row only one side has is what to look at.
+``--strict`` is a check for a user's CI: every row and the peak within ``tolerance``, rows under
+:data:`FLOOR_BYTES` aside. Collective matmuls' rows are compared as one (:data:`RINGS`). Details:
+docs/inspect.md, "``--compare`` and ``--strict``".
 """
 
 from __future__ import annotations
@@ -29,11 +25,10 @@ TOLERANCE = 0.1
 
 
 def compare_with_plan(report: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
-    """The analytic plan's numbers beside the compiled ones, row by row, with their ratio.
+    """The plan's numbers beside the compiled ones, row by row, with their ratio.
 
-    The plan predicts XLA:CPU's program for CPU devices and the accelerator compilers' (bf16
-    wires, combined reductions) otherwise: for a TPU target, its chip's (the platform decides
-    what the plan expects, e.g. ``parallel.fsdp_gather=auto``'s rings).
+    The plan predicts XLA:CPU's program on CPU devices, else the accelerator's; for a TPU target,
+    its chip's.
     """
     from jaxpar.cost.estimate import estimate  # noqa: PLC0415
     from jaxpar.hardware import PROFILES  # noqa: PLC0415
@@ -90,16 +85,18 @@ _RING_PARTS = ("all-gather", "reduce-scatter", "collective-permute")
 
 
 def ring_axes(compiled: dict[tuple, dict], predicted: dict[tuple, dict]) -> set[tuple]:
-    """The (axes, network) over which the compiled program has permutes the plan does not
-    (rows keyed by kind, axes, network): where the compiler made collective matmuls. Never
-    where the plan has permutes of its own there (ring attention, pipelines)."""
+    """(axes, network) where the compiled program has permutes the plan lacks: collective matmuls.
+
+    Never where the plan has permutes of its own (ring attention, pipelines).
+    """
     return {(axes, network) for kind, axes, network in compiled
             if kind == "collective-permute" and (kind, axes, network) not in predicted}
 
 
 def fold_rings(rows: dict[tuple, dict], rings: set[tuple]) -> dict[tuple, dict]:
-    """``rows`` with the gathers, reduce-scatters and permutes over each of ``rings`` summed
-    into one :data:`RINGS` row (bytes and exposed bytes)."""
+    """``rows`` with each ring's gathers, reduce-scatters and permutes summed into one :data:`RINGS`
+    row.
+    """
     out: dict[tuple, dict] = {}
     for (kind, axes, network), row in rows.items():
         if kind not in _RING_PARTS or (axes, network) not in rings:
@@ -112,8 +109,10 @@ def fold_rings(rows: dict[tuple, dict], rings: set[tuple]) -> dict[tuple, dict]:
 
 
 def exposure_totals(rows: list[dict[str, Any]], scheduled: bool) -> dict[str, Any]:
-    """Exposed collective bytes per device and step, all rows together: the compiled program's
-    (None where it is not an accelerator's schedule) and the plan's overlap rule's."""
+    """Exposed collective bytes per device and step, compiled and planned.
+
+    Compiled is None where the program has no accelerator schedule.
+    """
     compiled = sum(r["compiled_exposed_bytes"] or 0 for r in rows) if scheduled else None
     predicted = sum(r["predicted_exposed_bytes"] or 0 for r in rows)
     return {"compiled_exposed_bytes": compiled, "predicted_exposed_bytes": predicted,
@@ -130,9 +129,11 @@ def _within(ratio: float | None, tolerance: float) -> bool:
 
 def mismatches(comparison: Mapping[str, Any], tolerance: float = TOLERANCE,
                floor: int = FLOOR_BYTES) -> list[str]:
-    """One line per row of ``comparison`` that differs from the plan by more than ``tolerance``
-    (relative): a collective (kind, axes) at or above ``floor`` bytes on either side, the train
-    state, or the peak memory. Empty when the compiled step is the planned one."""
+    """One line per row of ``comparison`` off the plan by more than ``tolerance`` (relative).
+
+    Collectives at or above ``floor`` bytes, the train state, the peak memory. Empty when as
+    planned.
+    """
     out = []
     for row in comparison["collectives"]:
         got, want = row["compiled_bytes"] or 0, row["predicted_bytes"] or 0
@@ -197,7 +198,7 @@ def _bytes_text(nbytes: int | None) -> str:
 
 
 def _exposed_text(exposed: int | None, nbytes: int | None) -> str:
-    """Exposed bytes of a row; n/a where the program has no accelerator schedule."""
+    """Exposed bytes of a row; n/a without an accelerator schedule."""
     if not nbytes:
         return "-"
     return "n/a" if exposed is None else human_bytes(exposed)

@@ -1,18 +1,9 @@
-"""``jaxpar inspect --hlo-file DUMP --mesh AXES``: the collectives and memory of any optimized
-HLO dump, from jaxpar or from another trainer, tallied as ``jaxpar inspect`` tallies its own step.
+"""``jaxpar inspect --hlo-file DUMP --mesh AXES``: the collectives and memory of any HLO dump.
 
-The dump is the text XLA writes with ``XLA_FLAGS=--xla_dump_to=DIR`` (the module's
-``*after_optimizations.txt``) or ``compiled.as_text()``. Its replica groups name device ids; the
-mesh given on the command line (``data=2,fsdp=16``: names and sizes in order, row-major, the
-last axis fastest) says which mesh axes each group spans, as ``jax.make_mesh`` lays devices out.
-Its product must be the module's device count (replicas x partitions).
-
-Memory comes from the buffer assignment XLA writes beside the module
-(``*after_optimizations-buffer-assignment.txt``), when it is there: each allocation is an entry
-parameter (the arguments), an output (``maybe-live-out``; both at once: an output aliased onto a
-donated argument), or a temporary; constants and thread-local scratch are left out. The peak is
-then ``argument + output - alias + temp``, the figure ``jaxpar inspect`` reports for its own
-step (:func:`jaxpar.inspect.report.memory_report`).
+From jaxpar or another trainer, tallied as ``jaxpar inspect`` tallies its own step. ``--mesh``
+(``data=2,fsdp=16``) says which axes each replica group spans; its product must be the device count.
+Memory comes from XLA's buffer assignment beside the module, when present. Details: docs/inspect.md,
+"Any HLO dump".
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ def buffer_assignment_beside(dump: Path) -> Path | None:
 
 
 def memory_from_buffers(text: str) -> dict[str, Any]:
-    """Per-device argument, output, alias and temp bytes of a buffer assignment (module
-    docstring), and their peak."""
+    """Per-device argument, output, alias and temp bytes of a buffer assignment, and their peak."""
     argument = output = alias = temp = 0
     for size_text, flags in _ALLOCATION_RE.findall(text):
         size = int(size_text)
@@ -75,9 +65,11 @@ def memory_from_buffers(text: str) -> dict[str, Any]:
 
 def dump_report(hlo_text: str, mesh: list[tuple[str, int]],
                 buffers_text: str | None = None) -> dict[str, Any]:
-    """``{"devices", "mesh", "collectives", "memory"}`` of a dump (module docstring; the rows
-    with their hidden and exposed bytes, :func:`jaxpar.inspect.hlo.overlap.add_overlap`);
-    ``memory`` is None without a buffer assignment."""
+    """``{"devices", "mesh", "collectives", "memory"}`` of a dump.
+
+    The rows carry hidden and exposed bytes (:func:`jaxpar.inspect.hlo.overlap.add_overlap`).
+    ``memory`` is None without a buffer assignment.
+    """
     module = parse_module(hlo_text)
     devices = math.prod(size for _, size in mesh)
     declared = (module.replica_count or 1) * (module.num_partitions or 1)

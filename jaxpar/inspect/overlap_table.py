@@ -1,5 +1,4 @@
-"""``jaxpar inspect``'s table of the collectives the schedule hides behind matmuls and those it
-leaves exposed (:mod:`jaxpar.inspect.hlo.overlap` finds them), with the totals line."""
+"""``jaxpar inspect``'s table of collectives hidden behind matmuls and exposed, with totals."""
 
 from __future__ import annotations
 
@@ -15,8 +14,10 @@ from jaxpar.units import human_bytes
 
 
 def print_overlap(rows: Sequence[Mapping[str, Any]], console: Console, network: bool) -> None:
-    """One row per collective row (kind, axes[, network]): its bytes hidden and exposed, how
-    many of its executions are hidden, the matmul flops in their windows; then the totals."""
+    """One row per collective row: bytes hidden and exposed, executions hidden, window flops.
+
+    Then the totals.
+    """
     table = Table(title="collectives hidden behind matmuls (a matmul scheduled between start "
                   "and done) and exposed, per device, one step", title_justify="left")
     for name in ("kind", "axes", "network", "bytes", "hidden", "exposed", "hidden %",

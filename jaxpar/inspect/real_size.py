@@ -1,13 +1,8 @@
-"""The real-size matrix: the layouts users train, at real model widths, compiled and compared
-with the plan (``jaxpar inspect --compare --strict`` for each).
+"""The real-size matrix: the layouts users train, at real widths, compiled against the plan.
 
-Tiny models prove a layout equal to one device; they cannot show what the partitioner does at
-scale (a weight gradient reduced once per loss piece, a residual stream gathered whole). So each
-case here compiles one step of a real-size preset (``configs/llama3-8b.yaml``,
-``configs/gemma3-27b.yaml`` ...), cut to a few layers (the layers are scanned: the compile
-costs about one layer, and every per-layer row scales exactly), on 64 virtual CPU devices or a
-TPU slice, and allocates nothing.
-``scripts/real_size.py`` prints the table; ``tests/integration/test_real_size.py`` asserts it.
+Each case compiles one step of a real-size preset cut to a few layers, on 64 virtual CPU devices or
+a TPU slice, and allocates nothing. ``scripts/real_size.py`` prints the table;
+``tests/integration/test_real_size.py`` asserts it. Why: docs/inspect.md, "Real sizes".
 """
 
 from __future__ import annotations
@@ -78,9 +73,11 @@ CPU_CASES: tuple[Case, ...] = (
 
 def compile_case(case: Case, devices: Sequence[Any] | None = None,
                  extra: Sequence[str] = ()) -> dict[str, Any]:
-    """Compile ``case`` (on ``devices``: a TPU slice's, else the host's virtual CPU devices,
-    which must number :data:`DEVICES`) and return its ``inspect`` report with the comparison
-    (``report["compare"]``, its ``mismatches`` at the default tolerance)."""
+    """Compile ``case`` and return its ``inspect`` report with the comparison.
+
+    ``devices``: a TPU slice's, else :data:`DEVICES` virtual CPU devices. ``report["compare"]`` has
+    ``mismatches`` at the default tolerance.
+    """
     from jaxpar.config import load_config, validate  # noqa: PLC0415
     from jaxpar.inspect.report import build_report  # noqa: PLC0415
     from jaxpar.mesh import make_mesh  # noqa: PLC0415
@@ -95,8 +92,7 @@ def compile_case(case: Case, devices: Sequence[Any] | None = None,
 
 
 def summary_rows(case: Case, comparison: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The comparison as table rows (case, what, axes, compiled, planned, ratio), rows under
-    the floor of :func:`~jaxpar.inspect.compare.mismatches` left out."""
+    """The comparison as rows (case, what, axes, compiled, planned, ratio), tiny rows left out."""
     from jaxpar.inspect.compare import FLOOR_BYTES  # noqa: PLC0415
 
     memory = comparison["memory"]

@@ -1,16 +1,9 @@
 """``jaxpar inspect``: what the compiler made of one train step, per device, without running it.
 
-The train step is compiled from abstract arrays (``jax.ShapeDtypeStruct`` with shardings), so no
-parameter, optimizer or batch memory is allocated and no data is read: a 64-device layout of a
-large model can be checked on a laptop. :func:`inspect_step` returns the report, a JSON-able
-dict in the shape docs/design.md fixes for ``jaxpar inspect --json``; :func:`print_report`
-prints it as tables. Every number is per device unless it says "global".
-
-Its parts: the header (``devices``, ``mesh``, ``run``; with ``--target`` the TPU slice too),
-``params`` (each parameter's spec and shard bytes), ``memory`` (:func:`memory_report`),
-``collectives`` (per step, from :mod:`jaxpar.inspect.hlo.collectives` and
-:mod:`jaxpar.inspect.hlo.overlap`) and ``flops`` (:func:`flops_report`). Each field:
-docs/inspect.md, "The report's fields".
+The step is compiled from abstract arrays, so nothing is allocated and no data is read: a 64-device
+layout can be checked on a laptop. :func:`inspect_step` returns the JSON-able report that
+docs/design.md fixes; :func:`print_report` prints it. Every number is per device unless it says
+"global". Each field: docs/inspect.md, "The report's fields".
 """
 
 from __future__ import annotations
@@ -46,18 +39,16 @@ from jaxpar.units import human_bytes
 
 
 def inspect_step(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
-    """The JSON-able report of one compiled train step (see the module docstring)."""
+    """The JSON-able report of one compiled train step."""
     return build_report(compiled_step(cfg, mesh))
 
 
 def program_collectives(cfg: Config, hlo: str) -> list[Collective]:
     """The program's collectives, and over several slices (``mesh.dcn``) each one's network.
 
-    XLA:CPU compiles one program for every device, and a collective over an axis that spans
-    slices is DCN. The TPU compiler compiles one program per slice (its partitions are a slice's
-    devices): its collectives are over the slice's share of the axes (ICI), and the sums and
-    gathers over slices are host transfers to the megascale runtime (DCN;
-    :mod:`jaxpar.inspect.hlo.megascale`)."""
+    XLA:CPU compiles one program for all devices. The TPU compiler compiles one per slice; its sums
+    over slices are megascale transfers (docs/inspect.md, "Several slices").
+    """
     dcn = cfg.mesh.dcn
     devices = math.prod(cfg.mesh_shape.values())
     if dcn.slices == 1:
@@ -119,7 +110,7 @@ def build_report(step: CompiledStep) -> dict[str, Any]:
 
 
 def _moe_summary(cfg: Config) -> dict[str, Any] | None:
-    """The mixture-of-experts settings behind the expert weights and all-to-alls (None: dense)."""
+    """The MoE settings behind the expert weights and all-to-alls (None: dense)."""
     moe = cfg.model.moe
     if not moe.enabled:
         return None
@@ -167,12 +158,9 @@ def param_rows(abstract_params: Any) -> list[dict[str, Any]]:
 def memory_report(stats: Any, platform: str = "cpu") -> dict[str, Any]:
     """Per-device memory of the compiled step, from ``compiled.memory_analysis()``.
 
-    ``peak_bytes`` is ``argument + output - alias + temp``: every buffer the executable holds
-    while it runs, an upper bound on one step's need. XLA's own ``peak_memory_in_bytes`` is not
-    the execution peak on every backend (on XLA:CPU it leaves the temp buffer out), so it is
-    only kept, as ``xla_peak_bytes``. On ``platform="tpu"`` neither figure covers the other:
-    ``peak_bytes`` is the larger (``peak_source`` says which). Why, with the figures:
-    docs/jax-notes.md, "Memory and cost analysis of compiled steps".
+    ``peak_bytes``: ``argument + output - alias + temp``, an upper bound on one step's need. XLA's
+    own peak is kept as ``xla_peak_bytes``. On ``platform="tpu"`` the larger is the peak
+    (``peak_source``). Why: docs/jax-notes.md, "Memory and cost analysis of compiled steps".
     """
     if stats is None:  # some backends have no analysis
         return {k: None for k in ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes")}
@@ -204,14 +192,9 @@ def flops_report(cfg: Config, cost: Mapping[str, Any] | Sequence[Any] | None,
                  devices: int) -> dict[str, float | None]:
     """Compiled vs analytic flops of one step, per device.
 
-    ``compiled`` is ``cost_analysis()['flops']`` of the partitioned module, per device.
-    ``analytic`` is the useful work of the whole step, split evenly over the devices. XLA counts
-    a loop body once, not once per iteration (docs/jax-notes.md, "Memory and cost analysis of
-    compiled steps"). So ``compiled`` covers one layer of one micro-step (and one of the loss's
-    pieces), and ``analytic_loops_once`` is the analytic figure counted the same way. Their
-    ratio slightly above 1 is work the analytic model leaves out: elementwise ops (norms,
-    softmax, AdamW), the one-hot embedding matmul, remat's recomputation, and the attention
-    scores beyond the causal half.
+    ``compiled``: ``cost_analysis()['flops']``, counting loop bodies once. ``analytic``: the step's
+    useful work over the devices; ``analytic_loops_once`` counts it as XLA does. docs/inspect.md,
+    "The report's fields".
     """
     if isinstance(cost, Sequence):  # older jax returned one dict per executable
         cost = cost[0] if cost else None
@@ -260,13 +243,13 @@ def _spec_text(spec: Sequence[Any]) -> str:
 
 
 def _shards(spec: Sequence[Any], mesh: Mapping[str, int]) -> int:
-    """How many pieces a spec cuts an array into (sharding is even: the rules require it)."""
+    """How many pieces a spec cuts an array into (the rules require even sharding)."""
     axes = [a for e in spec if e is not None for a in (e if isinstance(e, list) else [e])]
     return math.prod(mesh[a] for a in axes)
 
 
 def print_report(report: Mapping[str, Any], console: Console) -> None:
-    """Print the report as a header line and four tables (params, memory, collectives, flops)."""
+    """Print the report: a header line and tables of params, memory, collectives, flops."""
     run, mesh = report["run"], report["mesh"]
     console.print(
         f"[bold]jaxpar inspect[/bold] {report['devices']} x {run['device_kind']} | mesh "
@@ -305,8 +288,7 @@ def print_report(report: Mapping[str, Any], console: Console) -> None:
 
 
 def print_dump(report: Mapping[str, Any], console: Console) -> None:
-    """Print ``inspect --hlo-file``'s report (:mod:`jaxpar.inspect.dump`): its source, memory
-    (where the buffer assignment was found) and collectives."""
+    """Print ``inspect --hlo-file``'s report: its source, memory (if found) and collectives."""
     source = report["source"]
     console.print(f"[bold]jaxpar inspect[/bold] {source['hlo_file']} | {report['devices']} "
                   f"devices | mesh {mesh_text(report['mesh'])}")
@@ -386,9 +368,10 @@ def _print_memory(memory: Mapping[str, Any], console: Console, tpu: bool = False
 
 def _print_collectives(rows: Sequence[Mapping[str, Any]], console: Console,
                        tpu: bool = False, overlap: bool = False) -> None:
-    """The collectives table; ``overlap``: then a table of the bytes the schedule hides behind
-    matmuls and the rest (:mod:`jaxpar.inspect.hlo.overlap`), for schedules that overlap
-    communication (a TPU target, a dump)."""
+    """The collectives table; ``overlap``: then the hidden and exposed bytes table.
+
+    For schedules that overlap communication (a TPU target, a dump).
+    """
     if not rows:
         console.print("[bold]collectives[/bold]: none (nothing is split, or one device)")
         return

@@ -1,10 +1,9 @@
 """Compile the train step for a real TPU topology on a machine without TPUs (``--target``).
 
-libtpu (the ``tpu`` extra) describes the slice compile-only: devices with chip coordinates and
-no hardware behind them. The TPU compiler compiles the step for them on this CPU machine, so
-the report shows what XLA:CPU cannot: overlapped collectives, bf16 gathers, memory as the TPU
-compiler plans it. Nothing runs. Limits: docs/inspect.md, "TPU targets"; compiler facts:
-docs/jax-notes.md, "Compiling for a TPU topology from a CPU machine".
+libtpu (the ``tpu`` extra) describes the slice compile-only. The TPU compiler compiles for it here,
+showing what XLA:CPU cannot: overlapped collectives, bf16 gathers, TPU memory. Nothing runs. Limits:
+docs/inspect.md, "TPU targets"; compiler facts: docs/jax-notes.md, "Compiling for a TPU topology
+from a CPU machine".
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ class TpuTarget:
 
 
 def parse_target(text: str, slices: int = 1) -> TpuTarget:
-    """``tpu-v5e:2x4`` -> TpuTarget (``slices`` of it); anything else is a one-line ConfigError
-    listing the forms."""
+    """``tpu-v5e:2x4`` -> TpuTarget (``slices`` of it); else a one-line ConfigError."""
     m = _TARGET_RE.fullmatch(text.strip().lower())
     generation = GENERATIONS.get(m.group("generation")) if m else None
     dims = tuple(int(d) for d in m.group("topology").split("x")) if m else ()
@@ -91,10 +89,7 @@ def parse_target(text: str, slices: int = 1) -> TpuTarget:
 
 
 def libtpu_installed() -> bool:
-    """Is libtpu importable (or pointed to by TPU_LIBRARY_PATH, which jax also honours)?
-
-    Checked without importing jax or libtpu, so the error costs nothing.
-    """
+    """Is libtpu importable, or named by TPU_LIBRARY_PATH? Checked without importing either."""
     if os.environ.get("TPU_LIBRARY_PATH"):
         return True
     try:
@@ -119,11 +114,8 @@ def libtpu_version() -> str | None:
 def quiet_libtpu_env() -> None:
     """Environment for a compile-only libtpu; must run before libtpu initialises.
 
-    Without it libtpu probes this machine as if it were a TPU VM and prints a warning per guess:
-    the accelerator type and worker hostnames (which it cannot find here), and the cloud
-    metadata server (which it cannot reach). The values only describe the absent *attached*
-    hardware; the topology compiled for comes from ``--target`` alone (checked: a v4 topology
-    compiles the same under this v5e accelerator type). User settings win, except the platform.
+    It silences libtpu's probes of this machine as a TPU VM (docs/jax-notes.md, "Compiling for a TPU
+    topology from a CPU machine"). User settings win, except the platform.
     """
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
@@ -136,11 +128,10 @@ def quiet_libtpu_env() -> None:
 
 
 def topology_devices(target: TpuTarget) -> list[Any]:
-    """The compile-only devices of ``target``'s slices, from libtpu (one per TensorCore; with
-    several slices each device carries its ``slice_index``, as on a multi-slice job).
+    """The compile-only devices of ``target``'s slices, one per TensorCore.
 
-    libtpu's own rejection of a topology (say ``tpu-v5e:3x3``, which does not tile into hosts) is
-    a ConfigError carrying its message.
+    With several slices each carries its ``slice_index``. libtpu's rejection of a topology is a
+    ConfigError with its message.
     """
     require_libtpu()
     quiet_libtpu_env()
@@ -172,9 +163,11 @@ def topology_devices(target: TpuTarget) -> list[Any]:
 
 
 def torus_wrap(generation: Generation, dims3: tuple[int, ...]) -> tuple[bool, bool, bool]:
-    """Which axes of a slice of chips ``dims3`` close into a ring, as on real hardware: every
-    axis of a 3D-torus slice whose sides are all 4 or more (v4, v5p, v7x), each side of 16 of
-    a 2D one (v5e, v6e: a full pod's row or column)."""
+    """Which axes of a slice ``dims3`` close into a ring, as on real hardware.
+
+    A 3D torus (v4, v5p, v7x): every axis if all sides are 4 or more. 2D (v5e, v6e): each side of
+    16.
+    """
     if generation.dims == 3:
         ring = all(d >= 4 for d in dims3)
         return (ring, ring, ring)

@@ -1,12 +1,8 @@
-"""``jaxpar plan --search --verify K --target TPU``: the best K candidates compiled ahead of time
-for a TPU slice, the compiler's peak memory beside the plan's.
+"""``jaxpar plan --search --verify K --target TPU``: the best K candidates compiled for a TPU slice.
 
-Each candidate is compiled exactly as ``jaxpar inspect CONFIG --target TPU`` compiles it: nothing
-runs, and the peak is the TPU compiler's buffer plan. A real-size step compiles in about a minute
-per layer, so each candidate is compiled with the fewest layers its layout accepts, and the plan is
-estimated at that depth too. The full-depth figure is the plan's full-depth peak times the measured
-ratio; a candidate fails when it is over the chip's HBM. Why and how it reads: docs/plan.md, "Search
-and verify".
+Each is compiled as ``jaxpar inspect --target`` does, at the fewest layers its layout accepts. The
+full-depth peak is the plan's times the compiled ratio; over the chip's HBM fails. Why:
+docs/plan.md, "Search and verify".
 """
 
 from __future__ import annotations
@@ -55,8 +51,8 @@ class Verified:
 
     @property
     def full_peak(self) -> float:
-        """The compiled peak at full depth: measured when d is the full depth, else the plan's
-        full-depth peak times the ratio at d (module docstring)."""
+        """The compiled peak at full depth: measured, or the plan's full-depth peak times the ratio.
+        """
         if self.layers == self.full_layers:
             return float(self.compiled_peak)
         return self.predicted_full_peak * self.ratio
@@ -120,8 +116,10 @@ def planned_by_network(plan: CostReport) -> dict[str, int]:
 
 
 def _by_network(rows: Sequence[dict]) -> dict[str, tuple[int, int]]:
-    """(compiled, predicted) bytes by network from :func:`compare_with_plan`'s rows (one slice:
-    every row is ICI), rows under the comparison's floor left out."""
+    """(compiled, predicted) bytes by network from :func:`compare_with_plan`'s rows.
+
+    One slice: every row is ICI. Rows under the floor are left out.
+    """
     totals: dict[str, tuple[int, int]] = {}
     for row in rows:
         got, want = row["compiled_bytes"] or 0, row["predicted_bytes"] or 0
@@ -134,7 +132,7 @@ def _by_network(rows: Sequence[dict]) -> dict[str, tuple[int, int]]:
 
 
 def _worst(rows: Sequence[dict]) -> str:
-    """The row furthest from the plan (a row only one side has is the furthest), as text."""
+    """The row furthest from the plan (a one-sided row is furthest), as text."""
     def distance(row: dict) -> float:
         return abs(row["ratio"] - 1) if row["ratio"] is not None else float("inf")
 
@@ -148,9 +146,10 @@ def _worst(rows: Sequence[dict]) -> str:
 
 
 def _collectives_table(rows: Sequence[Verified]) -> Table:
-    """Per candidate: collective bytes per device per step by network, compiled / predicted at
-    the compiled depth, the row furthest from the plan, and the plan's full-depth bytes and
-    executed flops."""
+    """Per candidate: collective bytes by network, compiled / predicted, and the worst row.
+
+    Also the plan's full-depth bytes and executed flops.
+    """
     table = Table(title="collectives per device and step (ICI: within a slice; DCN: between "
                   "slices), and the plan's flops", title_justify="left")
     for name in ("#", "network", "compiled", "predicted", "compiled / predicted",

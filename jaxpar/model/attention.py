@@ -1,12 +1,8 @@
 """Causal grouped-query attention in plain JAX: dense, and blockwise (flash-style).
 
-Shapes: q ``[B, S, H, D]``, k and v ``[B, S, K, D]`` with ``H = K x G``; query head h reads kv
-head ``h // G``. Every implementation reads the one mask description of
-:mod:`jaxpar.model.mask`. ``dense`` keeps O(S^2) probabilities per head and layer;
-``blockwise`` (FlashAttention-2) keeps the output and log-sum-exp. Its block kernels
-(:func:`fold_keys`, :func:`unfold_keys`) also serve ring attention. Fused kernels and the
-choice between them: :mod:`jaxpar.model.fused`. The formulas: docs/attention-and-loss.md,
-"Blockwise attention".
+q ``[B, S, H, D]``, k and v ``[B, S, K, D]``, ``H = K x G``: query head h reads kv head ``h // G``.
+Ring attention reuses the block kernels (:func:`fold_keys`, :func:`unfold_keys`); fused kernels:
+:mod:`jaxpar.model.fused`. The formulas: docs/attention-and-loss.md, "Blockwise attention".
 """
 
 from __future__ import annotations
@@ -45,8 +41,7 @@ def group(q: jax.Array, kv_heads: int) -> jax.Array:
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: Positions | None = None
                     ) -> jax.Array:
-    """Causal GQA over the whole square; the mask from ``positions`` (an array or a mask
-    description: :mod:`jaxpar.model.mask`; else storage order, one document)."""
+    """Causal GQA over the whole square, masked by ``positions`` (:mod:`jaxpar.model.mask`)."""
     b, s, h, d = q.shape
     qg = group(q, k.shape[2])
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
@@ -65,19 +60,18 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: Positio
 
 
 def soft_cap(scores: jax.Array, cap: float) -> jax.Array:
-    """``cap tanh(scores / cap)`` (Gemma 2's attention-logit soft-capping); ``cap=0``: off."""
+    """``cap tanh(scores / cap)`` (Gemma 2's soft-capping); ``cap=0``: off."""
     return scores if not cap else cap * jnp.tanh(scores / cap)
 
 
 @jax.custom_vjp
 def weighted_values(scores: jax.Array, v: jax.Array) -> jax.Array:
-    """``softmax(scores) @ v`` for grouped scores ``[B, K, G, S, T]`` and values ``[B, T, K, D]``
-    -> ``[B, S, K, G, D]``, the probabilities in ``v``'s dtype.
+    """``softmax(scores) @ v``: scores ``[B, K, G, S, T]``, v ``[B, T, K, D]`` -> ``[B, S, K, G,
+    D]``.
 
-    A custom VJP whose backward pass keeps only the float32 probabilities ``p`` and ``v``:
-    ``dv = p^T do``, ``dp = do v^T``, ``ds = p (dp - rowsum(dp p))``. Autodiff would also keep
-    the exponentials (and, in bfloat16, a copy of ``p`` in that dtype): one or two more
-    ``[S, T]`` arrays per head and layer."""
+    Probabilities in ``v``'s dtype; the backward pass keeps them in float32 (docs/memory.md, "Remat
+    policies").
+    """
     return _weighted_values_fwd(scores, v)[0]
 
 
@@ -152,10 +146,9 @@ def backward_block(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, masked: 
 
 def _by_kind(fn: Callable, state, q_pos, k_pos, count: jax.Array | None = None):
     """``fn(state, masked)`` for a block that is not skipped; a skipped block costs nothing.
-    Which blocks are skipped depends on the positions and documents (zigzag, ring step, the
-    data), so the choice is made at run time; the branches hold no collective. With ``count``
-    (an int32 scalar), returns ``(state, count)``, the count raised by one in the branches that
-    compute: the number of blocks computed, which compiled flops cannot show."""
+
+    Chosen at run time; no collective in the branches. With ``count``: ``(state, blocks computed)``.
+    """
     if count is None:
         return lax.switch(block_kind(q_pos, k_pos), [
             lambda st: st, lambda st: fn(st, False), lambda st: fn(st, True)], state)
@@ -180,9 +173,7 @@ def _untile(x: jax.Array) -> jax.Array:
 
 
 def zeros_like(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.Array:
-    """float32 zeros (of ``shape``, default ``x``'s) that vary over the same manual mesh axes
-    as ``x``: inside ``shard_map`` an accumulator must be typed as per-device from the start,
-    as it will be once it holds per-device sums."""
+    """float32 zeros (``shape``, default ``x``'s) varying over ``x``'s manual mesh axes."""
     return lax.full_like(x, 0, jnp.float32, shape)  # full_like keeps x's manual axis types
 
 
@@ -198,9 +189,10 @@ def _tiled(tree, size: int):
 
 def fold_keys(acc: tuple, q, k, v, q_pos: AttentionMask, k_pos: AttentionMask, block: int,
               count: bool = False) -> tuple:
-    """``acc`` (:func:`empty_statistics` of grouped ``q``) after every key of ``k``/``v``,
-    queries and keys taken ``block`` at a time. ``count``: returns ``(acc, blocks)`` with the
-    int32 number of block pairs computed (not skipped), counted in the kernel's own branches."""
+    """``acc`` (:func:`empty_statistics`) after every key of ``k``/``v``, ``block`` at a time.
+
+    ``count``: ``(acc, blocks)``, the int32 number of block pairs computed.
+    """
     bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
     keys = (_tiles(k, bk), _tiles(v, bk), _tiled(k_pos, bk))
     start = jnp.zeros((), jnp.int32) if count else None
@@ -227,9 +219,10 @@ def fold_keys(acc: tuple, q, k, v, q_pos: AttentionMask, k_pos: AttentionMask, b
 
 
 def unfold_keys(grads: tuple, q, k, v, do, lse, delta, q_pos, k_pos, block: int) -> tuple:
-    """(dq, dk, dv) float32 plus the gradients of attending grouped ``q`` to ``k``/``v``, from
-    the forward's ``lse`` and ``delta = rowsum(do * out)``: for each key block, a pass over
-    the query blocks accumulates its dk, dv and adds to each query block's dq."""
+    """(dq, dk, dv) float32 plus the gradients of grouped ``q`` attending to ``k``/``v``.
+
+    From the forward's ``lse`` and ``delta = rowsum(do * out)``.
+    """
     bq, bk = min(block, q.shape[1]), min(block, k.shape[1])
     dq, dk, dv = grads
     queries = (*(_tiles(a, bq) for a in (q, do, lse, delta)), _tiled(q_pos, bq))
@@ -271,18 +264,18 @@ def _blockwise_forward(q, k, v, q_pos, k_pos, block):
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def blockwise(q, k, v, q_pos, k_pos, block: int) -> jax.Array:
-    """Grouped ``q`` [B, Sq, K, G, D] attending to ``k``/``v`` [B, Sk, K, D] by their mask
-    descriptions ``q_pos``/``k_pos`` (:class:`AttentionMask`), ``block`` x ``block`` at a
-    time; keeps O(S) for the backward pass (module docstring)."""
+    """Grouped ``q`` [B, Sq, K, G, D] attending to ``k``/``v`` [B, Sk, K, D] in blocks.
+
+    ``q_pos``/``k_pos``: :class:`AttentionMask`. Keeps O(S) for the backward pass.
+    """
     return _blockwise_forward(q, k, v, q_pos, k_pos, block)[0].astype(q.dtype)
 
 
 def whole(fn: Callable, *static: int) -> Callable:
-    """``fn`` under ``jax.checkpoint``, for a custom VJP's forward that runs inside a scan.
-    Differentiating the model's layer scan, JAX splits such a forward into what depends on the
-    positions alone and the rest, and stacks the former (each block pair's mask) across every
-    block pair as residuals: O(S^2) bytes again (seen: 7.5 MB against 1.9 MB). A checkpointed
-    function is kept whole."""
+    """``fn`` under ``jax.checkpoint``: a custom VJP's forward in a scan, kept whole.
+
+    Why: docs/jax-notes.md, "Residuals as data".
+    """
     return jax.checkpoint(fn, static_argnums=static)
 
 
@@ -303,8 +296,10 @@ blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def blockwise_attention(block: int) -> Callable:
-    """``attention(q, k, v, positions)`` computed ``block`` queries x ``block`` keys at a time
-    (the module docstring); ``block`` must divide the sequence, or exceed it."""
+    """``attention(q, k, v, positions)``, ``block`` queries x ``block`` keys at a time.
+
+    ``block`` must divide the sequence, or exceed it.
+    """
     def attend(q, k, v, positions=None):
         b, s = q.shape[:2]
         if positions is None:
@@ -316,7 +311,6 @@ def blockwise_attention(block: int) -> Callable:
 
 
 def kernel_mask(positions: Positions) -> AttentionMask:
-    """What a kernel reads of ``positions``: order, documents, windows and the soft cap (not
-    the rope positions)."""
+    """What a kernel reads of ``positions``: all but the rope positions."""
     mask = as_mask(positions)
     return AttentionMask(mask.order, mask.segments, window=mask.window, softcap=mask.softcap)

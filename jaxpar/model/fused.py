@@ -1,20 +1,12 @@
 """Attention by fused kernels (cuDNN's, Pallas splash), and the choice of implementation.
 
-``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only, causal by storage
-order (no out-of-order positions), bfloat16 or float16. Its JAX API (0.10) takes no document
-ids and no soft cap, so it runs only without document masks or ``model.attn_softcap``
-(:func:`resolve`). A sliding window is its ``local_window_size=(window - 1, 0)``: static, so
-only a window every layer shares (``model.global_every=0``).
-
-``splash``: the Pallas splash-attention kernel shipped with JAX (TPU; FlashAttention-2's algorithm
-as a Mosaic kernel with a block-sparse causal mask), causal by storage order, documents by the
-kernel's ``SegmentIds`` (applied inside its blocks: the kernel's block skipping knows only the
-causal mask). Each kv head and its G query heads are one multi-query call, so grouped-query
-attention reads each kv head once. A window is its ``LocalMask`` (block-sparse too: blocks
-outside the band are skipped), again static, so only one shared by every layer; soft-capping
-is its ``attn_logits_soft_cap``. A kernel runs on one device's arrays: the parallel layer wraps
-it in ``shard_map`` over the batch and head axes (:mod:`jaxpar.parallel.hooks`). Off a TPU it
-runs in Pallas' interpreter, which the tests use to check it against dense attention on the CPU.
+``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``; GPU, bfloat16 or float16.
+``splash``: JAX's Pallas splash-attention kernel (TPU), one multi-query call per kv head. Both are
+causal by storage order. Neither takes per-layer windows; cuDNN takes no document ids and no soft
+cap (:func:`resolve`). The parallel layer wraps splash in ``shard_map``
+(:mod:`jaxpar.parallel.hooks`). Off a TPU, splash runs in Pallas' interpreter, as the CPU tests do.
+Details: docs/attention-and-loss.md, "Splash attention on a TPU" and "Sliding windows and
+soft-capped scores".
 """
 
 from __future__ import annotations
@@ -36,10 +28,12 @@ SPLASH_TILE = 128  # the TPU kernel's blocks are multiples of the 128-lane vecto
 def resolve(name: str, platform: str, seq_len: int, block: int, dtype,
             splash_possible: bool = True, documents: bool = False,
             model: ModelConfig | None = None) -> str:
-    """The implementation ``model.attention=name`` means here. ``auto``: cuDNN on a GPU in a
-    16-bit dtype (not with document masks, a soft cap or per-layer windows), splash on a TPU
-    where the sequence tiles into 128-token blocks and :func:`jaxpar.platform.splash_possible`,
-    else blockwise over several blocks, dense otherwise."""
+    """The implementation ``model.attention=name`` means here.
+
+    ``auto``: cuDNN on a GPU in a 16-bit dtype, without document masks, soft cap or per-layer
+    windows. Else splash on a TPU where the sequence tiles into 128-token blocks and
+    :func:`jaxpar.platform.splash_possible`. Else blockwise over several blocks, dense within one.
+    """
     native = {"cudnn": "gpu", "splash": "tpu"}
     if name in native and platform != native[name]:
         allowed = ", ".join(n for n in IMPLEMENTATIONS if native.get(n, platform) == platform)
@@ -95,8 +89,10 @@ def _check_splash_blocks(seq_len: int, block: int) -> None:
 
 
 def cudnn_attention(window: int | None = None) -> Callable:
-    """cuDNN's fused causal attention (GPU): causal by storage order, one document per row, no
-    soft cap; within ``window`` keys when given."""
+    """cuDNN's fused causal attention (GPU): storage order, one document, no soft cap.
+
+    ``window``: its ``local_window_size=(window - 1, 0)``.
+    """
     local = None if window is None else (window - 1, 0)
 
     def attend(q, k, v, positions=None):
@@ -111,8 +107,10 @@ def cudnn_attention(window: int | None = None) -> Callable:
 
 def splash_attention(block: int, interpret: bool = False, window: int | None = None
                      ) -> Callable:
-    """``attention(q, k, v, positions)`` by the Pallas splash kernel on one device's arrays, in
-    ``block`` tiles, within ``window`` keys when given; ``interpret`` runs Pallas' interpreter."""
+    """``attention(q, k, v, positions)`` by the Pallas splash kernel on one device's arrays.
+
+    ``block``: the tile; ``window``: its ``LocalMask``; ``interpret``: Pallas' interpreter.
+    """
     from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (TPU only)
         splash_attention_kernel as splash,
     )
@@ -152,8 +150,10 @@ def splash_attention(block: int, interpret: bool = False, window: int | None = N
 
 
 def attention_fn(name: str, block: int, model: ModelConfig | None = None) -> Callable:
-    """The function of a resolved implementation name (:func:`resolve`); the fused kernels
-    take ``model``'s window (one for every layer: :func:`static_window`)."""
+    """The function of a resolved implementation name (:func:`resolve`).
+
+    The fused kernels take :func:`static_window`.
+    """
     if name == "blockwise":
         return blockwise_attention(block)
     if name == "cudnn":

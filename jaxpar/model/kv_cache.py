@@ -1,11 +1,8 @@
 """A key/value cache for autoregressive decoding, and attention over it.
 
-Every attention layer's rotated keys and values are cached in ``k, v: [layers, B, L, K, D]``
-(slot t holds position t), laid out by :data:`CACHE_AXES` so decoding moves no cache bytes
-between devices. :mod:`jaxpar.generate` sets the attention hook to :meth:`UnitCache.attend`;
-a decode step (S = 1) attends densely over the L slots with the mask ``slot <= query
-position``. MLA caches the normed latent and the rope key instead (:data:`LATENT_AXES`).
-Shapes and bytes: docs/generation.md, "How it works".
+Keys and values go to ``k, v: [layers, B, L, K, D]`` (slot t: position t), laid out by
+:data:`CACHE_AXES`; MLA caches latents (:data:`LATENT_AXES`). :mod:`jaxpar.generate` sets the
+attention hook to :meth:`UnitCache.attend`. Details: docs/generation.md, "How it works".
 """
 
 from __future__ import annotations
@@ -41,13 +38,12 @@ def empty_cache(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: 
 
 
 def cache_axes(m: ModelConfig) -> tuple:
-    """The logical layout of ``m``'s cache arrays: :data:`CACHE_AXES`, or for MLA
-    :data:`LATENT_AXES`."""
+    """The logical layout of ``m``'s cache: :data:`CACHE_AXES`, for MLA :data:`LATENT_AXES`."""
     return LATENT_AXES if m.mla.enabled else CACHE_AXES
 
 
 def model_cache(m: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """The empty cache of ``m``: keys and values, or for MLA latents and rope keys."""
+    """The empty cache of ``m``: keys and values, for MLA latents and rope keys."""
     if not m.mla.enabled:
         return empty_cache(m.n_layers, batch, max_len, m.n_kv_heads, m.resolved_head_dim, dtype)
     def zeros(width: int) -> jax.Array:
@@ -56,7 +52,7 @@ def model_cache(m: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> 
 
 
 def cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> int:
-    """Bytes one position of one sequence occupies in the cache (keys and values)."""
+    """Bytes one position of one sequence takes in the cache."""
     return 2 * layers * kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
@@ -64,9 +60,7 @@ def write(cache: jax.Array, new: jax.Array, positions: jax.Array, axes: tuple = 
           ) -> jax.Array:
     """One layer's cache [B, L, K, D] with ``new`` [B, S, K, D] written at ``positions`` [B, S].
 
-    S > 1 is a prefill, whose positions must be ``0..S-1`` in every row: one slice update at
-    slot 0. S = 1 writes each row's key at its own position by a select over the slots (a
-    per-row scatter would be the same bytes, but a select keeps every device on its own rows).
+    S > 1 (a prefill) needs positions ``0..S-1`` in every row; S = 1 writes each row at its own.
     """
     new = new.astype(cache.dtype)
     if new.shape[1] > 1:
@@ -78,9 +72,10 @@ def write(cache: jax.Array, new: jax.Array, positions: jax.Array, axes: tuple = 
 
 def cached_attention(q: jax.Array, positions: Positions, k_cache: jax.Array,
                      v_cache: jax.Array) -> jax.Array:
-    """Causal GQA of q [B, S, H, D] (at ``positions`` [B, S], or their mask description with
-    a window and soft cap) over the cache [B, L, K, D]: query at position p sees slots 0..p,
-    within a window the last ``window`` of them. Scores and softmax in float32."""
+    """Causal GQA of q [B, S, H, D] at ``positions`` [B, S] over the cache [B, L, K, D].
+
+    A query at p sees slots 0..p (and within its window). Scores and softmax in float32.
+    """
     b, s, h, d = q.shape
     mask = as_mask(positions)
     qg = group(q, k_cache.shape[2])  # [B, S, K, G, D]
@@ -99,11 +94,11 @@ def cached_attention(q: jax.Array, positions: Positions, k_cache: jax.Array,
 
 
 class UnitCache:
-    """The cache of one scanned unit of layers (``moe.every`` blocks, else one) during one trace
-    of it: ``k``/``v`` [blocks, B, L, K, D]. Its :meth:`attend` is the attention hook: the i-th
-    attention layer the unit calls reads and writes block i (a prefill attends with
-    ``prefill``, the model's attention). :meth:`updated` returns the new slices, to be stacked
-    by the layer scan (they are values of the same trace)."""
+    """The cache of one scanned unit during one trace: ``k``/``v`` [blocks, B, L, K, D].
+
+    :meth:`attend` is the hook: the unit's i-th attention reads and writes block i. :meth:`updated`
+    returns the new slices.
+    """
 
     def __init__(self, k: jax.Array, v: jax.Array, prefill: Attention = dense_attention):
         self.k, self.v, self.prefill = k, v, prefill
@@ -124,9 +119,11 @@ class UnitCache:
 
     def attend_latent(self, mla: Any, q: jax.Array, latent: jax.Array, k_rope: jax.Array,
                       positions: Positions) -> jax.Array:
-        """The hook of :attr:`~jaxpar.model.annotate.Layout.latent_cache`: multi-head latent
-        attention ``mla`` writes its latent [B, S, R] and rope key [B, S, 1, P] into block i
-        (``k`` and ``v``) and attends (the module docstring); returns [B, S, H, V]."""
+        """The layout's :attr:`~jaxpar.model.annotate.Layout.latent_cache`: writes, attends;
+        [B, S, H, V].
+
+        Latent [B, S, R] and rope key [B, S, 1, P] go to block i of ``k`` and ``v``.
+        """
         i = self._next()
         axes, order = LATENT_AXES[1:], as_mask(positions).order
         c_cache = write(constrain(self.k[i], axes), latent[:, :, None, :], order, axes)

@@ -1,14 +1,9 @@
 """Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
 
-The decoder block is in :mod:`jaxpar.model.transformer`, the mixture of experts in
-:mod:`jaxpar.model.moe`, the weight matmuls in :mod:`jaxpar.model.projection`. Every parameter is
-created in float32 with logical axis names, which :mod:`jaxpar.parallel.rules` turns into mesh axes.
-Weights are cast to the compute dtype; norms, softmax and the loss stay float32.
-
-The norm and the SwiGLU activation have custom VJPs that keep only what their backward pass cannot
-rebuild cheaply (:func:`rms_norm`, :func:`gated_silu`), and the norm's output is rebuilt for the
-matmuls that read it (:meth:`RMSNorm.for_matmul`): per layer the residual stream is kept twice, not
-six times.
+Every parameter is created in float32 with logical axis names (:mod:`jaxpar.parallel.rules`).
+Weights are cast to the compute dtype; norms, softmax and the loss stay float32. The norm and the
+activation have custom VJPs that keep less than autodiff would (docs/memory.md, "Remat policies").
+The block itself: :mod:`jaxpar.model.transformer`; the matmuls: :mod:`jaxpar.model.projection`.
 
 Shapes: B batch, S sequence, E d_model, H query heads, K kv heads, G = H/K, D head_dim, F d_ff.
 """
@@ -58,8 +53,10 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
 
 
 def stored_weight(param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
-    """A weight as stored (dtype and layout ``names``; as prepared inside a pipeline stage): the
-    experts' weights, which the experts function casts and the expert-parallel hook gathers."""
+    """A weight as stored (dtype and layout ``names``): the experts' weights.
+
+    The experts function casts them and the expert-parallel hook gathers them.
+    """
     if current_layout().weights_prepared:
         return param[...]
     return constrain(param[...], names)
@@ -70,8 +67,10 @@ FULL_PRECISION = frozenset({"scale", "router"})
 
 
 def prepare_weight(value: jax.Array, name: str, stored: tuple, dtype) -> jax.Array:
-    """What :func:`weight` (or :func:`stored_weight`, or a norm) hands its layer, computed once:
-    ``value`` cast to the layer's compute dtype and laid out as used (FSDP's gather)."""
+    """``value`` cast to the layer's compute dtype and laid out as used (FSDP's gather).
+
+    What :func:`weight`, :func:`stored_weight` or a norm hands its layer, computed once.
+    """
     dtype = jnp.float32 if name in FULL_PRECISION else dtype
     if "experts" in stored:
         return constrain(value.astype(dtype), stored)
@@ -79,14 +78,15 @@ def prepare_weight(value: jax.Array, name: str, stored: tuple, dtype) -> jax.Arr
 
 
 def prepared_weight_grad(grad: jax.Array, stored: tuple) -> jax.Array:
-    """The transpose of :func:`prepare_weight`: a float32 gradient, back in the stored layout
-    (FSDP's reduce-scatter)."""
+    """The transpose of :func:`prepare_weight`: a float32 gradient in the stored layout."""
     return constrain(grad.astype(jnp.float32), stored)
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm over the last axis with a learned scale (named ``axis``: ``embed``
-    on the residual stream, ``head_dim`` for the per-head q/k norms of ``model.qk_norm``)."""
+    """Root-mean-square norm over the last axis with a learned scale.
+
+    ``axis``: ``embed`` on the residual stream, ``head_dim`` for ``model.qk_norm``'s q/k norms.
+    """
 
     def __init__(self, dim: int, eps: float, axis: str = "embed"):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,))
@@ -96,9 +96,10 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
     def for_matmul(self, x: jax.Array) -> tuple[jax.Array, Rebuild]:
-        """The norm of the residual stream ``x`` (:data:`RESIDUAL`) laid out to enter the
-        column-parallel matmuls (:data:`MATMUL_INPUT`), and how they rebuild it rather than
-        keep it (:func:`project`'s ``x_from``)."""
+        """The norm of ``x`` laid out for the column-parallel matmuls (:data:`MATMUL_INPUT`).
+
+        Also how they rebuild it rather than keep it (:func:`project`'s ``x_from``).
+        """
         rebuild = Rebuild(_NormedInput(self.eps), (x, self.scale[...]))
         return rebuild.fn(*rebuild.kept), rebuild
 
@@ -114,9 +115,10 @@ class _NormedInput(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """``x / rms(x) * scale`` over the last axis, in float32, returned in ``x``'s dtype. Its
-    backward pass keeps only ``x`` and the reciprocal rms, where autodiff would keep two more
-    arrays of ``x``'s size."""
+    """``x / rms(x) * scale`` over the last axis, in float32, returned in ``x``'s dtype.
+
+    The backward pass keeps only ``x`` and the reciprocal rms.
+    """
     return _rms_norm_fwd(x, scale, eps)[0]
 
 
@@ -141,9 +143,7 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 @jax.custom_vjp
 def gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """``silu(gate) * up``, the SwiGLU activation. Its backward pass keeps only ``gate`` and
-    ``up`` and recomputes the sigmoid, where autodiff would keep more arrays of the block's
-    widest size."""
+    """``silu(gate) * up``, SwiGLU; the backward pass keeps only ``gate`` and ``up``."""
     return jax.nn.silu(gate) * up
 
 
@@ -166,8 +166,7 @@ _GELU_C = (2 / jnp.pi) ** 0.5  # tanh approximation: 0.5 x (1 + tanh(c (x + 0.04
 
 @jax.custom_vjp
 def gated_gelu_tanh(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """``gelu_tanh(gate) * up``, GeGLU (Gemma's ``gelu_pytorch_tanh``). A custom VJP for the
-    reason of :func:`gated_silu`: the backward pass keeps only ``gate`` and ``up``."""
+    """``gelu_tanh(gate) * up``, GeGLU (Gemma); the backward pass keeps only ``gate`` and ``up``."""
     return jax.nn.gelu(gate, approximate=True) * up
 
 
@@ -189,10 +188,11 @@ GATED_ACTIVATIONS = {"silu": gated_silu, "gelu_tanh": gated_gelu_tanh}
 
 def rope_frequencies(head_dim: int, theta: float,
                      scaling: RopeScalingConfig | None = None) -> jax.Array:
-    """float32 [head_dim/2] angular frequencies theta^(-i/half), rescaled by ``scaling``:
-    ``llama3`` (Llama 3.1) stretches the long wavelengths by ``factor`` and interpolates a band,
-    as Meta's reference code does; ``linear`` (Gemma 3's global layers) divides every frequency
-    by it."""
+    """float32 [head_dim/2] frequencies theta^(-i/half), rescaled by ``scaling``.
+
+    ``llama3`` (Llama 3.1) stretches long wavelengths by ``factor`` and interpolates a band, as
+    Meta's code does; ``linear`` (Gemma 3's global layers) divides by ``factor``.
+    """
     half = head_dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None or not scaling.enabled:
@@ -212,9 +212,10 @@ def rope_frequencies(head_dim: int, theta: float,
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
                      scaling: RopeScalingConfig | None = None,
                      frequencies: jax.Array | None = None) -> jax.Array:
-    """Rotate the (first half, second half) pairs of the head dim by position-dependent angles:
-    Hugging Face's "rotate half", so their q/k weights load unpermuted. x: [B, S, N, D];
-    positions: [B, S]."""
+    """Hugging Face's "rotate half" RoPE of x [B, S, N, D] at ``positions`` [B, S].
+
+    Their q/k weights load unpermuted (docs/hugging-face.md, "RoPE convention").
+    """
     inv_freq = (rope_frequencies(x.shape[-1], theta, scaling) if frequencies is None
                 else frequencies)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
@@ -225,16 +226,18 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
 
 
 class LocalLayer(nnx.Variable):
-    """int32 per layer: 1 where the layer attends within ``model.sliding_window``, 0 where
-    globally (:func:`jaxpar.model.transformer.layer_is_local`). Not an ``nnx.Param``: it rides
-    with the buffers, so every scan and pipeline split hands each layer its own value."""
+    """int32 per layer: 1 where attention is within ``model.sliding_window``, 0 where global.
+
+    A buffer, not an ``nnx.Param``: every scan and pipeline split hands each layer its own value.
+    """
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: QKV projections column-parallel (split on heads), the output
-    projection row-parallel. Options from Hugging Face models: q/k/v biases (``model.qkv_bias``),
-    q/k norms (``model.qk_norm``), ``model.query_scale``, sliding windows
-    (``model.sliding_window``, ``global_every``), ``model.attn_softcap`` and a local RoPE base."""
+    """Grouped-query attention: QKV column-parallel (split on heads), output row-parallel.
+
+    Options from Hugging Face models: ``model.qkv_bias``, ``model.qk_norm``, ``model.query_scale``,
+    ``model.sliding_window`` with ``global_every``, ``model.attn_softcap``, a local RoPE base.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
@@ -262,9 +265,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: Positions, x_from: Rebuild | None = None,
                  ) -> jax.Array:
-        """``positions``: [B, S] positions, or the mask description of packed documents
-        (:mod:`jaxpar.model.mask`): rotary embeddings take its per-document positions, the
-        attention implementation the whole description."""
+        """``positions``: [B, S] positions, or a mask description (:mod:`jaxpar.model.mask`)."""
         q, k, v = self._qkv(x, x_from)
         q, k, v = (adapted(self, "q", x, q), adapted(self, "k", x, k), adapted(self, "v", x, v))
         if hasattr(self, "q_bias"):
@@ -290,7 +291,7 @@ class Attention(nnx.Module):
                                                ("heads", "head_dim", "act_embed")))
 
     def _mask(self, positions: Positions) -> Positions:
-        """``positions`` with this layer's window (unlimited in a global layer) and soft cap."""
+        """``positions`` with this layer's window (unlimited if global) and soft cap."""
         if self.window is None and not self.softcap:
             return positions
         window = (None if self.window is None else
@@ -298,8 +299,10 @@ class Attention(nnx.Module):
         return with_window(positions, window, self.softcap)
 
     def _frequencies(self, head_dim: int) -> jax.Array | None:
-        """RoPE frequencies when the local layers have a base of their own (Gemma 3: unscaled
-        there), chosen by this layer's kind at run time; None: the usual ones."""
+        """RoPE frequencies chosen by this layer's kind when local layers have their own base.
+
+        None: the usual ones.
+        """
         if self.rope_local_theta is None:
             return None
         local = rope_frequencies(head_dim, self.rope_local_theta)
@@ -308,8 +311,10 @@ class Attention(nnx.Module):
 
     def _qkv(self, x: jax.Array, x_from: Rebuild | None,
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The q, k, v projections, one VJP for the three (:func:`project_all`). Where heads
-        are split they are stacked into one matmul (equal heads) or two (q, and k with v)."""
+        """The q, k, v projections in one VJP (:func:`project_all`).
+
+        Split heads are stacked into one matmul (equal heads) or two (q; k with v).
+        """
         q = Projection("bse,ehd->bshd", (self.wq,), Q_WEIGHT)
         if not is_split("heads"):
             kv = (Projection("bse,ekd->bskd", (self.wk,), KV_WEIGHT),
@@ -322,9 +327,10 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """gate/up are column-parallel (split on mlp), down is row-parallel. ``d_ff`` defaults to
-    ``cfg.d_ff`` (MoE shared experts pass their own); ``model.mlp_activation: gelu_tanh``
-    makes it GeGLU (Gemma)."""
+    """gate/up column-parallel (split on mlp), down row-parallel.
+
+    ``d_ff`` None: ``cfg.d_ff``. ``model.mlp_activation: gelu_tanh``: GeGLU (Gemma).
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
         e, f = cfg.d_model, d_ff if d_ff is not None else cfg.d_ff

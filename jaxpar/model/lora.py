@@ -1,13 +1,9 @@
-"""Low-rank adapters (LoRA, ``train.lora``): beside each targeted weight ``W`` of the stacked
-layers, ``A [in, r]`` and ``B [r, out]``, and the projection computes ``x W + (alpha / r) (x A) B``.
-``B`` starts at zero, so the adapted model starts as the base.
+"""Low-rank adapters (LoRA, ``train.lora``): ``x W + (alpha / r) (x A) B`` for each target.
 
-:func:`add_adapters` adds them to a built model as :class:`Adapter` modules named ``lora_<target>``
-beside the weight, stacked like it in every stack, with the weight's logical axes (``lora_rank``
-never split). In a mixture-of-experts layer the feed-forward targets adapt each routed expert. Which
-parameters train is read from their path (:func:`is_adapter`). ``train.lora.dropout`` drops the
-adapter's input out in the train step only, each token's mask the same on every layout
-(:func:`dropped_out`). The rules and the tests: docs/lora.md.
+``A [in, r]`` and ``B [r, out]`` (zero at first) sit beside each targeted weight of the stacked
+layers. :func:`add_adapters` adds them as :class:`Adapter` modules named ``lora_<target>``. Which
+parameters train is read from their path (:func:`is_adapter`). The rules, dropout and tests:
+docs/lora.md.
 """
 
 from __future__ import annotations
@@ -55,8 +51,10 @@ def _used(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 class Adapter(nnx.Module):
-    """``A`` and ``B`` of one targeted weight, stacked over ``units`` layers (and, for a MoE
-    layer's experts, ``lead=1`` axis shared by both: ``experts``)."""
+    """``A`` and ``B`` of one targeted weight, stacked over ``units`` layers.
+
+    ``lead=1``: a MoE layer's experts, an axis both share.
+    """
 
     def __init__(self, w: nnx.Param, n_in: int, rank: int, scale: float, key: jax.Array,
                  salt: int = 0, lead: int = 0):
@@ -91,17 +89,20 @@ class Adapter(nnx.Module):
 
 
 def dropout_key(lora: LoraConfig, seed: int, step: jax.Array) -> jax.Array | None:
-    """The key of a train step's dropout masks (from ``train.seed`` and the step), None without
-    dropout. Only the train step's gradient installs it."""
+    """The key of a train step's dropout masks; None without dropout.
+
+    Only the train step's gradient installs it.
+    """
     if lora.rank == 0 or lora.dropout == 0:
         return None
     return jax.random.fold_in(jax.random.key(seed + 2), step)
 
 
 def dropped_out(x: jax.Array, salt: int) -> jax.Array:
-    """``x`` [b, s, *in] with LoRA dropout where the train step installed it, else ``x``. Each
-    token's mask is drawn from the layer's key, ``salt`` and the token's global number, so it is
-    the same wherever the token is computed (docs/lora.md, "Dropout")."""
+    """``x`` [b, s, *in] with LoRA dropout where the train step installed it, else ``x``.
+
+    Each token's mask is the same on every layout (docs/lora.md, "Dropout").
+    """
     active = current_layout().lora_dropout
     if active is None:
         return x
@@ -119,9 +120,7 @@ def dropped_out(x: jax.Array, salt: int) -> jax.Array:
 
 
 def with_dropout_tokens(batch: dict, lora: LoraConfig) -> dict:
-    """``batch`` (with ``positions``, each token's place in its row) plus ``lora_tokens``,
-    each token's global number for its dropout mask, when ``lora`` drops out; split with the
-    batch over devices and micro-steps."""
+    """``batch`` plus ``lora_tokens``, each token's global number, when ``lora`` drops out."""
     if lora.rank == 0 or lora.dropout == 0:
         return batch
     order = getattr(batch["positions"], "order", batch["positions"])
@@ -130,7 +129,7 @@ def with_dropout_tokens(batch: dict, lora: LoraConfig) -> dict:
 
 
 def adapted(module: nnx.Module, target: str, x: jax.Array, out: jax.Array) -> jax.Array:
-    """``out`` (the base projection of ``x``) plus the target's adapter, if it has one."""
+    """``out`` (the base projection of ``x``) plus the target's adapter, if any."""
     adapter = getattr(module, PREFIX + target, None)
     if adapter is None:
         return out
@@ -139,8 +138,8 @@ def adapted(module: nnx.Module, target: str, x: jax.Array, out: jax.Array) -> ja
 
 
 def _blocks(model: nnx.Module) -> list[nnx.Module]:
-    """Every stacked block of ``model``: ``layers`` (or its ``block_<i>`` groups of a MoE model
-    with ``moe.every > 1``), then ``dense_layers``."""
+    """Every stacked block of ``model``: ``layers`` (or its ``block_<i>``), then ``dense_layers``.
+    """
     out = []
     for name in ("layers", "dense_layers"):
         stack = getattr(model, name, None)
@@ -152,8 +151,10 @@ def _blocks(model: nnx.Module) -> list[nnx.Module]:
 
 
 def _owners(block: nnx.Module, target: str) -> list[tuple[nnx.Module, int]]:
-    """The modules of ``block`` holding ``target``'s weight, each with its leading axes beside
-    ``layers`` (1: a MoE layer's ``experts``)."""
+    """The modules of ``block`` holding ``target``'s weight, each with its leading axes.
+
+    1: a MoE layer's ``experts``.
+    """
     part = TARGETS[target][0]
     if part != "mlp" or hasattr(block, "mlp"):
         return [(getattr(block, part), 0)]
@@ -162,8 +163,7 @@ def _owners(block: nnx.Module, target: str) -> list[tuple[nnx.Module, int]]:
 
 
 def add_adapters(model: nnx.Module, lora: LoraConfig, seed: int) -> nnx.Module:
-    """``model`` (a :class:`jaxpar.model.transformer.Transformer`) with an adapter beside each
-    targeted weight of its stacked blocks; the same model when ``lora.rank`` is 0."""
+    """``model`` with an adapter beside each targeted weight; unchanged when ``lora.rank`` is 0."""
     if lora.rank == 0:
         return model
     key = jax.random.key(seed + 1)
@@ -230,9 +230,10 @@ def from_gradients(params: dict, riding: Any, adapted: bool) -> tuple[dict, Any]
 
 
 def merged_weights(params: dict, lora: LoraConfig) -> dict:
-    """``params`` (host arrays) with each targeted weight replaced by ``W + (alpha / r) A B`` in
-    float32 and the adapters left out: the adapted model as plain parameters
-    (``jaxpar export --format hf``)."""
+    """``params`` (host arrays) with each target's ``W + (alpha / r) A B`` and no adapters.
+
+    float32. The adapted model as plain parameters (``jaxpar export --format hf``).
+    """
     if lora.rank == 0:
         return params
     out = base_part(params)
@@ -241,8 +242,7 @@ def merged_weights(params: dict, lora: LoraConfig) -> dict:
 
 
 def _merge_into(node: dict, out: dict, scale: np.float32) -> None:
-    """Each adapter of ``node`` (a module's parameters) merged into its weight in ``out``
-    (``node`` without adapters), in every sub-module."""
+    """Each adapter of ``node`` merged into its weight in ``out``, in every sub-module."""
     for key, value in node.items():
         if key.startswith(PREFIX):
             _, attr, ins, outs = TARGETS[key[len(PREFIX):]]

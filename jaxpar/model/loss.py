@@ -1,8 +1,7 @@
-"""The token loss: cross entropy of the head's float32 logits, whole, in pieces of the
-sequence, or over a vocabulary cut across devices (a pipeline's stages).
+"""The token loss: cross entropy of the head's float32 logits.
 
-Both losses compute ``log_z - z_t`` and its gradient ``softmax(z) - one_hot(t)``, and keep
-the head's gradient as one partial sum per token shard, added once after the pieces:
+Whole, in pieces of the sequence, or over a vocabulary cut across devices (a pipeline's stages). The
+head's gradient is one partial sum per token shard, added once after the pieces. The derivation:
 docs/attention-and-loss.md, "The loss at vocabulary scale".
 """
 
@@ -24,25 +23,26 @@ STORED_HEAD = ("embed", "vocab")  # ... and as stored (split over fsdp under ZeR
 
 def head_logits(h: jax.Array, head: jax.Array, softcap: float = 0.0,
                 vocab_size: int | None = None) -> jax.Array:
-    """float32 logits [B, S, vocab] of final hidden states ``h`` [B, S, d_model], soft-capped
-    at ``softcap`` (:func:`soft_capped`), the padded vocabulary's columns (ids from
-    ``vocab_size`` on) masked (:func:`~jaxpar.model.vocab.masked_logits`). The losses below
-    take the logits before the cap and the mask."""
+    """float32 logits [B, S, vocab] of ``h`` [B, S, d_model], soft-capped, padding masked.
+
+    The losses below take the logits before the cap and the mask.
+    """
     logits = soft_capped(constrain(float32_logits(h, head), ("batch", "seq", "vocab")), softcap)
     return masked_logits(logits, vocab_size)
 
 
 def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
-    """``cap * tanh(logits / cap)`` (Gemma 2's final logit soft-capping); ``cap`` 0: unchanged."""
+    """``cap * tanh(logits / cap)`` (Gemma 2's final soft cap); ``cap`` 0: unchanged."""
     return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def summed_token_loss(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
                       pieces: int = 1, softcap: float = 0.0, vocab_size: int | None = None
                       ) -> jax.Array:
-    """Sum over tokens of ``mask`` x the cross entropy of ``h @ head`` against ``targets``, over
-    ``pieces`` strided pieces of the sequence (:func:`sequence_pieces`): one piece's float32
-    logits alive at a time, recomputed backward. Columns from ``vocab_size`` on are masked.
+    """Sum over tokens of ``mask`` x cross entropy of ``h @ head`` against ``targets``.
+
+    In ``pieces`` strided pieces (:func:`sequence_pieces`): one piece's float32 logits alive at a
+    time, recomputed backward. Columns from ``vocab_size`` on are masked.
     """
     if pieces == 1:
         return jnp.sum(token_losses(head_logits(h, head), targets, softcap, vocab_size) * mask)
@@ -94,10 +94,11 @@ _loss_in_pieces.defvjp(_loss_in_pieces_fwd, _loss_in_pieces_bwd)
 
 
 def _as_residual(d_h: jax.Array) -> jax.Array:
-    """A piece's input gradient in the residual stream's layout where its tokens divide: with
-    the vocabulary split over ``tensor`` it is a partial sum over ``tensor``, which sequence
-    parallelism then reduce-scatters straight into its piece of the stream (an all-reduce of
-    the whole piece otherwise, and a slice after the loop)."""
+    """A piece's input gradient in the residual stream's layout, where its tokens divide.
+
+    Under sequence parallelism a partial sum over ``tensor`` is then reduce-scattered straight into
+    the stream.
+    """
     if d_h.shape[0] % split_count("residual_batch") or d_h.shape[1] % split_count("residual_seq"):
         return d_h
     return constrain(d_h, RESIDUAL)
@@ -108,9 +109,10 @@ _PER_SHARD = ("batch", "seq", *HEAD)
 
 
 def per_shard_weight_grad(h: jax.Array, dy: jax.Array) -> jax.Array:
-    """``h^T dy`` (``h`` [B, S, E], ``dy`` [B, S, V] in float32) as one partial sum per shard of
-    the tokens, ``[batch shards, sequence shards, E, V]`` split like the tokens: each device
-    contracts only its own tokens, and no collective is needed until they are summed."""
+    """``h^T dy`` as one partial sum per token shard: ``[batch shards, seq shards, E, V]``.
+
+    ``h`` [B, S, E], ``dy`` [B, S, V] float32. Each device contracts its own tokens; no collective.
+    """
     nb, ns = split_count("batch"), split_count("seq")
     b, s = h.shape[:2]
     h = constrain(h.reshape(nb, b // nb, ns, s // ns, h.shape[-1]),
@@ -124,8 +126,10 @@ def per_shard_weight_grad(h: jax.Array, dy: jax.Array) -> jax.Array:
 
 
 def sequence_pieces(a: jax.Array, n: int) -> jax.Array:
-    """[B, S, ...] -> [n, B, S/n, ...]: piece i holds tokens i, i + n, i + 2n, ... (a strided
-    cut, so a device's contiguous shard of the sequence keeps its tokens in every piece)."""
+    """[B, S, ...] -> [n, B, S/n, ...]: piece i holds tokens i, i + n, i + 2n, ...
+
+    A device's contiguous shard of the sequence keeps its tokens in every piece.
+    """
     b, s = a.shape[:2]
     return jnp.moveaxis(a.reshape(b, s // n, n, *a.shape[2:]), 2, 0)
 
@@ -138,19 +142,20 @@ def joined_pieces(a: jax.Array) -> jax.Array:
 
 def token_losses(logits: jax.Array, targets: jax.Array, softcap: float = 0.0,
                  vocab_size: int | None = None) -> jax.Array:
-    """Per-token cross entropy in float32 of the logits soft-capped at ``softcap`` (0: off),
-    the padded vocabulary's columns (from ``vocab_size`` on) masked after the cap.
+    """Per-token float32 cross entropy of logits capped at ``softcap`` (0: off), padding masked.
 
-    The backward pass keeps only the logits (capped, before the mask, whose ``-inf`` would
-    make the cap's derivative ``1 - (capped / cap)^2`` NaN) and ``log_z``: no exponentials."""
+    The backward pass keeps only the capped, unmasked logits and ``log_z``. The mask's ``-inf``
+    would make the cap's derivative NaN.
+    """
     return _token_losses(logits.astype(jnp.float32), targets, softcap, vocab_size)
 
 
 def token_loss_grad(logits: jax.Array, targets: jax.Array, scale: jax.Array,
                     softcap: float = 0.0, vocab_size: int | None = None) -> jax.Array:
-    """The gradient of ``sum(token_losses(logits, targets, softcap, vocab_size) * scale)``
-    w.r.t. float32 ``logits``: ``(softmax(z) - one_hot(targets)) * scale * dz/dlogits``, z the
-    capped and masked logits (zero at the padded vocabulary's columns)."""
+    """The gradient of ``sum(token_losses(...) * scale)`` w.r.t. float32 ``logits``.
+
+    ``(softmax(z) - one_hot(targets)) * scale * dz/dlogits``, z capped and masked (zero at padding).
+    """
     capped = soft_capped(logits, softcap)
     log_z = jax.nn.logsumexp(masked_logits(capped, vocab_size), axis=-1)
     return _token_losses_bwd(softcap, vocab_size, (capped, targets, log_z), scale)[0]
@@ -186,8 +191,7 @@ def _token_losses_bwd(softcap, vocab_size, residuals, g):
 
 def _d_logits(logits: jax.Array, log_z: jax.Array, is_target: jax.Array,
               scale: jax.Array) -> jax.Array:
-    """``(softmax(logits) - one_hot(target)) * scale``: the gradient of the scaled token loss
-    (module docstring, "One derivation")."""
+    """``(softmax(logits) - one_hot(target)) * scale``: the scaled token loss's gradient."""
     probs = jnp.exp(logits - log_z[..., None])
     return (probs - is_target.astype(jnp.float32)) * scale[..., None]
 
@@ -198,11 +202,12 @@ _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 def vocab_piece_loss(head: jax.Array, ids: jax.Array, h: jax.Array, targets: jax.Array,
                      mask: jax.Array, scale: jax.Array, axis: str, softcap: float = 0.0,
                      vocab_size: int | None = None) -> tuple:
-    """Cross entropy over a vocabulary cut into pieces across the devices of the manual
-    ``axis``. This device holds ``head`` [E, V/p], the columns of token ids ``ids`` [V/p]; ``h``
-    [B, s, E] is the same on every device. Returns (summed loss, d_head, d_h) with ``mask *
-    scale`` per token. Each piece caps its own logits, then masks ids from ``vocab_size`` on
-    (None: none); the VJP is taken at the unmasked logits."""
+    """Cross entropy over a vocabulary cut into pieces across the manual ``axis``.
+
+    This device holds ``head`` [E, V/p], the columns of ``ids`` [V/p]; ``h`` [B, s, E] is
+    everywhere. Returns (summed loss, d_head, d_h), weighted ``mask * scale`` per token. Each piece
+    caps its logits, then masks ids from ``vocab_size`` on (None: none). The VJP is taken unmasked.
+    """
     logits, logits_vjp = jax.vjp(lambda w, h: soft_capped(float32_logits(h, w), softcap),
                                  head, h)
     logits = masked_logits(constrain(logits, ("batch", "seq", "vocab")), vocab_size, ids)

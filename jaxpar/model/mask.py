@@ -1,24 +1,9 @@
 """The one mask description every attention kernel reads: causal order plus documents.
 
-A packed training row holds several documents end to end. :class:`AttentionMask` says, per
-token, where it is in the row (``order``, which travels with the token through context
-parallelism's zigzag layout) and which document it belongs to (``segments``; ``None``: one
-document). Query q sees key k when::
-
-    segments[q] == segments[k]  and  order[q] >= order[k]
-
-``rope`` is the rotary position, restarting at 0 at every document. ``window`` (per query;
-``None``: unlimited) keeps a query to its ``window`` most recent keys, and ``softcap`` caps the
-scores before the mask. Every field is a ``[B, S]`` int32 array (``softcap`` a static number), so
-the description is tiled, rotated round a ring and split over microbatches exactly as the
-tokens are. A plain ``[B, S]`` array of positions (what generation and the layer tests pass)
-means ``AttentionMask(order=positions)``: causal, one document, the program unchanged.
-
-The block kernels classify each (query block, key block) pair at run time (:func:`block_kind`):
-SKIP where no query sees any key, FULL where no mask is needed, else MASKED. A tile is skipped
-only if every batch row's pair is, since the tile's rows share one ``lax.switch``. The rules:
-docs/attention-and-loss.md, "The mask: causal order and documents" and "Sliding windows and
-soft-capped scores".
+Query q sees key k when ``segments[q] == segments[k]`` and ``order[q] >= order[k]``. Every field is
+``[B, S]`` int32, so the mask is split like the tokens. A plain positions array means
+``AttentionMask(order=positions)``. The rules: docs/attention-and-loss.md, "The mask: causal order
+and documents" and "Sliding windows and soft-capped scores".
 """
 
 from __future__ import annotations
@@ -38,10 +23,12 @@ UNLIMITED = 2**30  # the window of a global layer: wider than any sequence, no i
          meta_fields=["softcap"])
 @dataclass(frozen=True)
 class AttentionMask:
-    """Per token of ``[B, S]`` rows: ``order`` in the packed row, ``segments`` (document ids,
-    non-decreasing along ``order``; None: one document), ``rope`` (rotary position; None:
-    ``order``), ``window`` (keys a query sees back from itself; None: unlimited) and the static
-    ``softcap`` of the scores (0: off). See the module docstring."""
+    """Per token of ``[B, S]`` rows: where it is, its document, rope position and window.
+
+    ``segments``: document ids, non-decreasing along ``order`` (None: one). ``rope``: position in
+    its document (None: ``order``). ``window``: keys seen back (None: unlimited). ``softcap`` 0:
+    off.
+    """
 
     order: jax.Array
     segments: jax.Array | None = None
@@ -64,8 +51,7 @@ def as_mask(positions: Positions) -> AttentionMask:
 
 def with_window(positions: Positions, window: jax.Array | int | None, softcap: float = 0.0
                 ) -> AttentionMask:
-    """``positions`` with every query's ``window`` (a scalar, traced or not, broadcast to the
-    tokens; None: unlimited) and the scores' ``softcap``: what a layer hands its kernel."""
+    """``positions`` with ``window`` (broadcast; None: unlimited) and ``softcap``."""
     mask = as_mask(positions)
     if window is not None:
         window = jnp.broadcast_to(jnp.asarray(window, jnp.int32), mask.order.shape)
@@ -88,8 +74,7 @@ def visible(q: AttentionMask, k: AttentionMask) -> jax.Array:
 
 
 def block_kind(q: Positions, k: Positions) -> jax.Array:
-    """SKIP, FULL or MASKED for a block of queries against a block of keys (module docstring);
-    numpy or jax, ``[B, n]`` tiles or ``[n]`` rows."""
+    """SKIP, FULL or MASKED per (query block, key block); ``[B, n]`` tiles or ``[n]`` rows."""
     q, k = as_mask(q), as_mask(k)
     qo, ko = q.order, k.order
     skip = qo.max(-1) < ko.min(-1)
@@ -108,8 +93,7 @@ def block_kind(q: Positions, k: Positions) -> jax.Array:
 
 
 def document_positions(segment_ids: np.ndarray) -> np.ndarray:
-    """int32 ``[n, S]``: each token's index in its document, for rows of segment ids in row
-    order (on the host, before any reordering of the tokens)."""
+    """int32 ``[n, S]``: each token's index in its document, from segment ids in row order."""
     segment_ids = np.asarray(segment_ids)
     index = np.broadcast_to(np.arange(segment_ids.shape[-1]), segment_ids.shape)
     starts = np.ones(segment_ids.shape, bool)

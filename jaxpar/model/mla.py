@@ -1,11 +1,8 @@
-"""Multi-head latent attention (MLA, DeepSeek-V2/V3): keys and values expanded from a small
-cached latent.
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3): keys and values from a small latent.
 
-Keys and values are expanded from a latent ``c`` of ``kv_lora_rank`` numbers per token, with
-one rope key ``kr`` shared by every head; a decoder caches only ``c`` and ``rope(kr)``, and a
-decode step attends over the latents without expanding them (:func:`absorbed_attention`). The
-model's own attention kernels run it, v or q/k zero-padded to one head dim (exact). The
-formulas, the padding's cost and the layouts: docs/attention-and-loss.md, "Multi-head latent
+A decoder caches only the latent ``c`` and the shared rope key; a decode step attends over the
+latents unexpanded (:func:`absorbed_attention`). The model's own attention kernels run it, with zero
+padding to one head dim. Formulas, costs and layouts: docs/attention-and-loss.md, "Multi-head latent
 attention".
 """
 
@@ -46,9 +43,9 @@ def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interleave: 
            ) -> jax.Array:
     """RoPE of x [B, S, N, P] at ``positions`` [B, S] with frequencies ``inv_freq`` [P/2].
 
-    ``interleave``: rotate the pairs (x0, x1), (x2, x3)... (DeepSeek's layout), returned as
-    [evens, odds]: a fixed permutation of the rope dims, the same for q and k, so their dot
-    products are those of the interleaved rotation. Else the two halves (``rotate_half``)."""
+    ``interleave``: DeepSeek's pairs (x0, x1), (x2, x3)..., returned as [evens, odds]. That
+    permutation is the same for q and k, so dot products match. Else ``rotate_half``.
+    """
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)
@@ -70,11 +67,10 @@ def _yarn_mscale(factor: float, m: float) -> float:
 
 
 def yarn_frequencies(dim: int, theta: float, r: RopeScalingConfig) -> tuple[jax.Array, float]:
-    """YaRN (as DeepSeek-V3 and transformers compute it): float32 [dim/2] frequencies, each
-    theta^(-i/half) kept for dims that turn more than ``beta_fast`` times over the original
-    context, divided by ``factor`` below ``beta_slow`` turns, a linear ramp between; and the
-    factor the rotated q and k are multiplied by, mscale(factor, mscale) / mscale(factor,
-    mscale_all_dim) with mscale(s, m) = 0.1 m ln(s) + 1."""
+    """YaRN's float32 [dim/2] frequencies, and the factor that scales rotated q and k.
+
+    As DeepSeek-V3 and transformers compute it (docs/configuration.md, "Model": ``rope_scaling``).
+    """
     half = dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
 
@@ -94,16 +90,14 @@ def yarn_frequencies(dim: int, theta: float, r: RopeScalingConfig) -> tuple[jax.
 
 
 def softmax_temperature(r: RopeScalingConfig) -> float:
-    """What q is multiplied by on top of 1/sqrt(N + P): YaRN's mscale(factor, mscale_all_dim)
-    squared (DeepSeek's softmax scale), 1 without it."""
+    """q's factor on top of 1/sqrt(N + P): YaRN's mscale(factor, mscale_all_dim)^2, else 1."""
     if r.type != "yarn" or not r.mscale_all_dim:
         return 1.0
     return _yarn_mscale(r.factor, r.mscale_all_dim) ** 2
 
 
 class MLA(nnx.Module):
-    """Multi-head latent attention (the module docstring), a drop-in for
-    :class:`~jaxpar.model.layers.Attention` in a block."""
+    """Multi-head latent attention: a drop-in for :class:`~jaxpar.model.layers.Attention`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         mla, e, h = cfg.mla, cfg.d_model, cfg.n_heads
@@ -140,8 +134,11 @@ class MLA(nnx.Module):
 
     def project_in(self, x: jax.Array, positions: Positions, x_from: Rebuild | None,
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, S, E] -> (q [B, S, H, N + P] rotated, the normed latent [B, S, R], the
-        rotated rope key [B, S, 1, P]): what attention reads, and what a decoder caches."""
+        """x [B, S, E] -> (q [B, S, H, N + P] rotated, normed latent [B, S, R], rope key [B, S, 1,
+        P]).
+
+        What attention reads, and what a decoder caches.
+        """
         mla = self.config
         x_from = x_from or sequence_slice(x)
         kv_proj = Projection("bse,er->bsr", (self.wkv_a,), ("act_embed", "kv_lora"))
@@ -179,8 +176,7 @@ class MLA(nnx.Module):
         return rotary(x, rope, inv_freq, self.config.rope_interleave)
 
     def expand(self, latent: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The latent [B, T, R] and rope key [B, T, 1, P] -> k [B, T, H, N + P], v [B, T, H, V]
-        (each head's up-projection of the latent; the rope key repeated for every head)."""
+        """The latent [B, T, R] and rope key [B, T, 1, P] -> k [B, T, H, N + P], v [B, T, H, V]."""
         n = self.config.qk_nope_head_dim
         kv = constrain(adapted(self, "kv_b", latent,
                                project("bsr,rhd->bshd", latent, self.wkv_b, KV_UP)), HEADS)
@@ -196,9 +192,10 @@ class MLA(nnx.Module):
 
 
 def padded_attention(attend, q: jax.Array, k: jax.Array, v: jax.Array, positions) -> jax.Array:
-    """``attend(q, k, v, positions)`` for v of another head dim than q and k: the narrower
-    side zero-padded to the wider, q rescaled to keep the softmax scale 1/sqrt(q's width)
-    (the module docstring); returns [B, S, H, V]."""
+    """``attend(q, k, v, positions)`` for v of another head dim than q and k; [B, S, H, V].
+
+    The narrower side is zero-padded; q is rescaled to keep the scale 1/sqrt(q's width).
+    """
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:
         v = _pad_last(v, dqk)
@@ -214,11 +211,11 @@ def _pad_last(x: jax.Array, width: int) -> jax.Array:
 
 def absorbed_attention(mla: MLA, q: jax.Array, positions: jax.Array, latent: jax.Array,
                        k_rope: jax.Array) -> jax.Array:
-    """Causal attention of q [B, S, H, N + P] (at ``positions`` [B, S]) over a cache of
-    latents [B, L, R] and rope keys [B, L, P] without expanding them (DeepSeek-V2's absorbed
-    form): q_nope's product with k_nope = c W_kvb_k is (q_nope W_kvb_k^T) c, and the values'
-    W_kvb_v is applied after the weighted sum of latents. Returns [B, S, H, V]; query at
-    position p sees slots 0..p. Scores and softmax in float32."""
+    """Causal attention of q [B, S, H, N + P] over latents [B, L, R] and rope keys [B, L, P].
+
+    DeepSeek-V2's absorbed form: no expansion. A query at p sees slots 0..p. Returns [B, S, H, V];
+    scores and softmax in float32.
+    """
     n = mla.config.qk_nope_head_dim
     w = weight(mla.wkv_b, KV_UP, q.dtype)  # [R, H, N + V]
     q_latent = jnp.einsum("bshn,rhn->bshr", q[..., :n], w[..., :n])

@@ -1,10 +1,9 @@
 """Mixture of experts: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token.
 
-Shapes: T tokens (B x S flattened), E d_model, X experts, k top_k, F d_ff_expert, C capacity.
-The router runs in float32, so top-k choices do not flip with rounding. On one device the
-layer runs here (:func:`local_experts`); under expert parallelism it calls the layout's
-``experts`` (:class:`jaxpar.model.annotate.Layout`, :mod:`jaxpar.parallel.expert`). The formulas,
-the dispatch rules and the statistics: docs/moe.md, "What one MoE layer computes".
+Shapes: T tokens (B x S flattened), E d_model, X experts, k top_k, F d_ff_expert, C capacity. The
+router runs in float32. One device runs :func:`local_experts`; expert parallelism plugs in through
+the layout's ``experts`` (:class:`jaxpar.model.annotate.Layout`). Formulas, dispatch and
+statistics: docs/moe.md, "What one MoE layer computes".
 """
 
 from __future__ import annotations
@@ -45,9 +44,11 @@ LAYER_STACKED = ("layer_expert_tokens",)
 
 
 class RouterBias(nnx.Variable):
-    """Per-expert bias added to the router scores before top-k (``router: sigmoid_bias``). Not an
-    ``nnx.Param``: the optimizer never sees it; the train step updates it from the measured load
-    (:func:`update_router_bias`)."""
+    """Per-expert bias added to the router scores before top-k (``router: sigmoid_bias``).
+
+    A buffer, not an ``nnx.Param``: the train step updates it from the load
+    (:func:`update_router_bias`).
+    """
 
 
 def _f32(x) -> jax.Array:
@@ -59,15 +60,13 @@ def _f32(x) -> jax.Array:
 
 
 def slot_positions(groups: jax.Array, num_groups: int) -> jax.Array:
-    """For slots [N] labelled with a group in [0, num_groups), each slot's rank among the
-    earlier slots of the same group (an exclusive running count, one column per group)."""
+    """Each slot's rank among earlier slots of its group (slots [N], groups in [0, num_groups))."""
     one_hot = jax.nn.one_hot(groups, num_groups, dtype=jnp.int32)
     return jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
 
 
 def choice_major_positions(expert_ids: jax.Array, num_experts: int) -> jax.Array:
-    """[T, k] -> each slot's place in its expert's queue, all first choices before any second
-    choice (so capacity drops a token's lower-ranked choices first)."""
+    """[T, k] -> each slot's place in its expert's queue, first choices before any second."""
     t, k = expert_ids.shape
     return slot_positions(expert_ids.T.reshape(t * k), num_experts).reshape(k, t).T
 
@@ -78,8 +77,7 @@ def expert_count(w: ExpertWeight) -> int:
 
 
 def adapted_matmul(matmul: Callable) -> Callable:
-    """``matmul(x, w)`` that also takes an adapted triple ``(w, A, B)``: ``x w + (x A) B``, each
-    product per expert, so an expert's adapter sees exactly the rows routed to it."""
+    """``matmul(x, w)``, or for a triple ``(w, A, B)``: ``x w + (x A) B``, per expert."""
 
     def product(x: jax.Array, w: ExpertWeight) -> jax.Array:
         if not isinstance(w, tuple):
@@ -98,8 +96,10 @@ def swiglu(x: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight, w_down: Exper
 
 
 def grouped_swiglu(rows: jax.Array, row_expert: jax.Array, weights: Weights) -> jax.Array:
-    """Run rows [N, E] through their experts (``row_expert`` [N]; X_local marks a padding row,
-    output zero): sorted by expert, one grouped matmul (``ragged_dot``), put back in order."""
+    """Rows [N, E] through their experts ``row_expert`` [N] by one ``ragged_dot``.
+
+    ``row_expert == X_local`` marks a padding row (output zero).
+    """
     num_local = expert_count(weights[0])
     order = jnp.argsort(row_expert, stable=True)  # padding (id X_local) sorts last
     group_sizes = jnp.bincount(row_expert, length=num_local).astype(jnp.int32)  # drops padding
@@ -112,7 +112,7 @@ def grouped_swiglu(rows: jax.Array, row_expert: jax.Array, weights: Weights) -> 
 
 
 def batched_swiglu(buffer: jax.Array, weights: Weights) -> jax.Array:
-    """[X_local, C, E] capacity buffer through expert x's weights, as one batched matmul."""
+    """An [X_local, C, E] capacity buffer through the experts, as one batched matmul."""
 
     def batched(x, w):
         return jnp.einsum("xce,xef->xcf", x, w)
@@ -121,7 +121,7 @@ def batched_swiglu(buffer: jax.Array, weights: Weights) -> jax.Array:
 
 
 def combine(slot_out: jax.Array, gates: jax.Array, dtype) -> jax.Array:
-    """[T, k, E] expert outputs weighted by their gates [T, k] and summed over k (in float32)."""
+    """[T, k, E] expert outputs weighted by gates [T, k], summed over k in float32."""
     return jnp.einsum("tke,tk->te", slot_out.astype(jnp.float32), gates).astype(dtype)
 
 
@@ -143,10 +143,8 @@ def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                      exchange: Exchange | None = None) -> tuple[jax.Array, dict]:
     """Capacity-limited experts: tokens [T, E], expert_ids/gates [T, k] -> [T, E].
 
-    Slot (t, j) goes to row ``pos`` of its expert in an [X, C, E] buffer; slots with ``pos >= C``
-    are dropped. ``exchange`` (an all-to-all over G devices; none on one) swaps the buffer's G
-    blocks, so each device holds the rows of its own experts, runs them as one batched matmul, and
-    the reverse exchange brings the results home. Dropped slots read zero.
+    Slots past capacity C are dropped and read zero. ``exchange`` (an all-to-all over G devices)
+    moves each buffer block to its experts' device and back.
     """
     t, k = expert_ids.shape
     e = tokens.shape[-1]
@@ -177,9 +175,11 @@ def dropping_experts(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: Weights, *,
                   dispatch: str, capacity_factor: float) -> tuple[jax.Array, dict]:
-    """The experts on one device: x [B, S, E], expert_ids/gates [B, S, k] -> ([B, S, E], stats),
-    ``weights`` as stored. Also the signature of the
-    :attr:`~jaxpar.model.annotate.Layout.experts` hook."""
+    """The experts on one device: x [B, S, E], expert_ids/gates [B, S, k] -> ([B, S, E], stats).
+
+    ``weights`` as stored. Also the signature of the :attr:`~jaxpar.model.annotate.Layout.experts`
+    hook.
+    """
     b, s, e = x.shape
     k = expert_ids.shape[-1]
     tokens, ids, g = x.reshape(b * s, e), expert_ids.reshape(b * s, k), gates.reshape(b * s, k)
@@ -197,8 +197,10 @@ def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``lax.top_k`` over the last axis (ties to the lower index), as a sort: XLA's partitioner
-    cannot split the TopK custom call over the batch and would all-gather every device's scores."""
+    """``lax.top_k`` over the last axis (ties to the lower index), as a sort.
+
+    Why a sort: docs/jax-notes.md, "Mesh and shardings".
+    """
     order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
     return jnp.take_along_axis(scores, order, axis=-1), order
 
@@ -223,8 +225,10 @@ def route(logits: jax.Array, moe: MoEConfig, bias: jax.Array | None
 
 
 def limit_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
-    """DeepSeek-V3's group-limited routing: each token keeps the ``topk_group`` groups of
-    consecutive experts whose two best scores sum highest; the others' scores become -inf."""
+    """DeepSeek-V3's group-limited routing: tokens keep their ``topk_group`` best groups.
+
+    docs/moe.md, "Group-limited routing"; the others' scores become -inf.
+    """
     if n_group == 1:
         return choice
     *lead, x = choice.shape
@@ -236,9 +240,11 @@ def limit_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    """Router + ``num_experts`` SwiGLU experts (+ optional shared experts). Expert weights are
-    stacked on ``experts`` (split over ``expert``), their hidden dimension ``mlp`` and model
-    dimension ``embed`` split as in the dense SwiGLU."""
+    """Router + ``num_experts`` SwiGLU experts (+ optional shared experts).
+
+    Expert weights are stacked on ``experts`` (split over ``expert``); ``mlp`` and ``embed`` split
+    as in the dense SwiGLU.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         moe = cfg.moe
@@ -256,7 +262,7 @@ class MoE(nnx.Module):
         self.config = moe
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """x [B, S, E] (laid out as a matmul input) -> (y [B, S, E], this layer's aux dict)."""
+        """x [B, S, E] (a matmul input) -> (y [B, S, E], this layer's aux dict)."""
         moe = self.config
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32),
                             weight(self.router, ("act_embed", None), jnp.float32))
@@ -294,8 +300,7 @@ class MoE(nnx.Module):
         return y, aux
 
     def _expert_weight(self, target: str, names: tuple[str, ...]) -> ExpertWeight:
-        """The experts' weight of ``target`` as stored, or with its LoRA adapter the triple
-        (w, A, B scaled by alpha / r) that :func:`adapted_matmul` multiplies."""
+        """The experts' ``target`` weight as stored, or with LoRA the triple (w, A, B alpha / r)."""
         w = stored_weight(getattr(self, f"w_{target}"), names)
         adapter = getattr(self, PREFIX + target, None)
         if adapter is None:
@@ -310,17 +315,20 @@ class MoE(nnx.Module):
 
 
 def moe_loss(aux: Mapping[str, jax.Array], moe: MoEConfig) -> jax.Array:
-    """The weighted auxiliary losses to add to the objective (0 for a dense model), from
-    ``aux``'s sums over one micro-step's MoE layers."""
+    """The weighted auxiliary losses to add (0 for a dense model).
+
+    From ``aux``'s sums over one micro-step's MoE layers.
+    """
     if not aux:
         return _f32(0)
     return moe.aux_loss_weight * aux["aux_loss"] + moe.z_loss_weight * aux["z_loss"]
 
 
 def update_router_bias(bias: jax.Array, layer_tokens: jax.Array, rate: float) -> jax.Array:
-    """Aux-loss-free balancing: ``b_i += rate * sign(mean load - load_i)`` for each layer
-    (``bias``, ``layer_tokens``: [MoE layers, X]). The gates, computed without the bias, are
-    unaffected."""
+    """Aux-loss-free balancing: ``b_i += rate * sign(mean load - load_i)`` per layer.
+
+    ``bias``, ``layer_tokens``: [MoE layers, X]. The gates ignore the bias.
+    """
     if bias.shape != layer_tokens.shape:
         raise ValueError(f"router bias {bias.shape} and expert load {layer_tokens.shape} differ")
     mean = jnp.mean(layer_tokens, axis=-1, keepdims=True)
@@ -329,7 +337,7 @@ def update_router_bias(bias: jax.Array, layer_tokens: jax.Array, rate: float) ->
 
 def moe_metrics(aux: Mapping[str, jax.Array], cfg: ModelConfig, micro_steps: int
                 ) -> dict[str, jax.Array]:
-    """Per-step numbers for ``metrics.jsonl``, from the aux dict summed over micro-steps."""
+    """Per-step numbers for ``metrics.jsonl`` from the aux dict summed over micro-steps."""
     layers = cfg.n_moe_layers * micro_steps
     tokens = jnp.sum(aux["layer_expert_tokens"], axis=0)  # [X], all MoE layers
     return {

@@ -1,9 +1,9 @@
-"""How layers multiply by their weights: :func:`weight`, :func:`project`, :func:`project_all`
-(the weight matmuls, one custom VJP) and :func:`lookup` (the embedding's gather).
+"""How layers multiply by their weights: :func:`weight`, :func:`project`, :func:`project_all`,
+:func:`lookup`.
 
-They turn a parameter as stored (float32, ``embed`` split over ``fsdp``) into the weight a
-matmul reads (compute dtype, gathered): FSDP's gather, and its reduce-scatter backward. Why
-every weight must come through here: docs/add-a-layer.md, "3. The projection helpers".
+They turn a parameter as stored (float32, ``embed`` split over ``fsdp``) into the weight a matmul
+reads (compute dtype, gathered), with a reduce-scatter backward. Why every weight must come through
+here: docs/add-a-layer.md, "3. The projection helpers".
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ MATMUL_INPUT = ("batch", "seq", "act_embed")  # entering the column-parallel mat
 def weight(param: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
     """A weight as a layer multiplies with it: in the compute dtype, laid out as ``names``.
 
-    ``act_embed`` in ``names`` is the stored ``embed``, whole. The change of layout is FSDP's
-    per-layer all-gather, in the compute dtype and written down, so the compiler never moves
-    activations instead. Its gradient goes back as a reduce-scatter over ``fsdp``.
+    ``act_embed`` in ``names`` is the stored ``embed``, whole: FSDP's per-layer all-gather, written
+    down so the compiler never moves activations instead. Its gradient is a reduce-scatter over
+    ``fsdp``.
     """
     return _used_weight(param[...], names, dtype)
 
 
 def summed_grad_dtype(dtype) -> jnp.dtype:
-    """The dtype of the weight gradients a layer in ``dtype`` hands to the sums:
-    :attr:`~jaxpar.model.annotate.Layout.weight_grad_dtype` where wider, else ``dtype``."""
+    """The dtype of a layer's weight gradients: the layout's ``weight_grad_dtype`` where wider than
+    ``dtype``.
+    """
     grad_dtype = current_layout().weight_grad_dtype
     wider = grad_dtype is not None and jnp.dtype(grad_dtype).itemsize > jnp.dtype(dtype).itemsize
     return jnp.dtype(grad_dtype if wider else dtype)
@@ -62,9 +63,11 @@ def _stored_names(names: tuple) -> tuple:
 
 
 class Projection(NamedTuple):
-    """One weight matmul ``einsum(spec, x, weight)``, the weight laid out as ``names``. Several
-    ``params`` of one shape are stacked on the letter ``t`` of ``spec`` (not in ``names``): one
-    matmul for all."""
+    """One weight matmul ``einsum(spec, x, weight)``, the weight laid out as ``names``.
+
+    Several ``params`` of one shape are stacked on ``spec``'s letter ``t`` (not in ``names``): one
+    matmul.
+    """
 
     spec: str
     params: tuple[nnx.Param, ...]
@@ -72,8 +75,7 @@ class Projection(NamedTuple):
 
 
 class Rebuild(NamedTuple):
-    """How a matmul's backward pass gets its input ``x`` back instead of keeping it: ``fn(*kept)``
-    (``fn`` hashable)."""
+    """How a matmul's backward pass rebuilds its input ``x``: ``fn(*kept)`` (``fn`` hashable)."""
 
     fn: Any
     kept: tuple
@@ -84,30 +86,26 @@ def _matmul_input(s: jax.Array) -> jax.Array:
 
 
 def sequence_slice(x: jax.Array) -> Rebuild:
-    """Keep each device's slice of the sequence of ``x`` and gather it again for the backward pass:
-    for a matmul input that no norm made (Megatron-SP)."""
+    """Keep each device's sequence slice of ``x``; gather it again backward (Megatron-SP).
+
+    For a matmul input that no norm made.
+    """
     return Rebuild(_matmul_input, (constrain(x, RESIDUAL),))
 
 
 def project(spec: str, x: jax.Array, param: nnx.Param, names: tuple[str, ...], *,
             x_from: Rebuild | None = None) -> jax.Array:
-    """``einsum(spec, x, weight)`` with :func:`weight`'s layout (``names``) and ``x``'s dtype:
-    :func:`project_all` of one projection."""
+    """:func:`project_all` of one projection: ``einsum(spec, x, weight)`` in ``x``'s dtype."""
     return project_all(x, (Projection(spec, (param,), tuple(names)),), x_from=x_from)[0]
 
 
 def project_all(x: jax.Array, projections: tuple[Projection, ...], *,
                 x_from: Rebuild | None = None) -> tuple[jax.Array, ...]:
-    """Every projection of the same ``x`` (q, k and v; gate and up), in ``x``'s dtype: one output
-    per parameter, in order.
+    """Every projection of the same ``x`` (q, k, v; gate, up), in ``x``'s dtype, in order.
 
-    One custom VJP fixes five things autodiff gets wrong for a large model: it reshards after the
-    forward pass, accumulates weight gradients in the layout's ``weight_grad_dtype``, stacks
-    weights of one shape into one matmul, keeps ``x_from.kept`` instead of ``x``, and writes each
-    weight gradient as its own matmul (:func:`_matmul_grads`). Each is explained in
-    docs/add-a-layer.md, "What the projection VJP fixes". In a pipeline stage (the layout's
-    ``weights_prepared``) each parameter is its own matmul (``_matmul``): stacking would stash a
-    copy per slot.
+    One custom VJP fixes five things autodiff gets wrong at scale: docs/add-a-layer.md, "What the
+    projection VJP fixes". In a pipeline stage (the layout's ``weights_prepared``) each parameter
+    is its own matmul: stacking would stash a copy per slot.
     """
     if current_layout().weights_prepared:
         return tuple(_matmul(p.spec.replace("t", ""), None, x, param[...])
@@ -136,8 +134,10 @@ class _Part(NamedTuple):
         return cls(p.spec, (*p.names[:at], None, *p.names[at:]), at, len(p.params))
 
     def operand_names(self) -> tuple[tuple, tuple]:
-        """The logical layouts of ``x`` and of the output, letter by letter: ``b`` and ``s`` the
-        tokens', every other letter its weight dimension's name."""
+        """The logical layouts of ``x`` and the output, per letter.
+
+        ``b`` and ``s``: the tokens'; every other letter its weight dimension's name.
+        """
         inputs, out = self.spec.split("->")
         x_spec, w_spec = inputs.split(",")
         name = {"b": "batch", "s": "seq", **dict(zip(w_spec, self.names, strict=True))}
@@ -223,17 +223,19 @@ _project.defvjp(_project_fwd, _project_bwd)
 
 
 def float32_logits(h: jax.Array, head: jax.Array) -> jax.Array:
-    """The loss's logits ``einsum("bse,ev->bsv", h, head)`` in float32, with :func:`_matmul_grads`
-    for the backward pass (autodiff would first transpose their float32 gradient,
-    ``[tokens, vocab]``)."""
+    """The loss's float32 logits ``einsum("bse,ev->bsv", h, head)``, backward by
+    :func:`_matmul_grads`.
+    """
     return _matmul("bse,ev->bsv", jnp.float32, h, head)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _matmul(spec: str, out_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``einsum(spec, x, w)`` (accumulated in ``out_dtype``; None: the inputs') with
-    :func:`_matmul_grads` for its backward pass. Its residuals are ``x`` and ``w`` as passed, so the
-    pipeline's stash recognises the weight as the stage's own and does not stash it."""
+    """``einsum(spec, x, w)`` accumulated in ``out_dtype`` (None: the inputs'), backward by
+    :func:`_matmul_grads`.
+
+    Its residuals are ``x`` and ``w`` as passed, so the pipeline's stash does not copy the weight.
+    """
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
 
 
@@ -252,8 +254,10 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def _matmul_grads(spec: str, out_dtype, x: jax.Array, w: jax.Array, dy: jax.Array, grad_dtype,
                   ) -> tuple[jax.Array, jax.Array]:
-    """(dx, dw) of ``einsum(spec, x, w)``: dx is its transpose in x, dw its own matmul ``x^T dy`` in
-    ``grad_dtype``. Autodiff's transposed copy of ``dy`` runs on a slower XLA:CPU kernel."""
+    """(dx, dw) of ``einsum(spec, x, w)``; dw is its own matmul ``x^T dy`` in ``grad_dtype``.
+
+    Why: docs/add-a-layer.md, "What the projection VJP fixes".
+    """
     (dx,) = jax.linear_transpose(
         lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=out_dtype), x)(dy)
     inputs, out = spec.split("->")
@@ -263,13 +267,11 @@ def _matmul_grads(spec: str, out_dtype, x: jax.Array, w: jax.Array, dy: jax.Arra
 
 def lookup(tokens: jax.Array, param: nnx.Param, names: tuple[str, ...], dtype,
            pieces: int = 1, *, vocab_shards: int = 1) -> jax.Array:
-    """Rows of the table ``param`` ([vocab, d_model], laid out as ``names`` when used) for int
-    ``tokens``, in ``dtype``: the embedding.
+    """Rows of the table ``param`` [vocab, d_model] for int ``tokens``, in ``dtype``: the embedding.
 
-    The forward pass is a gather: a vocab-parallel table is gathered by each device for the ids it
-    owns and summed over the shards. The backward pass is the one-hot matmul's weight gradient,
-    built from the tokens in ``pieces`` slices of the vocabulary, in ``parallel.reduce_dtype`` where
-    wider. Why, and the bytes: docs/attention-and-loss.md, "The embedding".
+    Forward: a gather (vocab-parallel: per owner, summed over shards). Backward: the one-hot
+    matmul's weight gradient, in ``pieces`` slices of the vocabulary, in ``parallel.reduce_dtype``
+    where wider. Why: docs/attention-and-loss.md, "The embedding".
     """
     w = param[...]
     stored = _stored_names(tuple(names))
@@ -300,8 +302,7 @@ def _lookup(how: _LookupVJP, tokens: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _rows_by_owner(how: _LookupVJP, table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The vocab-parallel gather: the table as ``[shards, V/shards, E]``, each token's row from its
-    owner's block."""
+    """The vocab-parallel gather: the table as ``[shards, V/shards, E]``, rows by owner."""
     rows = how.vocab_size // how.vocab_shards
     owner, local_id = jnp.divmod(tokens, rows)
     blocks = table.reshape(how.vocab_shards, rows, table.shape[-1])
@@ -310,9 +311,11 @@ def _rows_by_owner(how: _LookupVJP, table: jax.Array, tokens: jax.Array) -> jax.
 
 def owned_rows(blocks: jax.Array, owner: jax.Array, local_id: jax.Array,
                embed_name: str = "act_embed") -> jax.Array:
-    """Rows of a table split by rows into ``blocks`` [k, rows, E]: token ``t``'s row is
-    ``blocks[owner[t], local_id[t]]``, zeros where ``owner`` is -1. Each block is gathered where it
-    is held, and the sum over the blocks, ``[tokens, E]``, is the one collective."""
+    """Rows of a table split into ``blocks`` [k, rows, E]: token t's is ``blocks[owner[t],
+    local_id[t]]``.
+
+    Zeros where ``owner`` is -1. The sum over blocks, ``[tokens, E]``, is the one collective.
+    """
     blocks = constrain(blocks, ("vocab", None, embed_name))
     gathered = jax.vmap(lambda block: jnp.take(block, local_id, axis=0))(blocks)
     gathered = constrain(gathered, ("vocab", "batch", "seq", embed_name))
@@ -335,12 +338,10 @@ def _lookup_bwd(how, tokens, dy):
 
 def one_hot_weight_grad(row_ids: jax.Array, tokens: jax.Array, dy: jax.Array, pieces: int,
                         grad_dtype: Any, names: tuple | None = None) -> jax.Array:
-    """The gradient of the rows ``row_ids`` [R] of an embedding table: ``one_hot(tokens)^T dy`` [R,
-    E] in ``grad_dtype``, built for ``pieces`` strided slices of the rows one after another.
+    """``one_hot(tokens)^T dy`` [R, E] for rows ``row_ids`` [R], in ``grad_dtype``.
 
-    Slice k holds rows k, k + n, ...: where devices hold the rows in blocks that n divides, every
-    slice's rows are a device's own. Each slice takes the table's layout (``names``) as soon as it
-    is made, so no whole unreduced [R, E] gradient exists.
+    Built in ``pieces`` strided slices (rows k, k + n, ...), each laid out as ``names`` at once, so
+    no whole unreduced [R, E] gradient exists.
     """
     n = pieces
 
@@ -361,9 +362,10 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def add_bias(y: jax.Array, param: nnx.Param, names: tuple[str, ...]) -> jax.Array:
-    """``y`` plus the bias ``param`` (laid out as ``names``), in ``y``'s dtype. Its gradient, a sum
-    over the tokens, is taken in :func:`summed_grad_dtype` (autodiff would sum bf16 in a bf16
-    run)."""
+    """``y`` plus the bias ``param`` (laid out as ``names``), in ``y``'s dtype.
+
+    Its gradient sums over tokens in :func:`summed_grad_dtype`, not bf16.
+    """
     b = param[...]
     if current_layout().weights_prepared:
         return y + b

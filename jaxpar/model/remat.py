@@ -1,11 +1,9 @@
 """What a layer keeps for its backward pass: ``train.remat`` and ``train.remat_every``.
 
-Autodiff keeps every intermediate a layer's backward pass reads (``none``). A policy keeps fewer,
-and the backward pass recomputes the rest from the layer's input, which every policy keeps
-(``jax.checkpoint`` around one scanned unit): ``full`` nothing else, ``dots`` the weight matmuls'
-outputs, ``attention`` what attention reads and writes (by name: :data:`ATTENTION_SAVED`),
-``offload_dots`` what ``dots`` keeps, in host memory. ``remat_every = k`` applies the policy to the
-first unit of every k, and the layer loop scans groups of k units. What each keeps and recomputes:
+A policy keeps fewer intermediates than autodiff (``none``); the backward pass recomputes the rest
+from the layer's input. ``full`` keeps nothing else, ``dots`` the weight matmuls' outputs,
+``attention`` what attention reads and writes (:data:`ATTENTION_SAVED`), ``offload_dots`` what
+``dots`` keeps, in host memory. ``remat_every = k`` applies the policy to one unit in k. Details:
 docs/memory.md, "Remat policies".
 """
 
@@ -36,8 +34,7 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 
 
 def named(name: str, *xs: jax.Array) -> tuple[jax.Array, ...]:
-    """``xs`` tagged with ``name`` for the policies that select by name (the identity
-    otherwise)."""
+    """``xs`` tagged ``name`` for the policies that select by name (else the identity)."""
     return tuple(checkpoint_name(x, name) for x in xs)
 
 
@@ -49,8 +46,10 @@ def rematted(fn: Callable, remat: str) -> Callable:
 
 @dataclass(frozen=True)
 class Remat:
-    """``train.remat`` and ``train.remat_every`` together: the policy of one unit in every
-    ``every`` (the others keep everything)."""
+    """``train.remat`` and ``train.remat_every``: the policy of one unit in ``every``.
+
+    The other units keep everything.
+    """
 
     policy: str = "none"
     every: int = 1

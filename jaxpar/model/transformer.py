@@ -1,11 +1,9 @@
 """The decoder: token embedding, a scanned stack of blocks, final norm, output projection, loss.
 
-The blocks are created with ``nnx.vmap`` (each parameter gets a leading ``layers`` dimension)
-and run with ``jax.lax.scan``, so compile time does not grow with ``n_layers``. With a
-mixture of experts the scanned unit is a *group* of ``moe.every`` blocks, the last one MoE
-(``layers/moe/...``, or ``layers/block_0/mlp/...``, ``layers/block_1/moe/...``); DeepSeek's
-``moe.first_dense`` blocks are a second stack, ``dense_layers``, scanned first
-(docs/moe.md).
+The blocks are made by ``nnx.vmap`` (parameters get a leading ``layers`` axis) and run by
+``jax.lax.scan``, so compile time does not grow with depth. With a mixture of experts the scanned
+unit is a group of ``moe.every`` blocks; ``moe.first_dense`` blocks are a second stack,
+``dense_layers`` (docs/moe.md, "Keys").
 """
 
 from __future__ import annotations
@@ -42,15 +40,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + ffn(norm(x)), where ffn is the SwiGLU
-    MLP, or with ``moe=True`` a mixture of experts (:class:`jaxpar.model.moe.MoE`). With
-    ``model.post_norms`` (Gemma's "sandwich"), each branch's output is normed too before the
-    add: x + post_norm(attn(norm(x))).
+    """Pre-norm decoder block: x + attn(norm(x)), then + ffn(norm(x)).
 
-    Between blocks the residual stream is laid out as ``RESIDUAL`` (its tokens split over
-    ``tensor`` too under sequence parallelism); the matmul inputs are laid out as ``seq``. The
-    change of layout is where the compiler puts the all-gather (entering) and reduce-scatter
-    (leaving) of Megatron-SP, or, without SP, the all-reduce of the row-parallel output.
+    ffn: SwiGLU, or with ``moe=True`` :class:`jaxpar.model.moe.MoE`. ``model.post_norms`` (Gemma): x
+    + post_norm(attn(norm(x))). The residual stream is ``RESIDUAL``, the matmul inputs ``seq``
+    (docs/add-a-layer.md, "4. Activations and hooks").
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
@@ -77,15 +71,16 @@ class Block(nnx.Module):
         return x + self._post_norm("mlp_post_norm", out), aux
 
     def _post_norm(self, name: str, out: jax.Array) -> jax.Array:
-        """A branch's output in the residual stream's layout, normed there (where sequence
-        parallelism splits its tokens) under ``model.post_norms``."""
+        """A branch's output normed in the residual stream's layout (``model.post_norms``)."""
         out = constrain(out, RESIDUAL)
         return getattr(self, name)(out) if hasattr(self, name) else out
 
 
 class BlockGroup(nnx.Module):
-    """``moe.every`` consecutive blocks, the scanned unit of a MoE model with ``every > 1``:
-    ``block_0`` .. ``block_{every-2}`` dense, ``block_{every-1}`` with the MoE layer."""
+    """``moe.every`` consecutive blocks, the scanned unit of a MoE model with ``every > 1``.
+
+    The last, ``block_{every-1}``, holds the MoE layer.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.size = cfg.moe.every
@@ -99,22 +94,26 @@ class BlockGroup(nnx.Module):
 
 
 def layer_units(cfg: ModelConfig) -> int:
-    """Length of the stacked ``layers`` dimension: blocks, or groups of ``moe.every`` blocks
-    (after the ``moe.first_dense`` blocks of ``dense_layers``)."""
+    """Length of the ``layers`` stack: blocks, or groups of ``moe.every`` blocks.
+
+    The ``moe.first_dense`` blocks are not counted (``dense_layers``).
+    """
     if not cfg.moe.enabled:
         return cfg.n_layers
     return (cfg.n_layers - cfg.moe.first_dense) // cfg.moe.every
 
 
 def dense_units(cfg: ModelConfig) -> int:
-    """Length of the ``dense_layers`` stack: the dense blocks before the mixtures (0: none)."""
+    """Length of the ``dense_layers`` stack (0: none)."""
     return cfg.moe.first_dense if cfg.moe.enabled else 0
 
 
 def layer_is_local(cfg: ModelConfig) -> np.ndarray:
-    """int32 [n_layers]: 1 for a layer that attends within ``sliding_window``, 0 for a global
-    one. Counting from 1, layers ``global_every``, ``2 global_every``, ... are global (Gemma 2:
-    every 2nd, Gemma 3: every 6th); ``global_every=0``: every layer local (Mistral)."""
+    """int32 [n_layers]: 1 for a layer within ``sliding_window``, 0 for a global one.
+
+    Counting from 1, layers ``global_every``, ``2 global_every``, ... are global;
+    ``global_every=0``: every layer local.
+    """
     n = cfg.n_layers
     if cfg.sliding_window is None:
         return np.zeros(n, np.int32)
@@ -124,9 +123,10 @@ def layer_is_local(cfg: ModelConfig) -> np.ndarray:
 
 
 def unit_is_local(cfg: ModelConfig, block: int = 0, stack: str = "layers") -> np.ndarray:
-    """int32 [units]: :func:`layer_is_local` of block ``block`` of every scanned unit of
-    ``stack``. The layers are counted across both stacks: the ``dense_layers`` (DeepSeek's
-    first dense blocks) are the model's first layers, ``layers`` the rest."""
+    """int32 [units]: :func:`layer_is_local` of block ``block`` of each unit of ``stack``.
+
+    Layers count across both stacks: ``dense_layers`` first, then ``layers``.
+    """
     flags, first = layer_is_local(cfg), dense_units(cfg)
     if stack == "dense_layers":
         return flags[:first]
@@ -134,10 +134,10 @@ def unit_is_local(cfg: ModelConfig, block: int = 0, stack: str = "layers") -> np
 
 
 def initial_buffers(cfg: ModelConfig, like: dict) -> dict:
-    """The model's buffers as a fresh model holds them, for the nested dict ``like`` (their
-    shapes and dtypes, e.g. a train state's abstract buffers, in the model's layer order):
-    the layers' :class:`~jaxpar.model.layers.LocalLayer` flags, zeros elsewhere (MoE router
-    biases)."""
+    """A fresh model's buffers, shaped as the nested dict ``like`` (in layer order).
+
+    The :class:`~jaxpar.model.layers.LocalLayer` flags; zeros elsewhere (MoE router biases).
+    """
     def value(path, a):
         keys = [getattr(p, "key", p) for p in path]
         if keys[-1] != "local":
@@ -149,8 +149,10 @@ def initial_buffers(cfg: ModelConfig, like: dict) -> dict:
 
 
 def complete_buffers(cfg: ModelConfig, buffers: dict) -> dict:
-    """``buffers`` plus the initial value of each buffer they lack: a weights-only checkpoint
-    of a Hugging Face import holds parameters only, and the window flags follow the config."""
+    """``buffers`` plus the initial value of each buffer they lack.
+
+    A Hugging Face import's weights-only checkpoint holds none; window flags follow the config.
+    """
     _, _, abstract = nnx.split(abstract_model(cfg), nnx.Param, ...)
 
     def merged(fresh, given):
@@ -168,7 +170,7 @@ def _make_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def _stack(units: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
-    """``units`` modules made by ``make``, each parameter stacked on a leading ``layers`` axis."""
+    """``units`` modules made by ``make``, stacked on a leading ``layers`` axis."""
 
     @nnx.split_rngs(splits=units)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -195,9 +197,10 @@ def _set_local_flags(model: nnx.Module, cfg: ModelConfig) -> None:
 
 def _vocab_param(rngs: nnx.Rngs, cfg: ModelConfig, rows: int, name: str, std: float
                  ) -> nnx.Param:
-    """The embedding [rows, d_model] (or the head [d_model, rows]): the true vocabulary drawn
-    as without padding (the same values whatever the layout pads), zeros in the padding
-    (:mod:`jaxpar.model.vocab`)."""
+    """The embedding [rows, d_model] (or head [d_model, rows]), zeros in the padding.
+
+    The true vocabulary is drawn as without padding, so any layout gets the same values.
+    """
     axis = VOCAB_AXIS[name]
     shape = [cfg.d_model, cfg.d_model]
     shape[axis] = cfg.vocab_size
@@ -207,9 +210,11 @@ def _vocab_param(rngs: nnx.Rngs, cfg: ModelConfig, rows: int, name: str, std: fl
 
 
 class Transformer(nnx.Module):
-    """``vocab_rows``: the embedding's rows and the head's columns, ``model.vocab_size`` or more
-    (:meth:`jaxpar.config.Config.vocab_rows` pads for a layout); the padding's logits are
-    masked (:mod:`jaxpar.model.vocab`)."""
+    """``vocab_rows``: the embedding's rows and head's columns, ``model.vocab_size`` or more.
+
+    Padding: :meth:`jaxpar.config.Config.vocab_rows`; its logits are masked
+    (:mod:`jaxpar.model.vocab`).
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, vocab_rows: int | None = None):
         self.cfg = cfg
@@ -227,9 +232,11 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Positions, *, dtype=jnp.float32,
                  remat: Remat | str = "none") -> tuple[jax.Array, Aux]:
-        """tokens, positions: int32 [B, S] (or positions as a mask description of packed
-        documents, :mod:`jaxpar.model.mask`) -> (float32 logits [B, S, vocab], aux of
-        :meth:`run_layers`)."""
+        """tokens, positions: int32 [B, S] -> (float32 logits [B, S, vocab], aux of
+        :meth:`run_layers`).
+
+        ``positions`` may be a mask description (:mod:`jaxpar.model.mask`).
+        """
         x = self.embed(tokens, dtype=dtype)
         x, aux = self.run_layers(x, positions, remat=remat)
         return self.logits(x, dtype=dtype), aux
@@ -251,16 +258,13 @@ class Transformer(nnx.Module):
 
     def run_layers(self, x: jax.Array, positions: Positions, *, remat: Remat | str = "none",
                    dense: bool = True) -> tuple[jax.Array, Aux]:
-        """Every unit of ``self.layers`` in order, as one ``lax.scan``.
+        """Every unit of ``self.layers`` in order, as one ``lax.scan``: (residual stream, ``aux``).
 
-        Returns the residual stream and ``aux``, the MoE layers' float32 losses and statistics
-        (``{}`` for a dense model): each entry summed over the units, except those in
-        :data:`jaxpar.model.moe.LAYER_STACKED` (``layer_expert_tokens`` [units, experts]),
-        which keep one row per unit, in stack order, because the router-bias update needs each
-        layer's own load. (A model merged with a slice of ``layers`` returns that slice's rows:
-        concatenate them over pipeline stages; add everything else.) ``dense=False`` leaves out
-        ``dense_layers`` (a pipeline runs them before its stages:
-        :mod:`jaxpar.parallel.pipeline.executor`).
+        ``aux``: the MoE layers' float32 losses and statistics (``{}`` if dense), summed over units.
+        :data:`jaxpar.model.moe.LAYER_STACKED` entries keep one row per unit: the router-bias update
+        needs each layer's load. A model holding a slice of ``layers`` returns that slice's rows
+        (concatenate over stages). ``dense=False``: skip ``dense_layers`` (a pipeline runs them
+        first).
         """
         if dense and hasattr(self, "dense_layers"):
             x, _ = scan_stack(self.dense_layers, x, positions, remat, stack_id=1)
@@ -279,7 +283,7 @@ class Transformer(nnx.Module):
         return Edges(self.cfg, self.embedding.shape[0])
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
-        """The residual stream after the final norm: what the output head multiplies."""
+        """The residual stream after the final norm: what the head multiplies."""
         return constrain(self.final_norm(x), HIDDEN)
 
     def head(self, dtype=jnp.float32) -> jax.Array:
@@ -290,11 +294,11 @@ class Transformer(nnx.Module):
 
 def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: Remat | str,
                stack_id: int = 0) -> tuple[jax.Array, Aux]:
-    """The units of one stacked module in order, as one ``lax.scan`` (aux stacked per unit),
-    each under ``remat``'s policy, or with ``remat.every = k`` one in every k
-    (:mod:`jaxpar.model.remat`: the scan then runs groups of k units). Under LoRA dropout each
-    unit's adapters get the step's key folded with (``stack_id``, the unit's index), so that
-    every layer draws its own masks."""
+    """The units of one stacked module in order, as one ``lax.scan`` (aux stacked per unit).
+
+    Each unit under ``remat``'s policy (:mod:`jaxpar.model.remat`). Under LoRA dropout each unit
+    folds (``stack_id``, its index) into the key: every layer draws its own masks.
+    """
     remat = Remat.of(remat)
     graphdef, stacked = nnx.split(stack)
     dropout = current_layout().lora_dropout
@@ -332,9 +336,10 @@ def scan_stack(stack: nnx.Module, x: jax.Array, positions: Positions, remat: Rem
 
 def create_model(cfg: ModelConfig, seed: int, lora: LoraConfig | None = None, *,
                  vocab_rows: int | None = None) -> Transformer:
-    """A concrete model (call under ``jax.jit`` with ``out_shardings`` to create it sharded),
-    with ``lora``'s adapters (:mod:`jaxpar.model.lora`) when given, its vocabulary padded to
-    ``vocab_rows`` (None: unpadded; a layout's: ``Config.vocab_rows()``)."""
+    """A concrete model; call under ``jax.jit`` with ``out_shardings`` to create it sharded.
+
+    With ``lora``'s adapters when given. ``vocab_rows`` None: unpadded.
+    """
     with nnx.use_eager_sharding(False):
         model = Transformer(cfg, nnx.Rngs(params=seed), vocab_rows)
         return model if lora is None else add_adapters(model, lora, seed)

@@ -1,7 +1,7 @@
 """Expert parallelism: the experts of every MoE layer split over the ``expert`` mesh axis.
 
-Outside the experts, ``expert`` is one more data-parallel axis. Through the
-``experts_override`` hook, per device in ``shard_map``: an all-to-all over ``expert`` sends each
+Outside the experts, ``expert`` is one more data-parallel axis. Through the layout's ``experts``
+hook, per device in ``shard_map``: an all-to-all over ``expert`` sends each
 slot to its expert's device, the local experts run, the reverse all-to-all brings results back.
 Layout, padding per ``moe.dispatch``, bytes: docs/moe.md, "Expert parallelism".
 """

@@ -1,3 +1,5 @@
-"""Reading optimized HLO text: :mod:`.text` (instructions, computations, loop trip counts),
-:mod:`.groups` (replica groups onto mesh axes), :mod:`.collectives` (each collective's kind,
-axes and bytes), :mod:`.flops` (matmul flops), :mod:`.buffers` (the largest arrays)."""
+"""Reading optimized HLO text: instructions and trip counts, replica groups, collectives, flops,
+buffers.
+
+:mod:`.text`, :mod:`.groups`, :mod:`.collectives`, :mod:`.flops`, :mod:`.buffers`.
+"""

@@ -1,12 +1,7 @@
 """The largest arrays a compiled program materialises: what its temp memory is made of.
 
-``memory_analysis()`` gives totals; the shapes of the biggest buffers say *what* they are: an
-``f32[..., S, S]`` is a score matrix (dense attention), an ``[tokens, vocab]`` one the logits or a
-one-hot. An instruction's result is a buffer unless it lives inside a fusion (fused values stay in
-registers or cache), only renames another buffer (``bitcast``, ``get-tuple-element``, ``tuple``)
-or is a computation's parameter (the caller's buffer). Each array is counted once per shape and
-dtype, with the number of instructions producing one: whether they are alive at the same time is
-the buffer assigner's business, which the text does not record.
+The shapes say *what* the biggest buffers are: ``f32[..., S, S]`` scores, ``[tokens, vocab]`` logits
+or a one-hot. Which results count as buffers: docs/inspect.md, "Reading collectives".
 """
 
 from __future__ import annotations
@@ -21,8 +16,10 @@ _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
 def largest_arrays(hlo: str, count: int = 3) -> list[dict[str, Any]]:
-    """The ``count`` largest array shapes the program's instructions produce, biggest first:
-    ``{"array": "f32[2,2048,2048]", "bytes": ..., "instructions": n, "opcode": ...}``."""
+    """The ``count`` largest array shapes the program's instructions produce, biggest first.
+
+    ``{"array": "f32[2,2048,2048]", "bytes": ..., "instructions": n, "opcode": ...}``.
+    """
     module = parse_module(hlo)
     fused = {m.group(1) for comp in module.computations.values()
              for instr in comp.instrs.values() if instr.opcode == "fusion"

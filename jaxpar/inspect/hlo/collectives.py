@@ -1,11 +1,9 @@
 """Which collectives did the compiler emit, over which mesh axes, moving how many bytes?
 
-`parse_collectives` reads compiled HLO text (per-device shapes) into one `Collective` per
-instruction, described logically: the kind, its payload, the mesh axes its groups span.
-`summarize_collectives` folds them into the per-step rows of `jaxpar inspect --json`. Logical,
-because each backend and XLA version spells the same communication differently: an async pair
-counts once, an all-reduce cut to shards is a `reduce-scatter` (`lowered_as` keeps the
-spelling). The spellings: docs/jax-notes.md, "How compiled HLO spells collectives".
+`parse_collectives` reads compiled HLO text (per-device shapes) into one logical `Collective` per
+instruction: kind, payload, mesh axes. `summarize_collectives` folds them into the per-step rows of
+`jaxpar inspect --json`. Logical, because backends spell one communication differently (`lowered_as`
+keeps the spelling): docs/jax-notes.md, "How compiled HLO spells collectives".
 """
 
 from __future__ import annotations
@@ -92,10 +90,8 @@ _PASS_THROUGH = {
 def _only_sliced(module: Module, comp: Computation, name: str, group_size: int) -> bool:
     """Is the value `name` only ever cut down to 1/group_size (or less) by dynamic-slices?
 
-    Follows the value through layout-only ops and into and out of fusions. Any other use,
-    including being returned from a non-fusion computation, sees the full result. The slice
-    offsets are not checked: in a scanned layer stack XLA hoists their partition-id arithmetic
-    out of the loop, and a constant offset would have been simplified into a `slice`.
+    Followed through layout-only ops and fusions; any other use sees the full result. Offsets are
+    not checked: XLA hoists them out of scanned loops.
     """
     # (computation, value, fusion instructions we entered, outermost first)
     stack: list[tuple[Computation, str, tuple[tuple[Computation, Instr], ...]]]
@@ -132,10 +128,9 @@ def _only_sliced(module: Module, comp: Computation, name: str, group_size: int) 
 
 
 def _sliced_elements(module: Module, comp: Computation, instr: Instr, n: int) -> set[int]:
-    """Which results of an all-reduce are only used cut down to 1/n (see `_only_sliced`).
+    """Which results of an all-reduce are only used cut down to 1/n (`_only_sliced`).
 
-    A one-operand all-reduce is all or nothing. A combined (tuple) all-reduce is judged element
-    by element, through its get-tuple-element users; any other use of the tuple sees it all.
+    A combined (tuple) all-reduce is judged element by element through its get-tuple-elements.
     """
     if len(instr.operands) <= 1:
         return {0} if _only_sliced(module, comp, instr.name, n) else set()
@@ -154,8 +149,7 @@ def _sliced_elements(module: Module, comp: Computation, instr: Instr, n: int) ->
 
 
 def _padded_elements(module: Module, comp: Computation, instr: Instr, n: int) -> set[int]:
-    """Which operands of an all-reduce are one device's shard written into zeros, 1/n of them:
-    an all-gather spelled as a sum (see `_is_padded_shard`)."""
+    """Which operands of an all-reduce are one device's 1/n shard written into zeros."""
     return {i for i, name in enumerate(instr.operands)
             if _is_padded_shard(module, comp, name, n)}
 
@@ -168,9 +162,10 @@ def _source(module: Module, comp: Computation, name: str,
             entered: tuple[tuple[Computation, Instr], ...] = (),
             through: frozenset[str] = frozenset(_FORWARDING),
             ) -> tuple[Computation, Instr | None, tuple[tuple[Computation, Instr], ...]]:
-    """The instruction that produces `name`, read back through `through` ops, into the root of a
-    fusion that produces it, and out of a fused computation's parameters to the fusion's operand
-    (`entered`: the fusions stepped into, outermost first)."""
+    """The instruction producing `name`, read back through `through` ops and fusion boundaries.
+
+    `entered`: the fusions stepped into, outermost first.
+    """
     for _ in range(64):
         instr = comp.instrs.get(name)
         if instr is None:
@@ -202,13 +197,10 @@ def _is_zero(module: Module, comp: Computation, name: str,
 
 
 def _is_padded_shard(module: Module, comp: Computation, name: str, n: int) -> bool:
-    """Is `name` a `dynamic-update-slice` of 1/n of its elements into a buffer of zeros?
+    """Is `name` a `dynamic-update-slice` of 1/n of its elements into zeros?
 
-    The SPMD partitioner's fallback for an all-gather (and the TPU compiler's choice for FSDP
-    weights on some slices): each device writes its shard at its own offset into zeros, and an
-    all-reduce over the n devices sums the shards into the whole array. On TPU the update is
-    usually fused (a kLoop fusion whose root is the dynamic-update-slice, the zeros passed in
-    as a broadcast operand). The offsets are not checked, as for `_only_sliced`.
+    An all-gather spelled as a sum (docs/jax-notes.md, "How compiled HLO spells collectives"). On
+    TPU usually fused; offsets are not checked.
     """
     comp, instr, entered = _source(module, comp, name)
     if instr is None or instr.opcode != "dynamic-update-slice" or len(instr.operands) < 2:
@@ -223,9 +215,11 @@ def _is_padded_shard(module: Module, comp: Computation, name: str, n: int) -> bo
 def _split_combined(
     comp: Computation, instr: Instr, kinds: dict[int, str], n: int, axes: tuple[str, ...]
 ) -> list[Collective]:
-    """One logical collective per kind among the elements of an all-reduce (`kinds`: element ->
-    'all-gather' for zero-padded shards, 'reduce-scatter' for sliced results, 'all-reduce');
-    a combined all-reduce whose elements differ is split, its parts named by element."""
+    """One logical collective per kind among an all-reduce's elements.
+
+    `kinds`: element -> 'all-gather', 'reduce-scatter' or 'all-reduce'. A mixed combined all-reduce
+    is split.
+    """
     out = []
     whole = len(set(kinds.values())) == 1
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
@@ -274,8 +268,7 @@ def _is_tpu_reduce_scatter_fusion(module: Module, instr: Instr) -> bool:
 
 
 def _payload_bytes(comp: Computation, instr: Instr, base: str) -> tuple[int, str]:
-    """Bytes and dtype of the data an instruction sends, from its operands (never its result,
-    which for `-start` ops is a tuple of operand and output buffers)."""
+    """Bytes and dtype an instruction sends, from its operands (never its `-start` tuple result)."""
     indices = range(len(instr.operands))
     if base == "ragged-all-to-all":
         # (input, output, offsets and sizes...). The sizes are data, so what travels is not
@@ -345,9 +338,10 @@ def _tpu_reduce_scatter(
 
 def _collectives_of(module: Module, comp: Computation, instr: Instr, base: str, mesh: MeshIds,
                     layout: Layout) -> list[Collective]:
-    """The logical collective(s) of one collective instruction whose opcode is ``base`` (or
-    ``base-start``): its payload, its groups' mesh axes, and what XLA:CPU's all-reduce +
-    dynamic-slice really is."""
+    """The logical collective(s) of one instruction of opcode ``base`` (or ``base-start``).
+
+    Its payload, its groups' mesh axes, and what XLA:CPU's all-reduce + dynamic-slice really is.
+    """
     payload, dtype = _payload_bytes(comp, instr, base)
     if base == "collective-permute":
         pairs = permute_pairs(instr, layout, mesh)
@@ -381,10 +375,8 @@ def parse_collectives(
 ) -> list[Collective]:
     """The collectives of a compiled HLO module, in text order, mapped onto `mesh_shape`.
 
-    `mesh_shape` is the ordered mesh (`dict(mesh.shape)`); `device_ids` is
-    `[d.id for d in mesh.devices.flat]` (default `range(n)`), needed only when the text names
-    physical device ids rather than logical ones (see the module docstring). A branch of a
-    conditional counts as running on every call.
+    `mesh_shape`: `dict(mesh.shape)`. `device_ids`: `[d.id for d in mesh.devices.flat]` (default
+    `range(n)`), needed only for physical ids. A conditional's branch counts as run on every call.
     """
     mesh = as_mesh(mesh_shape, device_ids)
     module = parse_module(hlo_text)
@@ -433,11 +425,10 @@ def parse_collectives(
 
 
 def summarize_collectives(cs: Sequence[Collective]) -> list[dict]:
-    """One row per (kind, axes), sorted by kind then axes: the `collectives` of inspect --json.
-    Over several slices the rows are per (kind, axes, network), with a `network` field.
+    """One row per (kind, axes), sorted: the `collectives` of inspect --json.
 
-    `count`, `bytes` and `wire_bytes` are per step (each collective times its `executions`);
-    `instructions` is how many collective instructions the program text holds.
+    Over several slices, per (kind, axes, network). `count`, `bytes`, `wire_bytes` are per step;
+    `instructions` counts the program text's.
     """
     rows: dict[tuple[str, tuple[str, ...], str], dict] = {}
     for c in cs:

@@ -1,14 +1,9 @@
 """Matmul flops of a compiled program, counted per execution (loop trip counts included).
 
-``compiled.cost_analysis()['flops']`` counts a while-loop body once, so it cannot compare a scanned
-program with an unrolled one. This walks the optimized HLO instead: every ``dot`` costs 2 x (output
-elements) x (contracted elements), every ``convolution`` (the TPU compiler's matmuls) 2 x (output
-elements) x (kernel input features) x (kernel taps inside the input), times how often its
-computation runs per step.
-
-A conditional counts as its costliest branch: exact where every execution takes a branch of the same
-cost, an upper bound elsewhere. So the flash kernels' ``lax.switch`` over a block's kind counts
-every block of ring or all-gather attention, as if none were skipped.
+``cost_analysis()['flops']`` counts a loop body once, so this walks the optimized HLO instead: each
+``dot`` and ``convolution``, times how often its computation runs. A conditional counts as its
+costliest branch, so skipped attention blocks are counted. The rules: docs/inspect.md, "Reading
+collectives".
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ def _dot_flops(comp: Computation, instr: Instr) -> float:
 
 
 def _window(instr: Instr, spatial: int) -> dict[str, list]:
-    """``window={size=4x1 stride=2x1 pad=3_3x0_0 lhs_dilate=.. rhs_dilate=..}``, per spatial dim,
-    with XLA's defaults for what is left out."""
+    """``window={size=4x1 stride=2x1 pad=3_3x0_0 ...}`` per spatial dim, with XLA's defaults."""
     fields = {"size": [1] * spatial, "stride": [1] * spatial, "pad": [(0, 0)] * spatial,
               "lhs_dilate": [1] * spatial, "rhs_dilate": [1] * spatial}
     m = _WINDOW_RE.search(instr.attrs)
@@ -53,9 +47,10 @@ def _window(instr: Instr, spatial: int) -> dict[str, list]:
 
 def _valid_taps(size_in: int, size_out: int, kernel: int, stride: int, pad_low: int,
                 lhs_dilate: int, rhs_dilate: int) -> int:
-    """How many (output position, kernel position) pairs of one spatial dimension read a real
-    input element rather than padding: the TPU compiler writes some dots as convolutions whose
-    window mostly overhangs a size-1 input (``window={size=4 pad=3_3}``)."""
+    """(output, kernel) position pairs of one dimension that read input, not padding.
+
+    The TPU compiler writes some dots as convolutions overhanging a size-1 input.
+    """
     dilated = (size_in - 1) * lhs_dilate + 1
     total = 0
     for k in range(kernel):
@@ -72,8 +67,9 @@ def _valid_taps(size_in: int, size_out: int, kernel: int, stride: int, pad_low: 
 
 
 def _convolution_flops(comp: Computation, instr: Instr) -> float:
-    """2 x multiply-adds: per output batch and feature, every kernel input feature times every
-    kernel tap over the input (feature and batch groups split features and batch, not this)."""
+    """2 x multiply-adds: per output batch and feature, kernel input features x taps inside the
+    input.
+    """
     labels = attr(instr, "dim_labels") or ""
     lhs_labels, _, rest = labels.partition("_")
     rhs_labels, _, out_labels = rest.partition("->")
@@ -104,8 +100,10 @@ def own_flops(comp: Computation, instr: Instr) -> float:
 
 def instruction_flops(module: Module, comp: Computation, instr: Instr,
                       memo: dict[str, float]) -> float:
-    """One execution of ``instr`` with everything it calls: a fusion's fused matmuls, a loop's
-    body times its trip count, a conditional's costliest branch. ``memo`` caches computations."""
+    """One execution of ``instr`` with everything it calls; ``memo`` caches computations.
+
+    A fusion's matmuls, a loop's body times its trip count, a conditional's costliest branch.
+    """
     total = own_flops(comp, instr)
     branches = []
     for callee, times, branch in called(module, comp, instr):
@@ -129,7 +127,6 @@ def _flops(module: Module, name: str, memo: dict[str, float]) -> float:
 
 
 def dot_flops(hlo_text: str) -> float:
-    """Per-device matmul flops (dots and convolutions) of one call of the program in
-    ``hlo_text``."""
+    """Per-device matmul flops (dots and convolutions) of one call of ``hlo_text``."""
     module = parse_module(hlo_text)
     return _flops(module, module.entry, {})

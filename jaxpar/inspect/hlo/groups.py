@@ -1,19 +1,9 @@
 """Replica groups of compiled HLO, mapped onto the user's mesh: which mesh axes a collective spans.
 
-Replica groups come as explicit lists, `{}` (everyone), iota lists or named meshes of the
-*sharding's tile assignment*, not the user's mesh (the spellings: docs/jax-notes.md, "How
-compiled HLO spells collectives"). All are expanded to explicit groups, then mapped onto the
-user's mesh.
-
-Which numbers are in the groups: in an SPMD program (`num_partitions` = devices) the ids are
-*logical*: `use_global_device_ids=true` ids are flattened ids `replica * num_partitions +
-partition`, and `channel_id`-only ops on all-to-all / collective-permute use partition ids. Either
-way an id is a position in the executable's device assignment, which JAX builds from
-`mesh.devices.flat`; so id `i` is the mesh coordinate `unravel_index(i, mesh shape)`. (Checked on
-CPU with a mesh whose devices are permuted: the groups keep position numbers, not device ids.)
-`device_ids` is used only when a group names an id outside `range(n)`, which no logical id can be:
-then the text holds physical device ids (a non-SPMD dump, or other processes' devices, whose ids
-start at 2048) and they are looked up in `device_ids`.
+Every spelling (lists, `{}`, iota, named meshes) is expanded to explicit groups. In an SPMD program
+the ids are positions in ``mesh.devices.flat``, so id `i` is the mesh coordinate `unravel_index(i,
+mesh shape)`. `device_ids` is used only for physical ids. Why: docs/jax-notes.md, "How compiled HLO
+spells collectives".
 """
 
 from __future__ import annotations
@@ -46,9 +36,7 @@ class MeshIds:
     def physical_positions(self, id_lists: list[list[int]]) -> list[list[int]] | None:
         """Positions of the ids if they can only be physical device ids, else None.
 
-        Logical ids are positions in mesh.devices.flat (module docstring), so they lie in
-        range(n); an id outside it (another process's device, from 2048 on) means the text
-        names physical ids, which are then all looked up in device_ids.
+        An id outside range(n) means physical ids; all are then looked up in device_ids.
         """
         if all(0 <= i < self.size for ids in id_lists for i in ids):
             return None
@@ -95,7 +83,7 @@ def group_axes(mesh: MeshIds, groups: list[list[int]]) -> tuple[int, tuple[str, 
 
 
 def permute_axes(mesh: MeshIds, pairs: list[list[int]]) -> tuple[int, tuple[str, ...]]:
-    """Axes along which sources and targets differ; group = largest connected set of devices."""
+    """Axes along which sources and targets differ; group = largest connected set."""
     moving = [mesh.positions(p) for p in pairs if p[0] != p[1]]
     axes: set[int] = set()
     parent: dict[int, int] = {}
@@ -142,7 +130,7 @@ def _iota(dims: Sequence[int], reshape: Sequence[int], perm: Sequence[int] | Non
 
 
 def _mesh_groups(m: re.Match[str]) -> list[list[int]]:
-    """Expand a named-mesh replica group list exactly as XLA's MeshAxesReplicaGroupList does."""
+    """Expand a named-mesh replica group list as XLA's MeshAxesReplicaGroupList does."""
     names, sizes = [], []
     for item in m.group("axes").split(","):
         name, _, size = item.rpartition("=")

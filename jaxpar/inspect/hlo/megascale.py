@@ -1,20 +1,10 @@
-"""The data-center network's part of a program compiled for several TPU slices (``inspect
---target ... --slices N``, ``mesh.dcn``).
+"""The data-center network's part of a program compiled for several TPU slices.
 
-The TPU compiler builds a multi-slice step as one program per slice: the module has the slice's
-devices as its partitions (``num_partitions`` = devices / slices), every collective's replica
-groups name devices inside the slice, and a sum or gather over slices becomes the in-slice part
-(an ordinary collective over the slice's share of the axes) plus a host transfer to the
-"megascale" runtime, which moves the bytes over the data-center network::
-
-    %send = (f32[...], u32[], token[]) send(%x, %after-all), is_host_transfer=true,
-      frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",
-      _xla_megascale_transfer_type="ALL_REDUCE", _xla_megascale_reduce_operation="SUM", ...}
-
-Each such ``send`` (its ``recv`` is the same transfer's result) is one collective over the
-slices: its kind from ``_xla_megascale_transfer_type``, its payload the sent array, its group
-the ``slices``, its axes the mesh axes that span slices. Counted per step as the in-slice
-collectives are (:func:`jaxpar.inspect.hlo.text.computation_runs`).
+For ``inspect --target ... --slices N`` and ``mesh.dcn``. The TPU compiler compiles one program per
+slice. A sum or gather over slices becomes an in-slice collective plus a host ``send`` to the
+"megascale" runtime. Each such ``send`` is read as one collective over the slices, counted per step
+(:func:`jaxpar.inspect.hlo.text.computation_runs`). The spelling: docs/jax-notes.md, "How compiled
+HLO spells collectives".
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ def program_partitions(hlo_text: str) -> int | None:
 
 
 def dcn_collectives(hlo_text: str, axes: tuple[str, ...], slices: int) -> list[Collective]:
-    """The collectives over slices of a per-slice program (module docstring)."""
+    """The collectives over slices of a per-slice program."""
     module = parse_module(hlo_text)
     runs = computation_runs(module)
     found = []

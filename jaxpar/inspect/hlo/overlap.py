@@ -1,10 +1,8 @@
 """Which collectives did the compiler's schedule hide behind matmuls, and which are exposed?
 
-In a scheduled HLO module the instructions of a computation are in the order they run. A
-collective execution is **hidden** when at least one matmul is scheduled strictly between its
-start and done (its *window*), in the same computation; everything else, synchronous
-collectives included, is **exposed**. Hidden is a property of the schedule, not a measurement.
-The rules in full: docs/inspect.md, "Hidden and exposed communication".
+A collective execution is **hidden** when a matmul is scheduled strictly between its start and done,
+in the same computation; all else is **exposed**. A property of the schedule, not a measurement. The
+rules: docs/inspect.md, "Hidden and exposed communication".
 """
 
 from __future__ import annotations
@@ -68,14 +66,15 @@ class _Start:
 
 
 def collective_windows(hlo_text: str) -> dict[str, Window]:
-    """Each asynchronous collective's window, by the instruction name its
-    :class:`~jaxpar.inspect.hlo.collectives.Collective` carries (the module docstring). A
-    collective that is not in the result is synchronous."""
+    """Each asynchronous collective's window, by its instruction name.
+
+    A collective not in the result is synchronous.
+    """
     return read_schedule(hlo_text).windows
 
 
 def read_schedule(hlo_text: str) -> Schedule:
-    """The windows of every computation, with the per-step flops of the matmuls in them."""
+    """The windows of every computation, with the per-step flops of their matmuls."""
     module = parse_module(hlo_text)
     quoted = _quoted_attributes(hlo_text)
     runs = computation_runs(module)
@@ -101,8 +100,7 @@ def _quoted_attributes(hlo_text: str) -> dict[str, str]:
 
 def _computation_windows(module: Module, comp: Computation, quoted: dict[str, str],
                          memo: dict[str, float]) -> tuple[dict[str, Window], dict[str, float]]:
-    """The windows of the collectives started in ``comp``, and the flops (one execution) of
-    its matmul instructions."""
+    """The windows of the collectives started in ``comp``, and its matmuls' flops."""
     order = list(comp.instrs.values())  # the schedule
     starts = [(k, s) for k, instr in enumerate(order)
               if (s := _start(module, comp, instr, quoted)) is not None]
@@ -156,8 +154,10 @@ def _start(module: Module, comp: Computation, instr: Instr,
 
 
 def _host_transfer(comp: Computation, send: Instr, quoted: dict[str, str]) -> _Start:
-    """A transfer to the megascale runtime ends when its result arrives: the ``recv-done`` of
-    the ``recv`` that shares the send's rendezvous, if the module pairs them so."""
+    """A megascale transfer ends at the ``recv-done`` of the ``recv`` sharing its rendezvous.
+
+    If the module pairs them so.
+    """
     rendezvous = quoted.get(send.name)
     receives = {i.name for i in comp.instrs.values()
                 if i.opcode == "recv" and rendezvous and quoted.get(i.name) == rendezvous}
@@ -214,14 +214,12 @@ def _row_key(kind: str, axes: Sequence[str], network: str | None) -> tuple:
 
 def add_overlap(rows: list[dict[str, Any]], collectives: Sequence[Collective],
                 hlo_text: str) -> None:
-    """Add to each row of :func:`~jaxpar.inspect.hlo.collectives.summarize_collectives` (made
-    from ``collectives``) its ``hidden_bytes``, ``exposed_bytes`` (the two add up to ``bytes``),
-    ``hidden_count`` (executions hidden, of ``count``) and ``window_matmul_flops``, all per step.
+    """Add overlap fields to each row of
+    :func:`~jaxpar.inspect.hlo.collectives.summarize_collectives`.
 
-    ``window_matmul_flops`` are the flops of the matmuls in any of the row's hidden windows,
-    each matmul once per execution, though several of the row's windows hold it (the two
-    permutes of an unrolled collective-matmul step overlap the same matmul): the work the row's
-    communication is scheduled beside, at most the program's. Rows can share a matmul.
+    ``hidden_bytes`` + ``exposed_bytes`` = ``bytes``; ``hidden_count`` of ``count``;
+    ``window_matmul_flops``, each matmul once though several windows hold it. All per step; rows can
+    share a matmul.
     """
     schedule = read_schedule(hlo_text)
     sums: dict[tuple, list[float]] = {}
@@ -244,8 +242,10 @@ def add_overlap(rows: list[dict[str, Any]], collectives: Sequence[Collective],
 
 
 def overlap_totals(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """All rows together: ``bytes``, ``hidden_bytes``, ``exposed_bytes`` and ``hidden_fraction``
-    (None without bytes)."""
+    """All rows together: ``bytes``, ``hidden_bytes``, ``exposed_bytes``, ``hidden_fraction``.
+
+    ``hidden_fraction`` is None without bytes.
+    """
     total = sum(row["bytes"] for row in rows)
     hidden = sum(row.get("hidden_bytes", 0) for row in rows)
     return {"bytes": total, "hidden_bytes": hidden, "exposed_bytes": total - hidden,
@@ -254,12 +254,11 @@ def overlap_totals(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def exposed_by_time(collectives: Sequence[Collective], hlo_text: str, peak_flops: float,
                     link_bytes_per_s: float) -> dict[tuple, float]:
-    """Exposed bytes per row key, per step, with each hidden window weighted by time.
+    """Exposed bytes per row key, per step, each hidden window weighted by time.
 
-    The rule above counts a collective hidden if any matmul runs beside it, however small.
-    Here a window hides the share of the transfer (``wire_bytes`` at ``link_bytes_per_s``)
-    that its matmuls take at ``peak_flops``, at most all of it: a 1 MFLOP matmul beside a
-    100 MiB send hides almost none of it. Still an estimate: peak flops, one link per axis.
+    A window hides the share of the transfer (``wire_bytes`` at ``link_bytes_per_s``) its matmuls
+    take at ``peak_flops``, at most all. An estimate: docs/inspect.md, "Hidden and exposed
+    communication".
     """
     schedule = read_schedule(hlo_text)
     out: dict[tuple, float] = {}

@@ -1,17 +1,10 @@
 """Reading compiled HLO text: array shapes, instructions, computations, and how often each runs.
 
-The parser keeps what the collective analysis needs: each instruction's opcode, operands, result
-arrays and attributes, grouped into computations, plus the module's replica and partition counts.
-
-Counting per step: a collective in a while-loop body (`lax.scan` over layers, gradient
-accumulation) runs once per iteration. Each `Collective` carries `executions`, how often its
-computation runs per call of the program: the product of the trip counts of the loops around
-it, summed over call sites. A trip count is the while op's `known_trip_count` where the compiler
-records it, else read off the loop: a condition `i < N` on a counter that starts at a constant
-c runs N - c times, or ceil((N - c) / k) times when the body adds a constant k. A loop whose
-trip count is found neither way counts once (which compilers do what: docs/jax-notes.md, "How
-compiled HLO spells collectives"). `bytes` and `wire_bytes` are per execution;
-`summarize_collectives` multiplies, so its rows are per-step totals.
+The parser keeps each instruction's opcode, operands, result arrays and attributes, in computations,
+plus the replica and partition counts. Each `Collective` carries `executions`: how often its
+computation runs per call, from the trip counts of the loops around it. `bytes` and `wire_bytes` are
+per execution; `summarize_collectives` multiplies. How trip counts are read: docs/jax-notes.md, "How
+compiled HLO spells collectives".
 """
 
 from __future__ import annotations
@@ -124,7 +117,7 @@ class Module:
 
 
 def split_balanced(text: str) -> tuple[str, str]:
-    """Split `a, (b, c)), attrs` after the `)` that closes an already-open `(`."""
+    """Split `a, (b, c)), attrs` after the `)` closing an already-open `(`."""
     depth = 0
     for i, ch in enumerate(text):
         if ch in "([{":
@@ -191,13 +184,13 @@ def _open_brackets(line: str) -> int:
 
 
 def _continues(line: str) -> bool:
-    """Does this line stop mid-instruction (an open `(`, a trailing comma, no opcode yet)?"""
+    """Does this line stop mid-instruction (open `(`, trailing comma, no opcode yet)?"""
     unfinished_head = _HEAD_RE.match(line) is not None and _INSTR_RE.match(line) is None
     return _open_brackets(line) > 0 or line.endswith(",") or unfinished_head
 
 
 def _logical_lines(text: str) -> Iterator[str]:
-    """Lines of the module, with an instruction wrapped over several lines joined back."""
+    """The module's lines, wrapped instructions joined back."""
     pending = ""
     for raw in text.splitlines():
         line = raw.strip()
@@ -250,9 +243,7 @@ def parse_module(text: str) -> Module:
 
 
 def _add_element_reference(comp: Computation, operand: str) -> None:
-    """Newer XLA may name element ``k`` of a tuple-shaped value ``%name#k`` where older XLA wrote
-    a ``get-tuple-element``: such a reference becomes that ``get-tuple-element`` (same name), so
-    that the rest of the reader sees one form."""
+    """Newer XLA's ``%name#k`` as the ``get-tuple-element`` older XLA wrote, same name."""
     base, hash_, index = operand.rpartition("#")
     if not hash_ or not index.isdigit() or operand in comp.instrs or base not in comp.instrs:
         return
@@ -267,7 +258,7 @@ def _add_element_reference(comp: Computation, operand: str) -> None:
 
 
 def _value_through_copies(comp: Computation, name: str) -> Instr | None:
-    """The instruction `name` is a copy, bitcast or convert of, followed to its source."""
+    """The source `name` is a copy, bitcast or convert of."""
     instr = comp.instrs.get(name)
     while instr is not None and instr.opcode in ("copy", "bitcast", "convert") and instr.operands:
         instr = comp.instrs.get(instr.operands[0])
@@ -285,11 +276,10 @@ def _constant_int(comp: Computation, name: str) -> int | None:
 
 
 def _loop_step(module: Module, loop: Instr, index: int) -> int:
-    """How much the loop body adds to tuple element `index` per iteration: k for a root tuple
-    whose element is `add(get-tuple-element(param, index), constant k)`, else 1.
+    """What the loop body adds to tuple element `index` per iteration: k, else 1.
 
-    The TPU compiler unrolls windowed-einsum loops (collective matmuls) by two: the body does two
-    steps and adds 2 to the counter, while the condition still reads `i < N`.
+    k for a root element `add(get-tuple-element(param, index), constant k)`. TPU's unrolled
+    collective-matmul loops add 2.
     """
     body = module.computations.get((attr(loop, "body") or "").lstrip("%"))
     root = body.instrs.get(body.root) if body and body.root else None
@@ -310,9 +300,10 @@ def _loop_step(module: Module, loop: Instr, index: int) -> int:
 
 
 def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int | None:
-    """The trip count of a loop `for (i = c; i < N; i += k)`: ceil((N - c) / k), read from its
-    condition, its initial tuple and its body's update of the counter (k = 1 unless the body
-    visibly adds another constant)."""
+    """The trip count of `for (i = c; i < N; i += k)`: ceil((N - c) / k).
+
+    Read from the condition, the initial tuple and the body's counter update.
+    """
     cond = module.computations.get((attr(loop, "condition") or "").lstrip("%"))
     root = cond.instrs.get(cond.root) if cond and cond.root else None
     if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
@@ -332,12 +323,10 @@ def _inferred_trip_count(module: Module, comp: Computation, loop: Instr) -> int 
 
 
 def called(module: Module, comp: Computation, instr: Instr) -> list[tuple[str, float, bool]]:
-    """The computations ``instr`` calls: (name, times per execution of ``instr``, whether it
-    is one branch of a conditional, of which each execution runs exactly one).
+    """The computations ``instr`` calls: (name, times per execution, is one conditional branch).
 
-    An ``async-update`` or ``async-done`` may name its ``async-start``'s wrapped computation
-    (``calls=``) too; it runs once, as part of the start, so only the start calls it. A ``call``
-    names its computation ``to_apply=`` (elsewhere a reduction's per-element function).
+    An async start's wrapped computation is called by the start only. A ``call`` names it
+    ``to_apply=``.
     """
     if instr.opcode in ("async-update", "async-done"):
         return []
@@ -359,8 +348,7 @@ def called(module: Module, comp: Computation, instr: Instr) -> list[tuple[str, f
 def computation_runs(module: Module) -> dict[str, float]:
     """How many times each computation runs per call of the entry computation.
 
-    A conditional runs one of its branches; which one the text cannot say, so each counts as
-    running every time (an upper bound).
+    Each conditional branch counts as running every time (an upper bound).
     """
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # callee -> (caller, times)
     for comp in module.computations.values():
