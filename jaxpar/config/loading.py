@@ -258,3 +258,21 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     return _build(Config, data, "")
+
+
+def saved_run_config(saved: Mapping[str, Any], mesh: str = "",
+                     overrides: Sequence[str] = ()) -> Config:
+    """A saved run's config for running its weights (``jaxpar generate``, ``jaxpar eval``,
+    lm-eval's model ``jaxpar``): the mesh reset to one device, then ``mesh`` (``data=2,tensor=2``)
+    and the ``key=value`` overrides (typed by the schema like every command's)."""
+    items = [f"mesh.{item.strip()}" for item in mesh.split(",") if item.strip()]
+    base = dict(saved, mesh=dict.fromkeys(MESH_AXES, 1))
+    for item in items:
+        if item.split("=", 1)[0].removeprefix("mesh.") not in MESH_AXES:
+            raise ConfigError(f"--mesh {mesh}: axes are {', '.join(MESH_AXES)} "
+                              "(e.g. --mesh data=2,tensor=2)")
+    cfg = config_from_dict(_merge(base, parse_overrides([*items, *overrides])))
+    bad = [f"mesh.{a}={n}" for a, n in cfg.mesh.sizes().items() if n < 1]
+    if bad:
+        raise ConfigError(f"{bad[0]}: generate takes mesh axis sizes >= 1")
+    return cfg

@@ -370,7 +370,7 @@ class ParallelConfig:
     # How FSDP gathers the weights whose gathers the TPU compiler keeps synchronous (the routed
     # experts', and weights split over tensor too): "ring" (n - 1 ppermutes, which the compiler
     # runs beside other matmuls), "all_gather" (one collective), "auto": the ring on TPU
-    # (jaxpar/platform.py: RING_GATHER_PLATFORMS; parallel/collectives.py).
+    # (jaxpar/platform.py: RING_GATHER_PLATFORMS; parallel/point_to_point.py).
     fsdp_gather: Literal["auto", "ring", "all_gather"] = "auto"
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)

@@ -8,7 +8,7 @@ split exactly as training splits it. Without a hardware profile (or with ``cpu``
 XLA:CPU's program; with a GPU or TPU profile, the accelerator compiler's.
 
 The parts, one module each: :mod:`~jaxpar.cost.params`, :mod:`~jaxpar.cost.shapes`,
-:mod:`~jaxpar.cost.memory`, :mod:`~jaxpar.cost.collectives`, :mod:`~jaxpar.cost.pipeline`;
+:mod:`~jaxpar.cost.memory`, :mod:`~jaxpar.cost.communication`, :mod:`~jaxpar.cost.pipeline`;
 this module adds flops and time and puts them together::
 
     step = compute + blocking + latency + max(0, overlappable - compute)
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jaxpar.config import Config, ConfigError
-from jaxpar.cost.collectives import collectives as all_collectives
+from jaxpar.cost.communication import collectives as all_collectives
 from jaxpar.cost.ledger import CollectiveCost, summarize, wire_bytes
 from jaxpar.cost.memory import MemoryCost
 from jaxpar.cost.memory import memory as step_memory
@@ -35,7 +35,7 @@ from jaxpar.cost.params import ParamCost, param_costs
 from jaxpar.cost.pipeline import pipeline_compute, pipeline_note
 from jaxpar.cost.shapes import StepSizes, step_sizes
 from jaxpar.hardware import HardwareProfile, get_profile
-from jaxpar.model.flops import attention_params, matmul_params, train_flops_per_token
+from jaxpar.model.flop_formula import attention_params, matmul_params, train_flops_per_token
 
 __all__ = ["CollectiveCost", "CostReport", "FlopsCost", "MemoryCost", "ParamCost", "TimeCost",
            "estimate", "wire_bytes"]

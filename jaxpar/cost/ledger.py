@@ -1,7 +1,7 @@
 """The bookkeeping every parallelism's collectives formula writes into: a :class:`Ledger` of
 :class:`CollectiveCost` rows, and the ring :func:`wire_bytes` of a payload over a group.
 
-The formulas themselves are in :mod:`jaxpar.cost.collectives` (data, FSDP, context, expert,
+The formulas themselves are in :mod:`jaxpar.cost.communication` (data, FSDP, context, expert,
 tensor) and :mod:`jaxpar.cost.pipeline` (``pipe``); both add to one ledger.
 """
 

@@ -6,7 +6,7 @@ the per-process iterator.
 >>> it = DataIterator(ds, global_batch=32, seed=0)  # rows=: this process's rows only
 >>> batch = next(it)  # {"inputs", "targets", "mask"}: numpy arrays of shape [32, 256]
 
-``jaxpar tokenize`` (:mod:`.tokenize`) writes a corpus once as shards of token ids
+``jaxpar tokenize`` (:mod:`.pretokenize`) writes a corpus once as shards of token ids
 (:mod:`.shards`); :func:`open_tokenized` reads a split of it as the same rows, and
 :func:`open_mixture` several of them as one stream drawn by weight (:mod:`.mixture`);
 :func:`open_source` opens one split of either kind of source, as ``data.source`` names it.
@@ -20,7 +20,7 @@ from jaxpar.data.dataset import build_dataset, check_vocabulary, dataset_line, o
 from jaxpar.data.mixture import MixtureDataset, open_mixture
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.shards import is_tokenized
-from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
+from jaxpar.data.split_rows import TokenizedDataset, open_tokenized
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
 
 if TYPE_CHECKING:

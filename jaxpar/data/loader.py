@@ -22,7 +22,7 @@ import numpy as np
 
 class RowDataset(Protocol):
     """What the iterator reads: :class:`~jaxpar.data.packing.PackedDataset` (in memory) and
-    :class:`~jaxpar.data.tokenized.TokenizedDataset` (shards on disk) alike."""
+    :class:`~jaxpar.data.split_rows.TokenizedDataset` (shards on disk) alike."""
 
     source: str  # for messages
     split: str

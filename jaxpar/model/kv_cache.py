@@ -2,10 +2,10 @@
 
 Every attention layer's rotated keys and values are cached in ``k, v: [layers, B, L, K, D]``
 (slot t holds position t), laid out by :data:`CACHE_AXES` so decoding moves no cache bytes
-between devices. :mod:`jaxpar.generate` sets the attention hook to :meth:`UnitCache.attend`;
-a decode step (S = 1) attends densely over the L slots with the mask ``slot <= query
-position``. MLA caches the normed latent and the rope key instead (:data:`LATENT_AXES`).
-Shapes and bytes: docs/generation.md, "How it works".
+between devices. :mod:`jaxpar.inference.generation` sets the attention hook to
+:meth:`UnitCache.attend`; a decode step (S = 1) attends densely over the L slots with the mask
+``slot <= query position``. MLA caches the normed latent and the rope key instead
+(:data:`LATENT_AXES`). Shapes and bytes: docs/generation.md, "How it works".
 """
 
 from __future__ import annotations

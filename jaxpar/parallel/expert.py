@@ -32,7 +32,7 @@ from jaxpar.model.moe import (
     slot_positions,
 )
 from jaxpar.model.projection import summed_grad_dtype
-from jaxpar.parallel.collectives import ring_all_gather, ring_reduce_scatter
+from jaxpar.parallel.point_to_point import ring_all_gather, ring_reduce_scatter
 
 EXPERT_AXIS = "expert"
 # The collective itself, looked up at call time (a test substitutes an emulation of its

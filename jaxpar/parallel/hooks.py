@@ -33,9 +33,9 @@ from jaxpar.model.annotate import (
     weight_grads_in,
 )
 from jaxpar.model.fused import attention_fn, resolve
-from jaxpar.parallel.collectives import fsdp_gather_ring
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
+from jaxpar.parallel.point_to_point import fsdp_gather_ring
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 from jaxpar.parallel.ulysses import local_ulysses_attention, ulysses_attention
 from jaxpar.parallel.zero import token_shard_sum

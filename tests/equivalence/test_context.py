@@ -217,12 +217,12 @@ def test_ring_attention_in_bfloat16_stays_close_to_float32():
 
 def test_ppermute_in_order_delivers_each_array_and_chains_the_sends():
     """Two sends over one axis in opposite directions arrive where their permutations say, and
-    lowered step ties the second to the first with a barrier (parallel/collectives.py: XLA
+    lowered step ties the second to the first with a barrier (parallel/point_to_point.py: XLA
     removes it after scheduling, so only the lowered program shows it)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from jaxpar.parallel.collectives import ppermute_in_order
+    from jaxpar.parallel.point_to_point import ppermute_in_order
 
     n = 4
     mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
