@@ -8,8 +8,8 @@ did not write (text, or chat .jsonl) is tokenized, split and packed here as trai
 
 The numbers: ``loss`` (mean cross entropy in nats), ``perplexity`` and ``bits_per_byte`` (from
 the UTF-8 bytes ``jaxpar tokenize`` recorded, so only for a whole split). The loss is the
-validation step's (:mod:`jaxpar.train.validation`), on the train step's shardings, so any layout
-training runs evaluates. The parameters are read straight into their shardings; no optimizer
+validation step's (:mod:`jaxpar.train.validation_loss`), on the train step's shardings, so any
+layout training runs evaluates. The parameters are read straight into their shardings; no optimizer
 state is read.
 
 What is scored at the edges, and why: docs/evaluation.md, "`jaxpar eval`".
@@ -35,7 +35,7 @@ from jaxpar.data.shards import split_text_bytes
 from jaxpar.data.split_rows import TokenizedDataset
 from jaxpar.model.transformer import initial_buffers
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
-from jaxpar.train.validation import compile_eval_step
+from jaxpar.train.validation_loss import compile_eval_step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,7 +65,7 @@ from jaxpar.train.metrics import MetricsFile, fmt, log_line, mesh_text, pipeline
 from jaxpar.train.observe import Observer, require_packages
 from jaxpar.train.step import Trainer, build_trainer
 from jaxpar.train.tracking import PlanFn
-from jaxpar.train.validation import Validation, eval_due, make_validation, validation_data
+from jaxpar.train.validation_loss import Validation, eval_due, make_validation, validation_data
 
 
 @dataclass(frozen=True)
@@ -127,12 +127,13 @@ class _StopSignals:
 def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator, str]:
     """The iterator over ``split`` (every row of each global batch: a process keeps its own
     with ``with_rows(trainer.local_batch_rows())``), and a one-line description. The
-    validation split is read in order (train/validation.py scores the same batches every time)."""
+    validation split is read in order (train/validation_loss.py scores the same batches every
+    time)."""
     try:
         if cfg.data.sources:  # a mixture, which shuffles itself: the iterator reads it in order
             if split != "train":  # each source's held-out split is scored on its own
                 raise ConfigError("a mixture's validation is read per source "
-                                  "(train/validation.py: validation_data)")
+                                  "(train/validation_loss.py: validation_data)")
             ds = open_mixture([(s.path, s.weight) for s in cfg.data.sources], cfg.train.seq_len,
                               tokenizer=cfg.data.tokenizer, seed=cfg.train.seed,
                               shuffle=cfg.data.shuffle, checksums=cfg.data.verify)

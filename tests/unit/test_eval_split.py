@@ -1,6 +1,6 @@
 """Validation during training reads held-out documents only: the loop's training stream and its
 validation batches, from the same corpus, in memory and from a ``jaxpar tokenize`` directory,
-share no document (train/validation.py; the split is data/dataset.py's, by document)."""
+share no document (train/validation_loss.py; the split is data/dataset.py's, by document)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers import write_text_corpus
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.data.pretokenize import TokenizeOptions, tokenize
 from jaxpar.train.loop import make_data_iterator
-from jaxpar.train.validation import eval_due, first_batches
+from jaxpar.train.validation_loss import eval_due, first_batches
 
 SEQ_LEN, BATCH = 32, 4
 
