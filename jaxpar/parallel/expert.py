@@ -242,7 +242,7 @@ def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: j
     if chunks == 1:
         return _dispatch(tokens, ids, gates, *rest)
     if tokens.shape[0] % chunks:
-        raise ConfigError(f"parallel.expert_chunks={chunks} does not divide the "
+        raise ConfigError(f"parallel.expert_pieces={chunks} does not divide the "
                           f"{tokens.shape[0]} tokens a device routes in a MoE layer")
     parts = [_dispatch(*part, *rest) for part in
              zip(*(jnp.split(a, chunks) for a in (tokens, ids, gates)), strict=True)]
@@ -264,7 +264,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
     - ``hand_groups`` > 1: ``expert`` is manual already over that many devices (a pipeline stage):
       the tokens and experts are the device's own, and no ``shard_map`` opens unless ``tensor``
       splits the experts.
-    - ``chunks`` > 1 (``parallel.expert_chunks``): :func:`_dispatch_in_chunks`.
+    - ``chunks`` > 1 (``parallel.expert_pieces``): :func:`_dispatch_in_chunks`.
     - ``ring`` (``parallel.fsdp_gather``): the weights' gather and their gradient's
       reduce-scatter as rings of sends.
     """

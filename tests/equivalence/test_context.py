@@ -326,8 +326,8 @@ def test_hybrid_all_to_alls_in_groups_and_rings_between_them():
      "parallel.sequence_parallel=true", ULYSSES),
     ("mesh.data=1", "mesh.context=4", "mesh.tensor=2", "parallel.context_impl=hybrid",
      "parallel.ulysses_size=2", "train.remat=full"),
-    ("mesh.data=2", "mesh.context=4", ULYSSES, "parallel.zigzag=false", "train.loss_chunks=4"),
-], ids=["fsdp,tensor,sp", "hybrid,tensor,remat=full", "contiguous,loss_chunks"])
+    ("mesh.data=2", "mesh.context=4", ULYSSES, "parallel.zigzag=false", "train.loss_pieces=4"),
+], ids=["fsdp,tensor,sp", "hybrid,tensor,remat=full", "contiguous,loss_pieces"])
 def test_ulysses_and_hybrid_in_more_compositions_match_one_device(overrides):
     got, ref = run_layout(overrides), run_layout(("mesh.data=1",))
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
