@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxpar.config import load_config
 from jaxpar.data import DataIterator, open_tokenized
+from jaxpar.data.pretokenize import DEFAULT_SHARD_TOKENS
 from jaxpar.data.shards import (
     INDEX_FILE,
     ShardWriter,
@@ -47,7 +48,6 @@ from jaxpar.data.shards import (
     tokenizer_info,
     write_json_atomically,
 )
-from jaxpar.data.tokenize import DEFAULT_SHARD_TOKENS
 from jaxpar.data.tokenizer import make_tokenizer
 
 MB = 10**6  # text throughput in decimal MB/s, as disks and networks are quoted

@@ -195,7 +195,7 @@ def greedy_both_ways(directory: Path, checkpoint: Path, model, new_tokens: int =
 
     from jaxpar.checkpoint.weights_only import read_weights
     from jaxpar.config import Config
-    from jaxpar.generate import Generator
+    from jaxpar.inference.generation import Generator
 
     prompts = tokens(rows=2)[:, :20]
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -253,7 +253,7 @@ def scorable_checkpoint(directory: Path) -> dict[str, Path]:
 
     from helpers import write_bpe_tokenizer, write_text_corpus
 
-    from jaxpar.data.tokenize import TokenizeOptions, tokenize
+    from jaxpar.data.pretokenize import TokenizeOptions, tokenize
     from jaxpar.hf.exporter import export_hf
     from jaxpar.hf.importer import import_hf
 

@@ -1,4 +1,4 @@
-"""``jaxpar eval``: its command line (the work is :mod:`jaxpar.train.evaluate`).
+"""``jaxpar eval``: its command line (the work is :mod:`jaxpar.evaluation.split_loss`).
 
 As ``jaxpar generate``, the checkpoint's config is read without jax (``host_devices`` can still
 choose the number of virtual CPU devices) and the mesh is one device unless ``--mesh`` or
@@ -48,8 +48,8 @@ def run_eval(args: argparse.Namespace) -> int:
     """``jaxpar eval``: check every input, then load, compile, score, print."""
     from jaxpar.checkpoint.weights_only import saved_config, step_dir  # noqa: PLC0415
     from jaxpar.cli.generate import generation_config  # noqa: PLC0415  (imports no jax)
+    from jaxpar.evaluation.split_loss import open_split  # noqa: PLC0415
     from jaxpar.mesh import use_host_devices  # noqa: PLC0415
-    from jaxpar.train.evaluate import open_split  # noqa: PLC0415
 
     path = step_dir(Path(args.checkpoint))
     cfg = generation_config(args, saved_config(path))
@@ -59,13 +59,13 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--json {args.json}: no directory {out.parent}")
     use_host_devices(cfg.host_devices)  # before anything starts jax's backend
     from jaxpar.checkpoint.state import read_meta  # noqa: PLC0415
-    from jaxpar.mesh import make_mesh  # noqa: PLC0415
-    from jaxpar.train.evaluate import (  # noqa: PLC0415
+    from jaxpar.evaluation.split_loss import (  # noqa: PLC0415
         check_devices,
         describe,
         evaluate,
         load_eval_state,
     )
+    from jaxpar.mesh import make_mesh  # noqa: PLC0415
     from jaxpar.train.step import build_trainer  # noqa: PLC0415
 
     trainer = build_trainer(cfg, make_mesh(cfg, check_devices(cfg)))

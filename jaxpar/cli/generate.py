@@ -1,4 +1,4 @@
-"""``jaxpar generate``: its command line (the library is :mod:`jaxpar.generate`).
+"""``jaxpar generate``: its command line (the library is :mod:`jaxpar.inference.generation`).
 
 The checkpoint's config is read without jax, so ``host_devices`` can still choose the number of
 virtual CPU devices; the mesh is one device unless ``--mesh`` or ``mesh.*`` say otherwise.
@@ -79,26 +79,11 @@ def checkpoint_arguments(sub: argparse.ArgumentParser) -> None:
 
 
 def generation_config(args: argparse.Namespace, saved: dict) -> Config:
-    """The saved run's config for generating: the mesh reset to one device, then ``--mesh`` and
-    the ``key=value`` overrides (typed by the schema like every command's)."""
-    from jaxpar.config import MESH_AXES, config_from_dict, parse_overrides  # noqa: PLC0415
+    """The saved run's config for running it: :func:`jaxpar.config.saved_run_config` of
+    ``--mesh`` and the ``key=value`` overrides."""
+    from jaxpar.config import saved_run_config  # noqa: PLC0415
 
-    mesh = [f"mesh.{item.strip()}" for item in args.mesh.split(",") if item.strip()]
-    base = dict(saved, mesh=dict.fromkeys(MESH_AXES, 1))
-    for item in mesh:
-        if item.split("=", 1)[0].removeprefix("mesh.") not in MESH_AXES:
-            raise ConfigError(f"--mesh {args.mesh}: axes are {', '.join(MESH_AXES)} "
-                              "(e.g. --mesh data=2,tensor=2)")
-
-    def merged(tree: dict, extra: dict) -> dict:
-        return {**tree, **{k: merged(tree[k], v) if isinstance(v, dict)
-                           and isinstance(tree.get(k), dict) else v for k, v in extra.items()}}
-
-    cfg = config_from_dict(merged(base, parse_overrides([*mesh, *args.overrides])))
-    bad = [f"mesh.{a}={n}" for a, n in cfg.mesh.sizes().items() if n < 1]
-    if bad:
-        raise ConfigError(f"{bad[0]}: generate takes mesh axis sizes >= 1")
-    return cfg
+    return saved_run_config(saved, args.mesh, args.overrides)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -107,7 +92,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import time  # noqa: PLC0415
 
     from jaxpar.checkpoint.weights_only import read_weights, saved_config, step_dir  # noqa: PLC0415
-    from jaxpar.generate import Sampling  # noqa: PLC0415
+    from jaxpar.inference.generation import Sampling  # noqa: PLC0415
     from jaxpar.mesh import use_host_devices  # noqa: PLC0415
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
@@ -119,7 +104,7 @@ def run_generate(args: argparse.Namespace) -> int:
     use_host_devices(cfg.host_devices)  # before anything starts jax's backend
     import jax  # noqa: PLC0415
 
-    from jaxpar.generate import Generator  # noqa: PLC0415
+    from jaxpar.inference.generation import Generator  # noqa: PLC0415
     from jaxpar.mesh import make_mesh  # noqa: PLC0415
 
     wanted, have = math.prod(cfg.mesh.sizes().values()), jax.device_count()

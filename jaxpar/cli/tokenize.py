@@ -1,5 +1,5 @@
 """``jaxpar tokenize``: a corpus into shards of token ids, once, with a progress bar (the work is
-:mod:`jaxpar.data.tokenize`'s); ``--verify DIR`` checks a finished directory's checksums."""
+:mod:`jaxpar.data.pretokenize`'s); ``--verify DIR`` checks a finished directory's checksums."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # the data package imports numpy: only when the command runs
     from rich.console import Console
     from rich.progress import Progress
 
+    from jaxpar.data.pretokenize import TokenizeStats
     from jaxpar.data.shards import TokenIndex
-    from jaxpar.data.tokenize import TokenizeStats
 
 TOKENIZE_HELP = ("tokenize a corpus once into shards of token ids, which train reads by random "
                  "access (data.source=DIR)")
@@ -79,7 +79,7 @@ def tokenize_command(args: argparse.Namespace) -> int:
 def _tokenize(args: argparse.Namespace) -> int:
     from rich.console import Console  # noqa: PLC0415
 
-    from jaxpar.data.tokenize import DEFAULT_SHARD_TOKENS, TokenizeOptions, tokenize  # noqa: PLC0415
+    from jaxpar.data.pretokenize import DEFAULT_SHARD_TOKENS, TokenizeOptions, tokenize  # noqa: PLC0415
 
     options = TokenizeOptions(
         sources=tuple(args.sources), directory=Path(args.to).expanduser(),

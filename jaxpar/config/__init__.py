@@ -17,6 +17,7 @@ from jaxpar.config.loading import (
     load_config,
     parse_overrides,
     resolve_config_path,
+    saved_run_config,
     to_dict,
     to_yaml,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "ModelConfig", "MoEConfig", "OffloadConfig", "ParallelConfig", "ProfileConfig",
     "RopeScalingConfig",
     "SourceConfig", "TrainConfig", "WandbConfig",
-    "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "to_dict",
+    "config_from_dict", "load_config", "parse_overrides", "resolve_config_path", "saved_run_config",
+    "to_dict",
     "to_yaml", "check_generation", "documents_masked", "slices_line", "validate",
 ]

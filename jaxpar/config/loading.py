@@ -1,9 +1,11 @@
 """Building a :class:`~jaxpar.config.schema.Config`: YAML presets and files, dotted ``key=value``
-overrides, each value typed and checked against the schema."""
+overrides, each value typed and checked against the schema; renamed keys read under their old
+names until the version :data:`RENAMED_KEYS` names, with a one-line warning."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -19,6 +21,46 @@ from jaxpar.config.schema import (
     ConfigError,
 )
 from jaxpar.config.validation import check_distributed
+
+# --------------------------------------------------------------------------------------------
+# Renamed keys: the one table, read by every path into a Config (YAML files, saved run_dir
+# configs and checkpoints, key=value overrides).
+
+# Old dotted key -> new: the old key is accepted, with a warning, until jaxpar RENAMED_UNTIL.
+RENAMED_KEYS = {
+    "train.schedule": "train.lr_schedule",  # beside parallel.pipeline_schedule
+    "train.loss_chunks": "train.loss_pieces",  # "chunk": a pipeline stage's slice of layers
+    "parallel.expert_chunks": "parallel.expert_pieces",
+}
+RENAMED_UNTIL = "0.2.0"
+_warned: set[str] = set()  # old keys already reported in this process
+
+
+def renamed_key_warning(old: str) -> str:
+    return (f"warning: {old} is renamed {RENAMED_KEYS[old]}; the old key is accepted until "
+            f"jaxpar {RENAMED_UNTIL}")
+
+
+def _renamed(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` (one source: a file, a saved config or the overrides) with each old key of
+    :data:`RENAMED_KEYS` moved to its new name, reported once a process on stderr; old and new
+    key both set is a ConfigError."""
+    out = dict(tree)
+    for old, new in RENAMED_KEYS.items():
+        section, old_name = old.split(".")
+        new_name = new.split(".")[1]
+        node = out.get(section)
+        if not isinstance(node, Mapping) or old_name not in node:
+            continue
+        if new_name in node:
+            raise ConfigError(f"{old} and {new} are both set: {old} is renamed {new}; "
+                              f"set {new} only")
+        if old not in _warned:
+            _warned.add(old)
+            print(renamed_key_warning(old), file=sys.stderr)
+        out[section] = {new_name if k == old_name else k: v for k, v in node.items()}
+    return out
+
 
 # --------------------------------------------------------------------------------------------
 # Building a Config from nested dicts, with types checked against the dataclass schema.
@@ -215,7 +257,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         else:
             value = _parse_scalar_text(text)
         _set_dotted(tree, key, value)
-    return tree
+    return _renamed(tree)
 
 
 def _merge(base: dict, extra: Mapping) -> dict:
@@ -245,7 +287,7 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
             raise ConfigError(f"{path}: cannot read the config file ({err})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-        data = loaded
+        data = _renamed(loaded)
     data = _merge(data, parse_overrides(overrides))
     cfg = _build(Config, data, "")
     # Checked here, not in validate(): the device count that validate() needs comes from it.
@@ -257,4 +299,24 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
-    return _build(Config, data, "")
+    """A Config from nested dicts (a saved ``config.yaml``, a checkpoint's config), old keys
+    read under their new names."""
+    return _build(Config, _renamed(data), "")
+
+
+def saved_run_config(saved: Mapping[str, Any], mesh: str = "",
+                     overrides: Sequence[str] = ()) -> Config:
+    """A saved run's config for running its weights (``jaxpar generate``, ``jaxpar eval``,
+    lm-eval's model ``jaxpar``): the mesh reset to one device, then ``mesh`` (``data=2,tensor=2``)
+    and the ``key=value`` overrides (typed by the schema like every command's)."""
+    items = [f"mesh.{item.strip()}" for item in mesh.split(",") if item.strip()]
+    base = dict(_renamed(saved), mesh=dict.fromkeys(MESH_AXES, 1))
+    for item in items:
+        if item.split("=", 1)[0].removeprefix("mesh.") not in MESH_AXES:
+            raise ConfigError(f"--mesh {mesh}: axes are {', '.join(MESH_AXES)} "
+                              "(e.g. --mesh data=2,tensor=2)")
+    cfg = config_from_dict(_merge(base, parse_overrides([*items, *overrides])))
+    bad = [f"mesh.{a}={n}" for a, n in cfg.mesh.sizes().items() if n < 1]
+    if bad:
+        raise ConfigError(f"{bad[0]}: generate takes mesh axis sizes >= 1")
+    return cfg

@@ -26,7 +26,7 @@ VOCAB_AXES = ("tensor",)
 :mod:`jaxpar.parallel.rules`; ``parallel.rules.vocab`` overrides it): what
 :meth:`Config.vocab_rows` pads the vocabulary for."""
 
-LOSS_CHUNK_BYTES = 64 * 2**20  # train.loss_chunks=0: a piece's float32 logits per device
+LOSS_PIECE_BYTES = 64 * 2**20  # train.loss_pieces=0: a piece's float32 logits per device
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 
@@ -285,7 +285,7 @@ class TrainConfig:
     # After warmup_steps of linear warm-up: cosine decay to lr * min_lr_ratio at `steps`; wsd:
     # lr, then linear decay to lr * min_lr_ratio over the last decay_fraction of the steps;
     # constant: lr.
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     min_lr_ratio: float = 0.1  # cosine and wsd decay to lr * min_lr_ratio
     decay_fraction: float = 0.2  # wsd: the share of the steps that decays, in (0, 1]
     warmup_steps: int = 10
@@ -298,8 +298,8 @@ class TrainConfig:
     grad_accum: int = 1  # micro-steps summed per optimizer step
     # The loss over this many pieces of the sequence, one piece's float32 logits alive at a time
     # (recomputed in the backward pass); 0: the fewest that keep a piece's logits within
-    # LOSS_CHUNK_BYTES per device (Config.loss_pieces).
-    loss_chunks: int = 0
+    # LOSS_PIECE_BYTES per device (Config.loss_pieces).
+    loss_pieces: int = 0
     # What a layer keeps for its backward pass (docs/memory.md#remat-policies): none
     # (everything), full (its input), dots (the weight matmuls' outputs), attention (q, k, v,
     # the attention output and the attention branch's output; the MLP is recomputed),
@@ -364,13 +364,13 @@ class ParallelConfig:
     # Dtype of the gradient sums jaxpar takes by hand (over data, and over data/fsdp in the
     # pipeline executor); see validation._check_reduce_dtype for where it applies.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    # Route each device's tokens through a MoE layer's experts in this many chunks, so one
-    # chunk's all-to-alls can overlap another's expert matmuls (parallel/expert.py).
-    expert_chunks: int = 1
+    # Route each device's tokens through a MoE layer's experts in this many pieces, so one
+    # piece's all-to-alls can overlap another's expert matmuls (parallel/expert.py).
+    expert_pieces: int = 1
     # How FSDP gathers the weights whose gathers the TPU compiler keeps synchronous (the routed
     # experts', and weights split over tensor too): "ring" (n - 1 ppermutes, which the compiler
     # runs beside other matmuls), "all_gather" (one collective), "auto": the ring on TPU
-    # (jaxpar/platform.py: RING_GATHER_PLATFORMS; parallel/collectives.py).
+    # (jaxpar/platform.py: RING_GATHER_PLATFORMS; parallel/point_to_point.py).
     fsdp_gather: Literal["auto", "ring", "all_gather"] = "auto"
     # Overrides of the logical -> mesh axis table, e.g. {"mlp": ["tensor"], "embed": []}.
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -493,22 +493,22 @@ class Config:
         return self.mesh.sizes()
 
     def loss_pieces(self) -> int:
-        """Pieces of the sequence the loss is computed in (``train.loss_chunks``, or for 0 the
+        """Pieces of the sequence the loss is computed in (``train.loss_pieces``, or for 0 the
         fewest dividing the device's S/c tokens whose float32 logits [b, S/(c n), V/t] fit in
-        LOSS_CHUNK_BYTES). Validated configs only."""
+        LOSS_PIECE_BYTES). Validated configs only."""
         t, mesh = self.train, self.mesh
         local_seq = t.seq_len // mesh.context
-        if t.loss_chunks:
-            return t.loss_chunks
+        if t.loss_pieces:
+            return t.loss_pieces
         rows = t.batch_size // (t.grad_accum * t.microbatches * self.batch_shards())
         logits = rows * local_seq * (self.vocab_rows() // mesh.tensor) * 4
         return next(n for n in range(1, local_seq + 1)
-                    if local_seq % n == 0 and (logits // n <= LOSS_CHUNK_BYTES or n == local_seq))
+                    if local_seq % n == 0 and (logits // n <= LOSS_PIECE_BYTES or n == local_seq))
 
     def embedding_grad_pieces(self) -> int:
         """Slices of the vocabulary the embedding's gradient is built in
         (``model.projection.one_hot_weight_grad``): the fewest whose one-hot [V/(t p n), b,
-        S/c] in the compute dtype fits in LOSS_CHUNK_BYTES per device; with the vocab split
+        S/c] in the compute dtype fits in LOSS_PIECE_BYTES per device; with the vocab split
         over ``tensor`` or into a pipeline's pieces, the fewest dividing each device's V/(t p)
         rows. Validated configs only."""
         t, v = self.train, self.vocab_rows()
@@ -518,10 +518,10 @@ class Config:
         one_hot = (local_vocab * rows * (t.seq_len // self.mesh.context)
                    * (2 if t.dtype == "bfloat16" else 4))
         if split == 1:
-            return min(v, -(-one_hot // LOSS_CHUNK_BYTES))
+            return min(v, -(-one_hot // LOSS_PIECE_BYTES))
         return next(n for n in range(1, local_vocab + 1)
                     if local_vocab % n == 0
-                    and (one_hot // n <= LOSS_CHUNK_BYTES or n == local_vocab))
+                    and (one_hot // n <= LOSS_PIECE_BYTES or n == local_vocab))
 
     def vocab_splits(self) -> int:
         """Devices the vocabulary's rows are split over: the mesh axes of the rules table's

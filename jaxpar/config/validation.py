@@ -225,15 +225,15 @@ def _check_moe(cfg: Config, mesh: MeshConfig) -> None:
         require(m.resolved_d_ff_expert % mesh.tensor == 0, f"model.moe.d_ff_expert="
                 f"{m.resolved_d_ff_expert} is not divisible by mesh.tensor={mesh.tensor}")
         _check_moe_groups(moe)
-        require(p.expert_chunks >= 1, f"parallel.expert_chunks={p.expert_chunks}: must be >= 1")
-        require(p.expert_chunks == 1 or moe.dispatch == "dropless", f"parallel.expert_chunks="
-                f"{p.expert_chunks} needs model.moe.dispatch=dropless (a dropping layer's "
+        require(p.expert_pieces >= 1, f"parallel.expert_pieces={p.expert_pieces}: must be >= 1")
+        require(p.expert_pieces == 1 or moe.dispatch == "dropless", f"parallel.expert_pieces="
+                f"{p.expert_pieces} needs model.moe.dispatch=dropless (a dropping layer's "
                 "capacity is per routed group: chunks would change which tokens drop)")
         t = cfg.train
         rows = t.batch_size // (t.grad_accum * t.microbatches
                                 * math.prod(getattr(mesh, a) for a in BATCH_AXES))
         tokens = rows * (t.seq_len // mesh.context)
-        require(tokens % p.expert_chunks == 0, f"parallel.expert_chunks={p.expert_chunks} does "
+        require(tokens % p.expert_pieces == 0, f"parallel.expert_pieces={p.expert_pieces} does "
                 f"not divide the {tokens} tokens a device routes in a MoE layer")
         units, chunks = (m.n_layers - moe.first_dense) // moe.every, mesh.pipe * p.virtual_stages
         layers = "(model.n_layers - model.moe.first_dense)" if moe.first_dense else "model.n_layers"
@@ -294,8 +294,8 @@ def _check_batch(cfg: Config, mesh: MeshConfig) -> None:
                 "context parallelism (2*context)") + " needs")
     _check_attention_blocks(cfg, mesh)
     local_seq = t.seq_len // mesh.context
-    require(t.loss_chunks >= 0 and (t.loss_chunks == 0 or local_seq % t.loss_chunks == 0),
-            f"train.loss_chunks={t.loss_chunks}: must be 0 (auto) or divide the {local_seq} "
+    require(t.loss_pieces >= 0 and (t.loss_pieces == 0 or local_seq % t.loss_pieces == 0),
+            f"train.loss_pieces={t.loss_pieces}: must be 0 (auto) or divide the {local_seq} "
             "tokens of a device's sequence (train.seq_len / mesh.context)")
 
 
@@ -357,7 +357,7 @@ def _check_optimizer(t: TrainConfig) -> None:
     require(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
     require(math.isfinite(t.decay_fraction) and 0 < t.decay_fraction <= 1,
             f"train.decay_fraction={t.decay_fraction}: must be in (0, 1] (the share of "
-            "train.steps that schedule=wsd decays over)")
+            "train.steps that lr_schedule=wsd decays over)")
     require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables)")
 
 

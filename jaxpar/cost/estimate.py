@@ -4,7 +4,7 @@
 step time on a :mod:`~jaxpar.hardware` profile, so layouts can be compared before compiling.
 Without a profile (or ``cpu``) it predicts XLA:CPU's program; with a GPU or TPU profile, the
 accelerator compiler's. Parts: :mod:`~jaxpar.cost.params`, :mod:`~jaxpar.cost.shapes`,
-:mod:`~jaxpar.cost.memory`, :mod:`~jaxpar.cost.collectives`, :mod:`~jaxpar.cost.pipeline`;
+:mod:`~jaxpar.cost.memory`, :mod:`~jaxpar.cost.communication`, :mod:`~jaxpar.cost.pipeline`;
 this module adds flops and time::
 
     step = compute + blocking + latency + max(0, overlappable - compute)
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jaxpar.config import Config, ConfigError
-from jaxpar.cost.collectives import collectives as all_collectives
+from jaxpar.cost.communication import collectives as all_collectives
 from jaxpar.cost.ledger import CollectiveCost, summarize, wire_bytes
 from jaxpar.cost.memory import MemoryCost
 from jaxpar.cost.memory import memory as step_memory
@@ -30,7 +30,7 @@ from jaxpar.cost.params import ParamCost, param_costs
 from jaxpar.cost.pipeline import pipeline_compute, pipeline_note
 from jaxpar.cost.shapes import StepSizes, step_sizes
 from jaxpar.hardware import HardwareProfile, get_profile
-from jaxpar.model.flops import attention_params, matmul_params, train_flops_per_token
+from jaxpar.model.flop_formula import attention_params, matmul_params, train_flops_per_token
 
 __all__ = ["CollectiveCost", "CostReport", "FlopsCost", "MemoryCost", "ParamCost", "TimeCost",
            "estimate", "wire_bytes"]

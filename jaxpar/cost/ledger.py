@@ -1,6 +1,6 @@
 """The bookkeeping every collectives formula writes into: a :class:`Ledger` of
 :class:`CollectiveCost` rows, and the ring :func:`wire_bytes` of a payload over a group.
-The formulas: :mod:`jaxpar.cost.collectives` and :mod:`jaxpar.cost.pipeline` (``pipe``).
+The formulas: :mod:`jaxpar.cost.communication` and :mod:`jaxpar.cost.pipeline` (``pipe``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The pipeline's share of the cost model: messages over ``pipe``, memory of a stage, bubble.
 
 It follows the executor and its schedule tables. Inside the stages every formula of
-:mod:`~jaxpar.cost.collectives` runs on the stage's layers once per executed slot. Time:
+:mod:`~jaxpar.cost.communication` runs on the stage's layers once per executed slot. Time:
 compute / (1 - bubble). Part by part: docs/pipelines.md, "What the plan counts".
 """
 
@@ -28,7 +28,7 @@ def pipeline_collectives(c: Ledger) -> None:
     c.add("collective-permute", ("pipe",), sends, sends * st.sent,
           f"pipeline: activations forward ({forward} steps), gradients back ({backward})"
           + (", both ways in the V" if ways == 2 else ""), EXPOSED)
-    # (With dense first blocks the embedding's sum is the pre-phase's: cost/collectives.py.)
+    # (With dense first blocks the embedding's sum is the pre-phase's: cost/communication.py.)
     # (A LoRA run's embedding and head are frozen: no piece gradients, and chunk 0's input
     # gradient is not summed for them: the executor's Frozen.)
     vocab = [p for p in c.other if p.name in ("embedding", "lm_head") and p.trained
@@ -38,7 +38,7 @@ def pipeline_collectives(c: Ledger) -> None:
     # DeepSeek's dense first blocks: the pre-phase (embedding and dense blocks, rows split over
     # pipe) replaces the per-step embedding all-reduce; its output is gathered over pipe once
     # per step (docs/pipelines.md, "Dense first blocks"; its weights' gradients:
-    # cost/collectives.py, data).
+    # cost/communication.py, data).
     embeds = 0 if c.dense else st.pipeline["embed_steps"]
     if c.dense:
         x0 = st.runs * st.tokens_x_embed(st.a)  # every microbatch of the step

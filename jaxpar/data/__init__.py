@@ -18,7 +18,7 @@ from jaxpar.data.dataset import build_dataset, check_vocabulary, dataset_line, o
 from jaxpar.data.mixture import MixtureDataset, open_mixture
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.shards import is_tokenized
-from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
+from jaxpar.data.split_rows import TokenizedDataset, open_tokenized
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
 
 if TYPE_CHECKING:

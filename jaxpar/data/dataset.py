@@ -16,7 +16,7 @@ from jaxpar.data.chat import ChatTemplate, encode_conversation, read_conversatio
 from jaxpar.data.packing import PackedDataset, pack_tokens, pack_weights
 from jaxpar.data.shards import is_tokenized
 from jaxpar.data.sources import Document, read_documents
-from jaxpar.data.tokenized import TokenizedDataset, open_tokenized
+from jaxpar.data.split_rows import TokenizedDataset, open_tokenized
 from jaxpar.data.tokenizer import Tokenizer, make_tokenizer
 
 SPLITS = ("train", "validation")

@@ -16,7 +16,7 @@ import numpy as np
 
 class RowDataset(Protocol):
     """What the iterator reads: :class:`~jaxpar.data.packing.PackedDataset` (in memory) or
-    :class:`~jaxpar.data.tokenized.TokenizedDataset` (on disk)."""
+    :class:`~jaxpar.data.split_rows.TokenizedDataset` (on disk)."""
 
     source: str  # for messages
     split: str

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.data.shards import is_tokenized
-from jaxpar.data.tokenized import TokenizedDataset, check_tokenizer
+from jaxpar.data.split_rows import TokenizedDataset, check_tokenizer
 
 BLOCK = 4096  # rows per block: the weights hold to 1/BLOCK over every block
 LENGTH = 2**62  # rows of the endless mixture, as the iterator sees them (never reached)

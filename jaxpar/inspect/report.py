@@ -30,7 +30,7 @@ from jaxpar.inspect.hlo.collectives import (
 from jaxpar.inspect.hlo.megascale import dcn_collectives, program_partitions
 from jaxpar.inspect.hlo.overlap import add_overlap
 from jaxpar.inspect.overlap_table import print_overlap
-from jaxpar.model.flops import param_count, train_flops_per_token
+from jaxpar.model.flop_formula import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline.executor import describe_config
 from jaxpar.parallel.rules import param_name
 from jaxpar.train.compiled import CompiledStep, compiled_step

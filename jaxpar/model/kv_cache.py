@@ -1,7 +1,7 @@
 """A key/value cache for autoregressive decoding, and attention over it.
 
 Keys and values go to ``k, v: [layers, B, L, K, D]`` (slot t: position t), laid out by
-:data:`CACHE_AXES`; MLA caches latents (:data:`LATENT_AXES`). :mod:`jaxpar.generate` sets the
+:data:`CACHE_AXES`; MLA caches latents (:data:`LATENT_AXES`). :mod:`jaxpar.inference.generation` sets the
 attention hook to :meth:`UnitCache.attend`. Details: docs/generation.md, "How it works".
 """
 

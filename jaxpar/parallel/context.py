@@ -30,7 +30,7 @@ from jaxpar.model.attention import (
     whole,
     zeros_like,
 )
-from jaxpar.parallel.collectives import ppermute_in_order
+from jaxpar.parallel.point_to_point import ppermute_in_order
 
 CONTEXT_AXIS = "context"
 
@@ -73,7 +73,7 @@ def _rotate(tree, n: int, stride: int = 1):
     """Send every array to device i + stride on the ring."""
     ring = ring_pairs(n, stride)
     leaves, treedef = jax.tree.flatten(tree)
-    # In order: independent ppermutes can cross on XLA:CPU (parallel/collectives.py).
+    # In order: independent ppermutes can cross on XLA:CPU (parallel/point_to_point.py).
     return jax.tree.unflatten(
         treedef, ppermute_in_order(leaves, CONTEXT_AXIS, [ring] * len(leaves)))
 

@@ -31,7 +31,7 @@ from jaxpar.model.moe import (
     slot_positions,
 )
 from jaxpar.model.projection import summed_grad_dtype
-from jaxpar.parallel.collectives import ring_all_gather, ring_reduce_scatter
+from jaxpar.parallel.point_to_point import ring_all_gather, ring_reduce_scatter
 
 EXPERT_AXIS = "expert"
 # The collective itself, looked up at call time (a test substitutes an emulation of its
@@ -238,7 +238,7 @@ def _dispatch_in_chunks(chunks: int, tokens: jax.Array, ids: jax.Array, gates: j
     if chunks == 1:
         return _dispatch(tokens, ids, gates, *rest)
     if tokens.shape[0] % chunks:
-        raise ConfigError(f"parallel.expert_chunks={chunks} does not divide the "
+        raise ConfigError(f"parallel.expert_pieces={chunks} does not divide the "
                           f"{tokens.shape[0]} tokens a device routes in a MoE layer")
     parts = [_dispatch(*part, *rest) for part in
              zip(*(jnp.split(a, chunks) for a in (tokens, ids, gates)), strict=True)]
@@ -258,7 +258,7 @@ def expert_parallel(mesh_shape: Mapping[str, int], rules: Mapping[str, tuple[str
       :data:`jaxpar.platform.PADDED_ALL_TO_ALL_PLATFORMS`), else the padded ``all_to_all``.
     - ``hand_groups`` > 1: ``expert`` is already manual (a pipeline stage); no ``shard_map``
       opens unless ``tensor`` splits the experts.
-    - ``chunks`` > 1 (``parallel.expert_chunks``): :func:`_dispatch_in_chunks`.
+    - ``chunks`` > 1 (``parallel.expert_pieces``): :func:`_dispatch_in_chunks`.
     - ``ring`` (``parallel.fsdp_gather``): gather and gradient reduce-scatter as rings of sends.
     """
     lay = _layout(mesh_shape, rules, hand_groups)

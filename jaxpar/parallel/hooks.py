@@ -25,9 +25,9 @@ from jaxpar import platform as workarounds
 from jaxpar.config import BATCH_AXES, Config, ConfigError, documents_masked
 from jaxpar.model.annotate import Layout, installed
 from jaxpar.model.fused import attention_fn, resolve
-from jaxpar.parallel.collectives import fsdp_gather_ring
 from jaxpar.parallel.context import context_attention, local_context_attention, local_tokens
 from jaxpar.parallel.expert import expert_parallel
+from jaxpar.parallel.point_to_point import fsdp_gather_ring
 from jaxpar.parallel.rules import activation_constrainer, logical_rules
 from jaxpar.parallel.ulysses import local_ulysses_attention, ulysses_attention
 from jaxpar.parallel.zero import token_shard_sum
@@ -59,7 +59,7 @@ def model_layout(cfg: Config, mesh_shape: Mapping[str, int], platform: str, *,
     split_axes = [a for a in (*BATCH_AXES, "context", "tensor") if mesh_shape[a] > 1]
     hand_groups = by_hand.get("expert", 1)
     experts = (expert_parallel(mesh_shape, rules, platform=platform, hand_groups=hand_groups,
-                               chunks=cfg.parallel.expert_chunks,
+                               chunks=cfg.parallel.expert_pieces,
                                ring=fsdp_gather_ring(cfg, platform))
                if cfg.model.moe.enabled and (split_axes or hand_groups > 1) else None)
     if in_stage and platform in workarounds.NO_SHARD_MAP_IN_STAGES:

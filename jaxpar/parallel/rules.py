@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import BATCH_AXES, VOCAB_AXES, Config, ConfigError
-from jaxpar.parallel.collectives import ring_all_gather
+from jaxpar.parallel.point_to_point import ring_all_gather
 
 Rules = Mapping[str, tuple[str, ...]]
 

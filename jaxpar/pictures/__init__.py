@@ -1,2 +1,2 @@
 """Every figure jaxpar draws (matplotlib): :mod:`.figures` (``inspect --png``, ``schedule --png``),
-:mod:`.mesh`, :mod:`.schedule`, :mod:`.tables`, :mod:`.style`."""
+:mod:`.mesh_panel`, :mod:`.schedule_table`, :mod:`.tables`, :mod:`.style`."""

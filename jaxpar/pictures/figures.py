@@ -4,8 +4,9 @@
 mesh, the parameters' splits and the collectives' bytes, each mesh axis in one colour throughout
 (:data:`AXIS_COLORS`). matplotlib (the ``plot`` extra) is imported only when a picture is drawn,
 with no pyplot and no global figure state. This module lays the figure out; the shared helpers are
-in :mod:`~jaxpar.pictures.style`, the panels in :mod:`~jaxpar.pictures.mesh` and
-:mod:`~jaxpar.pictures.tables`, the pipeline schedule's picture in :mod:`~jaxpar.pictures.schedule`.
+in :mod:`~jaxpar.pictures.style`, the panels in :mod:`~jaxpar.pictures.mesh_panel` and
+:mod:`~jaxpar.pictures.tables`, the pipeline schedule's picture in
+:mod:`~jaxpar.pictures.schedule_table`.
 What each panel shows: docs/inspect.md, "The picture".
 """
 
@@ -15,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxpar.pictures.mesh import MIN_SCALE, draw_mesh, mesh_layout
-from jaxpar.pictures.schedule import draw_schedule, schedule_figure
+from jaxpar.pictures.mesh_panel import MIN_SCALE, draw_mesh, mesh_layout
+from jaxpar.pictures.schedule_table import draw_schedule, schedule_figure
 from jaxpar.pictures.style import (
     AXIS_COLORS,
     MUTED,

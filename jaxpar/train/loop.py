@@ -56,14 +56,14 @@ from jaxpar.data import (
 from jaxpar.distributed import barrier
 from jaxpar.hardware import peak_flops
 from jaxpar.mesh import make_mesh
-from jaxpar.model.flops import param_count, train_flops_per_token
+from jaxpar.model.flop_formula import param_count, train_flops_per_token
 from jaxpar.parallel.pipeline.executor import describe_config as describe_schedule
-from jaxpar.train.eval import Validation, eval_due, make_validation, validation_data
 from jaxpar.train.init_from import initial_state
 from jaxpar.train.metrics import MetricsFile, fmt, log_line, mesh_text, pipeline_line, val_text
 from jaxpar.train.observe import Observer, require_packages
 from jaxpar.train.step import Trainer, build_trainer
 from jaxpar.train.tracking import PlanFn
+from jaxpar.train.validation_loss import Validation, eval_due, make_validation, validation_data
 
 
 @dataclass(frozen=True)
@@ -125,12 +125,12 @@ class _StopSignals:
 def make_data_iterator(cfg: Config, split: str = "train") -> tuple[DataIterator, str]:
     """The iterator over ``split`` (all rows; a process keeps its own with
     ``with_rows(trainer.local_batch_rows())``) and a one-line description. Validation is read
-    in order (train/eval.py scores the same batches every time)."""
+    in order (train/validation_loss.py scores the same batches every time)."""
     try:
         if cfg.data.sources:  # a mixture, which shuffles itself: the iterator reads it in order
             if split != "train":  # each source's held-out split is scored on its own
                 raise ConfigError("a mixture's validation is read per source "
-                                  "(train/eval.py: validation_data)")
+                                  "(train/validation_loss.py: validation_data)")
             ds = open_mixture([(s.path, s.weight) for s in cfg.data.sources], cfg.train.seq_len,
                               tokenizer=cfg.data.tokenizer, seed=cfg.train.seed,
                               shuffle=cfg.data.shuffle, checksums=cfg.data.verify)

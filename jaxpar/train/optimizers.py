@@ -1,4 +1,4 @@
-"""Optimizers (``train.optimizer``), learning-rate schedules (``train.schedule``) and the
+"""Optimizers (``train.optimizer``), learning-rate schedules (``train.lr_schedule``) and the
 optimizer state's storage dtype (``train.opt_state_dtype``), through optax.
 
 Every optimizer runs after global-norm clipping on float32 copies (:func:`in_float32`); a
@@ -38,17 +38,17 @@ MUON_BETA = 0.95  # Muon's momentum (its authors' value)
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
-    """``train.schedule`` after ``train.warmup_steps`` of linear warm-up from 0: ``cosine``
+    """``train.lr_schedule`` after ``train.warmup_steps`` of linear warm-up from 0: ``cosine``
     decays to ``lr * min_lr_ratio`` at ``steps``; ``wsd`` holds ``lr``, then decays linearly over
     the last ``decay_fraction`` (:func:`wsd_value`); ``constant`` stays. Optimizer step k
     (1-based) uses the schedule at k, so the first step moves the parameters."""
-    if t.schedule == "cosine":
+    if t.lr_schedule == "cosine":
         base = optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
             decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
         return lambda count: base(count + 1)
-    start = wsd_decay_start(t) if t.schedule == "wsd" else t.steps
-    end = t.lr * (t.min_lr_ratio if t.schedule == "wsd" else 1.0)
+    start = wsd_decay_start(t) if t.lr_schedule == "wsd" else t.steps
+    end = t.lr * (t.min_lr_ratio if t.lr_schedule == "wsd" else 1.0)
 
     def schedule(count: jax.Array) -> jax.Array:
         s = jnp.asarray(count, jnp.float32) + 1

@@ -181,7 +181,8 @@ class Trainer:
     @property
     def jitted_loss_and_grads(self) -> Callable:
         """``(state, batch) -> (loss, grads, aux)`` as jitted, to call inside another jitted
-        function (the pipeline's eval step, train/eval.py) without entering the mesh again."""
+        function (the pipeline's eval step, train/validation_loss.py) without entering the mesh
+        again."""
         return self._loss_and_grads
 
     def abstract_batch(self) -> Batch:

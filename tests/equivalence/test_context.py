@@ -217,12 +217,12 @@ def test_ring_attention_in_bfloat16_stays_close_to_float32():
 
 def test_ppermute_in_order_delivers_each_array_and_chains_the_sends():
     """Two sends over one axis in opposite directions arrive where their permutations say, and
-    lowered step ties the second to the first with a barrier (parallel/collectives.py: XLA
+    lowered step ties the second to the first with a barrier (parallel/point_to_point.py: XLA
     removes it after scheduling, so only the lowered program shows it)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from jaxpar.parallel.collectives import ppermute_in_order
+    from jaxpar.parallel.point_to_point import ppermute_in_order
 
     n = 4
     mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
@@ -326,8 +326,8 @@ def test_hybrid_all_to_alls_in_groups_and_rings_between_them():
      "parallel.sequence_parallel=true", ULYSSES),
     ("mesh.data=1", "mesh.context=4", "mesh.tensor=2", "parallel.context_impl=hybrid",
      "parallel.ulysses_size=2", "train.remat=full"),
-    ("mesh.data=2", "mesh.context=4", ULYSSES, "parallel.zigzag=false", "train.loss_chunks=4"),
-], ids=["fsdp,tensor,sp", "hybrid,tensor,remat=full", "contiguous,loss_chunks"])
+    ("mesh.data=2", "mesh.context=4", ULYSSES, "parallel.zigzag=false", "train.loss_pieces=4"),
+], ids=["fsdp,tensor,sp", "hybrid,tensor,remat=full", "contiguous,loss_pieces"])
 def test_ulysses_and_hybrid_in_more_compositions_match_one_device(overrides):
     got, ref = run_layout(overrides), run_layout(("mesh.data=1",))
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5

@@ -399,8 +399,8 @@ def test_loss_pieces_reduce_the_head_gradient_once_whatever_their_count(layout):
     the loss: the same collective bytes in 1 and in 8 pieces (each piece's partial sum stays
     on its device), as the plan says."""
     vocab = ["model.vocab_size=1024"]  # the head's gradient is most of the gradient bytes
-    whole = significant(compiled_step((*layout, *vocab, "train.loss_chunks=1"))["rows"])
-    pieces = compiled_step((*layout, *vocab, "train.loss_chunks=8"))
+    whole = significant(compiled_step((*layout, *vocab, "train.loss_pieces=1"))["rows"])
+    pieces = compiled_step((*layout, *vocab, "train.loss_pieces=8"))
     assert set(significant(pieces["rows"])) == set(whole)
     for key, row in significant(pieces["rows"]).items():
         assert close(row["bytes"], whole[key]["bytes"], 0.02), (key, row, whole[key])

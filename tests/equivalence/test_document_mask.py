@@ -253,7 +253,7 @@ def test_packed_documents_give_each_documents_loss_and_gradients(layout):
 
 @pytest.mark.parametrize("layout", ["1 device, dense", "context=4 ring zigzag"])
 def test_the_eval_step_masks_documents_as_the_train_step(layout):
-    from jaxpar.train.eval import Validation
+    from jaxpar.train.validation_loss import Validation
 
     trainer = trainer_for([*BASE, *LAYOUTS[layout][0]], LAYOUTS[layout][1])
     state = trainer.init()

@@ -1,5 +1,5 @@
-"""The eval step (train/eval.py): its loss is the train step's loss on the same batches, on
-every layout, and no program compiles after start-up.
+"""The eval step (train/validation_loss.py): its loss is the train step's loss on the same
+batches, on every layout, and no program compiles after start-up.
 
 Each layout builds a trainer from the seeded initial state and compiles only its eval step
 (forward only; the pipeline's is its loss-and-gradient program); the reference is the
@@ -20,8 +20,8 @@ from helpers import make_batches
 
 from jaxpar.config import load_config, validate
 from jaxpar.mesh import make_mesh
-from jaxpar.train.eval import Validation
 from jaxpar.train.step import build_trainer
+from jaxpar.train.validation_loss import Validation
 
 BASE = ["train.batch_size=8", "train.seq_len=32"]
 MOE = ["train.grad_accum=2"]  # the eval step's micro-steps: capacity drops depend on them

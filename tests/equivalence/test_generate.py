@@ -1,4 +1,5 @@
-"""Text generation (jaxpar/generate.py, jaxpar/model/kv_cache.py) against the uncached model.
+"""Text generation (jaxpar/inference/generation.py, jaxpar/model/kv_cache.py) against the
+uncached model.
 
 The reference is the model itself, uncached: the whole sequence through the training forward
 pass for every new token, argmax at the last position. Models are initialised with a large
@@ -26,7 +27,7 @@ from helpers import GENERATION_PROMPTS as PROMPTS
 from helpers import greedy_by_full_forward
 
 from jaxpar.config import Config, MeshConfig, MoEConfig
-from jaxpar.generate import Generator, Sampling, generate, sample
+from jaxpar.inference.generation import Generator, Sampling, generate, sample
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import create_model
 

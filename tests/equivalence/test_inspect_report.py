@@ -17,7 +17,7 @@ from rich.console import Console
 from jaxpar.config import load_config, validate
 from jaxpar.inspect.report import inspect_step, print_report
 from jaxpar.mesh import make_mesh
-from jaxpar.model.flops import train_flops_per_token
+from jaxpar.model.flop_formula import train_flops_per_token
 
 # DESIGN_KEYS (helpers.INSPECT_JSON_KEYS): the JSON contract of docs/design.md; the keys of its
 # parts:

@@ -29,8 +29,8 @@ from helpers import lora_loss_and_grads as uncached_loss_and_grads
 import jaxpar.parallel.expert as expert_module
 import jaxpar.platform as workarounds
 from jaxpar.model.lora import adapter_part, base_part, merged_weights
-from jaxpar.train.eval import forward_loss_fn
 from jaxpar.train.step import with_positions
+from jaxpar.train.validation_loss import forward_loss_fn
 
 LORA = ("train.lora.rank=4", "train.lora.alpha=8")
 EXPERT_MESH = ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2")

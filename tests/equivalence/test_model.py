@@ -197,7 +197,7 @@ def test_loss_in_pieces_holds_one_piece_of_logits_at_a_time():
     def temp(chunks: int) -> int:
         cfg = validate(load_config("tiny", ["mesh.data=1", "model.vocab_size=8192",
                                             "train.seq_len=256", "train.batch_size=2",
-                                            f"train.loss_chunks={chunks}"]), 1)
+                                            f"train.loss_pieces={chunks}"]), 1)
         return compiled_temp_bytes(cfg, 1)
 
     logits = 2 * 256 * 8192 * 4  # the whole float32 logits: 16 MiB
@@ -214,7 +214,7 @@ def test_the_whole_loss_keeps_its_logits_and_their_gradient_but_not_their_expone
     Soft-capped logits (model.final_softcap): the loss keeps the capped logits in place of the
     logits, but XLA:CPU computes the tanh and the multiply by the cap in two fusions, so one
     more logits-sized array lives in the forward pass (3.38 x, measured)."""
-    cfg = validate(load_config("tiny", ISSUE_14_SIZES + ["train.loss_chunks=1",
+    cfg = validate(load_config("tiny", ISSUE_14_SIZES + ["train.loss_pieces=1",
                                                          f"model.final_softcap={softcap}"]), 1)
     logits = 4096 * 32768 * 4
     temp = compiled_temp_bytes(cfg, 1)
@@ -229,7 +229,7 @@ def test_loss_in_pieces_halves_the_step_memory_at_vocab_32k_and_4k_tokens():
     embedding's gradient in 8 slices of the vocabulary) the step's compiled temp memory drops
     more than 2x (measured 1217.7 -> 437.9 MiB; before the issue the step took 2301.8 MiB)."""
     def temp(chunks: int) -> int:
-        cfg = validate(load_config("tiny", ISSUE_14_SIZES + [f"train.loss_chunks={chunks}"]), 1)
+        cfg = validate(load_config("tiny", ISSUE_14_SIZES + [f"train.loss_pieces={chunks}"]), 1)
         return compiled_temp_bytes(cfg, 1)
 
     whole, pieces = temp(1), temp(0)

@@ -341,7 +341,7 @@ REFERENCE = ("mesh.data=1",)
 LAYOUTS = {
     "expert=4": ("mesh.data=1", "mesh.expert=4"),
     # Each device's tokens in two chunks, each dispatched and combined on its own.
-    "expert=4,chunks=2": ("mesh.data=1", "mesh.expert=4", "parallel.expert_chunks=2"),
+    "expert=4,chunks=2": ("mesh.data=1", "mesh.expert=4", "parallel.expert_pieces=2"),
     "data=2,expert=2,tensor=2": ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"),
     # The experts' weights, and the others (split over tensor too), gathered in rings of sends.
     "fsdp=2,expert=2,tensor=2,ring": ("mesh.data=1", "mesh.fsdp=2", "mesh.expert=2",
@@ -440,7 +440,7 @@ def test_all_to_all_over_expert_forward_and_backward(name):
 
 
 def test_expert_chunks_exchange_each_chunk_on_its_own_with_the_same_bytes():
-    """``parallel.expert_chunks=2``: twice the all-to-alls, each over half the tokens, so the
+    """``parallel.expert_pieces=2``: twice the all-to-alls, each over half the tokens, so the
     compiler may run one chunk's exchange beside the other's experts; the bytes stay."""
     from jaxpar.inspect.hlo.collectives import parse_collectives
 

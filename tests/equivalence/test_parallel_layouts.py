@@ -50,8 +50,8 @@ LAYOUTS = {
     "data=2,tensor=2,blockwise": ["mesh.data=2", "mesh.tensor=2", "model.attention=blockwise",
                                   "model.attention_block=8"],
     # The loss in 4 strided pieces of the sequence, each device's context shard kept local.
-    "data=2,context=2,tensor=2,loss_chunks=4": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
-                                                "train.loss_chunks=4"],
+    "data=2,context=2,tensor=2,loss_pieces=4": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
+                                                "train.loss_pieces=4"],
 }
 REFERENCE = ["mesh.data=1"]
 
@@ -91,7 +91,7 @@ def test_layout_matches_single_device_loss_grads_and_params(name):
     (("mesh.data=2", "mesh.context=2", "mesh.fsdp=2", "train.grad_accum=2"), (4, 4)),  # by hand
     (("mesh.data=2", "mesh.context=2", "mesh.tensor=2"), (8, 8)),  # the vocab split over tensor
     # A pipeline's head and embedding gradient, each stage's vocabulary piece split over tensor.
-    # (slow: about 25 s; test_pipeline.py's zero_bubble layout with loss_chunks=4 is default)
+    # (slow: about 25 s; test_pipeline.py's zero_bubble layout with loss_pieces=4 is default)
     pytest.param(("mesh.data=1", "mesh.context=2", "mesh.pipe=2", "mesh.tensor=2",
                   "train.microbatches=2", "parallel.pipeline_schedule=1f1b"), (8, 4),
                  marks=pytest.mark.slow),
@@ -107,7 +107,7 @@ def test_loss_pieces_and_embedding_gradient_slices_match_one_device(monkeypatch,
     from jaxpar.config import schema
 
     ref = reference()  # built (or cached) under the default budget: one piece, one slice
-    monkeypatch.setattr(schema, "LOSS_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(schema, "LOSS_PIECE_BYTES", 4096)
     cfg = validate(load_config("tiny", [*BASE, *overrides]), 8)
     assert (cfg.loss_pieces(), cfg.embedding_grad_pieces()) == pieces
     got = run_layout.__wrapped__(overrides)  # not cached: the budget differs

@@ -63,14 +63,14 @@ LAYOUTS = {
     "1f1b,pipe=2,context=2,tensor=2,ring": pipeline(
         "1f1b", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
         "parallel.context_impl=ring"),
-    # ... and the head in 4 strided pieces of the sequence (train.loss_chunks), its vocabulary
+    # ... and the head in 4 strided pieces of the sequence (train.loss_pieces), its vocabulary
     # split over pipe and tensor and the sequence over context.
-    "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4": pipeline(
+    "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_pieces=4": pipeline(
         "zero_bubble", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
-        "parallel.context_impl=ring", "train.loss_chunks=4"),
-    "1f1b,pipe=2,context=2,tensor=2,loss_chunks=4": pipeline(
+        "parallel.context_impl=ring", "train.loss_pieces=4"),
+    "1f1b,pipe=2,context=2,tensor=2,loss_pieces=4": pipeline(
         "1f1b", 2, 2, "mesh.data=1", "mesh.context=2", "mesh.tensor=2",
-        "parallel.context_impl=allgather", "train.loss_chunks=4"),
+        "parallel.context_impl=allgather", "train.loss_pieces=4"),
 }
 
 
@@ -81,7 +81,7 @@ DEFAULT = {"gpipe,pipe=2,m=4", "1f1b,pipe=2,m=4", "interleaved,pipe=2,m=4",
            "zero_bubble,pipe=2,m=4",
            "1f1b,pipe=2,fsdp=2,context=2,dots", "gpipe,pipe=2,tensor=2,data=2,sp,full",
            "1f1b,pipe=2,data=2,grad_accum=2", "1f1b,pipe=2,context=2,tensor=2,ring",
-           "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4",
+           "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_pieces=4",
            "dualpipe_v,pipe=2,m=4"}
 
 
@@ -108,7 +108,7 @@ def test_a_gemma_pipeline_matches_single_device_loss_grads_and_params():
     (within 1e-6, measured). The parameters after the steps get 1e-3: Adam's m / sqrt(v)
     magnifies the round-off of this model's near-zero gradient entries (5.3e-4 on wo)."""
     got = run_layout((*pipeline("1f1b", 2, 4, "mesh.tensor=2", "mesh.data=2"), *GEMMA,
-                      "train.loss_chunks=2"))
+                      "train.loss_pieces=2"))
     ref = run_layout((*REFERENCE, *GEMMA))
     assert abs(got["loss"] - ref["loss"]) / ref["loss"] < 1e-5
     assert abs(got["last_loss"] - ref["last_loss"]) / ref["last_loss"] < 1e-5
@@ -199,7 +199,7 @@ def test_pipeline_sums_gradients_over_context_once_per_step(name):
 
 
 @pytest.mark.parametrize("name", ["1f1b,pipe=2,context=2,tensor=2,ring",
-                                  "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_chunks=4",
+                                  "zero_bubble,pipe=2,context=2,tensor=2,ring,loss_pieces=4",
                                   "interleaved,pipe=2,m=4", "gpipe,pipe=2,tensor=2,data=2,sp,full",
                                   "dualpipe_v,pipe=2,m=4"])
 def test_no_collective_runs_under_control_flow_in_a_pipelined_step(name):
@@ -375,7 +375,7 @@ def test_the_pipeline_head_in_pieces_holds_one_pieces_logits_at_a_time():
     def temp(chunks: int) -> int:
         cfg = validate(load_config("tiny", [
             "mesh.pipe=2", "mesh.data=1", "train.microbatches=2", "model.vocab_size=8192",
-            "train.seq_len=256", "train.batch_size=2", f"train.loss_chunks={chunks}"]), 2)
+            "train.seq_len=256", "train.batch_size=2", f"train.loss_pieces={chunks}"]), 2)
         return compiled_temp_bytes(cfg, 2)
 
     logits = 256 * 8192 // 2 * 4

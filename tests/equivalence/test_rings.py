@@ -1,4 +1,4 @@
-"""The ring gather and reduce-scatter (parallel/collectives.py) equal JAX's own collectives."""
+"""The ring gather and reduce-scatter (parallel/point_to_point.py) equal JAX's own collectives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel.collectives import ring_all_gather, ring_reduce_scatter
+from jaxpar.parallel.point_to_point import ring_all_gather, ring_reduce_scatter
 
 AXES = [("fsdp",), ("data", "fsdp")]
 

@@ -28,7 +28,7 @@ from helpers import (
 )
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.generate import generate
+from jaxpar.inference.generation import generate
 from jaxpar.model.attention import (
     blockwise_attention,
     dense_attention,

@@ -20,7 +20,7 @@ from helpers import layout_trainer, make_batches
 from jaxpar.checkpoint import state as checkpoint
 from jaxpar.checkpoint.weights import restore_params
 from jaxpar.config import Config, load_config, validate
-from jaxpar.generate import Generator, Sampling
+from jaxpar.inference.generation import Generator, Sampling
 from jaxpar.mesh import make_mesh
 from jaxpar.model.loss import summed_token_loss
 from jaxpar.model.transformer import create_model

@@ -14,9 +14,9 @@ import pytest
 from helpers import assert_one_line_error, env_without_device_flags, run_jaxpar
 from hf_models import scorable_checkpoint
 
+from jaxpar.data.pretokenize import TokenizeOptions, tokenize
 from jaxpar.data.shards import DTYPES
-from jaxpar.data.tokenize import TokenizeOptions, tokenize
-from jaxpar.data.tokenized import TokenizedDataset
+from jaxpar.data.split_rows import TokenizedDataset
 
 pytest.importorskip("transformers")
 

@@ -14,7 +14,7 @@ from helpers import assert_one_line_error, cached_jax_env, run_jaxpar
 
 from jaxpar.config import Config, MeshConfig, config_from_dict
 from jaxpar.data.tokenizer import ByteTokenizer
-from jaxpar.generate import Generator
+from jaxpar.inference.generation import Generator
 
 # --------------------------------------------------------------------------------------------
 # Against Hugging Face transformers

@@ -153,7 +153,7 @@ def test_lm_eval_model_encodes_an_import_as_the_hf_model_does(sources, adds_bos,
     pytest.importorskip("lm_eval")
     from lm_eval.models.huggingface import HFLM
 
-    from jaxpar.lm_eval import JaxparLM
+    from jaxpar.evaluation.harness import JaxparLM
 
     source = sources["llama", adds_bos]
     assert main(["import-hf", str(source), "--to", str(tmp_path / "ckpt")]) == 0

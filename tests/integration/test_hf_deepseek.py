@@ -131,7 +131,7 @@ def test_deepseek_generation_with_a_latent_cache_is_transformers_greedy(deepseek
     from transformers import AutoModelForCausalLM
 
     from jaxpar.config import Config, MeshConfig
-    from jaxpar.generate import Generator
+    from jaxpar.inference.generation import Generator
     from jaxpar.mesh import make_mesh
     from jaxpar.model.kv_cache import model_cache
 

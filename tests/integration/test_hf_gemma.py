@@ -46,7 +46,7 @@ def imported(tmp_path_factory):
     ("gemma3_text", [], 1),
     ("gemma3_text", ["mesh.fsdp=2", "mesh.tensor=2"], 4),
     ("gemma3", [], 1),
-    ("gemma3", ["mesh.tensor=2", "train.loss_chunks=2"], 4),
+    ("gemma3", ["mesh.tensor=2", "train.loss_pieces=2"], 4),
     ("gemma3", ["mesh.context=2"], 4),
 ])
 def test_imported_gemma_logits_match_transformers(imported, kind, overrides, devices):
@@ -54,11 +54,11 @@ def test_imported_gemma_logits_match_transformers(imported, kind, overrides, dev
     assert diff <= TOLERANCE, (kind, overrides, diff)
 
 
-@pytest.mark.parametrize("overrides", [["mesh.tensor=2", "train.loss_chunks=4"],
+@pytest.mark.parametrize("overrides", [["mesh.tensor=2", "train.loss_pieces=4"],
                                        ["mesh.pipe=2", "train.microbatches=2",
-                                        "train.loss_chunks=2"]])
+                                        "train.loss_pieces=2"]])
 def test_training_loss_of_a_soft_capped_gemma_is_transformers(imported, overrides):
-    """The train step's loss, the head run over pieces of the sequence (train.loss_chunks)
+    """The train step's loss, the head run over pieces of the sequence (train.loss_pieces)
     under tensor=2 data=2, and in the pipeline executor (pipe=2 data=2: its own embedding,
     scaled, and its vocabulary pieces, capped), is the cross-entropy of transformers'
     soft-capped logits."""

@@ -32,7 +32,7 @@ from jaxpar.checkpoint.state import read_meta
 from jaxpar.checkpoint.weights_only import read_weights, saved_config, step_dir
 from jaxpar.config import config_from_dict
 from jaxpar.hf.importer import import_hf
-from jaxpar.model.flops import train_flops_per_token
+from jaxpar.model.flop_formula import train_flops_per_token
 from jaxpar.model.vocab import fit_vocab
 
 pytest.importorskip("transformers")

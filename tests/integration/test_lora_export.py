@@ -110,7 +110,7 @@ def test_peft_loads_the_adapter_directory_onto_the_base_export(runs):
 def test_generation_runs_the_adapted_model(runs):
     """``jaxpar generate``'s Generator on a LoRA checkpoint scores tokens as the adapted model
     does (its adapters merged into the weights)."""
-    from jaxpar.generate import Generator
+    from jaxpar.inference.generation import Generator
 
     root, ids, merged = runs
     path = step_dir(root / "lora")

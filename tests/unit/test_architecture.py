@@ -18,13 +18,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "jaxpar"
 
 # Each layer and the layers it may import. Everything points down: cli -> {inspect, pictures,
-# hf} -> train -> checkpoint -> {model, parallel, data} -> config/mesh/distributed -> platform.
-# `parallel` may use `model`'s layer code (the MoE dispatch runs the model's experts); nothing below
-# `train` knows training exists. The cost model (`cost`, `hardware`, `units`) describes the
-# layers without being imported by them: it imports no layer above `model` and `parallel`.
+# hf, evaluation} -> train -> checkpoint -> {model, parallel, data} -> config/mesh/distributed ->
+# platform. `parallel` may use `model`'s layer code (the MoE dispatch runs the model's experts);
+# nothing below `train` knows training exists. The cost model (`cost`, `hardware`, `units`)
+# describes the layers without being imported by them: it imports no layer above `model` and
+# `parallel`.
 ALLOWED = {
-    "cli": {"inspect", "pictures", "cost", "hardware", "hf", "train", "checkpoint", "generate",
-            "model", "parallel", "data", "mesh", "distributed", "config", "units", "platform"},
+    "cli": {"inspect", "pictures", "cost", "hardware", "hf", "train", "checkpoint", "evaluation",
+            "inference", "model", "parallel", "data", "mesh", "distributed", "config", "units",
+            "platform"},
     # What the compiler made (HLO, memory, TPU targets), compared with the cost model's plan.
     "inspect": {"cost", "hardware", "units", "train", "model", "parallel", "data", "mesh",
                 "config"},
@@ -34,10 +36,14 @@ ALLOWED = {
     "units": set(),
     # Hugging Face checkpoints in and out: jaxpar's weights-only checkpoints on one side.
     "hf": {"checkpoint", "model", "parallel", "config"},
-    # lm-eval's model "jaxpar": a command line of its own (python -m jaxpar.lm_eval), beside cli.
-    "lm_eval": {"cli", "generate", "train", "checkpoint", "data", "mesh", "config"},
+    # A checkpoint scored: `jaxpar eval` on a split (the train layer's eval step) and lm-eval's
+    # model "jaxpar" (generation's scoring); the CLI runs the first, lm-eval the second.
+    "evaluation": {"inference", "train", "checkpoint", "model", "data", "mesh", "config"},
     # Text generation runs the model with a KV cache on a mesh; the CLI loads its weights.
-    "generate": {"model", "parallel", "config"},
+    "inference": {"model", "parallel", "config"},
+    # The old names kept as aliases (jaxpar/lm_eval.py: python -m jaxpar.lm_eval; generate.py).
+    "lm_eval": {"evaluation"},
+    "generate": {"inference"},
     "train": {"checkpoint", "hardware", "model", "parallel", "data", "mesh", "distributed",
               "config", "platform"},
     "checkpoint": {"model", "parallel", "config"},
@@ -79,7 +85,7 @@ def layer_imports() -> dict[str, dict[str, set[str]]]:
 
 def test_the_scan_sees_plain_from_and_function_level_imports():
     source = ("import jaxpar.train.step\nfrom jaxpar.inspect import report\n"
-              "def f():\n    from jaxpar.model.flops import param_count\n"
+              "def f():\n    from jaxpar.model.flop_formula import param_count\n"
               "from . import sibling\nimport numpy\n")
     assert imported_layers(source) == {"train", "inspect", "model"}
 

@@ -135,7 +135,7 @@ def test_ring_attention_blocks_by_hand():
     assert all(c.hidden == 1 for c in permutes)
     # Zigzag: each device computes 2c+1 = 5 of its 4c = 8 chunk pairs, with a flash-style
     # backward (7/6 of dense attention's flops), so attention costs 5/8 * 7/6 of the whole
-    # square's, of which the causal half is useful (flops.py's attention term).
+    # square's, of which the causal half is useful (flop_formula.py's attention term).
     square = 12 * 2 * 8 * 8 * 32 * 256 / 8  # forward and backward over the whole square
     assert report.flops.attention_extra == pytest.approx(square * (5 / 8 * 7 / 6 - 1 / 2))
 
@@ -300,7 +300,7 @@ def test_plan_says_when_a_layout_does_not_fit():
 
 def test_windowed_layers_count_the_band_of_blocks_and_pairs_their_window_touches():
     from jaxpar.cost.shapes import windowed_share
-    from jaxpar.model.flops import causal_attention_flops_per_token
+    from jaxpar.model.flop_formula import causal_attention_flops_per_token
     from jaxpar.parallel.context import zigzag_order
 
     # 256 tokens in blocks of 32, window 64: 21 of 64 block pairs (the kernels' own count in

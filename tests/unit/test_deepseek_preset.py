@@ -7,7 +7,7 @@ import math
 
 from jaxpar.config import load_config
 from jaxpar.cost.params import model_params
-from jaxpar.model.flops import causal_attention_flops_per_token, matmul_params, param_count
+from jaxpar.model.flop_formula import causal_attention_flops_per_token, matmul_params, param_count
 
 
 def test_deepseek_v3_preset_counts_671b_parameters_37b_active():

@@ -1,7 +1,7 @@
-"""The code the walkthrough pages name exists: every `path.py:name` in docs/train-step.md and
-docs/add-a-layer.md names a file of the repository and, in it, a function or class (``A.b``: a
-method ``b`` of class ``A``, or a function ``b`` defined inside function ``A``). A bare
-`path.py` or `path/` names a file or folder that exists.
+"""The code the walkthrough pages name exists: every `path.py:name` in docs/train-step.md,
+docs/add-a-layer.md and docs/glossary.md names a file of the repository and, in it, a function
+or class (``A.b``: a method ``b`` of class ``A``, or a function ``b`` defined inside function
+``A``). A bare `path.py` or `path/` names a file or folder that exists.
 
 Plain text and ``ast`` only: nothing of jaxpar is imported.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "docs" / "train-step.md", ROOT / "docs" / "add-a-layer.md"]
+PAGES = [ROOT / "docs" / "train-step.md", ROOT / "docs" / "add-a-layer.md",
+         ROOT / "docs" / "glossary.md"]
 
 REFERENCE = re.compile(r"`((?:jaxpar|tests|scripts)/[\w/.-]*?)(?::([\w.]+))?`")
 

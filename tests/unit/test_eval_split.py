@@ -1,6 +1,6 @@
 """Validation during training reads held-out documents only: the loop's training stream and its
 validation batches, from the same corpus, in memory and from a ``jaxpar tokenize`` directory,
-share no document (train/eval.py; the split is data/dataset.py's, by document)."""
+share no document (train/validation_loss.py; the split is data/dataset.py's, by document)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from helpers import write_text_corpus
 
 from jaxpar.config import ConfigError, load_config, validate
-from jaxpar.data.tokenize import TokenizeOptions, tokenize
-from jaxpar.train.eval import eval_due, first_batches
+from jaxpar.data.pretokenize import TokenizeOptions, tokenize
 from jaxpar.train.loop import make_data_iterator
+from jaxpar.train.validation_loss import eval_due, first_batches
 
 SEQ_LEN, BATCH = 32, 4
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar.cli.main import main
-from jaxpar.generate import Sampling
+from jaxpar.inference.generation import Sampling
 from jaxpar.model.kv_cache import cache_bytes_per_token
 
 

@@ -13,7 +13,7 @@ from helpers import write_bpe_tokenizer, write_text_corpus
 from jaxpar.config import ConfigError, load_config, to_yaml, validate
 from jaxpar.data import DataIterator, open_mixture
 from jaxpar.data.mixture import BLOCK, block_counts, permute, source_names
-from jaxpar.data.tokenize import TokenizeOptions, tokenize
+from jaxpar.data.pretokenize import TokenizeOptions, tokenize
 
 SEQ_LEN = 32
 

@@ -58,7 +58,7 @@ def test_moe_every_2_stacks_dense_moe_pairs():
 
 
 def test_moe_flops_count_active_experts_only():
-    from jaxpar.model.flops import matmul_params, param_count
+    from jaxpar.model.flop_formula import matmul_params, param_count
 
     cfg = load_config("moe-tiny").model
     dense = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=0))

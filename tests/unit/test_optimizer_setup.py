@@ -36,7 +36,7 @@ def _lrs(t: TrainConfig) -> list[float]:
 
 def test_wsd_schedule_matches_hand_formula() -> None:
     """10 steps, 2 of warm-up, the last 30% (3 steps) decaying linearly to 0.1: by hand."""
-    t = TrainConfig(steps=10, warmup_steps=2, lr=1.0, min_lr_ratio=0.1, schedule="wsd",
+    t = TrainConfig(steps=10, warmup_steps=2, lr=1.0, min_lr_ratio=0.1, lr_schedule="wsd",
                     decay_fraction=0.3)
     want = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1]
     np.testing.assert_allclose(_lrs(t), want, rtol=1e-6)
@@ -47,7 +47,7 @@ def test_wsd_schedule_matches_hand_formula() -> None:
 
 
 def test_constant_and_cosine_schedules() -> None:
-    t = TrainConfig(steps=6, warmup_steps=4, lr=2.0, schedule="constant")
+    t = TrainConfig(steps=6, warmup_steps=4, lr=2.0, lr_schedule="constant")
     np.testing.assert_allclose(_lrs(t), [0.5, 1.0, 1.5, 2.0, 2.0, 2.0], rtol=1e-6)
     t = TrainConfig(steps=10, warmup_steps=2, lr=1.0, min_lr_ratio=0.1)  # cosine, the default
     want = [0.5, 1.0] + [0.1 + 0.45 * (1 + math.cos(math.pi * (s - 2) / 8))
@@ -132,7 +132,7 @@ def test_weight_decay_is_decoupled_lr_times_weight_decay(optimizer: str) -> None
     every optimizer (optax's adafactor alone would subtract weight_decay x parameter)."""
     params = {"layers": {"mlp": {"w_up": jnp.full((2, 4, 8), 2.0)}}}
     axes = {"layers": {"mlp": {"w_up": ("layers", "embed", "mlp")}}}
-    t = TrainConfig(optimizer=optimizer, schedule="constant", warmup_steps=0, lr=0.01,
+    t = TrainConfig(optimizer=optimizer, lr_schedule="constant", warmup_steps=0, lr=0.01,
                     weight_decay=0.1, grad_clip=0.0)
     tx = make_optimizer(t, axes)
     zeros = jax.tree.map(jnp.zeros_like, params)

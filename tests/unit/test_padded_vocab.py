@@ -18,7 +18,7 @@ from jaxpar.cli.main import main
 from jaxpar.config import load_config, validate
 from jaxpar.cost.estimate import estimate
 from jaxpar.hardware import get_profile
-from jaxpar.model.flops import train_flops_per_token
+from jaxpar.model.flop_formula import train_flops_per_token
 from jaxpar.model.transformer import abstract_model
 from jaxpar.model.vocab import VOCAB_AXIS
 from jaxpar.parallel.rules import param_logical_axes

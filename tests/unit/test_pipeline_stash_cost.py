@@ -16,7 +16,7 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.cost.estimate import estimate
 from jaxpar.cost.search import Layout, _expand, _try, layouts
 from jaxpar.hardware import get_profile
-from jaxpar.model.flops import matmul_params
+from jaxpar.model.flop_formula import matmul_params
 from jaxpar.parallel.pipeline.executor import describe
 
 # tiny with 8 layers on pipe=2 data=2 tensor=2, 1F1B over 4 microbatches: a stage holds 4

@@ -11,7 +11,7 @@ from jaxpar.config import load_config, validate
 from jaxpar.cost.estimate import estimate
 from jaxpar.cost.plan import search
 from jaxpar.hardware import get_profile
-from jaxpar.model.flops import (
+from jaxpar.model.flop_formula import (
     causal_attention_flops_per_token,
     matmul_params,
     train_flops_per_token,

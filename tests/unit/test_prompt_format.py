@@ -15,9 +15,9 @@ from hf_models import BOS, EOS, char_text, save_char_tokenizer
 
 from jaxpar.config import Config, ConfigError, GenerationConfig, check_generation, load_config
 from jaxpar.data.prompts import prompts_for
-from jaxpar.generate import eos_array
 from jaxpar.hf.config import HFConfigError
 from jaxpar.hf.importer import generation_settings
+from jaxpar.inference.generation import eos_array
 
 TEXT = char_text([5, 6, 7])
 

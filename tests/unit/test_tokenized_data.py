@@ -18,9 +18,9 @@ from helpers import write_bpe_tokenizer, write_text_corpus
 
 from jaxpar.data import DataIterator, build_dataset, make_tokenizer, open_tokenized
 from jaxpar.data.dataset import dataset_line, split_score
+from jaxpar.data.pretokenize import TokenizeOptions, tokenize
 from jaxpar.data.shards import read_index, token_dtype
-from jaxpar.data.tokenize import TokenizeOptions, tokenize
-from jaxpar.data.tokenized import TokenizedDataset
+from jaxpar.data.split_rows import TokenizedDataset
 
 BYTE = make_tokenizer("byte")
 SEQ_LEN = 32

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.model.annotate import constrain
 from jaxpar.model.projection import RESIDUAL, one_hot_weight_grad
-from jaxpar.parallel.collectives import ppermute_in_order
 from jaxpar.parallel.pipeline.layerwise import added
 from jaxpar.parallel.pipeline.program import Program
 from jaxpar.parallel.pipeline.recompute import kept, rebuilt
@@ -26,6 +25,7 @@ from jaxpar.parallel.pipeline.stages import (
     head_and_loss,
     sum_over_stages,
 )
+from jaxpar.parallel.point_to_point import ppermute_in_order
 
 
 class Carry(NamedTuple):
@@ -272,7 +272,7 @@ def _send(env: StageEnv, c: Carry, r: dict, y: jax.Array | None, dx: jax.Array |
     back up, so each goes both ways, masked by where it is kept (four ``ppermute``s: twice the
     ring's bytes), and the device at the bottom hands its own output to itself. In one order
     on every device, since independent ppermutes can cross on XLA:CPU
-    (parallel/collectives.py)."""
+    (parallel/point_to_point.py)."""
     p = env.piece.p
     ring = env.placement == "ring"
 

@@ -181,7 +181,7 @@ def head_and_loss(stages: Stages, shared: dict, head: jax.Array, piece: VocabPie
     and this stage's head-piece and final-norm gradients, with ``loss_scale`` per token.
 
     The sequence goes through the head in ``stages.loss_pieces`` strided pieces, one after
-    another (a ``lax.scan``, as ``train.loss_chunks`` does without a pipeline): only one
+    another (a ``lax.scan``, as ``train.loss_pieces`` does without a pipeline): only one
     piece's float32 logits ``[B, S/n, V/p]`` and their gradient exist at a time.
     """
     h, norm_vjp = jax.vjp(stages.final_norm, shared, y)

@@ -21,7 +21,7 @@ from jaxpar.cost.pipeline import (
 )
 from jaxpar.cost.shapes import StepSizes
 from jaxpar.model.transformer import dense_units, layer_units
-from jaxpar.parallel.collectives import fsdp_gather_ring
+from jaxpar.parallel.point_to_point import fsdp_gather_ring
 from jaxpar.parallel.zero import ZERO1_AXES
 
 ROW_PARALLEL_MATMULS = 2  # attention output, down projection
@@ -161,7 +161,7 @@ def _gathers(c: Ledger, group: list[ParamCost], count_each: float, times: float,
 def _add_ring(c: Ledger, axes: tuple[str, ...], count: float, payload: float, what: str,
               hidden: float) -> None:
     """``count`` gathers (reduce-scatters) of ``payload`` bytes in all as rings of sends over
-    ``axes``: n - 1 sends each, 1/n of the payload each (parallel/collectives.py)."""
+    ``axes``: n - 1 sends each, 1/n of the payload each (parallel/point_to_point.py)."""
     n = math.prod(c.st.mesh[a] for a in axes)
     c.add("collective-permute", axes, round(count * (n - 1)), round(payload * (n - 1) / n),
           what, hidden)

@@ -7,7 +7,7 @@ are consumed in submission order, so the bytes written do not depend on the numb
 At most a few batches are in flight and tokens go to disk as they arrive: host memory holds a
 few batches and one shard's document offsets, never the corpus.
 
-Each finished shard is recorded in ``progress.json`` (:mod:`jaxpar.data.tokenize_state`); an
+Each finished shard is recorded in ``progress.json`` (:mod:`jaxpar.data.pretokenize_progress`); an
 interrupted run keeps every finished shard, and ``resume`` goes on from them.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data import tokenize_state
+from jaxpar.data import pretokenize_progress
 from jaxpar.data.dataset import split_score
 from jaxpar.data.shards import (
     SPLIT_NAMES,
@@ -92,12 +92,12 @@ def tokenize(options: TokenizeOptions,
         dtype=token_dtype(tokenizer.vocab_size), sources=options.sources,
         text_field=options.text_field, val_fraction=options.val_fraction,
         shard_tokens=options.shard_tokens, splits={})
-    state = tokenize_state.prepare(options.directory, settings, options.resume)
+    state = pretokenize_progress.prepare(options.directory, settings, options.resume)
     if state is None:  # resumed a run that had already finished
         return read_index(options.directory, f"--to {options.directory}")
     if not state.complete:
         state = _stream(options, tokenizer, state, on_progress or (lambda stats: None))
-    return tokenize_state.finish(options.directory, state)
+    return pretokenize_progress.finish(options.directory, state)
 
 
 def _check(options: TokenizeOptions) -> None:
@@ -110,8 +110,8 @@ def _check(options: TokenizeOptions) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(options, name)}")
 
 
-def _stream(options: TokenizeOptions, tokenizer: Tokenizer, state: tokenize_state.RunState,
-            on_progress: Callable[[TokenizeStats], None]) -> tokenize_state.RunState:
+def _stream(options: TokenizeOptions, tokenizer: Tokenizer, state: pretokenize_progress.RunState,
+            on_progress: Callable[[TokenizeStats], None]) -> pretokenize_progress.RunState:
     """Read, tokenize and write every document not yet in a finished shard."""
     documents = _documents(options)
     first = next(documents, None)  # an empty corpus is an error before the directory exists
@@ -162,7 +162,7 @@ class _Tally:
     skipped: int = 0
 
 
-def _batches(documents: Iterator[Document], state: tokenize_state.RunState,
+def _batches(documents: Iterator[Document], state: pretokenize_progress.RunState,
              options: TokenizeOptions, tally: _Tally) -> Iterator[tuple[list[Meta], list[str]]]:
     """(metas, texts) per batch of documents still to tokenize."""
     metas: list[Meta] = []
@@ -189,7 +189,7 @@ class _SplitWriter:
     """Documents into the shards of their split; a shard is finished after the document that
     brings it to ``shard_tokens``, and recorded (``progress.json``) at once."""
 
-    def __init__(self, directory: Path, state: tokenize_state.RunState):
+    def __init__(self, directory: Path, state: pretokenize_progress.RunState):
         self._directory, self._state = directory, state
         self._limit = state.settings.shard_tokens
         self._open: dict[str, ShardWriter | None] = {s: None for s in SPLIT_NAMES}
@@ -220,7 +220,7 @@ class _SplitWriter:
         self._open[split].add(tokens, text_bytes=text_bytes)
         if self._open[split].tokens >= self._limit:
             self._finish(split, position + 1)
-            tokenize_state.save(self._directory, self._snapshot())
+            pretokenize_progress.save(self._directory, self._snapshot())
 
     def _finish(self, split: str, next_document: int) -> Shard:
         shard = self._open[split].finish()
@@ -229,19 +229,19 @@ class _SplitWriter:
         self._next[split] = next_document
         return shard
 
-    def _snapshot(self, **changes) -> tokenize_state.RunState:
+    def _snapshot(self, **changes) -> pretokenize_progress.RunState:
         return dataclasses.replace(
             self._state, shards={k: tuple(v) for k, v in self._shards.items()},
             next_document=dict(self._next), lowest_train=self._lowest,
             highest_validation=self._highest, **changes)
 
-    def close(self, total: int) -> tokenize_state.RunState:
+    def close(self, total: int) -> pretokenize_progress.RunState:
         """Finish the open shards: the stream of `total` documents is done."""
         for split in SPLIT_NAMES:
             if self._open[split] is not None:
                 self._finish(split, total)
         state = self._snapshot(documents=total, complete=True)
-        tokenize_state.save(self._directory, state)
+        pretokenize_progress.save(self._directory, state)
         return state
 
     def abandon(self) -> None:

@@ -1,6 +1,6 @@
 """Evaluation of a checkpoint on a tokenized split: ``jaxpar eval``.
 
-The split's rows are scored exactly as training reads them (:mod:`jaxpar.data.tokenized`):
+The split's rows are scored exactly as training reads them (:mod:`jaxpar.data.split_rows`):
 documents end to end, cut into rows of ``train.seq_len`` targets, read in file order. Read
 whole, every target of the split but the first is scored once; ``--batches N`` reads the first
 N global batches only, and the last batch is filled with masked rows. Data ``jaxpar tokenize``
@@ -8,8 +8,8 @@ did not write (text, or chat .jsonl) is tokenized, split and packed here as trai
 
 The numbers: ``loss`` (mean cross entropy in nats), ``perplexity`` and ``bits_per_byte`` (from
 the UTF-8 bytes ``jaxpar tokenize`` recorded, so only for a whole split). The loss is the
-validation step's (:mod:`jaxpar.train.eval`), on the train step's shardings, so any layout
-training runs evaluates. The parameters are read straight into their shardings; no optimizer
+validation step's (:mod:`jaxpar.train.validation_loss`), on the train step's shardings, so any
+layout training runs evaluates. The parameters are read straight into their shardings; no optimizer
 state is read.
 
 What is scored at the edges, and why: docs/evaluation.md, "`jaxpar eval`".
@@ -32,10 +32,10 @@ from jaxpar.config import Config, ConfigError, documents_masked
 from jaxpar.data.dataset import open_source
 from jaxpar.data.packing import PackedDataset
 from jaxpar.data.shards import split_text_bytes
-from jaxpar.data.tokenized import TokenizedDataset
+from jaxpar.data.split_rows import TokenizedDataset
 from jaxpar.model.transformer import initial_buffers
-from jaxpar.train.eval import compile_eval_step
 from jaxpar.train.step import Trainer, TrainState, make_optimizer
+from jaxpar.train.validation_loss import compile_eval_step
 
 
 @dataclasses.dataclass(frozen=True)

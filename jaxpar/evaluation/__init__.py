@@ -1,0 +1,1 @@
+"""Scoring a checkpoint: :mod:`.split_loss` (``jaxpar eval``), :mod:`.harness` (lm-eval's model)."""

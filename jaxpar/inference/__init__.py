@@ -1,0 +1,1 @@
+"""Running a trained model: :mod:`.generation` (prefill, KV-cached decoding, sampling, scoring)."""
