@@ -1,8 +1,9 @@
 """A key/value cache for autoregressive decoding, and attention over it.
 
 Keys and values go to ``k, v: [layers, B, L, K, D]`` (slot t: position t), laid out by
-:data:`CACHE_AXES`; MLA caches latents (:data:`LATENT_AXES`). :mod:`jaxpar.inference.generation` sets the
-attention hook to :meth:`UnitCache.attend`. Details: docs/generation.md, "How it works".
+:data:`CACHE_AXES`; MLA caches latents (:data:`LATENT_AXES`). :mod:`jaxpar.inference.generation`
+sets the layout's attention to :meth:`UnitCache.attend`. Details: docs/generation.md, "How it
+works".
 """
 
 from __future__ import annotations
