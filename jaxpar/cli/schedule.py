@@ -46,6 +46,7 @@ def run_schedule(args: argparse.Namespace, cfg: Config) -> int:
              f"bubble {info['bubble']:.1%}")
     print(title)
     print(render(table))
+    # The output keeps the word 'steps' (a contract); the code calls them rounds.
     print(f"executed: {info['steps']} steps ({', then '.join(info['stretches'])}); every stage "
           f"runs every slot, so '.' is a masked slot: work factor "
           f"{info['executed_work_factor']:.2f} x the useful work")

@@ -352,9 +352,9 @@ class ParallelConfig:
     # its gradients whole; "per_layer" gathers each layer as a slot runs it and reduce-scatters
     # its gradient at once (less memory, more bytes: parallel/pipeline/executor.py).
     pipeline_fsdp: Literal["per_step", "per_layer"] = "per_step"
-    # A pipeline step's forward and backward slots in one layer loop, so the compiler can
+    # A pipeline round's forward and backward slots in one layer loop, so the compiler can
     # overlap one's collectives with the other's matmuls (DualPipe's F&B overlap;
-    # parallel/pipeline/layerwise.py); the last chunk then turns round a step later.
+    # parallel/pipeline/layerwise.py); the last chunk then turns back one round later.
     pipeline_overlap: bool = False
     # What a pipeline stage keeps of a microbatch between a chunk's forward and its backward:
     # "residuals" (the chunk's VJP residuals, what train.remat saves of each layer) or

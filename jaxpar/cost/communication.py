@@ -49,7 +49,7 @@ def fsdp_collectives(c: Ledger) -> None:
     other = [p for p in c.other if p.gather_axes and p not in dense]
     if "fsdp" in c.by_hand or st.pipeline is not None:
         # By hand, the executor gathers a stage's weights once per step; else a stage's weights
-        # do not change within a stretch of steps and XLA hoists their gathers out of the
+        # do not change within a stretch of rounds and XLA hoists their gathers out of the
         # stretch's loop (an upper bound: how many survive is its choice).
         # One gather per stacked weight (all the stage's layers at once) each time.
         # A pipeline's dense first blocks run before it, on the whole batch at once, gathered

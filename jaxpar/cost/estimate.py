@@ -220,7 +220,7 @@ def _flops(st: StepSizes) -> FlopsCost:
                           else 3 * attention_forward)
     # The embedding's forward pass is a gather, from each device's rows where vocab is split
     # (model/projection.py: lookup, parallel/pipeline/stages.py: embed_partial); only its weight
-    # gradient is a matmul, which a pipeline stage runs in every step where a stage's backward
+    # gradient is a matmul, which a pipeline stage runs in every round where a stage's backward
     # is chunk 0's, once per microbatch usefully.
     embedding_runs = (1.0 if st.pipeline is None
                       else st.pipeline["embed_back_steps"] / st.pipeline["microbatches"])

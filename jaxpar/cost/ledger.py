@@ -70,7 +70,7 @@ def wire_bytes(kind: str, payload: int, group: int) -> int:
 class Ledger:
     """The collectives found so far, and what every formula shares.
 
-    In a pipeline a device runs its layers in every step with a forward (backward) slot, masked
+    In a pipeline a device runs its layers in every round with a forward (backward) slot, masked
     ones too, and reduces weight gradients in every backward slot; without one, ``runs`` is g.
     """
 
@@ -162,8 +162,8 @@ class Ledger:
                 by_hand: bool = False) -> int:
         """Gradient bytes of ``group`` reduced per step (``gathered``: unscattered size). In a
         pipeline each backward slot (masked too) reduces its chunk's layers; each step reduces its
-        vocabulary piece's (1/p of the embedding per backward step, of the head per head step) and
-        the final norm's."""
+        vocabulary piece's (1/p of the embedding per backward round, of the head per head round)
+        and the final norm's."""
         def size(p: ParamCost) -> int:
             return self.grad(p, p.gathered_bytes if gathered else p.bytes_per_device, by_hand)
 
@@ -177,8 +177,8 @@ class Ledger:
         backward, head = st.pipeline["backward_steps"], st.pipeline["head_steps"]
         tied = st.cfg.model.tie_embeddings
         into_first = st.pipeline["embed_back_steps"]  # chunk 0's backward: the embedding's
-        steps = {"embedding": (into_first + head * tied) / st.p, "lm_head": head / st.p}
-        shared = sum(size(p) * steps.get(p.name, head) for p in group if not p.stacked)
+        rounds = {"embedding": (into_first + head * tied) / st.p, "lm_head": head / st.p}
+        shared = sum(size(p) * rounds.get(p.name, head) for p in group if not p.stacked)
         return round(backward * layers / st.pipeline["virtual_stages"] + shared)
 
     def _tied_head_grad(self, group: list[ParamCost], gathered: bool) -> int:

@@ -13,15 +13,17 @@ from jaxpar.cost.shapes import StepSizes
 
 
 def pipeline_collectives(c: Ledger) -> None:
-    """Sends and all-reduces over ``pipe`` per executor step (docs/pipelines.md, "Messages over
+    """Sends and all-reduces over ``pipe`` per executor round (docs/pipelines.md, "Messages over
     pipe")."""
     st = c.st
     if st.pipeline is None:
         return
-    # The steps of the one schedule a step runs (train.grad_accum folded in: describe()).
+    # The rounds of the one schedule a step runs (train.grad_accum folded in: describe()).
+    # describe()'s keys and the plan's descriptions below keep the word "steps" (a
+    # contract); the code calls them rounds.
     forward, backward = st.pipeline["forward_steps"], st.pipeline["backward_steps"]
     head = st.pipeline["head_steps"]
-    # A send a step for each of its slots, each way in DualPipe-V's V (parallel/pipeline/
+    # A send a round for each of its slots, each way in DualPipe-V's V (parallel/pipeline/
     # slots.py, _send), less those the compiler drops (program.compiled_sends).
     ways = 2 if st.pipeline.get("placement") == "v" else 1
     sends = st.pipeline["sends"]
@@ -36,7 +38,7 @@ def pipeline_collectives(c: Ledger) -> None:
     into_first = st.pipeline["embed_back_steps"] if vocab_trained(st) else 0
     sums = 1  # the vocabulary pieces' gradients: once per step, after all microbatches
     # DeepSeek's dense first blocks: the pre-phase (embedding and dense blocks, rows split over
-    # pipe) replaces the per-step embedding all-reduce; its output is gathered over pipe once
+    # pipe) replaces the per-round embedding all-reduce; its output is gathered over pipe once
     # per step (docs/pipelines.md, "Dense first blocks"; its weights' gradients:
     # cost/communication.py, data).
     embeds = 0 if c.dense else st.pipeline["embed_steps"]

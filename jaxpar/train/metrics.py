@@ -67,6 +67,7 @@ def pipeline_line(info: Mapping[str, Any]) -> str:
               else "")
     accum = info.get("grad_accum", 1)
     folded = f" (train.grad_accum={accum} folded in)" if accum > 1 else ""
+    # The output keeps the word 'steps' (a contract); the code calls them rounds.
     return (f"pipeline: {info['schedule']} over {info['stages']} stages{chunks}, "
             f"{info['microbatches']} microbatches{folded}, {info['steps']} steps = {info['ticks']} "
             f"ticks, executed bubble {info['bubble']:.1%} (work factor "

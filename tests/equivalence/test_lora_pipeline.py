@@ -78,7 +78,7 @@ def test_lora_pipeline_sums_only_adapter_gradients() -> None:
     rows = cfg.train.batch_size // (cfg.train.microbatches * cfg.mesh.data)
     hand_over = rows * cfg.train.seq_len * (cfg.model.d_model + 1) * 4
     over_pipe = [c for c in sums if c.axes == ("pipe",)]
-    # (In a step XLA unrolls, it may add two hand-overs in one all-reduce: the embedding's
+    # (In a round XLA unrolls, it may add two hand-overs in one all-reduce: the embedding's
     # and the last stage's output, both made before either is read.)
     assert over_pipe and all(c.bytes <= 2 * hand_over for c in over_pipe), over_pipe
 

@@ -150,18 +150,18 @@ def test_pipeline_sends_activations_over_pipe_and_gathers_no_stage_params(name):
     m, p, v = cfg.train.microbatches, cfg.mesh.pipe, cfg.parallel.virtual_stages
     info = describe(cfg.parallel.pipeline_schedule, p, m, v)
     permutes = collectives(name, "collective-permute", ("pipe",))
-    # One activation forward per step with a forward slot, one gradient back per step with a
+    # One activation forward per round with a forward slot, one gradient back per round with a
     # backward slot, whatever the stage does in it; but in a stretch that runs once XLA drops
-    # a send no stage makes for real (program.compiled_sends: the last step's, usually).
+    # a send no stage makes for real (program.compiled_sends: the last round's, usually).
     assert info["sends"] <= info["forward_steps"] + info["backward_steps"]
     executed = sum(c.executions for c in permutes)
     assert executed == info["sends"]
     rows = cfg.train.batch_size // m // cfg.mesh.data
     activation = rows * cfg.train.seq_len * cfg.model.d_model * 4
     assert per_step_bytes(permutes) == executed * activation
-    # Over pipe otherwise only all-reduces: the embedding pieces (steps that embed), the last
-    # output, the head gradient and loss statistics (steps with the head), chunk 0's input
-    # gradient (steps where a stage's backward is chunk 0's), and the vocabulary pieces'
+    # Over pipe otherwise only all-reduces: the embedding pieces (rounds that embed), the last
+    # output, the head gradient and loss statistics (rounds with the head), chunk 0's input
+    # gradient (rounds where a stage's backward is chunk 0's), and the vocabulary pieces'
     # gradients once.
     pipe_kinds = {c.kind for c in result["collectives"] if "pipe" in c.axes}
     assert pipe_kinds == {"collective-permute", "all-reduce"}, pipe_kinds
@@ -172,8 +172,8 @@ def test_pipeline_sends_activations_over_pipe_and_gathers_no_stage_params(name):
     expected = ((info["embed_steps"] + 2 * head + info["embed_back_steps"]) * activation
                 + 3 * head * tokens * 4 + vocab)
     all_reduce = per_step_bytes(collectives(name, "all-reduce", ("pipe",)))
-    # A stretch of one step (p=2's warm-up and cool-down) is a loop XLA unrolls: it sees that
-    # step's fields as constants and may drop the sums of a slot masked there (at most two).
+    # A stretch of one round (p=2's warm-up and cool-down) is a loop XLA unrolls: it sees that
+    # round's fields as constants and may drop the sums of a slot masked there (at most two).
     assert expected - 2 * activation <= all_reduce <= expected + 256  # + a few scalars
     # Each device stores only its stage's layers.
     for leaf in jax.tree.leaves(result["state"].params["layers"]):

@@ -1,5 +1,5 @@
 """The schedules that cut each backward into I and W (zero bubble, DualPipe-V) and the overlap of
-a step's forward and backward, against the single-device run: loss, gradients and parameters
+a round's forward and backward, against the single-device run: loss, gradients and parameters
 after 3 AdamW steps in fp32, with tensor and sequence parallelism, data, ring attention, every
 remat policy and experts. Their compiled programs hold no collective under a conditional.
 (Each at pipe=2 m=4 alone, and their matmul flops against 1F1B's: test_pipeline.py, which this
@@ -44,7 +44,7 @@ LAYOUTS = {
        for remat in ("full", "dots", "attention")},
     "dualpipe_v,pipe=2,m=4,full": pipeline("dualpipe_v", 2, 4, "mesh.data=1", "train.remat=full",
                                            v=2),
-    # One layer loop for a step's forward and backward (parallel.pipeline_overlap).
+    # One layer loop for a round's forward and backward (parallel.pipeline_overlap).
     **{f"{s},overlap,pipe=2,m=4": pipeline(s, 2, 4, "mesh.data=1",
                                            "parallel.pipeline_overlap=true", v=v)
        for s, v in (("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("dualpipe_v", 2))},

@@ -32,8 +32,8 @@ def fsdp_bytes(report, kind: str) -> int:
 
 
 @pytest.mark.parametrize("schedule, v, accum, slots", [
-    # forward + backward steps of the step's one schedule: 1F1B at p=2 over m=4 microbatches
-    # runs 5 steps with a forward slot and 5 with a backward one; interleaved (2 chunks of 2
+    # forward + backward rounds of the step's one schedule: 1F1B at p=2 over m=4 microbatches
+    # runs 5 rounds with a forward slot and 5 with a backward one; interleaved (2 chunks of 2
     # layers a stage) 9 and 9. grad_accum=2 folds in: one schedule over 8 microbatches, 9 and
     # 9 (17 and 17 interleaved), not twice 5 and 5.
     ("1f1b", 1, 1, 5 + 5), ("interleaved", 2, 1, 9 + 9),

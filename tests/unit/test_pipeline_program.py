@@ -17,10 +17,10 @@ import pytest
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.parallel.microbatch import split_micro_steps
 from jaxpar.parallel.pipeline.executor import split_microbatches
-from jaxpar.parallel.pipeline.program import compile_program, describe, executed_kinds, step_kind
+from jaxpar.parallel.pipeline.program import compile_program, describe, executed_kinds, round_kind
 from jaxpar.parallel.pipeline.schedules import (
     placement_of,
-    schedule_steps,
+    schedule_rounds,
     stage_of,
     table_of,
 )
@@ -30,7 +30,7 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipe_v"]
 
 
 def rows_of(program):
-    """Every executed step: (kinds, {field: [stages]})."""
+    """Every executed round: (kinds, {field: [stages]})."""
     for stretch in program.stretches:
         for repeat in range(len(stretch.fields["f_on"])):
             for i, kinds in enumerate(stretch.pattern):
@@ -78,7 +78,7 @@ def simulate(program, p: int) -> None:
                     if key[1] > 0:
                         arrivals.append((grads, stage_of(key[1] - 1, p, placement), "grad", s,
                                          (key[0], key[1] - 1)))
-                else:  # a W reads what its I left, in this step or an earlier one
+                else:  # a W reads what its I left, in this round or an earlier one
                     assert waits[s].pop(int(f["w_wait"][s])) == key
         for store, receiver, name, sender, key in arrivals:
             usual = 1 if name == "act" else -1
@@ -95,25 +95,25 @@ def simulate(program, p: int) -> None:
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight(schedule, p, m):
     v = 2 if schedule in ("interleaved", "dualpipe_v") else 1
-    steps = schedule_steps(schedule, p, m, v)
-    program = compile_program(steps, p, v, placement_of(schedule))
-    assert program.steps == len(steps)
-    kinds = [executed_kinds(s) for s in steps]
-    # Stretches repeat patterns of the steps' kinds; the head runs in exactly the steps where a
+    rounds = schedule_rounds(schedule, p, m, v)
+    program = compile_program(rounds, p, v, placement_of(schedule))
+    assert program.rounds == len(rounds)
+    kinds = [executed_kinds(s) for s in rounds]
+    # Stretches repeat patterns of the rounds' kinds; the head runs in exactly the rounds where a
     # stage's forward is the last chunk, once per microbatch.
-    assert program.step_kinds() == [step_kind(s, v * p) for s in steps]
+    assert program.round_kinds() == [round_kind(s, v * p) for s in rounds]
     heads = [row for k, row in rows_of(program) if "H" in k]
     assert sum(int(row["head_last"].sum()) for row in heads) == m
     assert all(row["head_last"].any() for row in heads)
     if schedule == "zero_bubble":  # W's apart from their I's, but only where every stage has one
         assert [k for k in kinds if "W" in k] == [("F", "I", "W")] * (m - p + 1) + [
             ("I", "W")] * (p - 1)
-        assert program.wait_slots == max(peak_weight_stash(table_of(steps))) + 1
+        assert program.wait_slots == max(peak_weight_stash(table_of(rounds))) + 1
     # Every forward and backward placed once; the residual stash is the peak in flight.
     rows = [row for _, row in rows_of(program)]
     assert sum(int(row["f_on"].sum()) for row in rows) == m * v * p
     assert sum(int(row["b_on"].sum()) for row in rows) == m * v * p
-    assert program.res_slots == max(peak_in_flight(table_of(steps)))
+    assert program.res_slots == max(peak_in_flight(table_of(rounds)))
     if schedule == "gpipe":
         assert program.res_slots == m
     if schedule in ("1f1b", "zero_bubble"):
@@ -123,14 +123,14 @@ def test_compiled_program_reads_every_slot_it_wrote_and_holds_the_peak_in_flight
     simulate(program, p)
 
 
-def test_stretches_repeat_a_pattern_so_alternating_steps_compile_once():
-    # DualPipe-V's steady state runs the head every other step (the first device alternates
-    # its two chunks): one stretch whose scan body is the pair, not a stretch per step.
-    program = compile_program(schedule_steps("dualpipe_v", 4, 16, 2), 4, 2, "v")
+def test_stretches_repeat_a_pattern_so_alternating_rounds_compile_once():
+    # DualPipe-V's steady state runs the head every other round (the first device alternates
+    # its two chunks): one stretch whose scan body is the pair, not a stretch per round.
+    program = compile_program(schedule_rounds("dualpipe_v", 4, 16, 2), 4, 2, "v")
     assert len(program.stretches) < 12
     assert any(len(s.pattern) == 2 and len(s.fields["f_on"]) >= 8 for s in program.stretches)
     assert sum(len(s.pattern) for s in program.stretches) < 24
-    one = compile_program(schedule_steps("1f1b", 4, 16), 4)
+    one = compile_program(schedule_rounds("1f1b", 4, 16), 4)
     assert [s.pattern for s in one.stretches] == [(("F",),), (("F", "B", "H"),), (("B",),)]
 
 
@@ -259,8 +259,8 @@ def test_plan_runs_grad_accum_as_one_schedule_with_its_bubble_stash_and_sends(sc
     else:
         assert folded.memory.stash == alone.memory.stash
     assert folded.memory.gradients == alone.memory.gradients
-    # One activation per step with a forward or backward slot, 2 (16+3), but the last step's
-    # where its stretch runs once (GPipe's; not 1F1B's cool-down of 3 steps here).
+    # One activation per round with a forward or backward slot, 2 (16+3), but the last round's
+    # where its stretch runs once (GPipe's; not 1F1B's cool-down of 3 rounds here).
     sends = [r for r in folded.collective_rows() if r["kind"] == "collective-permute"]
     want = 2 * (16 + 3) - (1 if schedule == "gpipe" else 0)
     assert [r["count"] for r in sends] == [want] == [folded.pipeline["sends"]]

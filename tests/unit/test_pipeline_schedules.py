@@ -1,7 +1,7 @@
-"""Pipeline schedules (pure Python): each schedule is a valid table of the steps the executor
-runs (every stage runs every slot of a step), its executed bubble is the textbook formula
+"""Pipeline schedules (pure Python): each schedule is a valid table of the rounds the executor
+runs (every stage runs every slot of a round), its executed bubble is the textbook formula
 exactly, its memory is what it promises, and the validator catches broken tables. The executor
-that runs these steps over the ``pipe`` axis is tested elsewhere."""
+that runs these rounds over the ``pipe`` axis is tested elsewhere."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from jaxpar.parallel.pipeline.schedules import (
     interleaved,
     one_f_one_b,
     placement_of,
-    schedule_steps,
+    schedule_rounds,
     schedule_table,
     stage_of,
     table_of,
@@ -80,13 +80,13 @@ def test_interleaved_idle_fraction_is_exactly_p_minus_1_over_vm_plus_p_minus_1(p
 
 @pytest.mark.parametrize("p,m", SIZES)
 @pytest.mark.parametrize("v", [1, 2])
-def test_zero_bubble_takes_the_least_ticks_uniform_steps_allow(p, m, v):
-    # vm + p - 1 steps with a forward slot, as many with an I slot, vm of them with a W slot:
+def test_zero_bubble_takes_the_least_ticks_uniform_rounds_allow(p, m, v):
+    # vm + p - 1 rounds with a forward slot, as many with an I slot, vm of them with a W slot:
     # (p - 1)(T_F + T_I) idle per stage, where 1F1B and interleaved idle (p - 1)(T_F + T_B).
-    steps = schedule_steps("zero_bubble", p, m, v)
-    assert sum("F" in s.kinds for s in steps) == v * m + p - 1
-    assert sum("I" in s.kinds for s in steps) == v * m + p - 1
-    assert sum("W" in s.kinds for s in steps) == v * m
+    rounds = schedule_rounds("zero_bubble", p, m, v)
+    assert sum("F" in s.kinds for s in rounds) == v * m + p - 1
+    assert sum("I" in s.kinds for s in rounds) == v * m + p - 1
+    assert sum("W" in s.kinds for s in rounds) == v * m
     assert len(zero_bubble(p, m, v)) == 2 * (v * m + p - 1) + v * m
     assert bubble_fraction(zero_bubble(p, m, v)) == Fraction(2 * (p - 1),
                                                              3 * v * m + 2 * (p - 1))
@@ -100,24 +100,24 @@ def test_zero_bubble_at_4_stages_and_16_microbatches_beats_1f1b_and_interleaved(
 
 @pytest.mark.parametrize("p,m", SIZES)
 @pytest.mark.parametrize("v", [1, 2])
-def test_zero_bubble_runs_each_stages_kth_w_in_one_step_after_every_stages_kth_i(p, m, v):
-    steps = schedule_steps("zero_bubble", p, m, v)
-    for step in steps:
-        if "W" in step.kinds:  # no stage idles in a W slot
-            assert all("W" in actions for actions in step.actions)
+def test_zero_bubble_runs_each_stages_kth_w_in_one_round_after_every_stages_kth_i(p, m, v):
+    rounds = schedule_rounds("zero_bubble", p, m, v)
+    for rnd in rounds:
+        if "W" in rnd.kinds:  # no stage idles in a W slot
+            assert all("W" in actions for actions in rnd.actions)
     for s in range(p):
-        done = {(a.mb, a.chunk): t for t, step in enumerate(steps)
-                for kind, a in step.actions[s].items() if kind == "I"}
-        for t, step in enumerate(steps):
-            if (w := step.actions[s].get("W")) is not None:
+        done = {(a.mb, a.chunk): t for t, rnd in enumerate(rounds)
+                for kind, a in rnd.actions[s].items() if kind == "I"}
+        for t, rnd in enumerate(rounds):
+            if (w := rnd.actions[s].get("W")) is not None:
                 assert done[(w.mb, w.chunk)] <= t
 
 
 @pytest.mark.parametrize("p,m", SIZES)
-def test_1f1b_runs_warm_up_steady_and_cool_down_steps_at_the_ideal_cost(p, m):
-    # (p-1) forward-only steps, m forward+backward steps, (p-1) backward-only steps.
-    steps = schedule_steps("1f1b", p, m)
-    assert [s.kinds for s in steps] == [("F",)] * (p - 1) + [("F", "B")] * m + [("B",)] * (p - 1)
+def test_1f1b_runs_warm_up_steady_and_cool_down_rounds_at_the_ideal_cost(p, m):
+    # (p-1) forward-only rounds, m forward+backward rounds, (p-1) backward-only rounds.
+    rounds = schedule_rounds("1f1b", p, m)
+    assert [s.kinds for s in rounds] == [("F",)] * (p - 1) + [("F", "B")] * m + [("B",)] * (p - 1)
     assert len(one_f_one_b(p, m)) == (p - 1) * 1 + m * 3 + (p - 1) * 2
     useful = 3 * m
     assert Fraction(len(one_f_one_b(p, m)), useful) == Fraction(m + p - 1, m)
@@ -132,7 +132,7 @@ def test_1f1b_holds_2p_minus_1_microbatches_on_the_first_stage_while_gpipe_holds
 
 @pytest.mark.parametrize("p,m", SIZES)
 def test_zero_bubble_holds_at_most_1f1bs_peak_on_any_stage(p, m):
-    # Stage s keeps each microbatch s steps longer (to its W), never past the first stage's.
+    # Stage s keeps each microbatch s rounds longer (to its W), never past the first stage's.
     held = peak_in_flight(zero_bubble(p, m))
     assert held[0] == peak_in_flight(one_f_one_b(p, m))[0]
     assert max(held) == held[0]
@@ -149,12 +149,12 @@ def test_interleaved_holds_more_chunks_than_1f1b_as_megatron_warns(p, m):
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16), (4, 32), (8, 16)])
 def test_dualpipe_v_takes_the_least_ticks_its_v_allows_in_lockstep(p, m):
     # The device at the bottom of the V runs both its chunks of every microbatch, one forward
-    # a step: the last forward leaves it p - 1 steps before the loss. So 2m + 2(p-1) steps with
+    # a round: the last forward leaves it p - 1 rounds before the loss. So 2m + 2(p-1) rounds with
     # a forward slot, as many with an I slot, 2m with a W slot; the greedy order reaches it.
-    steps = schedule_steps("dualpipe_v", p, m, 2)
-    assert sum("F" in s.kinds for s in steps) == 2 * m + 2 * (p - 1)
-    assert sum("I" in s.kinds for s in steps) == 2 * m + 2 * (p - 1)
-    assert sum("W" in s.kinds for s in steps) == 2 * m
+    rounds = schedule_rounds("dualpipe_v", p, m, 2)
+    assert sum("F" in s.kinds for s in rounds) == 2 * m + 2 * (p - 1)
+    assert sum("I" in s.kinds for s in rounds) == 2 * m + 2 * (p - 1)
+    assert sum("W" in s.kinds for s in rounds) == 2 * m
     table = dualpipe_v(p, m)
     validate(table, p, m, 2, "v")
     assert len(table) == 6 * m + 4 * (p - 1)
@@ -183,17 +183,17 @@ def test_dualpipe_v_runs_two_chunks_per_stage_only():
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1),
                                     ("zero_bubble", 2), ("dualpipe_v", 2)])
-def test_overlap_turns_the_last_chunk_round_a_step_later_at_no_cost_in_ticks(name, v):
-    # A step's forward and backward in one layer loop (parallel.pipeline_overlap): no backward
-    # reads its own step's forward, so the loss's backward waits a step; the stages run one
+def test_overlap_turns_the_last_chunk_back_a_round_later_at_no_cost_in_ticks(name, v):
+    # A round's forward and backward in one layer loop (parallel.pipeline_overlap): no backward
+    # reads its own round's forward, so the loss's backward waits a round; the stages run one
     # more forward ahead, and the ticks stay the same.
     p, m = 4, 16
-    steps = schedule_steps(name, p, m, v, overlap=True)
-    for step in steps:
-        for actions in step.actions:
+    rounds = schedule_rounds(name, p, m, v, overlap=True)
+    for rnd in rounds:
+        for actions in rnd.actions:
             f, b = actions.get("F"), actions.get("B") or actions.get("I")
             assert f is None or b is None or (f.mb, f.chunk) != (b.mb, b.chunk)
-    table = table_of(steps)
+    table = table_of(rounds)
     validate(table, p, m, v, placement_of(name))
     assert len(table) == len(schedule_table(name, p, m, v))
     held, before = peak_in_flight(table), peak_in_flight(schedule_table(name, p, m, v))
@@ -283,12 +283,12 @@ def test_orders_that_wait_on_each_other_are_reported_as_a_deadlock():
 
 
 def test_render_shows_one_row_per_stage_and_a_backward_in_both_its_ticks():
-    # Step 1 is F+B on both stages: stage 0 has a masked B slot (ticks 2-3), then runs F1.
+    # Round 1 is F+B on both stages: stage 0 has a masked B slot (ticks 2-3), then runs F1.
     assert render(one_f_one_b(2, 2)) == (
         "stage 0: F0 F1 .  .  .  B0 B0 B1 B1\n"
         "stage 1: .  F0 B0 B0 F1 B1 B1 .  .")
-    # Zero bubble: step 1 is F+I (stage 0 idles one tick, not two), and stage 1's W's wait
-    # for the steps where stage 0 runs its I's.
+    # Zero bubble: round 1 is F+I (stage 0 idles one tick, not two), and stage 1's W's wait
+    # for the rounds where stage 0 runs its I's.
     assert render(zero_bubble(2, 2)) == (
         "stage 0: F0 F1 .  .  I0 W0 I1 W1\n"
         "stage 1: .  F0 I0 F1 I1 W0 .  W1")

@@ -392,7 +392,7 @@ def _run_scan(plan: _Plan, op: _Op, env: dict, part: str) -> None:
         body.outs[:n_carry], carried, strict=True) if c]
     ys_outs = [k for k, y in zip(body.outs[n_carry:], made, strict=True) if y]
 
-    def step(carry: list, x: list) -> tuple:
+    def iteration(carry: list, x: list) -> tuple:
         inner = {**consts, **dict(zip([k for k, _, _ in carries], carry, strict=True)),
                  **dict(zip([k for k, _ in xs], x, strict=True))}
         _run(sub, inner, part)
@@ -402,7 +402,7 @@ def _run_scan(plan: _Plan, op: _Op, env: dict, part: str) -> None:
         return [_read(inner, out) for _, _, out in carries], ys
 
     p = op.eqn.params
-    carry, ys = lax.scan(step, [_read(env, o) for _, o, _ in carries], [v for _, v in xs],
+    carry, ys = lax.scan(iteration, [_read(env, o) for _, o, _ in carries], [v for _, v in xs],
                          length=length, reverse=p["reverse"], unroll=p["unroll"])
     if part == "I":
         ys, crossing = ys

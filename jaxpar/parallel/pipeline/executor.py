@@ -1,6 +1,6 @@
 """The pipeline executor: one SPMD program running any schedule inside shard_map over `pipe`.
 
-Every device runs the same operations at every step; integer arrays
+Every device runs the same operations in every round; integer arrays
 (:mod:`jaxpar.parallel.pipeline.program`) choose only data (microbatch, chunk, stash slot,
 masks). So no collective sits inside a conditional, and every collective inside a stage is
 reached by all its participants. The walk-through: docs/pipelines.md, "One program on every
@@ -32,7 +32,7 @@ from jaxpar.parallel.pipeline.layerwise import (
 )
 from jaxpar.parallel.pipeline.per_layer import LayerFsdp
 from jaxpar.parallel.pipeline.program import Program, compile_program, describe
-from jaxpar.parallel.pipeline.schedules import placement_of, schedule_steps, stage_layer_order
+from jaxpar.parallel.pipeline.schedules import placement_of, schedule_rounds, stage_layer_order
 from jaxpar.parallel.pipeline.slots import finish, initial_carry, run_program
 from jaxpar.parallel.pipeline.stage_env import StageEnv
 from jaxpar.parallel.pipeline.stages import (
@@ -69,7 +69,7 @@ def pipeline_loss_and_grads(program: Program, stages: Stages, by_hand: ByHand, *
     adapters, ``frozen_layers`` the rest (else ``{}``), and ``shared_grads`` is ``{}``.
     ``per_layer`` (``parallel.pipeline_fsdp``): the layers stay in their stored shards
     (:mod:`jaxpar.parallel.pipeline.per_layer`). ``overlap`` (``parallel.pipeline_overlap``):
-    a step's forward and backward slots run in one layer loop
+    a round's forward and backward slots run in one layer loop
     (:mod:`jaxpar.parallel.pipeline.layerwise`). ``stash_inputs``: each chunk's input stashed
     (``parallel.pipeline_stash``, :mod:`jaxpar.parallel.pipeline.recompute`).
     """
@@ -141,8 +141,8 @@ def split_microbatches(batch: Any, accum: int, m: int) -> Any:
     The gradient is a sum over them whatever their order, and the MoE aux losses (one per
     microbatch) average over the same row sets.
     """
-    steps = jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
-    return jax.tree.map(lambda a: a.reshape(accum * m, *a.shape[2:]), steps)
+    split = jax.vmap(lambda b: split_micro_steps(b, m))(split_micro_steps(batch, accum))
+    return jax.tree.map(lambda a: a.reshape(accum * m, *a.shape[2:]), split)
 
 
 def describe_config(cfg: Config) -> dict[str, Any]:
@@ -157,9 +157,9 @@ def config_program(cfg: Config) -> Program:
     """``cfg``'s pipeline compiled for the executor: one schedule over ``train.grad_accum x
     train.microbatches`` microbatches."""
     schedule, p, v = cfg.parallel.pipeline_schedule, cfg.mesh.pipe, cfg.parallel.virtual_stages
-    steps = schedule_steps(schedule, p, cfg.train.grad_accum * cfg.train.microbatches, v,
-                           cfg.parallel.pipeline_overlap)
-    return compile_program(steps, p, v, placement_of(schedule))
+    rounds = schedule_rounds(schedule, p, cfg.train.grad_accum * cfg.train.microbatches, v,
+                             cfg.parallel.pipeline_overlap)
+    return compile_program(rounds, p, v, placement_of(schedule))
 
 
 def pipelined_gradients(cfg: Config, graphdef: Any, specs: dict, logical_axes: dict, *,

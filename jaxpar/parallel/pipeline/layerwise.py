@@ -1,4 +1,4 @@
-"""A pipeline chunk run one layer at a time, and a step's forward and backward in one loop.
+"""A pipeline chunk run one layer at a time, and a round's forward and backward in one loop.
 
 Two modes run a slot's chunk as a ``lax.scan`` of one layer under ``jax.vjp``:
 ``parallel.pipeline_fsdp=per_layer`` (each layer gathered as it runs,
@@ -172,7 +172,7 @@ def layer_backward_weights(lw: LayerWeights, split: SplitBackward, chunk: Any, c
 def layer_forward_backward(lw: LayerWeights, residuals: Residuals, split: SplitBackward | None,
                            shared: dict, forward: tuple, x: jax.Array, mb: dict,
                            backward: tuple, dy: jax.Array, aux_cotangent: jax.Array) -> tuple:
-    """A step's forward and backward slots in one loop: iteration ``k`` runs forward layer ``k``
+    """A round's forward and backward slots in one loop: iteration ``k`` runs forward layer ``k``
     and backward layer ``L-1-k`` (``split``: an I). ``forward``: (layers, consts); ``backward``:
     (layers, consts, residuals). Returns ((y, aux), residuals to stash, weight gradients or what
     the W needs ``[layers, ...]``, dx)."""

@@ -1,9 +1,9 @@
-"""The pipeline's schedule compiled for the executor: per (step, stage) integers, by stretch.
+"""The pipeline's schedule compiled for the executor: per (round, stage) integers, by stretch.
 
-:func:`compile_program` writes, for every step and stage, what the executor reads: each slot's
+:func:`compile_program` writes, for every round and stage, what the executor reads: each slot's
 microbatch and chunk, the stash slots it reads and writes, and where arrivals are kept. Slots
 come from per-stage free lists, lowest first, so a stash holds exactly the schedule's peak in
-flight (plus one spare for masked writes). Consecutive steps of one kind form a *stretch*,
+flight (plus one spare for masked writes). Consecutive rounds of one kind form a *stretch*,
 run as one scan.
 """
 
@@ -17,23 +17,23 @@ import numpy as np
 
 from jaxpar.parallel.pipeline.schedules import (
     Placement,
-    Step,
+    Round,
     placement_of,
-    schedule_steps,
+    schedule_rounds,
     stage_of,
     table_of,
 )
 from jaxpar.parallel.pipeline.timeline import bubble_fraction
 
-# Per (step, stage) integers the executor reads; "trash" slot indices where there is no work.
+# Per (round, stage) integers the executor reads; "trash" slot indices where there is no work.
 FIELDS = (
     "f_on", "f_mb", "f_chunk", "f_first", "f_in", "f_res",  # forward slot
     "b_on", "b_mb", "b_chunk", "b_first", "b_res", "b_grad",  # backward slot (B or I)
     "b_wait",  # I: where what its W will need waits (the W stash)
     "w_on", "w_chunk", "w_res", "w_wait",  # weight-gradient slot (W)
-    "embed_mb", "head_on", "head_mb", "head_last", "head_dy",  # shared work of the step
+    "embed_mb", "head_on", "head_mb", "head_last", "head_dy",  # shared work of the round
     "eback_on", "eback_mb",
-    "recv_act", "recv_grad",  # where what arrives at the end of the step is stored
+    "recv_act", "recv_grad",  # where what arrives at the end of the round is stored
     # ... in the V (dualpipe_v): activations from the next device, input gradients from the
     # previous one, and what the device at the bottom of the V hands itself
     "recv_act_back", "recv_grad_back", "keep_act", "keep_grad",
@@ -41,7 +41,7 @@ FIELDS = (
 
 
 # --------------------------------------------------------------------------------------------
-# From steps to arrays
+# From rounds to arrays
 
 
 class _Slots:
@@ -67,18 +67,18 @@ class _Slots:
 
 @dataclass(frozen=True)
 class Stretch:
-    """Consecutive steps repeating one pattern of kinds: ``fields[name]`` is int32
+    """Consecutive rounds repeating one pattern of kinds: ``fields[name]`` is int32
     ``[repeats, len(pattern), stages]``, one scan over the repeats."""
 
     pattern: tuple[tuple[str, ...], ...]
     fields: dict[str, np.ndarray]
 
     @property
-    def steps(self) -> int:
+    def rounds(self) -> int:
         return len(self.fields["f_on"]) * len(self.pattern)
 
-    def step_kinds(self) -> list[tuple[str, ...]]:
-        """The kinds of each of its steps, in order."""
+    def round_kinds(self) -> list[tuple[str, ...]]:
+        """The kinds of each of its rounds, in order."""
         return list(self.pattern) * len(self.fields["f_on"])
 
 
@@ -95,40 +95,40 @@ class Program:
     placement: Placement = "ring"  # how chunks sit on devices (schedules.stage_of)
 
     @property
-    def steps(self) -> int:
-        return sum(s.steps for s in self.stretches)
+    def rounds(self) -> int:
+        return sum(s.rounds for s in self.stretches)
 
-    def step_kinds(self) -> list[tuple[str, ...]]:
-        """The kinds of every executed step, in order."""
-        return [k for s in self.stretches for k in s.step_kinds()]
+    def round_kinds(self) -> list[tuple[str, ...]]:
+        """The kinds of every executed round, in order."""
+        return [k for s in self.stretches for k in s.round_kinds()]
 
 
-def executed_kinds(step: Step) -> tuple[str, ...]:
-    """The slots run for ``step``: its kinds, but an I and a W of the same (microbatch, chunk) on
+def executed_kinds(rnd: Round) -> tuple[str, ...]:
+    """The slots run for ``rnd``: its kinds, but an I and a W of the same (microbatch, chunk) on
     every stage run as one B."""
-    if "I" in step.kinds and "W" in step.kinds and all(
+    if "I" in rnd.kinds and "W" in rnd.kinds and all(
             (a.get("I") is None) == (a.get("W") is None)
             and (a.get("I") is None or a["I"].mb == a["W"].mb and a["I"].chunk == a["W"].chunk)
-            for a in step.actions):
-        return tuple(k for k in step.kinds if k not in ("I", "W")) + ("B",)
-    return step.kinds
+            for a in rnd.actions):
+        return tuple(k for k in rnd.kinds if k not in ("I", "W")) + ("B",)
+    return rnd.kinds
 
 
-def step_kind(step: Step, n_chunks: int) -> tuple[str, ...]:
+def round_kind(rnd: Round, n_chunks: int) -> tuple[str, ...]:
     """:func:`executed_kinds`, plus ``H`` (head and loss) when a forward is the last chunk."""
     head = any((a := slots.get("F")) is not None and a.chunk == n_chunks - 1
-               for slots in step.actions)
-    return executed_kinds(step) + (("H",) if head else ())
+               for slots in rnd.actions)
+    return executed_kinds(rnd) + (("H",) if head else ())
 
 
-def _place_step(t: int, step: Step, n_chunks: int, f: dict, pools: dict,
-                ) -> tuple[list, list]:
-    """Fill row ``t`` of ``f`` for ``step``; return the slots it frees and what it sends."""
+def _place_round(t: int, rnd: Round, n_chunks: int, f: dict, pools: dict,
+                 ) -> tuple[list, list]:
+    """Fill row ``t`` of ``f`` for ``rnd``; return the slots it frees and what it sends."""
     acts, res, grads, waits = pools["act"], pools["res"], pools["grad"], pools["wait"]
     frees, sends = [], []
-    p = len(step.actions)
-    fused = "B" in executed_kinds(step) and "B" not in step.kinds
-    for s, slots in enumerate(step.actions):
+    p = len(rnd.actions)
+    fused = "B" in executed_kinds(rnd) and "B" not in rnd.kinds
+    for s, slots in enumerate(rnd.actions):
         if fused and "I" in slots:  # run as one B (executed_kinds)
             slots = {**{k: a for k, a in slots.items() if k not in ("I", "W")},
                      "B": slots["I"]}
@@ -185,20 +185,20 @@ def _arrival_field(pools: dict, pool: _Slots, sender: int, receiver: int,
     return f"recv_{name}" if receiver - sender == usual else f"recv_{name}_back"
 
 
-def compile_program(steps: Sequence[Step], p: int, v: int = 1,
+def compile_program(rounds: Sequence[Round], p: int, v: int = 1,
                     placement: Placement = "ring") -> Program:
-    """The arrays the executor indexes, grouped into stretches. A slot read in a step is freed at
+    """The arrays the executor indexes, grouped into stretches. A slot read in a round is freed at
     its end; arrivals take the receiver's lowest free slot. Residual slots are taken before any
     are freed, so none is overwritten while read."""
     n_chunks = v * p
-    f = {name: np.full((len(steps), p), -1, np.int32) for name in FIELDS}
+    f = {name: np.full((len(rounds), p), -1, np.int32) for name in FIELDS}
     for name in ("f_on", "f_first", "b_on", "b_first", "w_on", "head_on", "head_last",
                  "f_mb", "f_chunk", "b_mb", "b_chunk", "w_chunk", "embed_mb", "head_mb",
                  "eback_on", "eback_mb"):
         f[name][:] = 0
     pools = {"act": _Slots(p), "res": _Slots(p), "grad": _Slots(p), "wait": _Slots(p)}
-    for t, step in enumerate(steps):
-        frees, sends = _place_step(t, step, n_chunks, f, pools)
+    for t, rnd in enumerate(rounds):
+        frees, sends = _place_round(t, rnd, n_chunks, f, pools)
         for pool, s, key in frees:
             pool.free(s, key)
         for pool, sender, mb, chunk in sends:
@@ -213,7 +213,7 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1,
              "keep_act": "act", "keep_grad": "grad"}
     for name, pool in spare.items():
         f[name][f[name] < 0] = sizes[pool]
-    kinds = [step_kind(step, n_chunks) for step in steps]
+    kinds = [round_kind(rnd, n_chunks) for rnd in rounds]
     stretches = []
     for start, period, repeats in _stretches(kinds):
         end = start + period * repeats
@@ -225,7 +225,7 @@ def compile_program(steps: Sequence[Step], p: int, v: int = 1,
 
 
 def _stretches(kinds: Sequence[tuple], longest: int = 8) -> list[tuple[int, int, int]]:
-    """Cut the steps' kinds into stretches ``(start, period, repeats)``: fewest steps in the
+    """Cut the rounds' kinds into stretches ``(start, period, repeats)``: fewest rounds in the
     patterns (bodies to compile), then fewest stretches."""
     n = len(kinds)
     best: list[tuple[int, int, tuple | None]] = [(0, 0, None)] * (n + 1)  # cost from i on
@@ -261,54 +261,57 @@ def describe(name: str, p: int, m: int, v: int = 1, accum: int = 1, overlap: boo
     """A run's schedule as ``jaxpar inspect``, ``plan``, ``schedule`` and ``metrics.jsonl`` report
     it: ticks, bubble, executed-work factor, the busiest stage's stash sizes. ``accum`` micro-steps
     of ``m`` microbatches run as one schedule of ``accum x m``; ``overlap`` turns the last chunk a
-    step later."""
-    steps = schedule_steps(name, p, accum * m, v, overlap)
-    table = table_of(steps)
-    program = compile_program(steps, p, v, placement_of(name))
+    round later."""
+    rounds = schedule_rounds(name, p, accum * m, v, overlap)
+    table = table_of(rounds)
+    program = compile_program(rounds, p, v, placement_of(name))
     bubble = bubble_fraction(table)
     return {"schedule": name, "stages": p, "microbatches": accum * m, "grad_accum": accum,
             "virtual_stages": v, "placement": program.placement,
-            "steps": len(steps), "ticks": len(table), "bubble": float(bubble),
+            # The keys keep the word "steps" (a contract: `jaxpar inspect --json`'s `pipeline`
+            # object, what `jaxpar schedule` prints); the code calls them rounds.
+            "steps": len(rounds), "ticks": len(table), "bubble": float(bubble),
             "executed_work_factor": float(1 / (1 - bubble)),
             "stretches": [_stretch_name(s) for s in program.stretches],
-            "forward_steps": sum("F" in s.kinds for s in steps),
-            "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in steps),
-            "head_steps": sum("H" in k for k in program.step_kinds()),
-            **_embedding_steps(steps, program),
-            # executed steps with an input-gradient-only (I) and a weight-gradient (W) slot
-            "input_steps": sum("I" in k for k in program.step_kinds()),
-            "weight_steps": sum("W" in k for k in program.step_kinds()),
+            "forward_steps": sum("F" in s.kinds for s in rounds),
+            "backward_steps": sum("B" in s.kinds or "I" in s.kinds for s in rounds),
+            "head_steps": sum("H" in k for k in program.round_kinds()),
+            **_embedding_rounds(rounds, program),
+            # executed rounds with an input-gradient-only (I) and a weight-gradient (W) slot
+            "input_steps": sum("I" in k for k in program.round_kinds()),
+            "weight_steps": sum("W" in k for k in program.round_kinds()),
             "activation_slots": program.act_slots, "residual_slots": program.res_slots,
             "gradient_slots": program.grad_slots, "weight_stash_slots": program.wait_slots,
             "sends": compiled_sends(program)}
 
 
 def _once(program: Program) -> list[bool]:
-    """Per step, whether its stretch runs once (unrolled, fields constant to the compiler)."""
-    return [once for s in program.stretches for once in [len(s.fields["f_on"]) == 1] * s.steps]
+    """Per round, whether its stretch runs once (unrolled, fields constant to the compiler)."""
+    return [once for s in program.stretches for once in [len(s.fields["f_on"]) == 1] * s.rounds]
 
 
-def _embedding_steps(steps: Sequence[Step], program: Program) -> dict[str, int]:
-    """Steps whose embedding and chunk-0 input gradient the program keeps: all but a once-run
+def _embedding_rounds(rounds: Sequence[Round], program: Program) -> dict[str, int]:
+    """Rounds whose embedding and chunk-0 input gradient the program keeps: all but a once-run
     stretch's where no forward (or backward) is the first chunk's."""
     once = _once(program)
 
     def kept(t: int, kinds: tuple[str, ...]) -> bool:
-        chunks = [a.chunk for slots in steps[t].actions for k, a in slots.items() if k in kinds]
+        chunks = [a.chunk for slots in rounds[t].actions for k, a in slots.items() if k in kinds]
         return bool(chunks) and (not once[t] or 0 in chunks)
 
-    return {"embed_steps": sum(kept(t, ("F",)) for t in range(len(steps))),
-            "embed_back_steps": sum(kept(t, ("B", "I")) for t in range(len(steps)))}
+    # The keys keep the word "steps" (a contract: `jaxpar inspect --json`); the code says rounds.
+    return {"embed_steps": sum(kept(t, ("F",)) for t in range(len(rounds))),
+            "embed_back_steps": sum(kept(t, ("B", "I")) for t in range(len(rounds)))}
 
 
 def compiled_sends(program: Program) -> int:
-    """The ``ppermute``s over ``pipe`` a compiled step runs: one a direction per step, less those
-    the compiler drops as dead (a once-run stretch's last step). Exact against XLA:CPU's
+    """The ``ppermute``s over ``pipe`` a compiled round runs: one a direction per round, less those
+    the compiler drops as dead (a once-run stretch's last round). Exact against XLA:CPU's
     programs but for DualPipe-V (within 6%)."""
     ways = 2 if program.placement == "v" else 1
-    kinds, once = program.step_kinds(), _once(program)
+    kinds, once = program.round_kinds(), _once(program)
     total = 0
     for slots in (("F",), ("B", "I")):
-        steps = [t for t, k in enumerate(kinds) if any(kind in k for kind in slots)]
-        total += ways * (len(steps) - (1 if steps and once[steps[-1]] else 0))
+        rounds = [t for t, k in enumerate(kinds) if any(kind in k for kind in slots)]
+        total += ways * (len(rounds) - (1 if rounds and once[rounds[-1]] else 0))
     return total

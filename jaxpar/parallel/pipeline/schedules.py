@@ -1,8 +1,8 @@
-"""Pipeline schedules: which stage does what, step by step, as pure Python data.
+"""Pipeline schedules: which stage does what, round by round, as pure Python data.
 
 A schedule is each stage's *order* of forward ``F`` and backward ``B`` actions (or ``B``'s
 halves ``I`` and ``W``) on (microbatch, chunk) pairs. :func:`as_soon_as_possible` times the
-orders into executor steps; their ticks form the *table* ``jaxpar schedule`` prints (an
+orders into executor rounds; their ticks form the *table* ``jaxpar schedule`` prints (an
 :class:`Action` or ``None``, masked, per stage and tick). Terms, timing rules, bubbles:
 docs/pipelines.md, "The schedule table".
 """
@@ -98,12 +98,12 @@ def needs(a: Action, n_chunks: int) -> list[tuple[str, tuple[str, int, int]]]:
 # Timing: from each stage's order of actions to a table.
 
 
-SLOT_ORDER = ("F", "B", "I", "W")  # the order a step runs its slots in (B and I share a place)
+SLOT_ORDER = ("F", "B", "I", "W")  # the order a round runs its slots in (B and I share a place)
 
 
 @dataclass(frozen=True)
-class Step:
-    """One executor step: the slot kinds every stage runs (in :data:`SLOT_ORDER`), and each
+class Round:
+    """One executor round: the slot kinds every stage runs (in :data:`SLOT_ORDER`), and each
     stage's action per slot (missing: masked)."""
 
     kinds: tuple[str, ...]
@@ -114,13 +114,13 @@ class Step:
         return sum(TICKS[k] for k in self.kinds)
 
 
-def _ready_for(a: Action, s: int, step: int, ready: dict, made_here: dict, n_chunks: int,
+def _ready_for(a: Action, s: int, t: int, ready: dict, made_here: dict, n_chunks: int,
                overlap: bool = False) -> bool:
-    """Whether all ``a`` needs exists when stage ``s`` reaches it at ``step``: made earlier, or
-    earlier this step by this stage in a prior slot (with ``overlap``, not by this step's
+    """Whether all ``a`` needs exists when stage ``s`` reaches it in round ``t``: made earlier, or
+    earlier this round by this stage in a prior slot (with ``overlap``, not by this round's
     forward)."""
     for _, key in needs(a, n_chunks):
-        if key in ready and ready[key] < step:
+        if key in ready and ready[key] < t:
             continue
         if overlap and a.kind in ("B", "I") and key[0] == "out":
             return False
@@ -130,22 +130,22 @@ def _ready_for(a: Action, s: int, step: int, ready: dict, made_here: dict, n_chu
     return True
 
 
-def time_steps(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = False,
-               ) -> list[Step]:
-    """Time per-stage orders as executor steps (:func:`as_soon_as_possible`'s rule).
+def time_rounds(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = False,
+                ) -> list[Round]:
+    """Time per-stage orders as executor rounds (:func:`as_soon_as_possible`'s rule).
 
     ``orders[s]``: stage ``s``'s list; ``v``: chunks per stage. With ``overlap``
     (``parallel.pipeline_overlap``) forward and backward share one layer loop, so the last chunk's
-    backward comes the step after its forward. ValueError if the orders deadlock.
+    backward comes the round after its forward. ValueError if the orders deadlock.
     """
     p = len(orders)
     n_chunks = v * p
-    ready: dict[tuple[str, int, int], int] = {}  # result -> step it was made in
+    ready: dict[tuple[str, int, int], int] = {}  # result -> round it was made in
     seen: set[tuple[int, Action]] = set()
     next_index = [0] * p
-    steps: list[Step] = []
+    rounds: list[Round] = []
     while any(next_index[s] < len(orders[s]) for s in range(p)):
-        t = len(steps)
+        t = len(rounds)
         taken: list[dict[str, Action]] = [{} for _ in range(p)]
         made_here: dict = {}
         for s in range(p):
@@ -170,25 +170,25 @@ def time_steps(orders: Sequence[Sequence[Action]], v: int = 1, overlap: bool = F
             ready[key] = t
         kinds = tuple(k for k in SLOT_ORDER
                       if any(k == a.kind for row in taken for a in row.values()))
-        steps.append(Step(kinds, tuple({a.kind: a for a in row.values()} for row in taken)))
-    return steps
+        rounds.append(Round(kinds, tuple({a.kind: a for a in row.values()} for row in taken)))
+    return rounds
 
 
-def table_of(steps: Sequence[Step]) -> Table:
-    """The steps laid out in ticks (each slot as many as its kind costs, ``None`` where masked):
+def table_of(rounds: Sequence[Round]) -> Table:
+    """The rounds laid out in ticks (each slot as many as its kind costs, ``None`` where masked):
     the executed timeline."""
-    p = len(steps[0].actions) if steps else 0
+    p = len(rounds[0].actions) if rounds else 0
     table: Table = []
-    for step in steps:
-        for kind in step.kinds:
-            row = tuple(step.actions[s].get(kind) for s in range(p))
+    for rnd in rounds:
+        for kind in rnd.kinds:
+            row = tuple(rnd.actions[s].get(kind) for s in range(p))
             table.extend([row] * TICKS[kind])
     return table
 
 
 def as_soon_as_possible(orders: Sequence[Sequence[Action]], v: int = 1) -> Table:
-    """The table of per-stage orders timed by :func:`time_steps`."""
-    return table_of(time_steps(orders, v))
+    """The table of per-stage orders timed by :func:`time_rounds`."""
+    return table_of(time_rounds(orders, v))
 
 
 def _check_sizes(p: int, m: int, v: int = 1) -> None:
@@ -218,7 +218,7 @@ def _one_f_one_b_orders(p: int, m: int, split_backward: bool = False, lag: int =
 
     At x stage s runs F(x), then the backward of microbatch x-2(p-1-s): 2(p-1-s) forwards ahead
     (warm-up); x past m is the cool-down. ``split_backward``: that backward is its I alone.
-    ``lag`` more steps in the round trip mean ``lag`` more forwards ahead.
+    ``lag`` more rounds in the round trip mean ``lag`` more forwards ahead.
     """
     orders = []
     for s in range(p):
@@ -276,73 +276,73 @@ def zero_bubble(p: int, m: int, v: int = 1) -> Table:
     """Zero bubble in lockstep (after Qi et al., 2024): 1F1B (``v = 1``) or interleaved
     (``v > 1``), every backward split into ``I`` and ``W``, the W's deferred.
 
-    Middle steps run F + I (2 ticks), not F + B (3); each W fills an otherwise idle step. Why
-    that is optimal for uniform steps, and memory: docs/pipelines.md, "Zero bubble: I and W apart,
+    Middle rounds run F + I (2 ticks), not F + B (3); each W fills an otherwise idle round. Why
+    that is optimal for uniform rounds, and memory: docs/pipelines.md, "Zero bubble: I and W apart,
     nothing recomputed".
     """
     orders = (_one_f_one_b_orders(p, m, split_backward=True) if v == 1
               else _interleaved_orders(p, m, v, split_backward=True))
-    return table_of(defer_weight_grads(time_steps(orders, v)))
+    return table_of(defer_weight_grads(time_rounds(orders, v)))
 
 
-def defer_weight_grads(steps: Sequence[Step]) -> list[Step]:
-    """``steps`` (backwards I's alone) with each stage's k-th W in the step where the last stage
+def defer_weight_grads(rounds: Sequence[Round]) -> list[Round]:
+    """``rounds`` (backwards I's alone) with each stage's k-th W in the round where the last stage
     to reach its k-th I runs it, so every W slot is busy. ValueError if stages run different
     numbers of I's."""
-    steps = list(steps)
-    p = len(steps[0].actions) if steps else 0
-    inputs = [[(t, step.actions[s]["I"]) for t, step in enumerate(steps)
-               if "I" in step.actions[s]] for s in range(p)]
+    rounds = list(rounds)
+    p = len(rounds[0].actions) if rounds else 0
+    inputs = [[(t, rnd.actions[s]["I"]) for t, rnd in enumerate(rounds)
+               if "I" in rnd.actions[s]] for s in range(p)]
     if len({len(runs) for runs in inputs}) > 1:
         raise ValueError("stages run different numbers of I actions: "
                          + ", ".join(f"stage {s}: {len(r)}" for s, r in enumerate(inputs)))
-    actions = [[dict(a) for a in step.actions] for step in steps]
+    actions = [[dict(a) for a in rnd.actions] for rnd in rounds]
     for k in range(len(inputs[0]) if inputs else 0):
         at = max(runs[k][0] for runs in inputs)
         for s, runs in enumerate(inputs):
             i = runs[k][1]
             actions[at][s]["W"] = Action("W", i.mb, i.chunk)
-    return [Step(tuple(kind for kind in SLOT_ORDER
+    return [Round(tuple(kind for kind in SLOT_ORDER
                        if any(kind in row for row in rows)), tuple(rows))
             for rows in actions]
 
 
 def dualpipe_v(p: int, m: int) -> Table:
     """DualPipe-V (DeepSeek-V3) in lockstep: the V placement (two chunks a device, loss on the
-    first), deferred W's, steady steps running one microbatch's forward beside another's I.
+    first), deferred W's, steady rounds running one microbatch's forward beside another's I.
 
-    The order is searched: each step a stage runs the earliest ready I (deeper chunk first) and
+    The order is searched: each round a stage runs the earliest ready I (deeper chunk first) and
     the earliest ready forward while under ``cap`` chunks in flight; the least ``cap`` reaching
     the fewest ticks wins. Bubble, memory, why: docs/pipelines.md, "DualPipe-V in one program".
     """
-    return table_of(_dualpipe_v_steps(p, m))
+    return table_of(_dualpipe_v_rounds(p, m))
 
 
 @functools.cache
-def _dualpipe_v_steps(p: int, m: int, lag: int = 0) -> list[Step]:
+def _dualpipe_v_rounds(p: int, m: int, lag: int = 0) -> list[Round]:
     _check_sizes(p, m)
-    best: tuple[int, list[Step]] | None = None
+    best: tuple[int, list[Round]] | None = None
     for cap in range(2, 4 * p + 3):
         greedy = _v_greedy(p, m, cap, lag)
         if greedy is None:
             continue
-        steps = defer_weight_grads(greedy)
-        ticks = sum(step.ticks for step in steps)
+        rounds = defer_weight_grads(greedy)
+        ticks = sum(rnd.ticks for rnd in rounds)
         if best is None or ticks < best[0]:
-            best = (ticks, steps)
+            best = (ticks, rounds)
     assert best is not None  # a cap of 4p + 2 never stalls
     return best[1]
 
 
-def _v_greedy(p: int, m: int, cap: int, lag: int = 0) -> list[Step] | None:
-    """DualPipe-V's forwards and I's per step; None if stages stall (``cap`` too small). The
-    loss's I comes ``lag`` steps after its forward."""
+def _v_greedy(p: int, m: int, cap: int, lag: int = 0) -> list[Round] | None:
+    """DualPipe-V's forwards and I's per round; None if stages stall (``cap`` too small). The
+    loss's I comes ``lag`` rounds after its forward."""
     last = 2 * p - 1
-    ready: list[dict[Action, int]] = [{} for _ in range(p)]  # stage -> action -> first step
+    ready: list[dict[Action, int]] = [{} for _ in range(p)]  # stage -> action -> first round
     held, entered, left = [0] * p, 0, 2 * p * m
-    steps: list[Step] = []
+    rounds: list[Round] = []
     while left:
-        t = len(steps)
+        t = len(rounds)
         rows: list[dict[str, Action]] = [{} for _ in range(p)]
         for s in range(p):
             forwards = [a for a, at in ready[s].items() if a.kind == "F" and at <= t]
@@ -353,7 +353,7 @@ def _v_greedy(p: int, m: int, cap: int, lag: int = 0) -> list[Step] | None:
                 held[s] += 1
                 ready[s].pop(f, None)
                 entered += f.chunk == 0
-                if f.chunk == last:  # the loss, then its I in this very step (or lag later)
+                if f.chunk == last:  # the loss, then its I in this very round (or lag later)
                     ready[s][Action("I", f.mb, f.chunk)] = t + lag
                 else:
                     ready[stage_of(f.chunk + 1, p, "v")][Action("F", f.mb, f.chunk + 1)] = t + 1
@@ -367,9 +367,9 @@ def _v_greedy(p: int, m: int, cap: int, lag: int = 0) -> list[Step] | None:
                     ready[stage_of(i.chunk - 1, p, "v")][Action("I", i.mb, i.chunk - 1)] = t + 1
         if not any(rows):
             return None
-        steps.append(Step(tuple(k for k in SLOT_ORDER if any(k in row for row in rows)),
+        rounds.append(Round(tuple(k for k in SLOT_ORDER if any(k in row for row in rows)),
                           tuple(rows)))
-    return steps
+    return rounds
 
 
 SCHEDULES: dict[str, Callable[..., Table]] = {
@@ -388,11 +388,11 @@ def schedule_orders(name: str, p: int, m: int, v: int = 1, overlap: bool = False
     if name not in SCHEDULES:
         raise ValueError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
     lag = 1 if overlap else 0
-    if name == "dualpipe_v":  # its order is found step by step: read it off the steps
+    if name == "dualpipe_v":  # its order is found round by round: read it off the rounds
         if v != 2:
             raise ValueError(f"pipeline schedule 'dualpipe_v' runs two chunks per stage; v={v}")
-        steps = _dualpipe_v_steps(p, m, lag)
-        return [[a for step in steps for kind, a in step.actions[s].items() if kind != "W"]
+        rounds = _dualpipe_v_rounds(p, m, lag)
+        return [[a for rnd in rounds for kind, a in rnd.actions[s].items() if kind != "W"]
                 for s in range(p)]
     if name == "interleaved" or (name == "zero_bubble" and v > 1):
         return _interleaved_orders(p, m, v, split_backward=name == "zero_bubble", lag=lag)
@@ -405,18 +405,18 @@ def schedule_orders(name: str, p: int, m: int, v: int = 1, overlap: bool = False
     return _one_f_one_b_orders(p, m, split_backward=name == "zero_bubble", lag=lag)
 
 
-def schedule_steps(name: str, p: int, m: int, v: int = 1, overlap: bool = False) -> list[Step]:
-    """The executor's steps for schedule ``name``."""
+def schedule_rounds(name: str, p: int, m: int, v: int = 1, overlap: bool = False) -> list[Round]:
+    """The executor's rounds for schedule ``name``."""
     if name == "dualpipe_v":
         schedule_orders(name, p, m, v)  # checks v
-        return list(_dualpipe_v_steps(p, m, 1 if overlap else 0))
-    steps = time_steps(schedule_orders(name, p, m, v, overlap), v, overlap)
-    return defer_weight_grads(steps) if name == "zero_bubble" else steps
+        return list(_dualpipe_v_rounds(p, m, 1 if overlap else 0))
+    rounds = time_rounds(schedule_orders(name, p, m, v, overlap), v, overlap)
+    return defer_weight_grads(rounds) if name == "zero_bubble" else rounds
 
 
 def schedule_table(name: str, p: int, m: int, v: int = 1, overlap: bool = False) -> Table:
     """The executed timeline (ticks x stages) for schedule ``name``."""
-    return table_of(schedule_steps(name, p, m, v, overlap))
+    return table_of(schedule_rounds(name, p, m, v, overlap))
 
 
 def stage_layer_order(n_layers: int, p: int, v: int, placement: Placement = "ring",

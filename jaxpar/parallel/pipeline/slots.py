@@ -1,7 +1,7 @@
-"""One step of the pipeline executor on one device: its slots in order (forward, head, backward
+"""One round of the pipeline executor on one device: its slots in order (forward, head, backward
 or I, W), the stashes they read and write (:class:`Carry`), and the sends over ``pipe``
-(:func:`run_step`). What a step reads: :class:`~jaxpar.parallel.pipeline.stage_env.StageEnv`;
-the program of steps: :mod:`jaxpar.parallel.pipeline.program`; the whole:
+(:func:`run_round`). What a round reads: :class:`~jaxpar.parallel.pipeline.stage_env.StageEnv`;
+the program of rounds: :mod:`jaxpar.parallel.pipeline.program`; the whole:
 :mod:`jaxpar.parallel.pipeline.executor`."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jaxpar.parallel.point_to_point import ppermute_in_order
 
 
 class Carry(NamedTuple):
-    """What a device carries from step to step: the stashes (one slot per microbatch in
+    """What a device carries from round to round: the stashes (one slot per microbatch in
     flight, and a spare one that masked writes go to), the gradient sums and the loss."""
 
     acts: jax.Array  # [act_slots + 1, *activation]: inputs that arrived for a forward
@@ -127,7 +127,7 @@ def _fused_slots(env: StageEnv, c: Carry, r: dict, input_only: bool,
                  ) -> tuple[Carry, jax.Array, jax.Array, list | None]:
     """The forward slot and the backward slot (B, or I with ``input_only``) in one layer loop
     (``parallel.pipeline_overlap``): (carry, y, dx, what the I left its W or None). The
-    schedule never has a backward read this step's forward (``schedules.time_steps``), so the
+    schedule never has a backward read this round's forward (``schedules.time_rounds``), so the
     backward's residuals and output gradient are read before anything is written."""
     on, j = r["b_on"] == 1, r["b_chunk"]
     stashed = [buf[r["b_res"]] for buf in c.res]
@@ -163,7 +163,7 @@ def _head_slot(env: StageEnv, c: Carry, r: dict, y: jax.Array) -> Carry:
 
 
 def _stashed(c: Carry, r: dict, prefix: str, fresh: list | None) -> list:
-    """The residuals a backward slot reads; if this step's forward wrote them, as made."""
+    """The residuals a backward slot reads; if this round's forward wrote them, as made."""
     stashed = [buf[r[f"{prefix}_res"]] for buf in c.res]
     if fresh is not None:
         same = r[f"{prefix}_res"] == r["f_res"]
@@ -192,7 +192,7 @@ def _input_slot(env: StageEnv, c: Carry, r: dict, fresh: list | None,
 def _weight_slot(env: StageEnv, c: Carry, r: dict, fresh: list | None,
                  fresh_crossing: list | None) -> Carry:
     """A W: the weight gradients from the residuals and what the I left (as made, if this
-    step's I wrote them), added to the sums."""
+    round's I wrote them), added to the sums."""
     on, j = r["w_on"] == 1, r["w_chunk"]
     crossing = [buf[r["w_wait"]] for buf in c.waits]
     if fresh_crossing is not None:
@@ -224,23 +224,23 @@ def _embedding_backward(env: StageEnv, c: Carry, r: dict, dx: jax.Array) -> Carr
 
 
 def run_program(env: StageEnv, program: Program, carry: Carry) -> Carry:
-    """Every step of ``program``, stretch by stretch: each stretch one ``lax.scan`` over the
-    repeats of its pattern, whose body runs the pattern's steps in order."""
+    """Every round of ``program``, stretch by stretch: each stretch one ``lax.scan`` over the
+    repeats of its pattern, whose body runs the pattern's rounds in order."""
     for stretch in program.stretches:
         fields = {k: jnp.asarray(a) for k, a in stretch.fields.items()}
 
-        def steps(c: Carry, rows: dict, pattern: tuple = stretch.pattern) -> tuple[Carry, None]:
+        def rounds(c: Carry, rows: dict, pattern: tuple = stretch.pattern) -> tuple[Carry, None]:
             for i, kinds in enumerate(pattern):
-                c = run_step(env, kinds, c, {k: a[i] for k, a in rows.items()})
+                c = run_round(env, kinds, c, {k: a[i] for k, a in rows.items()})
             return c, None
 
-        carry, _ = lax.scan(steps, carry, fields)
+        carry, _ = lax.scan(rounds, carry, fields)
     return carry
 
 
-def run_step(env: StageEnv, kinds: tuple[str, ...], c: Carry, row: dict) -> Carry:
-    """One step of a stretch of ``kinds`` (the scan body): the slots in order, the head after
-    the forward (in steps where a stage's forward is the last chunk), then the sends. ``row``
+def run_round(env: StageEnv, kinds: tuple[str, ...], c: Carry, row: dict) -> Carry:
+    """One round of a stretch of ``kinds`` (the scan body): the slots in order, the head after
+    the forward (in rounds where a stage's forward is the last chunk), then the sends. ``row``
     holds every field for every stage; each device reads its own column."""
     r = {k: a[env.stage] for k, a in row.items()}
     send_fwd = send_bwd = fresh = crossing = None
@@ -266,7 +266,7 @@ def run_step(env: StageEnv, kinds: tuple[str, ...], c: Carry, row: dict) -> Carr
 
 def _send(env: StageEnv, c: Carry, r: dict, y: jax.Array | None, dx: jax.Array | None,
           ) -> Carry:
-    """The step's sends over ``pipe``, and where what arrives is kept. On the ring, activations
+    """The round's sends over ``pipe``, and where what arrives is kept. On the ring, activations
     go on to the next device and input gradients back to the previous one (two ``ppermute``s).
     In the V (``dualpipe_v``) the first half of the chunks goes down the devices and the second
     back up, so each goes both ways, masked by where it is kept (four ``ppermute``s: twice the
@@ -276,15 +276,15 @@ def _send(env: StageEnv, c: Carry, r: dict, y: jax.Array | None, dx: jax.Array |
     p = env.piece.p
     ring = env.placement == "ring"
 
-    def pairs(step: int) -> list[tuple[int, int]]:
-        return [(s, (s + step) % p) for s in range(p) if ring or 0 <= s + step < p]
+    def pairs(shift: int) -> list[tuple[int, int]]:
+        return [(s, (s + shift) % p) for s in range(p) if ring or 0 <= s + shift < p]
 
     routes = [(y, 1, "acts", "recv_act"), (dx, -1, "grads", "recv_grad")]
     if not ring:
         routes += [(y, -1, "acts", "recv_act_back"), (dx, 1, "grads", "recv_grad_back")]
     routes = [route for route in routes if route[0] is not None]
     arrived = ppermute_in_order([x for x, *_ in routes], PIPE_AXIS,
-                                [pairs(step) for _, step, *_ in routes])
+                                [pairs(shift) for _, shift, *_ in routes])
     for (_, _, stash, field), x in zip(routes, arrived, strict=True):
         c = c._replace(**{stash: put(getattr(c, stash), r[field], x)})
     if not ring:  # the bottom of the V keeps its own (a spare slot everywhere else)

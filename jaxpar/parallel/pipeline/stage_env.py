@@ -1,8 +1,8 @@
-"""What every step of the pipeline executor reads on one device (:class:`StageEnv`): its
+"""What every round of the pipeline executor reads on one device (:class:`StageEnv`): its
 stage, its chunks' weights, the microbatches, its vocabulary piece, and how a chunk runs
 forward and backward (whole under one ``jax.vjp``, or layer by layer:
 :mod:`jaxpar.parallel.pipeline.layerwise`; its backward cut into I and W:
-:mod:`jaxpar.parallel.pipeline.backward_split`). The steps themselves:
+:mod:`jaxpar.parallel.pipeline.backward_split`). The rounds themselves:
 :mod:`jaxpar.parallel.pipeline.slots`."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jaxpar.parallel.pipeline.stages import (
 
 @dataclass
 class StageEnv:
-    """What every step of one device reads: its stage, weights by chunk, the microbatches, the
+    """What every round of one device reads: its stage, weights by chunk, the microbatches, the
     vocabulary piece, the scales, and the residual layout (filled by the first trace)."""
 
     stages: Stages
@@ -62,7 +62,7 @@ class StageEnv:
     # the chunk runs whole under one jax.vjp
     layerwise: LayerWeights | None = None
     placement: str = "ring"  # how chunks sit on the devices (schedules.stage_of)
-    overlap: bool = False  # a step's forward and backward in one layer loop
+    overlap: bool = False  # a round's forward and backward in one layer loop
     # The backward cut into I and W (backward_split.py), where the schedule runs them apart
     split: SplitBackward | None = None
     stash_inputs: bool = False  # parallel.pipeline_stash=inputs (recompute.py)
@@ -89,7 +89,7 @@ class StageEnv:
         env.act = jax.eval_shape(lambda: embed_partial(stages, table, env.piece,
                                                         first["inputs"]))
         x = jnp.zeros(env.act.shape, env.act.dtype)
-        # Traced with a traced chunk index, as the steps will be, so the residuals match.
+        # Traced with a traced chunk index, as the rounds will be, so the residuals match.
         (_, aux), res = jax.eval_shape(lambda j: env.forward(j, x, first), jnp.int32(0))
         env.aux_shapes, env.res_shapes = aux, [env.act] if stash_inputs else res
         if split:
@@ -196,7 +196,7 @@ class StageEnv:
     def forward_backward(self, jf: jax.Array, x: jax.Array, mb: dict, jb: jax.Array,
                          stashed: list, dy: jax.Array, aux_on: jax.Array, input_only: bool,
                          ) -> tuple:
-        """A step's forward (chunk ``jf`` on ``x``) and backward (chunk ``jb`` from its stash, a
+        """A round's forward (chunk ``jf`` on ``x``) and backward (chunk ``jb`` from its stash, a
         B, or an I with ``input_only``) in one layer loop (``parallel.pipeline_overlap``:
         :func:`~jaxpar.parallel.pipeline.layerwise.layer_forward_backward`)."""
         f_layers, _, f_consts = self.weights(jf)

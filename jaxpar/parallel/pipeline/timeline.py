@@ -85,7 +85,7 @@ def peak_in_flight(table: Sequence[Tick]) -> tuple[int, ...]:
 
 def peak_weight_stash(table: Sequence[Tick]) -> tuple[int, ...]:
     """Per stage, the most pairs with I finished and W not started (the W stash). A W in its own
-    I's step, or a B, holds none."""
+    I's round, or a B, holds none."""
     p = _width(table)
     done: dict[tuple[int, int, int], int] = {}
     for run in _runs(table):
