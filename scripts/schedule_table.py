@@ -7,7 +7,7 @@ Pure Python (the schedules' own timing, no compile), a second or two:
     python scripts/schedule_table.py --p 4 --m 16
 
 Columns: ``ticks`` and ``bubble`` of the executed timeline (every stage runs every slot of a
-step, masked ones included: :mod:`jaxpar.parallel.pipeline.schedules`); ``stage 0 holds`` the
+round, masked ones included: :mod:`jaxpar.parallel.pipeline.schedules`); ``stage 0 holds`` the
 most (microbatch, chunk) pairs the first stage keeps between a forward and its backward (its W,
 when split), in layers of the model (a chunk is ``L / (v p)`` layers: 1F1B at p=4 holds 7
 microbatches of a quarter of the layers each, 1.75 L); ``W stash`` the slots of what an I leaves
