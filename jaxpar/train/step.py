@@ -228,7 +228,8 @@ class Trainer:
 
 
 class Shardings(NamedTuple):
-    """Step 1 of building a trainer: the model's abstract state and where every array lives."""
+    """Building a trainer, part 1 of 4 (docs/train-step.md, "Building the trainer"): the model's
+    abstract state and where every array lives."""
 
     graphdef: nnx.GraphDef
     logical_axes: dict  # parameter path -> logical names
@@ -282,11 +283,11 @@ def resolve_shardings(cfg: Config, mesh: jax.sharding.Mesh,
 
 def plain_gradients(cfg: Config, graphdef: nnx.GraphDef, param_shardings: Any,
                     platform: str) -> Callable:
-    """Step 2, without a pipeline: ``(params, buffers, batch, valid) -> (grads, (loss_sum,
-    aux))``, ``train.grad_accum`` micro-steps summed. Where
-    :func:`~jaxpar.parallel.zero.data_summed_by_hand` says so, the sum over ``data`` is taken
-    by hand once per step (:func:`sum_over_data_once`); ``fsdp`` keeps its per-micro-step
-    gathers and reduce-scatters."""
+    """Building a trainer, part 3 of 4, the gradient function without a pipeline: ``(params,
+    buffers, batch, valid) -> (grads, (loss_sum, aux))``, ``train.grad_accum`` micro-steps
+    summed. Where :func:`~jaxpar.parallel.zero.data_summed_by_hand` says so, the sum over
+    ``data`` is taken by hand once per step (:func:`sum_over_data_once`); ``fsdp`` keeps its
+    per-micro-step gathers and reduce-scatters."""
     dtype, accum = DTYPES[cfg.train.dtype], cfg.train.grad_accum
     remat = Remat.of_train(cfg.train)
     moe, pieces, embedding_pieces = cfg.model.moe, cfg.loss_pieces(), cfg.embedding_grad_pieces()
@@ -338,7 +339,8 @@ def accumulate_micro_steps(objective: Callable, grad_fn: Callable, param_shardin
 
 def loss_and_grads_fn(cfg: Config, grad_fn: Callable, seq_order: np.ndarray,
                       grad_shardings: dict, platform: str) -> Callable:
-    """Step 3: ``(state, batch) -> (loss, grads, aux)`` with the parallel hooks installed."""
+    """Building a trainer, part 4 of 4 (with :func:`train_step_fn`): ``(state, batch) -> (loss,
+    grads, aux)`` with the parallel hooks installed."""
 
     def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, dict, dict]:
         valid = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
@@ -373,8 +375,8 @@ def with_positions(batch: Batch, seq_order: np.ndarray) -> Batch:
 
 def train_step_fn(cfg: Config, tx: optax.GradientTransformation,
                   loss_and_grads: Callable) -> Callable:
-    """Step 4: ``(state, batch) -> (state, metrics)``: AdamW, the non-finite guard, the MoE
-    router-bias update."""
+    """Building a trainer, part 4 of 4, around :func:`loss_and_grads_fn`: ``(state, batch) ->
+    (state, metrics)``: AdamW, the non-finite guard, the MoE router-bias update."""
     schedule, moe = learning_rate_schedule(cfg.train), cfg.model.moe
 
     offload = cfg.train.offload.optimizer
@@ -445,8 +447,8 @@ def check_host_memory(cfg: Config, device: Any) -> None:
 
 
 def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
-    """Resolve every sharding for ``cfg`` (validated) on ``mesh`` and jit init/step. Its named
-    steps: docs/train-step.md, "Building the trainer"."""
+    """Resolve every sharding for ``cfg`` (validated) on ``mesh`` and jit init/step. Its four
+    parts: docs/train-step.md, "Building the trainer"."""
     logical_axes = trained(cfg, param_logical_axes(abstract_model(
         cfg.model, lora_of(cfg), vocab_rows=cfg.vocab_rows())))
     tx = make_optimizer(cfg.train, logical_axes, muon_specs(cfg, logical_axes))
