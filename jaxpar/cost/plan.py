@@ -21,12 +21,12 @@ from rich.text import Text
 
 from jaxpar.config import MESH_AXES, Config, ConfigError, slices_line, validate
 from jaxpar.cost.estimate import CostReport, estimate
-from jaxpar.cost.search import GIB, HBM_USABLE, TOP, Candidate, Layout, layouts, search
+from jaxpar.cost.search import GIB, HBM_USABLE, TOP, Candidate, MeshLayout, layouts, search
 from jaxpar.hardware import HardwareProfile, get_profile
 from jaxpar.model.flop_formula import matmul_params, param_count
 from jaxpar.units import human_bytes
 
-__all__ = ["GIB", "HBM_USABLE", "Candidate", "Layout", "format_plan", "format_search",
+__all__ = ["GIB", "HBM_USABLE", "Candidate", "MeshLayout", "format_plan", "format_search",
            "layouts", "plan_main", "planned_devices", "print_search", "search"]
 
 

@@ -46,8 +46,9 @@ WHOLE_BACKWARD = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How the work is split: the mesh and its settings."""
+class MeshLayout:
+    """A candidate layout of ``jaxpar plan --search``: how the work is split, the mesh sizes and
+    the parallel settings that go with them."""
 
     data: int
     fsdp: int
@@ -92,7 +93,7 @@ class Layout:
 class Candidate:
     """One layout tried by :func:`search`, with the levers chosen for it."""
 
-    layout_: Layout
+    layout_: MeshLayout
     remat: str
     offload: bool
     report: CostReport | None  # None when validation rejected it or it was pruned
@@ -207,7 +208,7 @@ def _context_impls(context: int) -> Iterator[tuple[str | None, int]]:
                 yield impl, inner
 
 
-def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
+def layouts(cfg: Config, device_count: int) -> Iterator[MeshLayout]:
     """Every layout of ``device_count`` devices :func:`search` tries."""
     moe = cfg.model.moe.enabled
     for sizes in _factorisations(device_count, 6 if moe else 5):
@@ -219,11 +220,11 @@ def layouts(cfg: Config, device_count: int) -> Iterator[Layout]:
                 for schedule, virtual, count, mode, stash in _pipelines(
                         cfg, pipe, fsdp, data * fsdp * expert):
                     for impl, inner in _context_impls(context):
-                        yield Layout(data, fsdp, context, tensor, sp, zero, expert, pipe,
+                        yield MeshLayout(data, fsdp, context, tensor, sp, zero, expert, pipe,
                                      schedule, virtual, count, mode, stash, impl, inner)
 
 
-def _try(cfg: Config, layout: Layout, remat: str, offload: bool, devices: int,
+def _try(cfg: Config, layout: MeshLayout, remat: str, offload: bool, devices: int,
          hw: HardwareProfile) -> Candidate:
     """One estimate: fits, or why not (validation's message, or memory)."""
     try:

@@ -36,7 +36,7 @@ MIN_SCALE = 0.45    # below this "#n" gets hard to read: the figure grows (up to
 
 
 @dataclasses.dataclass
-class MeshLayout:
+class MeshPanel:
     """Where every device box goes, and the room the labels around them need.
 
     Levels are the split axes innermost first: columns, rows, then blocks side by side, blocks
@@ -90,7 +90,7 @@ class MeshLayout:
         return [base + k * stride for k in range(dict(self.axes)[axis])]
 
 
-def mesh_layout(axes: Sequence[tuple[str, int]], panel_w: float) -> MeshLayout:
+def mesh_layout(axes: Sequence[tuple[str, int]], panel_w: float) -> MeshPanel:
     """Box positions and label room for the split ``axes`` in a panel ``panel_w`` inches wide."""
     levels = []
     extent = {"x": _BOX_W, "y": _BOX_H}
@@ -126,7 +126,7 @@ def mesh_layout(axes: Sequence[tuple[str, int]], panel_w: float) -> MeshLayout:
     margin_in = {"top": caption_in + 0.27 * len(x_blocks) + 0.08,
                  "bottom": 0.3 if levels else 0.45,
                  "left": row_label_in + sum(block_label_in) + 0.05, "right": 0.05}
-    return MeshLayout(
+    return MeshPanel(
         axes=list(axes), levels=levels, devices=devices, corner=corner,
         width=extent["x"], height=extent["y"],
         rise_x=max((_ARC_RAD * s / 2 for _, _, _, s in x_blocks), default=0.0),
@@ -143,7 +143,7 @@ def _short_axis_names(axes: Sequence[tuple[str, int]]) -> dict[str, str]:
     return {name: name + " " for name, _ in axes}
 
 
-def draw_mesh(ax: Axes, mesh: MeshLayout) -> None:
+def draw_mesh(ax: Axes, mesh: MeshPanel) -> None:
     """Draw the mesh panel into ``ax``: block frames, device boxes, the lines and arcs of each
     axis with its labels, and the caption."""
     ax.set_axis_off()
@@ -171,11 +171,11 @@ def draw_mesh(ax: Axes, mesh: MeshLayout) -> None:
             fontsize=_CAPTION_PT, color=MUTED, linespacing=1.4)
 
 
-def _centers(mesh: MeshLayout) -> list[tuple[float, float]]:
+def _centers(mesh: MeshPanel) -> list[tuple[float, float]]:
     return [(x + _BOX_W / 2, y + _BOX_H / 2) for x, y in mesh.corner]
 
 
-def _block_instances(mesh: MeshLayout, level: int) -> list[list[int]]:
+def _block_instances(mesh: MeshPanel, level: int) -> list[list[int]]:
     """The blocks of a level: devices sharing their coordinates on it and the outer levels."""
     outer = [name for name, _, _, _ in mesh.levels[level:]]
     blocks: dict[tuple[int, ...], list[int]] = {}
@@ -184,7 +184,7 @@ def _block_instances(mesh: MeshLayout, level: int) -> list[list[int]]:
     return list(blocks.values())
 
 
-def _bounds(mesh: MeshLayout, members: Sequence[int]) -> tuple[float, float, float, float]:
+def _bounds(mesh: MeshPanel, members: Sequence[int]) -> tuple[float, float, float, float]:
     xs = [mesh.corner[i][0] for i in members]
     ys = [mesh.corner[i][1] for i in members]
     return min(xs), min(ys), max(xs) + _BOX_W, max(ys) + _BOX_H
@@ -195,7 +195,7 @@ def _label_style() -> dict[str, Any]:
             "annotation_clip": False, "zorder": 5}
 
 
-def _draw_block_frames(ax: Axes, mesh: MeshLayout) -> None:
+def _draw_block_frames(ax: Axes, mesh: MeshPanel) -> None:
     """Blocks get a faint frame so that they read as units before anything else is looked at."""
     from matplotlib.patches import FancyBboxPatch
 
@@ -209,7 +209,7 @@ def _draw_block_frames(ax: Axes, mesh: MeshLayout) -> None:
                                         edgecolor="none", zorder=0))
 
 
-def _draw_boxes(ax: Axes, mesh: MeshLayout, scale: float) -> bool:
+def _draw_boxes(ax: Axes, mesh: MeshPanel, scale: float) -> bool:
     """Boxes: the position in the mesh and, when the box is large enough, the coordinates
     (returns whether they were drawn)."""
     from matplotlib.patches import FancyBboxPatch
@@ -234,7 +234,7 @@ def _draw_boxes(ax: Axes, mesh: MeshLayout, scale: float) -> bool:
     return coords_line
 
 
-def _draw_rows_and_columns(ax: Axes, mesh: MeshLayout, level: int, scale: float) -> None:
+def _draw_rows_and_columns(ax: Axes, mesh: MeshPanel, level: int, scale: float) -> None:
     """Columns and rows: a thick line behind each group's boxes shows in the gaps between them,
     a wire joining neighbours; the axis is named under the columns or left of the rows."""
     name, size, direction, _stride = mesh.levels[level]
@@ -257,7 +257,7 @@ def _draw_rows_and_columns(ax: Axes, mesh: MeshLayout, level: int, scale: float)
                     color=color, gid=f"axis-label:{name}", **_label_style())
 
 
-def _draw_block_arcs(ax: Axes, mesh: MeshLayout, level: int) -> None:
+def _draw_block_arcs(ax: Axes, mesh: MeshPanel, level: int) -> None:
     """Blocks: arcs join a device to its counterparts in the other blocks, from the outer edge
     (top row for blocks side by side, left column for stacked ones) so they cross no box. Every
     position has such a group; those of the first block's edge show the pattern."""
@@ -283,7 +283,7 @@ def _draw_block_arcs(ax: Axes, mesh: MeshLayout, level: int) -> None:
                                          shrinkA=0, shrinkB=0))
 
 
-def _draw_block_headers(ax: Axes, mesh: MeshLayout, level: int, scale: float) -> None:
+def _draw_block_headers(ax: Axes, mesh: MeshPanel, level: int, scale: float) -> None:
     """Block headers: the axis and coordinate above (or left of) every block on the edge,
     stacked outwards by nesting depth so that no two levels share a line. Where "name k" is
     longer than a block, the blocks get just "k" and the name stands once before them."""

@@ -14,7 +14,7 @@ from helpers import tiny_8x32 as tiny
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.cost.estimate import estimate
-from jaxpar.cost.search import Layout, _expand, _try, layouts
+from jaxpar.cost.search import MeshLayout, _expand, _try, layouts
 from jaxpar.hardware import get_profile
 from jaxpar.model.flop_formula import matmul_params
 from jaxpar.parallel.pipeline.executor import describe
@@ -121,7 +121,7 @@ def test_the_search_tries_inputs_as_a_lever_where_the_backward_runs_whole():
     # llama3-70b on 128 chips of 16 GiB (tpu-v5e): this 1F1B layout fits only with the
     # chunks' inputs stashed (`plan --search` ranks it 13th there).
     big = load_config("llama3-70b", [])
-    layout = Layout(data=1, fsdp=4, context=1, tensor=8, pipe=4, schedule="1f1b",
+    layout = MeshLayout(data=1, fsdp=4, context=1, tensor=8, pipe=4, schedule="1f1b",
                     microbatches=16, pipeline_fsdp="per_layer", pipeline_stash="residuals")
     hw = get_profile("tpu-v5e")
     probe = _try(big, layout, "none", False, 128, hw)

@@ -14,7 +14,7 @@ from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.config.schema import ParallelConfig, TrainConfig
 from jaxpar.cost.estimate import estimate
 from jaxpar.cost.search import (
-    Layout,
+    MeshLayout,
     _try,
     layouts,
     pipeline_fsdp_values,
@@ -62,7 +62,7 @@ def test_gpipe_is_left_out_because_1f1b_is_never_larger_nor_more_than_two_launch
     cfg = _eight_layers()
     hw = get_profile("tpu-v5e")
     for pipe, data, m in ((2, 4, 4), (4, 2, 8), (8, 1, 16)):
-        lay = Layout(data, 1, 1, 1, pipe=pipe, schedule="1f1b", microbatches=m)
+        lay = MeshLayout(data, 1, 1, 1, pipe=pipe, schedule="1f1b", microbatches=m)
         one = estimate(validate(lay.apply(cfg, "none", False), DEVICES), hw)
         gpipe = dataclasses.replace(lay, schedule="gpipe")
         two = estimate(validate(gpipe.apply(cfg, "none", False), DEVICES), hw)
@@ -75,7 +75,7 @@ def test_every_remat_policy_of_the_schema_is_searched():
     assert schema_values(TrainConfig, "remat") == remats and "none" in remats
 
 
-def _brute_force_best(cfg, lay: Layout, hw):
+def _brute_force_best(cfg, lay: MeshLayout, hw):
     """The fastest fitting (remat, offload) of one layout, every combination estimated; offload
     only where nothing fits without (its host transfers are not timed); ties: least memory."""
     tried = [_try(cfg, lay, r, o, DEVICES, hw) for r in schema_values(TrainConfig, "remat")
@@ -160,20 +160,20 @@ class _no_raise:
 
 
 def test_layout_overrides_reach_the_config():
-    lay = Layout(2, 2, 1, 1, pipe=2, schedule="interleaved", virtual_stages=2, microbatches=4)
+    lay = MeshLayout(2, 2, 1, 1, pipe=2, schedule="interleaved", virtual_stages=2, microbatches=4)
     cfg = lay.apply(_eight_layers(), "dots", True)
     assert cfg.mesh.pipe == 2 and cfg.parallel.pipeline_schedule == "interleaved"
     assert cfg.parallel.virtual_stages == 2 and cfg.train.microbatches == 4
     assert cfg.train.remat == "dots" and cfg.train.offload.optimizer
     with pytest.raises(ConfigError):
-        validate(Layout(8, 1, 1, 1, pipe=1, microbatches=2).apply(cfg, "none", False), 8)
+        validate(MeshLayout(8, 1, 1, 1, pipe=1, microbatches=2).apply(cfg, "none", False), 8)
 
 
 def test_verify_compiles_the_fewest_layers_the_layout_takes():
     cfg = _eight_layers()
-    for lay, layers in ((Layout(8, 1, 1, 1), 2),
-                        (Layout(2, 1, 1, 1, pipe=4, schedule="1f1b", microbatches=4), 4),
-                        (Layout(4, 1, 1, 1, pipe=2, schedule="interleaved", virtual_stages=2,
+    for lay, layers in ((MeshLayout(8, 1, 1, 1), 2),
+                        (MeshLayout(2, 1, 1, 1, pipe=4, schedule="1f1b", microbatches=4), 4),
+                        (MeshLayout(4, 1, 1, 1, pipe=2, schedule="interleaved", virtual_stages=2,
                                 microbatches=4), 4)):
         assert compile_depth(validate(lay.apply(cfg, "none", False), DEVICES), DEVICES) == layers
     assert compile_depth(validate(load_config("tiny"), DEVICES), DEVICES) == 2  # its own depth

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from jaxpar.inspect.hlo.groups import (
-    Layout,
     MeshIds,
+    ReplicaPartitionLayout,
     as_mesh,
     attr_groups,
     flattened_groups,
@@ -308,7 +308,7 @@ def _tpu_reduce_scatter(
     comp: Computation,
     fusion: Instr,
     mesh: MeshIds,
-    layout: Layout,
+    layout: ReplicaPartitionLayout,
 ) -> Collective:
     callee = _callee(module, fusion)
     inner = next(
@@ -337,7 +337,7 @@ def _tpu_reduce_scatter(
 
 
 def _collectives_of(module: Module, comp: Computation, instr: Instr, base: str, mesh: MeshIds,
-                    layout: Layout) -> list[Collective]:
+                    layout: ReplicaPartitionLayout) -> list[Collective]:
     """The logical collective(s) of one instruction of opcode ``base`` (or ``base-start``).
 
     Its payload, its groups' mesh axes, and what XLA:CPU's all-reduce + dynamic-slice really is.
@@ -387,7 +387,7 @@ def parse_collectives(
             f"HLO is for {replicas} replicas x {partitions} partitions, mesh has {mesh.size}"
         )
     declared = module.replica_count is not None or module.num_partitions is not None
-    layout = Layout(replicas, partitions, declared)
+    layout = ReplicaPartitionLayout(replicas, partitions, declared)
 
     # TPU's all-reduce-scatter fusions are reported whole; their inner all-reduce is not.
     fused_reduce_scatters = {

@@ -195,7 +195,7 @@ def attr_groups(instr: Instr) -> list[list[int]] | None:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ReplicaPartitionLayout:
     """How the module's flattened ids decompose: replica * partitions + partition."""
 
     replicas: int
@@ -204,7 +204,7 @@ class Layout:
 
 
 def flattened_groups(
-    instr: Instr, groups: list[list[int]] | None, layout: Layout, mesh: MeshIds
+    instr: Instr, groups: list[list[int]] | None, layout: ReplicaPartitionLayout, mesh: MeshIds
 ) -> list[list[int]]:
     """Groups as flattened ids (replica * partitions + partition), per XLA's group modes."""
     if groups and (physical := mesh.physical_positions(groups)) is not None:
@@ -227,7 +227,7 @@ def flattened_groups(
     return [[r * partitions + p for r in g] for p in range(partitions) for g in replica_groups]
 
 
-def permute_pairs(instr: Instr, layout: Layout, mesh: MeshIds) -> list[list[int]]:
+def permute_pairs(instr: Instr, layout: ReplicaPartitionLayout, mesh: MeshIds) -> list[list[int]]:
     start = instr.attrs.find("source_target_pairs=")
     if start < 0:
         return []
