@@ -138,9 +138,9 @@ def _check_pipeline(cfg: Config, mesh: MeshConfig) -> None:
                 "(the frozen base weights are gathered once per step); use per_step")
     if p.pipeline_overlap:
         require(mesh.pipe > 1, "parallel.pipeline_overlap=true needs mesh.pipe > 1 (it runs a "
-                "pipeline step's forward and backward in one layer loop)")
+                "pipeline round's forward and backward in one layer loop)")
         require(schedule != "gpipe", "parallel.pipeline_overlap=true: gpipe never runs a "
-                "forward and a backward in one step; use 1f1b, interleaved, zero_bubble or "
+                "forward and a backward in one round; use 1f1b, interleaved, zero_bubble or "
                 "dualpipe_v")
         require(t.lora.rank == 0, "parallel.pipeline_overlap=true: not with train.lora (the "
                 "layer-by-layer slots take no frozen base weights); set it false")

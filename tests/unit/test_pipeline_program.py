@@ -185,7 +185,7 @@ def test_grad_accum_microbatches_hold_the_rows_of_the_micro_step_by_micro_step_s
     (["mesh.data=2", "parallel.pipeline_overlap=true"],
      "parallel.pipeline_overlap=true needs mesh.pipe > 1"),
     (["mesh.pipe=2", "mesh.data=1", "parallel.pipeline_overlap=true"],
-     "parallel.pipeline_overlap=true: gpipe never runs a forward and a backward in one step; "
+     "parallel.pipeline_overlap=true: gpipe never runs a forward and a backward in one round; "
      "use 1f1b, interleaved, zero_bubble or dualpipe_v"),
     (["mesh.pipe=2", "mesh.data=1", "parallel.pipeline_overlap=true",
       "parallel.pipeline_schedule=1f1b", "train.lora.rank=4"],
